@@ -1,0 +1,108 @@
+"""Validation of a composed run configuration, before any model or data is loaded.
+
+Every check raises :class:`ConfigError` (or :class:`DataError` for files) with a message that
+names the key(s) and says what to change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rlbench.algorithm import Algorithm
+from rlbench.dataset import validate_spec
+from rlbench.errors import ConfigError
+from rlbench.model import validate_model_config
+
+MODES = ("train", "eval")
+ENGINES = ("hf", "vllm")
+
+
+def _positive(value: Any, key: str) -> None:
+    if value is None or value <= 0:
+        raise ConfigError(f"{key} must be a positive number, got {value}")
+
+
+def resolve_device(requested: str) -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if requested.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={requested} but CUDA is not available; use device=auto or device=cpu")
+    return torch.device(requested)
+
+
+def check_batch_arithmetic(prompts_per_step: int, n: int, micro_batch_size: int, minibatches: int) -> None:
+    """The batch of prompts_per_step * n responses must split into equal mini-batches, and each
+    mini-batch into equal micro-batches."""
+    _positive(prompts_per_step, "trainer.prompts_per_step")
+    _positive(n, "rollout.n")
+    _positive(micro_batch_size, "trainer.micro_batch_size")
+    batch = prompts_per_step * n
+    if batch % minibatches:
+        raise ConfigError(
+            f"batch of trainer.prompts_per_step * rollout.n = {prompts_per_step} * {n} = {batch} responses "
+            f"cannot be split into algorithm.update.minibatches={minibatches} equal mini-batches; "
+            f"choose minibatches dividing {batch}"
+        )
+    per_minibatch = batch // minibatches
+    if per_minibatch % micro_batch_size:
+        divisors = [d for d in range(1, per_minibatch + 1) if per_minibatch % d == 0]
+        raise ConfigError(
+            f"mini-batch of {per_minibatch} responses (prompts_per_step * n / minibatches) is not a multiple of "
+            f"trainer.micro_batch_size={micro_batch_size}; use one of {divisors}"
+        )
+
+
+def validate_config(cfg: Any) -> Algorithm:
+    """Check the whole run configuration. Returns the built Algorithm."""
+    if cfg.mode not in MODES:
+        raise ConfigError(f"mode={cfg.mode} is unknown; choose one of {MODES}")
+    device = resolve_device(str(cfg.device))
+    algorithm = Algorithm.from_config(cfg.algorithm)
+
+    rollout = cfg.rollout
+    if rollout.engine not in ENGINES:
+        raise ConfigError(f"rollout.engine={rollout.engine} is unknown; choose one of {ENGINES}")
+    if rollout.engine == "vllm" and device.type != "cuda":
+        raise ConfigError("rollout.engine=vllm needs a CUDA device; use rollout.engine=hf on CPU")
+    _positive(rollout.max_new_tokens, "rollout.max_new_tokens")
+    _positive(rollout.batch_size, "rollout.batch_size")
+    for section in ("rollout", "eval"):
+        node = cfg[section]
+        if node.temperature < 0:
+            raise ConfigError(f"{section}.temperature must be >= 0, got {node.temperature}")
+        if not 0 < node.top_p <= 1:
+            raise ConfigError(f"{section}.top_p must be in (0, 1], got {node.top_p}")
+
+    if cfg.mode == "train":
+        trainer = cfg.trainer
+        if trainer.steps < 0:
+            raise ConfigError(f"trainer.steps must be >= 0, got {trainer.steps}")
+        _positive(trainer.lr, "trainer.lr")
+        if algorithm.group_relative and rollout.n < 2:
+            raise ConfigError(
+                f"algorithm '{algorithm.name}' uses the group-relative advantage '{algorithm.advantage.name}', "
+                f"which needs rollout.n >= 2 responses per prompt (got {rollout.n})"
+            )
+        check_batch_arithmetic(trainer.prompts_per_step, rollout.n, trainer.micro_batch_size, algorithm.minibatches)
+        validate_spec(cfg.dataset, source=cfg.data_source, data_dir=cfg.data_dir)
+
+    ev = cfg.eval
+    _positive(ev.n, "eval.n")
+    _positive(ev.max_new_tokens, "eval.max_new_tokens")
+    if ev.limit is not None:
+        _positive(ev.limit, "eval.limit")
+    ks = list(ev.k)
+    if not ks:
+        raise ConfigError("eval.k is empty; give at least one k, e.g. eval.k=[1]")
+    for k in ks:
+        if k < 1 or k > ev.n:
+            raise ConfigError(f"eval.k contains {k}, but pass@k needs 1 <= k <= eval.n = {ev.n}; raise eval.n or drop k")
+    if not ev.get("benchmarks"):
+        raise ConfigError("eval.benchmarks is empty; pick a suite with eval=<name>")
+    for name, spec in ev.benchmarks.items():
+        validate_spec(spec, source=cfg.data_source, data_dir=cfg.data_dir)
+
+    validate_model_config(cfg.model)
+    return algorithm

@@ -1,0 +1,363 @@
+"""Locate and load the datasets and benchmarks described by ``conf/dataset`` / ``conf/benchmark``.
+
+A spec (one YAML file, as a plain dict or an OmegaConf DictConfig) looks like::
+
+    name: gsm8k
+    loader: jsonl                 # jsonl | arith
+    hub_id: openai/gsm8k          # Hugging Face Hub id, for users with network access
+    hub_config: main              # optional datasets.load_dataset config name (or a list, concatenated)
+    hub_splits: {test: train}     # optional: local split name -> Hub split name
+    files: {train: gsm8k/train.jsonl, test: gsm8k/test.jsonl}   # relative to the data dir
+    split: train
+    fields: {problem: question, answer: answer}   # each a name or a list of candidate names
+    answer_format: gsm8k          # raw | gsm8k | boxed
+    id_field: id                  # optional, default "id"
+    meta_fields: [level]          # optional record fields copied into Problem.meta
+    skip_bad_answers: false       # optional: skip (with a warning) records without an answer
+    limit: null
+    reward_extraction: auto       # hint for the grader (passed through, not used here)
+    prompt: {system: null, user: "{problem} ..."}
+
+The arith loader takes ``arith: {level, train_size, test_size, seed}`` instead of files.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from rlbench.dataset.arith import LEVELS as ARITH_LEVELS
+from rlbench.dataset.arith import SPLITS as ARITH_SPLITS
+from rlbench.dataset.arith import generate_arith
+from rlbench.dataset.base import Problem
+from rlbench.dataset.jsonl import ANSWER_FORMATS, iter_jsonl, records_to_problems
+from rlbench.dataset.prompts import check_template
+from rlbench.errors import ConfigError, DataError
+
+DATA_DIR_ENV = "RLBENCH_DATA_DIR"
+LOADERS = ("jsonl", "arith")
+SOURCES = ("auto", "local", "hub")
+
+_HUB_OFFLINE_ENVS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+
+
+def repo_root() -> Path:
+    """Return the repository root: the parent of the ``rlbench`` package directory."""
+    return Path(__file__).resolve().parent.parent.parent
+
+
+def resolve_data_dir(configured: str | None = None) -> Path:
+    """Return the data directory.
+
+    Order: the ``RLBENCH_DATA_DIR`` environment variable; else ``configured`` when given; else
+    ``<repo root>/../shared/data`` when it exists; else raise DataError saying how to set it.
+    """
+    env = os.environ.get(DATA_DIR_ENV, "").strip()
+    if env:
+        return Path(env).expanduser()
+    if configured is not None and str(configured).strip():
+        return Path(str(configured)).expanduser()
+    default = repo_root().parent / "shared" / "data"
+    if default.is_dir():
+        return default
+    raise DataError(
+        f"No data directory found: set the environment variable {DATA_DIR_ENV} to the folder "
+        f"that holds the benchmark files (e.g. export {DATA_DIR_ENV}=/path/to/data, with "
+        f"gsm8k/train.jsonl inside), or place them at {default}"
+    )
+
+
+def _to_plain(spec: Any) -> dict[str, Any]:
+    """Return a plain, resolved dict copy of a spec (dict or OmegaConf DictConfig)."""
+    if spec is None:
+        raise ConfigError("dataset spec is missing (expected a mapping such as conf/dataset/gsm8k.yaml)")
+    try:
+        from omegaconf import DictConfig, OmegaConf
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        DictConfig = None  # type: ignore[assignment]
+    if DictConfig is not None and isinstance(spec, DictConfig):
+        return OmegaConf.to_container(spec, resolve=True)  # type: ignore[return-value]
+    if not isinstance(spec, Mapping):
+        raise ConfigError(f"dataset spec must be a mapping, got {type(spec).__name__}")
+    return dict(spec)
+
+
+def _spec_name(spec: Mapping[str, Any]) -> str:
+    name = spec.get("name")
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError("dataset spec needs a non-empty 'name' (e.g. name: gsm8k)")
+    return name
+
+
+def _spec_split(spec: Mapping[str, Any], split: str | None) -> str:
+    split = split if split is not None else spec.get("split")
+    if not isinstance(split, str) or not split:
+        raise ConfigError(f"dataset {spec.get('name')!r}: set 'split' (e.g. split: train)")
+    return split
+
+
+def _check_limit(spec: Mapping[str, Any]) -> int | None:
+    limit = spec.get("limit")
+    if limit is None:
+        return None
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise ConfigError(
+            f"dataset {spec.get('name')!r}: limit must be null or a non-negative integer, got {limit!r}"
+        )
+    return limit
+
+
+def _hub_hint(spec: Mapping[str, Any]) -> str:
+    hub_id = spec.get("hub_id")
+    if not hub_id:
+        return "this dataset has no hub_id, so it can only be read from local files"
+    config = spec.get("hub_config")
+    suffix = f" (config {config!r})" if config else ""
+    return f"with network access it can be loaded from the Hugging Face Hub as {hub_id!r}{suffix} (source=hub)"
+
+
+def _missing_file_message(spec: Mapping[str, Any], path: Path, split: str) -> str:
+    return (
+        f"Data file for {spec.get('name')!r} split {split!r} not found: {path}. "
+        f"Set the environment variable {DATA_DIR_ENV} to the folder that holds "
+        f"{spec['files'][split]} (or fix files.{split} in the config); "
+        f"{_hub_hint(spec)}."
+    )
+
+
+def _local_path(spec: Mapping[str, Any], split: str, data_dir: str | None) -> Path:
+    """Return the local file of ``split``; relative paths are joined to the data directory."""
+    rel = Path(str(spec["files"][split])).expanduser()
+    if rel.is_absolute():
+        return rel
+    return resolve_data_dir(data_dir) / rel
+
+
+def _hub_offline() -> bool:
+    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes") for v in _HUB_OFFLINE_ENVS)
+
+
+def validate_spec(
+    spec: Any, split: str | None = None, *, data_dir: str | None = None, source: str = "auto"
+) -> None:
+    """Cheap checks of a dataset/benchmark spec before any model is loaded.
+
+    Checks the loader, answer_format, split (in ``files`` for jsonl, train/test for arith), the
+    fields, limit, the prompt template (must contain ``{problem}``), the arith settings, and for
+    jsonl that the local file exists. A missing local file is accepted only when it can come from
+    the Hub instead: ``source="hub"``, or ``source="auto"`` with a ``hub_id`` and the Hub not
+    switched off (``HF_HUB_OFFLINE``/``HF_DATASETS_OFFLINE``). Raises ConfigError or DataError.
+    """
+    spec = _to_plain(spec)
+    if source not in SOURCES:
+        raise ConfigError(f"source must be one of {list(SOURCES)}, got {source!r}")
+    name, split = _validate_static(spec, split)
+    if spec.get("loader", "jsonl") != "jsonl":
+        return
+    if source == "hub":
+        if not spec.get("hub_id"):
+            raise ConfigError(f"dataset {name!r}: source=hub needs a hub_id in the config")
+        return
+    hub_usable = source == "auto" and bool(spec.get("hub_id")) and not _hub_offline()
+    try:
+        path = _local_path(spec, split, data_dir)
+    except DataError:
+        if hub_usable:
+            return
+        raise
+    if path.is_file() or hub_usable:
+        return
+    raise DataError(_missing_file_message(spec, path, split))
+
+
+def _validate_static(spec: Mapping[str, Any], split: str | None) -> tuple[str, str]:
+    """All checks of :func:`validate_spec` except file existence; returns ``(name, split)``."""
+    name = _spec_name(spec)
+    loader = spec.get("loader", "jsonl")
+    if loader not in LOADERS:
+        raise ConfigError(f"dataset {name!r}: unknown loader {loader!r}; choose one of {list(LOADERS)}")
+    split = _spec_split(spec, split)
+    _check_limit(spec)
+
+    prompt = spec.get("prompt")
+    if prompt is not None and not isinstance(prompt, Mapping):
+        raise ConfigError(f"dataset {name!r}: prompt must be a mapping with 'system' and 'user'")
+    if prompt and prompt.get("user") is not None:
+        check_template(prompt["user"], key=f"dataset {name!r} prompt.user")
+    system = (prompt or {}).get("system")
+    if system is not None and not isinstance(system, str):
+        raise ConfigError(f"dataset {name!r}: prompt.system must be a string or null")
+
+    if loader == "arith":
+        _validate_arith(spec, name, split)
+        return name, split
+
+    answer_format = spec.get("answer_format", "raw")
+    if answer_format not in ANSWER_FORMATS:
+        raise ConfigError(
+            f"dataset {name!r}: unknown answer_format {answer_format!r}; choose one of "
+            f"{list(ANSWER_FORMATS)}"
+        )
+    fields = spec.get("fields")
+    if not isinstance(fields, Mapping):
+        raise ConfigError(f"dataset {name!r}: set fields: {{problem: <field>, answer: <field>}}")
+    for key in ("problem", "answer"):
+        value = fields.get(key)
+        one_name = isinstance(value, str) and bool(value)
+        name_list = (
+            isinstance(value, (list, tuple)) and bool(value) and all(isinstance(v, str) for v in value)
+        )
+        if not (one_name or name_list):
+            raise ConfigError(
+                f"dataset {name!r}: fields.{key} must be a field name or a list of candidate names"
+            )
+    files = spec.get("files")
+    if not isinstance(files, Mapping) or not files:
+        raise ConfigError(f"dataset {name!r}: set files: {{<split>: <path relative to the data dir>}}")
+    if split not in files:
+        raise ConfigError(
+            f"dataset {name!r}: split {split!r} is not in files (available: {sorted(files)}); "
+            "change 'split' or add the file"
+        )
+    return name, split
+
+
+def _validate_arith(spec: Mapping[str, Any], name: str, split: str) -> None:
+    arith = spec.get("arith")
+    if not isinstance(arith, Mapping):
+        raise ConfigError(f"dataset {name!r}: loader arith needs arith: {{level, train_size, test_size}}")
+    if split not in ARITH_SPLITS:
+        raise ConfigError(f"dataset {name!r}: arith split must be one of {list(ARITH_SPLITS)}, got {split!r}")
+    level = arith.get("level")
+    if isinstance(level, bool) or level not in ARITH_LEVELS:
+        raise ConfigError(f"dataset {name!r}: arith.level must be one of {list(ARITH_LEVELS)}, got {level!r}")
+    size = arith.get(f"{split}_size")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ConfigError(f"dataset {name!r}: arith.{split}_size must be a non-negative integer, got {size!r}")
+    seed = arith.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ConfigError(f"dataset {name!r}: arith.seed must be null or an integer, got {seed!r}")
+
+
+def load_problems(
+    spec: Any,
+    split: str | None = None,
+    *,
+    seed: int = 0,
+    data_dir: str | None = None,
+    source: str = "auto",
+) -> list[Problem]:
+    """Load the problems of one split of a dataset/benchmark spec.
+
+    ``split`` defaults to ``spec["split"]``. ``source``: ``"local"`` reads the JSONL file under
+    the data directory (see :func:`resolve_data_dir`); ``"hub"`` calls
+    ``datasets.load_dataset(hub_id, hub_config, split=...)``; ``"auto"`` reads the local file
+    when it exists and falls back to the Hub. ``seed`` only matters for the arith loader (unless
+    its config pins ``arith.seed``). ``limit`` keeps the first N problems. Raises ConfigError for a
+    bad spec and DataError for missing or malformed data (with file path and line number).
+    """
+    plain = _to_plain(spec)
+    if source not in SOURCES:
+        raise ConfigError(f"source must be one of {list(SOURCES)}, got {source!r}")
+    name, split = _validate_static(plain, split)
+    limit = _check_limit(plain)
+
+    if plain.get("loader", "jsonl") == "arith":
+        arith = plain["arith"]
+        arith_seed = arith.get("seed")
+        problems = generate_arith(
+            arith["level"], arith[f"{split}_size"], seed if arith_seed is None else arith_seed, split
+        )
+        if limit is not None:
+            problems = problems[:limit]
+        return [
+            Problem(uid=f"{name}/{split}/{i}", prompt=p.prompt, answer=p.answer, meta=dict(p.meta))
+            for i, p in enumerate(problems)
+        ]
+
+    if source == "local":
+        return _load_local(plain, name, split, _local_path(plain, split, data_dir), limit)
+    if source == "hub":
+        return _load_hub(plain, name, split, limit)
+
+    # auto: local file when it exists, else the Hub.
+    try:
+        path: Path | None = _local_path(plain, split, data_dir)
+    except DataError:
+        path = None
+    if path is not None and path.is_file():
+        return _load_local(plain, name, split, path, limit)
+    shown = path if path is not None else Path(str(plain["files"][split]))
+    if not plain.get("hub_id"):
+        raise DataError(_missing_file_message(plain, shown, split))
+    try:
+        return _load_hub(plain, name, split, limit)
+    except DataError as exc:
+        raise DataError(
+            f"{_missing_file_message(plain, shown, split)} Loading from the Hub failed too: {exc}"
+        ) from exc
+
+
+def _load_local(
+    spec: Mapping[str, Any], name: str, split: str, path: Path, limit: int | None
+) -> list[Problem]:
+    if not path.is_file():
+        raise DataError(_missing_file_message(spec, path, split))
+
+    def records() -> Iterator[tuple[str, dict[str, Any]]]:
+        for lineno, record in iter_jsonl(path):
+            yield f"{path}:{lineno}", record
+
+    return _convert(spec, name, split, records(), limit)
+
+
+def _convert(
+    spec: Mapping[str, Any],
+    name: str,
+    split: str,
+    records: Iterator[tuple[str, dict[str, Any]]],
+    limit: int | None,
+) -> list[Problem]:
+    fields = spec["fields"]
+    return records_to_problems(
+        records,
+        name=name,
+        split=split,
+        problem_field=fields["problem"],
+        answer_field=fields["answer"],
+        answer_format=spec.get("answer_format", "raw"),
+        id_field=spec.get("id_field", "id"),
+        meta_fields=list(spec.get("meta_fields") or ()),
+        limit=limit,
+        skip_bad_answers=bool(spec.get("skip_bad_answers", False)),
+    )
+
+
+def _load_hub(spec: Mapping[str, Any], name: str, split: str, limit: int | None) -> list[Problem]:
+    """Load a split from the Hugging Face Hub with ``datasets`` (imported lazily)."""
+    hub_id = spec.get("hub_id")
+    if not hub_id:
+        raise DataError(f"dataset {name!r} has no hub_id; it can only be read from local files")
+    try:
+        import datasets  # noqa: PLC0415 - optional, heavy import
+    except ImportError as exc:
+        raise DataError(f"the 'datasets' package is needed to load {hub_id!r} from the Hub: {exc}") from exc
+    hub_split = (spec.get("hub_splits") or {}).get(split, split)
+    configs = spec.get("hub_config")
+    config_list = configs if isinstance(configs, (list, tuple)) else [configs]
+
+    def records() -> Iterator[tuple[str, dict[str, Any]]]:
+        for config in config_list:
+            try:
+                ds = datasets.load_dataset(hub_id, config, split=hub_split)
+            except Exception as exc:  # network, auth, unknown id/config/split
+                raise DataError(
+                    f"could not load {hub_id!r} (config {config!r}, split {hub_split!r}) from the "
+                    f"Hugging Face Hub: {type(exc).__name__}: {exc}"
+                ) from exc
+            for row_index, row in enumerate(ds):
+                yield f"{hub_id}[{config or 'default'}/{hub_split}] row {row_index + 1}", dict(row)
+
+    return _convert(spec, name, split, records(), limit)

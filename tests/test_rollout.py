@@ -1,0 +1,437 @@
+"""Rollout engines: the HF generate engine on the tiny model, vLLM conversion on stand-ins."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from rlbench.errors import ConfigError
+from rlbench.model import build_tiny_model, load_policy
+from rlbench.rollout import GenerationRequest, HFGenerateEngine, SamplingParams, make_engine
+from rlbench.rollout.hf_engine import Progress, sample_from_logprobs
+from rlbench.rollout.vllm_engine import (
+    VLLMEngine,
+    requests_to_vllm_inputs,
+    vllm_outputs_to_completions,
+    vllm_sampling_kwargs,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+EOS_BIAS = 8.0  # makes EOS ~6% likely per step under the random tiny model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_policy(OmegaConf.load(ROOT / "conf" / "model" / "tiny.yaml"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def eos_model(tiny):
+    """A tiny model whose EOS logit is raised, so that responses end at EOS often."""
+    _, tokenizer = tiny
+    model = build_tiny_model(tokenizer, None, seed=1)
+    bias = torch.zeros(len(tokenizer))
+    bias[tokenizer.eos_token_id] = EOS_BIAS
+    model.lm_head.register_forward_hook(lambda module, args, out: out + bias)
+    return model, tokenizer
+
+
+def _prompt(tokenizer, text: str) -> tuple[int, ...]:
+    return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _recompute(model, prompt, response, temperature=1.0, top_p=1.0) -> torch.Tensor:
+    """Independent log-probs of ``response`` given ``prompt``: unpadded forward pass,
+    ``log_softmax(logits / temperature)`` with optional top-p filtering written out here."""
+    ids = torch.tensor([list(prompt) + list(response)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    if top_p < 1.0:
+        probs = torch.softmax(logits, -1)
+        sorted_probs, order = probs.sort(-1, descending=True)
+        before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly before each token
+        keep_sorted = before < top_p
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        logits = logits.masked_fill(~keep, float("-inf"))
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+
+
+def test_counts_and_shapes_with_varying_n(tiny):
+    model, tokenizer = tiny
+    engine = HFGenerateEngine(model, tokenizer, batch_size=3)
+    requests = [
+        GenerationRequest(_prompt(tokenizer, "one two three"), n=2),
+        GenerationRequest(_prompt(tokenizer, "a"), n=0),
+        GenerationRequest(_prompt(tokenizer, "a much longer prompt than the others here"), n=5),
+        GenerationRequest(_prompt(tokenizer, "x y"), n=1),
+    ]
+    out = engine.generate(requests, SamplingParams(max_new_tokens=6), torch.Generator().manual_seed(0))
+    assert [len(c) for c in out] == [2, 0, 5, 1]
+    for i, comps in enumerate(out):
+        for c in comps:
+            assert c.request_index == i
+            assert c.prompt_ids == requests[i].prompt_ids
+            assert 1 <= len(c.response_ids) <= 6
+            assert len(c.logprobs) == len(c.response_ids)
+            assert all(lp <= 0.0 for lp in c.logprobs)
+            assert c.prefix_len == 0
+            assert c.text == tokenizer.decode(c.response_ids, skip_special_tokens=True)
+    assert engine.generate([], SamplingParams()) == []
+
+
+def test_response_stops_at_first_eos(eos_model):
+    model, tokenizer = eos_model
+    eos = tokenizer.eos_token_id
+    engine = HFGenerateEngine(model, tokenizer, batch_size=16)
+    requests = [GenerationRequest(_prompt(tokenizer, "hello there"), n=8), GenerationRequest(_prompt(tokenizer, "q"), n=8)]
+    out = engine.generate(requests, SamplingParams(max_new_tokens=16), torch.Generator().manual_seed(1))
+    comps = [c for cs in out for c in cs]
+    finished = [c for c in comps if c.finished]
+    unfinished = [c for c in comps if not c.finished]
+    assert finished and unfinished  # both kinds occur with this EOS rate
+    for c in finished:
+        assert c.response_ids[-1] == eos
+        assert eos not in c.response_ids[:-1]
+        assert "<|im_end|>" not in c.text
+    for c in unfinished:
+        assert len(c.response_ids) == 16
+        assert eos not in c.response_ids
+    assert any(len(c.response_ids) < 16 for c in finished)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_match_recomputation(eos_model, temperature):
+    model, tokenizer = eos_model
+    engine = HFGenerateEngine(model, tokenizer, batch_size=4)  # several batches, left padding
+    requests = [
+        GenerationRequest(_prompt(tokenizer, "The quick brown fox"), n=3),
+        GenerationRequest(_prompt(tokenizer, "hi"), n=3),
+    ]
+    out = engine.generate(requests, SamplingParams(temperature=temperature, max_new_tokens=10), torch.Generator().manual_seed(2))
+    for comps in out:
+        for c in comps:
+            ref = _recompute(model, c.prompt_ids, c.response_ids, temperature)
+            assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4), (c.logprobs, ref.tolist())
+
+
+def test_top_p_logprobs_are_of_the_truncated_distribution(eos_model):
+    model, tokenizer = eos_model
+    engine = HFGenerateEngine(model, tokenizer)
+    prompt = _prompt(tokenizer, "Count: one two")
+    params = SamplingParams(temperature=1.0, top_p=0.5, max_new_tokens=8)
+    (comps,) = engine.generate([GenerationRequest(prompt, n=4)], params, torch.Generator().manual_seed(3))
+    for c in comps:
+        ref = _recompute(model, prompt, c.response_ids, 1.0, top_p=0.5)
+        assert torch.isfinite(ref).all()
+        assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)
+        untruncated = _recompute(model, prompt, c.response_ids, 1.0)
+        assert (torch.tensor(c.logprobs) > untruncated).all()
+
+
+def test_same_generator_state_same_outputs(tiny):
+    model, tokenizer = tiny
+    engine = HFGenerateEngine(model, tokenizer, batch_size=4)
+    requests = [GenerationRequest(_prompt(tokenizer, "abc"), n=3), GenerationRequest(_prompt(tokenizer, "de f"), n=2)]
+    params = SamplingParams(max_new_tokens=4)
+
+    def run(seed):
+        out = engine.generate(requests, params, torch.Generator().manual_seed(seed))
+        return [[(c.response_ids, c.logprobs) for c in cs] for cs in out]
+
+    assert run(5) == run(5)
+    assert run(5) != run(6)
+    g = torch.Generator().manual_seed(5)
+    first = engine.generate(requests, params, g)
+    second = engine.generate(requests, params, g)  # generator advanced: new samples
+    assert [c.response_ids for c in first[0]] != [c.response_ids for c in second[0]]
+
+
+def test_global_rng_untouched(tiny):
+    model, tokenizer = tiny
+    engine = HFGenerateEngine(model, tokenizer)
+    state = torch.get_rng_state()
+    engine.generate([GenerationRequest(_prompt(tokenizer, "abc"), n=2)], SamplingParams(max_new_tokens=4), torch.Generator().manual_seed(0))
+    assert torch.equal(state, torch.get_rng_state())
+
+
+def test_training_mode_restored(tiny):
+    model, tokenizer = tiny
+    engine = HFGenerateEngine(model, tokenizer)
+    model.train()
+    try:
+        engine.generate([GenerationRequest(_prompt(tokenizer, "abc"), n=1)], SamplingParams(max_new_tokens=2), torch.Generator())
+        assert model.training
+    finally:
+        model.eval()
+
+
+def test_prefix_continuation(eos_model):
+    model, tokenizer = eos_model
+    engine = HFGenerateEngine(model, tokenizer, batch_size=2)
+    prompt = _prompt(tokenizer, "Question: what is 2+2?")
+    prefix = _prompt(tokenizer, " The answer is")
+    requests = [GenerationRequest(prompt, n=3, prefix_ids=prefix), GenerationRequest(prompt, n=1)]
+    out = engine.generate(requests, SamplingParams(temperature=0.8, max_new_tokens=6), torch.Generator().manual_seed(4))
+    for c in out[0]:
+        assert c.prefix_len == len(prefix)
+        assert tuple(c.response_ids[: len(prefix)]) == prefix
+        assert len(prefix) < len(c.response_ids) <= len(prefix) + 6
+        assert len(c.logprobs) == len(c.response_ids)
+        ref = _recompute(model, prompt, c.response_ids, 0.8)
+        assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)
+        assert c.text == tokenizer.decode(c.response_ids, skip_special_tokens=True)
+        assert c.text.startswith(" The answer is")
+    assert out[1][0].prefix_len == 0
+
+
+def test_greedy_rows_identical_and_batch_independent(tiny):
+    model, tokenizer = tiny
+    requests = [GenerationRequest(_prompt(tokenizer, "Once upon a time"), n=4), GenerationRequest(_prompt(tokenizer, "x"), n=2)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    big = HFGenerateEngine(model, tokenizer, batch_size=64).generate(requests, params, torch.Generator().manual_seed(0))
+    one = HFGenerateEngine(model, tokenizer, batch_size=1).generate(requests, params, torch.Generator().manual_seed(9))
+    for comps in big:
+        assert all(c.response_ids == comps[0].response_ids for c in comps)
+    assert [[c.response_ids for c in cs] for cs in big] == [[c.response_ids for c in cs] for cs in one]
+    for comps in big:  # greedy log-probs are those of the temperature-1 distribution
+        ref = _recompute(model, comps[0].prompt_ids, comps[0].response_ids, 1.0)
+        assert torch.allclose(torch.tensor(comps[0].logprobs), ref, atol=1e-4)
+
+
+def test_model_generation_config_defaults_do_not_leak(tiny):
+    """A checkpoint's generation_config (top_k, repetition penalty) must not alter sampling."""
+    model, tokenizer = tiny
+    prompt = _prompt(tokenizer, "abc def")
+    params = SamplingParams(temperature=1.0, max_new_tokens=6)
+    engine = HFGenerateEngine(model, tokenizer)
+    base = engine.generate([GenerationRequest(prompt, n=3)], params, torch.Generator().manual_seed(0))
+    saved = model.generation_config
+    try:
+        model.generation_config = type(saved).from_dict(
+            {**saved.to_dict(), "top_k": 5, "repetition_penalty": 1.5, "min_p": 0.2, "do_sample": True, "temperature": 0.3}
+        )
+        leaked = engine.generate([GenerationRequest(prompt, n=3)], params, torch.Generator().manual_seed(0))
+        assert model.generation_config.top_k == 5  # restored
+    finally:
+        model.generation_config = saved
+    assert [c.response_ids for c in base[0]] == [c.response_ids for c in leaked[0]]
+    for c in leaked[0]:
+        assert torch.allclose(torch.tensor(c.logprobs), _recompute(model, prompt, c.response_ids), atol=1e-4)
+
+
+def test_invalid_params(tiny):
+    model, tokenizer = tiny
+    engine = HFGenerateEngine(model, tokenizer)
+    req = [GenerationRequest((1, 2), n=1)]
+    with pytest.raises(ValueError, match="top_p"):
+        engine.generate(req, SamplingParams(top_p=0.0))
+    with pytest.raises(ValueError, match="temperature"):
+        engine.generate(req, SamplingParams(temperature=-1.0))
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate([GenerationRequest((), n=1)], SamplingParams())
+
+
+def test_max_new_tokens_zero_returns_prefix_only(tiny):
+    model, tokenizer = tiny
+    engine = HFGenerateEngine(model, tokenizer)
+    (comps,) = engine.generate([GenerationRequest((5, 6, 7), n=2, prefix_ids=(8, 9))], SamplingParams(max_new_tokens=0))
+    assert [c.response_ids for c in comps] == [[8, 9], [8, 9]]
+    assert all(len(c.logprobs) == 2 and not c.finished for c in comps)
+
+
+def test_sync_weights_switches_model(tiny):
+    model, tokenizer = tiny
+    other = build_tiny_model(tokenizer, None, seed=7)
+    engine = HFGenerateEngine(model, tokenizer)
+    engine.sync_weights(other)
+    assert engine.model is other
+
+
+def test_make_engine_from_config(tiny):
+    model, tokenizer = tiny
+    cfg = OmegaConf.load(ROOT / "conf" / "rollout" / "sampling.yaml")
+    assert cfg.engine == "hf" and cfg.n == 4 and cfg.max_new_tokens == 32
+    engine = make_engine(cfg, model, tokenizer)
+    assert isinstance(engine, HFGenerateEngine) and engine.batch_size == cfg.batch_size
+    with pytest.raises(ConfigError, match="rollout.engine"):
+        make_engine(OmegaConf.create({"engine": "nope"}), model, tokenizer)
+
+
+def test_inverse_cdf_sampler_matches_the_distribution():
+    probs = torch.tensor([0.5, 0.0, 0.2, 0.25, 0.05])
+    logp = probs.log().expand(20000, -1).contiguous()
+    tokens = sample_from_logprobs(logp, torch.Generator().manual_seed(0))
+    freq = torch.bincount(tokens, minlength=5).float() / len(tokens)
+    assert freq[1] == 0
+    assert torch.allclose(freq, probs, atol=0.012), freq
+    again = sample_from_logprobs(logp, torch.Generator().manual_seed(0))
+    assert torch.equal(tokens, again)
+    # a dominant token does not swallow the tail that follows it in vocabulary order
+    big = torch.full((2000, 20000), -40.0)
+    big[:, 0] = 0.0
+    big[:, -1] = -3.0
+    tail = (sample_from_logprobs(torch.log_softmax(big, -1), torch.Generator().manual_seed(1)) == 19999).float().mean()
+    assert 0.03 < tail < 0.07
+
+
+def test_progress_line():
+    p = Progress(10, "rollout", enabled=False)
+    p.update(5)
+    line = p.line()
+    assert "5/10" in line and "ETA" in line
+
+
+# ------------------------------------------------------------------ vLLM (conversion on CPU)
+
+
+@dataclass
+class FakeLogprob:
+    logprob: float
+    rank: int = 1
+
+
+@dataclass
+class FakeCompletionOutput:
+    token_ids: list[int]
+    logprobs: list[dict]
+    finish_reason: str
+    text: str = ""
+    index: int = 0
+
+
+@dataclass
+class FakeRequestOutput:
+    outputs: list[FakeCompletionOutput] = field(default_factory=list)
+
+
+def _fake(tokens, lps, reason, text=""):
+    return FakeRequestOutput([FakeCompletionOutput(tokens, [{t: FakeLogprob(lp), 999: FakeLogprob(-9.0)} for t, lp in zip(tokens, lps)], reason, text)])
+
+
+def test_requests_to_vllm_inputs():
+    reqs = [GenerationRequest((1, 2), n=2), GenerationRequest((3,), n=0), GenerationRequest((4, 5), n=1, prefix_ids=(6, 7))]
+    prompts, rows = requests_to_vllm_inputs(reqs)
+    assert prompts == [{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [4, 5, 6, 7]}]
+    assert rows == [0, 0, 2]
+    kw = vllm_sampling_kwargs(SamplingParams(temperature=0.6, top_p=0.9, max_new_tokens=17), seed=123)
+    assert kw["n"] == 1 and kw["temperature"] == 0.6 and kw["top_p"] == 0.9
+    assert kw["max_tokens"] == 17 and kw["logprobs"] == 0 and kw["seed"] == 123
+    assert kw["top_k"] == -1 and kw["repetition_penalty"] == 1.0
+
+
+def test_vllm_outputs_to_completions():
+    reqs = [GenerationRequest((1, 2), n=2), GenerationRequest((3,), n=0), GenerationRequest((4, 5), n=1, prefix_ids=(6, 7))]
+    _, rows = requests_to_vllm_inputs(reqs)
+    outputs = [
+        _fake([10, 11, 0], [-0.1, -0.2, -0.3], "stop", "ab"),
+        _fake([12, 13, 14], [-1.0, -2.0, -3.0], "length", "cde"),
+        _fake([15], [-0.5], "length", "f"),
+    ]
+    out = vllm_outputs_to_completions(
+        reqs, outputs, rows, prefix_logprobs={2: [-0.7, -0.8]}, eos_ids=[0],
+        decode=lambda ids: " ".join(map(str, ids)),
+    )
+    assert [len(c) for c in out] == [2, 0, 1]
+    a, b = out[0]
+    assert a.response_ids == [10, 11, 0] and a.finished and a.logprobs == [-0.1, -0.2, -0.3]
+    assert b.response_ids == [12, 13, 14] and not b.finished and b.logprobs == [-1.0, -2.0, -3.0]
+    (c,) = out[2]
+    assert c.response_ids == [6, 7, 15] and c.prefix_len == 2 and c.request_index == 2
+    assert c.logprobs == [-0.7, -0.8, -0.5] and c.text == "6 7 15" and c.prompt_ids == (4, 5)
+    # without decode the vLLM text is used; a missing prefix score is an error
+    out = vllm_outputs_to_completions(reqs[:1], outputs[:2], rows[:2])
+    assert out[0][0].text == "ab"
+    with pytest.raises(ValueError, match="prefix logprobs"):
+        vllm_outputs_to_completions(reqs, outputs, rows)
+
+
+def test_vllm_engine_with_stand_in_llm(tiny):
+    """The engine's plumbing (seeds, prefix scoring, conversion) with a fake ``vllm.LLM``."""
+    model, tokenizer = tiny
+
+    class FakeLLM:
+        def __init__(self):
+            self.calls = []
+            self.applied = 0
+            self.resets = 0
+
+        def generate(self, prompts, sampling_params, use_tqdm=False):
+            self.calls.append((prompts, sampling_params))
+            return [_fake([sp["seed"] % 1000, tokenizer.eos_token_id], [-1.0, -0.5], "stop") for sp in sampling_params]
+
+        def apply_model(self, fn):
+            class M:
+                def load_weights(_, weights):
+                    self.applied += len(list(weights))
+            fn(M())
+
+        def reset_prefix_cache(self):
+            self.resets += 1
+
+    llm = FakeLLM()
+    engine = VLLMEngine(model, tokenizer, llm=llm, sampling_params_factory=dict)
+    prompt = _prompt(tokenizer, "hello")
+    reqs = [GenerationRequest(prompt, n=2), GenerationRequest(prompt, n=1, prefix_ids=(42, 43))]
+    params = SamplingParams(temperature=1.0, max_new_tokens=5)
+    out = engine.generate(reqs, params, torch.Generator().manual_seed(0))
+    again = engine.generate(reqs, params, torch.Generator().manual_seed(0))
+    assert [[c.response_ids for c in cs] for cs in out] == [[c.response_ids for c in cs] for cs in again]
+    seeds = [sp["seed"] for sp in llm.calls[0][1]]
+    assert len(set(seeds)) == 3
+    (c,) = out[1]
+    assert c.response_ids[:2] == [42, 43] and c.finished
+    ref = _recompute(model, prompt, [42, 43], 1.0)
+    assert torch.allclose(torch.tensor(c.logprobs[:2]), ref, atol=1e-4)
+    engine.sync_weights(model)
+    assert llm.applied == len(model.state_dict()) and llm.resets == 1
+
+
+# ------------------------------------------------------------------ vLLM on GPU
+
+
+def _has_vllm_gpu() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_vllm_gpu(), reason="needs CUDA and vLLM")
+def test_vllm_engine_gpu(tmp_path):
+    """vLLM samples from the converted SmolLM2 with log-probs that match the HF model, and
+    sync_weights changes what it samples."""
+    model, tokenizer = load_policy(OmegaConf.load(ROOT / "conf" / "model" / "smollm2_135m.yaml"), device="cuda")
+    engine = VLLMEngine(model, tokenizer, gpu_memory_utilization=0.2, enforce_eager=True)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True, return_dict=False)
+    reqs = [GenerationRequest(tuple(ids), n=4), GenerationRequest(tuple(ids), n=2, prefix_ids=tuple(ids[-3:]))]
+    params = SamplingParams(temperature=0.8, top_p=1.0, max_new_tokens=16)
+    out = engine.generate(reqs, params, torch.Generator().manual_seed(0))
+    assert [len(c) for c in out] == [4, 2]
+    for comps in out:
+        for c in comps:
+            full = torch.tensor([list(ids) + c.response_ids], device="cuda")
+            with torch.no_grad():
+                logits = model(input_ids=full).logits[0, len(ids) - 1 : -1].float() / 0.8
+            ref = torch.log_softmax(logits, -1).gather(-1, full[0, len(ids) :, None]).squeeze(-1).cpu()
+            assert torch.allclose(torch.tensor(c.logprobs), ref, atol=5e-2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    engine.sync_weights(model)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    after = engine.generate(reqs[:1], greedy)
+    ref = HFGenerateEngine(model, tokenizer).generate(reqs[:1], greedy)
+    assert after[0][0].response_ids[:4] == ref[0][0].response_ids[:4]

@@ -1,0 +1,125 @@
+"""The update step: batch layout, log-probs and exact gradient accumulation."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from rlbench.algorithm import Algorithm
+from rlbench.rollout.base import Completion
+from rlbench.trainer import batch_logprobs, collate, policy_update, token_logprobs
+
+
+def tiny_lm(seed=0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    return LlamaForCausalLM(config).float()
+
+
+def completions(seed=0, groups=3, n=4):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(groups):
+        prompt = tuple(torch.randint(3, 32, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist())
+        group = []
+        for _ in range(n):
+            length = int(torch.randint(0, 7, (1,), generator=g))  # includes zero-length responses
+            resp = torch.randint(3, 32, (length,), generator=g).tolist()
+            group.append(Completion(i, prompt, resp, [0.0] * length, finished=True))
+        out.append(group)
+    return out
+
+
+class RecordingOptimizer:
+    """Stands in for an optimizer: records the accumulated gradient at each step."""
+
+    def __init__(self, model):
+        self.params = list(model.parameters())
+        self.steps = []
+
+    def step(self):
+        self.steps.append([p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in self.params])
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+
+def algo(aggregation, advantage="grpo", **update):
+    return Algorithm.from_config({
+        "name": "t", "advantage": {"name": advantage}, "loss": {"name": "ppo_clip"},
+        "aggregation": {"name": aggregation}, "update": update or {"epochs": 1, "minibatches": 1},
+    })
+
+
+def prepared_batch(algorithm, seed=0):
+    batch = collate(completions(seed), pad_token_id=0)
+    batch.rewards = torch.rand(batch.size, generator=torch.Generator().manual_seed(seed + 7))
+    batch.advantages = algorithm.compute_advantages(batch.rewards, batch.group_index, batch.response_mask)
+    return batch
+
+
+def test_collate_layout():
+    groups = [[Completion(0, (5, 6, 7), [8, 9], [0, 0], True), Completion(0, (5, 6, 7), [], [], False)],
+              [Completion(1, (4,), [10, 11, 12], [0, 0, 0], True)]]
+    b = collate(groups, pad_token_id=0)
+    assert b.prompt_width == 3
+    assert b.input_ids.tolist() == [[5, 6, 7, 8, 9, 0], [5, 6, 7, 0, 0, 0], [0, 0, 4, 10, 11, 12]]
+    assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0], [0, 0, 1, 1, 1, 1]]
+    assert b.response_mask.tolist() == [[1, 1, 0], [0, 0, 0], [1, 1, 1]]
+    assert b.group_index.tolist() == [0, 0, 1]
+
+
+def test_token_logprobs_match_unpadded_forward():
+    model = tiny_lm().eval()
+    batch = collate(completions(1), pad_token_id=0)
+    logp, entropy = token_logprobs(model, batch, temperature=0.7, with_entropy=True)
+    row = 0
+    while batch.response_mask[row].sum() == 0:
+        row += 1
+    ids = batch.input_ids[row][batch.attention_mask[row].bool()]
+    r = int(batch.response_mask[row].sum())
+    with torch.no_grad():
+        logits = model(ids[None]).logits[0].float() / 0.7
+    ref = torch.log_softmax(logits[-r - 1 : -1], -1).gather(-1, ids[-r:, None])[:, 0]
+    assert torch.allclose(logp[row, :r], ref, atol=1e-5)
+    assert torch.all(entropy[row, :r] > 0)
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"])
+def test_micro_batch_accumulation_equals_full_batch_gradient(aggregation):
+    algorithm = algo(aggregation)
+    grads = []
+    for micro in (12, 5, 1):
+        model = tiny_lm()
+        batch = prepared_batch(algorithm)
+        opt = RecordingOptimizer(model)
+        policy_update(model, opt, batch, algorithm, micro_batch_size=micro, max_grad_norm=None,
+                      temperature=1.0, norm_length=6)
+        grads.append(opt.steps[0])
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other):
+            assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+    assert any(g.abs().sum() > 0 for g in grads[0])
+
+
+def test_minibatches_and_epochs_make_that_many_steps_with_stored_old_logp():
+    algorithm = algo("token_mean", epochs=2, minibatches=3)
+    model = tiny_lm()
+    batch = prepared_batch(algorithm)
+    batch.old_logp = batch_logprobs(model, batch, micro_batch_size=4, temperature=1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    stats = policy_update(model, opt, batch, algorithm, micro_batch_size=2, max_grad_norm=1.0,
+                          temperature=1.0, norm_length=6, generator=torch.Generator().manual_seed(0))
+    assert stats["optimizer_steps"] == 6
+    assert stats["ratio_mean"] != pytest.approx(1.0, abs=1e-9)  # later steps are off-policy
+
+
+def test_one_update_needs_no_old_logprob_pass_and_has_ratio_one():
+    algorithm = algo("seq_mean_token_mean")
+    assert not algorithm.needs_old_logp
+    model = tiny_lm()
+    stats = policy_update(model, RecordingOptimizer(model), prepared_batch(algorithm), algorithm,
+                          micro_batch_size=4, max_grad_norm=1.0, temperature=1.0, norm_length=6)
+    assert stats["ratio_mean"] == pytest.approx(1.0)
+    assert stats["clip_fraction"] == 0.0
