@@ -128,9 +128,10 @@ def load_model(cfg: DictConfig):
 
 def summarize(values: list[float]) -> dict[str, float]:
     if not values:
-        return {"mean": float("nan"), "std": float("nan"), "min": float("nan"), "max": float("nan")}
+        return {k: float("nan") for k in ("mean", "median", "std", "min", "max")}
     return {
         "mean": statistics.fmean(values),
+        "median": statistics.median(values),
         "std": statistics.stdev(values) if len(values) > 1 else 0.0,
         "min": min(values),
         "max": max(values),
@@ -179,11 +180,12 @@ class OursSide:
         from rlbench.runner import train_step
 
         load = load_average()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         metrics = train_step(self.ctx, self.problems)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         rec = {
             "step_s": wall,
+            "cpu_s": cpu,
             "generate_s": metrics["generate_s"],
             "update_s": metrics["update_s"],
             "other_s": wall - metrics["generate_s"] - metrics["update_s"],
@@ -363,14 +365,17 @@ class TRLSide:
                 torch.set_num_threads(side.threads)
                 current.clear()
                 current["load"] = (load_average() or [None])[0]
+                current["c0"] = time.process_time()
                 current["t0"] = time.perf_counter()
 
             def on_step_end(self, args, state, control, **kwargs):
                 wall = time.perf_counter() - current.pop("t0")
+                cpu = time.process_time() - current.pop("c0")
                 gen = current.get("generate_s", 0.0)
                 gas = current.get("generate_and_score_s", 0.0)
                 rec = {
                     "step_s": wall,
+                    "cpu_s": cpu,
                     "generate_s": gen,
                     "update_s": wall - gas,
                     "other_s": gas - gen,
@@ -405,7 +410,7 @@ def report_step(name: str, index: int, warmup: int, rec: dict[str, float]) -> No
 
 def finish_side(records: list[dict[str, float]], warmup: int) -> dict[str, Any]:
     timed = records[warmup:]
-    keys = ("step_s", "generate_s", "update_s", "other_s", "completion_tokens")
+    keys = ("step_s", "cpu_s", "generate_s", "update_s", "other_s", "completion_tokens")
     out: dict[str, Any] = {
         "warmup_steps": records[:warmup],
         "timed_steps": timed,
@@ -490,17 +495,21 @@ def markdown(result: dict[str, Any]) -> str:
         out.append(f"ratio ours/TRL = {result['ratio']:.2f} (target <= {TARGET_RATIO:.2f})  ")
         out.append(
             f"per completion token: ours/TRL = {result['ratio_per_token']:.2f} "
-            "(s/step divided by completion tokens generated in the step)"
+            "(s/step divided by completion tokens generated in the step)  "
+        )
+        out.append(
+            f"median ours/TRL = {result['ratio_median']:.2f}; process CPU time per step ours/TRL = {result['ratio_cpu']:.2f}; "
+            f"generate ours/TRL = {result['ratio_generate']:.2f}; update ours/TRL = {result['ratio_update']:.2f}"
         )
         out.append("")
-    out.append("Per timed step (s/step, generate s, update s, completion tokens, 1-min load average):")
+    out.append("Per timed step (wall s/step, process CPU s, generate s, update s, completion tokens, 1-min load average):")
     out.append("")
-    out.append("| side | step | s/step | generate s | update s | completion tokens | load |")
-    out.append("|---|---|---|---|---|---|---|")
+    out.append("| side | step | s/step | CPU s | generate s | update s | completion tokens | load |")
+    out.append("|---|---|---|---|---|---|---|---|")
     for n in ("ours", "trl"):
         for i, r in enumerate(result["sides"].get(n, {}).get("timed_steps", []), 1):
             out.append(
-                f"| {n} | {i} | {r['step_s']:.2f} | {r['generate_s']:.2f} | {r['update_s']:.2f} | "
+                f"| {n} | {i} | {r['step_s']:.2f} | {r['cpu_s']:.2f} | {r['generate_s']:.2f} | {r['update_s']:.2f} | "
                 f"{r['completion_tokens']:.1f} | {r.get('load_average_1m')} |"
             )
     out.append("")
@@ -641,6 +650,8 @@ def main(argv: list[str] | None = None) -> int:
         result["ratio_per_token"] = (o["step_s"]["mean"] / o["completion_tokens"]["mean"]) / (
             t["step_s"]["mean"] / t["completion_tokens"]["mean"]
         )
+        result["ratio_median"] = o["step_s"]["median"] / t["step_s"]["median"]
+        result["ratio_cpu"] = o["cpu_s"]["mean"] / t["cpu_s"]["mean"]
         result["ratio_generate"] = o["generate_s"]["mean"] / t["generate_s"]["mean"]
         result["ratio_update"] = o["update_s"]["mean"] / t["update_s"]["mean"]
         result["target_ratio"] = TARGET_RATIO
@@ -656,6 +667,7 @@ def main(argv: list[str] | None = None) -> int:
     if result["ratio"] is not None:
         print(f"ratio ours/TRL = {result['ratio']:.2f} (target <= {TARGET_RATIO:.2f})")
         print(
+            f"median ours/TRL = {result['ratio_median']:.2f}; process CPU time ours/TRL = {result['ratio_cpu']:.2f}; "
             f"per completion token: ours/TRL = {result['ratio_per_token']:.2f}; "
             f"generate ours/TRL = {result['ratio_generate']:.2f}; update ours/TRL = {result['ratio_update']:.2f}; "
             f"identical prompt ids: {result['prompt_ids_identical']}"

@@ -166,8 +166,10 @@ def make_step_context(
     )
 
 
-def train_step(ctx: StepContext, problems: list[Problem]) -> dict[str, float]:
-    """rollout -> reward -> advantage -> update for one batch of prompts. Returns step metrics."""
+def train_step(ctx: StepContext, problems: list[Problem], progress: float = 0.0) -> dict[str, float]:
+    """rollout -> reward -> advantage -> update for one batch of prompts. Returns step metrics.
+
+    ``progress`` is the fraction of training done before this step (for annealed losses)."""
     t0 = time.perf_counter()
     # 1. rollout: n responses per prompt
     prompt_ids = encode_prompts(ctx.tokenizer, problems, ctx.prompt_spec)
@@ -178,15 +180,25 @@ def train_step(ctx: StepContext, problems: list[Problem]) -> dict[str, float]:
     grades = [ctx.grader(c.text, p.answer) for p, group in zip(problems, groups) for c in group]
     batch = collate(groups, ctx.tokenizer.pad_token_id, ctx.device)
     batch.rewards = torch.tensor([g.reward for g in grades], dtype=torch.float32, device=ctx.device)
-    # 3. advantage
-    batch.advantages = ctx.algorithm.compute_advantages(batch.rewards, batch.group_index, batch.response_mask)
-    # 4. update (reference / old log-probs only when the algorithm needs them)
+    # 3. advantage (a no-grad pass first only when the estimator reads log-probs or entropies,
+    #    or the batch is reused for several updates and needs stored old log-probs)
     t1 = time.perf_counter()
     temperature = ctx.params.temperature if ctx.params.temperature > 0 else 1.0
+    wanted = ctx.algorithm.advantage_inputs
+    extra: dict[str, torch.Tensor | None] = {}
+    if wanted or ctx.algorithm.needs_old_logp:
+        old_logp, entropy = batch_logprobs(
+            ctx.model, batch, ctx.micro_batch_size, temperature, with_entropy="entropy" in wanted
+        )
+        extra = {"old_logp": old_logp, "entropy": entropy}
+        if ctx.algorithm.needs_old_logp:
+            batch.old_logp = old_logp
+    batch.advantages = ctx.algorithm.compute_advantages(
+        batch.rewards, batch.group_index, batch.response_mask, **{k: extra.get(k) for k in wanted}
+    )
+    # 4. update (reference log-probs only when the KL term is active)
     if ctx.reference is not None:
-        batch.ref_logp = batch_logprobs(ctx.reference, batch, ctx.micro_batch_size, temperature)
-    if ctx.algorithm.needs_old_logp:
-        batch.old_logp = batch_logprobs(ctx.model, batch, ctx.micro_batch_size, temperature)
+        batch.ref_logp, _ = batch_logprobs(ctx.reference, batch, ctx.micro_batch_size, temperature)
     stats = policy_update(
         ctx.model,
         ctx.optimizer,
@@ -197,6 +209,7 @@ def train_step(ctx: StepContext, problems: list[Problem]) -> dict[str, float]:
         temperature=temperature,
         norm_length=ctx.params.max_new_tokens,
         generator=ctx.minibatch_generator,
+        progress=progress,
     )
     ctx.scheduler.step()
     ctx.engine.sync_weights(ctx.model)
@@ -232,7 +245,8 @@ def train(cfg: DictConfig, ctx: StepContext, problems: list[Problem], logger: Ru
     sampler = PromptSampler(problems, cfg.seed)
     progress = Progress("train", cfg.trainer.steps)
     for step in range(1, cfg.trainer.steps + 1):
-        metrics = train_step(ctx, sampler.next(cfg.trainer.prompts_per_step))
+        progress_fraction = (step - 1) / cfg.trainer.steps
+        metrics = train_step(ctx, sampler.next(cfg.trainer.prompts_per_step), progress=progress_fraction)
         logger.log_step(step, metrics)
         progress.update(1, note=f"reward {metrics['reward_mean']:.3f} acc {metrics['accuracy']:.3f}")
 

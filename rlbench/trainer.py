@@ -133,15 +133,18 @@ def _micro_batches(rows: torch.Tensor, micro_batch_size: int) -> list[torch.Tens
 
 @torch.no_grad()
 def batch_logprobs(
-    model: torch.nn.Module, batch: TrainBatch, micro_batch_size: int, temperature: float
-) -> torch.Tensor:
-    """Log-probs of the whole batch without gradient ([B, T], zero on padding)."""
-    out = torch.zeros_like(batch.response_mask)
+    model: torch.nn.Module, batch: TrainBatch, micro_batch_size: int, temperature: float, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and optionally entropies) of the whole batch without gradient ([B, T], zero on padding)."""
+    logp_out = torch.zeros_like(batch.response_mask)
+    entropy_out = torch.zeros_like(batch.response_mask) if with_entropy else None
     for rows in _micro_batches(torch.arange(batch.size, device=batch.input_ids.device), micro_batch_size):
         sub = batch.select(rows)
-        logp, _ = token_logprobs(model, sub, temperature)
-        out[rows, : logp.shape[1]] = logp * sub.response_mask
-    return out
+        logp, entropy = token_logprobs(model, sub, temperature, with_entropy=with_entropy)
+        logp_out[rows, : logp.shape[1]] = logp * sub.response_mask
+        if entropy_out is not None:
+            entropy_out[rows, : entropy.shape[1]] = entropy * sub.response_mask
+    return logp_out, entropy_out
 
 
 def policy_update(
@@ -156,6 +159,7 @@ def policy_update(
     norm_length: int,
     generator: torch.Generator | None = None,
     track_entropy: bool = True,
+    progress: float = 0.0,
 ) -> dict[str, float]:
     """One batch's worth of optimizer steps: ``epochs`` passes over ``minibatches`` splits.
 
@@ -195,6 +199,7 @@ def policy_update(
                     norms=norms,
                     ref_logp=sub.ref_logp,
                     entropy=entropy,
+                    progress=progress,
                 )
                 loss.backward()
                 tokens = float(sub.response_mask.sum().item())

@@ -58,8 +58,9 @@ def format_seconds(seconds: float) -> str:
 class Progress:
     """A one-line progress report on stderr: ``[phase] 3/10 (30%) elapsed 00:12 ETA 00:28``."""
 
-    def __init__(self, phase: str, total: int, stream=None, min_interval: float = 0.0):
+    def __init__(self, phase: str, total: int, stream=None, min_interval: float = 0.0, enabled: bool = True):
         self.phase = phase
+        self.enabled = enabled
         self.total = max(int(total), 0)
         self.done = 0
         self.start = time.perf_counter()
@@ -73,18 +74,25 @@ class Progress:
         elapsed = time.perf_counter() - self.start
         return elapsed / self.done * (self.total - self.done)
 
+    def line(self) -> str:
+        """The current progress line."""
+        eta = self.eta()
+        pct = 100.0 * self.done / self.total if self.total else 100.0
+        elapsed = time.perf_counter() - self.start
+        return (
+            f"[{self.phase}] {self.done}/{self.total} ({pct:.0f}%) "
+            f"elapsed {format_seconds(elapsed)} ETA {format_seconds(eta) if eta is not None else '--:--'}"
+        )
+
     def update(self, n: int = 1, note: str = "") -> None:
         self.done = min(self.total, self.done + n)
         now = time.perf_counter()
+        if not self.enabled:
+            return
         if self.done < self.total and now - self._last < self.min_interval:
             return
         self._last = now
-        eta = self.eta()
-        pct = 100.0 * self.done / self.total if self.total else 100.0
-        line = (
-            f"[{self.phase}] {self.done}/{self.total} ({pct:.0f}%) "
-            f"elapsed {format_seconds(now - self.start)} ETA {format_seconds(eta) if eta is not None else '--:--'}"
-        )
+        line = self.line()
         if note:
             line += f"  {note}"
         print(line, file=self.stream, flush=True)

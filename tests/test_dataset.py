@@ -161,7 +161,8 @@ def test_arith_configs_load_and_match():
     train = load_problems(load_conf("dataset", "arith"), seed=5)
     bench_cfg = load_conf("benchmark", "arith")
     test = load_problems(bench_cfg, seed=5)
-    assert len(train) == 2000 and len(test) == 100
+    assert len(train) == 2000 and len(test) == 20
+    assert len({p.prompt for p in test}) == 20  # level 1 has exactly 20 test expressions: all distinct
     assert train[0].uid == "arith/train/0" and test[0].uid == "arith/test/0"
     assert not {p.prompt for p in train} & {p.prompt for p in test}
     # The benchmark pins its seed: the run seed does not change the test problems.

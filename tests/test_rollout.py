@@ -15,7 +15,8 @@ from omegaconf import OmegaConf
 from rlbench.errors import ConfigError
 from rlbench.model import build_tiny_model, load_policy
 from rlbench.rollout import GenerationRequest, HFGenerateEngine, SamplingParams, make_engine
-from rlbench.rollout.hf_engine import Progress, sample_from_logprobs
+from rlbench.rollout.hf_engine import sample_from_logprobs
+from rlbench.utils import Progress
 from rlbench.rollout.vllm_engine import (
     VLLMEngine,
     requests_to_vllm_inputs,
@@ -259,7 +260,7 @@ def test_sync_weights_switches_model(tiny):
 def test_make_engine_from_config(tiny):
     model, tokenizer = tiny
     cfg = OmegaConf.load(ROOT / "conf" / "rollout" / "sampling.yaml")
-    assert cfg.engine == "hf" and cfg.n == 4 and cfg.max_new_tokens == 32
+    assert cfg.engine == "hf" and cfg.n == 4 and cfg.max_new_tokens == 16
     engine = make_engine(cfg, model, tokenizer)
     assert isinstance(engine, HFGenerateEngine) and engine.batch_size == cfg.batch_size
     with pytest.raises(ConfigError, match="rollout.engine"):
@@ -284,10 +285,15 @@ def test_inverse_cdf_sampler_matches_the_distribution():
 
 
 def test_progress_line():
-    p = Progress(10, "rollout", enabled=False)
+    import io
+
+    stream = io.StringIO()
+    p = Progress("rollout", 10, stream=stream)
     p.update(5)
-    line = p.line()
-    assert "5/10" in line and "ETA" in line
+    assert "[rollout] 5/10 (50%)" in stream.getvalue() and "ETA 00:" in stream.getvalue()
+    quiet = Progress("rollout", 10, stream=stream, enabled=False)
+    quiet.update(5)
+    assert "5/10" in quiet.line() and stream.getvalue().count("\n") == 1
 
 
 # ------------------------------------------------------------------ vLLM (conversion on CPU)

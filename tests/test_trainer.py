@@ -107,7 +107,7 @@ def test_minibatches_and_epochs_make_that_many_steps_with_stored_old_logp():
     algorithm = algo("token_mean", epochs=2, minibatches=3)
     model = tiny_lm()
     batch = prepared_batch(algorithm)
-    batch.old_logp = batch_logprobs(model, batch, micro_batch_size=4, temperature=1.0)
+    batch.old_logp, _ = batch_logprobs(model, batch, micro_batch_size=4, temperature=1.0)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     stats = policy_update(model, opt, batch, algorithm, micro_batch_size=2, max_grad_norm=1.0,
                           temperature=1.0, norm_length=6, generator=torch.Generator().manual_seed(0))

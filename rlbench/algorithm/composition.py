@@ -20,12 +20,26 @@ from rlbench.algorithm import advantages as _advantages  # noqa: F401  (register
 from rlbench.algorithm import aggregation as _aggregation  # noqa: F401
 from rlbench.algorithm import kl as _kl  # noqa: F401
 from rlbench.algorithm import losses as _losses  # noqa: F401
+from rlbench.algorithm.losses import LOSS_REQUIREMENTS
 from rlbench.algorithm.registry import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from rlbench.errors import ConfigError
 
-ADVANTAGE_INPUTS = {"rewards", "group_index", "response_mask"}
-LOSS_INPUTS = {"logp", "old_logp", "advantages", "response_mask"}
+# Every input name a piece may declare (documented in the pieces' modules) ...
+ADVANTAGE_INPUTS = {
+    "rewards", "group_index", "response_mask", "entropy", "old_logp", "values", "baseline_rewards",
+    "token_rewards", "tracker_baseline", "answer_keys", "diversity",
+}
+LOSS_INPUTS = {
+    "logp", "old_logp", "advantages", "response_mask", "entropy", "ref_logp", "progress", "sampling_logp",
+    "prox_logp", "control_mask", "generator",
+}
 AGGREGATION_INPUTS = {"loss_matrix", "response_mask", "batch_tokens", "batch_sequences", "norm_length"}
+# ... and the ones this trainer provides today. A piece that requires an input outside these sets is
+# refused when the configuration is validated, with a message naming the piece and the input.
+# Estimators whose advantage varies along a response (the rest give one value per response).
+TOKEN_LEVEL_ADVANTAGES = {"reinforce_pp", "gae", "gtpo"}
+PROVIDED_ADVANTAGE_INPUTS = {"rewards", "group_index", "response_mask", "entropy", "old_logp"}
+PROVIDED_LOSS_INPUTS = {"logp", "old_logp", "advantages", "response_mask", "entropy", "progress"}
 
 
 @dataclass(frozen=True)
@@ -77,12 +91,39 @@ class Algorithm:
     def validate(self) -> None:
         ADVANTAGES.validate_params(self.advantage.name, self.advantage.params, ADVANTAGE_INPUTS)
         POLICY_LOSSES.validate_params(self.loss.name, self.loss.params, LOSS_INPUTS)
+        provided_loss_inputs = PROVIDED_LOSS_INPUTS | ({"ref_logp"} if self.kl_coef > 0 else set())
+        for registry, piece, provided in (
+            (ADVANTAGES, self.advantage, PROVIDED_ADVANTAGE_INPUTS),
+            (POLICY_LOSSES, self.loss, provided_loss_inputs),
+        ):
+            missing = sorted(registry.required_inputs(piece.name, piece.params) - provided)
+            if missing:
+                raise ConfigError(
+                    f"{registry.kind} '{piece.name}' needs {missing}, which this trainer does not provide "
+                    f"(it provides {sorted(provided)}); pick another algorithm/{'advantage' if registry is ADVANTAGES else 'loss'}"
+                )
         AGGREGATIONS.validate_params(self.aggregation.name, self.aggregation.params, AGGREGATION_INPUTS)
+        self._check_loss_requirements()
         KL_ESTIMATORS.get(self.kl_estimator)
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise ConfigError("algorithm.kl.coef and algorithm.entropy_coef must be >= 0")
         if self.epochs < 1 or self.minibatches < 1:
             raise ConfigError("algorithm.update.epochs and algorithm.update.minibatches must be >= 1")
+
+    def _check_loss_requirements(self) -> None:
+        """Refuse compositions the loss is undefined or unfaithful under (LOSS_REQUIREMENTS)."""
+        requirement = LOSS_REQUIREMENTS.get(self.loss.name) or {}
+        conflicts = " ".join(requirement.get("conflicts", ()))
+        wanted = requirement.get("aggregation")
+        if wanted and self.aggregation.name != wanted:
+            raise ConfigError(
+                f"loss '{self.loss.name}' needs algorithm/aggregation={wanted}, got '{self.aggregation.name}' ({conflicts})"
+            )
+        if requirement.get("advantage_level") == "sequence" and self.advantage.name in TOKEN_LEVEL_ADVANTAGES:
+            raise ConfigError(
+                f"loss '{self.loss.name}' needs one advantage per response, but advantage '{self.advantage.name}' "
+                f"is token-level ({conflicts})"
+            )
 
     @property
     def group_relative(self) -> bool:
@@ -99,10 +140,17 @@ class Algorithm:
         """Stored old log-probs are needed only when a batch is reused for several updates."""
         return self.epochs > 1 or self.minibatches > 1
 
+    @property
+    def advantage_inputs(self) -> set[str]:
+        """The optional trainer inputs (beyond rewards, groups, mask) the advantage estimator reads."""
+        return ADVANTAGES.accepted_inputs(self.advantage.name) & {"entropy", "old_logp"}
+
     def compute_advantages(
-        self, rewards: torch.Tensor, group_index: torch.Tensor, response_mask: torch.Tensor
+        self, rewards: torch.Tensor, group_index: torch.Tensor, response_mask: torch.Tensor, **extra: Any
     ) -> torch.Tensor:
+        """``extra`` holds optional inputs (entropy, old_logp, ...) for estimators that read them."""
         inputs = {"rewards": rewards, "group_index": group_index, "response_mask": response_mask}
+        inputs.update({k: v for k, v in extra.items() if v is not None})
         return ADVANTAGES.call(self.advantage.name, inputs, self.advantage.params)
 
     def aggregate(self, matrix: torch.Tensor, response_mask: torch.Tensor, norms: Mapping[str, int]) -> torch.Tensor:
@@ -119,6 +167,7 @@ class Algorithm:
         norms: Mapping[str, int],
         ref_logp: torch.Tensor | None = None,
         entropy: torch.Tensor | None = None,
+        progress: float = 0.0,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """The scalar loss of one (micro-)batch and its metrics.
 
@@ -126,7 +175,12 @@ class Algorithm:
         so that micro-batch losses add up to the full-batch loss.
         """
         mask = response_mask.to(logp.dtype)
-        inputs = {"logp": logp, "old_logp": old_logp, "advantages": advantages, "response_mask": mask}
+        inputs = {"logp": logp, "old_logp": old_logp, "advantages": advantages, "response_mask": mask,
+                  "progress": progress}
+        if entropy is not None:
+            inputs["entropy"] = entropy.detach()
+        if ref_logp is not None:
+            inputs["ref_logp"] = ref_logp
         loss_matrix, metrics = POLICY_LOSSES.call(self.loss.name, inputs, self.loss.params)
         policy_loss = self.aggregate(loss_matrix, mask, norms)
         total = policy_loss

@@ -69,6 +69,18 @@ class Registry:
             raise ConfigError(f"{self.kind} '{name}' needs {missing}, which this run does not provide")
         return fn(**kwargs)
 
+    def accepted_inputs(self, name: str) -> set[str]:
+        """Every parameter name of the piece (inputs and knobs)."""
+        return set(inspect.signature(self.get(name)).parameters)
+
+    def required_inputs(self, name: str, params: Mapping[str, Any]) -> set[str]:
+        """Parameters without a default that the config does not set: inputs the trainer must offer."""
+        return {
+            p.name
+            for p in inspect.signature(self.get(name)).parameters.values()
+            if p.default is inspect.Parameter.empty and p.name not in params
+        }
+
     def validate_params(self, name: str, params: Mapping[str, Any], provided_inputs: set[str]) -> None:
         """Check ``params`` against the piece's signature without running it (for early validation)."""
         fn = self.get(name)

@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from rlbench.dataset.base import Problem
+from rlbench.reward.math import extract_answer as extract_reward_answer
 from rlbench.errors import DataError
 
 ANSWER_FORMATS = ("raw", "gsm8k", "boxed")
 
 log = logging.getLogger(__name__)
 
-_BOX_COMMANDS = ("\\boxed", "\\fbox")
 
 
 def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -65,69 +65,14 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
             raise DataError(f"{path}: file is not valid UTF-8 ({exc.reason})") from None
 
 
-def find_matching_brace(text: str, open_index: int) -> int:
-    """Return the index of the ``}`` that closes the ``{`` at ``open_index``, or -1 if unbalanced.
-
-    Escaped braces (``\\{`` and ``\\}``) do not count towards the nesting depth.
-    """
-    if open_index >= len(text) or text[open_index] != "{":
-        raise ValueError(f"no '{{' at index {open_index}")
-    depth = 0
-    i = open_index
-    while i < len(text):
-        ch = text[i]
-        if ch == "\\":
-            i += 2  # skip the escaped character (\{, \}, \\, or the first letter of a command)
-            continue
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                return i
-        i += 1
-    return -1
-
-
 def extract_last_boxed(text: str) -> str | None:
-    """Return the content of the last ``\\boxed{...}`` or ``\\fbox{...}`` in ``text``.
+    """Return the content of the last complete ``\\boxed{...}`` or ``\\fbox{...}`` in ``text``.
 
     Nested braces are matched (``\\boxed{\\frac{1}{2}}`` gives ``\\frac{1}{2}``); the braceless
-    form ``\\boxed 5`` gives ``5``. Returns None when there is no complete box.
+    form ``\\boxed 5`` gives ``5``. Returns None when there is no complete box. The grader's
+    extraction is the single implementation (``rlbench.reward.math``).
     """
-    start = -1
-    command = ""
-    for cmd in _BOX_COMMANDS:
-        pos = text.rfind(cmd)
-        if pos > start:
-            start, command = pos, cmd
-    while start >= 0:
-        i = start + len(command)
-        rest = text[i:]
-        stripped = rest.lstrip()
-        if stripped.startswith("{"):
-            open_index = i + (len(rest) - len(stripped))
-            close = find_matching_brace(text, open_index)
-            if close != -1:
-                return text[open_index + 1 : close].strip()
-        elif rest.startswith(" ") and stripped:
-            # "\boxed 5" style: the argument is the next token.
-            token = stripped.split()[0].rstrip("$.,")
-            if token:
-                return token
-        # Incomplete box (e.g. "\boxed{" at the very end): try an earlier one.
-        start, command = _previous_box(text, start)
-    return None
-
-
-def _previous_box(text: str, before: int) -> tuple[int, str]:
-    """Find the last box command that starts strictly before ``before``."""
-    start, command = -1, ""
-    for cmd in _BOX_COMMANDS:
-        pos = text.rfind(cmd, 0, before)
-        if pos > start:
-            start, command = pos, cmd
-    return start, command
+    return extract_reward_answer(text, style="boxed")
 
 
 def extract_gsm8k_answer(text: str) -> str | None:

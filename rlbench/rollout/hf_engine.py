@@ -30,56 +30,14 @@ How it works:
 from __future__ import annotations
 
 import logging
-import sys
-import time
 from typing import Sequence
 
 import torch
 
+from rlbench.utils import Progress
 from rlbench.rollout.base import Completion, GenerationRequest, SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-class Progress:
-    """Reports ``done / total`` with elapsed time and ETA, through ``logging`` (INFO) and, when
-    stderr is a terminal, a single updating line on stderr."""
-
-    def __init__(self, total: int, desc: str = "rollout", *, enabled: bool = True, min_interval_s: float = 2.0):
-        self.total = total
-        self.desc = desc
-        self.enabled = enabled and total > 0
-        self.min_interval_s = min_interval_s
-        self.done = 0
-        self.t0 = time.perf_counter()
-        self._last = 0.0
-        self._tty = sys.stderr.isatty()
-
-    def line(self) -> str:
-        """The current progress line."""
-        elapsed = time.perf_counter() - self.t0
-        frac = self.done / self.total if self.total else 1.0
-        eta = elapsed / frac - elapsed if frac > 0 else float("nan")
-        return (
-            f"{self.desc}: {self.done}/{self.total} ({100 * frac:.0f}%) "
-            f"elapsed {elapsed:.1f}s, ETA {eta:.1f}s"
-        )
-
-    def update(self, k: int) -> None:
-        """Mark ``k`` more items done and report (rate-limited, always at the end)."""
-        self.done += k
-        if not self.enabled:
-            return
-        now = time.perf_counter()
-        final = self.done >= self.total
-        if not final and now - self._last < self.min_interval_s:
-            return
-        self._last = now
-        text = self.line()
-        if self._tty:
-            sys.stderr.write("\r" + text + ("\n" if final else ""))
-            sys.stderr.flush()
-        log.info(text)
 
 
 def sample_from_logprobs(logprobs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -354,7 +312,7 @@ class HFGenerateEngine:
                 order = sorted(
                     rows, key=lambda r: -(len(requests[r[0]].prompt_ids) + len(requests[r[0]].prefix_ids))
                 )
-                progress = Progress(len(order), "rollout", enabled=self.progress and len(order) > self.batch_size)
+                progress = Progress("rollout", len(order), min_interval=2.0, enabled=self.progress and len(order) > self.batch_size)
                 for start in range(0, len(order), self.batch_size):
                     batch = order[start : start + self.batch_size]
                     seqs = [tuple(requests[i].prompt_ids) + tuple(requests[i].prefix_ids) for i, _ in batch]
