@@ -513,6 +513,9 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{r['completion_tokens']:.1f} | {r.get('load_average_1m')} |"
             )
     out.append("")
+    if result.get("contention_warning"):
+        out.append(f"**Warning:** {result['contention_warning']}.")
+        out.append("")
     out.append("'generate' is tokenize + generate + decode; 'update' is the log-prob forward, backward, "
                "clipping and optimizer step; the rest of a step is reward, padding and advantages.")
     out.append("The machine may be shared with other jobs: compare figures from the same run only.")
@@ -661,6 +664,20 @@ def main(argv: list[str] | None = None) -> int:
     for side in result["sides"].values():
         side["prompt_lengths"] = [len(p) for p in side.pop("prompt_ids")]
 
+    # Our own process accounts for about `threads` of the load average; more means other jobs compete for
+    # the cores. With several OpenMP threads, every small parallel op (thousands per generate call) then
+    # waits for a descheduled worker, and generation times can grow by an order of magnitude at random.
+    loads = [r["load_average_1m"] for side in result["sides"].values() for r in side["timed_steps"]
+             if r.get("load_average_1m") is not None]
+    result["max_load_average_1m"] = max(loads) if loads else None
+    result["contention_warning"] = None
+    if loads and max(loads) > threads + 0.5:
+        result["contention_warning"] = (
+            f"1-min load average reached {max(loads):.2f} on {cpu_count} CPUs with {threads} torch threads: other jobs "
+            "competed for the cores, and wall-clock times (generation above all) are unreliable"
+            + ("; rerun on an idle machine or with --threads 1" if threads > 1 else "; rerun on an idle machine")
+        )
+
     rows = [fmt_side(n, result["sides"][n]) for n in ("ours", "trl") if n in result["sides"]]
     print()
     print(text_table(rows))
@@ -672,6 +689,9 @@ def main(argv: list[str] | None = None) -> int:
             f"generate ours/TRL = {result['ratio_generate']:.2f}; update ours/TRL = {result['ratio_update']:.2f}; "
             f"identical prompt ids: {result['prompt_ids_identical']}"
         )
+
+    if result["contention_warning"]:
+        print(f"WARNING: {result['contention_warning']}")
 
     out_path = args.out if args.out.is_absolute() else Path.cwd() / args.out
     atomic_write(out_path, json.dumps(result, indent=2) + "\n")

@@ -16,6 +16,7 @@ from rlbench.errors import ConfigError
 from rlbench.model import validate_model_config
 
 MODES = ("train", "eval")
+REWARDS = ("math", "even_tokens")
 ENGINES = ("hf", "vllm")
 
 
@@ -61,6 +62,8 @@ def validate_config(cfg: Any) -> Algorithm:
     device = resolve_device(str(cfg.device))
     algorithm = Algorithm.from_config(cfg.algorithm)
 
+    if cfg.reward.name not in REWARDS:
+        raise ConfigError(f"reward={cfg.reward.name} is unknown; choose one of {REWARDS}")
     rollout = cfg.rollout
     if rollout.engine not in ENGINES:
         raise ConfigError(f"rollout.engine={rollout.engine} is unknown; choose one of {ENGINES}")

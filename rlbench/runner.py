@@ -34,7 +34,9 @@ from rlbench.eval.evaluate import Benchmark, EvalResult, evaluate
 from rlbench.logger import RunLogger
 from rlbench.model import load_policy
 from rlbench.prompting import encode_prompts
+from rlbench.errors import ConfigError
 from rlbench.reward import MathReward
+from rlbench.reward.toy import EvenTokenReward
 from rlbench.rollout.base import GenerationRequest, RolloutEngine, SamplingParams
 from rlbench.trainer import batch_logprobs, collate, policy_update
 from rlbench.utils import Progress, make_generator, seed_everything
@@ -62,7 +64,12 @@ class PromptSampler:
         return batch
 
 
-def make_grader(reward_cfg: Any, data_spec: Any) -> MathReward:
+def make_grader(reward_cfg: Any, data_spec: Any) -> MathReward | EvenTokenReward:
+    """The reward named by ``reward.name``: ``math`` (answer checking) or ``even_tokens`` (toy)."""
+    if reward_cfg.name == "even_tokens":
+        return EvenTokenReward(threshold=reward_cfg.get("threshold", 0.75))
+    if reward_cfg.name != "math":
+        raise ConfigError(f"reward={reward_cfg.name} is unknown; choose math or even_tokens")
     extraction = reward_cfg.get("extraction") or data_spec.get("reward_extraction") or "auto"
     return MathReward(
         correct_reward=reward_cfg.correct_reward,
@@ -177,7 +184,7 @@ def train_step(ctx: StepContext, problems: list[Problem], progress: float = 0.0)
     groups = ctx.engine.generate(requests, ctx.params, generator=ctx.rollout_generator)
     t_generate = time.perf_counter() - t0
     # 2. reward: grade every response against its problem's reference answer
-    grades = [ctx.grader(c.text, p.answer) for p, group in zip(problems, groups) for c in group]
+    grades = [ctx.grader(c.text, p.answer, c.response_ids) for p, group in zip(problems, groups) for c in group]
     batch = collate(groups, ctx.tokenizer.pad_token_id, ctx.device)
     batch.rewards = torch.tensor([g.reward for g in grades], dtype=torch.float32, device=ctx.device)
     # 3. advantage (a no-grad pass first only when the estimator reads log-probs or entropies,

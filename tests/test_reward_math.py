@@ -209,3 +209,12 @@ def test_math_verify_off_main_thread():
     t.start()
     t.join()
     assert out == [True]
+
+
+def test_even_token_toy_reward():
+    from rlbench.reward.toy import EvenTokenReward
+
+    grade = EvenTokenReward(threshold=0.75)("ignored text", "ignored", [2, 4, 7, 10])
+    assert grade.reward == 0.75 and grade.correct and grade.format_ok
+    assert EvenTokenReward()("", "", []).reward == 0.0
+    assert not EvenTokenReward(threshold=0.75)("", "", [1, 3, 4]).correct

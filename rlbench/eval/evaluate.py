@@ -11,7 +11,7 @@ import torch
 from rlbench.dataset.base import Problem
 from rlbench.eval.metrics import ProblemResult, summarize
 from rlbench.prompting import encode_prompts
-from rlbench.reward import MathReward, canonical_answer
+from rlbench.reward import canonical_answer
 from rlbench.rollout.base import GenerationRequest, RolloutEngine, SamplingParams
 from rlbench.utils import Progress
 
@@ -21,7 +21,7 @@ class Benchmark:
     name: str
     spec: Mapping[str, Any]
     problems: list[Problem]
-    grader: MathReward
+    grader: Any  # MathReward or another grader with the same call signature
 
 
 @dataclass
@@ -63,7 +63,7 @@ def evaluate(
             requests = [GenerationRequest(prompt_ids=ids, n=n) for ids in prompt_ids]
             groups = engine.generate(requests, params, generator=generator)
             for problem, group in zip(chunk, groups):
-                grades = [bench.grader(c.text, problem.answer) for c in group]
+                grades = [bench.grader(c.text, problem.answer, c.response_ids) for c in group]
                 results.append(
                     ProblemResult(
                         benchmark=bench.name,

@@ -22,6 +22,7 @@ import threading
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
+from typing import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -436,8 +437,9 @@ class MathReward:
         self.failures = 0
         self._lock = threading.Lock()
 
-    def __call__(self, completion: str, reference: str) -> Grade:
-        """Grade ``completion`` against ``reference``; never raises (see ``failures``)."""
+    def __call__(self, completion: str, reference: str, response_ids: Sequence[int] = ()) -> Grade:
+        """Grade ``completion`` against ``reference``; never raises (see ``failures``).
+        ``response_ids`` is part of the grader interface; this grader reads the text only."""
         extracted: str | None = None
         format_ok = False
         correct = False
