@@ -32,6 +32,7 @@ Usage::
     HF_HUB_OFFLINE=1 python bench/compare_trl.py            # 1 warm-up + 3 timed steps per side
     HF_HUB_OFFLINE=1 python bench/compare_trl.py --quick    # 1 warm-up + 1 timed step (smoke check)
     HF_HUB_OFFLINE=1 python bench/compare_trl.py --profile  # also profile one extra step of ours
+    HF_HUB_OFFLINE=1 python bench/compare_trl.py --threads 1 --out results/bench/compare_trl_threads1.json
 
 Writes ``results/bench/compare_trl.json`` and ``results/bench/compare_trl.md`` (atomically).
 This script is not part of the test suite.
@@ -199,7 +200,7 @@ class OursSide:
         report_step(self.name, len(self.records), self.warmup, rec)
         return rec
 
-    def profile(self) -> dict[str, Any]:
+    def profile(self, path: Path) -> dict[str, Any]:
         """One extra step under torch.profiler (CPU); the operator table goes to a text file."""
         from torch.profiler import ProfilerActivity, profile
 
@@ -214,14 +215,13 @@ class OursSide:
             f"generate_s={metrics['generate_s']:.2f} update_s={metrics['update_s']:.2f} "
             f"completion tokens={metrics['response_length']:.1f}\n\n{table}\n"
         )
-        path = RESULTS_DIR / "compare_trl_profile.txt"
         atomic_write(path, text)
         log(f"profile written to {path}")
         top = [
             {"name": e.key, "self_cpu_s": e.self_cpu_time_total / 1e6, "calls": e.count}
             for e in sorted(averages, key=lambda e: -e.self_cpu_time_total)[:15]
         ]
-        return {"file": str(path.relative_to(ROOT)), "step_s": metrics["step_s"], "top_self_cpu": top}
+        return {"file": str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path), "step_s": metrics["step_s"], "top_self_cpu": top}
 
     def close(self) -> None:
         del self.ctx, self.engine, self.model
@@ -445,6 +445,7 @@ def atomic_write(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -537,7 +538,10 @@ def main(argv: list[str] | None = None) -> int:
         "--schedule", choices=("interleaved", "sequential"), default="interleaved",
         help="interleaved (default): alternate the sides step by step (O T | T O | ...); sequential: one side, then the other",
     )
-    parser.add_argument("--profile", action="store_true", help="profile one extra step of ours (torch.profiler)")
+    parser.add_argument(
+        "--profile", action="store_true",
+        help="profile one extra step of ours (torch.profiler); the table goes to <out stem>_profile.txt",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "compare_trl.json", help="JSON output path")
     args = parser.parse_args(argv)
     if args.quick:
@@ -554,6 +558,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from rlbench.dataset import load_problems
 
+    out_path = args.out if args.out.is_absolute() else Path.cwd() / args.out
     tmp_dir = tempfile.mkdtemp(prefix="compare_trl_")
     cfg = compose_config(tmp_dir)
     problems = load_problems(cfg.dataset, seed=SEED)[:NUM_PROMPTS]
@@ -643,7 +648,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if "trl" in runners and hasattr(runners["trl"], "trainer"):
                 runners["trl"].close()  # free memory first
-            result["sides"]["ours"]["profile"] = runners["ours"].profile()
+            result["sides"]["ours"]["profile"] = runners["ours"].profile(out_path.with_name(out_path.stem + "_profile.txt"))
 
     if "ours" in result["sides"] and "trl" in result["sides"]:
         ours, trl_side = result["sides"]["ours"], result["sides"]["trl"]
@@ -693,7 +698,6 @@ def main(argv: list[str] | None = None) -> int:
     if result["contention_warning"]:
         print(f"WARNING: {result['contention_warning']}")
 
-    out_path = args.out if args.out.is_absolute() else Path.cwd() / args.out
     atomic_write(out_path, json.dumps(result, indent=2) + "\n")
     atomic_write(out_path.with_suffix(".md"), markdown(result))
     log(f"wrote {out_path} and {out_path.with_suffix('.md')}")

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from rlbench.errors import ConfigError
+from rlbench.utils import Progress
 
 log = logging.getLogger(__name__)
 
@@ -260,13 +261,18 @@ def convert_gguf_to_hf(gguf_package: str, gguf_file: str | None, cache_dir: str 
 
         t0 = time.perf_counter()
         log.info("converting %s to a Hugging Face checkpoint (one time) -> %s", gguf_path, target)
+        # Progress in units of the stages' measured shares of the conversion time, so the ETA
+        # after each stage is an estimate of the time left (tokenizer ~22%, dequantize ~64%).
+        progress = Progress("convert", 100)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         _finish_tokenizer(tokenizer)
         log.info("  tokenizer read (%.1f s)", time.perf_counter() - t0)
+        progress.update(22, note="tokenizer read; dequantizing weights")
         quantized = AutoModelForCausalLM.from_pretrained(
             str(gguf_path.parent), gguf_file=gguf_path.name
         )
         log.info("  weights dequantized (%.1f s)", time.perf_counter() - t0)
+        progress.update(64, note="weights dequantized; saving")
         model = strip_quantization(quantized)
         del quantized
         model.config.pad_token_id = tokenizer.pad_token_id
@@ -274,6 +280,7 @@ def convert_gguf_to_hf(gguf_package: str, gguf_file: str | None, cache_dir: str 
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
         log.info("  saved float32 checkpoint (%.1f s total)", time.perf_counter() - t0)
+        progress.update(14, note="saved")
 
     return _atomic_build(target, build)
 
