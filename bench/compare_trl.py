@@ -600,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
         "versions": versions(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        "note": "wall-clock on a possibly shared machine; see load_average_* per side",
+        "note": "wall-clock on a possibly shared machine; see load_average_1m per step and contention_warning",
     }
     # seed_everything's deterministic flag is process-global: set it up front so both sides run under it.
     torch.use_deterministic_algorithms(True, warn_only=True)

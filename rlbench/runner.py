@@ -339,10 +339,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             "model": cfg.model.name,
             "dataset": cfg.dataset.name,
             "seed": cfg.seed,
-            "pass_at_1": {
-                **({f"before/{b}": v for b, v in baseline.pass_at(1).items()} if baseline else {}),
-                **{f"{'after' if training else 'eval'}/{b}": v for b, v in final.pass_at(1).items()},
-            },
             "pass_at_1_before": baseline.pass_at(1) if baseline else None,
             "pass_at_1_after": final.pass_at(1),
             "eval_seconds": {"before": baseline.seconds if baseline else None, "after": final.seconds},

@@ -85,8 +85,9 @@ class RunLogger:
             for row in rows:
                 key = f"eval/{row['phase']}/{row['benchmark']}/pass@{row['k']}"
                 self.wandb_run.summary[key] = row["pass_at_k"]
-            for key, value in summary.get("pass_at_1", {}).items():
-                self.wandb_run.summary[f"pass@1/{key}"] = value
+            for phase in ("before", "after"):
+                for benchmark, value in (summary.get(f"pass_at_1_{phase}") or {}).items():
+                    self.wandb_run.summary[f"pass@1/{phase}/{benchmark}"] = value
 
     def finish(self) -> None:
         if self.wandb_run is not None:
