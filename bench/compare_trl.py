@@ -8,7 +8,7 @@ Both sides run in this process on the identical configuration:
 * rollout: 4 completions per prompt (16 sequences in one ``generate`` call), at most 48 new tokens,
   temperature 1.0, top-p 1.0, no top-k, stop at EOS;
 * reward: ``rlbench.reward.MathReward(extraction="last_number")`` (TRL calls it through a reward function);
-* update: one AdamW step per batch (lr 1e-5, betas (0.9, 0.999), weight decay 0, constant schedule),
+* update: one fused AdamW step per batch (lr 1e-5, betas (0.9, 0.999), weight decay 0, constant schedule),
   gradient clipping 1.0, no KL (beta 0), PPO-clip epsilon 0.2, group-std scaled advantages,
   per-sequence token-mean aggregation (TRL ``loss_type="grpo"``), one micro-batch of 16, float32,
   no gradient checkpointing, no reference model, no old-log-prob pass;
@@ -531,8 +531,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: CPU count)")
     parser.add_argument("--sides", default="ours,trl", help="which sides to run, in order (default ours,trl)")
     parser.add_argument(
-        "--trl-optim", default="adamw_torch",
-        help="TRL optimizer name (default adamw_torch = torch.optim.AdamW, as ours; TRL's own default is adamw_torch_fused)",
+        "--trl-optim", default="adamw_torch_fused",
+        help="TRL optimizer name (default adamw_torch_fused: fused torch.optim.AdamW, as ours and as TRL's own default)",
     )
     parser.add_argument(
         "--schedule", choices=("interleaved", "sequential"), default="interleaved",

@@ -8,6 +8,7 @@ sit at column P - 1 + t, and only the last T + 1 columns need the LM head.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from dataclasses import dataclass, replace
 from typing import Sequence
@@ -99,23 +100,77 @@ def autocast_context(device: torch.device | str) -> contextlib.AbstractContextMa
     return contextlib.nullcontext()
 
 
+def _logits_per_row(model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
+    """Logits that predict each response token, [B, T, V], one forward over every full row."""
+    T = batch.response_mask.shape[1]
+    position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=position_ids,
+        logits_to_keep=T + 1,
+        use_cache=False,
+    )
+    return out.logits[:, -(T + 1) : -1, :]
+
+
+def _logits_shared_prompts(model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
+    """Same logits as :func:`_logits_per_row`, running each distinct prompt only once.
+
+    Responses of one group share their prompt (same tokens, same left padding). The prompt pass runs
+    on one row per group and keeps its key/value cache, which is gathered to the group's rows
+    (differentiably, so gradients flow back into the shared prompt pass); the response pass then
+    runs on the response tokens alone. The logit that predicts response token 0 is the prompt
+    pass's last position.
+    """
+    P, T = batch.prompt_width, batch.response_mask.shape[1]
+    groups, row_to_group = torch.unique(batch.group_index, return_inverse=True)
+    rows = torch.arange(batch.size, device=batch.input_ids.device)
+    first_row = torch.full((len(groups),), batch.size, device=rows.device).scatter_reduce(
+        0, row_to_group, rows, reduce="amin"
+    )
+    prompt_mask = batch.attention_mask[first_row, :P]
+    prompt_out = model(
+        input_ids=batch.input_ids[first_row, :P],
+        attention_mask=prompt_mask,
+        position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
+        logits_to_keep=1,
+        use_cache=True,
+    )
+    first_logits = prompt_out.logits[row_to_group]  # [B, 1, V]
+    if T == 1:
+        return first_logits
+    # transformers >= 5.x names the cache `cache` (older releases: `past_key_values`)
+    cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache = getattr(prompt_out, cache_name)
+    cache.reorder_cache(row_to_group)  # one cache row per response row
+    full_mask = batch.attention_mask[:, : P + T - 1]
+    response_out = model(
+        input_ids=batch.input_ids[:, P : P + T - 1],
+        attention_mask=full_mask,
+        position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0)[:, P:],
+        use_cache=True,
+        **{cache_name: cache},
+    )
+    return torch.cat([first_logits, response_out.logits], dim=1)
+
+
 def token_logprobs(
-    model: torch.nn.Module, batch: TrainBatch, temperature: float = 1.0, with_entropy: bool = False
+    model: torch.nn.Module,
+    batch: TrainBatch,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    share_prompts: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(o_t | q, o_<t) for every response token ([B, T]), and optionally the entropy of
     pi(. | q, o_<t). Logits are divided by ``temperature`` (the sampling temperature) so that the
-    ratio compares the distribution that was actually sampled from."""
+    ratio compares the distribution that was actually sampled from. With ``share_prompts`` each
+    distinct prompt is run once (see :func:`_logits_shared_prompts`); the result is the same."""
     T = batch.response_mask.shape[1]
-    position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    shared = share_prompts and int(torch.unique(batch.group_index).numel()) < batch.size
     with autocast_context(batch.input_ids.device):
-        out = model(
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            position_ids=position_ids,
-            logits_to_keep=T + 1,
-            use_cache=False,
-        )
-    logits = out.logits[:, -(T + 1) : -1, :].float()
+        logits = _logits_shared_prompts(model, batch) if shared else _logits_per_row(model, batch)
+    logits = logits.float()
     if temperature and temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     log_probs = F.log_softmax(logits, dim=-1)

@@ -123,3 +123,28 @@ def test_one_update_needs_no_old_logprob_pass_and_has_ratio_one():
                           micro_batch_size=4, max_grad_norm=1.0, temperature=1.0, norm_length=6)
     assert stats["ratio_mean"] == pytest.approx(1.0)
     assert stats["clip_fraction"] == 0.0
+
+
+def test_shared_prompt_forward_gives_the_same_logprobs_and_gradients():
+    batch = collate(completions(3, groups=3, n=4), pad_token_id=0)
+    batch.select(torch.arange(batch.size))  # select keeps the layout
+    results = []
+    for share in (False, True):
+        model = tiny_lm(seed=2)
+        logp, entropy = token_logprobs(model, batch, temperature=0.8, with_entropy=True, share_prompts=share)
+        ((logp * batch.response_mask).sum() + (entropy * batch.response_mask).sum()).backward()
+        results.append((logp * batch.response_mask, [p.grad.clone() for p in model.parameters()]))
+    (logp_a, grads_a), (logp_b, grads_b) = results
+    assert torch.allclose(logp_a, logp_b, atol=1e-5)
+    for a, b in zip(grads_a, grads_b):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_shared_prompt_forward_with_scattered_group_rows():
+    batch = collate(completions(4, groups=3, n=3), pad_token_id=0)
+    rows = torch.tensor([7, 0, 4, 8, 1])  # groups 2, 0, 1, 2, 0 in mixed order
+    sub = batch.select(rows)
+    model = tiny_lm(seed=5).eval()
+    a, _ = token_logprobs(model, sub, share_prompts=False)
+    b, _ = token_logprobs(model, sub, share_prompts=True)
+    assert torch.allclose(a * sub.response_mask, b * sub.response_mask, atol=1e-5)
