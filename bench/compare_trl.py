@@ -161,7 +161,8 @@ class OursSide:
     def __init__(self, cfg: DictConfig, problems: list, warmup: int):
         from rlbench.algorithm import Algorithm
         from rlbench.prompting import encode_prompts
-        from rlbench.runner import make_engine, make_step_context
+        from rlbench.rollout import make_engine
+        from rlbench.runner import make_step_context
         from rlbench.utils import seed_everything
 
         seed_everything(int(cfg.seed))

@@ -37,6 +37,7 @@ from rlbench.prompting import encode_prompts
 from rlbench.errors import ConfigError
 from rlbench.reward import MathReward
 from rlbench.reward.toy import EvenTokenReward
+from rlbench.rollout import make_engine
 from rlbench.rollout.base import GenerationRequest, RolloutEngine, SamplingParams
 from rlbench.trainer import batch_logprobs, collate, policy_update
 from rlbench.utils import Progress, make_generator, seed_everything
@@ -78,16 +79,6 @@ def make_grader(reward_cfg: Any, data_spec: Any) -> MathReward | EvenTokenReward
         tolerance=reward_cfg.tolerance,
         extraction=extraction,
     )
-
-
-def make_engine(rollout_cfg: Any, model: torch.nn.Module, tokenizer: Any, device: torch.device) -> RolloutEngine:
-    if rollout_cfg.engine == "vllm":
-        from rlbench.rollout.vllm_engine import VLLMEngine
-
-        return VLLMEngine(model, tokenizer, **dict(rollout_cfg.get("vllm") or {}))
-    from rlbench.rollout.hf_engine import HFGenerateEngine
-
-    return HFGenerateEngine(model, tokenizer, batch_size=rollout_cfg.batch_size, device=device)
 
 
 def load_benchmarks(cfg: DictConfig) -> list[Benchmark]:

@@ -13,17 +13,17 @@ __all__ = [
 ]
 
 
-def make_engine(rollout_cfg, model, tokenizer, *, device=None, **vllm_kwargs) -> RolloutEngine:
+def make_engine(rollout_cfg, model, tokenizer, device=None) -> RolloutEngine:
     """Build the engine named by ``rollout_cfg.engine`` (``hf`` | ``vllm``) from a
-    ``conf/rollout/*.yaml`` node."""
+    ``conf/rollout/*.yaml`` node (a DictConfig or a dict); ``rollout_cfg.vllm`` holds extra
+    keyword arguments for the vLLM engine."""
     from rlbench.errors import ConfigError
 
-    engine = rollout_cfg.get("engine", "hf") if hasattr(rollout_cfg, "get") else getattr(rollout_cfg, "engine", "hf")
-    batch_size = rollout_cfg.get("batch_size", 64) if hasattr(rollout_cfg, "get") else getattr(rollout_cfg, "batch_size", 64)
+    engine = rollout_cfg.get("engine", "hf")
     if engine == "hf":
-        return HFGenerateEngine(model, tokenizer, batch_size=int(batch_size), device=device)
+        return HFGenerateEngine(model, tokenizer, batch_size=int(rollout_cfg.get("batch_size", 64)), device=device)
     if engine == "vllm":
         from rlbench.rollout.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model, tokenizer, **vllm_kwargs)
+        return VLLMEngine(model, tokenizer, **dict(rollout_cfg.get("vllm") or {}))
     raise ConfigError(f"rollout.engine={engine!r} is unknown; use hf or vllm.")
