@@ -179,6 +179,10 @@ def train_step(ctx: StepContext, problems: list[Problem], progress: float = 0.0)
     grades = [ctx.grader(c.text, p.answer, c.response_ids) for p, group in zip(problems, groups) for c in group]
     batch = collate(groups, ctx.tokenizer.pad_token_id, ctx.device)
     batch.rewards = torch.tensor([g.reward for g in grades], dtype=torch.float32, device=ctx.device)
+    finished = torch.tensor([c.finished for group in groups for c in group], device=ctx.device)
+    shaping = ctx.algorithm.shape_rewards(batch.response_mask.sum(-1), finished, ctx.params.max_new_tokens)
+    if shaping is not None:  # e.g. DAPO's overlong penalty, added before the advantage
+        batch.rewards = batch.rewards + shaping
     # 3. advantage (a no-grad pass first only when the estimator reads log-probs or entropies,
     #    or the batch is reused for several updates and needs stored old log-probs)
     t1 = time.perf_counter()
@@ -229,7 +233,8 @@ def train_step(ctx: StepContext, problems: list[Problem], progress: float = 0.0)
         "advantage_std": sequence_adv.std().item() if len(sequence_adv) > 1 else 0.0,
         "advantage_abs_mean": sequence_adv.abs().mean().item(),
         "response_length": lengths.float().mean().item(),
-        "truncated_rate": float(np.mean([not c.finished for group in groups for c in group])),
+        "truncated_rate": float(1.0 - finished.float().mean().item()),
+        "reward_shaping_mean": float(shaping.mean().item()) if shaping is not None else 0.0,
         "grader_errors": float(sum(g.error is not None for g in grades)),
         "lr": ctx.scheduler.get_last_lr()[0],
         "generate_s": t_generate,

@@ -22,6 +22,7 @@ from rlbench.algorithm import kl as _kl  # noqa: F401
 from rlbench.algorithm import losses as _losses  # noqa: F401
 from rlbench.algorithm.losses import LOSS_REQUIREMENTS
 from rlbench.algorithm.registry import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from rlbench.reward.shaping import REWARD_SHAPING, SHAPING_INPUTS
 from rlbench.errors import ConfigError
 
 # Every input name a piece may declare (documented in the pieces' modules) ...
@@ -68,6 +69,7 @@ class Algorithm:
     entropy_coef: float = 0.0
     epochs: int = 1
     minibatches: int = 1
+    reward_shaping: tuple[Piece, ...] = ()
 
     @classmethod
     def from_config(cls, cfg: Any) -> "Algorithm":
@@ -84,6 +86,7 @@ class Algorithm:
             entropy_coef=float(cfg.get("entropy_coef", 0.0)),
             epochs=int(update.get("epochs", 1)),
             minibatches=int(update.get("minibatches", 1)),
+            reward_shaping=tuple(Piece.from_config(node, "reward_shaping") for node in cfg.get("reward_shaping") or ()),
         )
         algorithm.validate()
         return algorithm
@@ -103,6 +106,8 @@ class Algorithm:
                     f"(it provides {sorted(provided)}); pick another algorithm/{'advantage' if registry is ADVANTAGES else 'loss'}"
                 )
         AGGREGATIONS.validate_params(self.aggregation.name, self.aggregation.params, AGGREGATION_INPUTS)
+        for shaper in self.reward_shaping:
+            REWARD_SHAPING.validate_params(shaper.name, shaper.params, SHAPING_INPUTS)
         self._check_loss_requirements()
         KL_ESTIMATORS.get(self.kl_estimator)
         if self.kl_coef < 0 or self.entropy_coef < 0:
@@ -144,6 +149,15 @@ class Algorithm:
     def advantage_inputs(self) -> set[str]:
         """The optional trainer inputs (beyond rewards, groups, mask) the advantage estimator reads."""
         return ADVANTAGES.accepted_inputs(self.advantage.name) & {"entropy", "old_logp"}
+
+    def shape_rewards(
+        self, response_lengths: torch.Tensor, finished: torch.Tensor, max_length: int
+    ) -> torch.Tensor | None:
+        """The sum of the algorithm's reward-shaping terms per response ([B]), or None without any."""
+        if not self.reward_shaping:
+            return None
+        inputs = {"response_lengths": response_lengths, "finished": finished, "max_length": max_length}
+        return sum(REWARD_SHAPING.call(s.name, inputs, s.params) for s in self.reward_shaping)
 
     def compute_advantages(
         self, rewards: torch.Tensor, group_index: torch.Tensor, response_mask: torch.Tensor, **extra: Any
