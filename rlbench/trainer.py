@@ -161,6 +161,7 @@ def token_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     share_prompts: bool = True,
+    entropy_requires_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(o_t | q, o_<t) for every response token ([B, T]), and optionally the entropy of
     pi(. | q, o_<t). Logits are divided by ``temperature`` (the sampling temperature) so that the
@@ -178,7 +179,10 @@ def token_logprobs(
     logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = None
     if with_entropy:
-        entropy = -(log_probs.exp() * log_probs).sum(-1)
+        # Only an entropy bonus needs its gradient; for logging and entropy-aware pieces (which
+        # detach it) skip the autograd graph over the [B, T, vocab] probabilities.
+        with torch.set_grad_enabled(entropy_requires_grad and torch.is_grad_enabled()):
+            entropy = -(log_probs.exp() * log_probs).sum(-1)
     return logp, entropy
 
 
@@ -244,7 +248,10 @@ def policy_update(
             for rows in _micro_batches(minibatch, micro_batch_size):
                 sub = batch.select(rows)
                 want_entropy = track_entropy or algorithm.entropy_coef > 0
-                logp, entropy = token_logprobs(model, sub, temperature, with_entropy=want_entropy)
+                logp, entropy = token_logprobs(
+                    model, sub, temperature, with_entropy=want_entropy,
+                    entropy_requires_grad=algorithm.entropy_coef > 0,
+                )
                 old_logp = sub.old_logp if sub.old_logp is not None else logp.detach()
                 loss, metrics = algorithm.compute_loss(
                     logp=logp,

@@ -148,3 +148,18 @@ def test_shared_prompt_forward_with_scattered_group_rows():
     a, _ = token_logprobs(model, sub, share_prompts=False)
     b, _ = token_logprobs(model, sub, share_prompts=True)
     assert torch.allclose(a * sub.response_mask, b * sub.response_mask, atol=1e-5)
+
+
+def test_entropy_bonus_reaches_the_gradient():
+    grads = []
+    for coef in (0.0, 0.5):
+        algorithm = Algorithm.from_config({
+            "name": "t", "advantage": {"name": "grpo"}, "loss": {"name": "ppo_clip"},
+            "aggregation": {"name": "token_mean"}, "entropy_coef": coef,
+        })
+        model = tiny_lm()
+        opt = RecordingOptimizer(model)
+        policy_update(model, opt, prepared_batch(algorithm), algorithm, micro_batch_size=4, max_grad_norm=None,
+                      temperature=1.0, norm_length=6)
+        grads.append(opt.steps[0])
+    assert any(not torch.allclose(a, b) for a, b in zip(*grads))
