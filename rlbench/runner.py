@@ -317,9 +317,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         def run_eval(phase: str) -> EvalResult:
             log.info("evaluating (%s) on %s", phase, ", ".join(b.name for b in benchmarks))
             result = evaluate(engine, tokenizer, benchmarks, n=ev.n, ks=list(ev.k), params=eval_params, seed=eval_seed)
-            for row in result.rows:
-                row["phase"] = phase
-            return result
+            return result.with_phase(phase)
 
         baseline = run_eval("before") if training and ev.before_training else None
         if training:
@@ -329,6 +327,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         if training and cfg.trainer.save_model:
             save_policy(model, tokenizer, out_dir / "policy")
         rows = (baseline.rows if baseline else []) + final.rows
+        problem_rows = (baseline.problems if baseline else []) + final.problems
         summary = {
             "run_name": cfg.run_name,
             "mode": cfg.mode,
@@ -345,7 +344,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             "git_commit": git_commit(),
             "command": " ".join(sys.argv),
         }
-        logger.log_eval(rows, final.samples, summary, step=int(cfg.trainer.steps) if training else 0)
+        logger.log_eval(rows, problem_rows, final.samples, summary, step=int(cfg.trainer.steps) if training else 0)
         print_table(final, baseline)
         print(f"results: {out_dir}")
     finally:

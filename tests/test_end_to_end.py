@@ -58,6 +58,16 @@ def test_smoke_writes_every_result_file(smoke_run):
     # pass@1 in the table is the mean of per-problem correct fractions
     assert float(after[0]["pass_at_k"]) == pytest.approx(sum(s["correct"] for s in samples) / len(samples))
 
+    with open(out / "eval" / "problems.csv") as f:
+        problem_rows = list(csv.DictReader(f))
+    assert {r["phase"] for r in problem_rows} == {"before", "after"}
+    final = [r for r in problem_rows if r["phase"] == "after"]
+    assert len(final) == 4 and all(int(r["n"]) == 4 for r in final)
+    by_prompt = {}
+    for s in samples:
+        by_prompt[s["prompt_id"]] = by_prompt.get(s["prompt_id"], 0) + int(s["correct"])
+    assert {r["uid"]: int(r["correct"]) for r in final} == by_prompt  # per-problem counts match the samples
+
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["pass_at_1_before"]) == {"arith"} and set(summary["pass_at_1_after"]) == {"arith"}
     assert summary["wall_seconds"] > 0 and "torch" in summary["versions"] and summary["git_commit"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -29,6 +29,13 @@ class EvalResult:
     rows: list[dict]            # one per (benchmark, k)
     samples: list[dict]         # one per completion
     seconds: float
+    problems: list[dict] = field(default_factory=list)  # one per problem: benchmark, uid, n, correct
+
+    def with_phase(self, phase: str) -> "EvalResult":
+        """Tag every table row and problem row with the evaluation phase (before / after / eval)."""
+        for row in self.rows + self.problems:
+            row["phase"] = phase
+        return self
 
     def pass_at(self, k: int = 1) -> dict[str, float]:
         return {r["benchmark"]: r["pass_at_k"] for r in self.rows if r["k"] == k}
@@ -88,4 +95,7 @@ def evaluate(
                     )
             progress.update(len(chunk), note=bench.name)
     rows = summarize(results, ks, seed=seed)
-    return EvalResult(rows=rows, samples=samples, seconds=time.perf_counter() - start)
+    problems = [
+        {"benchmark": r.benchmark, "uid": r.uid, "n": len(r.correct), "correct": int(sum(r.correct))} for r in results
+    ]
+    return EvalResult(rows=rows, samples=samples, seconds=time.perf_counter() - start, problems=problems)

@@ -4,6 +4,7 @@ Files (all written atomically except the append-only metrics log):
     config.yaml        resolved configuration
     metrics.jsonl      one JSON object per training step (complete lines only)
     eval/passk.csv     benchmark, k, pass@k, 95% CI, maj@k, mean accuracy, n, problems, phase
+    eval/problems.csv  phase, benchmark, uid, n, correct: per-problem counts (for paired comparisons)
     eval/samples.jsonl one line per sampled completion of the final evaluation
     summary.json       before/after pass@1 per benchmark, wall time, versions, git commit
 """
@@ -71,9 +72,18 @@ class RunLogger:
         if self.wandb_run is not None:
             self.wandb_run.log({f"train/{k}": v for k, v in metrics.items()}, step=step)
 
-    def log_eval(self, rows: Sequence[Mapping[str, Any]], samples: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], step: int) -> None:
+    def log_eval(
+        self,
+        rows: Sequence[Mapping[str, Any]],
+        problems: Sequence[Mapping[str, Any]],
+        samples: Sequence[Mapping[str, Any]],
+        summary: Mapping[str, Any],
+        step: int,
+    ) -> None:
         table = pd.DataFrame(list(rows))
         atomic_write_text(self.out_dir / "eval" / "passk.csv", table.to_csv(index=False))
+        problem_table = pd.DataFrame(list(problems), columns=["phase", "benchmark", "uid", "n", "correct"])
+        atomic_write_text(self.out_dir / "eval" / "problems.csv", problem_table.to_csv(index=False))
         atomic_write_text(
             self.out_dir / "eval" / "samples.jsonl", "".join(json.dumps(s) + "\n" for s in samples)
         )
