@@ -8,6 +8,7 @@ from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
+from omegaconf.errors import MissingMandatoryValue
 
 from rlbench.errors import ConfigError, DataError
 
@@ -24,11 +25,18 @@ def app(cfg: DictConfig) -> float | None:
     try:
         summary = run(cfg)
     except (ConfigError, DataError) as err:
-        log.error("%s: %s", type(err).__name__, err)
-        print(f"rlbench: {type(err).__name__}: {err}", file=sys.stderr)
-        sys.exit(2)
+        fail(f"{type(err).__name__}: {err}")
+    except MissingMandatoryValue as err:  # a ??? left in the config
+        key = getattr(err, "full_key", "") or str(err)
+        fail(f"ConfigError: {key} must be set (it is ??? in the config); add {key}=<value> to the command line")
     after = summary.get("pass_at_1_after") or {}
     return sum(after.values()) / len(after) if after else None  # for sweepers that optimise
+
+
+def fail(message: str) -> None:
+    log.error("%s", message)
+    print(f"rlbench: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ from rlbench.errors import ConfigError
 from rlbench.model import validate_model_config
 
 MODES = ("train", "eval")
-REWARDS = ("math", "even_tokens")
+REWARDS = ("math", "code", "even_tokens")
 ENGINES = ("hf", "vllm")
 
 
@@ -55,6 +55,21 @@ def check_batch_arithmetic(prompts_per_step: int, n: int, micro_batch_size: int,
         )
 
 
+def check_reward_matches_dataset(reward: str, dataset: Any) -> None:
+    """reward=code trains on code datasets (tests), reward=math on answer datasets; the toy reward
+    (even_tokens) ignores answers and goes with any dataset."""
+    answer_type = dataset.get("answer_type", "math")
+    if reward == "code" and answer_type != "code":
+        raise ConfigError(
+            f"reward=code runs tests, but dataset={dataset.name} has answers (answer_type {answer_type}); "
+            "use reward=math, or a code dataset such as dataset=mbpp"
+        )
+    if reward == "math" and answer_type == "code":
+        raise ConfigError(
+            f"dataset={dataset.name} is graded by running tests; use reward=code (reward=math checks answers)"
+        )
+
+
 def validate_config(cfg: Any) -> Algorithm:
     """Check the whole run configuration. Returns the built Algorithm."""
     if cfg.mode not in MODES:
@@ -90,6 +105,7 @@ def validate_config(cfg: Any) -> Algorithm:
             )
         check_batch_arithmetic(trainer.prompts_per_step, rollout.n, trainer.micro_batch_size, algorithm.minibatches)
         validate_spec(cfg.dataset, source=cfg.data_source, data_dir=cfg.data_dir)
+        check_reward_matches_dataset(cfg.reward.name, cfg.dataset)
 
     ev = cfg.eval
     _positive(ev.n, "eval.n")
@@ -106,6 +122,13 @@ def validate_config(cfg: Any) -> Algorithm:
         raise ConfigError("eval.benchmarks is empty; pick a suite with eval=<name>")
     for name, spec in ev.benchmarks.items():
         validate_spec(spec, source=cfg.data_source, data_dir=cfg.data_dir)
+
+    sandbox = cfg.get("sandbox") or {}
+    for key in ("timeout_s", "memory_mb", "file_size_mb", "max_output_bytes"):
+        if key in sandbox:
+            _positive(sandbox[key], f"sandbox.{key}")
+    if sandbox.get("workers") is not None:
+        _positive(sandbox.workers, "sandbox.workers")
 
     validate_model_config(cfg.model)
     return algorithm

@@ -35,7 +35,7 @@ from rlbench.logger import RunLogger
 from rlbench.model import load_policy
 from rlbench.prompting import encode_prompts
 from rlbench.errors import ConfigError
-from rlbench.reward import MathReward
+from rlbench.reward import MathReward, grade_completions
 from rlbench.reward.toy import EvenTokenReward
 from rlbench.rollout import make_engine
 from rlbench.rollout.base import GenerationRequest, RolloutEngine, SamplingParams
@@ -65,18 +65,43 @@ class PromptSampler:
         return batch
 
 
-def make_grader(reward_cfg: Any, data_spec: Any) -> MathReward | EvenTokenReward:
-    """The reward named by ``reward.name``: ``math`` (answer checking) or ``even_tokens`` (toy)."""
+def make_grader(reward_cfg: Any, data_spec: Any, sandbox_cfg: Any = None) -> Any:
+    """The grader of one dataset or benchmark.
+
+    ``reward.name``: ``even_tokens`` (toy) grades everything with the toy reward. Otherwise the
+    spec's ``answer_type`` decides: ``code`` runs the tests in the sandbox (reward=code sets its
+    mode and values; on a math run a code benchmark is graded all-pass), ``math`` checks the answer
+    (reward=math sets the values; on a code run a math benchmark gets the default math grader).
+    """
     if reward_cfg.name == "even_tokens":
         return EvenTokenReward(threshold=reward_cfg.get("threshold", 0.75))
-    if reward_cfg.name != "math":
-        raise ConfigError(f"reward={reward_cfg.name} is unknown; choose math or even_tokens")
-    extraction = reward_cfg.get("extraction") or data_spec.get("reward_extraction") or "auto"
+    if reward_cfg.name not in ("math", "code"):
+        raise ConfigError(f"reward={reward_cfg.name} is unknown; choose math, code or even_tokens")
+    own = reward_cfg if reward_cfg.name == data_spec.get("answer_type", "math") else {}
+    if data_spec.get("answer_type", "math") == "code":
+        from rlbench.reward.code import CodeReward
+        from rlbench.sandbox import SandboxLimits
+
+        sandbox = sandbox_cfg or {}
+        limits = SandboxLimits(
+            timeout_s=float(sandbox.get("timeout_s", 5.0)),
+            memory_mb=int(sandbox.get("memory_mb", 1024)),
+            file_size_mb=int(sandbox.get("file_size_mb", 16)),
+            max_output_bytes=int(sandbox.get("max_output_bytes", 65536)),
+        )
+        return CodeReward(
+            mode=own.get("mode", "all_pass"),
+            correct_reward=own.get("correct_reward", 1.0),
+            incorrect_reward=own.get("incorrect_reward", 0.0),
+            limits=limits,
+            workers=sandbox.get("workers"),
+        )
+    extraction = own.get("extraction") or data_spec.get("reward_extraction") or "auto"
     return MathReward(
-        correct_reward=reward_cfg.correct_reward,
-        incorrect_reward=reward_cfg.incorrect_reward,
-        format_weight=reward_cfg.format_weight,
-        tolerance=reward_cfg.tolerance,
+        correct_reward=own.get("correct_reward", 1.0),
+        incorrect_reward=own.get("incorrect_reward", 0.0),
+        format_weight=own.get("format_weight", 0.0),
+        tolerance=own.get("tolerance", 1e-6),
         extraction=extraction,
     )
 
@@ -87,7 +112,7 @@ def load_benchmarks(cfg: DictConfig) -> list[Benchmark]:
         problems = load_problems(spec, seed=cfg.seed, data_dir=cfg.data_dir, source=cfg.data_source)
         if cfg.eval.limit is not None:
             problems = problems[: cfg.eval.limit]
-        benchmarks.append(Benchmark(name, spec, problems, make_grader(cfg.reward, spec)))
+        benchmarks.append(Benchmark(name, spec, problems, make_grader(cfg.reward, spec, cfg.get("sandbox"))))
     return benchmarks
 
 
@@ -120,7 +145,7 @@ class StepContext:
     model: torch.nn.Module
     tokenizer: Any
     engine: RolloutEngine
-    grader: MathReward
+    grader: Any  # MathReward, CodeReward or EvenTokenReward (see make_grader)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     params: SamplingParams
@@ -150,7 +175,7 @@ def make_step_context(
         model=model,
         tokenizer=tokenizer,
         engine=engine,
-        grader=make_grader(cfg.reward, cfg.dataset),
+        grader=make_grader(cfg.reward, cfg.dataset, cfg.get("sandbox")),
         optimizer=optimizer,
         scheduler=scheduler,
         params=SamplingParams(rollout.temperature, rollout.top_p, rollout.max_new_tokens),
@@ -176,7 +201,8 @@ def train_step(ctx: StepContext, problems: list[Problem], progress: float = 0.0)
     groups = ctx.engine.generate(requests, ctx.params, generator=ctx.rollout_generator)
     t_generate = time.perf_counter() - t0
     # 2. reward: grade every response against its problem's reference answer
-    grades = [ctx.grader(c.text, p.answer, c.response_ids) for p, group in zip(problems, groups) for c in group]
+    completions = [c for group in groups for c in group]
+    grades = grade_completions(ctx.grader, [p for p, group in zip(problems, groups) for _ in group], completions)
     batch = collate(groups, ctx.tokenizer.pad_token_id, ctx.device)
     batch.rewards = torch.tensor([g.reward for g in grades], dtype=torch.float32, device=ctx.device)
     finished = torch.tensor([c.finished for group in groups for c in group], device=ctx.device)
@@ -286,9 +312,10 @@ def print_table(result: EvalResult, baseline: EvalResult | None) -> None:
     for r in result.rows:
         b = before.get((r["benchmark"], r["k"]))
         before_text = "-" if b is None else f"{b:.4f}"
+        maj_text = "-" if r["maj_at_k"] != r["maj_at_k"] else f"{r['maj_at_k']:.4f}"  # NaN: answers cannot vote
         print(
             f"{r['benchmark']:<12} {r['k']:>3} {r['pass_at_k']:>8.4f} [{r['ci_low']:.4f}, {r['ci_high']:.4f}] "
-            f"{r['maj_at_k']:>7.4f} {before_text:>8}"
+            f"{maj_text:>7} {before_text:>8}"
         )
     print()
 

@@ -459,7 +459,9 @@ def test_all_configs_validate():
     for group in ("dataset", "benchmark"):
         for path in sorted((CONF / group).glob("*.yaml")):
             cfg = OmegaConf.load(path)
-            if "loader" not in cfg:
-                continue  # not a dataset spec (owned elsewhere)
+            if "loader" not in cfg or path.stem == "custom":
+                continue  # not a dataset spec (owned elsewhere), or a template with ??? to fill in
             validate_spec(cfg, source="local")
+            if cfg.get("answer_type") == "code":
+                continue  # graded by tests, no answer extraction
             assert cfg.reward_extraction == ("last_number" if cfg.loader == "arith" else "auto")

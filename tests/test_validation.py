@@ -74,7 +74,7 @@ def test_malformed_jsonl_names_file_and_line(make_cfg, tmp_path, monkeypatch):
     good = '{"question": "1+1?", "answer": "#### 2"}\n'
     (tmp_path / "gsm8k" / "train.jsonl").write_text(good + good + '{"question": "broken"\n')
     with pytest.raises(DataError, match=r"train\.jsonl:3|line 3"):
-        runner.run(make_cfg("dataset=gsm8k", f"data_dir={tmp_path}", "data_source=local"))
+        runner.run(make_cfg("dataset=gsm8k", "eval=arith", f"data_dir={tmp_path}", "data_source=local"))
 
 
 def test_unknown_group_option_from_the_command_line(tmp_path):

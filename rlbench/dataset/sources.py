@@ -10,6 +10,7 @@ A spec (one YAML file, as a plain dict or an OmegaConf DictConfig) looks like::
     files: {train: gsm8k/train.jsonl, test: gsm8k/test.jsonl}   # relative to the data dir
     split: train
     fields: {problem: question, answer: answer}   # each a name or a list of candidate names
+    answer_type: math             # math (reference answer) | code (tests; see rlbench.dataset.code)
     answer_format: gsm8k          # raw | gsm8k | boxed
     id_field: id                  # optional, default "id"
     meta_fields: [level]          # optional record fields copied into Problem.meta
@@ -32,12 +33,14 @@ from rlbench.dataset.arith import LEVELS as ARITH_LEVELS
 from rlbench.dataset.arith import SPLITS as ARITH_SPLITS
 from rlbench.dataset.arith import generate_arith
 from rlbench.dataset.base import Problem
+from rlbench.dataset.code import records_to_code_problems, validate_code_spec
 from rlbench.dataset.jsonl import ANSWER_FORMATS, iter_jsonl, records_to_problems
 from rlbench.dataset.prompts import check_template
 from rlbench.errors import ConfigError, DataError
 
 DATA_DIR_ENV = "RLBENCH_DATA_DIR"
 LOADERS = ("jsonl", "arith")
+ANSWER_TYPES = ("math", "code")  # graded by rlbench.reward.MathReward / rlbench.reward.code.CodeReward
 SOURCES = ("auto", "local", "hub")
 
 _HUB_OFFLINE_ENVS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
@@ -78,6 +81,12 @@ def _to_plain(spec: Any) -> dict[str, Any]:
     except ImportError:  # pragma: no cover - omegaconf is a dependency
         DictConfig = None  # type: ignore[assignment]
     if DictConfig is not None and isinstance(spec, DictConfig):
+        missing = sorted(OmegaConf.missing_keys(spec))
+        if missing:
+            raise ConfigError(
+                f"dataset {spec.get('name')!r}: {', '.join(missing)} must be set (??? in the config); "
+                f"give it on the command line, e.g. {missing[0]}=<value>"
+            )
         return OmegaConf.to_container(spec, resolve=True)  # type: ignore[return-value]
     if not isinstance(spec, Mapping):
         raise ConfigError(f"dataset spec must be a mapping, got {type(spec).__name__}")
@@ -194,6 +203,13 @@ def _validate_static(spec: Mapping[str, Any], split: str | None) -> tuple[str, s
         _validate_arith(spec, name, split)
         return name, split
 
+    answer_type = spec.get("answer_type", "math")
+    if answer_type not in ANSWER_TYPES:
+        raise ConfigError(f"dataset {name!r}: answer_type {answer_type!r} is unknown; choose one of {list(ANSWER_TYPES)}")
+    if answer_type == "code":
+        validate_code_spec(spec, name, split)
+        _check_files(spec, name, split)
+        return name, split
     answer_format = spec.get("answer_format", "raw")
     if answer_format not in ANSWER_FORMATS:
         raise ConfigError(
@@ -213,6 +229,11 @@ def _validate_static(spec: Mapping[str, Any], split: str | None) -> tuple[str, s
             raise ConfigError(
                 f"dataset {name!r}: fields.{key} must be a field name or a list of candidate names"
             )
+    _check_files(spec, name, split)
+    return name, split
+
+
+def _check_files(spec: Mapping[str, Any], name: str, split: str) -> None:
     files = spec.get("files")
     if not isinstance(files, Mapping) or not files:
         raise ConfigError(f"dataset {name!r}: set files: {{<split>: <path relative to the data dir>}}")
@@ -221,7 +242,6 @@ def _validate_static(spec: Mapping[str, Any], split: str | None) -> tuple[str, s
             f"dataset {name!r}: split {split!r} is not in files (available: {sorted(files)}); "
             "change 'split' or add the file"
         )
-    return name, split
 
 
 def _validate_arith(spec: Mapping[str, Any], name: str, split: str) -> None:
@@ -320,6 +340,8 @@ def _convert(
     records: Iterator[tuple[str, dict[str, Any]]],
     limit: int | None,
 ) -> list[Problem]:
+    if spec.get("answer_type", "math") == "code":
+        return records_to_code_problems(records, spec, name=name, split=split, limit=limit)
     fields = spec["fields"]
     return records_to_problems(
         records,

@@ -11,7 +11,7 @@ import torch
 from rlbench.dataset.base import Problem
 from rlbench.eval.metrics import ProblemResult, summarize
 from rlbench.prompting import encode_prompts
-from rlbench.reward import canonical_answer
+from rlbench.reward import canonical_answer, grade_completions
 from rlbench.rollout.base import GenerationRequest, RolloutEngine, SamplingParams
 from rlbench.utils import Progress
 
@@ -69,14 +69,20 @@ def evaluate(
             prompt_ids = encode_prompts(tokenizer, chunk, bench.spec["prompt"])
             requests = [GenerationRequest(prompt_ids=ids, n=n) for ids in prompt_ids]
             groups = engine.generate(requests, params, generator=generator)
+            flat = [c for group in groups for c in group]
+            all_grades = grade_completions(bench.grader, [p for p, g in zip(chunk, groups) for _ in g], flat)
+            votable = bench.spec.get("answer_type", "math") != "code"  # programs cannot vote
+            offset = 0
             for problem, group in zip(chunk, groups):
-                grades = [bench.grader(c.text, problem.answer, c.response_ids) for c in group]
+                grades = all_grades[offset : offset + len(group)]
+                offset += len(group)
                 results.append(
                     ProblemResult(
                         benchmark=bench.name,
                         uid=problem.uid,
                         correct=[g.correct for g in grades],
-                        answer_keys=[canonical_answer(g.extracted) for g in grades],
+                        answer_keys=[canonical_answer(g.extracted) if votable else None for g in grades],
+                        votable=votable,
                     )
                 )
                 for c, g in zip(group, grades):
@@ -91,6 +97,7 @@ def evaluate(
                             "finished": c.finished,
                             "response_tokens": len(c.response_ids),
                             "grader_error": g.error,
+                            **({"grader_details": g.details} if getattr(g, "details", None) else {}),
                         }
                     )
             progress.update(len(chunk), note=bench.name)

@@ -167,12 +167,14 @@ class ProblemResult:
     uid:         problem identifier.
     correct:     one flag per sample (n samples).
     answer_keys: canonical answer per sample (None if no answer), used for maj@k.
+    votable:     False when answers cannot vote (programs): maj@k is then reported as NaN.
     """
 
     benchmark: str
     uid: str
     correct: list[bool] = field(default_factory=list)
     answer_keys: list[str | None] = field(default_factory=list)
+    votable: bool = True
 
 
 def summarize(
@@ -185,7 +187,8 @@ def summarize(
       * ``pass_at_k``: mean over problems of :func:`pass_at_k` (n_i, c_i, k), each problem
         using its own sample count n_i and correct count c_i;
       * ``ci_low``, ``ci_high``: :func:`bootstrap_ci` of those per-problem values (seed);
-      * ``maj_at_k``: mean over problems of :func:`maj_at_k` (seed);
+      * ``maj_at_k``: mean over problems of :func:`maj_at_k` (seed); NaN when the benchmark's
+        answers cannot vote (``votable=False``, e.g. code);
       * ``mean_accuracy``: mean over problems of c_i / n_i;
       * ``n``: samples per problem -- if problems differ, the minimum n_i;
       * ``problems``: number of problems.
@@ -221,7 +224,8 @@ def summarize(
         for k in k_list:
             per_problem = [pass_at_k(n, c, k) for n, c in counts]
             ci_low, ci_high = bootstrap_ci(per_problem, seed=seed)
-            maj = [maj_at_k(p.answer_keys, p.correct, k, seed=seed) for p in probs]
+            votable = all(p.votable for p in probs)
+            maj = [maj_at_k(p.answer_keys, p.correct, k, seed=seed) if votable else math.nan for p in probs]
             rows.append(
                 {
                     "benchmark": bench,
