@@ -145,8 +145,10 @@ def _example():
 
 def test_summarize_hand_computed():
     rows = summarize(_example(), ks=[2, 1])
-    assert [(r["benchmark"], r["k"]) for r in rows] == [("A", 1), ("A", 2), ("B", 1), ("B", 2)]
-    a1, a2, b1, b2 = rows
+    assert [(r["benchmark"], r["k"]) for r in rows] == [
+        ("A", 1), ("A", 2), ("B", 1), ("B", 2), ("macro_avg", 1), ("macro_avg", 2)
+    ]
+    a1, a2, b1, b2, m1, m2 = rows
     # A, k=1: pass@1 = (1/4 + 1) / 2; maj@1 = same; accuracy = same
     assert a1["pass_at_k"] == pytest.approx(0.625)
     assert a1["maj_at_k"] == pytest.approx(0.625)
@@ -164,8 +166,28 @@ def test_summarize_hand_computed():
         assert row["n"] == 2 and row["problems"] == 1
     assert set(a1) == {
         "benchmark", "k", "pass_at_k", "ci_low", "ci_high", "maj_at_k", "mean_accuracy", "n",
-        "problems",
+        "problems", "maj_ci_low", "maj_ci_high", "accuracy_ci_low", "accuracy_ci_high",
     }
+    assert a1["accuracy_ci_low"] <= a1["mean_accuracy"] <= a1["accuracy_ci_high"]
+    assert a2["maj_ci_low"] <= a2["maj_at_k"] <= a2["maj_ci_high"]
+    # macro average: each benchmark weighs 1/2 whatever its size; B (one problem, all wrong)
+    # contributes 0 to every resample, so the interval is A's halved
+    assert m1["pass_at_k"] == pytest.approx((0.625 + 0.0) / 2) and m2["pass_at_k"] == pytest.approx(0.75 / 2)
+    assert m1["maj_at_k"] == pytest.approx(0.625 / 2) and m1["problems"] == 3 and m1["n"] == 2
+    assert (m1["ci_low"], m1["ci_high"]) == pytest.approx((a1["ci_low"] / 2, a1["ci_high"] / 2))
+
+
+def test_macro_bootstrap_interval_keeps_each_benchmark_weight():
+    from rlbench.eval.metrics import macro_bootstrap_ci
+
+    big = [1.0] * 50  # a large benchmark of all-correct problems
+    small = [0.0, 1.0]  # a small benchmark
+    low, high = macro_bootstrap_ci([big, small], n_resamples=2000, seed=1)
+    # resamples of `small` have mean 0, 0.5 or 1 -> macro 0.5, 0.75 or 1.0
+    assert (low, high) == (0.5, 1.0)
+    assert macro_bootstrap_ci([[0.3]]) == (0.3, 0.3)
+    with pytest.raises(ValueError):
+        macro_bootstrap_ci([[1.0], []])
 
 
 def test_summarize_k_too_large():

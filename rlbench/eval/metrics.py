@@ -123,6 +123,25 @@ def maj_at_k(
     return float(win_correct.mean())
 
 
+def _check_bootstrap_args(n_resamples: int, alpha: float) -> None:
+    if not 0.0 < alpha < 1.0:
+        raise ValueError(f"bootstrap_ci needs 0 < alpha < 1, got {alpha}")
+    if n_resamples < 1:
+        raise ValueError(f"bootstrap_ci needs n_resamples >= 1, got {n_resamples}")
+
+
+def _resampled_means(arr: np.ndarray, n_resamples: int, rng: np.random.Generator) -> np.ndarray:
+    """Means of ``n_resamples`` with-replacement resamples of ``arr`` (memory bounded)."""
+    size = arr.size
+    chunk = max(1, min(n_resamples, 2_000_000 // size))  # bound memory to ~16 MB of indices
+    means = np.empty(n_resamples, dtype=np.float64)
+    for start in range(0, n_resamples, chunk):
+        stop = min(n_resamples, start + chunk)
+        idx = rng.integers(0, size, size=(stop - start, size))
+        means[start:stop] = arr[idx].mean(axis=1)
+    return means
+
+
 def bootstrap_ci(
     values: Sequence[float],
     *,
@@ -137,26 +156,42 @@ def bootstrap_ci(
     ``alpha/2`` and ``1 - alpha/2`` quantiles of those means. One value v -> (v, v).
     Raises ValueError on an empty sequence.
     """
-    arr = np.asarray(values, dtype=np.float64).ravel()
-    if arr.size == 0:
-        raise ValueError("bootstrap_ci needs at least one value")
-    if not 0.0 < alpha < 1.0:
-        raise ValueError(f"bootstrap_ci needs 0 < alpha < 1, got {alpha}")
-    if n_resamples < 1:
-        raise ValueError(f"bootstrap_ci needs n_resamples >= 1, got {n_resamples}")
-    if arr.size == 1:
-        v = float(arr[0])
+    return macro_bootstrap_ci([values], n_resamples=n_resamples, alpha=alpha, seed=seed)
+
+
+def macro_bootstrap_ci(
+    strata: Sequence[Sequence[float]],
+    *,
+    n_resamples: int = 1000,
+    alpha: float = 0.05,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """Percentile bootstrap interval of the macro average (1/S) sum_s mean(stratum_s).
+
+    Each stratum (a benchmark's per-problem values) is resampled with replacement on its own,
+    so every resample keeps each benchmark's size and weight 1/S. One stratum is
+    :func:`bootstrap_ci`; a stratum of one value contributes that value in every resample.
+    """
+    _check_bootstrap_args(n_resamples, alpha)
+    arrays = [np.asarray(v, dtype=np.float64).ravel() for v in strata]
+    if not arrays or any(a.size == 0 for a in arrays):
+        raise ValueError("bootstrap_ci needs at least one value (in every stratum)")
+    if all(a.size == 1 for a in arrays):
+        v = float(np.mean([a[0] for a in arrays]))
         return v, v
     rng = np.random.default_rng(seed)
-    size = arr.size
-    chunk = max(1, min(n_resamples, 2_000_000 // size))  # bound memory to ~16 MB of indices
-    means = np.empty(n_resamples, dtype=np.float64)
-    for start in range(0, n_resamples, chunk):
-        stop = min(n_resamples, start + chunk)
-        idx = rng.integers(0, size, size=(stop - start, size))
-        means[start:stop] = arr[idx].mean(axis=1)
+    means = np.mean([_resampled_means(a, n_resamples, rng) for a in arrays], axis=0)
     low, high = np.quantile(means, [alpha / 2.0, 1.0 - alpha / 2.0])
     return float(low), float(high)
+
+
+MACRO_AVERAGE = "macro_avg"  # the row that averages benchmarks with equal weight
+# (metric, interval low column, interval high column); pass@k keeps its historical ci_low / ci_high
+METRIC_COLUMNS = (
+    ("pass_at_k", "ci_low", "ci_high"),
+    ("maj_at_k", "maj_ci_low", "maj_ci_high"),
+    ("mean_accuracy", "accuracy_ci_low", "accuracy_ci_high"),
+)
 
 
 @dataclass
@@ -189,9 +224,14 @@ def summarize(
       * ``ci_low``, ``ci_high``: :func:`bootstrap_ci` of those per-problem values (seed);
       * ``maj_at_k``: mean over problems of :func:`maj_at_k` (seed); NaN when the benchmark's
         answers cannot vote (``votable=False``, e.g. code);
-      * ``mean_accuracy``: mean over problems of c_i / n_i;
+      * ``maj_ci_low``, ``maj_ci_high``: bootstrap interval of maj@k (NaN when it is);
+      * ``mean_accuracy``: mean over problems of c_i / n_i, with ``accuracy_ci_low/high``;
       * ``n``: samples per problem -- if problems differ, the minimum n_i;
       * ``problems``: number of problems.
+
+    With more than one benchmark, rows named ``macro_avg`` follow: every metric averaged over
+    benchmarks with equal weight, its interval from :func:`macro_bootstrap_ci` (problems
+    resampled within each benchmark); ``problems`` is then the total.
 
     Rows are ordered by benchmark (order of first appearance) then ascending k. Raises
     ValueError if some k exceeds a benchmark's (minimum) n, or a problem has no samples or
@@ -211,6 +251,7 @@ def summarize(
 
     k_list = sorted({int(k) for k in ks})
     rows: list[dict] = []
+    per_benchmark: dict[tuple[str, int], dict[str, list[float]]] = {}
     for bench, probs in groups.items():
         n_min = min(len(p.correct) for p in probs)
         for k in k_list:
@@ -220,23 +261,33 @@ def summarize(
                     f"need 1 <= k <= n, and n={n_min} samples per problem"
                 )
         counts = [(len(p.correct), int(sum(bool(x) for x in p.correct))) for p in probs]
-        accuracy = float(np.mean([c / n for n, c in counts]))
+        accuracy = [c / n for n, c in counts]
+        votable = all(p.votable for p in probs)
         for k in k_list:
-            per_problem = [pass_at_k(n, c, k) for n, c in counts]
-            ci_low, ci_high = bootstrap_ci(per_problem, seed=seed)
-            votable = all(p.votable for p in probs)
-            maj = [maj_at_k(p.answer_keys, p.correct, k, seed=seed) if votable else math.nan for p in probs]
-            rows.append(
-                {
-                    "benchmark": bench,
-                    "k": k,
-                    "pass_at_k": float(np.mean(per_problem)),
-                    "ci_low": ci_low,
-                    "ci_high": ci_high,
-                    "maj_at_k": float(np.mean(maj)),
-                    "mean_accuracy": accuracy,
-                    "n": n_min,
-                    "problems": len(probs),
-                }
-            )
+            values = {
+                "pass_at_k": [pass_at_k(n, c, k) for n, c in counts],
+                "maj_at_k": [maj_at_k(p.answer_keys, p.correct, k, seed=seed) for p in probs] if votable else [],
+                "mean_accuracy": accuracy,
+            }
+            per_benchmark[bench, k] = values
+            rows.append(_row(bench, k, [values], n_min, len(probs), seed))
+    if len(groups) > 1:
+        for k in k_list:
+            strata = [per_benchmark[bench, k] for bench in groups]
+            n_min = min(len(p.correct) for probs in groups.values() for p in probs)
+            rows.append(_row(MACRO_AVERAGE, k, strata, n_min, sum(len(p) for p in groups.values()), seed))
     return rows
+
+
+def _row(benchmark: str, k: int, strata: Sequence[dict[str, list[float]]], n: int, problems: int, seed: int) -> dict:
+    """One table row: each metric's (macro) mean over the strata and its bootstrap interval."""
+    row: dict = {"benchmark": benchmark, "k": k}
+    for metric, low_key, high_key in METRIC_COLUMNS:
+        parts = [s[metric] for s in strata]
+        if any(not p for p in parts):  # e.g. maj@k of programs: no votes
+            row[metric], row[low_key], row[high_key] = math.nan, math.nan, math.nan
+            continue
+        row[metric] = float(np.mean([np.mean(p) for p in parts]))
+        row[low_key], row[high_key] = macro_bootstrap_ci(parts, seed=seed)
+    row["n"], row["problems"] = n, problems
+    return row
