@@ -90,9 +90,13 @@ def test_smoke_offline_wandb_run_holds_the_passk_table(smoke_run):
 
 def test_saved_policy_loads_for_evaluation(smoke_run, make_cfg):
     out, _ = smoke_run
-    summary = run(make_cfg("experiment=smoke", "mode=eval", "model.source=path", f"model.path={out / 'policy'}",
-                           "logger=files"))
+    summary = run(make_cfg("mode=eval", "model=checkpoint", f"model.path={out / 'policy'}", "logger=files",
+                           "eval.n=4", "eval.k=[1,2,4]", "eval.limit=4", "rollout.max_new_tokens=8",
+                           "dataset.arith.test_size=16"))
     assert summary["pass_at_1_before"] is None and set(summary["pass_at_1_after"]) == {"arith"}
+    assert summary["model"] == "checkpoint" and summary["mode"] == "eval"
+    # the same problems and sampler as the run's own final evaluation: the same score
+    assert summary["pass_at_1_after"] == json.loads((out / "summary.json").read_text())["pass_at_1_after"]
 
 
 def _metrics_without_timing(path: Path):

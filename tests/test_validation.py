@@ -54,6 +54,11 @@ def test_missing_model_path(make_cfg, tmp_path):
         runner.run(make_cfg("model.source=path", f"model.path={missing}"))
 
 
+def test_checkpoint_model_without_a_path(make_cfg):
+    with pytest.raises(ConfigError, match="model.path"):
+        runner.run(make_cfg("mode=eval", "model=checkpoint"))
+
+
 def test_unknown_algorithm_piece_parameter(make_cfg):
     with pytest.raises(ConfigError, match="clip_hihg"):
         runner.run(make_cfg("+algorithm.loss.clip_hihg=0.3"))
