@@ -4,14 +4,37 @@ Grading goes cheapest-first:
 
 1. normalise both strings (units, ``\\%``, ``$``, spacing commands, ``dfrac``, thousands
    commas, a leading ``x =``) and compare them exactly;
-2. if both are plain numbers (integers, decimals, ``a/b``, ``\\frac{a}{b}``) compare them
-   numerically with a relative tolerance -- this decides the case either way;
+2. if both are plain numbers (integers, decimals, ``a/b``, ``\\frac{a}{b}``, mixed numbers,
+   ``1.5e3``, ``1.5\\times10^{3}``) compare them numerically -- this decides either way;
 3. otherwise ask ``math-verify`` (symbolic comparison: radicals, intervals, tuples, sets,
-   equations, ...).
+   matrices, equations, ...) in a worker process with a hard timeout
+   (:mod:`rlbench.reward.symbolic`; safe from any thread).
 
-``math-verify`` is imported lazily (importing it takes ~0.5 s).  Its timeouts use
-``signal.alarm``, which only works in the main thread; off the main thread this module
-calls it without a timeout instead of letting it raise.
+Policy (each rule is a choice; ``tests/test_grader_table.py`` pins every one):
+
+* Numbers: two integers must be equal exactly (``1000001`` is not ``1000000``); otherwise
+  ``|pred - ref| <= tolerance * max(1, |ref|)`` (default 1e-6, so ``0.333`` is not ``1/3``
+  but ``0.3333333`` is; ``27.000001`` matches the AMC reference ``27.0``).  The same rule
+  applies when one side is a decimal and the other a constant expression (``3.14`` is not
+  ``\\pi``, ``1.41421356`` is ``\\sqrt{2}``).  Two exact forms never match by closeness
+  (``355/113`` is not ``\\pi``).  Leading zeros are ignored (``033`` = ``33``).
+* Percentages: the sign is dropped as in MATH (``50\\%`` = ``50``); a percentage on exactly
+  one side may also be read as a fraction (``50\\%`` = ``0.5``, ``0.5`` = ``50\\%``), but a
+  bare ``0.5`` never equals a bare ``50``.
+* Units and labels are dropped: ``\\text{...}`` after the answer, plain unit words after a
+  number (``5 dollars``), ``^\\circ`` (no radian conversion: ``\\frac{\\pi}{6}`` is not
+  ``30^\\circ``), ``\\$``, and a one-letter ``x =`` label (so ``x = 3`` = ``3`` = ``y = 3``).
+* Mixed numbers: ``1\\frac{1}{2}`` = ``3/2`` (proper fraction after the integer).
+* Expressions are compared symbolically: ``(x+1)^2`` = ``x^2+2x+1``; ``x^2`` is not ``2x``.
+* Collections: parenthesised tuples/points are ordered (``(1,2)`` is not ``(2,1)``); sets and
+  bare comma lists (lists of solutions) are unordered (``\\{1,2\\}`` = ``\\{2,1\\}``,
+  ``1, 2`` = ``2, 1``); a finite set never equals a tuple or an interval (``\\{1,2\\}`` is not
+  ``(1,2)``); interval ends matter (``[1,2]`` is not ``(1,2)``).
+* Multiple choice: ``(A)`` = ``A`` = ``\\text{(A)}`` (math-verify also ignores letter case).
+* Answers longer than ``MAX_ANSWER_CHARS`` after extraction are compared as exact strings
+  only (normalising or parsing them could take very long).
+* Errors: a grader error or a math-verify timeout never raises; the answer is graded
+  incorrect (``MathReward`` records it in ``Grade.error`` and counts it in ``failures``).
 """
 
 from __future__ import annotations
@@ -23,6 +46,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
 from typing import Sequence
+
+from rlbench.reward.symbolic import symbolic_equal
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +61,10 @@ __all__ = [
 
 EXTRACTION_STYLES = ("auto", "boxed", "gsm8k", "last_number")
 
-#: seconds math-verify may spend on one parse / one comparison (main thread only).
-MATH_VERIFY_TIMEOUT_S = 5
+#: seconds math-verify may spend on one comparison (parsing included).
+MATH_VERIFY_TIMEOUT_S = 5.0
+#: longer answers (after extraction) are only compared as exact strings.
+MAX_ANSWER_CHARS = 1000
 
 # ---------------------------------------------------------------------------------------
 # extraction
@@ -58,27 +85,28 @@ _ANSWER_PHRASE_RE = re.compile(
 _LEADING_NUMBER_RE = re.compile(r"^-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:/\d+)?")
 
 
-def _match_braces(text: str, open_idx: int) -> int | None:
-    """Index of the ``}`` closing the ``{`` at ``open_idx``, or None if unbalanced."""
-    depth = 0
-    i = open_idx
+def _closing_braces(text: str) -> dict[int, int]:
+    """Map from the index of each balanced ``{`` to the index of its ``}`` (one linear pass;
+    escaped braces such as ``\\{`` are skipped)."""
+    pairs: dict[int, int] = {}
+    stack: list[int] = []
+    i = 0
     while i < len(text):
         ch = text[i]
-        if ch == "\\":  # skip escaped characters such as \{ and \}
+        if ch == "\\":
             i += 2
             continue
         if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                return i
+            stack.append(i)
+        elif ch == "}" and stack:
+            pairs[stack.pop()] = i
         i += 1
-    return None
+    return pairs
 
 
 def _extract_boxed(text: str) -> str | None:
     """Content of the last well-formed ``\\boxed{...}`` / ``\\fbox{...}`` (or ``\\boxed 5``)."""
+    pairs: dict[int, int] | None = None
     for m in reversed(list(_BOXED_RE.finditer(text))):
         i = m.end()
         if i < len(text) and text[i].isalpha():  # e.g. "\boxedx" is another command
@@ -88,7 +116,9 @@ def _extract_boxed(text: str) -> str | None:
         if i >= len(text):
             continue
         if text[i] == "{":
-            close = _match_braces(text, i)
+            if pairs is None:
+                pairs = _closing_braces(text)
+            close = pairs.get(i)
             if close is None:
                 continue
             content = text[i + 1 : close].strip()
@@ -197,19 +227,45 @@ def extract_answer(text: str, style: str = "auto") -> str | None:
 _TEXT_CMD = r"\\(?:text|textbf|textrm|mbox|mathrm)\s*"
 _WHOLE_TEXT_RE = re.compile(r"^" + _TEXT_CMD + r"\{([^{}]*)\}$")
 _TRAILING_UNIT_RE = re.compile(r"\s*" + _TEXT_CMD + r"\{[^{}]*\}(?:\s*\^\s*\{?\d\}?)?\s*$")
-_SPACING_RE = re.compile(r"\\[!,;:> ]|\\q?quad\b")
+# "\\\\" (a matrix row break) is matched first so that "\\\\ " is not read as "\\" + "\\ ".
+_SPACING_RE = re.compile(r"\\\\|\\[!,;:> ]|\\q?quad\b")
 _DEGREE_RE = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|\\circ\b|°")
 _THOUSANDS_RE = re.compile(r"^-?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
 _ASSIGN_RE = re.compile(r"^[A-Za-z](?:_\{?\w+\}?)?\s*=\s*(?=[^=]+$)")
 _NUMERIC_RE = re.compile(r"^[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?(?:/\d+)?$")
 _LATEX_FRAC_RE = re.compile(r"^(-?)\\frac\{([^{}]+)\}\{([^{}]+)\}$")
+_MIXED_NUMBER_RE = re.compile(r"^(-?)(\d+)\\frac\{(\d+)\}\{(\d+)\}$")
+# "1.5\times10^{3}", "3\cdot 10^{-2}", "10^{6}", "10^6" (LaTeX: "10^23" is 10^2 * 3)
+_POWER_OF_TEN_RE = re.compile(
+    r"^(?:([+-]?(?:\d+\.?\d*|\.\d+))(?:\\times|\\cdot|\*))?10\^(?:\{([+-]?\d+)\}|(\d))$"
+)
+_PLAIN_NUMBER = r"[+-]?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:/\d+)?"
+# "5 dollars", "12 square feet": a plain number followed by one or two words
+_TRAILING_WORDS_RE = re.compile(
+    r"^(" + _PLAIN_NUMBER + r")\s+([A-Za-z]{2,}(?:\s+[A-Za-z]{2,})?)(?:\^\{?\d\}?)?\.?$"
+)
+# words after a number that are mathematics, not units
+_NOT_UNITS = frozenset(
+    "and or to pi mod times plus minus over more less than not inf infty infinity cdot".split()
+)
+_PERCENT_RE = re.compile(r"%|\bpercent\b", re.IGNORECASE)
+# a finite set without nested brackets, and a pair/tuple/interval without nested brackets
+_FLAT_SET_RE = re.compile(r"^\\\{[^()\[\]]*\\\}$")
+_FLAT_TUPLE_RE = re.compile(r"^[(\[][^()\[\]]*,[^()\[\]]*[)\]]$")
+_SCIENTIFIC_RE = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+))[eE]([+-]?\d+)$")
 
 
 def _strip_outer_braces(s: str) -> str:
-    """Remove one pair of braces wrapping the whole string, repeatedly."""
-    while s.startswith("{") and _match_braces(s, 0) == len(s) - 1:
-        s = s[1:-1].strip()
-    return s
+    """Remove braces wrapping the whole string, repeatedly (``{ {1} }`` -> ``1``)."""
+    pairs = _closing_braces(s)
+    start, end = 0, len(s) - 1
+    while start < end and s[start] == "{" and pairs.get(start) == end:
+        start, end = start + 1, end - 1
+        while start <= end and s[start].isspace():
+            start += 1
+        while end >= start and s[end].isspace():
+            end -= 1
+    return s[start : end + 1]
 
 
 @lru_cache(maxsize=65536)
@@ -217,18 +273,20 @@ def _normalize(s: str) -> str:
     """Light LaTeX normalisation that keeps the expression parseable (spaces are kept).
 
     Removes ``$``/``\\$``, ``\\left``/``\\right``, spacing commands (``\\!``, ``\\,``, ...),
-    degree marks, ``\\%``/``%``, trailing ``\\text{unit}``, a trailing ``.``, a leading
-    ``x =``; maps ``\\dfrac``/``\\tfrac`` -> ``\\frac``; unwraps ``\\boxed{}`` and a
-    whole-string ``\\text{}``; drops thousands commas in a plain number (``1,234``).
+    degree marks, ``\\%``/``%``, trailing ``\\text{unit}``, plain unit words after a number
+    (``5 dollars``), a trailing ``.``, a leading ``x =``; maps ``\\dfrac``/``\\tfrac`` ->
+    ``\\frac`` and the unicode minus to ``-``; unwraps ``\\boxed{}`` and a whole-string
+    ``\\text{}``; drops thousands commas in a plain number (``1,234``).
     """
-    s = s.strip()
+    s = s.strip().replace("\u2212", "-")  # unicode minus sign
     boxed = _extract_boxed(s) if s.startswith(("\\boxed", "\\fbox")) else None
     if boxed is not None:
         s = boxed
     s = s.replace("\\$", "").replace("$", "")
     s = s.replace("\\left", "").replace("\\right", "")
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    s = _SPACING_RE.sub(" ", s)
+    s = s.replace("\\varnothing", "\\emptyset")
+    s = _SPACING_RE.sub(lambda m: m.group(0) if m.group(0) == "\\\\" else " ", s)
     s = _DEGREE_RE.sub("", s)
     s = s.replace("\\%", "").replace("%", "")
     s = s.strip()
@@ -242,11 +300,14 @@ def _normalize(s: str) -> str:
         if stripped:
             s = stripped
     s = s.rstrip(".").strip()
+    words = _TRAILING_WORDS_RE.match(s)
+    if words and not _NOT_UNITS.intersection(words.group(2).lower().split()):
+        s = words.group(1)
     s = _ASSIGN_RE.sub("", s).strip()
     s = _strip_outer_braces(s)
-    # \frac12 -> \frac{1}{2}, \sqrt3 -> \sqrt{3}
-    s = re.sub(r"\\frac\s*(\d)\s*(\d)", r"\\frac{\1}{\2}", s)
-    s = re.sub(r"\\sqrt\s*(\d)", r"\\sqrt{\1}", s)
+    # \frac12 -> \frac{1}{2}, \frac ab -> \frac{a}{b}, \sqrt3 -> \sqrt{3}
+    s = re.sub(r"\\frac\s*([0-9A-Za-z])\s*([0-9A-Za-z])", r"\\frac{\1}{\2}", s)
+    s = re.sub(r"\\sqrt\s*([0-9A-Za-z])", r"\\sqrt{\1}", s)
     if _THOUSANDS_RE.match(s):
         s = s.replace(",", "")
     if s.startswith("+") and _NUMERIC_RE.match(s):
@@ -260,7 +321,9 @@ def _compact(s: str) -> str:
 
 
 def _to_fraction(s: str) -> Fraction | None:
-    """Exact value of a normalised plain number (``-2``, ``0.5``, ``1/2``, ``\\frac{1}{2}``)."""
+    """Exact value of a normalised plain number: ``-2``, ``0.5``, ``1/2``, ``1e3``,
+    ``\\frac{1}{2}``, the mixed number ``1\\frac{1}{2}`` (= 3/2; proper fractions only) and
+    ``1.5\\times10^{3}`` / ``10^{6}``.  None for anything else."""
     s = _compact(s)
     if not s or len(s) > 200:
         return None
@@ -279,6 +342,16 @@ def _to_fraction(s: str) -> Fraction | None:
             return None
         val = num / den
         return -val if m.group(1) else val
+    m = _MIXED_NUMBER_RE.match(s)
+    if m and int(m.group(3)) < int(m.group(4)):
+        val = int(m.group(2)) + Fraction(int(m.group(3)), int(m.group(4)))
+        return -val if m.group(1) else val
+    m = _POWER_OF_TEN_RE.match(s)
+    if m:
+        exponent = int(m.group(2) or m.group(3))
+        if abs(exponent) > 400:  # keep Fraction() cheap
+            return None
+        return Fraction(m.group(1) or 1) * Fraction(10) ** exponent
     return None
 
 
@@ -319,43 +392,63 @@ def canonical_answer(ans: str | None) -> str | None:
 # ---------------------------------------------------------------------------------------
 
 
-def _mv_timeout() -> int | None:
-    """math-verify timeout: signal-based, so only usable on the main thread."""
-    if threading.current_thread() is threading.main_thread():
-        return MATH_VERIFY_TIMEOUT_S
-    return None
-
-
-@lru_cache(maxsize=8192)
-def _mv_parse(expr: str, timeout: int | None):
-    """math-verify parse of one bare expression (wrapped in ``$...$``); cached."""
-    from math_verify import parse
-
-    return parse(f"${expr}$", parsing_timeout=timeout)
-
-
-def _mv_verify(pred: str, ref: str) -> bool:
-    """Symbolic check ``pred == ref`` with math-verify (gold = ref, target = pred)."""
-    from math_verify import verify
-
-    timeout = _mv_timeout()
-    gold = _mv_parse(ref, timeout)
-    target = _mv_parse(pred, timeout)
-    if not gold or not target:
-        return False
-    return bool(verify(gold, target, timeout_seconds=timeout))
+def _is_percent(answer: str) -> bool:
+    """The answer is written as a percentage (``50\\%``, ``50%``, ``50 percent``)."""
+    return bool(_PERCENT_RE.search(answer))
 
 
 def _numbers_close(a: Fraction, b: Fraction, tolerance: float) -> bool:
-    """``|a - b| <= tolerance * max(1, |b|)``, evaluated exactly."""
+    """``a == b`` exactly when both are integers, else ``|a - b| <= tolerance * max(1, |b|)``
+    (evaluated exactly)."""
+    if a.denominator == 1 and b.denominator == 1:
+        return a == b
     return abs(a - b) <= Fraction(tolerance) * max(Fraction(1), abs(b))
 
 
-def _equivalent(pred: str | None, ref: str, tolerance: float) -> bool:
+def _numbers_match(
+    pred: Fraction, ref: Fraction, pred_percent: bool, ref_percent: bool, tolerance: float
+) -> bool:
+    """Numeric verdict; a percentage on exactly one side may also be read as a fraction
+    (``50\\%`` matches ``50`` and ``0.5``)."""
+    if _numbers_close(pred, ref, tolerance):
+        return True
+    if pred_percent and not ref_percent:
+        return _numbers_close(pred / 100, ref, tolerance)
+    if ref_percent and not pred_percent:
+        return _numbers_close(pred, ref / 100, tolerance)
+    return False
+
+
+def _set_versus_tuple(a_key: str, b_key: str) -> bool:
+    """One side is a finite set ``\\{1,2\\}``, the other a tuple/interval ``(1,2)``."""
+    return bool(
+        (_FLAT_SET_RE.match(a_key) and _FLAT_TUPLE_RE.match(b_key))
+        or (_FLAT_SET_RE.match(b_key) and _FLAT_TUPLE_RE.match(a_key))
+    )
+
+
+def _latex_for_math_verify(norm: str) -> str:
+    """``1.5e3`` -> ``1.5\\times10^{3}`` (math-verify reads ``1e-7`` as ``1\\cdot e - 7``)."""
+    m = _SCIENTIFIC_RE.match(_compact(norm))
+    return f"{m.group(1)}\\times10^{{{int(m.group(2))}}}" if m else norm
+
+
+def _mv_verify(pred: str, ref: str, *, tolerance: float, timeout_s: float) -> bool:
+    """Symbolic check ``pred == ref`` with math-verify (isolated worker; may raise
+    :class:`~rlbench.reward.symbolic.SymbolicCheckError`)."""
+    return symbolic_equal(pred, ref, tolerance=tolerance, timeout_s=timeout_s)
+
+
+def _equivalent(
+    pred: str | None, ref: str, tolerance: float, timeout_s: float = MATH_VERIFY_TIMEOUT_S
+) -> bool:
     """Core of :func:`answers_equivalent`; may raise (callers decide what to do)."""
     if pred is None or ref is None:
         return False
-    p_norm, r_norm = _normalize(str(pred)), _normalize(str(ref))
+    pred, ref = str(pred).strip(), str(ref).strip()
+    if len(pred) > MAX_ANSWER_CHARS or len(ref) > MAX_ANSWER_CHARS:
+        return bool(pred) and pred == ref
+    p_norm, r_norm = _normalize(pred), _normalize(ref)
     p_key, r_key = _compact(p_norm), _compact(r_norm)
     if not p_key or not r_key:
         return False
@@ -363,23 +456,34 @@ def _equivalent(pred: str | None, ref: str, tolerance: float) -> bool:
         return True
     p_val, r_val = _to_fraction(p_norm), _to_fraction(r_norm)
     if p_val is not None and r_val is not None:
-        return _numbers_close(p_val, r_val, tolerance)
-    return _mv_verify(p_norm, r_norm)
+        return _numbers_match(p_val, r_val, _is_percent(pred), _is_percent(ref), tolerance)
+    if _set_versus_tuple(p_key, r_key):
+        return False
+    return _mv_verify(
+        _latex_for_math_verify(p_norm),
+        _latex_for_math_verify(r_norm),
+        tolerance=tolerance,
+        timeout_s=timeout_s,
+    )
 
 
-def answers_equivalent(pred: str | None, ref: str, tolerance: float = 1e-6) -> bool:
-    """True if ``pred`` is mathematically equal to ``ref``.
+def answers_equivalent(
+    pred: str | None,
+    ref: str,
+    tolerance: float = 1e-6,
+    timeout_s: float = MATH_VERIFY_TIMEOUT_S,
+) -> bool:
+    """True if ``pred`` is mathematically equal to ``ref`` (rules: module docstring).
 
-    Order: normalised exact string match; if both are plain numbers,
-    ``|pred - ref| <= tolerance * max(1, |ref|)`` (decides either way, so ``0.333`` is
-    not ``1/3`` at the default tolerance); otherwise math-verify's symbolic comparison.
-    ``pred=None`` -> False. Never raises: an exception inside the grader -> False.
+    Order: normalised exact string match; if both are plain numbers, the numeric rule
+    (integers exactly, else ``|pred - ref| <= tolerance * max(1, |ref|)``; decides either
+    way, so ``0.333`` is not ``1/3`` at the default tolerance); otherwise math-verify's
+    symbolic comparison, limited to ``timeout_s`` seconds.  ``pred=None`` -> False.
+    Never raises: a grader error (including a timeout) is logged and gives False.
     """
     try:
-        return _equivalent(pred, ref, tolerance)
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException:  # noqa: BLE001 - math-verify's TimeoutException is a BaseException
+        return _equivalent(pred, ref, tolerance, timeout_s)
+    except Exception:  # noqa: BLE001 - documented: never raises
         logger.warning("answer comparison failed; counted as incorrect", exc_info=True)
         return False
 
@@ -412,7 +516,9 @@ class MathReward:
     """Binary correctness reward plus optional format reward.
 
     ``reward = (correct_reward if correct else incorrect_reward) + format_weight * format_ok``.
-    Grader exceptions are logged, counted in ``failures`` and graded as incorrect.
+    Grader errors (including a math-verify timeout after ``verify_timeout_s`` seconds) never
+    raise: the completion is graded incorrect, the error text goes to ``Grade.error``,
+    ``failures`` is incremented and a warning with the running count is logged.
     """
 
     def __init__(
@@ -422,6 +528,7 @@ class MathReward:
         format_weight: float = 0.0,
         tolerance: float = 1e-6,
         extraction: str = "auto",
+        verify_timeout_s: float = MATH_VERIFY_TIMEOUT_S,
     ) -> None:
         if extraction not in EXTRACTION_STYLES:
             raise ValueError(
@@ -429,11 +536,14 @@ class MathReward:
             )
         if tolerance < 0:
             raise ValueError(f"reward tolerance must be >= 0, got {tolerance}")
+        if verify_timeout_s <= 0:
+            raise ValueError(f"reward verify_timeout_s must be > 0, got {verify_timeout_s}")
         self.correct_reward = float(correct_reward)
         self.incorrect_reward = float(incorrect_reward)
         self.format_weight = float(format_weight)
         self.tolerance = float(tolerance)
         self.extraction = extraction
+        self.verify_timeout_s = float(verify_timeout_s)
         self.failures = 0
         self._lock = threading.Lock()
 
@@ -446,16 +556,15 @@ class MathReward:
         error: str | None = None
         try:
             extracted, format_ok = _extract(completion, self.extraction)
-            correct = _equivalent(extracted, reference, self.tolerance)
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as exc:  # noqa: BLE001 - incl. math-verify TimeoutException
+            correct = _equivalent(extracted, reference, self.tolerance, self.verify_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - documented: never raises
             correct = False
             error = f"{type(exc).__name__}: {exc}"
             with self._lock:
                 self.failures += 1
+                failures = self.failures
             logger.warning(
-                "math grader failed (%s); graded as incorrect [failures=%d]", error, self.failures
+                "math grader failed (%s); graded as incorrect [failures=%d]", error, failures
             )
         reward = self.correct_reward if correct else self.incorrect_reward
         reward += self.format_weight * float(format_ok)
@@ -467,5 +576,6 @@ class MathReward:
         return (
             f"MathReward(correct_reward={self.correct_reward}, "
             f"incorrect_reward={self.incorrect_reward}, format_weight={self.format_weight}, "
-            f"tolerance={self.tolerance}, extraction={self.extraction!r})"
+            f"tolerance={self.tolerance}, extraction={self.extraction!r}, "
+            f"verify_timeout_s={self.verify_timeout_s})"
         )
