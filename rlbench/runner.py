@@ -103,6 +103,7 @@ def make_grader(reward_cfg: Any, data_spec: Any, sandbox_cfg: Any = None) -> Any
         format_weight=own.get("format_weight", 0.0),
         tolerance=own.get("tolerance", 1e-6),
         extraction=extraction,
+        verify_timeout_s=own.get("verify_timeout_s", 5.0),
     )
 
 
