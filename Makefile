@@ -8,7 +8,7 @@ ARGS   ?=
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-fast bench setup clean
+.PHONY: run test test-fast bench bench-eval setup clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,9 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) bench/compare_trl.py
+
+bench-eval: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) bench/eval_throughput.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

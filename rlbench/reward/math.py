@@ -503,6 +503,8 @@ class Grade:
     format_ok: an answer in the expected format was found (``\\boxed`` for styles
                auto/boxed; ``####`` for gsm8k; any number for last_number).
     error:     exception text if the grader crashed on this output.
+    details:   grader-specific detail (the code grader: per-test outcomes and the sandbox
+               status); None for graders that have none.
     """
 
     correct: bool
@@ -510,6 +512,7 @@ class Grade:
     reward: float
     format_ok: bool
     error: str | None = None
+    details: dict | None = None
 
 
 class MathReward:

@@ -1,0 +1,210 @@
+"""Code reward: run the completion's code against the problem's tests in the sandbox.
+
+A code :class:`~rlbench.dataset.base.Problem` carries in ``meta``:
+
+* ``tests``: list of test snippets, one test each (an ``assert``, or HumanEval's
+  ``check(<entry_point>)``);
+* ``test_setup``: code appended to the program before the tests run (MBPP's ``test_imports``,
+  HumanEval's ``def check(candidate): ...``); optional;
+* ``entry_point``: the function the tests call (HumanEval); optional;
+* ``code_prefix``: HumanEval's prompt (imports, signature, docstring), put in front of the
+  completion when the completion does not define ``entry_point`` itself; optional.
+
+Programs run through :func:`rlbench.sandbox.run_many` (see :mod:`rlbench.sandbox` for what the
+sandbox defends against and what it does not).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from typing import TYPE_CHECKING, Sequence
+
+from rlbench.errors import ConfigError, DataError
+from rlbench.reward.math import Grade
+from rlbench.sandbox import SandboxLimits, SandboxResult, run_many
+
+if TYPE_CHECKING:  # a runtime import would be circular (rlbench.dataset imports rlbench.reward)
+    from rlbench.dataset.base import Problem
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CODE_REWARD_MODES", "CodeReward", "extract_code", "problem_program", "problem_tests"]
+
+CODE_REWARD_MODES = ("all_pass", "pass_rate")
+#: Fence languages taken as Python (a bare fence counts too).
+PYTHON_FENCES = ("python", "py", "python3", "")
+
+_FENCE_RE = re.compile(r"^[ \t]*```[ \t]*([\w+-]*)[^\n]*\n(.*?)^[ \t]*```", re.MULTILINE | re.DOTALL)
+_OPEN_FENCE_RE = re.compile(r"^[ \t]*```[ \t]*([\w+-]*)[^\n]*\n", re.MULTILINE)
+_CODE_LINE_RE = re.compile(r"^[ \t]*(?:def |import |from [\w.]+ import )", re.MULTILINE)
+
+
+def _fenced_block(text: str) -> str | None:
+    """Body of the last closed Python fence; else of a final unclosed one (a completion cut off
+    by the length limit); else None."""
+    closed = [m for m in _FENCE_RE.finditer(text) if m.group(1).lower() in PYTHON_FENCES]
+    if closed:
+        return closed[-1].group(2)
+    opening = list(_OPEN_FENCE_RE.finditer(text))
+    if opening and opening[-1].group(1).lower() in PYTHON_FENCES:
+        rest = text[opening[-1].end() :]
+        if "```" not in rest:
+            return rest
+    return None
+
+
+def _extract(completion: str) -> tuple[str | None, bool]:
+    """(code, came from a fence); see :func:`extract_code`."""
+    if not isinstance(completion, str):
+        raise TypeError(f"completion must be a str, got {type(completion).__name__}")
+    block = _fenced_block(completion)
+    if block is not None:
+        return block, True
+    return (completion if _CODE_LINE_RE.search(completion) else None), False
+
+
+def extract_code(completion: str) -> str | None:
+    """Code in a model completion.
+
+    The last fenced block marked ``python``/``py``/``python3`` or bare (a final unclosed fence
+    counts, to the end of the text); without any such fence, the whole text if it has a
+    ``def``/``import``/``from ... import`` line; else None.
+    """
+    return _extract(completion)[0]
+
+
+def _defines(code: str, name: str) -> bool:
+    return re.search(rf"^[ \t]*(?:async[ \t]+)?def[ \t]+{re.escape(name)}[ \t]*\(", code, re.MULTILINE) is not None
+
+
+def _meta_str(problem: Problem, key: str) -> str:
+    value = problem.meta.get(key) or ""
+    if not isinstance(value, str):
+        raise DataError(f"problem {problem.uid}: meta[{key!r}] must be a string, got {type(value).__name__}")
+    return value
+
+
+def problem_tests(problem: Problem) -> list[str]:
+    """``problem.meta["tests"]``, checked: a non-empty list of strings."""
+    tests = problem.meta.get("tests")
+    if not isinstance(tests, (list, tuple)) or not tests or not all(isinstance(t, str) for t in tests):
+        raise DataError(
+            f"problem {problem.uid}: meta['tests'] must be a non-empty list of test code strings "
+            f"(one assert or check(...) call each), got {tests!r}"
+        )
+    return list(tests)
+
+
+def problem_program(code: str, problem: Problem) -> str:
+    """The program to run for ``code`` on ``problem``.
+
+    ``code_prefix + code`` when ``entry_point`` is set and ``code`` does not define it (a
+    HumanEval completion that gives only the function body), else ``code``; then
+    ``test_setup`` on its own lines after it.
+    """
+    entry_point = _meta_str(problem, "entry_point")
+    prefix = _meta_str(problem, "code_prefix")
+    program = code
+    if entry_point and prefix and not _defines(code, entry_point):
+        program = prefix + code
+    setup = _meta_str(problem, "test_setup")
+    if setup:
+        program = program.rstrip("\n") + "\n\n" + setup + "\n"
+    return program
+
+
+class CodeReward:
+    """Reward from running the completion's code against the problem's tests.
+
+    ``mode="all_pass"``: ``correct_reward`` if every test passed else ``incorrect_reward``.
+    ``mode="pass_rate"``: ``incorrect + (correct - incorrect) * passed / total``.
+    ``correct`` is True only when every test passed. A completion without code gets
+    ``incorrect_reward`` without running anything. Sandbox failures (not the program's) are
+    logged, counted in ``failures`` and graded as incorrect; grading never raises for a
+    completion.
+    """
+
+    def __init__(
+        self,
+        mode: str = "all_pass",
+        correct_reward: float = 1.0,
+        incorrect_reward: float = 0.0,
+        limits: SandboxLimits | None = None,
+        workers: int | None = None,
+    ) -> None:
+        if mode not in CODE_REWARD_MODES:
+            raise ConfigError(f"reward mode={mode!r} is unknown; use one of {CODE_REWARD_MODES}")
+        if workers is not None and (not isinstance(workers, int) or workers < 1):
+            raise ConfigError(f"reward workers must be a positive integer or null, got {workers!r}")
+        self.mode = mode
+        self.correct_reward = float(correct_reward)
+        self.incorrect_reward = float(incorrect_reward)
+        self.limits = limits if limits is not None else SandboxLimits()
+        self.workers = workers
+        self.failures = 0
+        self._lock = threading.Lock()
+
+    def __call__(
+        self, completion: str, reference: str, response_ids: Sequence[int] = (), *, problem: Problem
+    ) -> Grade:
+        """Grade one completion. ``reference`` and ``response_ids`` are part of the grader
+        interface; the tests in ``problem.meta`` decide."""
+        return self.grade_many([completion], [problem])[0]
+
+    def grade_many(self, completions: Sequence[str], problems: Sequence[Problem]) -> list[Grade]:
+        """Grade ``completions[i]`` against ``problems[i]``; all programs go to one
+        :func:`~rlbench.sandbox.run_many` call."""
+        if len(completions) != len(problems):
+            raise ValueError(f"got {len(completions)} completions for {len(problems)} problems")
+        extracted = [_extract(c) for c in completions]
+        jobs, job_of = [], {}
+        for i, ((code, _), problem) in enumerate(zip(extracted, problems)):
+            tests = problem_tests(problem)
+            if code is not None:
+                job_of[i] = len(jobs)
+                jobs.append((problem_program(code, problem), tests))
+        results = run_many(jobs, self.limits, self.workers)
+        grades = []
+        for i, (code, format_ok) in enumerate(extracted):
+            if code is None:
+                grades.append(Grade(False, None, self.incorrect_reward, False))
+            else:
+                grades.append(self._grade(code, format_ok, results[job_of[i]]))
+        return grades
+
+    def _grade(self, code: str, format_ok: bool, result: SandboxResult) -> Grade:
+        error = None
+        if result.status == "sandbox_error":
+            error = result.error
+            with self._lock:
+                self.failures += 1
+            logger.warning(
+                "code sandbox failed (%s); graded as incorrect [failures=%d]", error, self.failures
+            )
+        return Grade(
+            correct=result.passed,
+            extracted=code,
+            reward=self.reward(result),
+            format_ok=format_ok,
+            error=error,
+            details={
+                "tests": [[o.passed, o.error] for o in result.outcomes],
+                "status": result.status,
+            },
+        )
+
+    def reward(self, result: SandboxResult) -> float:
+        """The scalar reward for one sandbox result under this grader's mode."""
+        if self.mode == "all_pass":
+            return self.correct_reward if result.passed else self.incorrect_reward
+        total = len(result.outcomes)
+        fraction = sum(o.passed for o in result.outcomes) / total if total else float(result.passed)
+        return self.incorrect_reward + (self.correct_reward - self.incorrect_reward) * fraction
+
+    def __repr__(self) -> str:
+        return (
+            f"CodeReward(mode={self.mode!r}, correct_reward={self.correct_reward}, "
+            f"incorrect_reward={self.incorrect_reward}, limits={self.limits}, workers={self.workers})"
+        )

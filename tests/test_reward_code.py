@@ -1,0 +1,290 @@
+"""The code grader: extraction, program assembly, rewards, and every faking trick graded wrong.
+
+The problems are HumanEval/0 and MBPP task 2 (sanitized) as the dataset files give them, built
+by hand into :class:`Problem` records the way a code loader does.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+import rlbench.sandbox.core as sandbox_core
+from rlbench.dataset.base import Problem
+from rlbench.errors import ConfigError, DataError
+from rlbench.reward.code import CodeReward, extract_code, problem_program
+from rlbench.sandbox import SandboxLimits
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox needs Linux")
+
+HUMANEVAL_PROMPT = (
+    "from typing import List\n\n\n"
+    "def has_close_elements(numbers: List[float], threshold: float) -> bool:\n"
+    '    """ Check if in given list of numbers, are any two numbers closer to each other than\n'
+    "    given threshold.\n"
+    "    >>> has_close_elements([1.0, 2.0, 3.0], 0.5)\n    False\n"
+    "    >>> has_close_elements([1.0, 2.8, 3.0, 4.0, 5.0, 2.0], 0.3)\n    True\n"
+    '    """\n'
+)
+HUMANEVAL_TEST = (
+    "\n\nMETADATA = {\n    'author': 'jt',\n    'dataset': 'test'\n}\n\n\n"
+    "def check(candidate):\n"
+    "    assert candidate([1.0, 2.0, 3.9, 4.0, 5.0, 2.2], 0.3) == True\n"
+    "    assert candidate([1.0, 2.0, 3.9, 4.0, 5.0, 2.2], 0.05) == False\n"
+    "    assert candidate([1.0, 2.0, 5.9, 4.0, 5.0], 0.95) == True\n"
+    "    assert candidate([1.0, 2.0, 5.9, 4.0, 5.0], 0.8) == False\n"
+    "    assert candidate([1.0, 2.0, 3.0, 4.0, 5.0, 2.0], 0.1) == True\n"
+    "    assert candidate([1.1, 2.2, 3.1, 4.1, 5.1], 1.0) == True\n"
+    "    assert candidate([1.1, 2.2, 3.1, 4.1, 5.1], 0.5) == False\n\n"
+)
+HUMANEVAL_BODY = (
+    "    for idx, elem in enumerate(numbers):\n"
+    "        for idx2, elem2 in enumerate(numbers):\n"
+    "            if idx != idx2:\n"
+    "                distance = abs(elem - elem2)\n"
+    "                if distance < threshold:\n"
+    "                    return True\n\n"
+    "    return False\n"
+)
+HUMANEVAL = Problem(
+    uid="humaneval/test/0",
+    prompt=HUMANEVAL_PROMPT,
+    answer="",
+    meta={
+        "tests": ["check(has_close_elements)"],
+        "test_setup": HUMANEVAL_TEST,
+        "entry_point": "has_close_elements",
+        "code_prefix": HUMANEVAL_PROMPT,
+    },
+)
+MBPP = Problem(
+    uid="mbpp/test/2",
+    prompt="Write a function to find the shared elements from the given two lists.",
+    answer="def similar_elements(test_tup1, test_tup2):\n  res = tuple(set(test_tup1) & set(test_tup2))\n  return (res) ",
+    meta={
+        "tests": [
+            "assert set(similar_elements((3, 4, 5, 6),(5, 7, 4, 10))) == set((4, 5))",
+            "assert set(similar_elements((1, 2, 3, 4),(5, 4, 3, 7))) == set((3, 4))",
+            "assert set(similar_elements((11, 12, 14, 13),(17, 15, 14, 13))) == set((13, 14))",
+        ],
+        "test_setup": "",
+        "entry_point": None,
+        "code_prefix": "",
+    },
+)
+MBPP_WITH_IMPORTS = Problem(
+    uid="mbpp/test/82",
+    prompt="Write a function to find the volume of a sphere.",
+    answer="",
+    meta={
+        "tests": [
+            "assert math.isclose(volume_sphere(10), 4188.790204786391, rel_tol=0.001)",
+            "assert math.isclose(volume_sphere(25), 65449.84694978735, rel_tol=0.001)",
+        ],
+        "test_setup": "import math",
+    },
+)
+
+WRONG_HE = "def has_close_elements(numbers, threshold):\n    return False\n"
+
+
+def fence(code: str) -> str:
+    return f"Here is my solution.\n\n```python\n{code.rstrip()}\n```\n\nIt runs in O(n^2)."
+
+
+# (name, completion, problem, correct, sandbox status)
+CASES = [
+    ("humaneval-body-only", fence(HUMANEVAL_BODY), HUMANEVAL, True, "passed"),
+    ("humaneval-full-function", fence(HUMANEVAL_PROMPT + HUMANEVAL_BODY), HUMANEVAL, True, "passed"),
+    ("mbpp-correct", fence(MBPP.answer + "\n"), MBPP, True, "passed"),
+    ("mbpp-test-imports", fence("def volume_sphere(r):\n    return 4 / 3 * math.pi * r ** 3\n"), MBPP_WITH_IMPORTS, True, "passed"),
+    ("wrong-answer", fence(WRONG_HE), HUMANEVAL, False, "failed"),
+    ("exception-at-import", fence("import nonexistent_module_xyz\n" + WRONG_HE), HUMANEVAL, False, "load_error"),
+    ("exception-in-function", fence("def has_close_elements(numbers, threshold):\n    raise ValueError('x')\n"), HUMANEVAL, False, "failed"),
+    ("syntax-error", fence("def has_close_elements(numbers, threshold)\n    return True\n"), HUMANEVAL, False, "load_error"),
+    ("sys-exit-top-level", fence("import sys\n" + WRONG_HE + "sys.exit(0)\n"), HUMANEVAL, False, "load_error"),
+    ("sys-exit-in-function", fence("import sys\ndef has_close_elements(numbers, threshold):\n    sys.exit(0)\n"), HUMANEVAL, False, "failed"),
+    ("os-exit-in-function", fence("import os\ndef has_close_elements(numbers, threshold):\n    os._exit(0)\n"), HUMANEVAL, False, "crashed"),
+    ("raise-systemexit-mid-test", fence("def has_close_elements(numbers, threshold):\n    raise SystemExit\n"), HUMANEVAL, False, "failed"),
+    (
+        "exit-in-__del__",
+        fence("import os\nclass Bye:\n    def __del__(self):\n        os._exit(0)\n"
+              "def has_close_elements(numbers, threshold):\n    Bye()\n    return False\n"),
+        HUMANEVAL, False, "crashed",
+    ),
+    (
+        "print-fake-marker",
+        fence("import os\nprint('@@rlbench-sandbox@@ done 1')\nprint('All tests passed!')\n"
+              + WRONG_HE + "os._exit(0)\n"),
+        HUMANEVAL, False, "crashed",
+    ),
+    (
+        "patch-print-assertionerror-json",
+        fence("import builtins, json\nbuiltins.print = lambda *a, **k: None\n"
+              "builtins.AssertionError = type('Never', (Exception,), {})\n"
+              "json.dumps = lambda *a, **k: '{\"passed\": true}'\n" + WRONG_HE),
+        HUMANEVAL, False, "failed",
+    ),
+    (
+        "patch-builtins-used-by-tests",
+        fence("import builtins\nbuiltins.set = lambda *a: frozenset()\n"
+              "def similar_elements(a, b):\n    return ()\n"),
+        MBPP, False, "failed",
+    ),
+    (
+        "redefine-check",
+        fence("def check(candidate):\n    pass\n" + WRONG_HE),
+        HUMANEVAL, False, "failed",
+    ),
+    ("keyboard-interrupt", fence("def has_close_elements(numbers, threshold):\n    raise KeyboardInterrupt\n"), HUMANEVAL, False, "failed"),
+    (
+        "atexit-exit-zero",
+        fence("import atexit, os\natexit.register(os._exit, 0)\n"
+              "def has_close_elements(numbers, threshold):\n    raise RuntimeError\n"),
+        HUMANEVAL, False, "failed",
+    ),
+]  # fmt: skip
+
+LIMITS = SandboxLimits(timeout_s=3.0)
+
+
+@pytest.fixture(scope="module")
+def grader():
+    return CodeReward(limits=LIMITS)
+
+
+@pytest.mark.parametrize("name, completion, problem, correct, status", CASES, ids=[c[0] for c in CASES])
+def test_code_grader_cases(grader, name, completion, problem, correct, status):
+    grade = grader(completion, problem.answer, problem=problem)
+    assert grade.correct is correct, grade
+    assert grade.reward == (1.0 if correct else 0.0)
+    assert grade.details["status"] == status, grade.details
+    assert grade.format_ok is completion.startswith("Here is")
+    assert grade.error is None
+    assert len(grade.details["tests"]) == len(problem.meta["tests"])
+
+
+def test_slow_solution_times_out():
+    grader = CodeReward(limits=SandboxLimits(timeout_s=1.5))
+    completion = fence("def has_close_elements(numbers, threshold):\n    while True:\n        pass\n")
+    grade = grader(completion, "", problem=HUMANEVAL)
+    assert not grade.correct and grade.reward == 0.0
+    assert grade.details == {"tests": [[False, "not run"]], "status": "timeout"}
+
+
+@pytest.mark.parametrize("completion", ["I think the answer is to compare all pairs.", HUMANEVAL_BODY])
+def test_no_code_gets_the_incorrect_reward_without_running(grader, completion):
+    """Prose, or a bare function body outside a fence (no ``def``/``import`` line)."""
+    grade = grader(completion, "", problem=HUMANEVAL)
+    assert (grade.correct, grade.extracted, grade.reward, grade.format_ok, grade.details) == (False, None, 0.0, False, None)
+
+
+def test_unfenced_code_is_graded_but_not_format_ok(grader):
+    grade = grader(HUMANEVAL_PROMPT + HUMANEVAL_BODY, "", problem=HUMANEVAL)
+    assert grade.correct and not grade.format_ok
+
+
+def test_failing_test_details(grader):
+    grade = grader(fence(WRONG_HE), "", problem=HUMANEVAL)
+    assert grade.details == {"tests": [[False, "AssertionError"]], "status": "failed"}
+    assert grade.extracted == WRONG_HE.rstrip() + "\n"
+
+
+PARTLY_RIGHT_MBPP = fence("def similar_elements(a, b):\n    return tuple(x for x in a if x in b and x != 13)\n")
+
+
+def test_pass_rate_mode_scales_with_the_fraction_passed():
+    grader = CodeReward(mode="pass_rate", correct_reward=1.0, incorrect_reward=-1.0, limits=LIMITS)
+    partly, full, none = grader.grade_many(
+        [PARTLY_RIGHT_MBPP, fence(MBPP.answer), "no code here"], [MBPP, MBPP, MBPP]
+    )
+    assert partly.details["tests"] == [[True, None], [True, None], [False, "AssertionError"]]
+    assert partly.reward == pytest.approx(-1.0 + 2.0 * 2 / 3) and not partly.correct
+    assert full.reward == 1.0 and full.correct
+    assert none.reward == -1.0
+
+
+def test_all_pass_mode_gives_nothing_for_a_partial_solution():
+    grader = CodeReward(mode="all_pass", correct_reward=2.0, incorrect_reward=-0.5, limits=LIMITS)
+    partly, full = grader.grade_many([PARTLY_RIGHT_MBPP, fence(MBPP.answer)], [MBPP, MBPP])
+    assert (partly.reward, full.reward) == (-0.5, 2.0)
+
+
+def test_grade_many_keeps_order_and_uses_one_parallel_call(monkeypatch):
+    calls = []
+    real_run_many = sandbox_core.run_many
+
+    def counting_run_many(jobs, limits, workers):
+        calls.append(len(jobs))
+        return real_run_many(jobs, limits, workers)
+
+    monkeypatch.setattr("rlbench.reward.code.run_many", counting_run_many)
+    grader = CodeReward(limits=LIMITS, workers=2)
+    completions = [fence(WRONG_HE), "no code", fence(HUMANEVAL_BODY), fence(MBPP.answer)]
+    grades = grader.grade_many(completions, [HUMANEVAL, HUMANEVAL, HUMANEVAL, MBPP])
+    assert [g.correct for g in grades] == [False, False, True, True]
+    assert calls == [3]  # the completion without code is not run
+
+
+def test_sandbox_failures_are_counted_not_raised(monkeypatch, tmp_path):
+    monkeypatch.setattr(sandbox_core, "SUPERVISOR", tmp_path / "missing_supervisor.py")
+    grader = CodeReward(limits=LIMITS)
+    grade = grader(fence(MBPP.answer), "", problem=MBPP)
+    assert not grade.correct and grade.reward == 0.0
+    assert grade.error.startswith("supervisor exited with 2 without a report")
+    assert grade.details["status"] == "sandbox_error"
+    assert grader.failures == 1
+
+
+# ---------------------------------------------------------------------------------------
+# extraction and program assembly
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "completion, code",
+    [
+        ("```python\ndef f():\n    return 1\n```", "def f():\n    return 1\n"),
+        ("text\n```py\nx = 1\n```\nmore\n```python\nx = 2\n```\n", "x = 2\n"),
+        ("```\nimport os\n```", "import os\n"),
+        ("```python\ndef f(): pass\n```\n```bash\nls\n```", "def f(): pass\n"),
+        ("```Python3\ny = 3\n```", "y = 3\n"),
+        ("cut off:\n```python\ndef f():\n    return", "def f():\n    return"),
+        ("def f():\n    return 1", "def f():\n    return 1"),
+        ("from math import pi\nprint(pi)", "from math import pi\nprint(pi)"),
+        ("The answer is 42.", None),
+        ("```bash\nls -la\n```", None),
+    ],
+)
+def test_extract_code(completion, code):
+    assert extract_code(completion) == code
+
+
+def test_problem_program_puts_the_prompt_before_a_bare_body():
+    assert problem_program(HUMANEVAL_BODY, HUMANEVAL) == (
+        HUMANEVAL_PROMPT + HUMANEVAL_BODY.rstrip("\n") + "\n\n" + HUMANEVAL_TEST + "\n"
+    )
+
+
+def test_problem_program_keeps_a_full_function_as_is():
+    code = "def has_close_elements(numbers, threshold):\n    return True\n"
+    assert problem_program(code, HUMANEVAL) == code + "\n" + HUMANEVAL_TEST + "\n"
+
+
+def test_problem_program_appends_test_imports():
+    code = "def volume_sphere(r):\n    return r\n"
+    assert problem_program(code, MBPP_WITH_IMPORTS) == code + "\nimport math\n"
+    assert problem_program(code, MBPP) == code
+
+
+@pytest.mark.parametrize("tests", [None, [], "assert True", [1, 2]])
+def test_problems_without_usable_tests_are_refused(grader, tests):
+    problem = Problem(uid="bad/0", prompt="", answer="", meta={"tests": tests})
+    with pytest.raises(DataError, match=r"bad/0: meta\['tests'\]"):
+        grader("```python\nx = 1\n```", "", problem=problem)
+
+
+def test_bad_mode_is_refused():
+    with pytest.raises(ConfigError, match="mode"):
+        CodeReward(mode="best_of")
