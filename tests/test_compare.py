@@ -1,0 +1,398 @@
+"""rlbench-compare: the bootstrap and the paired test on hand-made counts with known answers, the table
+against the runner's own passk.csv, grouping and filters, errors, outputs, launchers and sweeps, and
+(slow) a real two-algorithm x two-seed sweep through sweeps/ and the compare command."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from rlbench.compare import (
+    MACRO,
+    build_table,
+    config_value,
+    find_run_dirs,
+    group_runs,
+    group_warnings,
+    hierarchical_bootstrap,
+    load_run,
+    main,
+    paired_bootstrap_difference,
+    paired_problem_differences,
+    percentile_interval,
+    select_runs,
+    sign_flip_test,
+)
+from rlbench.errors import ConfigError, DataError
+from rlbench.eval.metrics import ProblemResult, pass_at_k, summarize
+from rlbench.logger.run_logger import RunLogger
+
+from conftest import CONF_DIR, ROOT
+
+SWEEPS_DIR = str(ROOT / "sweeps")
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def test_sign_flip_identical_groups_give_p_one():
+    assert sign_flip_test(np.zeros(7)) == 1.0  # exact (2^7 <= 1000)
+    assert sign_flip_test(np.zeros(40), n_resamples=200) == 1.0  # Monte Carlo
+
+
+def test_sign_flip_exact_p_by_hand():
+    # d = (1, -1, 2): the 8 sign vectors give sums 2, -2, 4, 0, 0, -4, 2, -2; |sum| >= |2| for 6 of 8
+    assert sign_flip_test([1.0, -1.0, 2.0]) == pytest.approx(6 / 8)
+    # a group better on all 4 problems: only all-plus and all-minus reach |T|, p = 2 / 16
+    assert sign_flip_test([0.5, 0.25, 1.0, 0.75]) == pytest.approx(2 / 16)
+
+
+def test_sign_flip_monte_carlo_dominating_group_has_small_p():
+    p = sign_flip_test(np.full(30, 0.5), n_resamples=2000, seed=1)
+    assert 1 / 2001 <= p < 0.005
+
+
+def test_sign_flip_monte_carlo_agrees_with_exact_enumeration():
+    d = np.random.default_rng(3).normal(0.1, 0.5, size=12)
+    exact = sign_flip_test(d, n_resamples=2**12)
+    approx = sign_flip_test(d, n_resamples=2**12 - 1, seed=5)  # one fewer: Monte Carlo
+    assert 0.0 < exact < 1.0 and abs(exact - approx) < 0.03
+
+
+def test_sign_flip_weights_give_the_macro_statistic():
+    # benchmark A (2 problems) and B (4 problems), equal weight per benchmark
+    group = [np.array([[1.0, 0.5]]), np.array([[0.0, 0.0, 1.0, 1.0]])]
+    base = [np.array([[0.0, 0.5]]), np.array([[0.0, 0.0, 0.0, 1.0]])]
+    d, u = paired_problem_differences(group, base)
+    assert np.allclose(u, [1 / 4, 1 / 4, 1 / 8, 1 / 8, 1 / 8, 1 / 8])
+    macro = np.mean([g.mean() for g in group]) - np.mean([b.mean() for b in base])
+    assert float(u @ d) == pytest.approx(macro) == pytest.approx(0.5 * 0.5 + 0.5 * 0.25)
+
+
+def test_hierarchical_bootstrap_of_a_constant_is_that_constant():
+    reps = hierarchical_bootstrap([np.full((3, 5), 0.4)], n_resamples=200)
+    assert percentile_interval(reps) == pytest.approx((0.4, 0.4))
+
+
+def test_hierarchical_bootstrap_variance_resamples_seeds_and_problems_crossed():
+    # X[s, i] = a_s + b_i: the replicate is sum_s w_s a_s + sum_i v_i b_i, whose variance is exactly
+    # var(a)/S + var(b)/P (population variances). A nested scheme would give var(a)/S + var(b)/(S P).
+    a = np.array([0.0, 0.1, 0.2, 0.3])
+    b = np.random.default_rng(0).uniform(0.0, 1.0, size=50)
+    reps = hierarchical_bootstrap([a[:, None] + b[None, :]], n_resamples=20000, seed=2)
+    expected = a.var() / a.size + b.var() / b.size
+    assert reps.var() == pytest.approx(expected, rel=0.05)
+    assert reps.mean() == pytest.approx((a[:, None] + b[None, :]).mean(), abs=0.005)
+
+
+def test_hierarchical_bootstrap_one_seed_is_the_problem_bootstrap():
+    b = np.random.default_rng(1).uniform(size=40)
+    reps = hierarchical_bootstrap([b[None, :]], n_resamples=20000, seed=0)
+    assert reps.var() == pytest.approx(b.var() / b.size, rel=0.05)
+
+
+def test_interval_contains_the_mean():
+    x = (np.random.default_rng(4).uniform(size=(3, 30)) > 0.6).astype(float)
+    low, high = percentile_interval(hierarchical_bootstrap([x], n_resamples=500))
+    assert low < x.mean() < high
+
+
+def test_paired_bootstrap_is_paired_on_problems():
+    # No seed variation: with the same problem resample for both groups, a constant shift of 0.1
+    # is recovered exactly in every replicate; identical groups differ by exactly 0.
+    x = np.tile(np.random.default_rng(6).uniform(size=20), (3, 1))
+    assert np.allclose(paired_bootstrap_difference([x + 0.1], [x], n_resamples=300), 0.1)
+    assert np.allclose(paired_bootstrap_difference([x], [x], n_resamples=300), 0.0)
+
+
+def test_paired_bootstrap_allows_different_seed_counts():
+    x, y = np.full((2, 5), 0.5), np.full((3, 5), 0.25)
+    assert np.allclose(paired_bootstrap_difference([x], [y], n_resamples=50), 0.25)
+
+
+# --------------------------------------------------------------------------- hand-made run folders
+
+
+def write_run(root, name, *, algorithm="grpo", seed=0, model="tiny", clip_high=0.2, problems, ks=(1, 2),
+              phase="after", steps=()):
+    """A run folder written by the runner's own code: RunLogger + summarize, from per-problem counts.
+
+    problems: {benchmark: [(uid, n, correct), ...]}; steps: [(reward_mean, response_length, entropy), ...]."""
+    out = root / name
+    config = {"algorithm": {"name": algorithm, "loss": {"clip_high": clip_high}}, "model": {"name": model},
+              "dataset": {"name": "arith"}, "seed": seed, "run_name": name}
+    logger = RunLogger(out, config, OmegaConf.to_yaml(OmegaConf.create(config)), {"name": "files"})
+    for step, (reward, length, entropy) in enumerate(steps, 1):
+        logger.log_step(step, {"reward_mean": reward, "response_length": length, "entropy": entropy})
+    results = [ProblemResult(bench, uid, [i < c for i in range(n)], ["x"] * n)
+               for bench, rows in problems.items() for uid, n, c in rows]
+    rows = [{**r, "phase": phase} for r in summarize(results, ks)]
+    problem_rows = [{"phase": phase, "benchmark": bench, "uid": uid, "n": n, "correct": c}
+                    for bench, items in problems.items() for uid, n, c in items]
+    logger.log_eval(rows, problem_rows, [], {}, step=len(steps))
+    logger.finish()
+    return out
+
+
+def counts(bench, correct, n=4):
+    return [(f"{bench}/{i}", n, c) for i, c in enumerate(correct)]
+
+
+@pytest.fixture
+def two_groups(tmp_path):
+    """grpo and rloo x 2 seeds on two benchmarks (3 and 5 problems), 4 samples per problem."""
+    data = {
+        ("grpo", 0): ([1, 0, 2], [0, 1, 0, 4, 2]),
+        ("grpo", 1): ([2, 0, 1], [1, 1, 0, 3, 2]),
+        ("rloo", 0): ([3, 1, 2], [2, 1, 1, 4, 3]),
+        ("rloo", 1): ([4, 2, 2], [1, 2, 1, 4, 4]),
+    }
+    for (algorithm, seed), (a, b) in data.items():
+        write_run(tmp_path / "sweep", f"{algorithm}-s{seed}", algorithm=algorithm, seed=seed,
+                  problems={"alpha": counts("alpha", a), "beta": counts("beta", b)},
+                  steps=[(0.1 * seed, 8.0, 2.0), (0.2 + 0.1 * seed, 7.0, 1.5)])
+    runs = [load_run(d) for d in find_run_dirs([tmp_path / "sweep"])]
+    return runs, data
+
+
+def passk_value(passk, bench, k, phase="after"):
+    return float(passk[(passk["phase"] == phase) & (passk["benchmark"] == bench) & (passk["k"] == k)]["pass_at_k"].iloc[0])
+
+
+def test_table_equals_the_mean_of_the_runs_own_passk_csv(two_groups):
+    runs, _ = two_groups
+    groups = group_runs(runs, ["algorithm"])
+    table = build_table(groups, baseline="grpo", n_resamples=200)
+    assert set(table["group"]) == {"grpo", "rloo"} and set(table["k"]) == {1, 2}
+    for label, members in groups.items():
+        for bench in ("alpha", "beta"):
+            for k in (1, 2):
+                own = [passk_value(r.passk, bench, k) for r in members]
+                row = table[(table["group"] == label) & (table["benchmark"] == bench) & (table["k"] == k)].iloc[0]
+                assert row["pass_at_k"] == pytest.approx(np.mean(own), abs=1e-12)
+                assert row["ci_low"] <= row["pass_at_k"] <= row["ci_high"]
+                assert row["seeds"] == 2 and row["problems"] == {"alpha": 3, "beta": 5}[bench]
+
+
+def test_table_values_by_hand(two_groups):
+    runs, data = two_groups
+    table = build_table(group_runs(runs, ["algorithm"]), baseline="grpo", ks=[1], n_resamples=200)
+    # pass@1 = c / n; alpha: grpo seeds (1+0+2)/12, (2+0+1)/12 -> 0.25; rloo (3+1+2)/12, (4+2+2)/12 -> 7/12
+    alpha = table.query("benchmark == 'alpha'").set_index("group")
+    assert alpha.loc["grpo", "pass_at_k"] == pytest.approx(0.25)
+    assert alpha.loc["rloo", "pass_at_k"] == pytest.approx(7 / 12)
+    assert alpha.loc["rloo", "diff"] == pytest.approx(7 / 12 - 0.25)
+    assert np.isnan(alpha.loc["grpo", "diff"]) and np.isnan(alpha.loc["grpo", "p_value"])
+    # rloo is better on all 3 alpha problems: exact sign-flip p = 2 / 8
+    assert alpha.loc["rloo", "p_value"] == pytest.approx(2 / 8)
+    beta = table.query("benchmark == 'beta'").set_index("group")
+    macro = table.query("benchmark == @MACRO").set_index("group")
+    for g in ("grpo", "rloo"):
+        assert macro.loc[g, "pass_at_k"] == pytest.approx((alpha.loc[g, "pass_at_k"] + beta.loc[g, "pass_at_k"]) / 2)
+    assert macro.loc["rloo", "problems"] == 8
+    assert macro.loc["rloo", "diff_ci_low"] <= macro.loc["rloo", "diff"] <= macro.loc["rloo", "diff_ci_high"]
+    assert list(table["benchmark"]) == ["alpha", "alpha", "beta", "beta", MACRO, MACRO]
+    assert list(table["group"][:2]) == ["grpo", "rloo"]  # the baseline first
+
+
+def test_identical_groups_differ_by_zero_with_p_one(tmp_path):
+    for algorithm in ("grpo", "rloo"):
+        for seed in (0, 1):
+            write_run(tmp_path, f"{algorithm}-{seed}", algorithm=algorithm, seed=seed,
+                      problems={"alpha": counts("alpha", [seed, 2, 3, 1])})
+    runs = [load_run(d) for d in find_run_dirs([tmp_path])]
+    row = build_table(group_runs(runs, ["algorithm"]), baseline="grpo", n_resamples=200).query("group == 'rloo'")
+    assert (row["diff"] == 0).all() and (row["p_value"] == 1).all()
+
+
+def test_grouping_and_filters(tmp_path):
+    specs = [("grpo", 0, "tiny", 0.2), ("grpo", 1, "tiny", 0.28), ("rloo", 0, "tiny", 0.2), ("grpo", 0, "smol", 0.2)]
+    for i, (algorithm, seed, model, clip) in enumerate(specs):
+        write_run(tmp_path, f"r{i}", algorithm=algorithm, seed=seed, model=model, clip_high=clip,
+                  problems={"alpha": counts("alpha", [1, 2])})
+    runs = [load_run(d) for d in find_run_dirs([tmp_path])]
+    assert config_value(runs[0].config, "algorithm") == "grpo"  # a node with a name stands for it
+    by_algorithm = group_runs(runs, ["algorithm"])
+    assert {k: len(v) for k, v in by_algorithm.items()} == {"grpo": 3, "rloo": 1}
+    assert set(group_runs(runs, ["algorithm", "model"])) == {"grpo/tiny", "rloo/tiny", "grpo/smol"}
+    assert set(group_runs(runs, ["algorithm.loss.clip_high"])) == {"0.2", "0.28"}
+    assert len(select_runs(runs, ["model=tiny"])) == 3
+    assert len(select_runs(runs, ["model=tiny", "algorithm=grpo"])) == 2
+    assert len(select_runs(runs, ["seed=1,0", "model.name=smol"])) == 1
+    warnings = group_warnings(by_algorithm)
+    assert any("'grpo'" in w and "model.name" in w for w in warnings)
+    assert any("'grpo'" in w and "seed 0" in w for w in warnings)
+    assert not group_warnings(group_runs(select_runs(runs, ["seed=1"]), ["algorithm"]))
+    with pytest.raises(ConfigError, match="optimizer.*config.yaml"):
+        group_runs(runs, ["optimizer"])
+    with pytest.raises(ConfigError, match="key=value"):
+        select_runs(runs, ["model"])
+    with pytest.raises(ConfigError, match="without a 'name'"):
+        group_runs(runs, ["algorithm.loss"])
+
+
+def test_errors_name_what_to_change(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main([str(empty), "--out", str(tmp_path / "o")]) == 2
+    assert "no runs found" in capsys.readouterr().err
+
+    a = write_run(tmp_path / "runs", "a", problems={"alpha": counts("alpha", [1, 2, 3])})
+    write_run(tmp_path / "runs", "b", algorithm="rloo", problems={"alpha": counts("alpha", [1, 2])})
+    runs = [load_run(d) for d in find_run_dirs([tmp_path / "runs"])]
+    with pytest.raises(ConfigError, match="--baseline 'ppo'.*grpo, rloo"):
+        build_table(group_runs(runs, ["algorithm"]), baseline="ppo")
+    with pytest.raises(DataError, match=r"different alpha problems.*pairing is impossible") as err:
+        build_table(group_runs(runs, ["algorithm"]))
+    assert str(a) in str(err.value) and str(tmp_path / "runs" / "b") in str(err.value)
+    with pytest.raises(DataError, match="no 'before' evaluation.*after"):
+        build_table(group_runs(runs[:1], ["algorithm"]), phase="before")
+    with pytest.raises(ConfigError, match="k=8 exceeds the 4 samples"):
+        build_table(group_runs(runs[:1], ["algorithm"]), ks=[8])
+
+    write_run(tmp_path / "other", "c", problems={"beta": counts("beta", [1])})
+    mixed = [runs[0], load_run(tmp_path / "other" / "c")]
+    with pytest.raises(DataError, match="different benchmarks"):
+        build_table(group_runs(mixed, ["algorithm", "run_name"]))
+    assert main([str(tmp_path / "runs"), "--filter", "model=nope", "--out", str(tmp_path / "o")]) == 2
+    assert "matches --filter model=nope" in capsys.readouterr().err
+
+
+def test_main_writes_tables_and_plots(two_groups, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main([str(tmp_path / "sweep"), "--by", "algorithm", "--baseline", "grpo", "--k", "1", "2",
+                 "--out", str(out), "--resamples", "200"]) == 0
+    printed = capsys.readouterr().out
+    assert "| group | benchmark | k | pass@k [95% CI]" in printed and "Δ vs grpo" in printed
+    assert (out / "table.md").read_text() in printed
+    table = pd.read_csv(out / "table.csv")
+    runs, _ = two_groups
+    expected = build_table(group_runs(runs, ["algorithm"]), baseline="grpo", ks=[1, 2], n_resamples=200)
+    assert np.allclose(table["pass_at_k"], expected["pass_at_k"]) and np.allclose(table["ci_low"], expected["ci_low"])
+    tex = (out / "table.tex").read_text()
+    assert tex.startswith("\\begin{tabular}") and "$\\Delta$ vs grpo" in tex and tex.count("\\\\") == len(table) + 1
+    for png in ("passk_curves.png", "training_curves.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with open(out / "runs.csv") as f:
+        assert sorted((r["group"], r["seed"]) for r in csv.DictReader(f)) == [
+            ("grpo", "0"), ("grpo", "1"), ("rloo", "0"), ("rloo", "1")]
+
+
+def test_training_curves_are_skipped_without_steps(tmp_path):
+    write_run(tmp_path / "runs", "a", problems={"alpha": counts("alpha", [1, 2])}, phase="eval")
+    assert main([str(tmp_path / "runs"), "--phase", "eval", "--out", str(tmp_path / "o")]) == 0
+    assert (tmp_path / "o" / "passk_curves.png").exists() and not (tmp_path / "o" / "training_curves.png").exists()
+
+
+@pytest.mark.slow
+def test_wandb_run_receives_the_table_offline(two_groups, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    out = tmp_path / "out"
+    assert main([str(tmp_path / "sweep"), "--baseline", "grpo", "--out", str(out), "--resamples", "100",
+                 "--wandb-run", "rlbench-test/cmp123"]) == 0
+    runs = list((out / "wandb").glob("offline-run-*-cmp123"))
+    assert len(runs) == 1
+    tables = list(runs[0].glob("files/media/table/compare/table*.table.json"))
+    assert tables, "the comparison table was not logged to wandb"
+    logged = json.loads(tables[0].read_text())
+    csv_table = pd.read_csv(out / "table.csv")
+    column = logged["columns"].index("pass_at_k")
+    assert logged["columns"][:3] == ["group", "benchmark", "k"]
+    assert np.allclose([r[column] for r in logged["data"]], csv_table["pass_at_k"])
+
+
+# --------------------------------------------------------------------------- launchers and sweeps
+
+
+@pytest.mark.parametrize("choice, target, settings", [
+    ("parallel", "JoblibLauncher", {"n_jobs": 2}),
+    ("slurm", "SlurmLauncher", {"gpus_per_node": 1, "timeout_min": 240}),
+    ("submitit_local", "LocalLauncher", {}),
+])
+def test_launcher_choices_compose(choice, target, settings):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose("config", overrides=[f"hydra/launcher={choice}", "output_dir=/tmp/unused"],
+                      return_hydra_config=True)
+    assert cfg.hydra.launcher._target_.endswith(target)
+    for key, value in settings.items():
+        assert cfg.hydra.launcher[key] == value
+
+
+def compose_sweep(name, overrides):
+    with initialize_config_dir(config_dir=SWEEPS_DIR, version_base="1.3"):
+        return compose(name, overrides=[f"hydra.searchpath=[file://{CONF_DIR}]", *overrides, "output_dir=/tmp/unused"],
+                       return_hydra_config=True)
+
+
+def test_sweep_files_compose():
+    algorithms = compose_sweep("algorithms", ["algorithm=rloo", "seed=1"])
+    assert algorithms.algorithm.name == "rloo" and algorithms.seed == 1
+    assert dict(algorithms.hydra.sweeper.params) == {"algorithm": "grpo,dr_grpo", "seed": "0,1,2"}
+    clip = compose_sweep("clip_higher", ["algorithm.loss.clip_high=0.24", "seed=1", "experiment=smoke"])
+    assert clip.algorithm.name == "dapo" and clip.algorithm.loss.clip_low == 0.2
+    assert clip.algorithm.loss.clip_high == 0.24 and clip.model.name == "tiny"
+    assert clip.run_name == "dapo-ch0.24-tiny-arith-s1"
+    assert dict(clip.hydra.sweeper.params) == {"algorithm.loss.clip_high": "0.2,0.24,0.28,0.32", "seed": "0,1,2"}
+
+
+def _subprocess_env():
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("WANDB_API_KEY", None)
+    return env
+
+
+def _run(args, timeout=900):
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=_subprocess_env())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.slow
+def test_submitit_local_launcher_runs_a_sweep(tmp_path):
+    sweep = tmp_path / "sweep"
+    _run(["-m", "rlbench.cli", "-m", "experiment=smoke", "hydra/launcher=submitit_local", "seed=0,1",
+          "trainer.steps=1", "eval.limit=2", "eval.n=2", "eval.k=[1,2]", "logger=files", "trainer.save_model=false",
+          f"hydra.sweep.dir={sweep}"])
+    assert len(find_run_dirs([sweep])) == 2
+    jobs = [d for d in (sweep / ".submitit").iterdir() if list(d.glob("*_result.pkl"))]
+    assert len(jobs) == 2  # each run went through a submitit job
+
+
+@pytest.mark.slow
+def test_sweep_then_compare_end_to_end(tmp_path):
+    """Must-show 4: grpo and rloo x seeds 0, 1 with experiment=smoke through sweeps/algorithms.yaml, then
+    rlbench-compare. The tiny random model scores 0 under the math grader, so the toy even-token reward
+    (also the evaluation grader) makes the pass@k values differ from zero and between seeds."""
+    sweep, out = tmp_path / "sweep", tmp_path / "compare"
+    _run(["-m", "rlbench.cli", "-m", "--config-dir", SWEEPS_DIR, "--config-name", "algorithms",
+          "experiment=smoke", "reward=even_tokens", "algorithm=grpo,rloo", "seed=0,1", "logger=files",
+          "trainer.save_model=false", f"hydra.sweep.dir={sweep}"])
+    proc = _run(["-m", "rlbench.compare", str(sweep), "--by", "algorithm", "--baseline", "grpo", "--out", str(out)])
+    assert "| grpo | arith | 1 |" in proc.stdout
+    for name in ("table.md", "table.csv", "table.tex", "passk_curves.png", "training_curves.png"):
+        assert (out / name).stat().st_size > 0, name
+
+    table = pd.read_csv(out / "table.csv")
+    assert sorted(table["group"].unique()) == ["grpo", "rloo"] and sorted(table["k"].unique()) == [1, 2, 4]
+    own = pd.concat(
+        pd.read_csv(d / "eval" / "passk.csv").assign(group=load_run(d).config["algorithm"]["name"],
+                                                    seed=load_run(d).config["seed"])
+        for d in find_run_dirs([sweep])
+    ).query("phase == 'after'")
+    assert len(own) == 2 * 2 * 3
+    assert own["pass_at_k"].max() > 0  # the check below is not on zeros only
+    expected = own.groupby(["group", "benchmark", "k"])["pass_at_k"].mean()
+    for row in table.itertuples():
+        assert row.pass_at_k == pytest.approx(expected[(row.group, row.benchmark, row.k)], abs=1e-12)
+        assert row.seeds == 2 and row.ci_low <= row.pass_at_k <= row.ci_high
+    assert table.query("group == 'rloo'")["p_value"].between(0, 1).all()
