@@ -370,14 +370,20 @@ def test_submitit_local_launcher_runs_a_sweep(tmp_path):
 
 @pytest.mark.slow
 def test_sweep_then_compare_end_to_end(tmp_path):
-    """Must-show 4: grpo and rloo x seeds 0, 1 with experiment=smoke through sweeps/algorithms.yaml, then
-    rlbench-compare. The tiny random model scores 0 under the math grader, so the toy even-token reward
-    (also the evaluation grader) makes the pass@k values differ from zero and between seeds."""
+    """Must-show 4 of the benchmark issue: grpo and rloo x seeds 0, 1 with experiment=smoke through
+    sweeps/algorithms.yaml, then rlbench-compare. The same sweep is the zoo issue's must-show 4: one
+    `-m` command runs grpo, dr_grpo, dapo, gspo and rloo (seed 0); a second adds seed 1 for grpo and
+    rloo. The tiny random model scores 0 under the math grader, so the toy even-token reward (also the
+    evaluation grader) makes the pass@k values differ from zero and between seeds."""
     sweep, out = tmp_path / "sweep", tmp_path / "compare"
-    _run(["-m", "rlbench.cli", "-m", "--config-dir", SWEEPS_DIR, "--config-name", "algorithms",
-          "experiment=smoke", "reward=even_tokens", "algorithm=grpo,rloo", "seed=0,1", "logger=files",
-          "trainer.save_model=false", f"hydra.sweep.dir={sweep}"])
-    proc = _run(["-m", "rlbench.compare", str(sweep), "--by", "algorithm", "--baseline", "grpo", "--out", str(out)])
+    common = ["-m", "rlbench.cli", "-m", "--config-dir", SWEEPS_DIR, "--config-name", "algorithms",
+              "experiment=smoke", "reward=even_tokens", "logger=files", "trainer.save_model=false"]
+    _run([*common, "algorithm=grpo,dr_grpo,dapo,gspo,rloo", "seed=0", f"hydra.sweep.dir={sweep / 'seed0'}"])
+    ran = sorted(load_run(d).config["algorithm"]["name"] for d in find_run_dirs([sweep]))
+    assert ran == ["dapo", "dr_grpo", "grpo", "gspo", "rloo"]
+    _run([*common, "algorithm=grpo,rloo", "seed=1", f"hydra.sweep.dir={sweep / 'seed1'}"])
+    proc = _run(["-m", "rlbench.compare", str(sweep), "--by", "algorithm", "--baseline", "grpo", "--out", str(out),
+                 "--filter", "algorithm=grpo,rloo"])
     assert "| grpo | arith | 1 |" in proc.stdout
     for name in ("table.md", "table.csv", "table.tex", "passk_curves.png", "training_curves.png"):
         assert (out / name).stat().st_size > 0, name
@@ -388,7 +394,7 @@ def test_sweep_then_compare_end_to_end(tmp_path):
         pd.read_csv(d / "eval" / "passk.csv").assign(group=load_run(d).config["algorithm"]["name"],
                                                     seed=load_run(d).config["seed"])
         for d in find_run_dirs([sweep])
-    ).query("phase == 'after'")
+    ).query("phase == 'after' and group in ['grpo', 'rloo']")
     assert len(own) == 2 * 2 * 3
     assert own["pass_at_k"].max() > 0  # the check below is not on zeros only
     expected = own.groupby(["group", "benchmark", "k"])["pass_at_k"].mean()
