@@ -104,6 +104,7 @@ def validate_config(cfg: Any) -> Algorithm:
                 f"which needs rollout.n >= 2 responses per prompt (got {rollout.n})"
             )
         check_batch_arithmetic(trainer.prompts_per_step, rollout.n, trainer.micro_batch_size, algorithm.minibatches)
+        algorithm.check_batch_size(trainer.prompts_per_step * rollout.n)
         validate_spec(cfg.dataset, source=cfg.data_source, data_dir=cfg.data_dir)
         check_reward_matches_dataset(cfg.reward.name, cfg.dataset)
 

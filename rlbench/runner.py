@@ -191,6 +191,22 @@ def make_step_context(
     )
 
 
+def shaping_inputs(
+    ctx: StepContext, groups: list, batch: Any, finished: torch.Tensor, correct: torch.Tensor
+) -> dict[str, Any]:
+    """What reward-shaping functions may read (rlbench/reward/shaping.py lists the inputs)."""
+    completions = [c for group in groups for c in group]
+    return {
+        "response_lengths": batch.response_mask.sum(-1),
+        "finished": finished,
+        "max_length": ctx.params.max_new_tokens,
+        "correct": correct,
+        "group_index": batch.group_index,
+        "response_texts": [c.text for c in completions],
+        "first_tokens": [ctx.tokenizer.decode(c.response_ids[:1]) if c.response_ids else "" for c in completions],
+    }
+
+
 def train_step(ctx: StepContext, problems: list[Problem], progress: float = 0.0) -> dict[str, float]:
     """rollout -> reward -> advantage -> update for one batch of prompts. Returns step metrics.
 
@@ -205,30 +221,39 @@ def train_step(ctx: StepContext, problems: list[Problem], progress: float = 0.0)
     completions = [c for group in groups for c in group]
     grades = grade_completions(ctx.grader, [p for p, group in zip(problems, groups) for _ in group], completions)
     batch = collate(groups, ctx.tokenizer.pad_token_id, ctx.device)
-    batch.rewards = torch.tensor([g.reward for g in grades], dtype=torch.float32, device=ctx.device)
+    outcome = torch.tensor([g.reward for g in grades], dtype=torch.float32, device=ctx.device)
     finished = torch.tensor([c.finished for group in groups for c in group], device=ctx.device)
-    shaping = ctx.algorithm.shape_rewards(batch.response_mask.sum(-1), finished, ctx.params.max_new_tokens)
-    if shaping is not None:  # e.g. DAPO's overlong penalty, added before the advantage
-        batch.rewards = batch.rewards + shaping
-    # 3. advantage (a no-grad pass first only when the estimator reads log-probs or entropies,
-    #    or the batch is reused for several updates and needs stored old log-probs)
+    correct = torch.tensor([bool(g.correct) for g in grades], device=ctx.device)
+    # e.g. DAPO's overlong penalty or Thinkless' mode reward, before the advantage
+    batch.rewards = ctx.algorithm.shape_rewards(outcome, shaping_inputs(ctx, groups, batch, finished, correct))
+    # 3. advantage (a no-grad pass first only when the estimator reads log-probs or entropies, the
+    #    batch is reused for several updates, or the KL / token mask / KL controller needs them)
     t1 = time.perf_counter()
+    algorithm = ctx.algorithm
     temperature = ctx.params.temperature if ctx.params.temperature > 0 else 1.0
-    wanted = ctx.algorithm.advantage_inputs
-    extra: dict[str, torch.Tensor | None] = {}
-    if wanted or ctx.algorithm.needs_old_logp:
+    wanted = algorithm.advantage_inputs
+    extra: dict[str, Any] = {"correct": correct, "max_length": ctx.params.max_new_tokens}
+    if algorithm.needs_sampling_pass:
         old_logp, entropy = batch_logprobs(
-            ctx.model, batch, ctx.micro_batch_size, temperature, with_entropy="entropy" in wanted
+            ctx.model, batch, ctx.micro_batch_size, temperature, with_entropy=algorithm.needs_sampling_entropy
         )
-        extra = {"old_logp": old_logp, "entropy": entropy}
-        if ctx.algorithm.needs_old_logp:
+        extra.update(old_logp=old_logp, entropy=entropy)
+        if algorithm.needs_old_logp:
             batch.old_logp = old_logp
-    batch.advantages = ctx.algorithm.compute_advantages(
-        batch.rewards, batch.group_index, batch.response_mask, **{k: extra.get(k) for k in wanted}
-    )
-    # 4. update (reference log-probs only when the KL term is active)
+    # reference log-probs only when the KL term is active
     if ctx.reference is not None:
         batch.ref_logp, _ = batch_logprobs(ctx.reference, batch, ctx.micro_batch_size, temperature)
+    advantage_rewards, response_kl = batch.rewards, None
+    if algorithm.kl_in_reward or algorithm.kl_adaptive is not None:
+        advantage_rewards, extra["token_rewards"], response_kl = algorithm.kl_reward_terms(
+            batch.rewards, batch.response_mask, extra["old_logp"], batch.ref_logp
+        )
+    batch.token_weights = algorithm.token_weights(extra.get("entropy"), batch.response_mask)
+    batch.advantages = algorithm.compute_advantages(
+        advantage_rewards, batch.group_index, batch.response_mask, **{k: extra.get(k) for k in wanted}
+    )
+    coefficients = {"kl_coef": algorithm.kl_coefficient, "entropy_coef": algorithm.entropy_coefficient}
+    # 4. update
     stats = policy_update(
         ctx.model,
         ctx.optimizer,
@@ -240,6 +265,9 @@ def train_step(ctx: StepContext, problems: list[Problem], progress: float = 0.0)
         norm_length=ctx.params.max_new_tokens,
         generator=ctx.minibatch_generator,
         progress=progress,
+    )
+    algorithm.update_coefficients(
+        None if response_kl is None else response_kl.mean().item(), stats.get("entropy"), batch.size
     )
     ctx.scheduler.step()
     ctx.engine.sync_weights(ctx.model)
@@ -261,7 +289,11 @@ def train_step(ctx: StepContext, problems: list[Problem], progress: float = 0.0)
         "advantage_abs_mean": sequence_adv.abs().mean().item(),
         "response_length": lengths.float().mean().item(),
         "truncated_rate": float(1.0 - finished.float().mean().item()),
-        "reward_shaping_mean": float(shaping.mean().item()) if shaping is not None else 0.0,
+        "reward_shaping_mean": (rewards - outcome).mean().item(),
+        **coefficients,
+        **({"kl_sequence": response_kl.mean().item()} if response_kl is not None else {}),
+        **({"token_mask_kept": (batch.token_weights.sum() / lengths.sum().clamp(min=1)).item()}
+           if batch.token_weights is not None else {}),
         "grader_errors": float(sum(g.error is not None for g in grades)),
         "lr": ctx.scheduler.get_last_lr()[0],
         "generate_s": t_generate,

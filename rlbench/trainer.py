@@ -34,6 +34,7 @@ class TrainBatch:
     advantages: torch.Tensor | None = None  # [B, T]
     old_logp: torch.Tensor | None = None  # [B, T]
     ref_logp: torch.Tensor | None = None  # [B, T]
+    token_weights: torch.Tensor | None = None  # [B, T] policy-loss token mask (e.g. top-entropy), None = all 1
 
     @property
     def size(self) -> int:
@@ -61,6 +62,7 @@ class TrainBatch:
             advantages=take(self.advantages, True),
             old_logp=take(self.old_logp, True),
             ref_logp=take(self.ref_logp, True),
+            token_weights=take(self.token_weights, True),
         )
 
 
@@ -247,10 +249,10 @@ def policy_update(
             }
             for rows in _micro_batches(minibatch, micro_batch_size):
                 sub = batch.select(rows)
-                want_entropy = track_entropy or algorithm.entropy_coef > 0
+                want_entropy = track_entropy or algorithm.uses_entropy_bonus
                 logp, entropy = token_logprobs(
                     model, sub, temperature, with_entropy=want_entropy,
-                    entropy_requires_grad=algorithm.entropy_coef > 0,
+                    entropy_requires_grad=algorithm.uses_entropy_bonus,
                 )
                 old_logp = sub.old_logp if sub.old_logp is not None else logp.detach()
                 loss, metrics = algorithm.compute_loss(
@@ -262,6 +264,7 @@ def policy_update(
                     ref_logp=sub.ref_logp,
                     entropy=entropy,
                     progress=progress,
+                    token_weights=sub.token_weights,
                 )
                 loss.backward()
                 tokens = float(sub.response_mask.sum().item())

@@ -26,7 +26,7 @@ PRESETS = sorted(path.stem for path in (ROOT / "conf" / "algorithm").glob("*.yam
 EXPECTED = {
     "grpo", "dr_grpo", "dapo", "gspo", "gmpo", "cispo", "sapo", "rloo", "reinforce_pp", "opo", "gpg",
     "ngrpo", "edge_grpo", "gtpo", "grpo_s", "ce_gppo", "clip_cov", "kl_cov", "m2po", "mdpo", "spo_simple",
-    "dppo", "hapo", "aepo", "intellect2", "rec",
+    "dppo", "hapo", "aepo", "intellect2", "rec", "thinkless",
 }
 
 TABLE_HEADER = "| name | advantage | loss | aggregation | KL | paper | run |"

@@ -18,6 +18,8 @@ Inputs offered by the trainer (a function declares the ones it needs):
                              answer; e.g. a hash of the extracted answer)                (polychromic)
     diversity         [B,B]  float in [0,1], pairwise dissimilarity of responses (only entries
                              within a group are read; alternative to answer_keys)        (polychromic)
+    correct           [B]    bool, the grader's verdict on each response                  (drpo)
+    max_length        int    the generation budget, rollout.max_new_tokens                 (drpo)
 Every estimator returns advantages of shape [B,T], zero on padding. Helpers that are not
 advantage estimators (``gae_returns``, ``value_loss``, ``discounted_returns``, the SPO tracker and
 the PVPO baseline cache) live at the end of the module and are not registered.
@@ -742,6 +744,69 @@ def spo_advantage(
     if normalize:
         centred = _whiten(centred, torch.ones_like(centred, dtype=torch.bool), epsilon)
     return _broadcast(centred.float(), response_mask)
+
+
+def drpo_length_weights(
+    correct: torch.Tensor,
+    group_index: torch.Tensor,
+    response_lengths: torch.Tensor,
+    max_length: int,
+    temperature: float,
+) -> torch.Tensor:
+    """DRPO's weights over the correct responses of each group (``drpo``): with the length reward
+    r_L(y) = -|y| / L_max and P_g the correct responses of group g,
+
+        w_i = exp(r_L(y_i) / lambda) / sum_{j in P_g} exp(r_L(y_j) / lambda)     for i in P_g; 0 otherwise
+
+    the closed-form optimum of max_w sum_i w_i r_L(y_i) - lambda KL(w || uniform over P_g). Each
+    group's weights sum to 1 over its correct responses (0 for a group without any). Float64 [B].
+    """
+    index = group_index.long()
+    positive = correct.bool()
+    num_groups = int(index.max().item()) + 1 if index.numel() else 0
+    logits = torch.where(positive, -response_lengths.to(torch.float64) / (max_length * temperature), -math.inf)
+    group_max = torch.full((num_groups,), -math.inf, dtype=torch.float64, device=logits.device).scatter_reduce(
+        0, index, logits, reduce="amax"
+    )
+    shifted = torch.where(positive, torch.exp(logits - group_max[index]), 0.0)
+    total = torch.zeros(num_groups, dtype=torch.float64, device=logits.device).index_add_(0, index, shifted)
+    return torch.where(positive, shifted / total[index].clamp(min=1e-300), 0.0)
+
+
+@ADVANTAGES.register("drpo")
+def drpo_advantage(
+    group_index: torch.Tensor,
+    response_mask: torch.Tensor,
+    correct: torch.Tensor,
+    max_length: int,
+    temperature: float = 0.1,
+    negative_advantage: float = 1.0,
+) -> torch.Tensor:
+    """Decoupled length reward of DRPO (Li, Chen, Lin & Yang 2025, "DRPO: Efficient Reasoning via
+    Decoupled Reward Policy Optimization", arXiv:2510.04474), in the GRPO-compatible form of the
+    reference docs (methods-b M48, "recommended first implementation"):
+
+        A_i = |P_g| w_i        for correct i   (w: ``drpo_length_weights``, normalised among the
+                                                group's correct answers only; always > 0)
+        A_j = -c               for wrong j     (c = negative_advantage)
+
+    Length enters only through the weights among correct answers, so a correct-but-long answer is
+    never pushed down (GRPO on a length-penalised reward can give it a negative advantage: the
+    failure DRPO fixes). That is why this is an advantage estimator, not a reward term: any
+    baseline over the whole group would mix the two signals again. lambda = ``temperature`` tilts
+    towards short answers; lambda -> inf gives A = 1 to every correct answer. All-wrong groups get
+    -c everywhere; a singleton group gets 1 or -c. Deviation: the paper's discriminative (DisCO)
+    objective with its tau-smoothed negative term is not implemented, and lambda = 0.1 is not taken
+    from the paper (the reference docs leave it to be verified).
+    """
+    if temperature <= 0 or negative_advantage < 0:
+        raise ValueError(f"drpo needs temperature > 0 and negative_advantage >= 0, got {temperature}, {negative_advantage}")
+    lengths = _valid(response_mask).sum(-1)
+    weights = drpo_length_weights(correct, group_index, lengths, max_length, temperature)
+    positive = correct.bool()
+    count = torch.zeros_like(weights).index_add_(0, group_index.long(), positive.to(torch.float64))[group_index.long()]
+    advantage = torch.where(positive, count * weights, -float(negative_advantage))
+    return _broadcast(advantage.float(), response_mask)
 
 
 def _gae(

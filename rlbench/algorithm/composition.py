@@ -3,9 +3,14 @@
 ``Algorithm.from_config`` reads ``cfg.algorithm`` (see conf/algorithm/*.yaml); the two methods
 below are the whole objective, read top to bottom:
 
+    rewards    = shape(outcome) [- kl_coef * sum_t kl(old_logp, ref_logp)   (kl.placement=reward)]
     advantages = advantage_estimator(rewards, groups)                        (H4)
-    loss       = aggregate(policy_loss(logp, old_logp, A))                   (H6)
-               + kl_coef * aggregate(kl(logp, ref_logp)) - entropy_coef * aggregate(H)
+    loss       = aggregate(token_mask * policy_loss(logp, old_logp, A))      (H6)
+               + kl_coef * aggregate(kl(logp, ref_logp))                    (kl.placement=loss)
+               - entropy_coef * aggregate(H)
+
+kl_coef and entropy_coef are fixed, or adapted after every step (kl.adaptive, entropy_adaptive);
+the token mask is 1, or the top-entropy-quantile mask (token_mask.top_entropy_quantile).
 """
 
 from __future__ import annotations
@@ -19,16 +24,18 @@ import torch
 from rlbench.algorithm import advantages as _advantages  # noqa: F401  (registers pieces)
 from rlbench.algorithm import aggregation as _aggregation  # noqa: F401
 from rlbench.algorithm import kl as _kl  # noqa: F401
+from rlbench.algorithm.entropy import AdaptiveEntropy, top_entropy_token_mask
+from rlbench.algorithm.kl import KL_PLACEMENTS, AdaptiveKL, kl_penalised_rewards, sequence_kl
 from rlbench.algorithm import losses as _losses  # noqa: F401
 from rlbench.algorithm.losses import LOSS_REQUIREMENTS
 from rlbench.algorithm.registry import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
-from rlbench.reward.shaping import REWARD_SHAPING, SHAPING_INPUTS
+from rlbench.reward.shaping import apply_shaping, check_shapers
 from rlbench.errors import ConfigError
 
 # Every input name a piece may declare (documented in the pieces' modules) ...
 ADVANTAGE_INPUTS = {
     "rewards", "group_index", "response_mask", "entropy", "old_logp", "values", "baseline_rewards",
-    "token_rewards", "tracker_baseline", "answer_keys", "diversity",
+    "token_rewards", "tracker_baseline", "answer_keys", "diversity", "correct", "max_length",
 }
 LOSS_INPUTS = {
     "logp", "old_logp", "advantages", "response_mask", "entropy", "ref_logp", "progress", "sampling_logp",
@@ -39,7 +46,7 @@ AGGREGATION_INPUTS = {"loss_matrix", "response_mask", "batch_tokens", "batch_seq
 # refused when the configuration is validated, with a message naming the piece and the input.
 # Estimators whose advantage varies along a response (the rest give one value per response).
 TOKEN_LEVEL_ADVANTAGES = {"reinforce_pp", "gae", "gtpo"}
-PROVIDED_ADVANTAGE_INPUTS = {"rewards", "group_index", "response_mask", "entropy", "old_logp"}
+PROVIDED_ADVANTAGE_INPUTS = {"rewards", "group_index", "response_mask", "entropy", "old_logp", "correct", "max_length"}
 PROVIDED_LOSS_INPUTS = {"logp", "old_logp", "advantages", "response_mask", "entropy", "progress"}
 
 
@@ -58,6 +65,15 @@ class Piece:
         return cls(str(node["name"]), params)
 
 
+@dataclass
+class Coefficients:
+    """The run's current KL and entropy coefficients (they move when adaptive) and the last entropy."""
+
+    kl: float
+    entropy: float
+    last_entropy: float | None = None
+
+
 @dataclass(frozen=True)
 class Algorithm:
     name: str
@@ -70,12 +86,26 @@ class Algorithm:
     epochs: int = 1
     minibatches: int = 1
     reward_shaping: tuple[Piece, ...] = ()
+    kl_placement: str = "loss"
+    kl_adaptive: AdaptiveKL | None = None
+    entropy_adaptive: AdaptiveEntropy | None = None
+    top_entropy_quantile: float | None = None
+    # Mutable run state inside the frozen composition: each from_config starts a fresh one.
+    coefficients: Coefficients | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.coefficients is None:
+            object.__setattr__(self, "coefficients", Coefficients(kl=self.kl_coef, entropy=self.entropy_coef))
 
     @classmethod
     def from_config(cls, cfg: Any) -> "Algorithm":
         """Build from ``cfg.algorithm`` and check every piece and parameter exists."""
         kl = cfg.get("kl") or {}
         update = cfg.get("update") or {}
+        token_mask = dict(cfg.get("token_mask") or {})
+        if set(token_mask) - {"top_entropy_quantile"}:
+            raise ConfigError(f"algorithm.token_mask takes only top_entropy_quantile, got {sorted(token_mask)}")
+        quantile = token_mask.get("top_entropy_quantile")
         algorithm = cls(
             name=str(cfg.get("name", "custom")),
             advantage=Piece.from_config(cfg.get("advantage"), "advantage"),
@@ -87,6 +117,12 @@ class Algorithm:
             epochs=int(update.get("epochs", 1)),
             minibatches=int(update.get("minibatches", 1)),
             reward_shaping=tuple(Piece.from_config(node, "reward_shaping") for node in cfg.get("reward_shaping") or ()),
+            kl_placement=str(kl.get("placement", "loss")),
+            kl_adaptive=AdaptiveKL.from_config(kl["adaptive"]) if kl.get("adaptive") is not None else None,
+            entropy_adaptive=(
+                AdaptiveEntropy.from_config(cfg["entropy_adaptive"]) if cfg.get("entropy_adaptive") is not None else None
+            ),
+            top_entropy_quantile=None if quantile is None else float(quantile),
         )
         algorithm.validate()
         return algorithm
@@ -106,14 +142,33 @@ class Algorithm:
                     f"(it provides {sorted(provided)}); pick another algorithm/{'advantage' if registry is ADVANTAGES else 'loss'}"
                 )
         AGGREGATIONS.validate_params(self.aggregation.name, self.aggregation.params, AGGREGATION_INPUTS)
-        for shaper in self.reward_shaping:
-            REWARD_SHAPING.validate_params(shaper.name, shaper.params, SHAPING_INPUTS)
+        check_shapers([(s.name, s.params) for s in self.reward_shaping])
         self._check_loss_requirements()
         KL_ESTIMATORS.get(self.kl_estimator)
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise ConfigError("algorithm.kl.coef and algorithm.entropy_coef must be >= 0")
+        self._check_kl_and_entropy_settings()
         if self.epochs < 1 or self.minibatches < 1:
             raise ConfigError("algorithm.update.epochs and algorithm.update.minibatches must be >= 1")
+
+    def _check_kl_and_entropy_settings(self) -> None:
+        if self.kl_placement not in KL_PLACEMENTS:
+            raise ConfigError(f"algorithm.kl.placement={self.kl_placement} is unknown; choose one of {KL_PLACEMENTS}")
+        if self.kl_adaptive is not None and self.kl_coef == 0:
+            raise ConfigError(
+                "algorithm.kl.adaptive multiplies the coefficient, which stays 0 from algorithm.kl.coef=0; "
+                "set an initial algorithm.kl.coef > 0 or drop kl.adaptive"
+            )
+        if self.top_entropy_quantile is not None and not 0 < self.top_entropy_quantile <= 1:
+            raise ConfigError(
+                f"algorithm.token_mask.top_entropy_quantile must be in (0, 1] (the paper uses 0.2), "
+                f"got {self.top_entropy_quantile}"
+            )
+
+    def check_batch_size(self, responses: int) -> None:
+        """Checks that need the number of responses per batch (called by the config validator)."""
+        if self.kl_adaptive is not None:
+            self.kl_adaptive.check_batch(responses)
 
     def _check_loss_requirements(self) -> None:
         """Refuse compositions the loss is undefined or unfaithful under (LOSS_REQUIREMENTS)."""
@@ -137,8 +192,45 @@ class Algorithm:
 
     @property
     def needs_reference(self) -> bool:
-        """A frozen reference model is loaded only when the KL term is active."""
+        """A frozen reference model is loaded only when the KL term is active (in the loss or the reward)."""
         return self.kl_coef > 0
+
+    @property
+    def kl_in_loss(self) -> bool:
+        return self.kl_coef > 0 and self.kl_placement == "loss"
+
+    @property
+    def kl_in_reward(self) -> bool:
+        return self.kl_coef > 0 and self.kl_placement == "reward"
+
+    @property
+    def kl_coefficient(self) -> float:
+        """beta now: algorithm.kl.coef, or where the adaptive controller has moved it."""
+        return self.coefficients.kl
+
+    @property
+    def entropy_coefficient(self) -> float:
+        """The entropy-bonus coefficient applied now (fixed, or adaptive and possibly gated off)."""
+        if self.entropy_adaptive is None:
+            return self.coefficients.entropy
+        return self.entropy_adaptive.applied(self.coefficients.entropy, self.coefficients.last_entropy)
+
+    @property
+    def uses_entropy_bonus(self) -> bool:
+        """True when the loss may contain an entropy bonus, so its entropy needs a gradient."""
+        return self.entropy_coef > 0 or self.entropy_adaptive is not None
+
+    @property
+    def needs_sampling_pass(self) -> bool:
+        """A no-grad pass over the sampled batch (old log-probs, entropies) before the advantage."""
+        return any((
+            self.advantage_inputs & {"entropy", "old_logp"}, self.needs_old_logp, self.needs_sampling_entropy,
+            self.kl_in_reward, self.kl_adaptive is not None,
+        ))
+
+    @property
+    def needs_sampling_entropy(self) -> bool:
+        return "entropy" in self.advantage_inputs or self.top_entropy_quantile is not None
 
     @property
     def needs_old_logp(self) -> bool:
@@ -148,16 +240,51 @@ class Algorithm:
     @property
     def advantage_inputs(self) -> set[str]:
         """The optional trainer inputs (beyond rewards, groups, mask) the advantage estimator reads."""
-        return ADVANTAGES.accepted_inputs(self.advantage.name) & {"entropy", "old_logp"}
+        return ADVANTAGES.accepted_inputs(self.advantage.name) & {
+            "entropy", "old_logp", "correct", "max_length", "token_rewards",
+        }
 
-    def shape_rewards(
-        self, response_lengths: torch.Tensor, finished: torch.Tensor, max_length: int
-    ) -> torch.Tensor | None:
-        """The sum of the algorithm's reward-shaping terms per response ([B]), or None without any."""
+    def shape_rewards(self, rewards: torch.Tensor, inputs: Mapping[str, Any]) -> torch.Tensor:
+        """The reward after the algorithm's reward shaping ([B]; ``rewards`` itself without any).
+        ``inputs``: the trainer's shaping inputs (rlbench/reward/shaping.py)."""
         if not self.reward_shaping:
+            return rewards
+        return apply_shaping(rewards, [(s.name, s.params) for s in self.reward_shaping], inputs)
+
+    def kl_reward_terms(
+        self, rewards: torch.Tensor, response_mask: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(rewards for the advantage, token rewards or None, per-response KL [B]) for this batch.
+
+        The per-response KL sum_t k(old_logp, ref_logp) is what the adaptive controller observes.
+        With kl.placement=reward the rewards carry -beta sum_t k_t (``kl_penalised_rewards``) and
+        estimators with a ``token_rewards`` input get the per-token form; otherwise the rewards pass
+        through unchanged."""
+        mask = response_mask.to(old_logp.dtype)
+        kl_matrix = KL_ESTIMATORS.get(self.kl_estimator)(old_logp, ref_logp) * mask
+        per_response = sequence_kl(kl_matrix, mask)
+        if not self.kl_in_reward:
+            return rewards, None, per_response
+        penalised, token_rewards = kl_penalised_rewards(rewards, kl_matrix, mask, self.kl_coefficient)
+        token_level = "token_rewards" in self.advantage_inputs
+        return penalised.to(rewards.dtype), token_rewards if token_level else None, per_response
+
+    def token_weights(self, entropy: torch.Tensor | None, response_mask: torch.Tensor) -> torch.Tensor | None:
+        """The policy-loss token mask [B,T] for this batch, or None (no masking)."""
+        if self.top_entropy_quantile is None:
             return None
-        inputs = {"response_lengths": response_lengths, "finished": finished, "max_length": max_length}
-        return sum(REWARD_SHAPING.call(s.name, inputs, s.params) for s in self.reward_shaping)
+        if entropy is None:
+            raise ValueError("the top-entropy token mask needs the sampling policy's entropies")
+        return top_entropy_token_mask(entropy, response_mask, self.top_entropy_quantile)
+
+    def update_coefficients(self, observed_kl: float | None, observed_entropy: float | None, n_steps: int) -> None:
+        """After a step: move the adaptive coefficients from this step's KL and entropy."""
+        state = self.coefficients
+        if self.kl_adaptive is not None and observed_kl is not None:
+            state.kl = self.kl_adaptive.next_coefficient(state.kl, observed_kl, n_steps)
+        if self.entropy_adaptive is not None and observed_entropy is not None:
+            state.entropy = self.entropy_adaptive.next_coefficient(state.entropy, observed_entropy)
+            state.last_entropy = observed_entropy
 
     def compute_advantages(
         self, rewards: torch.Tensor, group_index: torch.Tensor, response_mask: torch.Tensor, **extra: Any
@@ -182,11 +309,13 @@ class Algorithm:
         ref_logp: torch.Tensor | None = None,
         entropy: torch.Tensor | None = None,
         progress: float = 0.0,
+        token_weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """The scalar loss of one (micro-)batch and its metrics.
 
         ``norms`` carries the optimizer batch's counts (batch_tokens, batch_sequences, norm_length)
-        so that micro-batch losses add up to the full-batch loss.
+        so that micro-batch losses add up to the full-batch loss. ``token_weights`` (e.g. the
+        top-entropy mask) multiplies the policy-loss matrix only, before aggregation.
         """
         mask = response_mask.to(logp.dtype)
         inputs = {"logp": logp, "old_logp": old_logp, "advantages": advantages, "response_mask": mask,
@@ -196,20 +325,23 @@ class Algorithm:
         if ref_logp is not None:
             inputs["ref_logp"] = ref_logp
         loss_matrix, metrics = POLICY_LOSSES.call(self.loss.name, inputs, self.loss.params)
+        if token_weights is not None:
+            loss_matrix = loss_matrix * token_weights
         policy_loss = self.aggregate(loss_matrix, mask, norms)
         total = policy_loss
         metrics = dict(metrics)
         metrics["policy_loss"] = policy_loss.item()
-        if self.kl_coef > 0:
+        if self.kl_in_loss:
             if ref_logp is None:
                 raise ValueError("the KL term needs reference log-probs")
             kl_matrix = KL_ESTIMATORS.get(self.kl_estimator)(logp, ref_logp) * mask
             kl_value = self.aggregate(kl_matrix, mask, norms)
-            total = total + self.kl_coef * kl_value
+            total = total + self.kl_coefficient * kl_value
             metrics["kl"] = kl_value.item()
-        if self.entropy_coef > 0:
+        entropy_coef = self.entropy_coefficient
+        if entropy_coef > 0:
             if entropy is None:
                 raise ValueError("the entropy bonus needs per-token entropies")
             entropy_value = self.aggregate(entropy * mask, mask, norms)
-            total = total - self.entropy_coef * entropy_value
+            total = total - entropy_coef * entropy_value
         return total, metrics

@@ -10,9 +10,14 @@ delta_t = logp_t - ref_logp_t and samples o_t ~ pi_theta, each k estimates KL(pi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
+from rlbench.algorithm.advantages import _last_token_rewards
 from rlbench.algorithm.registry import KL_ESTIMATORS
+from rlbench.errors import ConfigError
 
 KL_LOG_RATIO_LIMIT = 20.0
 
@@ -34,3 +39,98 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1, with the log-ratio clamped to +-20."""
     delta = (ref_logp - logp).clamp(-KL_LOG_RATIO_LIMIT, KL_LOG_RATIO_LIMIT)
     return torch.exp(delta) - delta - 1.0
+
+
+# --------------------------------------------------------------------------------------------
+# Where the KL term acts, and how its coefficient moves
+# --------------------------------------------------------------------------------------------
+
+#: ``algorithm.kl.placement``: ``loss`` adds beta * aggregate(k) to the loss (GRPO, Shao et al.
+#: 2024); ``reward`` subtracts beta * k_t from the reward before the advantage (PPO-RLHF, Ziegler
+#: et al. 2019; verl's ``use_kl_in_reward``).
+KL_PLACEMENTS = ("loss", "reward")
+ADAPTIVE_KL_ERROR_LIMIT = 0.2
+
+
+def sequence_kl(kl_matrix: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """KL of each response, sum_t m_t k_t ([B]); a zero-length response has KL 0."""
+    return (kl_matrix * response_mask).sum(-1)
+
+
+def kl_penalised_rewards(
+    rewards: torch.Tensor, kl_matrix: torch.Tensor, response_mask: torch.Tensor, coef: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KL penalty placed in the reward (Ziegler et al. 2019, "Fine-Tuning Language Models from
+    Human Preferences", arXiv:1909.08593, sec. 2.2; Ouyang et al. 2022, InstructGPT, eq. 2).
+
+    With k_t the KL estimate between the sampling policy and the reference at response token t
+    (k(old_logp, ref_logp); no gradient) and R the outcome reward of the response:
+
+        r_t = 1[t = last token] R - beta k_t                      token rewards   [B,T]
+        R'  = sum_t r_t = R - beta sum_t k_t                      sequence reward [B]
+
+    A sequence-level estimator (grpo, rloo, ...) reads R'; a token-level one (reinforce_pp, gae,
+    remax, pvpo: those with a ``token_rewards`` input) reads r_t, so that its return-to-go
+    G_t = sum_{s>=t} r_s only charges the KL of the tokens at and after t, as in REINFORCE++
+    (Hu 2025, arXiv:2501.03262) and verl's ``apply_kl_penalty``. Padding gets r_t = 0; a
+    zero-length response keeps R' = R and has no token rewards.
+    """
+    penalty = coef * (kl_matrix.to(torch.float64) * response_mask)
+    token_rewards = _last_token_rewards(rewards, response_mask) - penalty
+    return rewards.to(torch.float64) - penalty.sum(-1), token_rewards
+
+
+def adaptive_kl_coefficient(coef: float, observed_kl: float, target: float, horizon: float, n_steps: int) -> float:
+    """The adaptive KL controller of Ziegler et al. 2019 ("Fine-Tuning Language Models from Human
+    Preferences", arXiv:1909.08593, sec. 2.2), as in their code and verl's AdaptiveKLController:
+
+        e      = clip(KL / KL_target - 1, -0.2, 0.2)
+        beta' = beta (1 + e * n_steps / horizon)
+
+    KL is the observed KL of the batch (here: the mean over responses of the summed per-token
+    estimate between the sampling policy and the reference, Ziegler's per-sample KL) and n_steps the
+    number of samples since the last update (the batch size). beta grows while the KL is above the
+    target and shrinks while it is below, by at most 20% x n_steps / horizon per update. The paper's
+    values are KL_target = 6 nats (sentiment) and horizon = 10000.
+    """
+    error = min(max(observed_kl / target - 1.0, -ADAPTIVE_KL_ERROR_LIMIT), ADAPTIVE_KL_ERROR_LIMIT)
+    multiplier = 1.0 + error * n_steps / horizon
+    if multiplier <= 0:
+        raise ValueError(
+            f"adaptive KL multiplier {multiplier} <= 0: horizon={horizon} is too small for {n_steps} samples per "
+            f"update; use a horizon above {ADAPTIVE_KL_ERROR_LIMIT * n_steps}"
+        )
+    return coef * multiplier
+
+
+@dataclass(frozen=True)
+class AdaptiveKL:
+    """``algorithm.kl.adaptive``: {target, horizon} of :func:`adaptive_kl_coefficient`."""
+
+    target: float
+    horizon: float
+
+    @classmethod
+    def from_config(cls, node: Any) -> "AdaptiveKL":
+        params = dict(node)
+        unknown = set(params) - {"target", "horizon"}
+        if unknown or not {"target", "horizon"} <= set(params):
+            raise ConfigError(
+                f"algorithm.kl.adaptive takes exactly {{target, horizon}} (Ziegler et al. 2019: target=6, "
+                f"horizon=10000); got {sorted(params)}"
+            )
+        settings = cls(float(params["target"]), float(params["horizon"]))
+        if settings.target <= 0 or settings.horizon <= 0:
+            raise ConfigError(f"algorithm.kl.adaptive.target and .horizon must be > 0, got {settings}")
+        return settings
+
+    def check_batch(self, n_steps: int) -> None:
+        """Refuse a horizon under which one update could drive beta to zero or below."""
+        if self.horizon <= ADAPTIVE_KL_ERROR_LIMIT * n_steps:
+            raise ConfigError(
+                f"algorithm.kl.adaptive.horizon={self.horizon} must exceed 0.2 x the {n_steps} responses of a "
+                f"batch, or one update can drive the KL coefficient to zero or below"
+            )
+
+    def next_coefficient(self, coef: float, observed_kl: float, n_steps: int) -> float:
+        return adaptive_kl_coefficient(coef, observed_kl, self.target, self.horizon, n_steps)

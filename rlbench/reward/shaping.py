@@ -1,20 +1,37 @@
-"""Reward shaping: per-response terms added to the outcome reward before advantages are computed.
+"""Reward shaping: per-response terms combined with the outcome reward before advantages are computed.
 
 Inputs offered by the trainer (a function declares the ones it needs):
     response_lengths  [B]   number of response tokens
     finished          [B]   bool, True when the response ended with EOS, False when truncated
     max_length        int   the generation budget (rollout.max_new_tokens)
-Every function returns a [B] float tensor that is added to the rewards.
+    correct           [B]   bool, the grader's verdict on each response
+    group_index       [B]   long, responses sharing a prompt share an index
+    response_texts    list[str]  the decoded responses (special tokens skipped)
+    first_tokens      list[str]  the first response token of each response, decoded with special
+                             tokens kept ("" for an empty response): the control token of Thinkless
+Every function returns a [B] float tensor. Most are *terms* added to the outcome reward; the ones
+in REPLACES_OUTCOME are the whole reward of their paper (it already depends on correctness), so
+with one of them the grader's reward is dropped and the terms are added to it instead
+(:func:`apply_shaping`). At most one such function may be configured.
 """
 
 from __future__ import annotations
 
+import math
+import re
+from typing import Any, Mapping, Sequence
+
 import torch
 
 from rlbench.algorithm.registry import Registry
+from rlbench.errors import ConfigError
 
 REWARD_SHAPING = Registry("reward shaping")
-SHAPING_INPUTS = {"response_lengths", "finished", "max_length"}
+SHAPING_INPUTS = {
+    "response_lengths", "finished", "max_length", "correct", "group_index", "response_texts", "first_tokens",
+}
+#: Functions whose value is the paper's whole reward rather than a term on top of the grader's.
+REPLACES_OUTCOME = {"cosine_length", "thinkless_mode"}
 
 
 @REWARD_SHAPING.register("dapo_overlong")
@@ -39,3 +56,132 @@ def dapo_overlong_penalty(
     lengths = response_lengths.to(torch.float32)
     penalty = torch.where(lengths <= expected, torch.zeros_like(lengths), (expected - lengths) / cache)
     return torch.where(finished.bool(), penalty, torch.full_like(lengths, -1.0))
+
+
+def _as_float(values: torch.Tensor) -> torch.Tensor:
+    return values.to(torch.float32)
+
+
+@REWARD_SHAPING.register("cosine_length")
+def cosine_length_reward(
+    response_lengths: torch.Tensor,
+    correct: torch.Tensor,
+    finished: torch.Tensor,
+    max_length: int,
+    correct_at_zero: float = 1.0,
+    correct_at_max: float = 0.5,
+    wrong_at_zero: float = -1.0,
+    wrong_at_max: float = -0.5,
+    length_scale: int | None = None,
+    truncated_reward: float | None = None,
+) -> torch.Tensor:
+    """Cosine length-scaled reward (Yeo et al. 2025, "Demystifying Long Chain-of-Thought Reasoning in
+    LLMs", arXiv:2502.03373, sec. 4.2). With p = min(|y| / L, 1), L = length_scale (default
+    max_length):
+
+        CosFn(p; r_0, r_L) = r_L + (r_0 - r_L) (1 + cos(pi p)) / 2       (r_0 at |y| = 0, r_L at |y| >= L)
+        R(y) = CosFn(p; correct_at_zero, correct_at_max)   if correct
+             = CosFn(p; wrong_at_zero, wrong_at_max)       if wrong
+             = truncated_reward                            if truncated and truncated_reward is set
+
+    Short correct answers earn more than long ones; long wrong answers are punished less than short
+    ones (more thinking when unsure). This is the whole reward (REPLACES_OUTCOME). Defaults are the
+    open-r1 values the Open-RS recipe uses (methods-b M47: 1.0/0.5 correct, -1.0/-0.5 wrong, no
+    truncation term); the paper's own values (r_0^c=2, r_L^c=1, r_0^w=-10, r_L^w=0, exceed -10)
+    are not in the reference docs (verify before using them). Lengths beyond L are clamped to L
+    (open-r1's cosine would rise again there).
+    """
+    scale = max_length if length_scale is None else length_scale
+    if scale <= 0:
+        raise ValueError(f"cosine_length: length_scale must be > 0, got {scale}")
+    progress = (_as_float(response_lengths) / scale).clamp(max=1.0)
+    shape = (1.0 + torch.cos(math.pi * progress)) / 2
+    right = correct_at_max + (correct_at_zero - correct_at_max) * shape
+    wrong = wrong_at_max + (wrong_at_zero - wrong_at_max) * shape
+    reward = torch.where(correct.bool(), right, wrong)
+    if truncated_reward is not None:
+        reward = torch.where(finished.bool(), reward, torch.full_like(reward, float(truncated_reward)))
+    return reward
+
+
+#: DeepSeek-R1-Zero's training template (Guo et al. 2025, arXiv:2501.12948, table 1).
+R1_TEMPLATE = r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*"
+
+
+@REWARD_SHAPING.register("format")
+def format_reward(response_texts: Sequence[str], pattern: str = R1_TEMPLATE, weight: float = 1.0) -> torch.Tensor:
+    """Rule-based format reward (DeepSeek-AI 2025, "DeepSeek-R1", arXiv:2501.12948, sec. 2.2.2):
+
+        R_format(y) = weight * 1[y matches pattern]          (re.fullmatch, DOTALL)
+
+    The default pattern is R1-Zero's template: reasoning inside <think></think>, then the answer
+    inside <answer></answer>. The grader's own ``reward.format_weight`` is a different check (the
+    answer is in the dataset's answer format, e.g. \\boxed{}); this one checks the response layout.
+    An empty response matches only a pattern that accepts the empty string.
+    """
+    try:
+        compiled = re.compile(pattern, re.DOTALL)
+    except re.error as err:
+        raise ValueError(f"format: pattern {pattern!r} is not a valid regular expression ({err})") from None
+    return torch.tensor([weight if compiled.fullmatch(text) else 0.0 for text in response_texts], dtype=torch.float32)
+
+
+@REWARD_SHAPING.register("thinkless_mode")
+def thinkless_mode_reward(
+    correct: torch.Tensor,
+    first_tokens: Sequence[str],
+    short_token: str = "<short>",
+    short_correct: float = 1.0,
+    think_correct: float = 0.5,
+    wrong: float = -1.0,
+) -> torch.Tensor:
+    """Thinkless' mode-aware reward (Fang, Ma & Wang 2025, "Thinkless: LLM Learns When to Think",
+    arXiv:2505.13379; methods-b M12). The policy's first response token is a control token, <short>
+    or <think>, that picks the reasoning mode:
+
+        R(y) = short_correct   (1.0)   if correct and the first token is <short>
+             = think_correct   (0.5)   if correct and it is not (the <think> mode)
+             = wrong          (-1.0)   if wrong, in either mode
+
+    A correct short answer beats a correct long one, so the policy learns to think only when the
+    short mode fails. This is the whole reward (REPLACES_OUTCOME). A response whose first token is
+    neither control token is scored as the <think> mode (no short-answer bonus): without Thinkless'
+    SFT warm-up a model rarely emits a control token, and only an explicit <short> earns the bonus.
+    """
+    short = torch.tensor([token == short_token for token in first_tokens], dtype=torch.bool, device=correct.device)
+    if short.shape != correct.shape:
+        raise ValueError(f"thinkless_mode: {len(first_tokens)} first tokens for {correct.shape[0]} responses")
+    right = torch.where(short, torch.tensor(short_correct), torch.tensor(think_correct))
+    return torch.where(correct.bool(), right, torch.tensor(wrong)).to(torch.float32)
+
+
+def apply_shaping(
+    rewards: torch.Tensor, shapers: Sequence[tuple[str, Mapping[str, Any]]], inputs: Mapping[str, Any]
+) -> torch.Tensor:
+    """The reward after shaping: R = base + sum_s term_s(inputs), base = the outcome reward, or 0
+    when a shaper in REPLACES_OUTCOME is configured (its term is then the whole reward)."""
+    terms = [REWARD_SHAPING.call(name, inputs, params).to(rewards.device, rewards.dtype) for name, params in shapers]
+    base = torch.zeros_like(rewards) if any(name in REPLACES_OUTCOME for name, _ in shapers) else rewards
+    return base + sum(terms)
+
+
+def check_shapers(shapers: Sequence[tuple[str, Mapping[str, Any]]]) -> None:
+    """Validate shapers before a run: known names and parameters, at most one reward that replaces
+    the outcome, and parameter values the functions accept (each is run on a one-response batch)."""
+    replacing = [name for name, _ in shapers if name in REPLACES_OUTCOME]
+    if len(replacing) > 1:
+        raise ConfigError(
+            f"algorithm.reward_shaping has {replacing}; each of them is a whole reward (they replace the "
+            f"grader's outcome), so keep at most one"
+        )
+    probe = {
+        "response_lengths": torch.tensor([1]), "finished": torch.tensor([True]), "max_length": 8,
+        "correct": torch.tensor([True]), "group_index": torch.tensor([0]), "response_texts": [""],
+        "first_tokens": [""],
+    }
+    for name, params in shapers:
+        REWARD_SHAPING.validate_params(name, params, SHAPING_INPUTS)
+        try:
+            REWARD_SHAPING.call(name, probe, params)
+        except (ValueError, TypeError) as err:
+            raise ConfigError(f"algorithm.reward_shaping '{name}': {err}") from None
