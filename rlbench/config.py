@@ -55,6 +55,29 @@ def check_batch_arithmetic(prompts_per_step: int, n: int, micro_batch_size: int,
         )
 
 
+def check_sandbox(sandbox: Any) -> None:
+    """The sandbox limits (checked by SandboxLimits itself) and the worker count."""
+    from rlbench.runner import sandbox_limits
+
+    try:
+        sandbox_limits(sandbox)
+    except ConfigError as err:
+        raise ConfigError(f"{err} (set it with sandbox.<limit>=...)") from None
+    workers = (sandbox or {}).get("workers")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise ConfigError(f"sandbox.workers must be a positive integer or null (one per core), got {workers!r}")
+
+
+def check_reward_values(reward: Any) -> None:
+    """Numeric reward settings must be finite numbers."""
+    for key in ("correct_reward", "incorrect_reward", "format_weight", "tolerance", "verify_timeout_s", "threshold"):
+        value = reward.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
+            raise ConfigError(f"reward.{key} must be a finite number, got {value!r}")
+
+
 def check_reward_matches_dataset(reward: str, dataset: Any) -> None:
     """reward=code trains on code datasets (tests), reward=math on answer datasets; the toy reward
     (even_tokens) ignores answers and goes with any dataset."""
@@ -124,12 +147,8 @@ def validate_config(cfg: Any) -> Algorithm:
     for name, spec in ev.benchmarks.items():
         validate_spec(spec, source=cfg.data_source, data_dir=cfg.data_dir)
 
-    sandbox = cfg.get("sandbox") or {}
-    for key in ("timeout_s", "memory_mb", "file_size_mb", "max_output_bytes"):
-        if key in sandbox:
-            _positive(sandbox[key], f"sandbox.{key}")
-    if sandbox.get("workers") is not None:
-        _positive(sandbox.workers, "sandbox.workers")
+    check_sandbox(cfg.get("sandbox"))
+    check_reward_values(cfg.reward)
 
     validate_model_config(cfg.model)
     return algorithm

@@ -65,6 +65,14 @@ class PromptSampler:
         return batch
 
 
+def sandbox_limits(sandbox_cfg: Any) -> Any:
+    """``SandboxLimits`` from the ``sandbox`` config node (the limits check their own values)."""
+    from rlbench.sandbox import SandboxLimits
+
+    keys = ("timeout_s", "memory_mb", "file_size_mb", "max_output_bytes")
+    return SandboxLimits(**{k: v for k, v in dict(sandbox_cfg or {}).items() if k in keys})
+
+
 def make_grader(reward_cfg: Any, data_spec: Any, sandbox_cfg: Any = None) -> Any:
     """The grader of one dataset or benchmark.
 
@@ -80,21 +88,13 @@ def make_grader(reward_cfg: Any, data_spec: Any, sandbox_cfg: Any = None) -> Any
     own = reward_cfg if reward_cfg.name == data_spec.get("answer_type", "math") else {}
     if data_spec.get("answer_type", "math") == "code":
         from rlbench.reward.code import CodeReward
-        from rlbench.sandbox import SandboxLimits
 
-        sandbox = sandbox_cfg or {}
-        limits = SandboxLimits(
-            timeout_s=float(sandbox.get("timeout_s", 5.0)),
-            memory_mb=int(sandbox.get("memory_mb", 1024)),
-            file_size_mb=int(sandbox.get("file_size_mb", 16)),
-            max_output_bytes=int(sandbox.get("max_output_bytes", 65536)),
-        )
         return CodeReward(
             mode=own.get("mode", "all_pass"),
             correct_reward=own.get("correct_reward", 1.0),
             incorrect_reward=own.get("incorrect_reward", 0.0),
-            limits=limits,
-            workers=sandbox.get("workers"),
+            limits=sandbox_limits(sandbox_cfg),
+            workers=(sandbox_cfg or {}).get("workers"),
         )
     extraction = own.get("extraction") or data_spec.get("reward_extraction") or "auto"
     return MathReward(
@@ -398,6 +398,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             "pass_at_1_before": baseline.pass_at(1) if baseline else None,
             "pass_at_1_after": final.pass_at(1),
             "eval_seconds": {"before": baseline.seconds if baseline else None, "after": final.seconds},
+            "grader_errors": {"before": baseline.grader_errors if baseline else None, "after": final.grader_errors},
             "wall_seconds": time.perf_counter() - started,
             "device": str(device),
             "versions": versions(),

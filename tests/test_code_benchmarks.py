@@ -71,6 +71,13 @@ def test_custom_code_benchmark_from_any_jsonl(tmp_path):
     assert problem.uid == "mine/test/5" and problem.meta["tests"] == ["assert add(1, 2) == 3", "assert add(0, 0) == 0"]
 
 
+def test_code_problem_uids_stay_unique_when_ids_repeat_or_are_missing(tmp_path):
+    records = [{"id": 1, "text": "a", "asserts": ["assert True"]}, {"id": 1, "text": "b", "asserts": ["assert True"]},
+               {"text": "c", "asserts": ["assert True"]}]
+    problems = load_problems(code_spec(write_jsonl(tmp_path / "d.jsonl", records)))
+    assert [p.uid for p in problems] == ["mine/test/0", "mine/test/1", "mine/test/2"]
+
+
 @pytest.mark.parametrize(
     "record, message",
     [
@@ -113,6 +120,18 @@ def test_custom_math_benchmark_maps_fields_from_the_command_line(make_cfg, tmp_p
     assert [(p.prompt, p.answer) for p in problems] == [("2+3?", "5"), ("7*6?", "42")]
 
 
+def test_custom_code_benchmark_maps_fields_from_the_command_line(make_cfg, tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"id": 9, "text": "Add.", "checks": ["assert add(1, 2) == 3"]}])
+    cfg = make_cfg(
+        "mode=eval", "eval=custom_code", f"eval.benchmarks.custom_code.files.test={path}",
+        "eval.benchmarks.custom_code.fields.problem=text", "eval.benchmarks.custom_code.fields.tests=checks",
+    )
+    validate_config(cfg)
+    [problem] = load_problems(cfg.eval.benchmarks.custom_code)
+    assert problem.uid == "custom_code/test/9" and problem.meta["tests"] == ["assert add(1, 2) == 3"]
+    assert problem.prompt.endswith("assert add(1, 2) == 3")
+
+
 def test_custom_benchmark_without_a_file_names_the_key(make_cfg):
     with pytest.raises(ConfigError, match=r"eval\.benchmarks\.custom\.files\.test must be set"):
         validate_config(make_cfg("mode=eval", "eval=custom"))
@@ -142,7 +161,13 @@ def test_all_suite_holds_math_and_code(make_cfg):
     [
         (["dataset=mbpp"], "use reward=code"),
         (["dataset=gsm8k", "reward=code"], "reward=code runs tests"),
-        (["dataset=mbpp", "reward=code", "sandbox.timeout_s=0"], "sandbox.timeout_s"),
+        (["dataset=mbpp", "reward=code", "sandbox.timeout_s=0"], "timeout_s must be a positive number"),
+        (["dataset=mbpp", "reward=code", "sandbox.timeout_s=inf"], "above the ceiling"),
+        (["dataset=mbpp", "reward=code", "sandbox.timeout_s=abc"], "timeout_s must be a positive number"),
+        (["dataset=mbpp", "reward=code", "sandbox.file_size_mb=0.5"], "whole number"),
+        (["dataset=mbpp", "reward=code", "sandbox.max_output_bytes=1000000000000"], "above the ceiling"),
+        (["dataset=mbpp", "reward=code", "sandbox.workers=true"], "sandbox.workers"),
+        (["dataset=mbpp", "reward=code", "reward.correct_reward=abc"], "reward.correct_reward must be a finite"),
     ],
 )
 def test_reward_and_dataset_must_agree(make_cfg, overrides, message):

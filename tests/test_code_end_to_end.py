@@ -61,3 +61,58 @@ def test_code_rl_on_mbpp_train_runs_the_same_loop(tmp_path):
     config = (out / "config.yaml").read_text()
     assert "name: mbpp" in config and "mode: all_pass" in config
     assert {r["benchmark"] for r in read_csv(out / "eval" / "passk.csv")} == {"humaneval", "mbpp", "macro_avg"}
+
+
+class ScriptedEngine:
+    """A rollout engine that answers with given texts (request i gets replies[i]); the rest of the
+    evaluation (grading in the sandbox, pass@k, result rows) is the real one."""
+
+    def __init__(self, replies):
+        self.replies = replies
+
+    def generate(self, requests, params, generator=None):
+        from rlbench.rollout.base import Completion
+
+        groups = []
+        for index, request in enumerate(requests):
+            texts = self.replies.pop(0)
+            assert len(texts) == request.n
+            groups.append([Completion(index, request.prompt_ids, [1, 2], [0.0, 0.0], True, text=t) for t in texts])
+        return groups
+
+    def sync_weights(self, model):
+        pass
+
+
+def test_evaluation_grades_real_programs_into_pass_at_k(make_cfg):
+    """Reference solutions pass and wrong ones fail through evaluate(): HumanEval's first two
+    problems get (right, right) and (right, wrong); MBPP's first two get (wrong, wrong) and
+    (right, crash). pass@1 must be 3/4 and 1/4, pass@2 1 and 1/2."""
+    from rlbench.eval.evaluate import evaluate
+    from rlbench.model import load_policy
+    from rlbench.rollout.base import SamplingParams
+    from rlbench.runner import load_benchmarks
+
+    cfg = make_cfg("mode=eval", "eval=code", "eval.limit=2", "eval.n=2", "eval.k=[1,2]", "model=tiny")
+    benchmarks = load_benchmarks(cfg)
+    _, tokenizer = load_policy(cfg.model, device="cpu", seed=0)
+    he, mb = benchmarks[0].problems, benchmarks[1].problems
+
+    def fenced(code):
+        return f"Here it is:\n```python\n{code}\n```"
+
+    right_he = [fenced(p.prompt + p.answer) for p in he]
+    right_mb = [fenced(p.answer) for p in mb]
+    replies = [
+        [right_he[0], right_he[0]], [right_he[1], fenced("def truncate_number(x):\n    return 0.0")],
+        [fenced("def nothing():\n    pass"), "I cannot write code."], [right_mb[1], fenced("raise RuntimeError('boom')")],
+    ]
+    result = evaluate(ScriptedEngine(replies), tokenizer, benchmarks, n=2, ks=[1, 2],
+                      params=SamplingParams(max_new_tokens=8), seed=0)
+    table = {(r["benchmark"], r["k"]): r["pass_at_k"] for r in result.rows}
+    assert table[("humaneval", 1)] == pytest.approx(0.75) and table[("humaneval", 2)] == pytest.approx(1.0)
+    assert table[("mbpp", 1)] == pytest.approx(0.25) and table[("mbpp", 2)] == pytest.approx(0.5)
+    assert table[("macro_avg", 1)] == pytest.approx(0.5)
+    assert result.grader_errors == {"humaneval": 0, "mbpp": 0}
+    statuses = [s.get("grader_details", {}).get("status") for s in result.samples]
+    assert statuses == ["passed", "passed", "passed", "failed", "failed", None, "passed", "load_error"]

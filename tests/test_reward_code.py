@@ -267,9 +267,27 @@ def test_problem_program_puts_the_prompt_before_a_bare_body():
     )
 
 
-def test_problem_program_keeps_a_full_function_as_is():
+def test_problem_program_puts_the_prompt_before_a_whole_function_too():
     code = "def has_close_elements(numbers, threshold):\n    return True\n"
-    assert problem_program(code, HUMANEVAL) == code + "\n" + HUMANEVAL_TEST + "\n"
+    assert problem_program(code, HUMANEVAL) == HUMANEVAL_PROMPT + code + "\n" + HUMANEVAL_TEST + "\n"
+
+
+@pytest.mark.parametrize("task", ["HumanEval/10", "HumanEval/32", "HumanEval/38", "HumanEval/50"])
+def test_whole_function_answers_may_use_the_prompts_helpers(task):
+    """These prompts define helpers (is_palindrome, poly, encode_cyclic, encode_shift) before the
+    function to write; a reply that restates only that function must still see them."""
+    import yaml
+
+    from conftest import ROOT
+    from rlbench.dataset import load_problems
+
+    spec = yaml.safe_load((ROOT / "conf" / "benchmark" / "humaneval.yaml").read_text())
+    problem = next(p for p in load_problems(spec) if p.meta["id"] == task)
+    prompt, entry = problem.prompt, problem.meta["entry_point"]
+    signature_on = prompt[prompt.index(f"def {entry}(") :]  # the function alone, without the helpers
+    reply = f"```python\n{signature_on}{problem.answer}```"
+    grade = CodeReward(limits=SandboxLimits(timeout_s=10))(reply, "", problem=problem)
+    assert grade.correct, grade.details
 
 
 def test_problem_program_appends_test_imports():
@@ -288,3 +306,17 @@ def test_problems_without_usable_tests_are_refused(grader, tests):
 def test_bad_mode_is_refused():
     with pytest.raises(ConfigError, match="mode"):
         CodeReward(mode="best_of")
+
+
+def test_a_broken_sandbox_is_counted_not_raised(monkeypatch, caplog):
+    import rlbench.reward.code as code_module
+
+    def no_processes(*args, **kwargs):
+        raise OSError("cannot fork")
+
+    monkeypatch.setattr(code_module, "run_many", no_processes)
+    grader = CodeReward()
+    grades = grader.grade_many(["```python\nx = 1\n```", "no code here"], [MBPP, MBPP])
+    assert [g.correct for g in grades] == [False, False] and grader.failures == 1
+    assert "cannot fork" in grades[0].error and grades[1].error is None
+    assert "sandbox unavailable" in caplog.text

@@ -106,7 +106,8 @@ def records_to_code_problems(
     """Convert ``(where, record)`` pairs of a code benchmark into Problems (see the module doc).
 
     Records outside ``id_range[split]`` (by ``id_field``) are left out; a malformed record raises
-    DataError naming the file and line.
+    DataError naming the file and line. ``uid`` is ``"{name}/{split}/{id}"`` when every record has
+    a distinct id, else ``"{name}/{split}/{position}"`` for all (so uids are always unique).
     """
     fields = spec["fields"]
     test_format = spec.get("test_format", "assert_list")
@@ -148,8 +149,13 @@ def records_to_code_problems(
         }
         if record_id is not None:
             meta["id"] = record_id
-        uid = f"{name}/{split}/{record_id if record_id is not None else position}"
-        problems.append(Problem(uid=uid, prompt=shown, answer=solution, meta=meta))
+        problems.append(Problem(uid="", prompt=shown, answer=solution, meta=meta))
     if not problems:
         raise DataError(f"benchmark {name!r} split {split!r}: no records (check id_range and the data file)")
-    return problems
+    # uids from the id field when every record has a distinct one, else from record positions
+    ids = [p.meta.get("id") for p in problems]
+    use_ids = all(isinstance(i, (str, int)) and not isinstance(i, bool) for i in ids) and len({str(i) for i in ids}) == len(ids)
+    return [
+        Problem(uid=f"{name}/{split}/{p.meta['id'] if use_ids else p.meta['index']}", prompt=p.prompt, answer=p.answer, meta=p.meta)
+        for p in problems
+    ]

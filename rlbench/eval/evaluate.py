@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -14,6 +15,8 @@ from rlbench.prompting import encode_prompts
 from rlbench.reward import canonical_answer, grade_completions
 from rlbench.rollout.base import GenerationRequest, RolloutEngine, SamplingParams
 from rlbench.utils import Progress
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -30,6 +33,7 @@ class EvalResult:
     samples: list[dict]         # one per completion
     seconds: float
     problems: list[dict] = field(default_factory=list)  # one per problem: benchmark, uid, n, correct
+    grader_errors: dict[str, int] = field(default_factory=dict)  # per benchmark: completions the grader failed on
 
     def with_phase(self, phase: str) -> "EvalResult":
         """Tag every table row and problem row with the evaluation phase (before / after / eval)."""
@@ -102,7 +106,15 @@ def evaluate(
                     )
             progress.update(len(chunk), note=bench.name)
     rows = summarize(results, ks, seed=seed)
+    errors = {bench.name: sum(s["grader_error"] is not None for s in samples if s["benchmark"] == bench.name) for bench in benchmarks}
+    for row in rows:  # a broken grader reads as a low score: keep the count beside it
+        row["grader_errors"] = errors.get(row["benchmark"], sum(errors.values()))
+    for name, count in errors.items():
+        if count:
+            log.warning("%s: the grader failed on %d completions (scored 0; see grader_error in samples.jsonl)", name, count)
     problems = [
         {"benchmark": r.benchmark, "uid": r.uid, "n": len(r.correct), "correct": int(sum(r.correct))} for r in results
     ]
-    return EvalResult(rows=rows, samples=samples, seconds=time.perf_counter() - start, problems=problems)
+    return EvalResult(
+        rows=rows, samples=samples, seconds=time.perf_counter() - start, problems=problems, grader_errors=errors
+    )

@@ -75,10 +75,6 @@ def extract_code(completion: str) -> str | None:
     return _extract(completion)[0]
 
 
-def _defines(code: str, name: str) -> bool:
-    return re.search(rf"^[ \t]*(?:async[ \t]+)?def[ \t]+{re.escape(name)}[ \t]*\(", code, re.MULTILINE) is not None
-
-
 def _meta_str(problem: Problem, key: str) -> str:
     value = problem.meta.get(key) or ""
     if not isinstance(value, str):
@@ -100,15 +96,15 @@ def problem_tests(problem: Problem) -> list[str]:
 def problem_program(code: str, problem: Problem) -> str:
     """The program to run for ``code`` on ``problem``.
 
-    ``code_prefix + code`` when ``entry_point`` is set and ``code`` does not define it (a
-    HumanEval completion that gives only the function body), else ``code``; then
-    ``test_setup`` on its own lines after it.
+    ``code_prefix + code`` whenever the problem has a ``code_prefix`` (HumanEval's prompt:
+    imports, helper functions such as ``is_palindrome`` and the signature with its docstring),
+    else ``code``; then ``test_setup`` on its own lines after it. Always prepending works for
+    both kinds of completion: a bare function body continues the prompt's signature, and a
+    whole function redefines it (the prompt's own copy has the docstring as its body), while
+    the prompt's imports and helpers stay defined.
     """
-    entry_point = _meta_str(problem, "entry_point")
     prefix = _meta_str(problem, "code_prefix")
-    program = code
-    if entry_point and prefix and not _defines(code, entry_point):
-        program = prefix + code
+    program = prefix + code if prefix else code
     setup = _meta_str(problem, "test_setup")
     if setup:
         program = program.rstrip("\n") + "\n\n" + setup + "\n"
@@ -165,7 +161,16 @@ class CodeReward:
             if code is not None:
                 job_of[i] = len(jobs)
                 jobs.append((problem_program(code, problem), tests))
-        results = run_many(jobs, self.limits, self.workers)
+        try:
+            results = run_many(jobs, self.limits, self.workers)
+        except Exception as exc:  # noqa: BLE001 - the sandbox itself broke (e.g. no process could start)
+            error = f"sandbox unavailable: {type(exc).__name__}: {exc}"
+            with self._lock:
+                self.failures += len(jobs)
+                failures = self.failures
+            logger.warning("%s; %d programs graded as incorrect [failures=%d]", error, len(jobs), failures)
+            return [Grade(False, code, self.incorrect_reward, format_ok, error=error if code is not None else None)
+                    for code, format_ok in extracted]
         grades = []
         for i, (code, format_ok) in enumerate(extracted):
             if code is None:

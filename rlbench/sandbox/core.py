@@ -40,6 +40,20 @@ STATUSES = ("passed", "failed", "load_error", "timeout", "output_limit", "crashe
 NOT_RUN = "not run"
 
 
+# Largest accepted value of each limit: generous, but finite (an infinite wall clock or an output
+# buffer of terabytes would hang or crash the caller rather than the program).
+LIMIT_CEILINGS = {
+    "timeout_s": 3600.0,
+    "cpu_s": 3600.0,
+    "memory_mb": 1 << 20,
+    "file_size_mb": 1 << 14,
+    "max_output_bytes": 1 << 26,
+}
+
+
+INTEGER_LIMITS = ("memory_mb", "file_size_mb", "max_output_bytes")
+
+
 @dataclass(frozen=True)
 class SandboxLimits:
     """Limits for one program run.
@@ -73,6 +87,10 @@ class SandboxLimits:
         for key, value in positive.items():
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise ConfigError(f"sandbox limit {key} must be a positive number, got {value!r}")
+            if key in INTEGER_LIMITS and not isinstance(value, int):
+                raise ConfigError(f"sandbox limit {key} must be a whole number, got {value!r}")
+            if not value <= LIMIT_CEILINGS[key]:  # also refuses inf and nan
+                raise ConfigError(f"sandbox limit {key}={value!r} is above the ceiling {LIMIT_CEILINGS[key]}; lower it")
         if self.memory_mb < 64:
             raise ConfigError(
                 f"sandbox limit memory_mb={self.memory_mb} is too small for the Python "

@@ -285,7 +285,7 @@ def main() -> None:
 
     namespace = {"__name__": "solution", "__builtins__": builtins_module}
     try:
-        exec_(compile_(program, "<solution>", "exec"), namespace)
+        exec_(compile_(program, "<solution>", "exec", dont_inherit=True), namespace)  # not our __future__ flags
     except base_exception as exc:  # noqa: BLE001 - SystemExit included: it is a failure
         flush_output()
         emit_outcome("load", exc)
@@ -300,7 +300,7 @@ def main() -> None:
         namespace["__builtins__"] = builtins_module
         head = "test " + str_(index)
         try:
-            exec_(compile_(test, f"<test {index}>", "exec"), namespace)
+            exec_(compile_(test, f"<test {index}>", "exec", dont_inherit=True), namespace)
         except base_exception as exc:  # noqa: BLE001 - SystemExit, KeyboardInterrupt: failures
             emit_outcome(head, exc)
         else:
