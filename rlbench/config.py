@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from rlbench.advantage_inputs import validate_step_options
 from rlbench.algorithm import Algorithm
 from rlbench.dataset import validate_spec
 from rlbench.errors import ConfigError
@@ -35,7 +36,7 @@ def resolve_device(requested: str) -> torch.device:
 
 def check_batch_arithmetic(prompts_per_step: int, n: int, micro_batch_size: int, minibatches: int) -> None:
     """The batch of prompts_per_step * n responses must split into equal mini-batches, and each
-    mini-batch into equal micro-batches."""
+    mini-batch into equal micro-batches (a mini-batch no larger than micro_batch_size is one)."""
     _positive(prompts_per_step, "trainer.prompts_per_step")
     _positive(n, "rollout.n")
     _positive(micro_batch_size, "trainer.micro_batch_size")
@@ -47,7 +48,7 @@ def check_batch_arithmetic(prompts_per_step: int, n: int, micro_batch_size: int,
             f"choose minibatches dividing {batch}"
         )
     per_minibatch = batch // minibatches
-    if per_minibatch % micro_batch_size:
+    if per_minibatch > micro_batch_size and per_minibatch % micro_batch_size:  # smaller: one micro-batch
         divisors = [d for d in range(1, per_minibatch + 1) if per_minibatch % d == 0]
         raise ConfigError(
             f"mini-batch of {per_minibatch} responses (prompts_per_step * n / minibatches) is not a multiple of "
@@ -128,6 +129,7 @@ def validate_config(cfg: Any) -> Algorithm:
             )
         check_batch_arithmetic(trainer.prompts_per_step, rollout.n, trainer.micro_batch_size, algorithm.minibatches)
         algorithm.check_batch_size(trainer.prompts_per_step * rollout.n)
+        validate_step_options(cfg, algorithm)
         validate_spec(cfg.dataset, source=cfg.data_source, data_dir=cfg.data_dir)
         check_reward_matches_dataset(cfg.reward.name, cfg.dataset)
 

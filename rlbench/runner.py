@@ -19,26 +19,27 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 import rlbench
+from rlbench.advantage_inputs import AdvantageInputSources
 from rlbench.algorithm import Algorithm
 from rlbench.config import resolve_device, validate_config
 from rlbench.dataset import load_problems
 from rlbench.dataset.base import Problem
 from rlbench.eval.evaluate import Benchmark, EvalResult, evaluate
+from rlbench.group_sampling import DynamicSampling, mask_truncated, sample_groups
 from rlbench.logger import RunLogger
 from rlbench.model import load_policy
-from rlbench.prompting import encode_prompts
 from rlbench.errors import ConfigError
 from rlbench.reward import MathReward, grade_completions
 from rlbench.reward.toy import EvenTokenReward
 from rlbench.rollout import make_engine
-from rlbench.rollout.base import GenerationRequest, RolloutEngine, SamplingParams
+from rlbench.rollout.base import RolloutEngine, SamplingParams
 from rlbench.trainer import batch_logprobs, collate, policy_update
 from rlbench.utils import Progress, make_generator, seed_everything
 
@@ -158,6 +159,9 @@ class StepContext:
     rollout_generator: torch.Generator
     minibatch_generator: torch.Generator
     reference: torch.nn.Module | None = None
+    dynamic_sampling: DynamicSampling = DynamicSampling()
+    overlong_filter: bool = False
+    inputs: AdvantageInputSources | None = None  # remax/pvpo baselines, SPO tracker, answer keys
 
 
 def make_step_context(
@@ -171,7 +175,7 @@ def make_step_context(
     warmup = max(int(trainer.warmup_steps), 0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
     reference = copy.deepcopy(model).eval().requires_grad_(False) if algorithm.needs_reference else None
-    return StepContext(
+    ctx = StepContext(
         algorithm=algorithm,
         model=model,
         tokenizer=tokenizer,
@@ -188,44 +192,34 @@ def make_step_context(
         rollout_generator=make_generator(cfg.seed, STREAM_ROLLOUT),
         minibatch_generator=make_generator(cfg.seed, STREAM_MINIBATCH),
         reference=reference,
+        dynamic_sampling=DynamicSampling.from_config(cfg.algorithm),
+        overlong_filter=bool(cfg.algorithm.get("overlong_filter", False)),
     )
+    ctx.inputs = AdvantageInputSources.for_context(cfg, ctx)
+    return ctx
 
 
-def shaping_inputs(
-    ctx: StepContext, groups: list, batch: Any, finished: torch.Tensor, correct: torch.Tensor
-) -> dict[str, Any]:
-    """What reward-shaping functions may read (rlbench/reward/shaping.py lists the inputs)."""
-    completions = [c for group in groups for c in group]
-    return {
-        "response_lengths": batch.response_mask.sum(-1),
-        "finished": finished,
-        "max_length": ctx.params.max_new_tokens,
-        "correct": correct,
-        "group_index": batch.group_index,
-        "response_texts": [c.text for c in completions],
-        "first_tokens": [ctx.tokenizer.decode(c.response_ids[:1]) if c.response_ids else "" for c in completions],
-    }
-
-
-def train_step(ctx: StepContext, problems: list[Problem], progress: float = 0.0) -> dict[str, float]:
+def train_step(
+    ctx: StepContext,
+    problems: list[Problem],
+    progress: float = 0.0,
+    next_prompts: Callable[[int], list[Problem]] | None = None,
+) -> dict[str, float]:
     """rollout -> reward -> advantage -> update for one batch of prompts. Returns step metrics.
 
-    ``progress`` is the fraction of training done before this step (for annealed losses)."""
+    ``progress`` is the fraction of training done before this step (for annealed losses);
+    ``next_prompts(k)`` gives k more prompts (DAPO's dynamic sampling draws them)."""
     t0 = time.perf_counter()
-    # 1. rollout: n responses per prompt
-    prompt_ids = encode_prompts(ctx.tokenizer, problems, ctx.prompt_spec)
-    requests = [GenerationRequest(prompt_ids=ids, n=ctx.n) for ids in prompt_ids]
-    groups = ctx.engine.generate(requests, ctx.params, generator=ctx.rollout_generator)
+    # 1-2. rollout and reward: n responses per prompt, each graded against its problem's answer,
+    #      plus the algorithm's reward shaping (e.g. DAPO's overlong penalty)
+    graded, sampling_metrics = sample_groups(ctx, problems, next_prompts)
     t_generate = time.perf_counter() - t0
-    # 2. reward: grade every response against its problem's reference answer
-    completions = [c for group in groups for c in group]
-    grades = grade_completions(ctx.grader, [p for p, group in zip(problems, groups) for _ in group], completions)
+    groups, grades = graded.groups, graded.grades
     batch = collate(groups, ctx.tokenizer.pad_token_id, ctx.device)
-    outcome = torch.tensor([g.reward for g in grades], dtype=torch.float32, device=ctx.device)
-    finished = torch.tensor([c.finished for group in groups for c in group], device=ctx.device)
-    correct = torch.tensor([bool(g.correct) for g in grades], device=ctx.device)
-    # e.g. DAPO's overlong penalty or Thinkless' mode reward, before the advantage
-    batch.rewards = ctx.algorithm.shape_rewards(outcome, shaping_inputs(ctx, groups, batch, finished, correct))
+    outcome = graded.outcome.to(ctx.device)  # the graders' rewards, before shaping
+    batch.rewards = graded.rewards.to(ctx.device)  # after the algorithm's reward shaping
+    finished = graded.finished.to(ctx.device)
+    correct = graded.correct.to(ctx.device).bool()
     # 3. advantage (a no-grad pass first only when the estimator reads log-probs or entropies, the
     #    batch is reused for several updates, or the KL / token mask / KL controller needs them)
     t1 = time.perf_counter()
@@ -240,6 +234,7 @@ def train_step(ctx: StepContext, problems: list[Problem], progress: float = 0.0)
         extra.update(old_logp=old_logp, entropy=entropy)
         if algorithm.needs_old_logp:
             batch.old_logp = old_logp
+    provided, input_metrics = ctx.inputs.before_advantage(graded, batch) if ctx.inputs else ({}, {})
     # reference log-probs only when the KL term is active
     if ctx.reference is not None:
         batch.ref_logp, _ = batch_logprobs(ctx.reference, batch, ctx.micro_batch_size, temperature)
@@ -250,14 +245,14 @@ def train_step(ctx: StepContext, problems: list[Problem], progress: float = 0.0)
         )
     batch.token_weights = algorithm.token_weights(extra.get("entropy"), batch.response_mask)
     batch.advantages = algorithm.compute_advantages(
-        advantage_rewards, batch.group_index, batch.response_mask, **{k: extra.get(k) for k in wanted}
+        advantage_rewards, batch.group_index, batch.response_mask, **{k: extra.get(k) for k in wanted}, **provided
     )
     coefficients = {"kl_coef": algorithm.kl_coefficient, "entropy_coef": algorithm.entropy_coefficient}
     # 4. update
     stats = policy_update(
         ctx.model,
         ctx.optimizer,
-        batch,
+        mask_truncated(batch, finished) if ctx.overlong_filter else batch,  # DAPO's overlong filtering
         ctx.algorithm,
         micro_batch_size=ctx.micro_batch_size,
         max_grad_norm=ctx.max_grad_norm,
@@ -271,13 +266,14 @@ def train_step(ctx: StepContext, problems: list[Problem], progress: float = 0.0)
     )
     ctx.scheduler.step()
     ctx.engine.sync_weights(ctx.model)
+    input_metrics.update(ctx.inputs.after_update(graded) if ctx.inputs else {})
     t_update = time.perf_counter() - t1
     step_time = time.perf_counter() - t0
     # 5. metrics
     lengths = batch.response_mask.sum(-1)
     sequence_adv = batch.advantages[:, 0]
     rewards = batch.rewards
-    group_std = torch.stack([rewards[batch.group_index == g].std() for g in range(len(groups))])
+    group_std = torch.stack([rewards[batch.group_index == g].std(correction=0) for g in range(len(groups))])
     return {
         "reward_mean": rewards.mean().item(),
         "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
@@ -300,6 +296,8 @@ def train_step(ctx: StepContext, problems: list[Problem], progress: float = 0.0)
         "update_s": t_update,
         "step_s": step_time,
         "tokens_per_s": float(lengths.sum().item()) / step_time,
+        **sampling_metrics,
+        **input_metrics,
         **stats,
     }
 
@@ -309,7 +307,9 @@ def train(cfg: DictConfig, ctx: StepContext, problems: list[Problem], logger: Ru
     progress = Progress("train", cfg.trainer.steps)
     for step in range(1, cfg.trainer.steps + 1):
         progress_fraction = (step - 1) / cfg.trainer.steps
-        metrics = train_step(ctx, sampler.next(cfg.trainer.prompts_per_step), progress=progress_fraction)
+        metrics = train_step(
+            ctx, sampler.next(cfg.trainer.prompts_per_step), progress=progress_fraction, next_prompts=sampler.next
+        )
         logger.log_step(step, metrics)
         progress.update(1, note=f"reward {metrics['reward_mean']:.3f} acc {metrics['accuracy']:.3f}")
 

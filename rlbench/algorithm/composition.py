@@ -46,7 +46,10 @@ AGGREGATION_INPUTS = {"loss_matrix", "response_mask", "batch_tokens", "batch_seq
 # refused when the configuration is validated, with a message naming the piece and the input.
 # Estimators whose advantage varies along a response (the rest give one value per response).
 TOKEN_LEVEL_ADVANTAGES = {"reinforce_pp", "gae", "gtpo"}
-PROVIDED_ADVANTAGE_INPUTS = {"rewards", "group_index", "response_mask", "entropy", "old_logp", "correct", "max_length"}
+PROVIDED_ADVANTAGE_INPUTS = {
+    "rewards", "group_index", "response_mask", "entropy", "old_logp", "correct", "max_length",
+    "baseline_rewards", "tracker_baseline", "answer_keys", "diversity",  # rlbench.advantage_inputs
+}
 PROVIDED_LOSS_INPUTS = {"logp", "old_logp", "advantages", "response_mask", "entropy", "progress"}
 
 

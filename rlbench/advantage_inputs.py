@@ -1,0 +1,435 @@
+"""Advantage inputs that need more than the training batch: extra rollouts, per-prompt state across
+steps, or the grader's extracted answers. The runner asks :class:`AdvantageInputSources` for them
+just before the advantage, and calls :meth:`AdvantageInputSources.after_update` after the policy step.
+
+    baseline_rewards  [B]   the reward of a baseline rollout of each response's prompt:
+                            greedy    one greedy (temperature 0) response of the current policy (remax)
+                            reference mean reward of `samples` responses of the frozen initial policy,
+                                      cached per prompt uid (pvpo)
+    tracker_baseline  [B]   SPO's tracked success probability of the prompt before this step (spo)
+    answer_keys       [B]   class id of each response's canonical extracted answer (polychromic)
+    diversity         [B,B] token-set Jaccard distance between responses (polychromic with
+                            diversity_from=diversity)
+
+Configuration (under ``algorithm``):
+
+    baseline:             # read only when the advantage takes baseline_rewards
+      source: greedy      # greedy | reference (default: greedy for remax, reference for pvpo)
+      samples: 8          # reference responses per prompt (reference only)
+      refresh_every: null # re-estimate a prompt's reference mean after this many steps; null: never
+    tracker:              # SPO's value tracker (spo only; see SPOTracker)
+      rho_min: 0.875
+      rho_max: 0.96
+      d_half: 0.06
+      rho: null           # a constant decay instead of the KL-adaptive one
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Sequence
+
+import torch
+
+from rlbench.algorithm import Algorithm
+from rlbench.algorithm.advantages import PVPOBaselineCache, SPOTracker
+from rlbench.algorithm.registry import ADVANTAGES
+from rlbench.dataset.base import Problem
+from rlbench.errors import ConfigError
+from rlbench.group_sampling import DynamicSampling, GradedGroups, generate_and_grade
+from rlbench.reward.math import canonical_answer
+from rlbench.rollout.base import Completion, SamplingParams
+from rlbench.trainer import TrainBatch, batch_logprobs, collate
+from rlbench.utils import make_generator
+
+log = logging.getLogger(__name__)
+
+# The inputs this module provides (composition.PROVIDED_ADVANTAGE_INPUTS lists them too).
+RUNNER_INPUTS = {"baseline_rewards", "tracker_baseline", "answer_keys", "diversity"}
+BASELINE_SOURCES = ("greedy", "reference")
+DEFAULT_BASELINE_SOURCE = {"remax": "greedy", "pvpo": "reference"}
+BASELINE_KEYS = {"source", "samples", "refresh_every"}
+TRACKER_KEYS = {"rho_min", "rho_max", "d_half", "rho"}
+# Random streams of the extra rollouts (the runner's own streams are 1-4).
+STREAM_GREEDY, STREAM_REFERENCE = 11, 12
+
+# (problems, prompt ids, responses per prompt, sampling params, generator) -> graded groups
+GroupSampler = Callable[[list[Problem], list[tuple[int, ...]], int, SamplingParams, torch.Generator], GradedGroups]
+
+
+# ------------------------------------------------------------------------------ pure functions
+
+
+def answer_class_ids(extracted: Sequence[str | None]) -> torch.Tensor:
+    """[B] long class ids: equal ids <=> equal ``canonical_answer`` of the extracted answers
+    (``\\frac{1}{2}``, ``1/2`` and ``0.5`` share one). A response without an answer has nothing to
+    match and gets its own negative id. Ids of answers count up from 0 in order of appearance."""
+    classes: dict[str, int] = {}
+    ids = []
+    for row, answer in enumerate(extracted):
+        key = canonical_answer(answer)
+        ids.append(-(row + 1) if key is None else classes.setdefault(key, len(classes)))
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def token_jaccard_distance(responses: Sequence[Sequence[int]]) -> torch.Tensor:
+    """[B,B] pairwise dissimilarity d(i, j) = 1 - |S_i ∩ S_j| / |S_i ∪ S_j| of the sets S_i of token
+    ids of the responses (0 on the diagonal; two empty responses are identical, d = 0). A cheap
+    stand-in for the embedding-cluster diversity of polychromic objectives (Hamid et al. 2025,
+    arXiv:2509.25424)."""
+    vocabulary = sorted({t for response in responses for t in response})
+    column = {t: j for j, t in enumerate(vocabulary)}
+    incidence = torch.zeros(len(responses), len(vocabulary), dtype=torch.float64)
+    for row, response in enumerate(responses):
+        incidence[row, [column[t] for t in set(response)]] = 1.0
+    shared = incidence @ incidence.T
+    sizes = incidence.sum(dim=1)
+    union = sizes[:, None] + sizes[None, :] - shared
+    return torch.where(union > 0, 1.0 - shared / union.clamp(min=1), torch.zeros_like(union))
+
+
+def mean_abs_logp_change(old_logp: torch.Tensor, new_logp: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """[B] D_i = sum_t m_it |logp_old,it - logp_new,it| / sum_t m_it: SPO's policy-change proxy on a
+    prompt's previous response (Xu & Ding 2025, arXiv:2509.13232); 0 for an empty response."""
+    mask = response_mask.to(torch.float64)
+    change = ((old_logp.to(torch.float64) - new_logp.to(torch.float64)).abs() * mask).sum(dim=1)
+    return change / mask.sum(dim=1).clamp(min=1)
+
+
+def per_response(per_group: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """Gather one value per group to each of the group's responses ([G] -> [B])."""
+    return per_group[group_index.long()]
+
+
+def prompt_ids_of(graded: GradedGroups) -> list[tuple[int, ...]]:
+    return [tuple(group[0].prompt_ids) for group in graded.groups]
+
+
+# ------------------------------------------------------------------------------ options
+
+
+def _checked_keys(node: Any, allowed: set[str], key: str) -> dict[str, Any]:
+    node = dict(node or {})
+    unknown = set(node) - allowed
+    if unknown:
+        raise ConfigError(f"{key} has no key(s) {sorted(unknown)}; it takes {sorted(allowed)}")
+    return node
+
+
+@dataclass(frozen=True)
+class BaselineOptions:
+    """Where ``baseline_rewards`` come from (see the module docstring)."""
+
+    source: str
+    samples: int = 8
+    refresh_every: int | None = None
+
+    @classmethod
+    def from_config(cls, algorithm_cfg: Any, advantage: str) -> "BaselineOptions":
+        node = _checked_keys(algorithm_cfg.get("baseline"), BASELINE_KEYS, "algorithm.baseline")
+        source = node.get("source") or DEFAULT_BASELINE_SOURCE.get(advantage)
+        if source not in BASELINE_SOURCES:
+            raise ConfigError(
+                f"advantage '{advantage}' reads baseline_rewards; set algorithm.baseline.source to one of "
+                f"{BASELINE_SOURCES} (got {source!r})"
+            )
+        options = cls(str(source), int(node.get("samples", 8)), node.get("refresh_every"))
+        if options.samples < 1:
+            raise ConfigError(f"algorithm.baseline.samples must be >= 1, got {options.samples}")
+        if options.refresh_every is not None and int(options.refresh_every) < 1:
+            raise ConfigError(f"algorithm.baseline.refresh_every must be >= 1 or null, got {options.refresh_every}")
+        return options
+
+
+def tracker_from_config(algorithm_cfg: Any) -> SPOTracker:
+    """An empty :class:`SPOTracker` with the decay settings of ``algorithm.tracker``."""
+    node = _checked_keys(algorithm_cfg.get("tracker"), TRACKER_KEYS, "algorithm.tracker")
+    tracker = SPOTracker(**{k: (None if v is None else float(v)) for k, v in node.items()})
+    if not 0 < tracker.rho_min <= tracker.rho_max < 1:
+        raise ConfigError(
+            f"algorithm.tracker needs 0 < rho_min <= rho_max < 1, got rho_min={tracker.rho_min}, rho_max={tracker.rho_max}"
+        )
+    if tracker.d_half <= 0:
+        raise ConfigError(f"algorithm.tracker.d_half must be > 0, got {tracker.d_half}")
+    if tracker.rho is not None and not 0 < tracker.rho <= 1:
+        raise ConfigError(f"algorithm.tracker.rho must be in (0, 1] or null, got {tracker.rho}")
+    return tracker
+
+
+def advantage_param(algorithm: Algorithm, name: str) -> Any:
+    """The estimator's parameter ``name``: from the config, else the function's default."""
+    if name in algorithm.advantage.params:
+        return algorithm.advantage.params[name]
+    return inspect.signature(ADVANTAGES.get(algorithm.advantage.name)).parameters[name].default
+
+
+def needed_inputs(algorithm: Algorithm) -> set[str]:
+    """The inputs of :data:`RUNNER_INPUTS` the algorithm's estimator reads."""
+    wanted = ADVANTAGES.accepted_inputs(algorithm.advantage.name) & RUNNER_INPUTS
+    if {"answer_keys", "diversity"} <= wanted:  # polychromic reads one of the two
+        wanted -= {"answer_keys", "diversity"}
+        wanted.add(str(advantage_param(algorithm, "diversity_from")))
+    return wanted
+
+
+def reward_range(cfg: Any) -> tuple[float, float] | None:
+    """(lowest, highest) reward the configured grader gives; None when unknown."""
+    reward = cfg.reward
+    if reward.name == "even_tokens":
+        return 0.0, 1.0
+    if reward.name == "math":
+        outcomes = [float(reward.incorrect_reward), float(reward.correct_reward)]
+        values = [o + bonus for o in outcomes for bonus in (0.0, float(reward.get("format_weight", 0.0)))]
+        return min(values), max(values)
+    return None
+
+
+def validate_step_options(cfg: Any, algorithm: Algorithm) -> None:
+    """Refuse impossible combinations of the rollout-dependent options before anything is loaded."""
+    n = int(cfg.rollout.n)
+    name = algorithm.advantage.name
+    prescribed = cfg.algorithm.get("rollout_n")
+    if prescribed is not None and int(prescribed) != n:
+        log.warning("algorithm '%s' prescribes rollout.n=%s; this run uses rollout.n=%d", algorithm.name, prescribed, n)
+    dynamic = DynamicSampling.from_config(cfg.algorithm)
+    if dynamic.enabled and n < 2:
+        raise ConfigError(
+            f"algorithm.dynamic_sampling keeps groups whose responses differ, which needs rollout.n >= 2 (got {n}); "
+            "set algorithm.dynamic_sampling.enabled=false"
+        )
+    if dynamic.enabled and name == "spo":
+        raise ConfigError(
+            "advantage 'spo' does not combine with algorithm.dynamic_sampling: the tracker baseline already gives "
+            "all-equal groups a signal (SPO, arXiv:2509.13232); set algorithm.dynamic_sampling.enabled=false"
+        )
+    if not isinstance(cfg.algorithm.get("overlong_filter", False), bool):
+        raise ConfigError(f"algorithm.overlong_filter must be true or false, got {cfg.algorithm.get('overlong_filter')!r}")
+    needs = needed_inputs(algorithm)
+    if "baseline_rewards" in needs:
+        BaselineOptions.from_config(cfg.algorithm, name)
+    if "tracker_baseline" in needs:
+        tracker_from_config(cfg.algorithm)
+        low_high = reward_range(cfg)
+        if algorithm.reward_shaping or low_high is None or not (0.0 <= low_high[0] and low_high[1] <= 1.0):
+            raise ConfigError(
+                f"advantage 'spo' tracks a success probability (a Beta posterior over rewards in [0, 1]); reward "
+                f"'{cfg.reward.name}' with range {low_high} and reward shaping "
+                f"{[s.name for s in algorithm.reward_shaping]} can leave [0, 1]. Use rewards in [0, 1] "
+                "(reward.correct_reward=1 reward.incorrect_reward=0 reward.format_weight=0) and no reward_shaping"
+            )
+    if name == "polychromic":
+        diversity_from = advantage_param(algorithm, "diversity_from")
+        if diversity_from not in ("answer_keys", "diversity"):
+            raise ConfigError(
+                f"algorithm.advantage.diversity_from must be 'answer_keys' or 'diversity', not {diversity_from!r}"
+            )
+        set_size = int(advantage_param(algorithm, "set_size"))
+        if n <= set_size:
+            raise ConfigError(
+                f"advantage 'polychromic' scores sets of set_size={set_size} responses drawn from each group of "
+                f"rollout.n={n}; with rollout.n <= set_size every group has one set and the polychromic advantage "
+                f"is 0. Set rollout.n > {set_size} (the paper samples 8) or lower algorithm.advantage.set_size"
+            )
+
+
+# ------------------------------------------------------------------------------ sources
+
+
+class GreedyBaseline:
+    """ReMax's baseline (Li et al. 2023, arXiv:2310.10505): b(x) = r(x, y_greedy), the reward (with the
+    algorithm's reward shaping) of one greedy response of the current policy per prompt."""
+
+    def __init__(self, sample: GroupSampler, params: SamplingParams, generator: torch.Generator):
+        self.sample = sample
+        self.params = SamplingParams(0.0, params.top_p, params.max_new_tokens)
+        self.generator = generator
+
+    def __call__(self, graded: GradedGroups) -> torch.Tensor:
+        greedy = self.sample(graded.problems, prompt_ids_of(graded), 1, self.params, self.generator)
+        return greedy.rewards
+
+
+class ReferenceAnchor:
+    """PVPO's static anchor (Feng et al. 2025, arXiv:2508.21104): V_ref(x) = mean reward of
+    ``samples`` responses of the reference policy (the frozen initial policy), sampled with the
+    training rollout's parameters once per prompt uid and cached (:class:`PVPOBaselineCache`);
+    re-estimated after ``refresh_every`` steps when set. The engine samples from the reference while
+    it generates them (``sync_weights``) and from the policy again afterwards."""
+
+    def __init__(
+        self,
+        sample: GroupSampler,
+        engine: Any,
+        policy: torch.nn.Module,
+        reference: torch.nn.Module,
+        options: BaselineOptions,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ):
+        self.sample, self.engine, self.policy, self.reference = sample, engine, policy, reference
+        self.options, self.params, self.generator = options, params, generator
+        self.cache = PVPOBaselineCache(options.refresh_every)
+        self.step = 0
+        self.generated = 0
+
+    def __call__(self, graded: GradedGroups) -> torch.Tensor:
+        due: dict[Hashable, int] = {}
+        for g, problem in enumerate(graded.problems):
+            if problem.uid not in due and self.cache.stale(problem.uid, self.step):
+                due[problem.uid] = g
+        if due:
+            groups = list(due.values())
+            prompt_ids = prompt_ids_of(graded)
+            self.engine.sync_weights(self.reference)
+            try:
+                reference = self.sample(
+                    [graded.problems[g] for g in groups], [prompt_ids[g] for g in groups],
+                    self.options.samples, self.params, self.generator,
+                )
+            finally:
+                self.engine.sync_weights(self.policy)
+            for k, uid in enumerate(due):
+                self.cache.put(uid, reference.rewards[reference.group_index == k].tolist(), self.step)
+            self.generated = len(reference.rewards)
+        else:
+            self.generated = 0
+        self.step += 1
+        return self.cache.baseline([p.uid for p in graded.problems])
+
+
+class SPOStream:
+    """SPO's per-prompt value tracker across steps (Xu & Ding 2025, "Single-stream Policy
+    Optimization", arXiv:2509.13232), keyed by problem uid.
+
+    Before the advantage: ``tracker_baseline`` = p_hat(x) of each response's prompt (pre-update).
+    After the policy step, for each response i of prompt x (in batch order):
+        D   = mean_t |logp_then - logp_now| on the response stored at x's previous visit (0 on the first)
+        rho = clip(2^(-D / d_half), rho_min, rho_max)  (or the constant rho)
+        (alpha, beta) <- (rho alpha + r_i, rho beta + 1 - r_i)
+    and the response with its pre-update log-probs becomes x's stored response. The adaptive decay
+    costs a no-grad pass over this step's responses (unless the batch holds old log-probs) and one
+    over the stored responses of revisited prompts.
+    """
+
+    def __init__(self, tracker: SPOTracker, model: torch.nn.Module, pad_token_id: int, micro_batch_size: int,
+                 temperature: float, device: torch.device):
+        self.tracker, self.model = tracker, model
+        self.pad_token_id, self.micro_batch_size, self.temperature, self.device = (
+            pad_token_id, micro_batch_size, temperature, device,
+        )
+        self.previous: dict[Hashable, Completion] = {}  # uid -> response; logprobs = pre-update log-probs
+        self.pending_logp: torch.Tensor | None = None
+        self.last_change: torch.Tensor | None = None  # D of the last update's responses
+
+    @property
+    def adaptive(self) -> bool:
+        return self.tracker.rho is None
+
+    def baseline(self, graded: GradedGroups, batch: TrainBatch) -> torch.Tensor:
+        if self.adaptive:
+            self.pending_logp = batch.old_logp if batch.old_logp is not None else self._logprobs(batch)
+        return self.tracker.baseline(graded.uids)
+
+    def _logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        return batch_logprobs(self.model, batch, self.micro_batch_size, self.temperature)[0]
+
+    def policy_change(self, uids: Sequence[Hashable]) -> torch.Tensor:
+        """[B] D of each uid's stored response under the current policy (0 for unseen uids)."""
+        change = torch.zeros(len(uids), dtype=torch.float64)
+        seen = [row for row, uid in enumerate(uids) if uid in self.previous]
+        if not seen:
+            return change
+        stored = [self.previous[uids[row]] for row in seen]
+        batch = collate([[c] for c in stored], self.pad_token_id, self.device)
+        now = self._logprobs(batch)
+        then = torch.zeros_like(now)
+        for row, c in enumerate(stored):
+            then[row, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=then.dtype)
+        change[seen] = mean_abs_logp_change(then, now, batch.response_mask).cpu()
+        return change
+
+    def update(self, graded: GradedGroups) -> None:
+        uids = graded.uids
+        kls = self.policy_change(uids) if self.adaptive else torch.zeros(len(uids), dtype=torch.float64)
+        self.tracker.update(uids, graded.rewards.tolist(), kls.tolist())
+        if self.adaptive:
+            self.last_change = kls
+            lengths = [len(c.response_ids) for group in graded.groups for c in group]
+            responses = [c for group in graded.groups for c in group]
+            for row, (uid, response) in enumerate(zip(uids, responses)):
+                logprobs = self.pending_logp[row, : lengths[row]].tolist()
+                self.previous[uid] = Completion(0, tuple(response.prompt_ids), list(response.response_ids), logprobs, True)
+        self.pending_logp = None
+
+
+class AdvantageInputSources:
+    """The advantage inputs of :data:`RUNNER_INPUTS` one run's estimator reads, and their state."""
+
+    def __init__(
+        self,
+        needs: set[str],
+        baseline: GreedyBaseline | ReferenceAnchor | None = None,
+        spo: SPOStream | None = None,
+    ):
+        self.needs, self.baseline, self.spo = needs, baseline, spo
+
+    @classmethod
+    def for_context(cls, cfg: Any, ctx: Any) -> "AdvantageInputSources":
+        """Build from the run config and the runner's StepContext (engine, model, grader, ...)."""
+        algorithm = ctx.algorithm
+        needs = needed_inputs(algorithm)
+
+        def sample(problems, prompt_ids, n, params, generator) -> GradedGroups:
+            return generate_and_grade(
+                ctx.engine, ctx.grader, algorithm.shape_rewards, problems, prompt_ids, n, params, generator, ctx.tokenizer
+            )
+
+        baseline = None
+        if "baseline_rewards" in needs:
+            options = BaselineOptions.from_config(cfg.algorithm, algorithm.advantage.name)
+            if options.source == "greedy":
+                baseline = GreedyBaseline(sample, ctx.params, make_generator(cfg.seed, STREAM_GREEDY))
+            else:
+                reference = ctx.reference if ctx.reference is not None else copy.deepcopy(ctx.model).eval().requires_grad_(False)
+                baseline = ReferenceAnchor(
+                    sample, ctx.engine, ctx.model, reference, options, ctx.params, make_generator(cfg.seed, STREAM_REFERENCE)
+                )
+        spo = None
+        if "tracker_baseline" in needs:
+            temperature = ctx.params.temperature if ctx.params.temperature > 0 else 1.0
+            spo = SPOStream(tracker_from_config(cfg.algorithm), ctx.model, ctx.tokenizer.pad_token_id,
+                            ctx.micro_batch_size, temperature, ctx.device)
+        return cls(needs, baseline, spo)
+
+    def before_advantage(self, graded: GradedGroups, batch: TrainBatch) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """(inputs for the estimator, metrics) of this step's batch."""
+        inputs: dict[str, torch.Tensor] = {}
+        metrics: dict[str, float] = {}
+        device = batch.response_mask.device
+        if self.baseline is not None:
+            per_group = self.baseline(graded)
+            inputs["baseline_rewards"] = per_response(per_group, graded.group_index).to(device)
+            metrics["baseline_reward_mean"] = float(per_group.mean().item())
+            if isinstance(self.baseline, ReferenceAnchor):
+                metrics["reference_responses"] = float(self.baseline.generated)
+        if self.spo is not None:
+            inputs["tracker_baseline"] = self.spo.baseline(graded, batch).to(device)
+            metrics["tracker_baseline_mean"] = float(inputs["tracker_baseline"].mean().item())
+        if "answer_keys" in self.needs:
+            inputs["answer_keys"] = answer_class_ids([grade.extracted for grade in graded.grades]).to(device)
+        if "diversity" in self.needs:
+            responses = [c.response_ids for group in graded.groups for c in group]
+            inputs["diversity"] = token_jaccard_distance(responses).to(device)
+        return inputs, metrics
+
+    def after_update(self, graded: GradedGroups) -> dict[str, float]:
+        """State updates after the policy step (SPO's tracker); returns metrics."""
+        if self.spo is None:
+            return {}
+        self.spo.update(graded)
+        if self.spo.last_change is None:
+            return {}
+        return {"tracker_policy_change_mean": float(self.spo.last_change.mean().item())}
