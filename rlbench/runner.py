@@ -39,7 +39,9 @@ from rlbench.reward import MathReward
 from rlbench.reward.toy import EvenTokenReward
 from rlbench.rollout import make_engine
 from rlbench.rollout.base import GenerationRequest, RolloutEngine, SamplingParams
-from rlbench.trainer import batch_logprobs, collate, policy_update
+from rlbench.algorithm.critic import value_targets
+from rlbench.trainer import batch_logprobs, batch_outputs, collate
+from rlbench.update import UpdateState, make_update_state, update_policy
 from rlbench.utils import Progress, make_generator, seed_everything
 
 log = logging.getLogger(__name__)
@@ -132,15 +134,17 @@ class StepContext:
     rollout_generator: torch.Generator
     minibatch_generator: torch.Generator
     reference: torch.nn.Module | None = None
+    update_state: UpdateState | None = None  # value head, EWMA proximal policy, SFPO switch
 
 
 def make_step_context(
     cfg: DictConfig, algorithm: Algorithm, model: torch.nn.Module, tokenizer: Any, engine: RolloutEngine, device: torch.device
 ) -> StepContext:
     trainer, rollout = cfg.trainer, cfg.rollout
+    update_state = make_update_state(algorithm, model)
     # The fused AdamW kernel (one pass over all parameters) is ~4x faster on CPU than the default.
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=trainer.lr, betas=tuple(trainer.betas), weight_decay=trainer.weight_decay, fused=True
+        update_state.parameters(model), lr=trainer.lr, betas=tuple(trainer.betas), weight_decay=trainer.weight_decay, fused=True
     )
     warmup = max(int(trainer.warmup_steps), 0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
@@ -162,6 +166,7 @@ def make_step_context(
         rollout_generator=make_generator(cfg.seed, STREAM_ROLLOUT),
         minibatch_generator=make_generator(cfg.seed, STREAM_MINIBATCH),
         reference=reference,
+        update_state=update_state,
     )
 
 
@@ -188,25 +193,31 @@ def train_step(ctx: StepContext, problems: list[Problem], progress: float = 0.0)
     t1 = time.perf_counter()
     temperature = ctx.params.temperature if ctx.params.temperature > 0 else 1.0
     wanted = ctx.algorithm.advantage_inputs
+    state = ctx.update_state or UpdateState()
     extra: dict[str, torch.Tensor | None] = {}
     if wanted or ctx.algorithm.needs_old_logp:
-        old_logp, entropy = batch_logprobs(
-            ctx.model, batch, ctx.micro_batch_size, temperature, with_entropy="entropy" in wanted
+        before = batch_outputs(
+            ctx.model, batch, ctx.micro_batch_size, temperature, with_entropy="entropy" in wanted,
+            value_head=state.value_head,
         )
-        extra = {"old_logp": old_logp, "entropy": entropy}
+        extra = {"old_logp": before.logp, "entropy": before.entropy, "values": before.values}
         if ctx.algorithm.needs_old_logp:
-            batch.old_logp = old_logp
+            batch.old_logp = before.logp
+        batch.old_values = before.values
     batch.advantages = ctx.algorithm.compute_advantages(
         batch.rewards, batch.group_index, batch.response_mask, **{k: extra.get(k) for k in wanted}
     )
+    if state.value_head is not None:  # the critic's targets: GAE lambda-returns of the same values
+        batch.returns = value_targets(ctx.algorithm.advantage.params, batch.rewards, batch.old_values, batch.response_mask)
     # 4. update (reference log-probs only when the KL term is active)
     if ctx.reference is not None:
         batch.ref_logp, _ = batch_logprobs(ctx.reference, batch, ctx.micro_batch_size, temperature)
-    stats = policy_update(
+    stats = update_policy(
         ctx.model,
         ctx.optimizer,
         batch,
         ctx.algorithm,
+        state,
         micro_batch_size=ctx.micro_batch_size,
         max_grad_norm=ctx.max_grad_norm,
         temperature=temperature,

@@ -6,6 +6,10 @@ below are the whole objective, read top to bottom:
     advantages = advantage_estimator(rewards, groups)                        (H4)
     loss       = aggregate(policy_loss(logp, old_logp, A))                   (H6)
                + kl_coef * aggregate(kl(logp, ref_logp)) - entropy_coef * aggregate(H)
+               + critic.coef * aggregate(value_loss(V, V_old, R))            (value head only)
+
+``algorithm.update.schedule`` (standard | sfpo | trpo, see schedules.py) says how that loss becomes
+parameter changes.
 """
 
 from __future__ import annotations
@@ -20,7 +24,10 @@ from rlbench.algorithm import advantages as _advantages  # noqa: F401  (register
 from rlbench.algorithm import aggregation as _aggregation  # noqa: F401
 from rlbench.algorithm import kl as _kl  # noqa: F401
 from rlbench.algorithm import losses as _losses  # noqa: F401
+from rlbench.algorithm.advantages import value_loss
+from rlbench.algorithm.critic import CRITIC_ADVANTAGE, CriticSettings
 from rlbench.algorithm.losses import LOSS_REQUIREMENTS
+from rlbench.algorithm.schedules import SFPOSettings, TRPOSettings, schedule_from_config
 from rlbench.algorithm.registry import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from rlbench.reward.shaping import REWARD_SHAPING, SHAPING_INPUTS
 from rlbench.errors import ConfigError
@@ -39,8 +46,10 @@ AGGREGATION_INPUTS = {"loss_matrix", "response_mask", "batch_tokens", "batch_seq
 # refused when the configuration is validated, with a message naming the piece and the input.
 # Estimators whose advantage varies along a response (the rest give one value per response).
 TOKEN_LEVEL_ADVANTAGES = {"reinforce_pp", "gae", "gtpo"}
+# ("values" comes from the value head when algorithm.critic is set; "prox_logp" from an EWMA copy of
+# the weights, kept only when the loss reads it.)
 PROVIDED_ADVANTAGE_INPUTS = {"rewards", "group_index", "response_mask", "entropy", "old_logp"}
-PROVIDED_LOSS_INPUTS = {"logp", "old_logp", "advantages", "response_mask", "entropy", "progress"}
+PROVIDED_LOSS_INPUTS = {"logp", "old_logp", "advantages", "response_mask", "entropy", "progress", "prox_logp"}
 
 
 @dataclass(frozen=True)
@@ -70,12 +79,18 @@ class Algorithm:
     epochs: int = 1
     minibatches: int = 1
     reward_shaping: tuple[Piece, ...] = ()
+    critic: CriticSettings | None = None  # a value head trained with the policy (PPO)
+    schedule: str = "standard"  # standard | sfpo | trpo
+    schedule_settings: SFPOSettings | TRPOSettings | None = None
+    proximal_decay: float | None = None  # beta of the EWMA proximal policy (ppo_ewma); None -> 0
 
     @classmethod
     def from_config(cls, cfg: Any) -> "Algorithm":
         """Build from ``cfg.algorithm`` and check every piece and parameter exists."""
         kl = cfg.get("kl") or {}
         update = cfg.get("update") or {}
+        schedule, schedule_settings = schedule_from_config(update)
+        proximal_decay = update.get("proximal_decay")
         algorithm = cls(
             name=str(cfg.get("name", "custom")),
             advantage=Piece.from_config(cfg.get("advantage"), "advantage"),
@@ -87,6 +102,10 @@ class Algorithm:
             epochs=int(update.get("epochs", 1)),
             minibatches=int(update.get("minibatches", 1)),
             reward_shaping=tuple(Piece.from_config(node, "reward_shaping") for node in cfg.get("reward_shaping") or ()),
+            critic=CriticSettings.from_config(cfg.get("critic")),
+            schedule=schedule,
+            schedule_settings=schedule_settings,
+            proximal_decay=None if proximal_decay is None else float(proximal_decay),
         )
         algorithm.validate()
         return algorithm
@@ -94,9 +113,11 @@ class Algorithm:
     def validate(self) -> None:
         ADVANTAGES.validate_params(self.advantage.name, self.advantage.params, ADVANTAGE_INPUTS)
         POLICY_LOSSES.validate_params(self.loss.name, self.loss.params, LOSS_INPUTS)
+        self._check_critic_and_schedule()
         provided_loss_inputs = PROVIDED_LOSS_INPUTS | ({"ref_logp"} if self.kl_coef > 0 else set())
+        provided_advantage_inputs = PROVIDED_ADVANTAGE_INPUTS | ({"values"} if self.critic else set())
         for registry, piece, provided in (
-            (ADVANTAGES, self.advantage, PROVIDED_ADVANTAGE_INPUTS),
+            (ADVANTAGES, self.advantage, provided_advantage_inputs),
             (POLICY_LOSSES, self.loss, provided_loss_inputs),
         ):
             missing = sorted(registry.required_inputs(piece.name, piece.params) - provided)
@@ -114,6 +135,41 @@ class Algorithm:
             raise ConfigError("algorithm.kl.coef and algorithm.entropy_coef must be >= 0")
         if self.epochs < 1 or self.minibatches < 1:
             raise ConfigError("algorithm.update.epochs and algorithm.update.minibatches must be >= 1")
+
+    def _check_critic_and_schedule(self) -> None:
+        """Refuse a value head without an estimator that reads values (and the reverse), and update
+        schedules combined with pieces they cannot drive."""
+        advantage, loss = self.advantage.name, self.loss.name
+        if "values" in ADVANTAGES.accepted_inputs(advantage) and self.critic is None:
+            raise ConfigError(
+                f"advantage '{advantage}' needs critic values, but this algorithm has no value head "
+                f"(gae without a value head); add one with algorithm.critic (e.g. algorithm=ppo, or "
+                f"+algorithm.critic.coef=0.5) or pick another algorithm/advantage"
+            )
+        if self.critic is not None and advantage != CRITIC_ADVANTAGE:
+            raise ConfigError(
+                f"algorithm.critic adds a value head, but advantage '{advantage}' does not use values, so the "
+                f"critic would train for nothing; use algorithm/advantage={CRITIC_ADVANTAGE} or remove algorithm.critic"
+            )
+        if self.schedule == "trpo" and self.critic is not None:
+            raise ConfigError(
+                "algorithm.update.schedule=trpo takes one natural-gradient step on the policy and has no "
+                "gradient steps for a value head (algorithm.critic); use schedule standard or sfpo with a critic"
+            )
+        if self.schedule == "trpo" and self.needs_proximal_policy:
+            raise ConfigError(
+                f"loss '{loss}' measures its trust region against an EWMA proximal policy that follows "
+                f"optimizer steps; algorithm.update.schedule=trpo takes none (its trust region is the KL line "
+                f"search); use loss is_surrogate or ppo_clip with trpo, or schedule standard with {loss}"
+            )
+        if self.proximal_decay is not None:
+            if not self.needs_proximal_policy:
+                raise ConfigError(
+                    f"algorithm.update.proximal_decay is the EWMA decay of a proximal policy, which only a loss "
+                    f"reading prox_logp (ppo_ewma) uses; loss '{loss}' does not, so remove the key"
+                )
+            if not 0.0 <= self.proximal_decay < 1.0:
+                raise ConfigError(f"algorithm.update.proximal_decay must be in [0, 1), got {self.proximal_decay}")
 
     def _check_loss_requirements(self) -> None:
         """Refuse compositions the loss is undefined or unfaithful under (LOSS_REQUIREMENTS)."""
@@ -142,13 +198,19 @@ class Algorithm:
 
     @property
     def needs_old_logp(self) -> bool:
-        """Stored old log-probs are needed only when a batch is reused for several updates."""
-        return self.epochs > 1 or self.minibatches > 1
+        """Stored old log-probs are needed only when a batch is reused for several updates (epochs,
+        minibatches, or a schedule other than standard)."""
+        return self.epochs > 1 or self.minibatches > 1 or self.schedule != "standard"
+
+    @property
+    def needs_proximal_policy(self) -> bool:
+        """An EWMA copy of the weights is kept only for a loss that reads prox_logp (ppo_ewma)."""
+        return "prox_logp" in POLICY_LOSSES.accepted_inputs(self.loss.name)
 
     @property
     def advantage_inputs(self) -> set[str]:
         """The optional trainer inputs (beyond rewards, groups, mask) the advantage estimator reads."""
-        return ADVANTAGES.accepted_inputs(self.advantage.name) & {"entropy", "old_logp"}
+        return ADVANTAGES.accepted_inputs(self.advantage.name) & {"entropy", "old_logp", "values"}
 
     def shape_rewards(
         self, response_lengths: torch.Tensor, finished: torch.Tensor, max_length: int
@@ -182,11 +244,16 @@ class Algorithm:
         ref_logp: torch.Tensor | None = None,
         entropy: torch.Tensor | None = None,
         progress: float = 0.0,
+        values: torch.Tensor | None = None,
+        old_values: torch.Tensor | None = None,
+        returns: torch.Tensor | None = None,
+        prox_logp: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """The scalar loss of one (micro-)batch and its metrics.
 
         ``norms`` carries the optimizer batch's counts (batch_tokens, batch_sequences, norm_length)
-        so that micro-batch losses add up to the full-batch loss.
+        so that micro-batch losses add up to the full-batch loss. With a critic, ``values`` (with
+        gradient), ``old_values`` (the sampling policy's) and ``returns`` give the value loss.
         """
         mask = response_mask.to(logp.dtype)
         inputs = {"logp": logp, "old_logp": old_logp, "advantages": advantages, "response_mask": mask,
@@ -195,6 +262,8 @@ class Algorithm:
             inputs["entropy"] = entropy.detach()
         if ref_logp is not None:
             inputs["ref_logp"] = ref_logp
+        if prox_logp is not None:
+            inputs["prox_logp"] = prox_logp.detach()
         loss_matrix, metrics = POLICY_LOSSES.call(self.loss.name, inputs, self.loss.params)
         policy_loss = self.aggregate(loss_matrix, mask, norms)
         total = policy_loss
@@ -212,4 +281,11 @@ class Algorithm:
                 raise ValueError("the entropy bonus needs per-token entropies")
             entropy_value = self.aggregate(entropy * mask, mask, norms)
             total = total - self.entropy_coef * entropy_value
+        if self.critic is not None:
+            if values is None or returns is None:
+                raise ValueError("the critic term needs values (value head) and returns")
+            old = values.detach() if old_values is None else old_values
+            value_value = self.aggregate(value_loss(values, old, returns, mask, self.critic.clip), mask, norms)
+            total = total + self.critic.coef * value_value
+            metrics["value_loss"] = value_value.item()
         return total, metrics
