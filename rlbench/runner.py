@@ -40,7 +40,9 @@ from rlbench.reward import MathReward, grade_completions
 from rlbench.reward.toy import EvenTokenReward
 from rlbench.rollout import make_engine
 from rlbench.rollout.base import RolloutEngine, SamplingParams
-from rlbench.trainer import batch_logprobs, collate, policy_update
+from rlbench.algorithm.critic import value_targets
+from rlbench.trainer import batch_logprobs, batch_outputs, collate
+from rlbench.update import UpdateState, make_update_state, update_policy
 from rlbench.utils import Progress, make_generator, seed_everything
 
 log = logging.getLogger(__name__)
@@ -162,15 +164,17 @@ class StepContext:
     dynamic_sampling: DynamicSampling = DynamicSampling()
     overlong_filter: bool = False
     inputs: AdvantageInputSources | None = None  # remax/pvpo baselines, SPO tracker, answer keys
+    update_state: UpdateState | None = None  # value head, EWMA proximal policy, SFPO switch
 
 
 def make_step_context(
     cfg: DictConfig, algorithm: Algorithm, model: torch.nn.Module, tokenizer: Any, engine: RolloutEngine, device: torch.device
 ) -> StepContext:
     trainer, rollout = cfg.trainer, cfg.rollout
+    update_state = make_update_state(algorithm, model)
     # The fused AdamW kernel (one pass over all parameters) is ~4x faster on CPU than the default.
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=trainer.lr, betas=tuple(trainer.betas), weight_decay=trainer.weight_decay, fused=True
+        update_state.parameters(model), lr=trainer.lr, betas=tuple(trainer.betas), weight_decay=trainer.weight_decay, fused=True
     )
     warmup = max(int(trainer.warmup_steps), 0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
@@ -194,6 +198,7 @@ def make_step_context(
         reference=reference,
         dynamic_sampling=DynamicSampling.from_config(cfg.algorithm),
         overlong_filter=bool(cfg.algorithm.get("overlong_filter", False)),
+        update_state=update_state,
     )
     ctx.inputs = AdvantageInputSources.for_context(cfg, ctx)
     return ctx
@@ -226,14 +231,17 @@ def train_step(
     algorithm = ctx.algorithm
     temperature = ctx.params.temperature if ctx.params.temperature > 0 else 1.0
     wanted = algorithm.advantage_inputs
+    state = ctx.update_state or UpdateState()
     extra: dict[str, Any] = {"correct": correct, "max_length": ctx.params.max_new_tokens}
     if algorithm.needs_sampling_pass:
-        old_logp, entropy = batch_logprobs(
-            ctx.model, batch, ctx.micro_batch_size, temperature, with_entropy=algorithm.needs_sampling_entropy
+        before = batch_outputs(
+            ctx.model, batch, ctx.micro_batch_size, temperature, with_entropy=algorithm.needs_sampling_entropy,
+            value_head=state.value_head,
         )
-        extra.update(old_logp=old_logp, entropy=entropy)
+        extra.update(old_logp=before.logp, entropy=before.entropy, values=before.values)
         if algorithm.needs_old_logp:
-            batch.old_logp = old_logp
+            batch.old_logp = before.logp
+        batch.old_values = before.values
     provided, input_metrics = ctx.inputs.before_advantage(graded, batch) if ctx.inputs else ({}, {})
     # reference log-probs only when the KL term is active
     if ctx.reference is not None:
@@ -247,13 +255,16 @@ def train_step(
     batch.advantages = algorithm.compute_advantages(
         advantage_rewards, batch.group_index, batch.response_mask, **{k: extra.get(k) for k in wanted}, **provided
     )
+    if state.value_head is not None:  # the critic's targets: GAE lambda-returns of the same values
+        batch.returns = value_targets(algorithm.advantage.params, advantage_rewards, batch.old_values, batch.response_mask)
     coefficients = {"kl_coef": algorithm.kl_coefficient, "entropy_coef": algorithm.entropy_coefficient}
     # 4. update
-    stats = policy_update(
+    stats = update_policy(
         ctx.model,
         ctx.optimizer,
         mask_truncated(batch, finished) if ctx.overlong_filter else batch,  # DAPO's overlong filtering
         ctx.algorithm,
+        state,
         micro_batch_size=ctx.micro_batch_size,
         max_grad_norm=ctx.max_grad_norm,
         temperature=temperature,

@@ -27,7 +27,7 @@ LOSS_DIR = Path(__file__).resolve().parents[1] / "conf" / "algorithm" / "loss"
 ZOO = [
     "ppo_clip", "gspo", "gspo_token", "gmpo", "cispo_upper", "cispo_two_sided", "sapo", "reinforce",
     "clip_cov", "kl_cov", "ce_gppo", "spo_simple", "m2po", "intellect2", "mdpo", "ppo_ewma", "dppo",
-    "hapo", "aepo", "degrpo", "rec", "opmd", "asymre",
+    "hapo", "aepo", "degrpo", "rec", "opmd", "asymre", "is_surrogate",
 ]
 TRAINER_INPUTS = {
     "logp", "old_logp", "advantages", "response_mask", "entropy", "ref_logp", "progress",
@@ -139,7 +139,7 @@ def test_missing_extra_input_is_a_config_error():
 REINFORCE_AT_RATIO_ONE = {
     "ppo_clip": {}, "gspo_token": {}, "cispo_upper": {}, "cispo_two_sided": {}, "sapo": {},
     "reinforce": {}, "clip_cov": {}, "kl_cov": {}, "ce_gppo": {}, "spo_simple": {}, "m2po": {},
-    "intellect2": {}, "mdpo": {}, "ppo_ewma": {}, "dppo": {}, "rec": {}, "opmd": {},
+    "intellect2": {}, "mdpo": {}, "ppo_ewma": {}, "dppo": {}, "rec": {}, "opmd": {}, "is_surrogate": {},
     "rec_one_side_is": {"clip_mode": "one_side", "weighting": "importance"},
     "rec_two_side": {"clip_mode": "two_side"},
     "hapo_no_redistribution": {"adv_beta": 0.0},
@@ -824,3 +824,13 @@ def test_token_counts_are_robust_to_float_error():
     adv = torch.arange(100, dtype=F64)[None] / 100
     matrix, metrics = POLICY_LOSSES.get("kl_cov")(logp, logp.detach() - 0.1, adv, torch.ones(1, 100, dtype=F64), kl_cov_ratio=0.29)
     assert metrics["kl_cov_fraction"] == pytest.approx(0.29)
+
+
+def test_is_surrogate_is_the_unclipped_ratio_times_advantage():
+    # rho = [2, .5, 3], A = [1, -1, 2], last token padding: l = -rho A = [-2, .5, 0]; no clip at rho = 2
+    logp = ratio_logp([[2.0, 0.5, 3.0]])
+    matrix, metrics = call("is_surrogate", inputs(logp, torch.full_like(logp, OLD), t([[1.0, -1.0, 2.0]]), t([[1.0, 1.0, 0.0]])))
+    assert torch.allclose(matrix, t([[-2.0, 0.5, 0.0]]))
+    # d l / d logp = -rho A
+    assert torch.allclose(grad(matrix, logp), t([[-2.0, 0.5, 0.0]]))
+    assert metrics["ratio_mean"] == pytest.approx(1.25)

@@ -26,10 +26,12 @@ PRESETS = sorted(path.stem for path in (ROOT / "conf" / "algorithm").glob("*.yam
 EXPECTED = {
     "grpo", "dr_grpo", "dapo", "gspo", "gmpo", "cispo", "sapo", "rloo", "reinforce_pp", "opo", "gpg",
     "ngrpo", "edge_grpo", "gtpo", "grpo_s", "ce_gppo", "clip_cov", "kl_cov", "m2po", "mdpo", "spo_simple",
-    "dppo", "hapo", "aepo", "intellect2", "rec", "thinkless",
+    "dppo", "hapo", "aepo", "intellect2", "rec", "thinkless", "ppo", "trpo", "sfpo", "ppo_ewma",
+    "remax", "pvpo", "spo", "polychromic", "two_grpo",
 }
 
-TABLE_HEADER = "| name | advantage | loss | aggregation | KL | paper | run |"
+TABLE_HEADER = "| name | advantage | loss | aggregation | KL | update | paper | run |"
+COLUMNS = TABLE_HEADER.count("|") - 1
 FIRST_ROWS = ["grpo", "dr_grpo"]  # the baselines lead the table; the rest is alphabetical
 
 
@@ -58,16 +60,29 @@ def _params(node) -> str:
     return f" ({', '.join(items)})" if items else ""
 
 
+def update_cell(update) -> str:
+    """The schedule, its settings block, and the update knobs that differ from one on-policy step."""
+    schedule = str(update.get("schedule", "standard"))
+    knobs = {
+        key: value for key, value in update.items()
+        if key != "schedule" and not isinstance(value, DictConfig) and not (key in ("epochs", "minibatches") and value == 1)
+    }
+    knobs.update(update.get(schedule) or {})
+    return f"`{schedule}`{_params(knobs)}"
+
+
 def table_row(name: str, cfg: DictConfig) -> str:
     algorithm = cfg.algorithm
     kl = algorithm.kl
     kl_cell = "off" if float(kl.coef) == 0 else f"{kl.estimator}, β={kl.coef}"
+    critic = algorithm.get("critic")
     cells = [
         f"`{name}`",
-        f"`{algorithm.advantage.name}`",
+        f"`{algorithm.advantage.name}`" + (f" + value head{_params(critic)}" if critic else ""),
         f"`{algorithm.loss.name}`{_params(algorithm.loss)}",
         f"`{algorithm.aggregation.name}`",
         kl_cell,
+        update_cell(algorithm.get("update") or {}),
         str(algorithm.paper),
         f"`rlbench algorithm={name}`",
     ]
@@ -80,7 +95,7 @@ def _row_order(name: str) -> tuple[int, str]:
 
 def algorithms_table(cfgs: dict[str, DictConfig]) -> str:
     """The README-ready Markdown table: one row per preset."""
-    rows = [TABLE_HEADER, "|" + "---|" * 7]
+    rows = [TABLE_HEADER, "|" + "---|" * COLUMNS]
     rows += [table_row(name, cfgs[name]) for name in sorted(cfgs, key=_row_order)]
     return "\n".join(rows) + "\n"
 
@@ -122,6 +137,18 @@ def test_dapo_and_gspo_values(preset_cfg):
     assert gspo.aggregation.name == "seq_mean_token_mean"
 
 
+def test_critic_and_schedule_presets(preset_cfg):
+    ppo = preset_cfg("ppo").algorithm
+    assert (ppo.advantage.name, ppo.loss.name, ppo.critic.coef, ppo.critic.clip) == ("gae", "ppo_clip", 0.5, 0.2)
+    assert validate_config(preset_cfg("ppo")).critic is not None
+    assert validate_config(preset_cfg("sfpo")).schedule == "sfpo"
+    trpo = validate_config(preset_cfg("trpo"))
+    assert (trpo.schedule, trpo.loss.name, trpo.schedule_settings.max_kl) == ("trpo", "is_surrogate", 0.01)
+    ewma = validate_config(preset_cfg("ppo_ewma"))
+    assert ewma.needs_proximal_policy and ewma.proximal_decay == 0.6
+    assert not validate_config(preset_cfg("grpo")).needs_proximal_policy
+
+
 def test_every_preset_has_a_table_row(preset_cfg):
     table = algorithms_table({name: preset_cfg(name) for name in PRESETS})
     lines = table.splitlines()
@@ -131,7 +158,7 @@ def test_every_preset_has_a_table_row(preset_cfg):
         rows = [line for line in lines if line.startswith(f"| `{name}` |")]
         assert len(rows) == 1, f"{name}: expected one table row"
         cells = rows[0].strip("|").split(" | ")
-        assert len(cells) == 7 and all(cell.strip() for cell in cells), rows[0]
+        assert len(cells) == COLUMNS and all(cell.strip() for cell in cells), rows[0]
         assert cells[-1].strip() == f"`rlbench algorithm={name}`"
 
 

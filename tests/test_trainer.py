@@ -31,10 +31,11 @@ def completions(seed=0, groups=3, n=4):
 
 
 class RecordingOptimizer:
-    """Stands in for an optimizer: records the accumulated gradient at each step."""
+    """Stands in for an optimizer: records the accumulated gradient at each step (of a model's
+    parameters, or of the given parameters)."""
 
     def __init__(self, model):
-        self.params = list(model.parameters())
+        self.params = list(model.parameters() if isinstance(model, torch.nn.Module) else model)
         self.steps = []
 
     def step(self):

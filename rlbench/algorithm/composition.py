@@ -8,9 +8,12 @@ below are the whole objective, read top to bottom:
     loss       = aggregate(token_mask * policy_loss(logp, old_logp, A))      (H6)
                + kl_coef * aggregate(kl(logp, ref_logp))                    (kl.placement=loss)
                - entropy_coef * aggregate(H)
+               + critic.coef * aggregate(value_loss(V, V_old, R))            (value head only)
 
 kl_coef and entropy_coef are fixed, or adapted after every step (kl.adaptive, entropy_adaptive);
 the token mask is 1, or the top-entropy-quantile mask (token_mask.top_entropy_quantile).
+``algorithm.update.schedule`` (standard | sfpo | trpo, see schedules.py) says how that loss becomes
+parameter changes.
 """
 
 from __future__ import annotations
@@ -27,7 +30,10 @@ from rlbench.algorithm import kl as _kl  # noqa: F401
 from rlbench.algorithm.entropy import AdaptiveEntropy, top_entropy_token_mask
 from rlbench.algorithm.kl import KL_PLACEMENTS, AdaptiveKL, kl_penalised_rewards, sequence_kl
 from rlbench.algorithm import losses as _losses  # noqa: F401
+from rlbench.algorithm.advantages import value_loss
+from rlbench.algorithm.critic import CRITIC_ADVANTAGE, CriticSettings
 from rlbench.algorithm.losses import LOSS_REQUIREMENTS
+from rlbench.algorithm.schedules import SFPOSettings, TRPOSettings, schedule_from_config
 from rlbench.algorithm.registry import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from rlbench.reward.shaping import apply_shaping, check_shapers
 from rlbench.errors import ConfigError
@@ -46,11 +52,13 @@ AGGREGATION_INPUTS = {"loss_matrix", "response_mask", "batch_tokens", "batch_seq
 # refused when the configuration is validated, with a message naming the piece and the input.
 # Estimators whose advantage varies along a response (the rest give one value per response).
 TOKEN_LEVEL_ADVANTAGES = {"reinforce_pp", "gae", "gtpo"}
+# ("values" comes from the value head when algorithm.critic is set; "prox_logp" from an EWMA copy of
+# the weights, kept only when the loss reads it.)
 PROVIDED_ADVANTAGE_INPUTS = {
     "rewards", "group_index", "response_mask", "entropy", "old_logp", "correct", "max_length",
     "baseline_rewards", "tracker_baseline", "answer_keys", "diversity",  # rlbench.advantage_inputs
 }
-PROVIDED_LOSS_INPUTS = {"logp", "old_logp", "advantages", "response_mask", "entropy", "progress"}
+PROVIDED_LOSS_INPUTS = {"logp", "old_logp", "advantages", "response_mask", "entropy", "progress", "prox_logp"}
 
 
 @dataclass(frozen=True)
@@ -89,6 +97,10 @@ class Algorithm:
     epochs: int = 1
     minibatches: int = 1
     reward_shaping: tuple[Piece, ...] = ()
+    critic: CriticSettings | None = None  # a value head trained with the policy (PPO)
+    schedule: str = "standard"  # standard | sfpo | trpo
+    schedule_settings: SFPOSettings | TRPOSettings | None = None
+    proximal_decay: float | None = None  # beta of the EWMA proximal policy (ppo_ewma); None -> 0
     kl_placement: str = "loss"
     kl_adaptive: AdaptiveKL | None = None
     entropy_adaptive: AdaptiveEntropy | None = None
@@ -109,6 +121,8 @@ class Algorithm:
         if set(token_mask) - {"top_entropy_quantile"}:
             raise ConfigError(f"algorithm.token_mask takes only top_entropy_quantile, got {sorted(token_mask)}")
         quantile = token_mask.get("top_entropy_quantile")
+        schedule, schedule_settings = schedule_from_config(update)
+        proximal_decay = update.get("proximal_decay")
         algorithm = cls(
             name=str(cfg.get("name", "custom")),
             advantage=Piece.from_config(cfg.get("advantage"), "advantage"),
@@ -126,6 +140,10 @@ class Algorithm:
                 AdaptiveEntropy.from_config(cfg["entropy_adaptive"]) if cfg.get("entropy_adaptive") is not None else None
             ),
             top_entropy_quantile=None if quantile is None else float(quantile),
+            critic=CriticSettings.from_config(cfg.get("critic")),
+            schedule=schedule,
+            schedule_settings=schedule_settings,
+            proximal_decay=None if proximal_decay is None else float(proximal_decay),
         )
         algorithm.validate()
         return algorithm
@@ -133,9 +151,11 @@ class Algorithm:
     def validate(self) -> None:
         ADVANTAGES.validate_params(self.advantage.name, self.advantage.params, ADVANTAGE_INPUTS)
         POLICY_LOSSES.validate_params(self.loss.name, self.loss.params, LOSS_INPUTS)
+        self._check_critic_and_schedule()
         provided_loss_inputs = PROVIDED_LOSS_INPUTS | ({"ref_logp"} if self.kl_coef > 0 else set())
+        provided_advantage_inputs = PROVIDED_ADVANTAGE_INPUTS | ({"values"} if self.critic else set())
         for registry, piece, provided in (
-            (ADVANTAGES, self.advantage, PROVIDED_ADVANTAGE_INPUTS),
+            (ADVANTAGES, self.advantage, provided_advantage_inputs),
             (POLICY_LOSSES, self.loss, provided_loss_inputs),
         ):
             missing = sorted(registry.required_inputs(piece.name, piece.params) - provided)
@@ -172,6 +192,41 @@ class Algorithm:
         """Checks that need the number of responses per batch (called by the config validator)."""
         if self.kl_adaptive is not None:
             self.kl_adaptive.check_batch(responses)
+
+    def _check_critic_and_schedule(self) -> None:
+        """Refuse a value head without an estimator that reads values (and the reverse), and update
+        schedules combined with pieces they cannot drive."""
+        advantage, loss = self.advantage.name, self.loss.name
+        if "values" in ADVANTAGES.accepted_inputs(advantage) and self.critic is None:
+            raise ConfigError(
+                f"advantage '{advantage}' needs critic values, but this algorithm has no value head "
+                f"(gae without a value head); add one with algorithm.critic (e.g. algorithm=ppo, or "
+                f"+algorithm.critic.coef=0.5) or pick another algorithm/advantage"
+            )
+        if self.critic is not None and advantage != CRITIC_ADVANTAGE:
+            raise ConfigError(
+                f"algorithm.critic adds a value head, but advantage '{advantage}' does not use values, so the "
+                f"critic would train for nothing; use algorithm/advantage={CRITIC_ADVANTAGE} or remove algorithm.critic"
+            )
+        if self.schedule == "trpo" and self.critic is not None:
+            raise ConfigError(
+                "algorithm.update.schedule=trpo takes one natural-gradient step on the policy and has no "
+                "gradient steps for a value head (algorithm.critic); use schedule standard or sfpo with a critic"
+            )
+        if self.schedule == "trpo" and self.needs_proximal_policy:
+            raise ConfigError(
+                f"loss '{loss}' measures its trust region against an EWMA proximal policy that follows "
+                f"optimizer steps; algorithm.update.schedule=trpo takes none (its trust region is the KL line "
+                f"search); use loss is_surrogate or ppo_clip with trpo, or schedule standard with {loss}"
+            )
+        if self.proximal_decay is not None:
+            if not self.needs_proximal_policy:
+                raise ConfigError(
+                    f"algorithm.update.proximal_decay is the EWMA decay of a proximal policy, which only a loss "
+                    f"reading prox_logp (ppo_ewma) uses; loss '{loss}' does not, so remove the key"
+                )
+            if not 0.0 <= self.proximal_decay < 1.0:
+                raise ConfigError(f"algorithm.update.proximal_decay must be in [0, 1), got {self.proximal_decay}")
 
     def _check_loss_requirements(self) -> None:
         """Refuse compositions the loss is undefined or unfaithful under (LOSS_REQUIREMENTS)."""
@@ -227,7 +282,7 @@ class Algorithm:
     def needs_sampling_pass(self) -> bool:
         """A no-grad pass over the sampled batch (old log-probs, entropies) before the advantage."""
         return any((
-            self.advantage_inputs & {"entropy", "old_logp"}, self.needs_old_logp, self.needs_sampling_entropy,
+            self.advantage_inputs & {"entropy", "old_logp", "values"}, self.needs_old_logp, self.needs_sampling_entropy,
             self.kl_in_reward, self.kl_adaptive is not None,
         ))
 
@@ -237,14 +292,20 @@ class Algorithm:
 
     @property
     def needs_old_logp(self) -> bool:
-        """Stored old log-probs are needed only when a batch is reused for several updates."""
-        return self.epochs > 1 or self.minibatches > 1
+        """Stored old log-probs are needed only when a batch is reused for several updates (epochs,
+        minibatches, or a schedule other than standard)."""
+        return self.epochs > 1 or self.minibatches > 1 or self.schedule != "standard"
+
+    @property
+    def needs_proximal_policy(self) -> bool:
+        """An EWMA copy of the weights is kept only for a loss that reads prox_logp (ppo_ewma)."""
+        return "prox_logp" in POLICY_LOSSES.accepted_inputs(self.loss.name)
 
     @property
     def advantage_inputs(self) -> set[str]:
         """The optional trainer inputs (beyond rewards, groups, mask) the advantage estimator reads."""
         return ADVANTAGES.accepted_inputs(self.advantage.name) & {
-            "entropy", "old_logp", "correct", "max_length", "token_rewards",
+            "entropy", "old_logp", "correct", "max_length", "token_rewards", "values",
         }
 
     def shape_rewards(self, rewards: torch.Tensor, inputs: Mapping[str, Any]) -> torch.Tensor:
@@ -313,12 +374,18 @@ class Algorithm:
         entropy: torch.Tensor | None = None,
         progress: float = 0.0,
         token_weights: torch.Tensor | None = None,
+        values: torch.Tensor | None = None,
+        old_values: torch.Tensor | None = None,
+        returns: torch.Tensor | None = None,
+        prox_logp: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """The scalar loss of one (micro-)batch and its metrics.
 
         ``norms`` carries the optimizer batch's counts (batch_tokens, batch_sequences, norm_length)
         so that micro-batch losses add up to the full-batch loss. ``token_weights`` (e.g. the
-        top-entropy mask) multiplies the policy-loss matrix only, before aggregation.
+        top-entropy mask) multiplies the policy-loss matrix only, before aggregation. With a critic,
+        ``values`` (with gradient), ``old_values`` (the sampling policy's) and ``returns`` give the
+        value loss.
         """
         mask = response_mask.to(logp.dtype)
         inputs = {"logp": logp, "old_logp": old_logp, "advantages": advantages, "response_mask": mask,
@@ -327,6 +394,8 @@ class Algorithm:
             inputs["entropy"] = entropy.detach()
         if ref_logp is not None:
             inputs["ref_logp"] = ref_logp
+        if prox_logp is not None:
+            inputs["prox_logp"] = prox_logp.detach()
         loss_matrix, metrics = POLICY_LOSSES.call(self.loss.name, inputs, self.loss.params)
         if token_weights is not None:
             loss_matrix = loss_matrix * token_weights
@@ -347,4 +416,11 @@ class Algorithm:
                 raise ValueError("the entropy bonus needs per-token entropies")
             entropy_value = self.aggregate(entropy * mask, mask, norms)
             total = total - entropy_coef * entropy_value
+        if self.critic is not None:
+            if values is None or returns is None:
+                raise ValueError("the critic term needs values (value head) and returns")
+            old = values.detach() if old_values is None else old_values
+            value_value = self.aggregate(value_loss(values, old, returns, mask, self.critic.clip), mask, norms)
+            total = total + self.critic.coef * value_value
+            metrics["value_loss"] = value_value.item()
         return total, metrics

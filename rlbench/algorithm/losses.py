@@ -176,6 +176,28 @@ def ppo_clip_loss(
     return loss * mask, _ppo_metrics(lr, ratio, is_clipped, mask)
 
 
+@POLICY_LOSSES.register("is_surrogate")
+def is_surrogate_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The unclipped importance-sampled surrogate that TRPO maximises under its KL constraint
+    (Schulman et al. 2015, "Trust Region Policy Optimization", arXiv:1502.05477, eq. 14; L^CPI of
+    the PPO paper, arXiv:1707.06347, eq. 6):
+
+        l_t = -rho_t A_t,    rho_t = exp(logp_t - old_logp_t)
+
+    At rho = 1 its gradient is REINFORCE's. It has no trust region of its own: use it with
+    ``algorithm.update.schedule=trpo`` (or a single on-policy step). Metrics: approx_kl, ratio_mean.
+    """
+    lr = log_ratio(logp, old_logp)
+    ratio = torch.exp(lr)
+    mask = response_mask.to(ratio.dtype)
+    return -advantages * ratio * mask, _ratio_metrics(lr, ratio, mask)
+
+
 @POLICY_LOSSES.register("intellect2")
 def intellect2_loss(
     logp: torch.Tensor,

@@ -1,0 +1,89 @@
+"""The critic of PPO: a value head on the policy's last hidden state, and its regression target.
+
+Design: the value head is one linear layer ``V(s_t) = w . h_t + b`` on the final (post-norm) hidden
+state ``h_t`` of the policy backbone, i.e. PPO's shared-parameter actor-critic (Schulman et al.
+2017, "Proximal Policy Optimization Algorithms", arXiv:1707.06347, eq. 9):
+
+    L = L_policy + c_v * L_value (- c_H * H)
+
+The value loss reaches the backbone through ``h_t`` (weighted by ``c_v``). The alternative, a separate
+critic model of the same size (verl/OpenRLHF), doubles the memory. Here the critic is one vector of
+hidden_size + 1 numbers, and it is trained by the same optimizer steps as the policy.
+
+Position convention: ``h_t`` is the hidden state at the column whose logits predict response token
+t, the state *before* token t is generated. So ``V_t`` values the prefix (prompt, o_<t). This is the
+state GAE's ``delta_t = r_t + gamma V_{t+1} - V_t`` needs.
+
+The head starts at zero (w = 0, b = 0): V = 0 before training, the initial advantage is the
+plain GAE return, and the head does not move the backbone until it has learnt something. Only the
+policy is saved at the end of a run; the head is discarded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from rlbench.algorithm.advantages import gae_returns
+from rlbench.errors import ConfigError
+
+# The advantage estimator whose value targets this module computes (its gamma and lam define them).
+CRITIC_ADVANTAGE = "gae"
+
+
+@dataclass(frozen=True)
+class CriticSettings:
+    """``algorithm.critic``: ``coef`` is c_v, the weight of the value loss in the objective. ``clip``
+    is PPO's value-clipping range; null turns clipping off."""
+
+    coef: float = 0.5
+    clip: float | None = 0.2
+
+    @classmethod
+    def from_config(cls, node: Any) -> "CriticSettings | None":
+        """None when ``algorithm.critic`` is absent or null (no value head)."""
+        if node is None:
+            return None
+        unknown = set(dict(node)) - {"coef", "clip"}
+        if unknown:
+            raise ConfigError(f"algorithm.critic has no key(s) {sorted(unknown)}; it takes coef and clip")
+        clip = node.get("clip", cls.clip)
+        settings = cls(coef=float(node.get("coef", cls.coef)), clip=None if clip is None else float(clip))
+        if settings.coef <= 0:
+            raise ConfigError(
+                f"algorithm.critic.coef must be > 0 (got {settings.coef}); remove algorithm.critic to run without a value head"
+            )
+        if settings.clip is not None and settings.clip <= 0:
+            raise ConfigError(f"algorithm.critic.clip must be > 0 or null (no clipping), got {settings.clip}")
+        return settings
+
+
+class ValueHead(torch.nn.Module):
+    """V(s_t) = w . h_t + b on the policy's final hidden states [B,T,H] -> [B,T] (float32)."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(hidden_size, 1)
+        torch.nn.init.zeros_(self.linear.weight)
+        torch.nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.linear(hidden.float()).squeeze(-1)
+
+
+def make_value_head(model: torch.nn.Module) -> ValueHead:
+    """A zero-initialised value head sized for ``model.config.hidden_size``, on the model's device."""
+    device = next(model.parameters()).device
+    return ValueHead(int(model.config.hidden_size)).to(device)
+
+
+def value_targets(
+    advantage_params: Mapping[str, Any], rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor
+) -> torch.Tensor:
+    """The critic's regression target R_t = A_t^GAE(gamma, lam) + V_t (the lambda-return), computed
+    with the gae estimator's own gamma and lam and the values V of the sampling policy
+    (``gae_returns``; Schulman et al. 2015, arXiv:1506.02438). The result is 0 on padding."""
+    params = {k: advantage_params[k] for k in ("gamma", "lam") if k in advantage_params}
+    return gae_returns(rewards, values, response_mask, **params)
