@@ -345,8 +345,15 @@ def format_value(value: Any) -> str:
     return str(value)
 
 
+EVAL_ONLY = "eval-only"
+
+
 def run_key(run: Run, key: str) -> str:
-    """:func:`config_value` of a run as text, with errors that name the run and the key."""
+    """:func:`config_value` of a run as text, with errors that name the run and the key. For an
+    evaluation-only run (``mode=eval``) every ``algorithm`` key reads ``eval-only``: nothing was
+    trained, so the composed algorithm is not what distinguishes it."""
+    if str(run.config.get("mode", "train")) == "eval" and key.split(".")[0] == "algorithm":
+        return EVAL_ONLY
     try:
         return format_value(config_value(run.config, key))
     except KeyError:
@@ -431,7 +438,13 @@ def group_warnings(groups: Mapping[str, Sequence[Run]]) -> list[str]:
 
 
 def phase_problems(run: Run, phase: str) -> pd.DataFrame:
-    """The run's problems.csv rows of ``phase``; a clear error when the phase is absent."""
+    """The run's problems.csv rows of ``phase``; a clear error when the phase is absent.
+
+    An evaluation-only run (``mode=eval``) has one phase, ``eval``; it stands in for ``before``
+    and ``after``, so a base model or a checkpoint can be the baseline of trained runs."""
+    phases = set(run.problems["phase"].unique())
+    if phase in ("before", "after") and phase not in phases and phases == {"eval"}:
+        phase = "eval"
     rows = run.problems[run.problems["phase"] == phase]
     if rows.empty:
         available = ", ".join(sorted(run.problems["phase"].unique())) or "none"

@@ -122,13 +122,13 @@ def test_paired_bootstrap_allows_different_seed_counts():
 
 
 def write_run(root, name, *, algorithm="grpo", seed=0, model="tiny", clip_high=0.2, problems, ks=(1, 2),
-              phase="after", steps=()):
+              phase="after", steps=(), mode="train"):
     """A run folder written by the runner's own code: RunLogger + summarize, from per-problem counts.
 
     problems: {benchmark: [(uid, n, correct), ...]}; steps: [(reward_mean, response_length, entropy), ...]."""
     out = root / name
     config = {"algorithm": {"name": algorithm, "loss": {"clip_high": clip_high}}, "model": {"name": model},
-              "dataset": {"name": "arith"}, "seed": seed, "run_name": name}
+              "dataset": {"name": "arith"}, "seed": seed, "run_name": name, "mode": mode}
     logger = RunLogger(out, config, OmegaConf.to_yaml(OmegaConf.create(config)), {"name": "files"})
     for step, (reward, length, entropy) in enumerate(steps, 1):
         logger.log_step(step, {"reward_mean": reward, "response_length": length, "entropy": entropy})
@@ -161,6 +161,21 @@ def two_groups(tmp_path):
                   steps=[(0.1 * seed, 8.0, 2.0), (0.2 + 0.1 * seed, 7.0, 1.5)])
     runs = [load_run(d) for d in find_run_dirs([tmp_path / "sweep"])]
     return runs, data
+
+
+def test_an_eval_only_run_is_the_baseline_of_trained_runs(two_groups, tmp_path):
+    """mode=eval runs have only the phase 'eval', which stands in for 'after', and group as 'eval-only'
+    under algorithm keys (nothing was trained), so a base model is a baseline for trained runs."""
+    write_run(tmp_path / "sweep", "base", algorithm="grpo", seed=0, phase="eval", mode="eval",
+              problems={"alpha": counts("alpha", [0, 0, 1]), "beta": counts("beta", [0, 0, 0, 1, 0])})
+    runs = [load_run(d) for d in find_run_dirs([tmp_path / "sweep"])]
+    groups = group_runs(runs, ["algorithm"])
+    assert sorted(groups) == ["eval-only", "grpo", "rloo"] and len(groups["grpo"]) == 2
+    table = build_table(groups, phase="after", ks=[1], baseline="eval-only", n_resamples=200, seed=0, alpha=0.05)
+    row = table[(table["group"] == "grpo") & (table["benchmark"] == "alpha")].iloc[0]
+    base = table[(table["group"] == "eval-only") & (table["benchmark"] == "alpha")].iloc[0]
+    assert base["pass_at_k"] == pytest.approx(1 / 12)  # one correct of 3 problems x 4 samples
+    assert row["diff"] == pytest.approx(row["pass_at_k"] - base["pass_at_k"])
 
 
 def passk_value(passk, bench, k, phase="after"):
