@@ -12,6 +12,20 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
+def _data_available() -> bool:
+    from rlbench.dataset import resolve_data_dir
+    from rlbench.errors import DataError
+
+    try:
+        return (resolve_data_dir() / "gsm8k" / "test.jsonl").is_file()
+    except DataError:
+        return False
+
+
+# Tests that read the benchmark files (../shared/data or RLBENCH_DATA_DIR) skip without them.
+needs_data = pytest.mark.skipif(not _data_available(), reason="benchmark data not found (set RLBENCH_DATA_DIR)")
+
+
 def compose_config(overrides, output_dir):
     """The run configuration the CLI would build from these overrides."""
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):

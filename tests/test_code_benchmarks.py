@@ -11,7 +11,7 @@ from rlbench.dataset import load_problems, validate_spec
 from rlbench.errors import ConfigError, DataError
 from rlbench.eval.metrics import ProblemResult, summarize
 
-from conftest import ROOT
+from conftest import ROOT, needs_data
 
 
 def spec(group, name):
@@ -26,6 +26,7 @@ def spec(group, name):
         ("dataset", "mbpp", "train", 120, 601, 974),
     ],
 )
+@needs_data
 def test_mbpp_splits_follow_the_task_id_ranges(group, name, split, count, first, last):
     problems = load_problems(spec(group, name), split)
     ids = [p.meta["id"] for p in problems]
@@ -34,6 +35,7 @@ def test_mbpp_splits_follow_the_task_id_ranges(group, name, split, count, first,
     assert len(set(p.uid for p in problems)) == count
 
 
+@needs_data
 def test_mbpp_problem_carries_its_asserts_and_shows_the_first():
     problem = next(p for p in load_problems(spec("benchmark", "mbpp")) if p.meta["id"] == 17)
     tests = problem.meta["tests"]
@@ -43,6 +45,7 @@ def test_mbpp_problem_carries_its_asserts_and_shows_the_first():
     assert problem.meta["entry_point"] is None and problem.meta["code_prefix"] == ""
 
 
+@needs_data
 def test_humaneval_problem_is_one_check_call_with_the_test_program_as_setup():
     problems = load_problems(spec("benchmark", "humaneval"))
     assert len(problems) == 164
@@ -170,6 +173,7 @@ def test_all_suite_holds_math_and_code(make_cfg):
         (["dataset=mbpp", "reward=code", "reward.correct_reward=abc"], "reward.correct_reward must be a finite"),
     ],
 )
+@needs_data
 def test_reward_and_dataset_must_agree(make_cfg, overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate_config(make_cfg(*overrides))

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, needs_data
 
 SMALL = ["model=tiny", "logger=files", "eval.n=2", "eval.k=[1,2]", "eval.limit=3", "eval.max_new_tokens=16",
          "sandbox.timeout_s=3"]
@@ -30,6 +30,7 @@ def read_csv(path):
 
 
 @pytest.mark.slow
+@needs_data
 def test_eval_mode_on_humaneval_and_mbpp_writes_the_result_files(tmp_path):
     out = tmp_path / "eval"
     proc = run_cli(out, "mode=eval", "eval=code", *SMALL)
@@ -50,6 +51,7 @@ def test_eval_mode_on_humaneval_and_mbpp_writes_the_result_files(tmp_path):
 
 
 @pytest.mark.slow
+@needs_data
 def test_code_rl_on_mbpp_train_runs_the_same_loop(tmp_path):
     out = tmp_path / "train"
     run_cli(out, "dataset=mbpp", "reward=code", "trainer.steps=2", "trainer.prompts_per_step=2",
@@ -84,6 +86,7 @@ class ScriptedEngine:
         pass
 
 
+@needs_data
 def test_evaluation_grades_real_programs_into_pass_at_k(make_cfg):
     """Reference solutions pass and wrong ones fail through evaluate(): HumanEval's first two
     problems get (right, right) and (right, wrong); MBPP's first two get (wrong, wrong) and

@@ -25,7 +25,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # conftest, also when run as a script
-from conftest import CONF_DIR, ROOT  # noqa: E402
+from conftest import CONF_DIR, ROOT, needs_data  # noqa: E402
 
 from rlbench.config import validate_config  # noqa: E402
 from rlbench.dataset.sources import resolve_data_dir  # noqa: E402
@@ -202,6 +202,7 @@ def test_expected_papers_exist():
 
 
 @pytest.mark.parametrize("name", PAPERS)
+@needs_data
 def test_paper_composes_and_validates(paper_cfg, name):
     cfg = paper_cfg(name)
     if _uses_local_data(cfg):

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 import rlbench.sandbox.core as sandbox_core
+from conftest import needs_data
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError, DataError
 from rlbench.reward.code import CodeReward, extract_code, problem_program
@@ -273,6 +274,7 @@ def test_problem_program_puts_the_prompt_before_a_whole_function_too():
 
 
 @pytest.mark.parametrize("task", ["HumanEval/10", "HumanEval/32", "HumanEval/38", "HumanEval/50"])
+@needs_data
 def test_whole_function_answers_may_use_the_prompts_helpers(task):
     """These prompts define helpers (is_palindrome, poly, encode_cyclic, encode_shift) before the
     function to write; a reply that restates only that function must still see them."""
