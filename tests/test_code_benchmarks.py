@@ -79,6 +79,9 @@ def test_code_problem_uids_stay_unique_when_ids_repeat_or_are_missing(tmp_path):
                {"text": "c", "asserts": ["assert True"]}]
     problems = load_problems(code_spec(write_jsonl(tmp_path / "d.jsonl", records)))
     assert [p.uid for p in problems] == ["mine/test/0", "mine/test/1", "mine/test/2"]
+    repeated = [{"id": 7, "text": "a", "asserts": ["assert True"]}, {"id": 7, "text": "b", "asserts": ["assert True"]}]
+    problems = load_problems(code_spec(write_jsonl(tmp_path / "r.jsonl", repeated)))
+    assert [p.uid for p in problems] == ["mine/test/0", "mine/test/1"]
 
 
 @pytest.mark.parametrize(
