@@ -58,10 +58,10 @@ def check_batch_arithmetic(prompts_per_step: int, n: int, micro_batch_size: int,
 
 def check_sandbox(sandbox: Any) -> None:
     """The sandbox limits (checked by SandboxLimits itself) and the worker count."""
-    from rlbench.runner import sandbox_limits
+    from rlbench.sandbox import limits_from_config
 
     try:
-        sandbox_limits(sandbox)
+        limits_from_config(sandbox)
     except ConfigError as err:
         raise ConfigError(f"{err} (set it with sandbox.<limit>=...)") from None
     workers = (sandbox or {}).get("workers")

@@ -68,14 +68,6 @@ class PromptSampler:
         return batch
 
 
-def sandbox_limits(sandbox_cfg: Any) -> Any:
-    """``SandboxLimits`` from the ``sandbox`` config node (the limits check their own values)."""
-    from rlbench.sandbox import SandboxLimits
-
-    keys = ("timeout_s", "memory_mb", "file_size_mb", "max_output_bytes")
-    return SandboxLimits(**{k: v for k, v in dict(sandbox_cfg or {}).items() if k in keys})
-
-
 def make_grader(reward_cfg: Any, data_spec: Any, sandbox_cfg: Any = None) -> Any:
     """The grader of one dataset or benchmark.
 
@@ -91,12 +83,13 @@ def make_grader(reward_cfg: Any, data_spec: Any, sandbox_cfg: Any = None) -> Any
     own = reward_cfg if reward_cfg.name == data_spec.get("answer_type", "math") else {}
     if data_spec.get("answer_type", "math") == "code":
         from rlbench.reward.code import CodeReward
+        from rlbench.sandbox import limits_from_config
 
         return CodeReward(
             mode=own.get("mode", "all_pass"),
             correct_reward=own.get("correct_reward", 1.0),
             incorrect_reward=own.get("incorrect_reward", 0.0),
-            limits=sandbox_limits(sandbox_cfg),
+            limits=limits_from_config(sandbox_cfg),
             workers=(sandbox_cfg or {}).get("workers"),
         )
     extraction = own.get("extraction") or data_spec.get("reward_extraction") or "auto"

@@ -79,8 +79,9 @@ from rlbench.sandbox.core import (
     SandboxLimits,
     SandboxResult,
     TestOutcome,
+    limits_from_config,
     run_many,
     run_tests,
 )
 
-__all__ = ["STATUSES", "SandboxLimits", "SandboxResult", "TestOutcome", "run_many", "run_tests"]
+__all__ = ["STATUSES", "SandboxLimits", "SandboxResult", "TestOutcome", "limits_from_config", "run_many", "run_tests"]

@@ -20,7 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from rlbench.errors import ConfigError
 
@@ -106,6 +106,14 @@ class SandboxLimits:
     def cpu_seconds(self) -> int:
         """The ``RLIMIT_CPU`` value in whole seconds."""
         return max(1, math.ceil(self.cpu_s if self.cpu_s is not None else self.timeout_s))
+
+
+CONFIG_LIMIT_KEYS = ("timeout_s", "memory_mb", "file_size_mb", "max_output_bytes")
+
+
+def limits_from_config(sandbox_cfg: Any) -> SandboxLimits:
+    """``SandboxLimits`` from the run config's ``sandbox`` node (the limits check their own values)."""
+    return SandboxLimits(**{k: v for k, v in dict(sandbox_cfg or {}).items() if k in CONFIG_LIMIT_KEYS})
 
 
 @dataclass
