@@ -268,7 +268,8 @@ def train_step(
     algorithm.update_coefficients(
         None if response_kl is None else response_kl.mean().item(), stats.get("entropy"), batch.size
     )
-    ctx.scheduler.step()
+    if algorithm.schedule != "trpo":  # TRPO steps without the optimizer, so the lr schedule has no part
+        ctx.scheduler.step()
     ctx.engine.sync_weights(ctx.model)
     input_metrics.update(ctx.inputs.after_update(graded) if ctx.inputs else {})
     t_update = time.perf_counter() - t1

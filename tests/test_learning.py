@@ -1,10 +1,10 @@
 """Every algorithm preset learns: through the real runner, on the toy even-token task with the tiny
 model, the mean reward of the last 4 of 16 steps beats the first 4 by a margin. A run with a
 vanishing learning rate (the negative control) must not, so the criterion cannot pass by noise:
-there the difference stays within about +-0.02.
+there the difference stays within about +-0.02, also on the variant of the toy that TRPO uses.
 
-The exception is a preset whose method cannot learn this toy in the budget (NOT_LEARNING_ON_TOY,
-each with the reason); its per-step guarantees are tested elsewhere."""
+A preset whose method needs a different budget on this toy says so in TOY_OVERRIDES, with the
+measurement behind it."""
 
 import json
 from pathlib import Path
@@ -16,18 +16,6 @@ from rlbench.runner import run
 from conftest import ROOT, compose_config
 
 ALL_PRESETS = sorted(p.stem for p in (ROOT / "conf" / "algorithm").glob("*.yaml"))
-NOT_LEARNING_ON_TOY = {
-    # No bug found (sign, Fisher at theta_old, masking, line search, tied weights, weight sync all
-    # checked). Each TRPO step is accepted, keeps KL <= delta and raises the surrogate on its batch,
-    # but the gain does not carry to new samples: with max_kl 0.01 / 0.1 the rise was +0.010 / +0.022
-    # (seed 0), and with a less peaked policy (initializer_range 0.2, cg_iters 3, max_kl 0.05) +0.010.
-    # The initial toy policy is peaked, so the surrogate saturates (real gain ~40% of first order at
-    # delta 0.01), and at KL above ~0.5 nats per token the held-out P(even) stops improving. GRPO's
-    # first Adam step moves the policy ~8.5 nats per token, 100-800x TRPO's budget. The KL bound and
-    # surrogate gain are tested in test_update_schedules.py.
-    "trpo": "natural-gradient steps do not raise the toy reward within 16 steps",
-}
-PRESETS = [p for p in ALL_PRESETS if p not in NOT_LEARNING_ON_TOY]
 MARGIN = 0.05
 TIMING_KEYS = {"generate_s", "update_s", "step_s", "tokens_per_s"}
 RESPONSES_PER_STEP = 32  # toy_learning: 4 prompts x 8 responses
@@ -45,6 +33,15 @@ TOY_OVERRIDES = {
     # the toy task that token is an ordinary answer token, and freezing it leaves too little to learn in
     # 16 steps, so it gets the weight Dr.GRPO gives any token, 1/max_new_tokens.
     "thinkless": {"reward.threshold": "0.5", "algorithm.loss.alpha": "0.125"},
+    # TRPO bounds each step's KL(pi_old || pi_new) per token by delta. The tiny random model's policy is
+    # peaked (about 1.4 nats of entropy), and the toy is learned by collapsing onto some even tokens:
+    # measured on its first batch, a plain SGD step at lr 1 moves the policy ~30 nats per token and
+    # learns (rise +0.39), while lr 0.1 / 0.01 (7-25 / 1-3 nats) do not (+0.04 / +0.02). With 64 fresh
+    # prompts and delta 0.01 / 0.1 / 1 / 3, TRPO rose +0.010 / +0.022 / +0.021 / +0.075: its per-context
+    # gains do not carry to unseen prompts. On 4 prompts seen every step, with delta = 1 nat, it learns:
+    # +0.149 / +0.067 / +0.148 for seeds 0 / 1 / 2 (delta 0.1: +0.062, seed 0). The negative control
+    # runs on the same 4-prompt toy.
+    "trpo": {"dataset.arith.train_size": "4", "algorithm.update.trpo.max_kl": "1.0"},
 }
 
 
@@ -72,20 +69,21 @@ def rise(steps: list[dict]) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", ALL_PRESETS)
 def test_preset_reward_rises_on_the_toy_task(tmp_path, preset):
     steps = toy_rewards(tmp_path, *preset_overrides(tmp_path, preset))
     assert len(steps) == 16
     assert rise(steps) > MARGIN, f"{preset}: reward {[round(s['reward_mean'], 3) for s in steps]}"
 
 
-def test_presets_left_out_of_the_learning_test_exist():
-    assert set(NOT_LEARNING_ON_TOY) <= set(ALL_PRESETS)
+def test_toy_overrides_name_existing_presets():
+    assert set(TOY_OVERRIDES) <= set(ALL_PRESETS)
 
 
 @pytest.mark.slow
-def test_negative_control_without_learning_does_not_pass(tmp_path):
-    steps = toy_rewards(tmp_path, "algorithm=grpo", "trainer.lr=1e-12")
+@pytest.mark.parametrize("toy", [[], ["dataset.arith.train_size=4"]], ids=["toy", "toy_4_prompts"])
+def test_negative_control_without_learning_does_not_pass(tmp_path, toy):
+    steps = toy_rewards(tmp_path, "algorithm=grpo", "trainer.lr=1e-12", *toy)
     assert abs(rise(steps)) < MARGIN
 
 
