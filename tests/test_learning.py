@@ -88,7 +88,7 @@ def test_negative_control_without_learning_does_not_pass(tmp_path, toy):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["dapo", "gspo"])
+@pytest.mark.parametrize("preset", ["dapo", "gspo", "trpo"])
 def test_preset_run_is_deterministic(tmp_path, preset):
     runs = [toy_rewards(tmp_path / str(i), f"algorithm={preset}", "trainer.steps=4") for i in range(2)]
     strip = lambda steps: [{k: v for k, v in s.items() if k not in TIMING_KEYS} for s in steps]
