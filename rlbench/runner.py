@@ -268,7 +268,7 @@ def train_step(
     algorithm.update_coefficients(
         None if response_kl is None else response_kl.mean().item(), stats.get("entropy"), batch.size
     )
-    if algorithm.schedule != "trpo":  # TRPO steps without the optimizer, so the lr schedule has no part
+    if algorithm.uses_optimizer:
         ctx.scheduler.step()
     ctx.engine.sync_weights(ctx.model)
     input_metrics.update(ctx.inputs.after_update(graded) if ctx.inputs else {})

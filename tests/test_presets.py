@@ -144,6 +144,7 @@ def test_critic_and_schedule_presets(preset_cfg):
     assert validate_config(preset_cfg("sfpo")).schedule == "sfpo"
     trpo = validate_config(preset_cfg("trpo"))
     assert (trpo.schedule, trpo.loss.name, trpo.schedule_settings.max_kl) == ("trpo", "is_surrogate", 0.01)
+    assert not trpo.uses_optimizer and validate_config(preset_cfg("grpo")).uses_optimizer
     ewma = validate_config(preset_cfg("ppo_ewma"))
     assert ewma.needs_proximal_policy and ewma.proximal_decay == 0.6
     assert not validate_config(preset_cfg("grpo")).needs_proximal_policy

@@ -249,6 +249,12 @@ class Algorithm:
         return "group_index" in inspect.signature(ADVANTAGES.get(self.advantage.name)).parameters
 
     @property
+    def uses_optimizer(self) -> bool:
+        """False under trpo, which sets the parameters by its own line search: the optimizer and its
+        learning-rate schedule play no part."""
+        return self.schedule != "trpo"
+
+    @property
     def needs_reference(self) -> bool:
         """A frozen reference model is loaded only when the KL term is active (in the loss or the reward)."""
         return self.kl_coef > 0
