@@ -15,22 +15,16 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from rlbench.compare import (
-    MACRO,
-    build_table,
-    config_value,
-    find_run_dirs,
-    group_runs,
-    group_warnings,
+from rlbench.analysis.cli import main
+from rlbench.analysis.runs import config_value, find_run_dirs, group_runs, group_warnings, load_run, select_runs
+from rlbench.analysis.statistics import (
     hierarchical_bootstrap,
-    load_run,
-    main,
     paired_bootstrap_difference,
     paired_problem_differences,
     percentile_interval,
-    select_runs,
     sign_flip_test,
 )
+from rlbench.analysis.tables import MACRO, build_table
 from rlbench.errors import ConfigError, DataError
 from rlbench.eval.metrics import ProblemResult, pass_at_k, summarize
 from rlbench.logger.run_logger import RunLogger
@@ -397,7 +391,7 @@ def test_sweep_then_compare_end_to_end(tmp_path):
     ran = sorted(load_run(d).config["algorithm"]["name"] for d in find_run_dirs([sweep]))
     assert ran == ["dapo", "dr_grpo", "grpo", "gspo", "rloo"]
     _run([*common, "algorithm=grpo,rloo", "seed=1", f"hydra.sweep.dir={sweep / 'seed1'}"])
-    proc = _run(["-m", "rlbench.compare", str(sweep), "--by", "algorithm", "--baseline", "grpo", "--out", str(out),
+    proc = _run(["-m", "rlbench.analysis", str(sweep), "--by", "algorithm", "--baseline", "grpo", "--out", str(out),
                  "--filter", "algorithm=grpo,rloo"])
     assert "| grpo | arith | 1 |" in proc.stdout
     for name in ("table.md", "table.csv", "table.tex", "passk_curves.png", "training_curves.png"):
