@@ -3,10 +3,12 @@ against the runner's own passk.csv, grouping and filters, errors, outputs, launc
 (slow) a real two-algorithm x two-seed sweep through sweeps/ and the compare command."""
 
 import csv
+import importlib
 import json
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -293,6 +295,22 @@ def test_main_writes_tables_and_plots(two_groups, tmp_path, capsys):
     with open(out / "runs.csv") as f:
         assert sorted((r["group"], r["seed"]) for r in csv.DictReader(f)) == [
             ("grpo", "0"), ("grpo", "1"), ("rloo", "0"), ("rloo", "1")]
+
+
+def test_console_script_entry_is_the_cli_main():
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    module, _, function = scripts["rlbench-compare"].partition(":")
+    assert getattr(importlib.import_module(module), function) is main
+
+
+@pytest.mark.slow
+def test_python_m_rlbench_analysis_writes_the_table_main_writes(two_groups, tmp_path):
+    args = [str(tmp_path / "sweep"), "--baseline", "grpo", "--k", "1", "--resamples", "50"]
+    assert main([*args, "--out", str(tmp_path / "by_main")]) == 0
+    proc = subprocess.run([sys.executable, "-m", "rlbench.analysis", *args, "--out", str(tmp_path / "by_module")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=_subprocess_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "by_module" / "table.csv").read_text() == (tmp_path / "by_main" / "table.csv").read_text()
 
 
 def test_training_curves_are_skipped_without_steps(tmp_path):
