@@ -1,5 +1,6 @@
 """Result files are created like a normal write: mode 0666 with the umask applied (0644 under umask 022,
-0600 under 077), so colleagues can read a run folder and a comparison; atomic writes leave no temp file."""
+0600 under 077), so colleagues can read a run folder and a comparison; atomic writes leave no temp file.
+Folders built atomically (the GGUF conversion cache) get 0777 minus the umask, as any new folder."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from omegaconf import OmegaConf
 from rlbench.analysis.cli import main as compare_main
 from rlbench.eval.metrics import ProblemResult, summarize
 from rlbench.logger.run_logger import RunLogger
+from rlbench.model.loading import _atomic_build
 from rlbench.utils import atomic_write_bytes, atomic_write_json, atomic_write_text
 
 UMASKS = [0o022, 0o077]
@@ -77,3 +79,9 @@ def test_run_folder_and_comparison_files_apply_the_umask(tmp_path, umask):
                              "training_curves.png"}
     for path in [*files_below(run), *files_below(out)]:
         assert mode(path) == 0o666 & ~umask, path
+
+
+def test_atomically_built_folders_apply_the_umask(tmp_path, umask):
+    target = _atomic_build(tmp_path / "ckpt", lambda folder: atomic_write_text(folder / "config.json", "{}"))
+    assert mode(target) == 0o777 & ~umask and mode(target / "config.json") == 0o666 & ~umask
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".ckpt.lock", "ckpt"]  # no temporary folder left
