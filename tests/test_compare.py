@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -298,6 +297,7 @@ def test_main_writes_tables_and_plots(two_groups, tmp_path, capsys):
 
 
 def test_console_script_entry_is_the_cli_main():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     module, _, function = scripts["rlbench-compare"].partition(":")
     assert getattr(importlib.import_module(module), function) is main
