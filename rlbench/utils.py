@@ -6,8 +6,8 @@ import json
 import os
 import random
 import sys
-import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +28,23 @@ def make_generator(seed: int, stream: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + stream)
 
 
+def temporary_sibling(path: Path) -> Path:
+    """A fresh name next to ``path`` for a file or folder that is written and then renamed onto
+    ``path``: ``.<name>.tmp-<random hex>`` (hidden; the ``.tmp-`` marks leftovers of a killed writer)."""
+    return path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file and rename, so readers never see half a file."""
+    """Write ``data`` to ``path`` via a temporary file and rename, so readers never see half a file.
+
+    The temporary file is created (exclusively) with mode 0666 and the process umask applied, as
+    ``open(path, "w")`` would create ``path`` (0644 under umask 022), so results stay readable by
+    colleagues.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = temporary_sibling(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -40,7 +52,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 

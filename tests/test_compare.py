@@ -3,6 +3,7 @@ against the runner's own passk.csv, grouping and filters, errors, outputs, launc
 (slow) a real two-algorithm x two-seed sweep through sweeps/ and the compare command."""
 
 import csv
+import importlib
 import json
 import os
 import subprocess
@@ -15,22 +16,16 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from rlbench.compare import (
-    MACRO,
-    build_table,
-    config_value,
-    find_run_dirs,
-    group_runs,
-    group_warnings,
+from rlbench.analysis.cli import main
+from rlbench.analysis.runs import config_value, find_run_dirs, group_runs, group_warnings, load_run, select_runs
+from rlbench.analysis.statistics import (
     hierarchical_bootstrap,
-    load_run,
-    main,
     paired_bootstrap_difference,
     paired_problem_differences,
     percentile_interval,
-    select_runs,
     sign_flip_test,
 )
+from rlbench.analysis.tables import MACRO, build_table
 from rlbench.errors import ConfigError, DataError
 from rlbench.eval.metrics import ProblemResult, pass_at_k, summarize
 from rlbench.logger.run_logger import RunLogger
@@ -301,6 +296,23 @@ def test_main_writes_tables_and_plots(two_groups, tmp_path, capsys):
             ("grpo", "0"), ("grpo", "1"), ("rloo", "0"), ("rloo", "1")]
 
 
+def test_console_script_entry_is_the_cli_main():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    module, _, function = scripts["rlbench-compare"].partition(":")
+    assert getattr(importlib.import_module(module), function) is main
+
+
+@pytest.mark.slow
+def test_python_m_rlbench_analysis_writes_the_table_main_writes(two_groups, tmp_path):
+    args = [str(tmp_path / "sweep"), "--baseline", "grpo", "--k", "1", "--resamples", "50"]
+    assert main([*args, "--out", str(tmp_path / "by_main")]) == 0
+    proc = subprocess.run([sys.executable, "-m", "rlbench.analysis", *args, "--out", str(tmp_path / "by_module")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=_subprocess_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "by_module" / "table.csv").read_text() == (tmp_path / "by_main" / "table.csv").read_text()
+
+
 def test_training_curves_are_skipped_without_steps(tmp_path):
     write_run(tmp_path / "runs", "a", problems={"alpha": counts("alpha", [1, 2])}, phase="eval")
     assert main([str(tmp_path / "runs"), "--phase", "eval", "--out", str(tmp_path / "o")]) == 0
@@ -397,7 +409,7 @@ def test_sweep_then_compare_end_to_end(tmp_path):
     ran = sorted(load_run(d).config["algorithm"]["name"] for d in find_run_dirs([sweep]))
     assert ran == ["dapo", "dr_grpo", "grpo", "gspo", "rloo"]
     _run([*common, "algorithm=grpo,rloo", "seed=1", f"hydra.sweep.dir={sweep / 'seed1'}"])
-    proc = _run(["-m", "rlbench.compare", str(sweep), "--by", "algorithm", "--baseline", "grpo", "--out", str(out),
+    proc = _run(["-m", "rlbench.analysis", str(sweep), "--by", "algorithm", "--baseline", "grpo", "--out", str(out),
                  "--filter", "algorithm=grpo,rloo"])
     assert "| grpo | arith | 1 |" in proc.stdout
     for name in ("table.md", "table.csv", "table.tex", "passk_curves.png", "training_curves.png"):

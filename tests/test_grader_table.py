@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import threading
 from pathlib import Path
@@ -260,6 +261,12 @@ HOSTILE = [
 ]
 
 
+#: The two ways a math-verify check ends in a timeout: the worker's own timer fires ("timed out after
+#: 1.0 s"), or, when a long C-level step delays that timer (more likely on a loaded machine), the parent
+#: stops waiting REPLY_GRACE_S later and kills the worker ("did not answer within 3 s").
+TIMEOUT_ERROR = re.compile(r"timed out|did not answer")
+
+
 @pytest.mark.parametrize(("completion", "ref"), HOSTILE)
 def test_hostile_input_never_raises(completion, ref, caplog):
     reward = MathReward(verify_timeout_s=1)
@@ -281,15 +288,17 @@ def test_timeout_is_a_counted_and_logged_failure(caplog):
     grade = reward("\\boxed{10^{10^{10}}}", "1")
     assert grade.correct is False and grade.format_ok is True
     assert grade.reward == pytest.approx(0.5)
-    assert "timed out" in grade.error
+    assert TIMEOUT_ERROR.search(grade.error)
     assert reward.failures == 1
     grade = reward(None, "1")  # type: ignore[arg-type] - not even a string
     assert grade.error.startswith("TypeError") and grade.extracted is None
     assert reward.failures == 2
     messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert any("[failures=1]" in m and "timed out" in m for m in messages)
+    assert any("[failures=1]" in m and TIMEOUT_ERROR.search(m) for m in messages)
     assert any("[failures=2]" in m for m in messages)
-    assert reward(r"\boxed{\sqrt{8}}", r"2\sqrt{2}").correct  # the worker still answers
+    # the worker (shared by all graders) still answers; an ample limit, so a loaded machine cannot time it out
+    ample = MathReward(verify_timeout_s=60)
+    assert ample(r"\boxed{\sqrt{8}}", r"2\sqrt{2}").correct and ample.failures == 0
     assert reward.failures == 2
 
 
@@ -300,7 +309,7 @@ def test_timeout_from_a_worker_thread_does_not_hang():
     thread.start()
     thread.join(timeout=60)
     assert not thread.is_alive()
-    assert grades[0].correct is False and "timed out" in grades[0].error
+    assert grades[0].correct is False and TIMEOUT_ERROR.search(grades[0].error)
     assert reward.failures == 1
 
 

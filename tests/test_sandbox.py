@@ -7,22 +7,26 @@ mounts, the ``nobody`` uid, the rlimits and the process clean-up hold without it
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
 import threading
-import time
 import uuid
 
 import pytest
 
 from rlbench.errors import ConfigError
 from rlbench.sandbox import SandboxLimits, SandboxResult, TestOutcome, run_many, run_tests
-from rlbench.sandbox.core import HarnessReport, judge, parse_report
+from rlbench.sandbox.core import SUPERVISOR_MARGIN_S, HarnessReport, judge, parse_report
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox needs Linux")
 
-LIMITS = SandboxLimits(timeout_s=3.0)
+#: Wall clock of the runs whose subject is not time: generous, so that start-up on a loaded 2-core
+#: machine (about 0.1 s idle, up to a second beside two busy processes) cannot turn a verdict into a
+#: timeout. No test relies on it to stop a program.
+AMPLE_WALL_S = 30.0
+LIMITS = SandboxLimits(timeout_s=AMPLE_WALL_S)
 IS_ROOT = os.geteuid() == 0
 #: The OS layers alone (no audit hook) are only complete as root (mount namespace, uid nobody).
 BOTH_LAYERS = pytest.mark.parametrize(
@@ -110,7 +114,7 @@ def test_program_starts_in_an_empty_directory_with_a_minimal_environment():
 
 def test_a_program_larger_than_the_pipe_buffer_runs():
     big = "z" * (3 * 2**20)  # more than /proc/sys/fs/pipe-max-size (1 MiB by default)
-    result = run(f"BIG = {big!r}\n", ["assert len(BIG) == 3 * 2 ** 20"], SandboxLimits(timeout_s=10.0))
+    result = run(f"BIG = {big!r}\n", ["assert len(BIG) == 3 * 2 ** 20"])
     assert result.passed, result
 
 
@@ -173,18 +177,25 @@ def test_fake_report_lines_do_not_pass():
 
 
 def test_infinite_loop_times_out_and_the_caller_carries_on():
-    start = time.monotonic()
-    result = run("def spin():\n    while True:\n        pass\n", ["spin()"], SandboxLimits(timeout_s=1.0))
-    elapsed = time.monotonic() - start
+    """The wall clock stops the loop: the verdict names it, the looping process is gone, and the call
+    returned on its own (the caller's backstop, timeout_s + SUPERVISOR_MARGIN_S, would have made it a
+    sandbox_error). The CPU limit is set far away so that only the wall clock can end the run: under
+    load the supervisor may wake late while the loop keeps its core. The duration is not bounded more
+    tightly than the backstop, since start-up alone takes seconds on a loaded machine."""
+    limits = SandboxLimits(timeout_s=1.0, cpu_s=600)
+    program = "import os\nprint(os.getpid(), flush=True)\ndef spin():\n    while True:\n        pass\n"
+    result = run(program, ["spin()"], limits)
     assert not result.passed and result.status == "timeout"
     assert result.error == "wall-clock time limit reached"
     assert result.outcomes == [TestOutcome(False, "not run")]
-    assert elapsed < 1.0 + 4.0  # the limit plus start-up and clean-up on a busy machine
+    assert not alive(int(result.stdout))  # killed, not left spinning
+    assert limits.timeout_s <= result.seconds < limits.timeout_s + SUPERVISOR_MARGIN_S
     assert run("x = 1", ["assert x == 1"]).passed  # the sandbox still works afterwards
 
 
 def test_cpu_limit_kills_a_busy_program():
-    limits = SandboxLimits(timeout_s=20.0, cpu_s=1)
+    # the wall clock far above the CPU second: on a loaded machine the loop gets a fraction of a core
+    limits = SandboxLimits(timeout_s=120.0, cpu_s=1)
     result = run("while True:\n    pass\n", ["pass"], limits)
     assert result.status == "timeout" and result.error == "CPU time limit reached"
 
@@ -192,7 +203,7 @@ def test_cpu_limit_kills_a_busy_program():
 @BOTH_LAYERS
 def test_fork_bomb_is_contained(audit_hook):
     before = processes_of_uid(65534)
-    result = run("import os\nwhile True:\n    os.fork()\n", ["pass"], SandboxLimits(timeout_s=3.0), audit_hook)
+    result = run("import os\nwhile True:\n    os.fork()\n", ["pass"], LIMITS, audit_hook)
     assert not result.passed
     if audit_hook:
         assert result.status == "load_error" and "os.fork is not allowed" in result.error
@@ -201,13 +212,13 @@ def test_fork_bomb_is_contained(audit_hook):
 
 def test_memory_bomb_hits_the_address_space_limit():
     program = "def grow():\n    blocks = []\n    while True:\n        blocks.append(bytearray(2 ** 24))\n"
-    result = run(program, ["grow()", "x = bytearray(4 * 2 ** 30)"], SandboxLimits(timeout_s=5.0, memory_mb=256))
+    result = run(program, ["grow()", "x = bytearray(4 * 2 ** 30)"], SandboxLimits(timeout_s=AMPLE_WALL_S, memory_mb=256))
     assert not result.passed
     assert result.outcomes == [TestOutcome(False, "MemoryError"), TestOutcome(False, "MemoryError")]
 
 
 def test_huge_output_is_cut_and_limited():
-    limits = SandboxLimits(timeout_s=5.0, file_size_mb=1, max_output_bytes=1000)
+    limits = SandboxLimits(timeout_s=AMPLE_WALL_S, file_size_mb=1, max_output_bytes=1000)
     result = run("def shout():\n    print('x' * (3 * 2 ** 20))\n", ["shout()"], limits)
     assert not result.passed and result.status == "output_limit"
     assert result.outcomes[0].error.startswith("OSError")  # EFBIG: File too large
@@ -217,7 +228,7 @@ def test_huge_output_is_cut_and_limited():
 
 
 def test_long_output_of_a_passing_program_is_truncated_with_a_note():
-    result = run("print('y' * 5000)\n", ["pass"], SandboxLimits(timeout_s=3.0, max_output_bytes=100))
+    result = run("print('y' * 5000)\n", ["pass"], SandboxLimits(timeout_s=AMPLE_WALL_S, max_output_bytes=100))
     assert result.passed
     assert result.stdout == "y" * 100 + "\n[sandbox: output truncated: 5001 bytes written, first 100 kept]"
 
@@ -277,14 +288,17 @@ def test_no_network_connection_reaches_a_local_server(audit_hook):
     port = server.getsockname()[1]
     accepted = []
 
-    def accept_all():
+    def accept_all():  # until the run is over, however long it takes; then what is still queued
         server.settimeout(0.2)
-        deadline = time.monotonic() + 6.0
-        while time.monotonic() < deadline and not stop.is_set():
+        while not stop.is_set():
             try:
                 accepted.append(server.accept()[0])
             except OSError:
                 continue
+        server.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                accepted.append(server.accept()[0])
 
     stop = threading.Event()
     listener = threading.Thread(target=accept_all)

@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -37,7 +36,7 @@ from typing import Any
 import torch
 
 from rlbench.errors import ConfigError
-from rlbench.utils import Progress
+from rlbench.utils import Progress, temporary_sibling
 
 log = logging.getLogger(__name__)
 
@@ -194,11 +193,9 @@ def _atomic_build(target: Path, build) -> Path:
             shutil.rmtree(target, ignore_errors=True)
         for stale in target.parent.glob(f".{target.name}.tmp-*"):  # from a killed conversion
             shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        tmp = temporary_sibling(target)
+        os.mkdir(tmp, 0o777)  # the umask applies, as to any new folder (mkdtemp would make it 0700)
         try:
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700
             build(tmp)
             (tmp / _DONE_MARKER).write_text(json.dumps({"converted_by": "rlbench", "time": time.time()}) + "\n")
             os.replace(tmp, target)
