@@ -6,7 +6,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlbench.algorithm import Algorithm
 from rlbench.rollout.base import Completion
-from rlbench.trainer import batch_logprobs, collate, policy_update, token_logprobs
+from rlbench.training.batch import collate
+from rlbench.training.forward import batch_outputs, token_outputs
+from rlbench.training.update import standard_update
 
 
 def tiny_lm(seed=0):
@@ -71,10 +73,11 @@ def test_collate_layout():
     assert b.group_index.tolist() == [0, 0, 1]
 
 
-def test_token_logprobs_match_unpadded_forward():
+def test_token_outputs_match_unpadded_forward():
     model = tiny_lm().eval()
     batch = collate(completions(1), pad_token_id=0)
-    logp, entropy = token_logprobs(model, batch, temperature=0.7, with_entropy=True)
+    out = token_outputs(model, batch, temperature=0.7, with_entropy=True)
+    logp, entropy = out.logp, out.entropy
     row = 0
     while batch.response_mask[row].sum() == 0:
         row += 1
@@ -95,7 +98,7 @@ def test_micro_batch_accumulation_equals_full_batch_gradient(aggregation):
         model = tiny_lm()
         batch = prepared_batch(algorithm)
         opt = RecordingOptimizer(model)
-        policy_update(model, opt, batch, algorithm, micro_batch_size=micro, max_grad_norm=None,
+        standard_update(model, opt, batch, algorithm, micro_batch_size=micro, max_grad_norm=None,
                       temperature=1.0, norm_length=6)
         grads.append(opt.steps[0])
     for other in grads[1:]:
@@ -108,9 +111,9 @@ def test_minibatches_and_epochs_make_that_many_steps_with_stored_old_logp():
     algorithm = algo("token_mean", epochs=2, minibatches=3)
     model = tiny_lm()
     batch = prepared_batch(algorithm)
-    batch.old_logp, _ = batch_logprobs(model, batch, micro_batch_size=4, temperature=1.0)
+    batch.old_logp = batch_outputs(model, batch, micro_batch_size=4, temperature=1.0).logp
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    stats = policy_update(model, opt, batch, algorithm, micro_batch_size=2, max_grad_norm=1.0,
+    stats = standard_update(model, opt, batch, algorithm, micro_batch_size=2, max_grad_norm=1.0,
                           temperature=1.0, norm_length=6, generator=torch.Generator().manual_seed(0))
     assert stats["optimizer_steps"] == 6
     assert stats["ratio_mean"] != pytest.approx(1.0, abs=1e-9)  # later steps are off-policy
@@ -120,7 +123,7 @@ def test_one_update_needs_no_old_logprob_pass_and_has_ratio_one():
     algorithm = algo("seq_mean_token_mean")
     assert not algorithm.needs_old_logp
     model = tiny_lm()
-    stats = policy_update(model, RecordingOptimizer(model), prepared_batch(algorithm), algorithm,
+    stats = standard_update(model, RecordingOptimizer(model), prepared_batch(algorithm), algorithm,
                           micro_batch_size=4, max_grad_norm=1.0, temperature=1.0, norm_length=6)
     assert stats["ratio_mean"] == pytest.approx(1.0)
     assert stats["clip_fraction"] == 0.0
@@ -132,7 +135,8 @@ def test_shared_prompt_forward_gives_the_same_logprobs_and_gradients():
     results = []
     for share in (False, True):
         model = tiny_lm(seed=2)
-        logp, entropy = token_logprobs(model, batch, temperature=0.8, with_entropy=True, share_prompts=share)
+        out = token_outputs(model, batch, temperature=0.8, with_entropy=True, share_prompts=share)
+        logp, entropy = out.logp, out.entropy
         ((logp * batch.response_mask).sum() + (entropy * batch.response_mask).sum()).backward()
         results.append((logp * batch.response_mask, [p.grad.clone() for p in model.parameters()]))
     (logp_a, grads_a), (logp_b, grads_b) = results
@@ -146,8 +150,8 @@ def test_shared_prompt_forward_with_scattered_group_rows():
     rows = torch.tensor([7, 0, 4, 8, 1])  # groups 2, 0, 1, 2, 0 in mixed order
     sub = batch.select(rows)
     model = tiny_lm(seed=5).eval()
-    a, _ = token_logprobs(model, sub, share_prompts=False)
-    b, _ = token_logprobs(model, sub, share_prompts=True)
+    a = token_outputs(model, sub, share_prompts=False).logp
+    b = token_outputs(model, sub, share_prompts=True).logp
     assert torch.allclose(a * sub.response_mask, b * sub.response_mask, atol=1e-5)
 
 
@@ -160,7 +164,7 @@ def test_entropy_bonus_reaches_the_gradient():
         })
         model = tiny_lm()
         opt = RecordingOptimizer(model)
-        policy_update(model, opt, prepared_batch(algorithm), algorithm, micro_batch_size=4, max_grad_norm=None,
+        standard_update(model, opt, prepared_batch(algorithm), algorithm, micro_batch_size=4, max_grad_norm=None,
                       temperature=1.0, norm_length=6)
         grads.append(opt.steps[0])
     assert any(not torch.allclose(a, b) for a, b in zip(*grads))
