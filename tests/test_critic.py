@@ -128,7 +128,7 @@ def test_policy_update_trains_the_value_head_toward_the_returns():
     optimizer = torch.optim.SGD([*model.parameters(), *head.parameters()], lr=0.05)
     for _ in range(5):
         stats = standard_update(model, optimizer, batch, algorithm, micro_batch_size=4, max_grad_norm=None,
-                              temperature=1.0, norm_length=6, value_head=head)
+                                temperature=1.0, norm_length=6, value_head=head)
     after_values = batch_outputs(model, batch, micro_batch_size=5, temperature=1.0, value_head=head).values
     after = torch.nn.functional.mse_loss(after_values[batch.response_mask > 0], batch.returns[batch.response_mask > 0])
     assert stats["value_loss"] > 0 and after < before
@@ -152,7 +152,7 @@ def test_a2c_equals_ppo_with_one_epoch_and_one_full_batch():
         model, head = copy.deepcopy(base_model), copy.deepcopy(base_head)
         recorder = RecordingOptimizer([*model.parameters(), *head.parameters()])
         stats = standard_update(model, recorder, batch, algorithm, micro_batch_size=5, max_grad_norm=None,
-                              temperature=1.0, norm_length=6, value_head=head)
+                                temperature=1.0, norm_length=6, value_head=head)
         assert stats["optimizer_steps"] == 1 and stats["value_loss"] > 0
         grads.append(recorder.steps[0])
     for a, b in zip(*grads):
@@ -175,7 +175,7 @@ def test_ppo_ratio_loss_differs_from_a2c_once_the_batch_is_reused():
         m, h = copy.deepcopy(model), copy.deepcopy(head)
         optimizer = torch.optim.SGD([*m.parameters(), *h.parameters()], lr=2.0)
         standard_update(m, optimizer, batch, algorithm, micro_batch_size=5, max_grad_norm=None,
-                      temperature=1.0, norm_length=6, value_head=h)
+                        temperature=1.0, norm_length=6, value_head=h)
         results.append(torch.nn.utils.parameters_to_vector([*m.parameters(), *h.parameters()]))
     assert not torch.allclose(results[0], results[1], atol=1e-6)
 

@@ -1,4 +1,7 @@
-"""The update step: batch layout, log-probs and exact gradient accumulation."""
+"""The update step: batch layout, log-probs, exact gradient accumulation, and steps without a trainable token."""
+
+import logging
+import math
 
 import pytest
 import torch
@@ -6,9 +9,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlbench.algorithm import Algorithm
 from rlbench.rollout.base import Completion
-from rlbench.training.batch import collate
+from rlbench.training.batch import collate, mask_truncated, trainable_tokens
 from rlbench.training.forward import batch_outputs, token_outputs
-from rlbench.training.update import standard_update
+from rlbench.training.loop import UntrainedSteps
+from rlbench.training.update import UpdateMetrics, standard_update
 
 
 def tiny_lm(seed=0):
@@ -99,7 +103,7 @@ def test_micro_batch_accumulation_equals_full_batch_gradient(aggregation):
         batch = prepared_batch(algorithm)
         opt = RecordingOptimizer(model)
         standard_update(model, opt, batch, algorithm, micro_batch_size=micro, max_grad_norm=None,
-                      temperature=1.0, norm_length=6)
+                        temperature=1.0, norm_length=6)
         grads.append(opt.steps[0])
     for other in grads[1:]:
         for a, b in zip(grads[0], other):
@@ -114,7 +118,7 @@ def test_minibatches_and_epochs_make_that_many_steps_with_stored_old_logp():
     batch.old_logp = batch_outputs(model, batch, micro_batch_size=4, temperature=1.0).logp
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     stats = standard_update(model, opt, batch, algorithm, micro_batch_size=2, max_grad_norm=1.0,
-                          temperature=1.0, norm_length=6, generator=torch.Generator().manual_seed(0))
+                            temperature=1.0, norm_length=6, generator=torch.Generator().manual_seed(0))
     assert stats["optimizer_steps"] == 6
     assert stats["ratio_mean"] != pytest.approx(1.0, abs=1e-9)  # later steps are off-policy
 
@@ -124,7 +128,7 @@ def test_one_update_needs_no_old_logprob_pass_and_has_ratio_one():
     assert not algorithm.needs_old_logp
     model = tiny_lm()
     stats = standard_update(model, RecordingOptimizer(model), prepared_batch(algorithm), algorithm,
-                          micro_batch_size=4, max_grad_norm=1.0, temperature=1.0, norm_length=6)
+                            micro_batch_size=4, max_grad_norm=1.0, temperature=1.0, norm_length=6)
     assert stats["ratio_mean"] == pytest.approx(1.0)
     assert stats["clip_fraction"] == 0.0
 
@@ -165,6 +169,55 @@ def test_entropy_bonus_reaches_the_gradient():
         model = tiny_lm()
         opt = RecordingOptimizer(model)
         standard_update(model, opt, prepared_batch(algorithm), algorithm, micro_batch_size=4, max_grad_norm=None,
-                      temperature=1.0, norm_length=6)
+                        temperature=1.0, norm_length=6)
         grads.append(opt.steps[0])
     assert any(not torch.allclose(a, b) for a, b in zip(*grads))
+
+
+# ---------------------------------------------------------------- steps without trainable tokens
+
+
+def test_trainable_tokens_counts_response_tokens_the_token_mask_keeps():
+    batch = collate(completions(), pad_token_id=0)
+    assert trainable_tokens(batch) == int(batch.response_mask.sum().item())
+    batch.token_weights = torch.zeros_like(batch.response_mask)
+    batch.token_weights[0] = 1.0
+    assert trainable_tokens(batch) == int(batch.response_mask[0].sum().item())
+    truncated = mask_truncated(batch, torch.zeros(batch.size, dtype=torch.bool))
+    assert trainable_tokens(truncated) == 0
+
+
+def test_update_metrics_over_no_token_are_nan_not_zero():
+    metrics = UpdateMetrics()
+    metrics.add({"entropy": 0.0, "ratio_mean": 0.0, "policy_loss": 0.0}, tokens=0.0)
+    result = metrics.result(optimizer_steps=1)
+    assert math.isnan(result["entropy"]) and math.isnan(result["ratio_mean"])
+    assert result["policy_loss"] == 0.0  # the objective itself is 0 (no term), not a statistic
+    mixed = UpdateMetrics()
+    mixed.add({"entropy": 2.0}, tokens=3.0)
+    mixed.add({"entropy": 0.0}, tokens=0.0)  # an empty micro-batch weighs nothing
+    assert mixed.result(optimizer_steps=1)["entropy"] == pytest.approx(2.0)
+
+
+def test_update_on_a_fully_masked_batch_moves_nothing_and_reports_no_statistics():
+    algorithm = algo("token_mean")
+    model = tiny_lm()
+    batch = mask_truncated(prepared_batch(algorithm), torch.zeros(12, dtype=torch.bool))
+    before = [p.detach().clone() for p in model.parameters()]
+    stats = standard_update(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, algorithm,
+                            micro_batch_size=4, max_grad_norm=None, temperature=1.0, norm_length=6)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert stats["grad_norm"] == 0.0
+    for key in ("entropy", "ratio_mean", "clip_fraction"):
+        assert math.isnan(stats[key]), (key, stats[key])
+
+
+def test_steps_without_trainable_tokens_are_counted_and_warned_about_once(caplog):
+    untrained = UntrainedSteps()
+    with caplog.at_level(logging.WARNING, logger="rlbench.training.loop"):
+        seen = [untrained.observe(step, {"trainable_tokens": tokens, "truncated_rate": 1.0})
+                for step, tokens in enumerate([0.0, 5.0, 0.0], start=1)]
+    assert [m["steps_without_trainable_tokens"] for m in seen] == [1.0, 1.0, 2.0]
+    assert untrained.count == 2
+    warnings = [r for r in caplog.records if "no trainable token" in r.getMessage()]
+    assert len(warnings) == 1 and "step 1" in warnings[0].getMessage()

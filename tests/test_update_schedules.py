@@ -296,7 +296,7 @@ def test_the_proximal_policy_follows_every_optimizer_step():
     state = make_update_state(algorithm, model)
     recorder = SteppingRecorder(model, lr=0.5)
     standard_update(model, recorder, batch, algorithm, generator=torch.Generator().manual_seed(0),
-                  proximal=state.proximal, **UPDATE)
+                    proximal=state.proximal, **UPDATE)
     thetas = [theta_0, *recorder.after_steps]
     assert len(thetas) == 7
     coefficients = [0.5 ** (6 - k) for k in range(7)]
