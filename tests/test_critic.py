@@ -140,7 +140,7 @@ def test_policy_update_trains_the_value_head_toward_the_returns():
 def test_a2c_equals_ppo_with_one_epoch_and_one_full_batch():
     """A2C (REINFORCE loss -A logp, unclipped value loss) and PPO (clipped ratio, clipped value loss)
     with one epoch over one full mini-batch give the same gradient: at the first step rho = 1 and
-    V = V_old, so neither clip is active (methods-b M07)."""
+    V = V_old, so neither clip is active (PPO, arXiv:1707.06347, section 5, eq. 9)."""
     a2c = critic_algorithm(loss="reinforce", clip=None)
     ppo = critic_algorithm(loss="ppo_clip", clip=0.2, epochs=1, minibatches=1)
     base_model = tiny_lm()

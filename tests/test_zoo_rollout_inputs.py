@@ -124,7 +124,7 @@ def test_pvpo_anchor_is_refreshed_after_refresh_every_steps():
 
 
 def test_pvpo_all_correct_group_keeps_a_signal_through_the_sources():
-    """methods-a 17, test 1: every rollout correct, V_ref = 0.4 -> A = 0.6."""
+    """PVPO (arXiv:2508.21104): every rollout correct, V_ref = 0.4 -> A = r - V_ref = 0.6."""
     batch = graded([[1.0, 1.0, 1.0]], uids=["x"])
     sampler = FakeSampler({"x": [1.0, 0.0, 0.2]})
     sources = AdvantageInputSources({"baseline_rewards"}, anchor(sampler, RecordingEngine()))
