@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from rlbench.advantage_inputs import validate_step_options
+from rlbench.training.advantage_inputs import validate_step_options
 from rlbench.algorithm import Algorithm
 from rlbench.dataset import validate_spec
 from rlbench.errors import ConfigError

@@ -56,7 +56,7 @@ TOKEN_LEVEL_ADVANTAGES = {"reinforce_pp", "gae", "gtpo"}
 # the weights, kept only when the loss reads it.)
 PROVIDED_ADVANTAGE_INPUTS = {
     "rewards", "group_index", "response_mask", "entropy", "old_logp", "correct", "max_length",
-    "baseline_rewards", "tracker_baseline", "answer_keys", "diversity",  # rlbench.advantage_inputs
+    "baseline_rewards", "tracker_baseline", "answer_keys", "diversity",  # rlbench.training.advantage_inputs
 }
 PROVIDED_LOSS_INPUTS = {"logp", "old_logp", "advantages", "response_mask", "entropy", "progress", "prox_logp"}
 

@@ -10,7 +10,7 @@ every optimizer step of any schedule except trpo.
 ``algorithm.update`` holds ``schedule`` plus a block of settings named after it
 (``algorithm.update.sfpo`` / ``algorithm.update.trpo``). This module holds the settings and the pure
 math: conjugate gradient, the trust-region step size, interpolation, the debiased EWMA and SFPO's
-entropy switch. ``rlbench.update`` applies them to a model.
+entropy switch. ``rlbench.training.update_schedules`` applies them to a model.
 """
 
 from __future__ import annotations
