@@ -32,7 +32,8 @@ from rlbench.algorithm.kl import KL_PLACEMENTS, AdaptiveKL, kl_penalised_rewards
 from rlbench.algorithm import losses as _losses  # noqa: F401
 from rlbench.algorithm.advantages import value_loss
 from rlbench.algorithm.critic import CRITIC_ADVANTAGE, CriticSettings
-from rlbench.algorithm.losses import LOSS_REQUIREMENTS
+from rlbench.algorithm.losses import LOSS_REQUIREMENTS, masked_mean
+from rlbench.algorithm.sampling_correction import SamplingCorrection
 from rlbench.algorithm.schedules import SFPOSettings, TRPOSettings, schedule_from_config
 from rlbench.algorithm.registry import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from rlbench.reward.shaping import apply_shaping, check_shapers
@@ -47,6 +48,7 @@ LOSS_INPUTS = {
     "logp", "old_logp", "advantages", "response_mask", "entropy", "ref_logp", "progress", "sampling_logp",
     "prox_logp", "control_mask", "generator",
 }
+KL_INPUTS = {"logp", "ref_logp"}
 AGGREGATION_INPUTS = {"loss_matrix", "response_mask", "batch_tokens", "batch_sequences", "norm_length"}
 # ... and the ones this trainer provides today. A piece that requires an input outside these sets is
 # refused when the configuration is validated, with a message naming the piece and the input.
@@ -93,6 +95,7 @@ class Algorithm:
     aggregation: Piece
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
+    kl_clamp: float | None = None  # value clamp of k3 / k3+ (algorithm.kl.clamp; verl's low_var_kl: 10)
     entropy_coef: float = 0.0
     epochs: int = 1
     minibatches: int = 1
@@ -105,6 +108,7 @@ class Algorithm:
     kl_adaptive: AdaptiveKL | None = None
     entropy_adaptive: AdaptiveEntropy | None = None
     top_entropy_quantile: float | None = None
+    sampling_correction: SamplingCorrection | None = None  # TIS weights between sampler and trainer
     # Mutable run state inside the frozen composition: each from_config starts a fresh one.
     coefficients: Coefficients | None = field(default=None, compare=False, repr=False)
 
@@ -130,6 +134,7 @@ class Algorithm:
             aggregation=Piece.from_config(cfg.get("aggregation"), "aggregation"),
             kl_coef=float(kl.get("coef", 0.0)),
             kl_estimator=str(kl.get("estimator", "k3")),
+            kl_clamp=None if kl.get("clamp") is None else float(kl["clamp"]),
             entropy_coef=float(cfg.get("entropy_coef", 0.0)),
             epochs=int(update.get("epochs", 1)),
             minibatches=int(update.get("minibatches", 1)),
@@ -140,6 +145,7 @@ class Algorithm:
                 AdaptiveEntropy.from_config(cfg["entropy_adaptive"]) if cfg.get("entropy_adaptive") is not None else None
             ),
             top_entropy_quantile=None if quantile is None else float(quantile),
+            sampling_correction=SamplingCorrection.from_config(cfg.get("sampling_correction")),
             critic=CriticSettings.from_config(cfg.get("critic")),
             schedule=schedule,
             schedule_settings=schedule_settings,
@@ -167,7 +173,9 @@ class Algorithm:
         AGGREGATIONS.validate_params(self.aggregation.name, self.aggregation.params, AGGREGATION_INPUTS)
         check_shapers([(s.name, s.params) for s in self.reward_shaping])
         self._check_loss_requirements()
-        KL_ESTIMATORS.get(self.kl_estimator)
+        KL_ESTIMATORS.validate_params(self.kl_estimator, self.kl_estimator_params, KL_INPUTS)
+        if self.kl_clamp is not None and self.kl_clamp <= 0:
+            raise ConfigError(f"algorithm.kl.clamp must be > 0 (verl's low_var_kl uses 10), got {self.kl_clamp}")
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise ConfigError("algorithm.kl.coef and algorithm.entropy_coef must be >= 0")
         self._check_kl_and_entropy_settings()
@@ -268,6 +276,15 @@ class Algorithm:
         return self.kl_coef > 0 and self.kl_placement == "reward"
 
     @property
+    def kl_estimator_params(self) -> dict[str, float]:
+        """The YAML knobs of the KL estimator (today only k3's and k3+'s ``clamp``)."""
+        return {} if self.kl_clamp is None else {"clamp": self.kl_clamp}
+
+    def kl_matrix(self, logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+        """The configured per-token KL estimate k(logp, ref_logp) [B,T] (unmasked)."""
+        return KL_ESTIMATORS.call(self.kl_estimator, {"logp": logp, "ref_logp": ref_logp}, self.kl_estimator_params)
+
+    @property
     def kl_coefficient(self) -> float:
         """beta now: algorithm.kl.coef, or where the adaptive controller has moved it."""
         return self.coefficients.kl
@@ -331,7 +348,7 @@ class Algorithm:
         estimators with a ``token_rewards`` input get the per-token form; otherwise the rewards pass
         through unchanged."""
         mask = response_mask.to(old_logp.dtype)
-        kl_matrix = KL_ESTIMATORS.get(self.kl_estimator)(old_logp, ref_logp) * mask
+        kl_matrix = self.kl_matrix(old_logp, ref_logp) * mask
         per_response = sequence_kl(kl_matrix, mask)
         if not self.kl_in_reward:
             return rewards, None, per_response
@@ -384,6 +401,7 @@ class Algorithm:
         old_values: torch.Tensor | None = None,
         returns: torch.Tensor | None = None,
         prox_logp: torch.Tensor | None = None,
+        sampling_logp: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """The scalar loss of one (micro-)batch and its metrics.
 
@@ -391,7 +409,10 @@ class Algorithm:
         so that micro-batch losses add up to the full-batch loss. ``token_weights`` (e.g. the
         top-entropy mask) multiplies the policy-loss matrix only, before aggregation. With a critic,
         ``values`` (with gradient), ``old_values`` (the sampling policy's) and ``returns`` give the
-        value loss.
+        value loss. ``sampling_logp`` (the rollout engine's log-probs of the sampled tokens, [B,T])
+        weights the policy-loss matrix by truncated importance weights when
+        algorithm.sampling_correction is set (sampling_correction.py); without it, or with
+        sampling_logp=None (the HF engine: sampler = trainer), nothing changes.
         """
         mask = response_mask.to(logp.dtype)
         inputs = {"logp": logp, "old_logp": old_logp, "advantages": advantages, "response_mask": mask,
@@ -405,14 +426,22 @@ class Algorithm:
         loss_matrix, metrics = POLICY_LOSSES.call(self.loss.name, inputs, self.loss.params)
         if token_weights is not None:
             loss_matrix = loss_matrix * token_weights
+        metrics = dict(metrics)
+        if self.sampling_correction is not None:
+            sampler_weights = self.sampling_correction.weights(old_logp, sampling_logp)
+            if sampler_weights is not None:
+                loss_matrix = loss_matrix * sampler_weights
+                metrics["sampling_weight_mean"] = masked_mean(sampler_weights, mask).item()
+                metrics["sampling_weight_capped_fraction"] = masked_mean(
+                    (sampler_weights >= self.sampling_correction.cap).to(mask.dtype), mask
+                ).item()
         policy_loss = self.aggregate(loss_matrix, mask, norms)
         total = policy_loss
-        metrics = dict(metrics)
         metrics["policy_loss"] = policy_loss.item()
         if self.kl_in_loss:
             if ref_logp is None:
                 raise ValueError("the KL term needs reference log-probs")
-            kl_matrix = KL_ESTIMATORS.get(self.kl_estimator)(logp, ref_logp) * mask
+            kl_matrix = self.kl_matrix(logp, ref_logp) * mask
             kl_value = self.aggregate(kl_matrix, mask, norms)
             total = total + self.kl_coefficient * kl_value
             metrics["kl"] = kl_value.item()

@@ -110,6 +110,21 @@ def _count(fraction: float, total: int | float) -> int:
     return int(fraction * total + 1e-9)
 
 
+def covariance_selection_count(fraction: float, valid_tokens: int) -> int:
+    """How many tokens Clip-Cov / KL-Cov act on (Cui et al. 2025, arXiv:2505.22617, sec. 4):
+
+        k = max(1, floor(fraction * N_valid))   if fraction > 0 and N_valid > 0,   else 0
+
+    The paper's ratio is a fraction of the batch's tokens; at its 2e-4 floor() alone gives 0 for
+    any batch under 5,000 tokens, which would make both losses identical to their base loss. The
+    authors' released code (and verl's ``compute_policy_loss_clip_cov`` / ``_kl_cov``) takes
+    max(1, ...), so at least one token is selected whenever any is eligible; fraction = 0 turns
+    the selection off."""
+    if fraction <= 0 or valid_tokens <= 0:
+        return 0
+    return max(1, _count(fraction, valid_tokens))
+
+
 def _top_k_mask(scores: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
     """Bool mask of the k highest ``scores`` among ``candidates`` (ties: lower flat index first)."""
     chosen = torch.zeros(scores.numel(), dtype=torch.bool, device=scores.device)
@@ -527,11 +542,12 @@ def clip_cov_loss(
     clip_cov_ub: float = 5.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning
-    Language Models", arXiv:2505.22617; anchors §2.2).
+    Language Models", arXiv:2505.22617, sec. 4).
 
         Cov_t = (A_t - mean A)(logp_t - mean logp)                 (valid tokens, no gradient)
         candidates = valid tokens not clipped by PPO with clip_cov_lb < Cov_t < clip_cov_ub
-        S = floor(clip_cov_ratio * N_valid) candidates (fewer if there are fewer candidates)
+        S = max(1, floor(clip_cov_ratio * N_valid)) candidates (fewer if there are fewer
+            candidates; none if clip_cov_ratio = 0), see covariance_selection_count
         l_t = sg(ppo_clip_t) for t in S,   ppo_clip_t otherwise
     The selected tokens keep their loss value but get zero gradient (the paper "detaches" them).
     Selection: uniformly at random from ``generator`` when the trainer passes one (reproducible
@@ -546,7 +562,7 @@ def clip_cov_loss(
     valid = mask > 0
     cov = _covariance(advantages, logp, mask)
     candidates = valid & ~is_clipped & (cov > clip_cov_lb) & (cov < clip_cov_ub)
-    k = _count(clip_cov_ratio, valid.sum().item())
+    k = covariance_selection_count(clip_cov_ratio, int(valid.sum().item()))
     selected = _random_k_mask(candidates, k, generator) if generator is not None else _top_k_mask(cov, candidates, k)
     loss = torch.where(selected, loss.detach(), loss)
     metrics = _ppo_metrics(lr, ratio, is_clipped, mask)
@@ -564,9 +580,10 @@ def kl_cov_loss(
     ppo_kl_coef: float = 0.1,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """KL-Cov (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning
-    Language Models", arXiv:2505.22617; anchors §2.2).
+    Language Models", arXiv:2505.22617, sec. 4).
 
-        Cov_t as in clip_cov;  S = the floor(kl_cov_ratio * N_valid) valid tokens of largest Cov
+        Cov_t as in clip_cov;  S = the max(1, floor(kl_cov_ratio * N_valid)) valid tokens of largest
+            Cov (none if kl_cov_ratio = 0), see covariance_selection_count
         l_t = -A_t rho_t + ppo_kl_coef |logp_t - old_logp_t| [t in S]      (no ratio clipping)
     Deterministic (top-k, ties by position). The penalty's gradient is 0 at rho = 1.
     Metrics: approx_kl, ratio_mean, kl_cov_fraction.
@@ -575,7 +592,9 @@ def kl_cov_loss(
     ratio = torch.exp(lr)
     mask = response_mask.to(ratio.dtype)
     valid = mask > 0
-    selected = _top_k_mask(_covariance(advantages, logp, mask), valid, _count(kl_cov_ratio, valid.sum().item()))
+    selected = _top_k_mask(
+        _covariance(advantages, logp, mask), valid, covariance_selection_count(kl_cov_ratio, int(valid.sum().item()))
+    )
     loss = -advantages * ratio + ppo_kl_coef * lr.abs() * selected
     return loss * mask, _ratio_metrics(lr, ratio, mask, kl_cov_fraction=selected)
 
