@@ -36,7 +36,7 @@ from rlbench.algorithm.losses import LOSS_REQUIREMENTS, masked_mean
 from rlbench.algorithm.sampling_correction import SamplingCorrection
 from rlbench.algorithm.schedules import SFPOSettings, TRPOSettings, schedule_from_config
 from rlbench.algorithm.registry import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
-from rlbench.reward.shaping import apply_shaping, check_shapers
+from rlbench.algorithm.shaping import apply_shaping, check_shapers
 from rlbench.errors import ConfigError
 
 # Every input name a piece may declare (documented in the pieces' modules) ...
@@ -333,7 +333,7 @@ class Algorithm:
 
     def shape_rewards(self, rewards: torch.Tensor, inputs: Mapping[str, Any]) -> torch.Tensor:
         """The reward after the algorithm's reward shaping ([B]; ``rewards`` itself without any).
-        ``inputs``: the trainer's shaping inputs (rlbench/reward/shaping.py)."""
+        ``inputs``: the trainer's shaping inputs (rlbench/algorithm/shaping.py)."""
         if not self.reward_shaping:
             return rewards
         return apply_shaping(rewards, [(s.name, s.params) for s in self.reward_shaping], inputs)
