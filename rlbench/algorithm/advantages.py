@@ -258,7 +258,7 @@ def rloo_advantage(rewards: torch.Tensor, group_index: torch.Tensor, response_ma
     return _broadcast(advantage.float(), response_mask)
 
 
-@ADVANTAGES.register("reinforce_pp")
+@ADVANTAGES.register("reinforce_pp", advantage_level="token")
 def reinforce_pp_advantage(
     rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -549,7 +549,7 @@ def _entropy_shaped_rewards(
     return torch.where(success, outcome_weight * values + bonus, -outcome_weight - bonus)
 
 
-@ADVANTAGES.register("gtpo")
+@ADVANTAGES.register("gtpo", advantage_level="token")
 def gtpo_advantage(
     rewards: torch.Tensor,
     group_index: torch.Tensor,
@@ -821,7 +821,7 @@ def _gae(
     return _backward_gae(per_token, values, _valid(response_mask), gamma, lam)
 
 
-@ADVANTAGES.register("gae")
+@ADVANTAGES.register("gae", advantage_level="token")
 def gae_advantage(
     rewards: torch.Tensor,
     values: torch.Tensor,

@@ -32,28 +32,16 @@ from rlbench.algorithm.kl import KL_PLACEMENTS, AdaptiveKL, kl_penalised_rewards
 from rlbench.algorithm import losses as _losses  # noqa: F401
 from rlbench.algorithm.advantages import value_loss
 from rlbench.algorithm.critic import CRITIC_ADVANTAGE, CriticSettings
-from rlbench.algorithm.losses import LOSS_REQUIREMENTS, masked_mean
+from rlbench.algorithm.losses import masked_mean
 from rlbench.algorithm.sampling_correction import SamplingCorrection
 from rlbench.algorithm.schedules import SFPOSettings, TRPOSettings, schedule_from_config
 from rlbench.algorithm.registry import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from rlbench.algorithm.shaping import apply_shaping, check_shapers
 from rlbench.errors import ConfigError
 
-# Every input name a piece may declare (documented in the pieces' modules) ...
-ADVANTAGE_INPUTS = {
-    "rewards", "group_index", "response_mask", "entropy", "old_logp", "values", "baseline_rewards",
-    "token_rewards", "tracker_baseline", "answer_keys", "diversity", "correct", "max_length",
-}
-LOSS_INPUTS = {
-    "logp", "old_logp", "advantages", "response_mask", "entropy", "ref_logp", "progress", "sampling_logp",
-    "prox_logp", "control_mask", "generator",
-}
-KL_INPUTS = {"logp", "ref_logp"}
-AGGREGATION_INPUTS = {"loss_matrix", "response_mask", "batch_tokens", "batch_sequences", "norm_length"}
-# ... and the ones this trainer provides today. A piece that requires an input outside these sets is
-# refused when the configuration is validated, with a message naming the piece and the input.
-# Estimators whose advantage varies along a response (the rest give one value per response).
-TOKEN_LEVEL_ADVANTAGES = {"reinforce_pp", "gae", "gtpo"}
+# Of the inputs each registry lists (registry.py), the ones this trainer provides today. A piece that
+# requires an input outside these sets is refused when the configuration is validated, with a
+# message naming the piece and the input.
 # ("values" comes from the value head when algorithm.critic is set; "prox_logp" from an EWMA copy of
 # the weights, kept only when the loss reads it.)
 PROVIDED_ADVANTAGE_INPUTS = {
@@ -155,8 +143,8 @@ class Algorithm:
         return algorithm
 
     def validate(self) -> None:
-        ADVANTAGES.validate_params(self.advantage.name, self.advantage.params, ADVANTAGE_INPUTS)
-        POLICY_LOSSES.validate_params(self.loss.name, self.loss.params, LOSS_INPUTS)
+        ADVANTAGES.validate_params(self.advantage.name, self.advantage.params)
+        POLICY_LOSSES.validate_params(self.loss.name, self.loss.params)
         self._check_critic_and_schedule()
         provided_loss_inputs = PROVIDED_LOSS_INPUTS | ({"ref_logp"} if self.kl_coef > 0 else set())
         provided_advantage_inputs = PROVIDED_ADVANTAGE_INPUTS | ({"values"} if self.critic else set())
@@ -170,10 +158,10 @@ class Algorithm:
                     f"{registry.kind} '{piece.name}' needs {missing}, which this trainer does not provide "
                     f"(it provides {sorted(provided)}); pick another algorithm/{'advantage' if registry is ADVANTAGES else 'loss'}"
                 )
-        AGGREGATIONS.validate_params(self.aggregation.name, self.aggregation.params, AGGREGATION_INPUTS)
+        AGGREGATIONS.validate_params(self.aggregation.name, self.aggregation.params)
         check_shapers([(s.name, s.params) for s in self.reward_shaping])
         self._check_loss_requirements()
-        KL_ESTIMATORS.validate_params(self.kl_estimator, self.kl_estimator_params, KL_INPUTS)
+        KL_ESTIMATORS.validate_params(self.kl_estimator, self.kl_estimator_params)
         if self.kl_clamp is not None and self.kl_clamp <= 0:
             raise ConfigError(f"algorithm.kl.clamp must be > 0 (verl's low_var_kl uses 10), got {self.kl_clamp}")
         if self.kl_coef < 0 or self.entropy_coef < 0:
@@ -237,15 +225,16 @@ class Algorithm:
                 raise ConfigError(f"algorithm.update.proximal_decay must be in [0, 1), got {self.proximal_decay}")
 
     def _check_loss_requirements(self) -> None:
-        """Refuse compositions the loss is undefined or unfaithful under (LOSS_REQUIREMENTS)."""
-        requirement = LOSS_REQUIREMENTS.get(self.loss.name) or {}
-        conflicts = " ".join(requirement.get("conflicts", ()))
-        wanted = requirement.get("aggregation")
+        """Refuse compositions the loss is undefined or unfaithful under (the Needs it declared at
+        registration: required aggregation, one advantage per response)."""
+        needs = POLICY_LOSSES.needs(self.loss.name)
+        conflicts = " ".join(needs.conflicts)
+        wanted = needs.aggregation
         if wanted and self.aggregation.name != wanted:
             raise ConfigError(
                 f"loss '{self.loss.name}' needs algorithm/aggregation={wanted}, got '{self.aggregation.name}' ({conflicts})"
             )
-        if requirement.get("advantage_level") == "sequence" and self.advantage.name in TOKEN_LEVEL_ADVANTAGES:
+        if needs.advantage_level == "sequence" and ADVANTAGES.needs(self.advantage.name).token_level_advantage:
             raise ConfigError(
                 f"loss '{self.loss.name}' needs one advantage per response, but advantage '{self.advantage.name}' "
                 f"is token-level ({conflicts})"

@@ -25,8 +25,9 @@ Every loss returns (loss_matrix [B,T], metrics): the matrix is zero on padding, 
 floats (masked token means of this micro-batch unless stated). Log-ratios are clamped to +-20
 before exponentiation (``log_ratio``), so every ratio is finite.
 
-LOSS_REQUIREMENTS (bottom of the section "requirements") lists the composition constraints the
-config validator enforces, e.g. that gspo's matrix only gives the paper's objective under
+Each loss declares the composition constraints the config validator enforces where it is
+registered (``POLICY_LOSSES.register(name, aggregation=..., advantage_level=..., ...)``, see
+registry.Needs), e.g. that gspo's matrix only gives the paper's objective under
 ``seq_mean_token_mean`` aggregation.
 """
 
@@ -269,7 +270,7 @@ def _gradient_preserving_clip(
     return loss, is_clipped
 
 
-@POLICY_LOSSES.register("ce_gppo")
+@POLICY_LOSSES.register("ce_gppo", paper_aggregation="token_mean")
 def ce_gppo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -357,7 +358,7 @@ def aepo_loss(
     return loss * mask, _ppo_metrics(lr, torch.exp(lr), is_clipped, mask)
 
 
-@POLICY_LOSSES.register("hapo")
+@POLICY_LOSSES.register("hapo", paper_aggregation="token_mean")
 def hapo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -486,7 +487,15 @@ def dppo_loss(
     return loss * keep * mask, metrics
 
 
-@POLICY_LOSSES.register("degrpo")
+@POLICY_LOSSES.register(
+    "degrpo",
+    aggregation="seq_mean_token_sum",
+    paper_aggregation="seq_mean_token_sum",
+    conflicts=(
+        "aggregation other than seq_mean_token_sum: the matrix is already normalised per "
+        "response (alpha/|C_i| on control tokens, 1/|R_i| on the rest)",
+    ),
+)
 def degrpo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -506,7 +515,7 @@ def degrpo_loss(
         L = (1/N_seq) sum_i [ alpha mean_{t in C_i} l_t + mean_{t in R_i} l_t ]
 
     returned as the matrix  l_t (alpha [t in C_i] / |C_i| + [t in R_i] / |R_i|), so the preset
-    MUST aggregate with ``seq_mean_token_sum`` (LOSS_REQUIREMENTS). The control token's
+    MUST aggregate with ``seq_mean_token_sum`` (declared at registration). The control token's
     gradient is alpha A grad logp at ratio 1, independent of the response length (plain GRPO
     dilutes it by 1/|o_i|). Deviation: the released code token-means the response part over the
     whole batch (sum_{i,t in R} l / sum_i |R_i|) instead of per response; the two agree when all
@@ -627,7 +636,18 @@ def _gspo(
     return loss * mask, _ppo_metrics(lr, ratio, is_clipped, mask)
 
 
-@POLICY_LOSSES.register("gspo")
+@POLICY_LOSSES.register(
+    "gspo",
+    aggregation="seq_mean_token_mean",
+    paper_aggregation="seq_mean_token_mean",
+    advantage_level="sequence",
+    ratio_level="sequence",
+    conflicts=(
+        "aggregation other than seq_mean_token_mean: each token carries its sequence's loss, so "
+        "token_mean/seq_mean_token_sum would weight sequences by length",
+        "token-level advantages: GSPO uses one advantage per response (use gspo_token)",
+    ),
+)
 def gspo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -645,13 +665,13 @@ def gspo_loss(
 
     Every valid token of response i carries l_i = -min(...), so ``seq_mean_token_mean``
     aggregation returns (1/N_seq) sum_i l_i = -J: the preset MUST use it, with sequence-level
-    advantages (LOSS_REQUIREMENTS). Clipping removes whole sequences. Metrics: as ppo_clip, with
+    advantages (declared at registration). Clipping removes whole sequences. Metrics: as ppo_clip, with
     s_i as the ratio (clip_fraction counts the tokens of clipped sequences).
     """
     return _gspo(logp, old_logp, advantages, response_mask, clip_low, clip_high, token_level=False)
 
 
-@POLICY_LOSSES.register("gspo_token")
+@POLICY_LOSSES.register("gspo_token", paper_aggregation="seq_mean_token_mean")
 def gspo_token_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -673,7 +693,17 @@ def gspo_token_loss(
     return _gspo(logp, old_logp, advantages, response_mask, clip_low, clip_high, token_level=True)
 
 
-@POLICY_LOSSES.register("gmpo")
+@POLICY_LOSSES.register(
+    "gmpo",
+    aggregation="seq_mean_token_mean",
+    paper_aggregation="seq_mean_token_mean",
+    advantage_level="sequence",
+    ratio_level="sequence",
+    conflicts=(
+        "aggregation other than seq_mean_token_mean: each token carries its sequence's loss",
+        "token-level advantages: GMPO's geometric mean uses one advantage per response",
+    ),
+)
 def gmpo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -690,7 +720,7 @@ def gmpo_loss(
         c_t = min(log rho_t, e_h) if A_i > 0,   max(log rho_t, -e_l) if A_i < 0   (sign-aware clip)
     clip_low/clip_high are bounds on the LOG-ratio. A_i = per-sequence mean of the advantages.
     Every valid token of response i carries -J_i, so the preset MUST aggregate with
-    ``seq_mean_token_mean`` and use sequence-level advantages (LOSS_REQUIREMENTS), giving the
+    ``seq_mean_token_mean`` and use sequence-level advantages (declared at registration), giving the
     paper's (1/G) sum_i -J_i. Clipped tokens drop out of the gradient.
     Metrics: approx_kl, ratio_mean (sequence ratios), clip_fraction (clipped tokens).
     """
@@ -709,7 +739,7 @@ def gmpo_loss(
 # --------------------------------------------------------------------------------------------
 
 
-@POLICY_LOSSES.register("sapo")
+@POLICY_LOSSES.register("sapo", paper_aggregation="seq_mean_token_mean")
 def sapo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -763,7 +793,7 @@ def spo_simple_loss(
     return -objective * mask, _ratio_metrics(lr, ratio, mask, outside_fraction=(ratio - 1.0).abs() > eps)
 
 
-@POLICY_LOSSES.register("m2po")
+@POLICY_LOSSES.register("m2po", paper_aggregation="token_mean")
 def m2po_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -870,6 +900,13 @@ def reinforce_loss(
     return _weighted_reinforce(logp, advantages) * mask, {}
 
 
+#: Why CISPO refuses a sequence-level importance ratio.
+CISPO_TOKEN_RATIO_ONLY = (
+    "sequence-level importance ratio: CISPO clips a per-token IS weight that multiplies "
+    "that token's logp gradient; a sequence ratio has no per-token weight to clip (undefined)",
+)
+
+
 def _cispo(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -887,7 +924,9 @@ def _cispo(
     return _weighted_reinforce(logp, advantages, weight) * mask, metrics
 
 
-@POLICY_LOSSES.register("cispo_upper")
+@POLICY_LOSSES.register(
+    "cispo_upper", ratio_level="token", paper_aggregation="token_mean", conflicts=CISPO_TOKEN_RATIO_ONLY
+)
 def cispo_upper_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -910,7 +949,9 @@ def cispo_upper_loss(
     return _cispo(logp, old_logp, advantages, response_mask, None, ratio_max)
 
 
-@POLICY_LOSSES.register("cispo_two_sided")
+@POLICY_LOSSES.register(
+    "cispo_two_sided", ratio_level="token", paper_aggregation="token_mean", conflicts=CISPO_TOKEN_RATIO_ONLY
+)
 def cispo_two_sided_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -968,7 +1009,7 @@ def _regularised_reinforce(
     return loss * mask, _ratio_metrics(lr, ratio, mask, masked_fraction=~keep)
 
 
-@POLICY_LOSSES.register("rec")
+@POLICY_LOSSES.register("rec", paper_aggregation="seq_mean_token_sum")
 def rec_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -1036,82 +1077,3 @@ def asymre_loss(
     Metrics: as rec.
     """
     return _regularised_reinforce(logp, old_logp, advantages, response_mask, baseline_shift=baseline_shift)
-
-
-# --------------------------------------------------------------------------------------------
-# requirements: composition constraints the config validator enforces
-# --------------------------------------------------------------------------------------------
-
-#: Per loss name, the constraints a run config must satisfy (keys are optional):
-#:   aggregation      the only aggregation (AGGREGATIONS name) under which the loss matrix gives
-#:                    the paper's objective; any other is a config error
-#:   advantage_level  "sequence": advantages must be constant over each response's tokens; an
-#:                    estimator or modifier producing token-level advantages is a conflict
-#:   ratio_level      "token" | "sequence": the level at which the loss forms its importance ratio;
-#:                    a config that asks for the other level (e.g. a TRL-style
-#:                    importance_sampling_level=sequence) is a conflict
-#:   conflicts        human-readable reasons, for the validator's error message
-LOSS_REQUIREMENTS: dict[str, dict] = {
-    "gspo": {
-        "aggregation": "seq_mean_token_mean",
-        "advantage_level": "sequence",
-        "ratio_level": "sequence",
-        "conflicts": (
-            "aggregation other than seq_mean_token_mean: each token carries its sequence's loss, so "
-            "token_mean/seq_mean_token_sum would weight sequences by length",
-            "token-level advantages: GSPO uses one advantage per response (use gspo_token)",
-        ),
-    },
-    "gmpo": {
-        "aggregation": "seq_mean_token_mean",
-        "advantage_level": "sequence",
-        "ratio_level": "sequence",
-        "conflicts": (
-            "aggregation other than seq_mean_token_mean: each token carries its sequence's loss",
-            "token-level advantages: GMPO's geometric mean uses one advantage per response",
-        ),
-    },
-    "degrpo": {
-        "aggregation": "seq_mean_token_sum",
-        "conflicts": (
-            "aggregation other than seq_mean_token_sum: the matrix is already normalised per "
-            "response (alpha/|C_i| on control tokens, 1/|R_i| on the rest)",
-        ),
-    },
-    "cispo_upper": {
-        "ratio_level": "token",
-        "conflicts": (
-            "sequence-level importance ratio: CISPO clips a per-token IS weight that multiplies "
-            "that token's logp gradient; a sequence ratio has no per-token weight to clip (undefined)",
-        ),
-    },
-    "cispo_two_sided": {
-        "ratio_level": "token",
-        "conflicts": (
-            "sequence-level importance ratio: CISPO clips a per-token IS weight that multiplies "
-            "that token's logp gradient; a sequence ratio has no per-token weight to clip (undefined)",
-        ),
-    },
-}
-
-#: Advisory (not enforced): the aggregation each paper / reference implementation uses.
-PAPER_AGGREGATION: dict[str, str] = {
-    "gspo": "seq_mean_token_mean",
-    "gspo_token": "seq_mean_token_mean",
-    "gmpo": "seq_mean_token_mean",
-    "sapo": "seq_mean_token_mean",
-    "degrpo": "seq_mean_token_sum",
-    "cispo_upper": "token_mean",
-    "cispo_two_sided": "token_mean",
-    "m2po": "token_mean",
-    "hapo": "token_mean",
-    "ce_gppo": "token_mean",
-    "rec": "seq_mean_token_sum",
-}
-
-# Each loss function of this module carries its required aggregation (None: any) as
-# REQUIRED_AGGREGATION, mirroring LOSS_REQUIREMENTS.
-for _name in POLICY_LOSSES.names():
-    _fn = POLICY_LOSSES.get(_name)
-    if getattr(_fn, "__module__", None) == __name__:
-        _fn.REQUIRED_AGGREGATION = LOSS_REQUIREMENTS.get(_name, {}).get("aggregation")

@@ -26,10 +26,9 @@ import torch
 from rlbench.algorithm.registry import Registry
 from rlbench.errors import ConfigError
 
-REWARD_SHAPING = Registry("reward shaping")
-SHAPING_INPUTS = {
+REWARD_SHAPING = Registry("reward shaping", inputs=frozenset({
     "response_lengths", "finished", "max_length", "correct", "group_index", "response_texts", "first_tokens",
-}
+}))
 #: Functions whose value is the paper's whole reward rather than a term on top of the grader's.
 REPLACES_OUTCOME = {"cosine_length", "thinkless_mode"}
 
@@ -180,7 +179,7 @@ def check_shapers(shapers: Sequence[tuple[str, Mapping[str, Any]]]) -> None:
         "first_tokens": [""],
     }
     for name, params in shapers:
-        REWARD_SHAPING.validate_params(name, params, SHAPING_INPUTS)
+        REWARD_SHAPING.validate_params(name, params)
         try:
             REWARD_SHAPING.call(name, probe, params)
         except (ValueError, TypeError) as err:
