@@ -1,4 +1,4 @@
-"""Closed-form checks of the policy-loss zoo (rlbench/algorithm/losses.py) on hand-built tensors.
+"""Closed-form checks of the policy-loss zoo (rlbench/algorithm/losses/) on hand-built tensors.
 
 Conventions: old_logp = -1 everywhere unless stated, logp = old_logp + log(rho) so each token's
 ratio is the number written in the comment; gradients are d(sum of the loss matrix)/d logp

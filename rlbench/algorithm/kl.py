@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from rlbench.algorithm.advantages import _last_token_rewards
+from rlbench.algorithm.advantages.common import _last_token_rewards
 from rlbench.algorithm.registry import KL_ESTIMATORS
 from rlbench.errors import ConfigError
 
