@@ -250,3 +250,19 @@ def test_kl_clamp_must_be_positive():
 def test_new_estimators_are_selectable(estimator):
     algorithm = Algorithm.from_config(_cfg(kl={"coef": 0.1, "estimator": estimator}))
     assert algorithm.kl_matrix(torch.zeros(1, 1), torch.zeros(1, 1)).item() == 0.0
+
+
+def test_the_trainer_batch_carries_the_sampler_logprobs():
+    from rlbench.rollout.base import Completion
+    from rlbench.trainer import collate
+
+    batch = collate([[Completion(0, (1, 2), [3, 4, 5], [-0.5, -1.0, -1.5], True), Completion(0, (1,), [6], [-2.0], True)]], 0)
+    assert batch.sampling_logp.tolist() == [[-0.5, -1.0, -1.5], [-2.0, 0.0, 0.0]]  # zero on padding
+    assert batch.select(torch.tensor([1])).sampling_logp.tolist() == [[-2.0]]
+
+
+def test_every_aggregation_has_a_yaml():
+    from pathlib import Path
+
+    directory = Path(__file__).resolve().parents[1] / "conf" / "algorithm" / "aggregation"
+    assert sorted(p.stem for p in directory.glob("*.yaml")) == AGGREGATIONS.names()

@@ -4,16 +4,19 @@
 below are the whole objective, read top to bottom:
 
     rewards    = shape(outcome) [- kl_coef * sum_t kl(old_logp, ref_logp)   (kl.placement=reward)]
-    advantages = advantage_estimator(rewards, groups)                        (H4)
-    loss       = aggregate(token_mask * policy_loss(logp, old_logp, A))      (H6)
+    advantages = advantage_estimator(rewards, groups)
+    loss       = aggregate(token_mask * w * policy_loss(logp, old_logp, A))
                + kl_coef * aggregate(kl(logp, ref_logp))                    (kl.placement=loss)
                - entropy_coef * aggregate(H)
                + critic.coef * aggregate(value_loss(V, V_old, R))            (value head only)
 
 kl_coef and entropy_coef are fixed, or adapted after every step (kl.adaptive, entropy_adaptive);
-the token mask is 1, or the top-entropy-quantile mask (token_mask.top_entropy_quantile).
-``algorithm.update.schedule`` (standard | sfpo | trpo, see schedules.py) says how that loss becomes
-parameter changes.
+the token mask is 1, or the top-entropy-quantile mask (token_mask.top_entropy_quantile); w is 1,
+or the truncated importance weight between the sampling engine and the trainer
+(sampling_correction, sampling_correction.py). ``kl`` is the estimator ``kl.estimator`` (with
+``kl.clamp`` for k3 / k3+, kl.py). ``algorithm.update.schedule`` (standard | sfpo | trpo, see
+schedules.py) says how that loss becomes parameter changes. What each piece needs of the others
+(aggregation, advantage level) it declares where it is registered (registry.Needs).
 """
 
 from __future__ import annotations

@@ -11,9 +11,14 @@ weighted by the truncated ratio
 (no gradient), and l_t <- w_t l_t before aggregation. C (``cap``, default 2 as in the paper's
 experiments) bounds the variance the correction adds.
 
-``algorithm.sampling_correction: {cap: C}`` turns it on; absent (the default) it is off. It is also
-a no-op when the trainer offers no ``sampling_logp``: with the HF engine the sampler *is* the
-trainer's model, pi_sampler = pi_old, and w = 1.
+``algorithm.sampling_correction: {cap: C}`` turns it on; absent (the default) it is off, and the
+presets leave it off. With it on, a batch without ``sampling_logp`` is left unchanged (no-op). The
+trainer passes ``sampling_logp`` = each Completion's ``logprobs`` (TrainBatch.sampling_logp). With
+the HF engine the sampler *is* the trainer's model, so w = 1 up to the numerics of generation
+(tests/test_rollout.py checks its log-probs against the training forward to 1e-4): the correction
+is meant for the vLLM engine. Completion log-probs are those of the distribution actually sampled
+from, after top-p; with top_p < 1 they exceed the trainer's (untruncated) log-probs and w < 1 on
+every token, so use the correction with top_p = 1.
 """
 
 from __future__ import annotations
