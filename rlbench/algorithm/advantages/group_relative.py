@@ -157,9 +157,9 @@ def passk_advantage(
     epsilon: float = 1e-6,
     scale_by_std: bool = True,
 ) -> torch.Tensor:
-    """Max-minus-second pass@k advantage (verl's ``grpo_passk``, which cites arXiv:2503.19595; the
-    reference docs give no title). The analytic pass@k advantages of Chen et al. 2025 ("Pass@k
-    Training ...", arXiv:2508.10751) are not specified in the reference docs and are not this.
+    """Max-minus-second pass@k advantage (verl's ``grpo_passk``, which cites arXiv:2503.19595). The
+    analytic pass@k advantages of Chen et al. 2025 ("Pass@k Training ...", arXiv:2508.10751) are
+    a different method and are not this.
 
         A_i = (r_max,g - r_2nd,g) / (std_g(r) + epsilon)   for i = the first argmax of group g
         A_i = 0                                            for every other response
@@ -359,8 +359,7 @@ def drpo_advantage(
     negative_advantage: float = 1.0,
 ) -> torch.Tensor:
     """Decoupled length reward of DRPO (Li, Chen, Lin & Yang 2025, "DRPO: Efficient Reasoning via
-    Decoupled Reward Policy Optimization", arXiv:2510.04474), in the GRPO-compatible form of the
-    reference docs (methods-b M48, "recommended first implementation"):
+    Decoupled Reward Policy Optimization", arXiv:2510.04474), in a GRPO-compatible form:
 
         A_i = |P_g| w_i        for correct i   (w: ``drpo_length_weights``, normalised among the
                                                 group's correct answers only; always > 0)
@@ -373,7 +372,7 @@ def drpo_advantage(
     towards short answers; lambda -> inf gives A = 1 to every correct answer. All-wrong groups get
     -c everywhere; a singleton group gets 1 or -c. Deviation: the paper's discriminative (DisCO)
     objective with its tau-smoothed negative term is not implemented, and lambda = 0.1 is not taken
-    from the paper (the reference docs leave it to be verified).
+    from the paper (to be verified against it).
     """
     if temperature <= 0 or negative_advantage < 0:
         raise ValueError(f"drpo needs temperature > 0 and negative_advantage >= 0, got {temperature}, {negative_advantage}")

@@ -94,7 +94,7 @@ def intellect2_loss(
     (Ye et al. 2020, arXiv:1912.09729), l_t = min(ppo_l_t, -A_t delta) where A_t < 0: for A > 0
     the clipped branch (<= 1 + clip_high < delta) already wins, for A < 0 and rho > delta both
     forms give the constant -A delta (zero gradient). verl's ``clip_ratio_c`` is the same knob
-    (anchors §3.4). So this is ppo_clip with dual_clip = delta; delta < 1 + clip_high would also
+   . So this is ppo_clip with dual_clip = delta; delta < 1 + clip_high would also
     cap positive-advantage tokens and is rejected. Metrics: as ppo_clip.
     """
     if delta < 1.0 + clip_high:
@@ -141,8 +141,7 @@ def ce_gppo_loss(
     beta_high: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """CE-GPPO gradient-preserving clipping (Su et al. 2025, "CE-GPPO: Coordinating Entropy via
-    Gradient-Preserving Clipping Policy Optimization in Reinforcement Learning", arXiv:2509.20712;
-    methods-b M10).
+    Gradient-Preserving Clipping Policy Optimization in Reinforcement Learning", arXiv:2509.20712).
 
     PPO zeroes the gradient of clipped tokens; CE-GPPO gives them a bounded one (sg = stop-grad):
         A_t < 0, rho_t < 1 - e_l:  J_t = beta_low  (1 - e_l) (rho_t / sg(rho_t)) A_t
@@ -161,7 +160,7 @@ def ce_gppo_loss(
 
 
 def normalized_entropy(entropy: torch.Tensor, mask: torch.Tensor, pivot: float) -> torch.Tensor:
-    """HAPO's in-batch normalised token entropy h in [-1, 1] (arXiv:2509.16591; methods-b M11.1).
+    """HAPO's in-batch normalised token entropy h in [-1, 1] (arXiv:2509.16591).
 
         x_t = log max(H_t, 1e-6),   q = quantile_pivot(x over valid tokens)
         h_t = (x_t - q) / max_{x>q}(x - q)  if x_t > q,   (x_t - q) / |min_{x<q}(x - q)|  if x_t < q
@@ -196,7 +195,7 @@ def aepo_loss(
     entropy_pivot: float = 0.5,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """AEPO entropy-balanced policy optimisation, loss part (Dong et al. 2025, "Agentic
-    Entropy-Balanced Policy Optimization", arXiv:2510.14545; methods-a §30, methods-b M36).
+    Entropy-Balanced Policy Optimization", arXiv:2510.14545).
 
         A~_t = A_t (1 + entropy_adv_coef h_t)        h = normalized_entropy(H, pivot) in [-1, 1]
         A~_t > 0, rho_t > 1 + e_h:  l_t = -sg((1 + e_h) / rho_t) rho_t A~_t   (= -(1+e_h) A~ u_t)
@@ -204,10 +203,10 @@ def aepo_loss(
     The forward value equals ppo_clip's (with A~); the upper-clipped tokens keep the gradient
     -(1 + e_h) A~ grad logp instead of 0. This is ce_gppo's upper branch with beta_high = 1 and
     PPO's lower branch (shared helper ``_gradient_preserving_clip``). The rollout part of AEPO
-    (entropy pre-monitoring, branch penalty) is not a loss. Reading of the docs: the
+    (entropy pre-monitoring, branch penalty) is not a loss. Reading of the paper: the
     "high-entropy clipped tokens" are the upper-clipped ones (A > 0, rho > 1 + e_h); no extra
     entropy gate is applied. The in-batch entropy normalisation is HAPO's (a design choice:
-    the reference docs give no formula); entropy_adv_coef = 0 gives the plain advantage.
+    the paper gives no formula for it); entropy_adv_coef = 0 gives the plain advantage.
     Metrics: as ppo_clip.
     """
     mask = response_mask.to(logp.dtype)
@@ -233,7 +232,7 @@ def hapo_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """HAPO loss: asymmetric adaptive clipping + differential advantage redistribution (Liu et al.
     2025, "From Uniform to Heterogeneous: Tailoring Policy Optimization to Every Token's Nature",
-    arXiv:2509.16591; methods-b M11 steps 1, 4, 5, 6).
+    arXiv:2509.16591).
 
         h_t = normalized_entropy(H, entropy_pivot) in [-1, 1]
         e_l' = e_l (1 - alpha min(h_t, 0)),   e_h' = e_h (1 + alpha max(h_t, 0))
@@ -276,7 +275,7 @@ def ppo_ewma_loss(
     is_weight_max: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Decoupled PPO with a proximal policy (Hilton, Cobbe & Schulman 2021, "Batch size-invariance
-    for policy optimization", arXiv:2110.00641; methods-b M03).
+    for policy optimization", arXiv:2110.00641).
 
         w_t = sg(pi_prox / pi_old) = exp(prox_logp - old_logp)    (optionally min(w, is_weight_max))
         r_t = pi_theta / pi_prox   = exp(logp - prox_logp)
@@ -313,7 +312,7 @@ def dppo_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """D-PPO: PPO-clip with the samples that inflate the surrogate's variance dropped (Xie et al.
     2023, "Dropout Strategy in Reinforcement Learning: Limiting the Surrogate Objective Variance
-    in Policy Optimization Methods", arXiv:2310.20380; methods-b M04).
+    in Policy Optimization Methods", arXiv:2310.20380).
 
         l_t = keep_t * ppo_clip_t(rho, A, e_l, e_h)
         rule "ratio_deviation":    keep_t = |rho_t - 1| <= drop_threshold   (Sample Dropout,
@@ -321,7 +320,7 @@ def dppo_loss(
         rule "surrogate_variance": drop the floor(drop_fraction * N) valid tokens with the largest
                                    (rho_t A_t - mean(rho A))^2, i.e. the largest contributions to
                                    the empirical variance of the surrogate rho A
-    The paper's exact per-token bound is not in the reference docs (methods-b: "verify"), so
+    The paper states no exact per-token bound for this rule (verify against it), so
     "surrogate_variance" is a design stand-in built on the stated idea (Var[rho A] grows
     quadratically with the surrogate). Dropped tokens get zero loss and gradient; they still
     count in the aggregation's normaliser. At rho = 1 "ratio_deviation" drops nothing.
@@ -366,7 +365,7 @@ def degrpo_loss(
     clip_high: float = 0.2,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Decoupled GRPO, control token vs response (Fang, Ma & Wang 2025, "Thinkless: LLM Learns
-    When to Think", arXiv:2505.13379; methods-b M12).
+    When to Think", arXiv:2505.13379).
 
     With l_t = ppo_clip's per-token loss, C_i the control tokens of response i (control_mask, or
     its first response token) and R_i the other response tokens, the objective is

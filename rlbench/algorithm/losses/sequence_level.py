@@ -54,8 +54,7 @@ def gspo_loss(
     clip_low: float = 3e-4,
     clip_high: float = 4e-4,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071;
-    methods-b M08).
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071).
 
         s_i = exp( (1/|o_i|) sum_t m_it (logp_it - old_logp_it) )   (geometric mean of token ratios)
         A_i = (1/|o_i|) sum_t m_it A_it                              (the sequence advantage)
@@ -79,7 +78,7 @@ def gspo_token_loss(
     clip_high: float = 4e-4,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO-token (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071,
-    §4.3; methods-b M08).
+    §4.3).
 
         s_it = sg(s_i) * pi_theta(o_it) / sg(pi_theta(o_it)) = exp(sg(log s_i) + logp_it - sg(logp_it))
         l_it = max(-A_it s_it, -A_it clip(s_it, 1 - e_l, 1 + e_h))
@@ -110,8 +109,8 @@ def gmpo_loss(
     clip_low: float = 0.4,
     clip_high: float = 0.4,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """GMPO (Zhao et al. 2025, "Geometric-Mean Policy Optimization", arXiv:2507.20673; anchors
-    §2.2 ``geo_mean``).
+    """GMPO (Zhao et al. 2025, "Geometric-Mean Policy Optimization", arXiv:2507.20673;
+    verl's ``geo_mean``).
 
         J_i = sgn(A_i) (prod_t |min(rho_t A_i, clip(rho_t, e^-e_l, e^e_h) A_i)|)^(1/|o_i|)
             = A_i exp( (1/|o_i|) sum_t c_t ),

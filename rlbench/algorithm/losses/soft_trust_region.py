@@ -20,7 +20,7 @@ def sapo_loss(
     tau_neg: float = 1.05,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """SAPO soft gate (Gao et al. 2025, "Soft Adaptive Policy Optimization", arXiv:2511.20347;
-    anchors §2.2/§3.3, where verl and TRL agree).
+    as in verl and TRL, which agree).
 
         f(rho) = sigmoid(tau (rho - 1)) * 4 / tau,   tau = tau_pos if A_t > 0 else tau_neg
         l_t    = -f(rho_t) A_t
@@ -47,8 +47,7 @@ def spo_simple_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Simple Policy Optimization (Xie et al. 2024, "Simple Policy Optimization", arXiv:2401.16025;
-    methods-b M05).
+    """Simple Policy Optimization (Xie et al. 2024, "Simple Policy Optimization", arXiv:2401.16025).
 
         J_t = rho_t A_t - |A_t| / (2 e) (rho_t - 1)^2,   e = clip_high if A_t > 0 else clip_low
         l_t = -J_t
@@ -73,8 +72,7 @@ def m2po_loss(
     m2_threshold: float = 0.04,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """M2PO second-moment trust region, masking variant (Zheng, Zhao & Chen 2025, "Prosperity
-    before Collapse: How Far Can Off-Policy RL Reach with Stale Data on LLMs?", arXiv:2510.01161;
-    methods-a §9).
+    before Collapse: How Far Can Off-Policy RL Reach with Stale Data on LLMs?", arXiv:2510.01161).
 
         M2 = mean over unmasked valid tokens of (log rho_t)^2
         while M2 > m2_threshold: mask the token with the largest (log rho_t)^2, recompute M2
@@ -116,8 +114,7 @@ def mdpo_loss(
     step_size: float = 1.0,
     min_step_size: float = 0.01,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """On-policy MDPO (Tomar et al. 2020, "Mirror Descent Policy Optimization", arXiv:2005.09814;
-    methods-b M06).
+    """On-policy MDPO (Tomar et al. 2020, "Mirror Descent Policy Optimization", arXiv:2005.09814).
 
         t_k  = max(step_size (1 - progress), min_step_size)      (paper: t_k = 1 - k/K)
         kl_t = rho_t log rho_t - rho_t + 1                          (>= 0)

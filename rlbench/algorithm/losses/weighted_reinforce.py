@@ -71,7 +71,7 @@ def cispo_upper_loss(
     ratio_max: float = 5.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """CISPO with an upper cap only, TRL's semantics (MiniMax 2025, "MiniMax-M1: Scaling
-    Test-Time Compute Efficiently with Lightning Attention", arXiv:2506.13585; anchors §3.3).
+    Test-Time Compute Efficiently with Lightning Attention", arXiv:2506.13585).
 
         l_t = -sg(min(rho_t, ratio_max)) A_t logp_t
     ratio_max is an ABSOLUTE ratio (TRL's ``epsilon_high`` for cispo; ScaleRL, arXiv:2510.13786,
@@ -97,7 +97,7 @@ def cispo_two_sided_loss(
     clip_high: float = 0.2,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """CISPO with a two-sided clip, verl's semantics (MiniMax 2025, "MiniMax-M1: Scaling
-    Test-Time Compute Efficiently with Lightning Attention", arXiv:2506.13585; anchors §2.2).
+    Test-Time Compute Efficiently with Lightning Attention", arXiv:2506.13585).
 
         l_t = -sg(clip(rho_t, 1 - clip_low, 1 + clip_high)) A_t logp_t
     The paper's r^ = clip(r, 1 - e_low^IS, 1 + e_high^IS); it effectively leaves the lower bound
@@ -161,7 +161,7 @@ def rec_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """REC, off-policy group-relative REINFORCE (Yao et al. 2025, "Group-Relative REINFORCE Is
     Secretly an Off-Policy Algorithm: Demystifying Some Myths About GRPO and Its Friends",
-    arXiv:2509.24203; methods-b M25).
+    arXiv:2509.24203).
 
         l_t = -w_t M_t A_t logp_t + (reg_coef / 2) (logp_t - old_logp_t)^2
         M (clip_mode): none | one_side: drop A>0 & rho>1+e_h and A<0 & rho<1-e_l (the tokens PPO
@@ -169,7 +169,7 @@ def rec_loss(
         w (weighting): none -> 1 | importance -> sg(rho)
     The paper's A = R_i - mean R (no std: pair with the dr_grpo advantage) and divides by the
     batch size (seq_mean_token_sum). The "ring" mask and advantage-based weighting of the
-    paper are not implemented (their definitions are not in the reference docs). With
+    paper are not implemented (not specified precisely enough here to implement). With
     on-policy data every variant has the REINFORCE gradient. Metrics: approx_kl, ratio_mean,
     masked_fraction.
     """
@@ -188,7 +188,7 @@ def opmd_loss(
     tau: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """OPMD as regularised REINFORCE (Kimi Team 2025, "Kimi k1.5: Scaling Reinforcement Learning
-    with LLMs", arXiv:2501.12599; in the REC form of arXiv:2509.24203, methods-b M25).
+    with LLMs", arXiv:2501.12599; in the REC form of arXiv:2509.24203).
 
         l_t = -A_t logp_t + (tau / 2) (logp_t - old_logp_t)^2
     The regulariser is per token (the docs write it on log-probs without fixing token vs
@@ -207,7 +207,7 @@ def asymre_loss(
     baseline_shift: float = 0.1,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Asymmetric REINFORCE (Arnal et al. 2025, "Asymmetric REINFORCE for off-Policy Reinforcement
-    Learning: Balancing positive and negative rewards", arXiv:2506.20520; methods-b M25).
+    Learning: Balancing positive and negative rewards", arXiv:2506.20520).
 
         A'_t = R_i - (mean R - delta) = A_t + delta,    l_t = -A'_t logp_t
     A lowered baseline (delta = baseline_shift > 0) up-weights positive samples under off-policy
