@@ -53,3 +53,13 @@ def test_the_check_sees_forbidden_imports():
     modules = [module for _, module in rlbench_imports(source, "rlbench.algorithm")]
     assert modules == ["rlbench.reward.math", "rlbench.training.step", "rlbench.algorithm"]
     assert [allowed(m) for m in modules] == [False, False, True]
+
+
+@pytest.mark.parametrize("package", ["losses", "advantages"])
+def test_every_family_module_is_imported_so_its_pieces_register(package):
+    import importlib
+    import sys
+
+    importlib.import_module(f"rlbench.algorithm.{package}")
+    modules = {p.stem for p in (ALGORITHM_DIR / package).glob("*.py")} - {"__init__"}
+    assert modules and all(f"rlbench.algorithm.{package}.{m}" in sys.modules for m in modules)

@@ -38,6 +38,9 @@ public name is re-exported here.
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 from rlbench.algorithm.losses.common import LOG_RATIO_LIMIT, masked_mean, sequence_mean, log_ratio
 from rlbench.algorithm.losses.ratio_clipped import (
     ppo_clip_loss,
@@ -65,6 +68,10 @@ from rlbench.algorithm.losses.weighted_reinforce import (
     opmd_loss,
     asymre_loss,
 )
+
+# Import every family module, so that a piece in a new module registers without editing this file.
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = [
     "CISPO_TOKEN_RATIO_ONLY",
