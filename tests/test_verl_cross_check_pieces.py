@@ -266,3 +266,20 @@ def test_every_aggregation_has_a_yaml():
 
     directory = Path(__file__).resolve().parents[1] / "conf" / "algorithm" / "aggregation"
     assert sorted(p.stem for p in directory.glob("*.yaml")) == AGGREGATIONS.names()
+
+
+def test_a_loss_that_reads_sampling_logp_receives_it(monkeypatch):
+    from rlbench.algorithm.registry import Needs
+
+    seen = {}
+
+    def reads_sampler(logp, advantages, response_mask, sampling_logp):
+        seen["sampling_logp"] = sampling_logp
+        return -advantages * logp * response_mask, {}
+
+    monkeypatch.setitem(POLICY_LOSSES._functions, "reads_sampler", reads_sampler)
+    monkeypatch.setitem(POLICY_LOSSES._needs, "reads_sampler", Needs())
+    algorithm = Algorithm.from_config(_cfg(loss={"name": "reads_sampler"}))  # validation: the trainer provides it
+    sampler = torch.tensor([[-3.0, -3.0, -3.0]], dtype=F64)
+    _loss(algorithm, sampler)
+    assert seen["sampling_logp"] is sampler

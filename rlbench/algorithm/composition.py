@@ -51,7 +51,10 @@ PROVIDED_ADVANTAGE_INPUTS = {
     "rewards", "group_index", "response_mask", "entropy", "old_logp", "correct", "max_length",
     "baseline_rewards", "tracker_baseline", "answer_keys", "diversity",  # rlbench.advantage_inputs
 }
-PROVIDED_LOSS_INPUTS = {"logp", "old_logp", "advantages", "response_mask", "entropy", "progress", "prox_logp"}
+PROVIDED_LOSS_INPUTS = {
+    "logp", "old_logp", "advantages", "response_mask", "entropy", "progress", "prox_logp",
+    "sampling_logp",  # TrainBatch.sampling_logp, the rollout engine's log-probs (Completion.logprobs)
+}
 
 
 @dataclass(frozen=True)
@@ -415,6 +418,8 @@ class Algorithm:
             inputs["ref_logp"] = ref_logp
         if prox_logp is not None:
             inputs["prox_logp"] = prox_logp.detach()
+        if sampling_logp is not None:
+            inputs["sampling_logp"] = sampling_logp
         loss_matrix, metrics = POLICY_LOSSES.call(self.loss.name, inputs, self.loss.params)
         if token_weights is not None:
             loss_matrix = loss_matrix * token_weights
