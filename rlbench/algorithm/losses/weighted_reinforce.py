@@ -191,7 +191,7 @@ def opmd_loss(
     with LLMs", arXiv:2501.12599; in the REC form of arXiv:2509.24203).
 
         l_t = -A_t logp_t + (tau / 2) (logp_t - old_logp_t)^2
-    The regulariser is per token (the docs write it on log-probs without fixing token vs
+    The regulariser is per token (the papers write it on log-probs without fixing token vs
     sequence level); its gradient is 0 at theta = theta_old. = rec(reg_coef=tau).
     Metrics: as rec.
     """
