@@ -12,7 +12,9 @@ so a new piece is one function plus one YAML, with no central list to edit.
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import pkgutil
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -55,6 +57,13 @@ class Needs:
     @property
     def token_level_advantage(self) -> bool:
         return self.advantage_level == "token"
+
+
+def import_family_modules(package: str, path: list[str]) -> None:
+    """Import every module of ``package`` (its ``__path__``), so that the pieces of a new family
+    module register without an edit to the package's ``__init__``."""
+    for module in pkgutil.iter_modules(path):
+        importlib.import_module(f"{package}.{module.name}")
 
 
 class Registry:

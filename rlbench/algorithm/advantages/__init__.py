@@ -31,9 +31,6 @@ holds the shared helpers and conventions. Every public name is re-exported here.
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-
 from rlbench.algorithm.advantages.common import group_mean_std
 from rlbench.algorithm.advantages.group_relative import (
     grpo_advantage,
@@ -63,9 +60,9 @@ from rlbench.algorithm.advantages.baselines import (
 from rlbench.algorithm.advantages.entropy_shaped import edge_grpo_advantage, gtpo_advantage, grpo_s_advantage
 from rlbench.algorithm.advantages.value_based import gae_advantage, gae_returns, value_loss
 
-# Import every family module, so that a piece in a new module registers without editing this file.
-for _module in pkgutil.iter_modules(__path__):
-    importlib.import_module(f"{__name__}.{_module.name}")
+from rlbench.algorithm.registry import import_family_modules
+
+import_family_modules(__name__, __path__)  # a piece in a new module registers without editing this file
 
 __all__ = [
     "PVPOBaselineCache",

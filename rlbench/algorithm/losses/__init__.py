@@ -38,9 +38,6 @@ public name is re-exported here.
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-
 from rlbench.algorithm.losses.common import LOG_RATIO_LIMIT, masked_mean, sequence_mean, log_ratio
 from rlbench.algorithm.losses.ratio_clipped import (
     ppo_clip_loss,
@@ -69,9 +66,9 @@ from rlbench.algorithm.losses.weighted_reinforce import (
     asymre_loss,
 )
 
-# Import every family module, so that a piece in a new module registers without editing this file.
-for _module in pkgutil.iter_modules(__path__):
-    importlib.import_module(f"{__name__}.{_module.name}")
+from rlbench.algorithm.registry import import_family_modules
+
+import_family_modules(__name__, __path__)  # a piece in a new module registers without editing this file
 
 __all__ = [
     "CISPO_TOKEN_RATIO_ONLY",
