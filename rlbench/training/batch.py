@@ -29,6 +29,7 @@ class TrainBatch:
     token_weights: torch.Tensor | None = None  # [B, T] policy-loss token mask (e.g. top-entropy), None = all 1
     old_values: torch.Tensor | None = None  # [B, T] critic values of the sampling policy
     returns: torch.Tensor | None = None  # [B, T] critic regression targets
+    sampling_logp: torch.Tensor | None = None  # [B, T] the rollout engine's log-probs (Completion.logprobs)
 
     @property
     def size(self) -> int:
@@ -59,6 +60,7 @@ class TrainBatch:
             token_weights=take(self.token_weights, True),
             old_values=take(self.old_values, True),
             returns=take(self.returns, True),
+            sampling_logp=take(self.sampling_logp, True),
         )
 
 
@@ -73,6 +75,7 @@ def collate(groups: Sequence[Sequence[Completion]], pad_token_id: int, device: t
     input_ids = torch.full((B, prompt_width + response_len), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
     response_mask = torch.zeros(B, response_len)
+    sampling_logp = torch.zeros(B, response_len)
     for row, (_, c) in enumerate(flat):
         p, r = len(c.prompt_ids), len(c.response_ids)
         input_ids[row, prompt_width - p : prompt_width] = torch.tensor(c.prompt_ids, dtype=torch.long)
@@ -81,6 +84,7 @@ def collate(groups: Sequence[Sequence[Completion]], pad_token_id: int, device: t
             input_ids[row, prompt_width : prompt_width + r] = torch.tensor(c.response_ids, dtype=torch.long)
             attention_mask[row, prompt_width : prompt_width + r] = 1
             response_mask[row, :r] = 1
+            sampling_logp[row, :r] = torch.tensor(c.logprobs, dtype=sampling_logp.dtype)
     group_index = torch.tensor([g for g, _ in flat], dtype=torch.long)
     return TrainBatch(
         input_ids=input_ids.to(device),
@@ -88,6 +92,7 @@ def collate(groups: Sequence[Sequence[Completion]], pad_token_id: int, device: t
         response_mask=response_mask.to(device),
         prompt_width=prompt_width,
         group_index=group_index.to(device),
+        sampling_logp=sampling_logp.to(device),
     )
 
 

@@ -59,6 +59,7 @@ def micro_batch_loss(
         old_values=old_values,
         returns=sub.returns,
         prox_logp=prox_logp,
+        sampling_logp=sub.sampling_logp,
     )
     if out.entropy is not None:
         tokens = float(sub.response_mask.sum().item())
