@@ -342,10 +342,10 @@ def test_presets_set_their_group_size_and_an_explicit_one_wins(make_cfg, preset,
 
 @pytest.mark.parametrize("overrides,message", [
     (["algorithm=spo", "algorithm/advantage=grpo"], "rollout.n >= 2"),
-    (["algorithm=spo", "rollout.n=2", "+algorithm.dynamic_sampling.enabled=true"], "dynamic_sampling"),
-    (["algorithm=remax", "+algorithm.dynamic_sampling.enabled=true"], "needs rollout.n >= 2"),
+    (["algorithm=spo", "rollout.n=2", "algorithm.dynamic_sampling.enabled=true"], "dynamic_sampling"),
+    (["algorithm=remax", "algorithm.dynamic_sampling.enabled=true"], "needs rollout.n >= 2"),
     (["algorithm=dapo", "algorithm.dynamic_sampling.metric=acc"], "metric='acc' is unknown"),
-    (["algorithm=dapo", "+algorithm.dynamic_sampling.rounds=3"], r"no key\(s\) \['rounds'\]"),
+    (["algorithm=dapo", "+algorithm.dynamic_sampling.rounds=3"], r"unknown key 'algorithm.dynamic_sampling.rounds'"),
     (["algorithm=polychromic", "rollout.n=4"], "set_size=4"),
     (["algorithm=spo", "reward.incorrect_reward=-1"], r"\[0, 1\]"),
     (["algorithm=spo", "algorithm.tracker.rho_min=0.99"], "rho_min <= rho_max"),
