@@ -40,7 +40,7 @@ def node(cls: type, help: str = "", **metadata: Any) -> Any:
 
 @dataclass
 class AdaptiveKLConfig:
-    """Ziegler et al. 2019 (arXiv:1909.08593, section 2.2): beta <- beta (1 + clip(KL/target - 1, +-0.2) B/horizon)."""
+    """Ziegler et al. 2019 (arXiv:1909.08593): beta <- beta (1 + clip(KL/target - 1, +-0.2) B/horizon)."""
 
     target: float = knob(None, "KL (per response, summed over tokens) the controller steers towards; the paper uses 6")
     horizon: float = knob(None, "responses over which the coefficient may move by e; the paper uses 10000")
@@ -62,7 +62,7 @@ class KLConfig:
 
 @dataclass
 class AdaptiveEntropyConfig:
-    """Adaptive entropy coefficient (Skywork-OR1, arXiv:2505.22312, section 3.2; TRL's form)."""
+    """Adaptive entropy coefficient (Skywork-OR1, arXiv:2505.22312; TRL's form)."""
 
     target: float = knob(None, "mean token entropy the coefficient steers towards (required)")
     delta: float = knob(0.005, "step of the coefficient after each training step")
@@ -73,7 +73,7 @@ class AdaptiveEntropyConfig:
 
 @dataclass
 class TokenMaskConfig:
-    """Which tokens get a policy gradient (Wang et al. 2025, arXiv:2506.01939, section 4)."""
+    """Which tokens get a policy gradient (Wang et al. 2025, arXiv:2506.01939, eq. 6)."""
 
     top_entropy_quantile: Optional[float] = knob(
         None, "null: every token; q in (0, 1]: only the top-q fraction of the batch's tokens by entropy"
@@ -82,7 +82,7 @@ class TokenMaskConfig:
 
 @dataclass
 class SFPOConfig:
-    """Slow-Fast Policy Optimization settings (arXiv:2510.04072, section 3); used with schedule=sfpo."""
+    """Slow-Fast Policy Optimization settings (arXiv:2510.04072); used with schedule=sfpo."""
 
     fast_steps: int = knob(3, "K fast passes over the batch before repositioning")
     alpha: float = knob(0.8, "reposition theta~ = theta_0 + alpha (theta_K - theta_0)")
@@ -92,7 +92,7 @@ class SFPOConfig:
 
 @dataclass
 class TRPOConfig:
-    """Trust Region Policy Optimization settings (arXiv:1502.05477, section 6); used with schedule=trpo."""
+    """Trust Region Policy Optimization settings (arXiv:1502.05477); used with schedule=trpo."""
 
     max_kl: float = knob(0.01, "delta: bound on the token-mean KL(pi_old || pi_new)")
     cg_iters: int = knob(10, "conjugate-gradient iterations for F^-1 g")
@@ -136,7 +136,7 @@ class DynamicSamplingConfig:
 
 @dataclass
 class BaselineConfig:
-    """Where baseline_rewards come from (ReMax arXiv:2310.10505 section 4, PVPO arXiv:2508.21104 section 3)."""
+    """Where baseline_rewards come from (ReMax arXiv:2310.10505, PVPO arXiv:2508.21104)."""
 
     source: Optional[str] = knob(None, "greedy | reference (null: the estimator's default)")
     samples: int = knob(8, "reference-policy samples per prompt")
@@ -145,7 +145,7 @@ class BaselineConfig:
 
 @dataclass
 class TrackerConfig:
-    """SPO's per-prompt Beta tracker of the success probability (arXiv:2509.13232, section 3)."""
+    """SPO's per-prompt Beta tracker of the success probability (arXiv:2509.13232)."""
 
     rho: Optional[float] = knob(None, "fixed decay; null: adaptive between rho_min and rho_max")
     rho_min: float = knob(0.875, "lower bound of the adaptive decay")
