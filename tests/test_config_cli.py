@@ -34,6 +34,13 @@ def test_a_misspelt_key_exits_2_within_30_seconds_naming_it(tmp_path, override):
     assert not (tmp_path / "run" / "config.yaml").exists()  # stopped before the run wrote anything
 
 
+def test_a_cross_field_refusal_exits_2_and_says_where_the_value_came_from(tmp_path):
+    proc = run_cli(tmp_path, "rollout.n=1", timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "needs rollout.n >= 2" in proc.stderr
+    assert "[rollout.n set by the command-line override 'rollout.n=1']" in proc.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
     ["algorithm.kl.placement=reward", "algorithm.kl.coef=0.01"],

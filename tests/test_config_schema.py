@@ -13,7 +13,7 @@ from rlbench.algorithm.critic import CriticSettings
 from rlbench.algorithm.entropy import AdaptiveEntropy
 from rlbench.algorithm.schedules import SFPOSettings, TRPOSettings
 from rlbench.config import validate_config
-from rlbench.config.origin import ValueOrigins, composed_files, override_key
+from rlbench.config.origin import ValueOrigins, composed_files, override_key, with_origins
 from rlbench.config.schema import (
     AdaptiveEntropyConfig, AlgorithmConfig, CriticConfig, RunConfig, SFPOConfig, TRPOConfig,
 )
@@ -66,6 +66,18 @@ def test_origins_trace_a_key_to_the_last_file_that_sets_it():
     assert origins.of("algorithm.kl.placement") == "conf/config.yaml (the primary config)"
     assert origins.of("trainer.lr") == "the command-line override 'trainer.lr=1'"
     assert origins.of("no.such.key") == ""
+
+
+def test_cross_field_refusals_say_where_each_named_key_was_set(make_cfg):
+    cfg = make_cfg("experiment=smoke", "rollout.n=1")
+    origins = ValueOrigins(("experiment=smoke", "rollout.n=1"), tuple(composed_files({"experiment": "smoke"})))
+    message = "batch of trainer.prompts_per_step * rollout.n cannot be split; see rlbench/config/checks.py"
+    assert with_origins(message, cfg, origins) == (
+        f"{message} [trainer.prompts_per_step set by conf/experiment/smoke.yaml (experiment=smoke); "
+        "rollout.n set by the command-line override 'rollout.n=1']"
+    )
+    assert with_origins("x (set by y)", cfg, origins) == "x (set by y)"  # the schema walk already said
+    assert with_origins("no keys here", cfg, origins) == "no keys here"
 
 
 @pytest.mark.parametrize("override,key", [

@@ -13,6 +13,7 @@ import torch
 
 from rlbench.advantage_inputs import validate_step_options
 from rlbench.algorithm import Algorithm
+from rlbench.config.origin import ValueOrigins, with_origins
 from rlbench.config.walk import check_against_schema
 from rlbench.dataset import validate_spec
 from rlbench.errors import ConfigError
@@ -93,11 +94,19 @@ def check_reward_matches_dataset(reward: str, dataset: Any) -> None:
 
 
 def validate_config(cfg: Any) -> Algorithm:
-    """Check the whole run configuration. Returns the built Algorithm.
+    """Check the whole run configuration. Returns the built Algorithm. Every refusal says where the
+    keys it names were set (the command line, or a YAML file and its group option)."""
+    origins = ValueOrigins.from_hydra()
+    try:
+        return check_run(cfg, origins)
+    except ConfigError as err:
+        raise ConfigError(with_origins(str(err), cfg, origins)) from None
 
-    The schema walk checks every key, type, choice and bound (rlbench/config/schema.py); the
+
+def check_run(cfg: Any, origins: ValueOrigins) -> Algorithm:
+    """The schema walk checks every key, type, choice and bound (rlbench/config/schema.py); the
     checks here relate several keys, or need the registry, the files or the device."""
-    check_against_schema(cfg)
+    check_against_schema(cfg, origins)
     device = resolve_device(str(cfg.device))
     algorithm = Algorithm.from_config(cfg.algorithm)
 

@@ -7,6 +7,7 @@ to the last composed YAML file that holds it (files are read raw, with their ``@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -68,6 +69,30 @@ class ValueOrigins:
             if composed.holds(key_path):
                 return composed.describe()
         return ""
+
+
+# A dotted config key inside a message ("rollout.n", "algorithm.update.minibatches").
+DOTTED_KEY = re.compile(r"\b[a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)+")
+
+
+def with_origins(message: str, cfg: DictConfig, origins: ValueOrigins) -> str:
+    """``message`` plus where each config key it names came from (unchanged when it already says,
+    or when none of its keys can be traced)."""
+    if "(set by " in message:
+        return message
+    notes = []
+    for key in dict.fromkeys(DOTTED_KEY.findall(message)):
+        try:
+            present = OmegaConf.select(cfg, key, default=_ABSENT) is not _ABSENT
+        except Exception:  # an interpolation that resolves only inside a Hydra run
+            present = False
+        origin = origins.of(key) if present else ""
+        if origin:
+            notes.append(f"{key} set by {origin}")
+    return f"{message} [{'; '.join(notes)}]" if notes else message
+
+
+_ABSENT = object()
 
 
 def override_key(override: str) -> str | None:
