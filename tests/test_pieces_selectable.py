@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from rlbench.algorithm.schedules import SCHEDULES
 from rlbench.config import validate_config
-from rlbench.config.listing import group_options, main as list_main
+from rlbench.config.list import group_options, main as list_main
 from rlbench.config.pieces import PIECE_KINDS
 
 from conftest import CONF_DIR, ROOT

@@ -1,4 +1,4 @@
-"""``rlbench-list`` (also ``python -m rlbench.config.listing``): what each config group offers.
+"""``rlbench-list`` (also ``python -m rlbench.config.list``): what each config group offers.
 
     rlbench-list                 every conf group with its options, every registered piece with the
                                  first line of its docstring, and the update schedules
