@@ -5,6 +5,7 @@ signatures. Compose + check only: nothing is loaded."""
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import pytest
 from omegaconf import OmegaConf
@@ -15,7 +16,8 @@ from rlbench.algorithm.schedules import SFPOSettings, TRPOSettings
 from rlbench.config import validate_config
 from rlbench.config.origin import ValueOrigins, composed_files, override_key, with_origins
 from rlbench.config.schema import (
-    AdaptiveEntropyConfig, AlgorithmConfig, CriticConfig, RunConfig, SFPOConfig, TRPOConfig,
+    AdaptiveEntropyConfig, AlgorithmConfig, BaselineConfig, CriticConfig, DynamicSamplingConfig, RunConfig,
+    SFPOConfig, TRPOConfig, TrackerConfig,
 )
 from rlbench.config.walk import check_against_schema, nearest
 from rlbench.errors import ConfigError
@@ -149,6 +151,18 @@ def test_schema_blocks_match_the_settings_the_code_reads(schema, runtime):
     assert [f.name for f in dataclasses.fields(schema)] == [f.name for f in dataclasses.fields(runtime)]
     runtime_defaults = defaults(runtime)
     assert {k: v for k, v in defaults(schema).items() if k in runtime_defaults} == runtime_defaults
+
+
+def test_schema_blocks_have_the_keys_the_rollout_options_read():
+    from rlbench.advantage_inputs import BASELINE_KEYS, TRACKER_KEYS
+    from rlbench.group_sampling import DYNAMIC_SAMPLING_KEYS, FILTER_METRICS
+
+    def keys(schema):
+        return {f.name for f in dataclasses.fields(schema)}
+
+    assert keys(DynamicSamplingConfig) == DYNAMIC_SAMPLING_KEYS
+    assert keys(BaselineConfig) == BASELINE_KEYS and keys(TrackerConfig) == TRACKER_KEYS
+    assert typing.get_args(typing.get_type_hints(DynamicSamplingConfig)["metric"]) == FILTER_METRICS
 
 
 def test_the_algorithm_defaults_in_config_yaml_equal_the_schema_defaults():
