@@ -210,6 +210,8 @@ class RolloutConfig:
 
 @dataclass
 class PromptConfig:
+    """The chat messages a problem is put into."""
+
     system: Optional[str] = knob(None, "system message (null: none)")
     user: str = knob(None, "user message template; must contain {problem}")
 
