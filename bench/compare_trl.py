@@ -19,7 +19,7 @@ Each side runs ``--warmup`` untimed steps (default 1) and then ``--steps`` timed
 interleaved step by step (``O T | T O | O T | ...``: TRL's training loop drives and our steps run in its
 callback hooks, outside TRL's timed region), so that a change of load on a shared machine hits both sides
 alike; ``--schedule sequential`` runs one side after the other. A step is timed by the wall
-clock: ours around ``rlbench.runner.train_step``; TRL from ``on_step_begin`` to ``on_step_end`` (a
+clock: ours around ``rlbench.training.step.train_step``; TRL from ``on_step_begin`` to ``on_step_end`` (a
 ``TrainerCallback``), which covers generation, reward, advantages, the forward/backward pass, gradient
 clipping and the optimizer step. The split into generation and update is measured on both sides (for TRL
 by wrapping ``_generate`` and ``_generate_and_score_completions`` on the trainer instance).
@@ -87,7 +87,7 @@ def overrides(tmp_dir: str) -> list[str]:
         "dataset=arith",
         "algorithm=grpo",
         "reward=math",
-        "rollout=sampling",
+        "rollout=iid",
         "rollout.engine=hf",
         f"rollout.n={NUM_GENERATIONS}",
         f"rollout.max_new_tokens={MAX_NEW_TOKENS}",
@@ -162,7 +162,7 @@ class OursSide:
         from rlbench.algorithm import Algorithm
         from rlbench.prompting import encode_prompts
         from rlbench.rollout import make_engine
-        from rlbench.runner import make_step_context
+        from rlbench.training.step import make_step_context
         from rlbench.utils import seed_everything
 
         seed_everything(int(cfg.seed))
@@ -179,7 +179,7 @@ class OursSide:
         self.records: list[dict[str, float]] = []
 
     def step(self) -> dict[str, float]:
-        from rlbench.runner import train_step
+        from rlbench.training.step import train_step
 
         load = load_average()
         c0, t0 = time.process_time(), time.perf_counter()
@@ -205,7 +205,7 @@ class OursSide:
         """One extra step under torch.profiler (CPU); the operator table goes to a text file."""
         from torch.profiler import ProfilerActivity, profile
 
-        from rlbench.runner import train_step
+        from rlbench.training.step import train_step
 
         with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
             metrics = train_step(self.ctx, self.problems)

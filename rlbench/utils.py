@@ -23,6 +23,11 @@ def seed_everything(seed: int) -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
+# Independent random streams derived from the run seed, one per purpose (make_generator).
+STREAM_DATA_ORDER, STREAM_ROLLOUT, STREAM_EVAL, STREAM_MINIBATCH = 1, 2, 3, 4
+STREAM_GREEDY, STREAM_REFERENCE = 11, 12  # extra rollouts of advantage inputs (ReMax, PVPO)
+
+
 def make_generator(seed: int, stream: int) -> torch.Generator:
     """An independent torch generator per purpose (stream), all derived from the run seed."""
     return torch.Generator().manual_seed(seed * 1_000_003 + stream)

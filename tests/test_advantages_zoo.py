@@ -1,4 +1,4 @@
-"""Closed-form checks of the advantage-estimator zoo (rlbench/algorithm/advantages.py).
+"""Closed-form checks of the advantage-estimator zoo (rlbench/algorithm/advantages/).
 
 Every expected number below was worked out by hand; the arithmetic is in the comments. Tensors
 are tiny and built by hand: no model, no randomness except seeded fixtures.

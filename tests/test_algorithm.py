@@ -235,3 +235,22 @@ def test_registry_rejects_conflicting_registration():
     with pytest.raises(ValueError):
         ADVANTAGES.register("grpo")(lambda rewards: rewards)
     assert "ppo_clip" in POLICY_LOSSES and "k3" in KL_ESTIMATORS
+
+
+def test_token_level_advantages_are_declared_at_registration():
+    token_level = {name for name in ADVANTAGES.names() if ADVANTAGES.needs(name).token_level_advantage}
+    assert token_level == {"reinforce_pp", "gae", "gtpo"}
+
+
+def test_a_new_piece_declares_its_needs_in_one_place():
+    from rlbench.algorithm.registry import Registry
+
+    registry = Registry("test loss", inputs=frozenset({"logp"}))
+
+    @registry.register("seq_only", aggregation="seq_mean_token_mean", conflicts=("why",))
+    def seq_only(logp, scale: float = 1.0):
+        return logp * scale
+
+    assert registry.needs("seq_only").aggregation == "seq_mean_token_mean"
+    with pytest.raises(ConfigError, match=r"has no parameter\(s\) \['scal'\]; it takes: \['scale'\]"):
+        registry.validate_params("seq_only", {"scal": 2.0})

@@ -12,12 +12,13 @@ from omegaconf import OmegaConf
 
 from rlbench.algorithm.critic import CriticSettings
 from rlbench.algorithm.entropy import AdaptiveEntropy
+from rlbench.algorithm.sampling_correction import SamplingCorrection
 from rlbench.algorithm.schedules import SFPOSettings, TRPOSettings
 from rlbench.config import validate_config
 from rlbench.config.origin import ValueOrigins, composed_files, override_key, with_origins
 from rlbench.config.schema import (
     AdaptiveEntropyConfig, AlgorithmConfig, BaselineConfig, CriticConfig, DynamicSamplingConfig, RunConfig,
-    SFPOConfig, TRPOConfig, TrackerConfig,
+    SamplingCorrectionConfig, SFPOConfig, TRPOConfig, TrackerConfig,
 )
 from rlbench.config.walk import check_against_schema, nearest
 from rlbench.errors import ConfigError
@@ -118,9 +119,21 @@ def test_bad_values_are_refused_naming_the_key_and_what_is_allowed(make_cfg, ove
 
 def test_a_settings_block_for_a_schedule_that_is_not_selected_is_refused(make_cfg):
     message = refused(make_cfg("experiment=smoke", "+algorithm.update.trpo.max_kl=0.1"))
-    assert "algorithm.update.trpo" in message and "the schedule is standard" in message
-    assert "algorithm.update.schedule=trpo" in message
+    assert message.startswith("algorithm.update.trpo holds the settings of algorithm.update.schedule=trpo, "
+                              "but algorithm.update.schedule is standard; set algorithm.update.schedule=trpo")
     check_against_schema(make_cfg("algorithm=trpo", "algorithm.update.trpo.max_kl=0.1"), NO_ORIGINS)
+
+
+def test_a_settings_block_for_a_rollout_strategy_that_is_not_selected_is_refused(make_cfg):
+    message = refused(make_cfg("experiment=smoke", "+rollout.dynamic_sampling.max_rounds=3"))
+    assert "rollout.dynamic_sampling holds the settings of rollout.strategy=dynamic_sampling" in message
+    assert "but rollout.strategy is iid" in message
+    check_against_schema(make_cfg("rollout=dynamic_sampling", "rollout.dynamic_sampling.max_rounds=3"), NO_ORIGINS)
+
+
+def test_a_key_that_moved_says_where_to(make_cfg):
+    message = refused(make_cfg("experiment=smoke", "+algorithm.dynamic_sampling.enabled=true"))
+    assert message.startswith("unknown key 'algorithm.dynamic_sampling': it moved to the rollout strategy")
 
 
 def test_validate_config_runs_the_schema_walk_first(make_cfg):
@@ -141,7 +154,7 @@ def test_every_schema_field_has_a_help_string():
 
 @pytest.mark.parametrize("schema,runtime", [
     (SFPOConfig, SFPOSettings), (TRPOConfig, TRPOSettings), (CriticConfig, CriticSettings),
-    (AdaptiveEntropyConfig, AdaptiveEntropy),
+    (AdaptiveEntropyConfig, AdaptiveEntropy), (SamplingCorrectionConfig, SamplingCorrection),
 ])
 def test_schema_blocks_match_the_settings_the_code_reads(schema, runtime):
     """Same keys and the same defaults as the dataclass the algorithm builds from the block."""
@@ -154,8 +167,8 @@ def test_schema_blocks_match_the_settings_the_code_reads(schema, runtime):
 
 
 def test_schema_blocks_have_the_keys_the_rollout_options_read():
-    from rlbench.advantage_inputs import BASELINE_KEYS, TRACKER_KEYS
-    from rlbench.group_sampling import DYNAMIC_SAMPLING_KEYS, FILTER_METRICS
+    from rlbench.rollout.dynamic_sampling import FILTER_METRICS, OPTION_KEYS as DYNAMIC_SAMPLING_KEYS
+    from rlbench.training.advantage_inputs import BASELINE_KEYS, TRACKER_KEYS
 
     def keys(schema):
         return {f.name for f in dataclasses.fields(schema)}

@@ -9,8 +9,10 @@ import torch
 from rlbench.algorithm import Algorithm
 from rlbench.algorithm.critic import ValueHead, make_value_head, value_targets
 from rlbench.errors import ConfigError
-from rlbench.trainer import batch_outputs, collate, policy_update, token_outputs
-from rlbench.update import make_update_state
+from rlbench.training.batch import collate
+from rlbench.training.forward import batch_outputs, token_outputs
+from rlbench.training.update import standard_update
+from rlbench.training.update_schedules import make_update_state
 
 from test_trainer import RecordingOptimizer, completions, tiny_lm
 
@@ -125,8 +127,8 @@ def test_policy_update_trains_the_value_head_toward_the_returns():
     before = torch.nn.functional.mse_loss(batch.old_values[batch.response_mask > 0], batch.returns[batch.response_mask > 0])
     optimizer = torch.optim.SGD([*model.parameters(), *head.parameters()], lr=0.05)
     for _ in range(5):
-        stats = policy_update(model, optimizer, batch, algorithm, micro_batch_size=4, max_grad_norm=None,
-                              temperature=1.0, norm_length=6, value_head=head)
+        stats = standard_update(model, optimizer, batch, algorithm, micro_batch_size=4, max_grad_norm=None,
+                                temperature=1.0, norm_length=6, value_head=head)
     after_values = batch_outputs(model, batch, micro_batch_size=5, temperature=1.0, value_head=head).values
     after = torch.nn.functional.mse_loss(after_values[batch.response_mask > 0], batch.returns[batch.response_mask > 0])
     assert stats["value_loss"] > 0 and after < before
@@ -138,7 +140,7 @@ def test_policy_update_trains_the_value_head_toward_the_returns():
 def test_a2c_equals_ppo_with_one_epoch_and_one_full_batch():
     """A2C (REINFORCE loss -A logp, unclipped value loss) and PPO (clipped ratio, clipped value loss)
     with one epoch over one full mini-batch give the same gradient: at the first step rho = 1 and
-    V = V_old, so neither clip is active."""
+    V = V_old, so neither clip is active (PPO, arXiv:1707.06347, section 5, eq. 9)."""
     a2c = critic_algorithm(loss="reinforce", clip=None)
     ppo = critic_algorithm(loss="ppo_clip", clip=0.2, epochs=1, minibatches=1)
     base_model = tiny_lm()
@@ -149,8 +151,8 @@ def test_a2c_equals_ppo_with_one_epoch_and_one_full_batch():
     for algorithm in (a2c, ppo):
         model, head = copy.deepcopy(base_model), copy.deepcopy(base_head)
         recorder = RecordingOptimizer([*model.parameters(), *head.parameters()])
-        stats = policy_update(model, recorder, batch, algorithm, micro_batch_size=5, max_grad_norm=None,
-                              temperature=1.0, norm_length=6, value_head=head)
+        stats = standard_update(model, recorder, batch, algorithm, micro_batch_size=5, max_grad_norm=None,
+                                temperature=1.0, norm_length=6, value_head=head)
         assert stats["optimizer_steps"] == 1 and stats["value_loss"] > 0
         grads.append(recorder.steps[0])
     for a, b in zip(*grads):
@@ -172,8 +174,8 @@ def test_ppo_ratio_loss_differs_from_a2c_once_the_batch_is_reused():
         algorithm = critic_algorithm(loss=loss, clip=clip, epochs=2, minibatches=1)
         m, h = copy.deepcopy(model), copy.deepcopy(head)
         optimizer = torch.optim.SGD([*m.parameters(), *h.parameters()], lr=2.0)
-        policy_update(m, optimizer, batch, algorithm, micro_batch_size=5, max_grad_norm=None,
-                      temperature=1.0, norm_length=6, value_head=h)
+        standard_update(m, optimizer, batch, algorithm, micro_batch_size=5, max_grad_norm=None,
+                        temperature=1.0, norm_length=6, value_head=h)
         results.append(torch.nn.utils.parameters_to_vector([*m.parameters(), *h.parameters()]))
     assert not torch.allclose(results[0], results[1], atol=1e-6)
 

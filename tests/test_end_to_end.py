@@ -2,6 +2,8 @@
 
 import csv
 import json
+import logging
+import math
 import os
 import subprocess
 import sys
@@ -117,3 +119,30 @@ def test_same_seed_gives_identical_metrics_twice(tmp_path):
     other = tmp_path / "other"
     run(compose_config(["experiment=smoke", "logger=files", "trainer.save_model=false", "seed=4"], other))
     assert (other / "eval" / "samples.jsonl").read_text() != results[0][2]
+
+
+def test_a_run_whose_steps_learn_nothing_says_so(make_cfg, tmp_path, caplog):
+    """DAPO on the smoke setup: the tiny model never stops before max_new_tokens, so the overlong filter
+    masks every response. Each step is counted, the run warns once, and the statistics of the empty
+    update are NaN, not 0."""
+    cfg = make_cfg("experiment=smoke", "algorithm=dapo", "rollout.dynamic_sampling.max_rounds=1", "logger=files",
+                   "trainer.save_model=false", "eval.before_training=false", "eval.n=2", "eval.k=[1]", "eval.limit=2")
+    with caplog.at_level(logging.WARNING):
+        summary = run(cfg)
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [s["truncated_rate"] for s in steps] == [1.0, 1.0]
+    assert [s["trainable_tokens"] for s in steps] == [0.0, 0.0]
+    assert [s["steps_without_trainable_tokens"] for s in steps] == [1.0, 2.0]
+    for key in ("entropy", "ratio_mean", "clip_fraction"):
+        assert all(math.isnan(s[key]) for s in steps), key
+    assert summary["steps_without_trainable_tokens"] == 2
+    written = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert written["steps_without_trainable_tokens"] == 2
+    assert sum("no trainable token" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_run_that_learns_counts_no_untrained_step(smoke_run):
+    out, _ = smoke_run
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(s["trainable_tokens"] > 0 and s["steps_without_trainable_tokens"] == 0 for s in steps)
+    assert json.loads((out / "summary.json").read_text())["steps_without_trainable_tokens"] == 0

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import rlbench.runner as runner
+from rlbench.training.step import make_step_context
 from rlbench.algorithm import Algorithm
 from rlbench.algorithm.entropy import AdaptiveEntropy, adaptive_entropy_coefficient, top_entropy_token_mask
 from rlbench.algorithm.kl import (
@@ -113,10 +114,10 @@ def test_no_reference_model_when_the_coefficient_is_zero(make_cfg, placement):
     assert not algo.needs_sampling_pass  # nothing to compute before the advantage either
     cfg = make_cfg("experiment=smoke", f"algorithm.kl.placement={placement}")
     model = torch.nn.Linear(2, 2)
-    ctx = runner.make_step_context(cfg, Algorithm.from_config(cfg.algorithm), model, None, None, torch.device("cpu"))
+    ctx = make_step_context(cfg, Algorithm.from_config(cfg.algorithm), model, None, None, torch.device("cpu"))
     assert ctx.reference is None
     with_kl = make_cfg("experiment=smoke", "algorithm.kl.coef=0.1", f"algorithm.kl.placement={placement}")
-    ctx = runner.make_step_context(with_kl, Algorithm.from_config(with_kl.algorithm), model, None, None, "cpu")
+    ctx = make_step_context(with_kl, Algorithm.from_config(with_kl.algorithm), model, None, None, "cpu")
     assert ctx.reference is not None and ctx.reference is not model
 
 

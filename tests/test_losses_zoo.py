@@ -1,4 +1,4 @@
-"""Closed-form checks of the policy-loss zoo (rlbench/algorithm/losses.py) on hand-built tensors.
+"""Closed-form checks of the policy-loss zoo (rlbench/algorithm/losses/) on hand-built tensors.
 
 Conventions: old_logp = -1 everywhere unless stated, logp = old_logp + log(rho) so each token's
 ratio is the number written in the comment; gradients are d(sum of the loss matrix)/d logp
@@ -15,9 +15,8 @@ from omegaconf import OmegaConf
 
 from rlbench.algorithm import AGGREGATIONS, POLICY_LOSSES
 from rlbench.algorithm.aggregation import seq_mean_token_mean, seq_mean_token_sum
+from rlbench.algorithm.registry import Needs
 from rlbench.algorithm.losses import (
-    LOSS_REQUIREMENTS,
-    PAPER_AGGREGATION,
     normalized_entropy,
     ppo_clip_loss,
     sequence_mean,
@@ -101,22 +100,21 @@ def test_every_yaml_is_accepted_and_matches_the_signature_defaults(path):
         assert signature[key].default == value, f"{name}.{key}: yaml {value} != default {signature[key].default}"
 
 
-def test_loss_requirements_are_well_formed():
-    for name, requirement in LOSS_REQUIREMENTS.items():
-        assert name in POLICY_LOSSES
-        assert set(requirement) <= {"aggregation", "advantage_level", "ratio_level", "conflicts"}
-        if "aggregation" in requirement:
-            assert requirement["aggregation"] in AGGREGATIONS
-        assert requirement.get("advantage_level", "sequence") in {"sequence", "token"}
-        assert requirement.get("ratio_level", "token") in {"sequence", "token"}
-        assert requirement["conflicts"], f"{name} must say why"
-    for name in ZOO:
-        fn = POLICY_LOSSES.get(name)
-        assert fn.REQUIRED_AGGREGATION == LOSS_REQUIREMENTS.get(name, {}).get("aggregation")
-    assert LOSS_REQUIREMENTS["gspo"]["aggregation"] == "seq_mean_token_mean"
-    assert LOSS_REQUIREMENTS["gmpo"]["advantage_level"] == "sequence"
-    assert LOSS_REQUIREMENTS["cispo_upper"]["ratio_level"] == "token"
-    assert all(agg in AGGREGATIONS for agg in PAPER_AGGREGATION.values())
+def test_loss_requirements_are_declared_at_registration():
+    for name in POLICY_LOSSES.names():
+        needs = POLICY_LOSSES.needs(name)
+        for aggregation in (needs.aggregation, needs.paper_aggregation):
+            assert aggregation is None or aggregation in AGGREGATIONS, (name, aggregation)
+        if needs.aggregation or needs.ratio_level or needs.advantage_level:
+            assert needs.conflicts, f"{name} must say why"
+    assert POLICY_LOSSES.needs("gspo").aggregation == "seq_mean_token_mean"
+    assert POLICY_LOSSES.needs("gmpo").advantage_level == "sequence"
+    assert POLICY_LOSSES.needs("cispo_upper").ratio_level == "token"
+    assert POLICY_LOSSES.needs("ppo_clip") == Needs()
+    with pytest.raises(ValueError, match="must say why"):
+        Needs(aggregation="token_mean")
+    with pytest.raises(ValueError, match="must be one of"):
+        Needs(advantage_level="response")
 
 
 def test_missing_extra_input_is_a_config_error():

@@ -20,6 +20,7 @@ from rlbench.algorithm.schedules import SCHEDULES
 from rlbench.config import validate_config
 from rlbench.config.list import group_options, main as list_main
 from rlbench.config.pieces import PIECE_KINDS
+from rlbench.rollout import STRATEGIES
 
 from conftest import CONF_DIR, ROOT
 
@@ -112,6 +113,8 @@ def test_the_listing_shows_every_group_option_and_piece(capsys):
     for kind, name in registered(PIECE_KINDS):
         assert f"  {name}(" in listing
     assert "algorithm.update.schedule): standard sfpo trpo" in listing
+    for name in STRATEGIES:
+        assert f"  {name}: " in listing
 
 
 def test_the_listing_shows_the_keys_of_a_node_with_their_help(capsys):

@@ -78,7 +78,8 @@ def test_dapo_and_gspo_values(preset_cfg):
     assert dapo.loss.clip_high == pytest.approx(0.28)
     assert dapo.aggregation.name == "token_mean"
     assert dapo.kl.coef == 0
-    assert dapo.dynamic_sampling.enabled and dapo.dynamic_sampling.metric == "correct"
+    assert preset_cfg("dapo").rollout.strategy == "dynamic_sampling"
+    assert preset_cfg("dapo").rollout.dynamic_sampling.metric == "correct"
     assert dapo.overlong_filter is True
     assert not any("not implemented" in item for item in dapo.deviations)
 

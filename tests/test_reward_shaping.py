@@ -9,7 +9,7 @@ import torch
 import rlbench.runner as runner
 from rlbench.algorithm import Algorithm
 from rlbench.errors import ConfigError
-from rlbench.reward.shaping import (
+from rlbench.algorithm.shaping import (
     R1_TEMPLATE,
     apply_shaping,
     cosine_length_reward,

@@ -259,7 +259,7 @@ def test_sync_weights_switches_model(tiny):
 
 def test_make_engine_from_config(tiny):
     model, tokenizer = tiny
-    cfg = OmegaConf.load(ROOT / "conf" / "rollout" / "sampling.yaml")
+    cfg = OmegaConf.load(ROOT / "conf" / "rollout" / "iid.yaml")
     assert cfg.engine == "hf" and cfg.n == 4 and cfg.max_new_tokens == 16
     engine = make_engine(cfg, model, tokenizer)
     assert isinstance(engine, HFGenerateEngine) and engine.batch_size == cfg.batch_size

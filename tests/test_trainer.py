@@ -1,4 +1,7 @@
-"""The update step: batch layout, log-probs and exact gradient accumulation."""
+"""The update step: batch layout, log-probs, exact gradient accumulation, and steps without a trainable token."""
+
+import logging
+import math
 
 import pytest
 import torch
@@ -6,7 +9,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlbench.algorithm import Algorithm
 from rlbench.rollout.base import Completion
-from rlbench.trainer import batch_logprobs, collate, policy_update, token_logprobs
+from rlbench.training.batch import collate, mask_truncated, trainable_tokens
+from rlbench.training.forward import batch_outputs, token_outputs
+from rlbench.training.loop import UntrainedSteps
+from rlbench.training.update import UpdateMetrics, standard_update
 
 
 def tiny_lm(seed=0):
@@ -71,10 +77,11 @@ def test_collate_layout():
     assert b.group_index.tolist() == [0, 0, 1]
 
 
-def test_token_logprobs_match_unpadded_forward():
+def test_token_outputs_match_unpadded_forward():
     model = tiny_lm().eval()
     batch = collate(completions(1), pad_token_id=0)
-    logp, entropy = token_logprobs(model, batch, temperature=0.7, with_entropy=True)
+    out = token_outputs(model, batch, temperature=0.7, with_entropy=True)
+    logp, entropy = out.logp, out.entropy
     row = 0
     while batch.response_mask[row].sum() == 0:
         row += 1
@@ -95,8 +102,8 @@ def test_micro_batch_accumulation_equals_full_batch_gradient(aggregation):
         model = tiny_lm()
         batch = prepared_batch(algorithm)
         opt = RecordingOptimizer(model)
-        policy_update(model, opt, batch, algorithm, micro_batch_size=micro, max_grad_norm=None,
-                      temperature=1.0, norm_length=6)
+        standard_update(model, opt, batch, algorithm, micro_batch_size=micro, max_grad_norm=None,
+                        temperature=1.0, norm_length=6)
         grads.append(opt.steps[0])
     for other in grads[1:]:
         for a, b in zip(grads[0], other):
@@ -108,10 +115,10 @@ def test_minibatches_and_epochs_make_that_many_steps_with_stored_old_logp():
     algorithm = algo("token_mean", epochs=2, minibatches=3)
     model = tiny_lm()
     batch = prepared_batch(algorithm)
-    batch.old_logp, _ = batch_logprobs(model, batch, micro_batch_size=4, temperature=1.0)
+    batch.old_logp = batch_outputs(model, batch, micro_batch_size=4, temperature=1.0).logp
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    stats = policy_update(model, opt, batch, algorithm, micro_batch_size=2, max_grad_norm=1.0,
-                          temperature=1.0, norm_length=6, generator=torch.Generator().manual_seed(0))
+    stats = standard_update(model, opt, batch, algorithm, micro_batch_size=2, max_grad_norm=1.0,
+                            temperature=1.0, norm_length=6, generator=torch.Generator().manual_seed(0))
     assert stats["optimizer_steps"] == 6
     assert stats["ratio_mean"] != pytest.approx(1.0, abs=1e-9)  # later steps are off-policy
 
@@ -120,8 +127,8 @@ def test_one_update_needs_no_old_logprob_pass_and_has_ratio_one():
     algorithm = algo("seq_mean_token_mean")
     assert not algorithm.needs_old_logp
     model = tiny_lm()
-    stats = policy_update(model, RecordingOptimizer(model), prepared_batch(algorithm), algorithm,
-                          micro_batch_size=4, max_grad_norm=1.0, temperature=1.0, norm_length=6)
+    stats = standard_update(model, RecordingOptimizer(model), prepared_batch(algorithm), algorithm,
+                            micro_batch_size=4, max_grad_norm=1.0, temperature=1.0, norm_length=6)
     assert stats["ratio_mean"] == pytest.approx(1.0)
     assert stats["clip_fraction"] == 0.0
 
@@ -132,7 +139,8 @@ def test_shared_prompt_forward_gives_the_same_logprobs_and_gradients():
     results = []
     for share in (False, True):
         model = tiny_lm(seed=2)
-        logp, entropy = token_logprobs(model, batch, temperature=0.8, with_entropy=True, share_prompts=share)
+        out = token_outputs(model, batch, temperature=0.8, with_entropy=True, share_prompts=share)
+        logp, entropy = out.logp, out.entropy
         ((logp * batch.response_mask).sum() + (entropy * batch.response_mask).sum()).backward()
         results.append((logp * batch.response_mask, [p.grad.clone() for p in model.parameters()]))
     (logp_a, grads_a), (logp_b, grads_b) = results
@@ -146,8 +154,8 @@ def test_shared_prompt_forward_with_scattered_group_rows():
     rows = torch.tensor([7, 0, 4, 8, 1])  # groups 2, 0, 1, 2, 0 in mixed order
     sub = batch.select(rows)
     model = tiny_lm(seed=5).eval()
-    a, _ = token_logprobs(model, sub, share_prompts=False)
-    b, _ = token_logprobs(model, sub, share_prompts=True)
+    a = token_outputs(model, sub, share_prompts=False).logp
+    b = token_outputs(model, sub, share_prompts=True).logp
     assert torch.allclose(a * sub.response_mask, b * sub.response_mask, atol=1e-5)
 
 
@@ -160,7 +168,56 @@ def test_entropy_bonus_reaches_the_gradient():
         })
         model = tiny_lm()
         opt = RecordingOptimizer(model)
-        policy_update(model, opt, prepared_batch(algorithm), algorithm, micro_batch_size=4, max_grad_norm=None,
-                      temperature=1.0, norm_length=6)
+        standard_update(model, opt, prepared_batch(algorithm), algorithm, micro_batch_size=4, max_grad_norm=None,
+                        temperature=1.0, norm_length=6)
         grads.append(opt.steps[0])
     assert any(not torch.allclose(a, b) for a, b in zip(*grads))
+
+
+# ---------------------------------------------------------------- steps without trainable tokens
+
+
+def test_trainable_tokens_counts_response_tokens_the_token_mask_keeps():
+    batch = collate(completions(), pad_token_id=0)
+    assert trainable_tokens(batch) == int(batch.response_mask.sum().item())
+    batch.token_weights = torch.zeros_like(batch.response_mask)
+    batch.token_weights[0] = 1.0
+    assert trainable_tokens(batch) == int(batch.response_mask[0].sum().item())
+    truncated = mask_truncated(batch, torch.zeros(batch.size, dtype=torch.bool))
+    assert trainable_tokens(truncated) == 0
+
+
+def test_update_metrics_over_no_token_are_nan_not_zero():
+    metrics = UpdateMetrics()
+    metrics.add({"entropy": 0.0, "ratio_mean": 0.0, "policy_loss": 0.0}, tokens=0.0)
+    result = metrics.result(optimizer_steps=1)
+    assert math.isnan(result["entropy"]) and math.isnan(result["ratio_mean"])
+    assert result["policy_loss"] == 0.0  # the objective itself is 0 (no term), not a statistic
+    mixed = UpdateMetrics()
+    mixed.add({"entropy": 2.0}, tokens=3.0)
+    mixed.add({"entropy": 0.0}, tokens=0.0)  # an empty micro-batch weighs nothing
+    assert mixed.result(optimizer_steps=1)["entropy"] == pytest.approx(2.0)
+
+
+def test_update_on_a_fully_masked_batch_moves_nothing_and_reports_no_statistics():
+    algorithm = algo("token_mean")
+    model = tiny_lm()
+    batch = mask_truncated(prepared_batch(algorithm), torch.zeros(12, dtype=torch.bool))
+    before = [p.detach().clone() for p in model.parameters()]
+    stats = standard_update(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, algorithm,
+                            micro_batch_size=4, max_grad_norm=None, temperature=1.0, norm_length=6)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert stats["grad_norm"] == 0.0
+    for key in ("entropy", "ratio_mean", "clip_fraction"):
+        assert math.isnan(stats[key]), (key, stats[key])
+
+
+def test_steps_without_trainable_tokens_are_counted_and_warned_about_once(caplog):
+    untrained = UntrainedSteps()
+    with caplog.at_level(logging.WARNING, logger="rlbench.training.loop"):
+        seen = [untrained.observe(step, {"trainable_tokens": tokens, "truncated_rate": 1.0})
+                for step, tokens in enumerate([0.0, 5.0, 0.0], start=1)]
+    assert [m["steps_without_trainable_tokens"] for m in seen] == [1.0, 1.0, 2.0]
+    assert untrained.count == 2
+    warnings = [r for r in caplog.records if "no trainable token" in r.getMessage()]
+    assert len(warnings) == 1 and "step 1" in warnings[0].getMessage()

@@ -18,8 +18,16 @@ from rlbench.algorithm.schedules import (
     trust_region_scale,
 )
 from rlbench.errors import ConfigError
-from rlbench.trainer import batch_logprobs, policy_update, token_outputs
-from rlbench.update import EWMAPolicy, UpdateState, _TrustRegionProblem, make_update_state, sfpo_update, trpo_update
+from rlbench.training.forward import batch_outputs, token_outputs
+from rlbench.training.update import standard_update
+from rlbench.training.update_schedules import (
+    EWMAPolicy,
+    UpdateState,
+    _TrustRegionProblem,
+    make_update_state,
+    sfpo_update,
+    trpo_update,
+)
 
 from test_trainer import prepared_batch, tiny_lm
 
@@ -37,7 +45,7 @@ def parameters_of(model):
 
 def stored_batch(algorithm, model, seed=0):
     batch = prepared_batch(algorithm, seed)
-    batch.old_logp, _ = batch_logprobs(model, batch, micro_batch_size=5, temperature=1.0)
+    batch.old_logp = batch_outputs(model, batch, micro_batch_size=5, temperature=1.0).logp
     return batch
 
 
@@ -182,7 +190,7 @@ def run_plain(model, batch, updates, lr=0.5):
     plain = algorithm_with()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     for _ in range(updates):
-        policy_update(model, optimizer, batch, plain, **UPDATE)
+        standard_update(model, optimizer, batch, plain, **UPDATE)
 
 
 @pytest.mark.parametrize("fast_steps,alpha,plain_updates", [
@@ -287,8 +295,8 @@ def test_the_proximal_policy_follows_every_optimizer_step():
     theta_0 = parameters_of(model)
     state = make_update_state(algorithm, model)
     recorder = SteppingRecorder(model, lr=0.5)
-    policy_update(model, recorder, batch, algorithm, generator=torch.Generator().manual_seed(0),
-                  proximal=state.proximal, **UPDATE)
+    standard_update(model, recorder, batch, algorithm, generator=torch.Generator().manual_seed(0),
+                    proximal=state.proximal, **UPDATE)
     thetas = [theta_0, *recorder.after_steps]
     assert len(thetas) == 7
     coefficients = [0.5 ** (6 - k) for k in range(7)]
@@ -306,7 +314,7 @@ def test_ppo_ewma_with_the_behaviour_policy_as_proximal_equals_ppo_clip():
         model = copy.deepcopy(base)
         state = make_update_state(algorithm, model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        policy_update(model, optimizer, batch, algorithm, proximal=state.proximal, **UPDATE)
+        standard_update(model, optimizer, batch, algorithm, proximal=state.proximal, **UPDATE)
         grads.append(parameters_of(model))
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
     assert not torch.allclose(grads[0], parameters_of(base))

@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import rlbench.runner as runner
-from rlbench.advantage_inputs import (
+from rlbench.training.advantage_inputs import (
     AdvantageInputSources,
     BaselineOptions,
     GreedyBaseline,
@@ -24,16 +24,11 @@ from rlbench.algorithm import Algorithm
 from rlbench.algorithm.advantages import SPOTracker
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
-from rlbench.group_sampling import (
-    DynamicSampling,
-    GradedGroups,
-    informative_groups,
-    mask_truncated,
-    sample_informative_groups,
-)
 from rlbench.reward.math import Grade
 from rlbench.rollout.base import Completion, SamplingParams
-from rlbench.trainer import collate
+from rlbench.rollout.dynamic_sampling import DynamicSamplingOptions, informative_groups, sample_informative_groups
+from rlbench.rollout.groups import GradedGroups
+from rlbench.training.batch import collate, mask_truncated
 
 
 def graded(rewards_per_group, uids=None, prompts=None, extracted=None, finished=None):
@@ -50,7 +45,8 @@ def graded(rewards_per_group, uids=None, prompts=None, extracted=None, finished=
     flat = [r for rewards in rewards_per_group for r in rewards]
     done = torch.ones(len(flat), dtype=torch.bool) if finished is None else torch.tensor(finished)
     rewards = torch.tensor(flat)
-    return GradedGroups([Problem(uid, "q", "a") for uid in uids], groups, grades, rewards, rewards.clone(), done)
+    problems = [Problem(uid, "q", "a") for uid in uids]
+    return GradedGroups(problems, groups, grades, rewards, rewards.clone(), done, list(range(len(groups))))
 
 
 def algorithm(advantage, **params):
@@ -59,13 +55,13 @@ def algorithm(advantage, **params):
 
 
 class FakeSampler:
-    """Stands in for generate_and_grade: per-prompt rewards from a table, calls recorded."""
+    """Stands in for the run's GroupSampler: per-prompt rewards from a table, calls recorded."""
 
     def __init__(self, rewards_by_uid):
         self.rewards_by_uid = rewards_by_uid
         self.calls = []
 
-    def __call__(self, problems, prompt_ids, n, params, generator):
+    def __call__(self, problems, n, params, generator, prompt_ids=None):
         self.calls.append(([p.uid for p in problems], n, params))
         rows = [self.rewards_by_uid[p.uid][:n] for p in problems]
         return graded(rows, uids=[p.uid for p in problems])
@@ -128,7 +124,7 @@ def test_pvpo_anchor_is_refreshed_after_refresh_every_steps():
 
 
 def test_pvpo_all_correct_group_keeps_a_signal_through_the_sources():
-    """PVPO (arXiv:2508.21104), every rollout correct, V_ref = 0.4 -> A = 0.6."""
+    """PVPO (arXiv:2508.21104): every rollout correct, V_ref = 0.4 -> A = r - V_ref = 0.6."""
     batch = graded([[1.0, 1.0, 1.0]], uids=["x"])
     sampler = FakeSampler({"x": [1.0, 0.0, 0.2]})
     sources = AdvantageInputSources({"baseline_rewards"}, anchor(sampler, RecordingEngine()))
@@ -262,7 +258,7 @@ def test_dynamic_sampling_keeps_only_mixed_groups_and_fills_the_batch():
         return [queue.pop(0) for _ in range(k)]
 
     first = prompts_of(["same-0", "mixed-1", "same-2", "mixed-3"])
-    batch, metrics = sample_informative_groups(sample, draw, first, DynamicSampling(True, 16, "correct"))
+    batch, metrics = sample_informative_groups(sample, draw, first, DynamicSamplingOptions(16, "correct"))
     assert [p.uid for p in batch.problems] == ["mixed-1", "mixed-3", "mixed-4", "mixed-6"]
     assert batch.rewards.tolist() == [1.0, 0.0] * 4 and batch.group_index.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
     assert draws == [4]
@@ -275,7 +271,7 @@ def test_dynamic_sampling_stops_after_max_rounds_and_fills_with_dropped_groups(c
     sample = lambda problems: graded([[1.0, 1.0] for _ in problems], uids=[p.uid for p in problems])
     draw = lambda k: prompts_of([f"same-{next(counter)}" for _ in range(k)])
     with caplog.at_level(logging.WARNING):
-        batch, metrics = sample_informative_groups(sample, draw, prompts_of(["a", "b", "c"]), DynamicSampling(True, 2))
+        batch, metrics = sample_informative_groups(sample, draw, prompts_of(["a", "b", "c"]), DynamicSamplingOptions(2))
     assert [p.uid for p in batch.problems] == ["a", "b", "c"]  # the earliest dropped groups
     assert metrics["dynamic_sampling_rounds"] == 2 and metrics["dynamic_sampling_dropped_groups"] == 6
     assert metrics["dynamic_sampling_filled_groups"] == 3
@@ -284,9 +280,9 @@ def test_dynamic_sampling_stops_after_max_rounds_and_fills_with_dropped_groups(c
 
 def test_dynamic_sampling_on_rewards_keeps_groups_that_differ_only_in_reward():
     batch = graded([[0.9, 0.8], [0.9, 0.9]])  # both groups all "correct"
-    assert DynamicSampling(True, 1, "reward").filter_values(batch).tolist() == pytest.approx([0.9, 0.8, 0.9, 0.9])
-    assert informative_groups(DynamicSampling(True, 1, "reward").filter_values(batch), batch.group_index).tolist() == [True, False]
-    assert informative_groups(DynamicSampling(True, 1, "correct").filter_values(batch), batch.group_index).tolist() == [False, False]
+    assert DynamicSamplingOptions(1, "reward").filter_values(batch).tolist() == pytest.approx([0.9, 0.8, 0.9, 0.9])
+    assert informative_groups(DynamicSamplingOptions(1, "reward").filter_values(batch), batch.group_index).tolist() == [True, False]
+    assert informative_groups(DynamicSamplingOptions(1, "correct").filter_values(batch), batch.group_index).tolist() == [False, False]
 
 
 def test_overlong_filter_zeroes_the_loss_and_gradient_of_truncated_responses():
@@ -342,10 +338,12 @@ def test_presets_set_their_group_size_and_an_explicit_one_wins(make_cfg, preset,
 
 @pytest.mark.parametrize("overrides,message", [
     (["algorithm=spo", "algorithm/advantage=grpo"], "rollout.n >= 2"),
-    (["algorithm=spo", "rollout.n=2", "algorithm.dynamic_sampling.enabled=true"], "dynamic_sampling"),
-    (["algorithm=remax", "algorithm.dynamic_sampling.enabled=true"], "needs rollout.n >= 2"),
-    (["algorithm=dapo", "algorithm.dynamic_sampling.metric=acc"], "metric='acc' is unknown"),
-    (["algorithm=dapo", "+algorithm.dynamic_sampling.rounds=3"], r"unknown key 'algorithm.dynamic_sampling.rounds'"),
+    (["algorithm=spo", "rollout=dynamic_sampling", "rollout.n=2"], "dynamic_sampling"),
+    (["algorithm=remax", "rollout=dynamic_sampling"], "needs rollout.n >= 2"),
+    (["algorithm=dapo", "rollout.dynamic_sampling.metric=acc"], "metric='acc' is unknown"),
+    (["algorithm=dapo", "+rollout.dynamic_sampling.rounds=3"], r"unknown key 'rollout.dynamic_sampling.rounds'.*did you mean 'max_rounds'"),
+    (["algorithm=dapo", "+algorithm.dynamic_sampling.enabled=true"], "moved to the rollout strategy"),
+    (["rollout.strategy=tree"], r"rollout.strategy='tree' is unknown; choose one of \['dynamic_sampling', 'iid'\]"),
     (["algorithm=polychromic", "rollout.n=4"], "set_size=4"),
     (["algorithm=spo", "reward.incorrect_reward=-1"], r"\[0, 1\]"),
     (["algorithm=spo", "algorithm.tracker.rho_min=0.99"], "rho_min <= rho_max"),

@@ -25,6 +25,15 @@ def token_mean(loss_matrix: torch.Tensor, response_mask: torch.Tensor, batch_tok
     return (loss_matrix * response_mask).sum() / max(batch_tokens, 1)
 
 
+@AGGREGATIONS.register("token_sum")
+def token_sum(loss_matrix: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """L = sum_i sum_t m_it l_it  (no normalisation; verl's ``token-sum``).
+
+    The gradient grows with the number of tokens in the optimizer batch, so the learning rate has
+    to absorb the batch's size. Summed over micro-batches it equals the full-batch sum."""
+    return (loss_matrix * response_mask).sum()
+
+
 @AGGREGATIONS.register("seq_mean_token_mean")
 def seq_mean_token_mean(
     loss_matrix: torch.Tensor, response_mask: torch.Tensor, batch_sequences: int
@@ -55,8 +64,11 @@ def seq_mean_token_sum_norm(
 
     L_norm is a constant, by default the generation budget ``max_new_tokens``, so a response's
     weight does not depend on its length. This equals TRL's ``dr_grpo`` normalisation
-    (sum / (B * max_completion_length)); verl's ``seq-mean-token-sum-norm`` omits the 1/N_seq and
-    is larger by the batch size B.
+    (sum / (B * max_completion_length)). Compared with verl's ``seq-mean-token-sum-norm``: verl
+    v0.4's ``agg_loss`` computes sum_i sum_t m_it l_it / T (no 1/N_seq; T the padded response
+    length), which is larger than this by the batch size; later verl versions also divide by the
+    global batch size (and by ``loss_scale_factor``, default T), which equals this loss with
+    L_norm = loss_scale_factor.
     """
     if norm_length <= 0:
         raise ValueError(f"norm_length must be positive, got {norm_length}")

@@ -4,16 +4,19 @@
 below are the whole objective, read top to bottom:
 
     rewards    = shape(outcome) [- kl_coef * sum_t kl(old_logp, ref_logp)   (kl.placement=reward)]
-    advantages = advantage_estimator(rewards, groups)                        (H4)
-    loss       = aggregate(token_mask * policy_loss(logp, old_logp, A))      (H6)
+    advantages = advantage_estimator(rewards, groups)
+    loss       = aggregate(token_mask * w * policy_loss(logp, old_logp, A))
                + kl_coef * aggregate(kl(logp, ref_logp))                    (kl.placement=loss)
                - entropy_coef * aggregate(H)
                + critic.coef * aggregate(value_loss(V, V_old, R))            (value head only)
 
 kl_coef and entropy_coef are fixed, or adapted after every step (kl.adaptive, entropy_adaptive);
-the token mask is 1, or the top-entropy-quantile mask (token_mask.top_entropy_quantile).
-``algorithm.update.schedule`` (standard | sfpo | trpo, see schedules.py) says how that loss becomes
-parameter changes.
+the token mask is 1, or the top-entropy-quantile mask (token_mask.top_entropy_quantile); w is 1,
+or the truncated importance weight between the sampling engine and the trainer
+(sampling_correction, sampling_correction.py). ``kl`` is the estimator ``kl.estimator`` (with
+``kl.clamp`` for k3 / k3+, kl.py). ``algorithm.update.schedule`` (standard | sfpo | trpo, see
+schedules.py) says how that loss becomes parameter changes. What each piece needs of the others
+(aggregation, advantage level) it declares where it is registered (registry.Needs).
 """
 
 from __future__ import annotations
@@ -32,33 +35,26 @@ from rlbench.algorithm.kl import KL_PLACEMENTS, AdaptiveKL, kl_penalised_rewards
 from rlbench.algorithm import losses as _losses  # noqa: F401
 from rlbench.algorithm.advantages import value_loss
 from rlbench.algorithm.critic import CRITIC_ADVANTAGE, CriticSettings
-from rlbench.algorithm.losses import LOSS_REQUIREMENTS
+from rlbench.algorithm.losses import masked_mean
+from rlbench.algorithm.sampling_correction import SamplingCorrection
 from rlbench.algorithm.schedules import SFPOSettings, TRPOSettings, schedule_from_config
 from rlbench.algorithm.registry import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
-from rlbench.reward.shaping import apply_shaping, check_shapers
+from rlbench.algorithm.shaping import apply_shaping, check_shapers
 from rlbench.errors import ConfigError
 
-# Every input name a piece may declare (documented in the pieces' modules) ...
-ADVANTAGE_INPUTS = {
-    "rewards", "group_index", "response_mask", "entropy", "old_logp", "values", "baseline_rewards",
-    "token_rewards", "tracker_baseline", "answer_keys", "diversity", "correct", "max_length",
-}
-LOSS_INPUTS = {
-    "logp", "old_logp", "advantages", "response_mask", "entropy", "ref_logp", "progress", "sampling_logp",
-    "prox_logp", "control_mask", "generator",
-}
-AGGREGATION_INPUTS = {"loss_matrix", "response_mask", "batch_tokens", "batch_sequences", "norm_length"}
-# ... and the ones this trainer provides today. A piece that requires an input outside these sets is
-# refused when the configuration is validated, with a message naming the piece and the input.
-# Estimators whose advantage varies along a response (the rest give one value per response).
-TOKEN_LEVEL_ADVANTAGES = {"reinforce_pp", "gae", "gtpo"}
+# Of the inputs each registry lists (registry.py), the ones this trainer provides today. A piece that
+# requires an input outside these sets is refused when the configuration is validated, with a
+# message naming the piece and the input.
 # ("values" comes from the value head when algorithm.critic is set; "prox_logp" from an EWMA copy of
 # the weights, kept only when the loss reads it.)
 PROVIDED_ADVANTAGE_INPUTS = {
     "rewards", "group_index", "response_mask", "entropy", "old_logp", "correct", "max_length",
-    "baseline_rewards", "tracker_baseline", "answer_keys", "diversity",  # rlbench.advantage_inputs
+    "baseline_rewards", "tracker_baseline", "answer_keys", "diversity",  # rlbench.training.advantage_inputs
 }
-PROVIDED_LOSS_INPUTS = {"logp", "old_logp", "advantages", "response_mask", "entropy", "progress", "prox_logp"}
+PROVIDED_LOSS_INPUTS = {
+    "logp", "old_logp", "advantages", "response_mask", "entropy", "progress", "prox_logp",
+    "sampling_logp",  # TrainBatch.sampling_logp, the rollout engine's log-probs (Completion.logprobs)
+}
 
 
 @dataclass(frozen=True)
@@ -93,6 +89,7 @@ class Algorithm:
     aggregation: Piece
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
+    kl_clamp: float | None = None  # value clamp of k3 / k3+ (algorithm.kl.clamp; verl's low_var_kl: 10)
     entropy_coef: float = 0.0
     epochs: int = 1
     minibatches: int = 1
@@ -105,6 +102,7 @@ class Algorithm:
     kl_adaptive: AdaptiveKL | None = None
     entropy_adaptive: AdaptiveEntropy | None = None
     top_entropy_quantile: float | None = None
+    sampling_correction: SamplingCorrection | None = None  # TIS weights between sampler and trainer
     # Mutable run state inside the frozen composition: each from_config starts a fresh one.
     coefficients: Coefficients | None = field(default=None, compare=False, repr=False)
 
@@ -130,6 +128,7 @@ class Algorithm:
             aggregation=Piece.from_config(cfg.get("aggregation"), "aggregation"),
             kl_coef=float(kl.get("coef", 0.0)),
             kl_estimator=str(kl.get("estimator", "k3")),
+            kl_clamp=None if kl.get("clamp") is None else float(kl["clamp"]),
             entropy_coef=float(cfg.get("entropy_coef", 0.0)),
             epochs=int(update.get("epochs", 1)),
             minibatches=int(update.get("minibatches", 1)),
@@ -140,6 +139,7 @@ class Algorithm:
                 AdaptiveEntropy.from_config(cfg["entropy_adaptive"]) if cfg.get("entropy_adaptive") is not None else None
             ),
             top_entropy_quantile=None if quantile is None else float(quantile),
+            sampling_correction=SamplingCorrection.from_config(cfg.get("sampling_correction")),
             critic=CriticSettings.from_config(cfg.get("critic")),
             schedule=schedule,
             schedule_settings=schedule_settings,
@@ -149,8 +149,8 @@ class Algorithm:
         return algorithm
 
     def validate(self) -> None:
-        ADVANTAGES.validate_params(self.advantage.name, self.advantage.params, ADVANTAGE_INPUTS)
-        POLICY_LOSSES.validate_params(self.loss.name, self.loss.params, LOSS_INPUTS)
+        ADVANTAGES.validate_params(self.advantage.name, self.advantage.params)
+        POLICY_LOSSES.validate_params(self.loss.name, self.loss.params)
         self._check_critic_and_schedule()
         provided_loss_inputs = PROVIDED_LOSS_INPUTS | ({"ref_logp"} if self.kl_coef > 0 else set())
         provided_advantage_inputs = PROVIDED_ADVANTAGE_INPUTS | ({"values"} if self.critic else set())
@@ -164,10 +164,12 @@ class Algorithm:
                     f"{registry.kind} '{piece.name}' needs {missing}, which this trainer does not provide "
                     f"(it provides {sorted(provided)}); pick another algorithm/{'advantage' if registry is ADVANTAGES else 'loss'}"
                 )
-        AGGREGATIONS.validate_params(self.aggregation.name, self.aggregation.params, AGGREGATION_INPUTS)
+        AGGREGATIONS.validate_params(self.aggregation.name, self.aggregation.params)
         check_shapers([(s.name, s.params) for s in self.reward_shaping])
         self._check_loss_requirements()
-        KL_ESTIMATORS.get(self.kl_estimator)
+        KL_ESTIMATORS.validate_params(self.kl_estimator, self.kl_estimator_params)
+        if self.kl_clamp is not None and self.kl_clamp <= 0:
+            raise ConfigError(f"algorithm.kl.clamp must be > 0 (verl's low_var_kl uses 10), got {self.kl_clamp}")
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise ConfigError("algorithm.kl.coef and algorithm.entropy_coef must be >= 0")
         self._check_kl_and_entropy_settings()
@@ -229,15 +231,16 @@ class Algorithm:
                 raise ConfigError(f"algorithm.update.proximal_decay must be in [0, 1), got {self.proximal_decay}")
 
     def _check_loss_requirements(self) -> None:
-        """Refuse compositions the loss is undefined or unfaithful under (LOSS_REQUIREMENTS)."""
-        requirement = LOSS_REQUIREMENTS.get(self.loss.name) or {}
-        conflicts = " ".join(requirement.get("conflicts", ()))
-        wanted = requirement.get("aggregation")
+        """Refuse compositions the loss is undefined or unfaithful under (the Needs it declared at
+        registration: required aggregation, one advantage per response)."""
+        needs = POLICY_LOSSES.needs(self.loss.name)
+        conflicts = " ".join(needs.conflicts)
+        wanted = needs.aggregation
         if wanted and self.aggregation.name != wanted:
             raise ConfigError(
                 f"loss '{self.loss.name}' needs algorithm/aggregation={wanted}, got '{self.aggregation.name}' ({conflicts})"
             )
-        if requirement.get("advantage_level") == "sequence" and self.advantage.name in TOKEN_LEVEL_ADVANTAGES:
+        if needs.advantage_level == "sequence" and ADVANTAGES.needs(self.advantage.name).token_level_advantage:
             raise ConfigError(
                 f"loss '{self.loss.name}' needs one advantage per response, but advantage '{self.advantage.name}' "
                 f"is token-level ({conflicts})"
@@ -266,6 +269,15 @@ class Algorithm:
     @property
     def kl_in_reward(self) -> bool:
         return self.kl_coef > 0 and self.kl_placement == "reward"
+
+    @property
+    def kl_estimator_params(self) -> dict[str, float]:
+        """The YAML knobs of the KL estimator (today only k3's and k3+'s ``clamp``)."""
+        return {} if self.kl_clamp is None else {"clamp": self.kl_clamp}
+
+    def kl_matrix(self, logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+        """The configured per-token KL estimate k(logp, ref_logp) [B,T] (unmasked)."""
+        return KL_ESTIMATORS.call(self.kl_estimator, {"logp": logp, "ref_logp": ref_logp}, self.kl_estimator_params)
 
     @property
     def kl_coefficient(self) -> float:
@@ -316,7 +328,7 @@ class Algorithm:
 
     def shape_rewards(self, rewards: torch.Tensor, inputs: Mapping[str, Any]) -> torch.Tensor:
         """The reward after the algorithm's reward shaping ([B]; ``rewards`` itself without any).
-        ``inputs``: the trainer's shaping inputs (rlbench/reward/shaping.py)."""
+        ``inputs``: the trainer's shaping inputs (rlbench/algorithm/shaping.py)."""
         if not self.reward_shaping:
             return rewards
         return apply_shaping(rewards, [(s.name, s.params) for s in self.reward_shaping], inputs)
@@ -331,7 +343,7 @@ class Algorithm:
         estimators with a ``token_rewards`` input get the per-token form; otherwise the rewards pass
         through unchanged."""
         mask = response_mask.to(old_logp.dtype)
-        kl_matrix = KL_ESTIMATORS.get(self.kl_estimator)(old_logp, ref_logp) * mask
+        kl_matrix = self.kl_matrix(old_logp, ref_logp) * mask
         per_response = sequence_kl(kl_matrix, mask)
         if not self.kl_in_reward:
             return rewards, None, per_response
@@ -384,6 +396,7 @@ class Algorithm:
         old_values: torch.Tensor | None = None,
         returns: torch.Tensor | None = None,
         prox_logp: torch.Tensor | None = None,
+        sampling_logp: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """The scalar loss of one (micro-)batch and its metrics.
 
@@ -391,7 +404,10 @@ class Algorithm:
         so that micro-batch losses add up to the full-batch loss. ``token_weights`` (e.g. the
         top-entropy mask) multiplies the policy-loss matrix only, before aggregation. With a critic,
         ``values`` (with gradient), ``old_values`` (the sampling policy's) and ``returns`` give the
-        value loss.
+        value loss. ``sampling_logp`` (the rollout engine's log-probs of the sampled tokens, [B,T])
+        weights the policy-loss matrix by truncated importance weights when
+        algorithm.sampling_correction is set (sampling_correction.py); without it, or with
+        sampling_logp=None (the HF engine: sampler = trainer), nothing changes.
         """
         mask = response_mask.to(logp.dtype)
         inputs = {"logp": logp, "old_logp": old_logp, "advantages": advantages, "response_mask": mask,
@@ -402,17 +418,27 @@ class Algorithm:
             inputs["ref_logp"] = ref_logp
         if prox_logp is not None:
             inputs["prox_logp"] = prox_logp.detach()
+        if sampling_logp is not None:
+            inputs["sampling_logp"] = sampling_logp
         loss_matrix, metrics = POLICY_LOSSES.call(self.loss.name, inputs, self.loss.params)
         if token_weights is not None:
             loss_matrix = loss_matrix * token_weights
+        metrics = dict(metrics)
+        if self.sampling_correction is not None:
+            sampler_weights = self.sampling_correction.weights(old_logp, sampling_logp)
+            if sampler_weights is not None:
+                loss_matrix = loss_matrix * sampler_weights
+                metrics["sampling_weight_mean"] = masked_mean(sampler_weights, mask).item()
+                metrics["sampling_weight_capped_fraction"] = masked_mean(
+                    (sampler_weights >= self.sampling_correction.cap).to(mask.dtype), mask
+                ).item()
         policy_loss = self.aggregate(loss_matrix, mask, norms)
         total = policy_loss
-        metrics = dict(metrics)
         metrics["policy_loss"] = policy_loss.item()
         if self.kl_in_loss:
             if ref_logp is None:
                 raise ValueError("the KL term needs reference log-probs")
-            kl_matrix = KL_ESTIMATORS.get(self.kl_estimator)(logp, ref_logp) * mask
+            kl_matrix = self.kl_matrix(logp, ref_logp) * mask
             kl_value = self.aggregate(kl_matrix, mask, norms)
             total = total + self.kl_coefficient * kl_value
             metrics["kl"] = kl_value.item()

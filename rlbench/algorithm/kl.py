@@ -2,10 +2,14 @@
 
 Schulman (2020), "Approximating KL Divergence" (http://joschu.net/blog/kl-approx.html). With
 delta_t = logp_t - ref_logp_t and samples o_t ~ pi_theta, each k estimates KL(pi_theta || pi_ref):
-    k1 = delta                        (unbiased, high variance, can be negative)
-    k2 = delta^2 / 2                  (biased, low variance; its gradient is the true KL gradient
-                                       for small delta)
-    k3 = exp(-delta) + delta - 1      (unbiased, low variance, always >= 0; GRPO's choice)
+    k1  = delta                        (unbiased, high variance, can be negative)
+    abs = |delta|                      (biased; verl's ``abs``)
+    k2  = delta^2 / 2                  (biased, low variance; its gradient is the true KL gradient
+                                        for small delta)
+    k3  = exp(-delta) + delta - 1      (unbiased, low variance, always >= 0; GRPO's choice)
+    k1+, k3+                           value of k1 / k3, gradient of k2 (straight-through)
+
+Every estimator takes (logp, ref_logp); k3 and k3+ also take ``clamp`` (``algorithm.kl.clamp``).
 """
 
 from __future__ import annotations
@@ -15,17 +19,26 @@ from typing import Any
 
 import torch
 
-from rlbench.algorithm.advantages import _last_token_rewards
+from rlbench.algorithm.advantages.common import _last_token_rewards
 from rlbench.algorithm.registry import KL_ESTIMATORS
 from rlbench.errors import ConfigError
 
 KL_LOG_RATIO_LIMIT = 20.0
+#: The value clamp verl applies to its ``low_var_kl`` (= k3) estimate; a choice for algorithm.kl.clamp.
+VERL_LOW_VAR_KL_CLAMP = 10.0
 
 
 @KL_ESTIMATORS.register("k1")
 def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """k1 = logp - ref_logp."""
     return logp - ref_logp
+
+
+@KL_ESTIMATORS.register("abs")
+def kl_abs(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """abs = |logp - ref_logp| (verl's ``abs`` KL penalty; >= 0, biased; its gradient has
+    magnitude 1 wherever logp != ref_logp)."""
+    return (logp - ref_logp).abs()
 
 
 @KL_ESTIMATORS.register("k2")
@@ -35,10 +48,44 @@ def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 
 @KL_ESTIMATORS.register("k3")
-def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1, with the log-ratio clamped to +-20."""
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor, clamp: float | None = None) -> torch.Tensor:
+    """k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1, with the log-ratio clamped to +-20, then
+
+        k3 <- clamp(k3, -clamp, clamp)        when ``clamp`` is set (algorithm.kl.clamp)
+
+    The default is no value clamp (clamp=None): k3 stays unbiased and the presets keep their
+    numbers. verl's ``low_var_kl`` clamps the value to [-10, 10] (clamp=10, VERL_LOW_VAR_KL_CLAMP),
+    which bounds the loss and zeroes the gradient of tokens whose k3 exceeds 10, i.e. where the
+    policy has drifted more than ~e^11 from the reference on that token. Since k3 >= 0, only the
+    upper bound can bind."""
     delta = (ref_logp - logp).clamp(-KL_LOG_RATIO_LIMIT, KL_LOG_RATIO_LIMIT)
-    return torch.exp(delta) - delta - 1.0
+    value = torch.exp(delta) - delta - 1.0
+    if clamp is None:
+        return value
+    if clamp <= 0:
+        raise ValueError(f"the k3 clamp must be > 0 (verl uses 10), got {clamp}")
+    return value.clamp(-clamp, clamp)
+
+
+def straight_through(value: torch.Tensor, gradient_carrier: torch.Tensor) -> torch.Tensor:
+    """value's value with gradient_carrier's gradient: g + sg(v - g)."""
+    return gradient_carrier + (value - gradient_carrier).detach()
+
+
+@KL_ESTIMATORS.register("k1+")
+def kl_k1_straight_through(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k1+ = k2 + sg(k1 - k2): the value of k1, the gradient of k2 (verl's ``k1+``, also spelt
+    ``kl+``). k2's gradient, (logp - ref_logp) grad logp, is an unbiased estimate of the gradient
+    of KL(pi_theta || pi_ref) under on-policy sampling, whereas k1's own gradient (grad logp) has
+    expectation 0; the logged value stays the unbiased k1."""
+    return straight_through(kl_k1(logp, ref_logp), kl_k2(logp, ref_logp))
+
+
+@KL_ESTIMATORS.register("k3+")
+def kl_k3_straight_through(logp: torch.Tensor, ref_logp: torch.Tensor, clamp: float | None = None) -> torch.Tensor:
+    """k3+ = k2 + sg(k3 - k2): the value of k3 (with the optional ``clamp`` of :func:`kl_k3`), the
+    gradient of k2 (verl's ``k3+`` / ``low_var_kl+``); why k2's gradient: see kl_k1_straight_through."""
+    return straight_through(kl_k3(logp, ref_logp, clamp), kl_k2(logp, ref_logp))
 
 
 # --------------------------------------------------------------------------------------------

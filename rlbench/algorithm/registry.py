@@ -3,32 +3,97 @@
 Every piece is a pure tensor function registered under the name its YAML uses. ``call`` passes a
 piece exactly the inputs its signature asks for, plus the parameters from the config; a config key
 the function does not take is a :class:`ConfigError` (a typo never silently does nothing).
+
+A piece declares what it needs where it is registered: the inputs it reads are its signature's
+parameters; what it demands of the rest of the composition (a required aggregation, one advantage
+per response, ...) are :class:`Needs` given to ``register``. The composition reads both from here,
+so a new piece is one function plus one YAML, with no central list to edit.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import pkgutil
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from rlbench.errors import ConfigError
+
+LEVELS = ("sequence", "token")
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a registered piece declares about the composition it takes part in.
+
+    advantage_level    advantage estimator: "token" when its advantage varies along a response,
+                       None (the default) when it gives one value per response;
+                       policy loss: "sequence" when it needs one advantage per response (None: any)
+    ratio_level        policy loss: "token" | "sequence", the level at which it forms its
+                       importance ratio (a config asking for the other level is a conflict)
+    aggregation        policy loss: the only aggregation under which its matrix gives the paper's
+                       objective; any other is a config error (None: any)
+    paper_aggregation  policy loss: the aggregation its paper / reference code uses (advisory)
+    conflicts          why, in words, for the validator's error message (required with any of the
+                       enforced needs above)
+    """
+
+    advantage_level: str | None = None
+    ratio_level: str | None = None
+    aggregation: str | None = None
+    paper_aggregation: str | None = None
+    conflicts: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for key in ("advantage_level", "ratio_level"):
+            value = getattr(self, key)
+            if value is not None and value not in LEVELS:
+                raise ValueError(f"{key} must be one of {LEVELS} or None, got {value!r}")
+        enforced = self.aggregation is not None or self.ratio_level is not None or self.advantage_level == "sequence"
+        if enforced and not self.conflicts:
+            raise ValueError("a piece that constrains the composition must say why (conflicts)")
+
+    @property
+    def token_level_advantage(self) -> bool:
+        return self.advantage_level == "token"
+
+
+def import_family_modules(package: str, path: list[str]) -> None:
+    """Import every module of ``package`` (its ``__path__``), so that the pieces of a new family
+    module register without an edit to the package's ``__init__``."""
+    for module in pkgutil.iter_modules(path):
+        importlib.import_module(f"{package}.{module.name}")
 
 
 class Registry:
     """A named collection of functions of one kind (advantage estimator, policy loss, ...)."""
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, inputs: frozenset[str] = frozenset()):
         self.kind = kind
+        #: Every input name a piece of this kind may declare (the rest of a signature are YAML knobs).
+        self.inputs = frozenset(inputs)
         self._functions: dict[str, Callable] = {}
+        self._needs: dict[str, Needs] = {}
 
-    def register(self, name: str) -> Callable[[Callable], Callable]:
+    def register(self, name: str, **needs: Any) -> Callable[[Callable], Callable]:
+        """Decorator registering ``fn`` under ``name`` with its :class:`Needs` (keyword arguments)."""
+        declared = Needs(**needs)
+
         def decorator(fn: Callable) -> Callable:
             existing = self._functions.get(name)
             if existing is not None and existing is not fn:
                 raise ValueError(f"{self.kind} '{name}' is already registered to {existing.__qualname__}")
             self._functions[name] = fn
+            self._needs[name] = declared
             return fn
 
         return decorator
+
+    def needs(self, name: str) -> Needs:
+        """What piece ``name`` declared at registration (:class:`Needs`)."""
+        self.get(name)
+        return self._needs[name]
 
     def get(self, name: str) -> Callable:
         try:
@@ -81,8 +146,10 @@ class Registry:
             if p.default is inspect.Parameter.empty and p.name not in params
         }
 
-    def validate_params(self, name: str, params: Mapping[str, Any], provided_inputs: set[str]) -> None:
-        """Check ``params`` against the piece's signature without running it (for early validation)."""
+    def validate_params(self, name: str, params: Mapping[str, Any], provided_inputs: set[str] | None = None) -> None:
+        """Check ``params`` against the piece's signature without running it (for early validation).
+        ``provided_inputs`` (default: the registry's ``inputs``) are left out of the error message."""
+        provided_inputs = self.inputs if provided_inputs is None else provided_inputs
         fn = self.get(name)
         accepted = set(inspect.signature(fn).parameters)
         unknown = set(params) - accepted
@@ -93,7 +160,18 @@ class Registry:
             )
 
 
-ADVANTAGES = Registry("advantage estimator")
-POLICY_LOSSES = Registry("policy loss")
-AGGREGATIONS = Registry("loss aggregation")
-KL_ESTIMATORS = Registry("KL estimator")
+# The input names each kind of piece may declare, documented where the pieces live
+# (advantages/__init__.py, losses/__init__.py, aggregation.py, kl.py). A new input is added here
+# once and provided by the trainer; a new piece that reads existing inputs edits neither.
+ADVANTAGES = Registry("advantage estimator", inputs=frozenset({
+    "rewards", "group_index", "response_mask", "entropy", "old_logp", "values", "baseline_rewards",
+    "token_rewards", "tracker_baseline", "answer_keys", "diversity", "correct", "max_length",
+}))
+POLICY_LOSSES = Registry("policy loss", inputs=frozenset({
+    "logp", "old_logp", "advantages", "response_mask", "entropy", "ref_logp", "progress", "sampling_logp",
+    "prox_logp", "control_mask", "generator",
+}))
+AGGREGATIONS = Registry("loss aggregation", inputs=frozenset({
+    "loss_matrix", "response_mask", "batch_tokens", "batch_sequences", "norm_length",
+}))
+KL_ESTIMATORS = Registry("KL estimator", inputs=frozenset({"logp", "ref_logp"}))

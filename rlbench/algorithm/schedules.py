@@ -1,4 +1,4 @@
-"""Update schedules (methods-b H7): how one batch's loss becomes parameter changes.
+"""Update schedules: how one batch's loss becomes parameter changes.
 
     standard  ``epochs`` passes over ``minibatches`` splits, one optimizer step each (PPO style)
     sfpo      K fast passes, reposition back toward the start, one slow pass (SFPO)
@@ -10,7 +10,7 @@ every optimizer step of any schedule except trpo.
 ``algorithm.update`` holds ``schedule`` plus a block of settings named after it
 (``algorithm.update.sfpo`` / ``algorithm.update.trpo``). This module holds the settings and the pure
 math: conjugate gradient, the trust-region step size, interpolation, the debiased EWMA and SFPO's
-entropy switch. ``rlbench.update`` applies them to a model.
+entropy switch. ``rlbench.training.update_schedules`` applies them to a model.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ SCHEDULES = ("standard", "sfpo", "trpo")
 
 @dataclass(frozen=True)
 class SFPOSettings:
-    """Slow-Fast Policy Optimization (methods-a §10, methods-b M13). The defaults are the released
-    scripts' values: sfpo_inner_steps=3, sfpo_step_size=0.8, zscore_w=30, zscore_threshold=1.0."""
+    """Slow-Fast Policy Optimization (Wang et al. 2025, arXiv:2510.04072). The defaults are the
+    released scripts' values: sfpo_inner_steps=3, sfpo_step_size=0.8, zscore_w=30,
+    zscore_threshold=1.0."""
 
     fast_steps: int = 3  # K fast passes over the batch before repositioning
     alpha: float = 0.8  # reposition theta~ = theta_0 + alpha (theta_K - theta_0)
@@ -48,8 +49,8 @@ class SFPOSettings:
 
 @dataclass(frozen=True)
 class TRPOSettings:
-    """Trust Region Policy Optimization (methods-b M02). The defaults follow Spinning Up:
-    delta = 0.01, 10 CG iterations, damping 0.1, backtracking factor 0.8, at most 10 tries.
+    """Trust Region Policy Optimization (Schulman et al. 2015, arXiv:1502.05477). The defaults
+    follow Spinning Up: delta = 0.01, 10 CG iterations, damping 0.1, backtracking factor 0.8, at most 10 tries.
 
     The Fisher-vector products use the whole batch. OpenAI Baselines' TRPO subsamples every 5th
     sample for them, but on a language model that leaves the embedding rows of the other

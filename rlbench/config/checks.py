@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from rlbench.advantage_inputs import validate_step_options
+from rlbench.training.advantage_inputs import validate_step_options
 from rlbench.algorithm import Algorithm
 from rlbench.config.origin import ValueOrigins, with_origins
 from rlbench.config.walk import check_against_schema

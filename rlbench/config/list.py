@@ -1,7 +1,7 @@
 """``rlbench-list`` (also ``python -m rlbench.config.list``): what each config group offers.
 
     rlbench-list                 every conf group with its options, every registered piece with the
-                                 first line of its docstring, and the update schedules
+                                 first line of its docstring, the update schedules and rollout strategies
     rlbench-list --keys [NODE]   the schema's keys under NODE (e.g. algorithm.kl) with defaults and help
 """
 
@@ -18,6 +18,7 @@ from typing import Iterator
 from rlbench.config.origin import CONF_DIR
 from rlbench.config.pieces import PIECE_KINDS, piece_parameters
 from rlbench.config.schema import RunConfig, UpdateConfig
+from rlbench.rollout import STRATEGIES
 
 
 def summary(text: str | None, width: int = 110) -> str:
@@ -53,6 +54,9 @@ def piece_lines() -> Iterator[str]:
             yield f"  {name}({parameters}): {doc}"
     schedules = typing.get_args(typing.get_type_hints(UpdateConfig)["schedule"])
     yield f"update schedule (choose with algorithm.update.schedule): {' '.join(schedules)}"
+    yield "rollout strategy (choose with rollout=<strategy>):"
+    for name, strategy in sorted(STRATEGIES.items()):
+        yield f"  {name}: {summary(inspect.getdoc(strategy) or inspect.getdoc(inspect.getmodule(strategy)))}"
 
 
 def schema_lines(schema: type = RunConfig, prefix: str = "") -> Iterator[str]:

@@ -10,27 +10,25 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
-from rlbench.algorithm.composition import ADVANTAGE_INPUTS, AGGREGATION_INPUTS, LOSS_INPUTS
-from rlbench.algorithm.registry import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, Registry
-from rlbench.reward.shaping import REWARD_SHAPING, SHAPING_INPUTS
+from rlbench.algorithm import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, Registry  # registers every piece
+from rlbench.algorithm.shaping import REWARD_SHAPING
 
 
 @dataclass(frozen=True)
 class PieceKind:
-    """One kind of piece: its registry, the inputs the trainer passes, and where it is chosen."""
+    """One kind of piece: its registry (which knows the inputs the trainer passes) and where it is chosen."""
 
     registry: Registry
-    inputs: frozenset[str]
     selected_by: str  # the conf group (algorithm/loss) or the key (algorithm.kl.estimator)
     many: bool = False  # a list of pieces (reward shaping)
 
 
 PIECE_KINDS = {
-    "advantage": PieceKind(ADVANTAGES, frozenset(ADVANTAGE_INPUTS), "algorithm/advantage"),
-    "loss": PieceKind(POLICY_LOSSES, frozenset(LOSS_INPUTS), "algorithm/loss"),
-    "aggregation": PieceKind(AGGREGATIONS, frozenset(AGGREGATION_INPUTS), "algorithm/aggregation"),
-    "kl_estimator": PieceKind(KL_ESTIMATORS, frozenset({"logp", "ref_logp"}), "algorithm.kl.estimator"),
-    "reward_shaping": PieceKind(REWARD_SHAPING, frozenset(SHAPING_INPUTS), "algorithm.reward_shaping", many=True),
+    "advantage": PieceKind(ADVANTAGES, "algorithm/advantage"),
+    "loss": PieceKind(POLICY_LOSSES, "algorithm/loss"),
+    "aggregation": PieceKind(AGGREGATIONS, "algorithm/aggregation"),
+    "kl_estimator": PieceKind(KL_ESTIMATORS, "algorithm.kl.estimator"),
+    "reward_shaping": PieceKind(REWARD_SHAPING, "algorithm.reward_shaping", many=True),
 }
 
 # Bounds of parameters that mean the same in every piece that takes them (a clip range is a width).
@@ -45,6 +43,6 @@ PIECE_PARAMETER_BOUNDS = {
 
 def piece_parameters(kind: str, name: str) -> dict[str, inspect.Parameter]:
     """The config parameters of piece ``name``: its signature minus the trainer's inputs."""
-    piece = PIECE_KINDS[kind]
-    signature = inspect.signature(piece.registry.get(name))
-    return {key: p for key, p in signature.parameters.items() if key not in piece.inputs}
+    registry = PIECE_KINDS[kind].registry
+    signature = inspect.signature(registry.get(name))
+    return {key: p for key, p in signature.parameters.items() if key not in registry.inputs}

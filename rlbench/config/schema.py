@@ -8,6 +8,8 @@ by ``+``/``++`` on the command line, is refused before anything is loaded.
 Field metadata:
   help          what the knob does (``rlbench-list`` prints it)
   ge, gt, le    numeric bounds (``ge=0``: the value must be >= 0)
+  only_with     (selector, value): the block holds the settings of one choice of its sibling key
+                ``selector`` (algorithm.update.trpo only with schedule=trpo) and is refused otherwise
   piece         the node is ``{name, <parameters>}`` of a registered piece of this kind
                 (advantage, loss, aggregation, reward_shaping); its parameters are checked against
                 the function's signature at run time, so a new piece needs no schema edit
@@ -52,6 +54,7 @@ class KLConfig:
 
     coef: float = knob(0.0, "beta; > 0 loads a frozen reference model", ge=0)
     estimator: str = knob("k3", "registered KL estimator (rlbench-list shows them): k1 | k2 | k3 ...", registry="kl_estimator")
+    clamp: Optional[float] = knob(None, "c > 0: clamp the value of k3 / k3+ to [-c, c] (verl's low_var_kl: 10); null: no clamp")
     placement: Literal["loss", "reward"] = knob(
         "loss", "loss: beta * KL added to the loss; reward: beta * KL subtracted from the reward (per token for token-level estimators)"
     )
@@ -78,6 +81,13 @@ class TokenMaskConfig:
     top_entropy_quantile: Optional[float] = knob(
         None, "null: every token; q in (0, 1]: only the top-q fraction of the batch's tokens by entropy"
     )
+
+
+@dataclass
+class SamplingCorrectionConfig:
+    """Truncated importance sampling between the rollout engine and the trainer (Yao et al. 2025, TIS)."""
+
+    cap: float = knob(2.0, "each token's loss weight is min(pi_old / pi_sampler, cap)")
 
 
 @dataclass
@@ -113,8 +123,8 @@ class UpdateConfig:
     proximal_decay: Optional[float] = knob(
         None, "EWMA decay of the proximal policy of decoupled PPO (loss ppo_ewma only); null: 0"
     )
-    sfpo: Optional[SFPOConfig] = node(SFPOConfig, "settings of schedule=sfpo (only with that schedule)", schedule="sfpo")
-    trpo: Optional[TRPOConfig] = node(TRPOConfig, "settings of schedule=trpo (only with that schedule)", schedule="trpo")
+    sfpo: Optional[SFPOConfig] = node(SFPOConfig, "settings of schedule=sfpo (only with it)", only_with=("schedule", "sfpo"))
+    trpo: Optional[TRPOConfig] = node(TRPOConfig, "settings of schedule=trpo (only with it)", only_with=("schedule", "trpo"))
 
 
 @dataclass
@@ -127,9 +137,8 @@ class CriticConfig:
 
 @dataclass
 class DynamicSamplingConfig:
-    """DAPO's dynamic sampling (arXiv:2503.14476, section 3.2)."""
+    """DAPO's dynamic sampling (arXiv:2503.14476, section 3.2): the rollout strategy's settings."""
 
-    enabled: bool = knob(False, "drop groups whose responses are all equal in metric and draw more prompts")
     max_rounds: int = knob(16, "generation rounds per step at most")
     metric: Literal["correct", "reward"] = knob("correct", "what must differ within a kept group")
 
@@ -166,15 +175,24 @@ class AlgorithmConfig:
     entropy_coef: float = knob(0.0, "entropy-bonus coefficient (the start value when entropy_adaptive is set)", ge=0)
     entropy_adaptive: Optional[AdaptiveEntropyConfig] = node(AdaptiveEntropyConfig, "null: fixed entropy_coef; {target, ...}: adaptive")
     token_mask: TokenMaskConfig = node(TokenMaskConfig, "which tokens get a policy gradient")
+    sampling_correction: Optional[SamplingCorrectionConfig] = node(
+        SamplingCorrectionConfig, "null: none; {cap}: truncated importance sampling between sampler and trainer"
+    )
     update: UpdateConfig = node(UpdateConfig, "update schedule and its settings")
     critic: Optional[CriticConfig] = node(CriticConfig, "null: no value head; {coef, clip}: PPO's value head (advantage gae)")
-    dynamic_sampling: DynamicSamplingConfig = node(DynamicSamplingConfig, "DAPO's dynamic sampling")
     overlong_filter: bool = knob(False, "mask responses truncated at rollout.max_new_tokens out of the loss (DAPO)")
     reward_shaping: list = knob([], "list of {name, parameters} reward-shaping functions, applied in order", piece="reward_shaping")
     rollout_n: Optional[int] = knob(None, "the group size the method prescribes; rollout.n follows it unless set", ge=1)
     baseline: Optional[BaselineConfig] = node(BaselineConfig, "baseline_rewards source (remax, pvpo)")
     tracker: Optional[TrackerConfig] = node(TrackerConfig, "SPO's tracker (advantage spo)")
     deviations: list = knob([], "where the preset departs from the paper, one sentence each")
+
+
+# Keys that moved: the unknown-key message says where to.
+MOVED_KEYS = {
+    "algorithm.dynamic_sampling": "the rollout strategy: select rollout=dynamic_sampling and set "
+    "rollout.dynamic_sampling.max_rounds / .metric (algorithm=dapo selects it; rollout=iid turns it off)",
+}
 
 
 # ----------------------------------------------------------------------------------------- the run
@@ -197,15 +215,18 @@ class TrainerConfig:
 
 @dataclass
 class RolloutConfig:
-    """``rollout``: how training responses are sampled."""
+    """``rollout``: how prompts become graded groups (the strategy) and how responses are sampled."""
 
-    name: str = knob("sampling", "the rollout option")
+    strategy: str = knob("iid", "rollout strategy (rollout=<strategy>, rlbench-list): iid | dynamic_sampling")
     engine: Literal["hf", "vllm"] = knob("hf", "generation engine: hf (any device) | vllm (CUDA)")
     n: int = knob(4, "responses per prompt (group size)", ge=1)
     temperature: float = knob(1.0, "sampling temperature", ge=0)
     top_p: float = knob(1.0, "nucleus sampling mass, in (0, 1]", gt=0, le=1)
     max_new_tokens: int = knob(16, "longest response in tokens", ge=1)
     batch_size: int = knob(64, "sequences per generate call", ge=1)
+    dynamic_sampling: Optional[DynamicSamplingConfig] = node(
+        DynamicSamplingConfig, "settings of rollout=dynamic_sampling (only with it)", only_with=("strategy", "dynamic_sampling")
+    )
 
 
 @dataclass

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rlbench.config.origin import ValueOrigins
 from rlbench.config.pieces import PIECE_KINDS, PIECE_PARAMETER_BOUNDS, piece_parameters
-from rlbench.config.schema import RunConfig
+from rlbench.config.schema import MOVED_KEYS, RunConfig
 from rlbench.errors import ConfigError
 
 
@@ -51,6 +51,8 @@ class _Walk:
         raise ConfigError(f"{message} (set by {origin})" if origin else message)
 
     def unknown_key(self, path: str, key: str, valid: Iterable[str], what: str) -> None:
+        if _join(path, key) in MOVED_KEYS:
+            self.fail(_join(path, key), f"unknown key '{_join(path, key)}': it moved to {MOVED_KEYS[_join(path, key)]}")
         valid = sorted(valid)
         suggestion = nearest(key, valid)
         hint = f"did you mean '{suggestion}'? " if suggestion else ""
@@ -67,9 +69,12 @@ class _Walk:
             if key not in fields:
                 self.unknown_key(path, str(key), fields, path or "the top level of the config")
         for key in value.keys():
-            self.field(value, str(key), fields[key], hints[key], _join(path, key))
+            self.field(value, str(key), fields[key], hints[key], _join(path, key), fields)
 
-    def field(self, parent: DictConfig, key: str, spec: dataclasses.Field, annotation: Any, path: str) -> None:
+    def field(
+        self, parent: DictConfig, key: str, spec: dataclasses.Field, annotation: Any, path: str,
+        siblings: typing.Mapping[str, dataclasses.Field],
+    ) -> None:
         if OmegaConf.is_missing(parent, key):
             return  # ??? : the runner reports it when it is read
         try:
@@ -77,8 +82,16 @@ class _Walk:
         except Exception:  # an interpolation that resolves only inside a Hydra run (${hydra:...})
             return
         meta = spec.metadata
-        if "schedule" in meta and value is not None:
-            self.only_with_schedule(parent, key, meta["schedule"], path)
+        if "only_with" in meta and value is not None:
+            selector, wanted = meta["only_with"]
+            selected = parent.get(selector, siblings[selector].default)
+            if selected != wanted:
+                where = _join(path.rpartition(".")[0], selector)
+                self.fail(
+                    path,
+                    f"{path} holds the settings of {where}={wanted}, but {where} is {selected}; "
+                    f"set {where}={wanted} or remove the block (~{path})",
+                )
         if "node" in meta:
             if value is not None:
                 self.node(value, meta["node"], path)
@@ -95,15 +108,6 @@ class _Walk:
                 self.unknown_name(path, value, registry)
         elif not meta.get("open") or not isinstance(value, DictConfig):
             self.value(value, annotation, spec.default is None, meta, path)
-
-    def only_with_schedule(self, update: DictConfig, key: str, schedule: str, path: str) -> None:
-        selected = update.get("schedule", "standard")
-        if selected != schedule:
-            self.fail(
-                path,
-                f"{path} holds the settings of algorithm.update.schedule={schedule}, but the schedule is {selected}; "
-                f"set algorithm.update.schedule={schedule} or remove the block (~{path})",
-            )
 
     # ------------------------------------------------------------------------------- values
 

@@ -26,10 +26,9 @@ import torch
 from rlbench.algorithm.registry import Registry
 from rlbench.errors import ConfigError
 
-REWARD_SHAPING = Registry("reward shaping")
-SHAPING_INPUTS = {
+REWARD_SHAPING = Registry("reward shaping", inputs=frozenset({
     "response_lengths", "finished", "max_length", "correct", "group_index", "response_texts", "first_tokens",
-}
+}))
 #: Functions whose value is the paper's whole reward rather than a term on top of the grader's.
 REPLACES_OUTCOME = {"cosine_length", "thinkless_mode"}
 
@@ -86,9 +85,9 @@ def cosine_length_reward(
 
     Short correct answers earn more than long ones; long wrong answers are punished less than short
     ones (more thinking when unsure). This is the whole reward (REPLACES_OUTCOME). Defaults are the
-    open-r1 values the Open-RS recipe uses (methods-b M47: 1.0/0.5 correct, -1.0/-0.5 wrong, no
-    truncation term); the paper's own values (r_0^c=2, r_L^c=1, r_0^w=-10, r_L^w=0, exceed -10)
-    are not in the reference docs (verify before using them). Lengths beyond L are clamped to L
+    open-r1 values the Open-RS recipe uses (1.0/0.5 correct, -1.0/-0.5 wrong, no truncation term);
+    the paper's own values (r_0^c=2, r_L^c=1, r_0^w=-10, r_L^w=0, exceed -10) are unverified here
+    (check arXiv:2502.03373 sec. 4.2 before using them). Lengths beyond L are clamped to L
     (open-r1's cosine would rise again there).
     """
     scale = max_length if length_scale is None else length_scale
@@ -136,7 +135,7 @@ def thinkless_mode_reward(
     wrong: float = -1.0,
 ) -> torch.Tensor:
     """Thinkless' mode-aware reward (Fang, Ma & Wang 2025, "Thinkless: LLM Learns When to Think",
-    arXiv:2505.13379; methods-b M12). The policy's first response token is a control token, <short>
+    arXiv:2505.13379). The policy's first response token is a control token, <short>
     or <think>, that picks the reasoning mode:
 
         R(y) = short_correct   (1.0)   if correct and the first token is <short>
@@ -180,7 +179,7 @@ def check_shapers(shapers: Sequence[tuple[str, Mapping[str, Any]]]) -> None:
         "first_tokens": [""],
     }
     for name, params in shapers:
-        REWARD_SHAPING.validate_params(name, params, SHAPING_INPUTS)
+        REWARD_SHAPING.validate_params(name, params)
         try:
             REWARD_SHAPING.call(name, probe, params)
         except (ValueError, TypeError) as err:

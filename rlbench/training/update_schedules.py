@@ -1,9 +1,10 @@
-"""The update schedules applied to a model: standard (trainer.policy_update), sfpo and trpo, plus the
-state an update keeps between training steps (value head, EWMA proximal policy, SFPO's switch).
+"""The update schedules' driver: standard (rlbench.training.update.standard_update; with a critic
+or decoupled PPO's EWMA proximal policy), sfpo and trpo, plus the state an update keeps between
+training steps (value head, EWMA proximal policy, SFPO's switch).
 
     state = make_update_state(algorithm, model)           # once per run
     optimizer over state.parameters(model)                # the policy and, with a critic, the value head
-    stats = update_policy(model, optimizer, batch, algorithm, state, ...)   # every step
+    stats = apply_update_schedule(model, optimizer, batch, algorithm, state, ...)   # every step
 
 The settings and the pure math (conjugate gradient, reposition, EWMA, entropy switch) live in
 rlbench.algorithm.schedules.
@@ -29,15 +30,9 @@ from rlbench.algorithm.schedules import (
     interpolate_,
     trust_region_scale,
 )
-from rlbench.trainer import (
-    TrainBatch,
-    UpdateMetrics,
-    micro_batches,
-    batch_norms,
-    micro_batch_loss,
-    policy_update,
-    token_outputs,
-)
+from rlbench.training.batch import TrainBatch, batch_norms, micro_batches
+from rlbench.training.forward import token_outputs
+from rlbench.training.update import UpdateMetrics, micro_batch_loss, standard_update
 
 
 class EWMAPolicy:
@@ -79,7 +74,7 @@ def make_update_state(algorithm: Algorithm, model: torch.nn.Module) -> UpdateSta
     )
 
 
-def update_policy(
+def apply_update_schedule(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     batch: TrainBatch,
@@ -87,14 +82,14 @@ def update_policy(
     state: UpdateState,
     **options: Any,
 ) -> dict[str, float]:
-    """One batch's update under ``algorithm.schedule``. ``options`` are policy_update's keyword
+    """One batch's update under ``algorithm.schedule``. ``options`` are standard_update's keyword
     arguments (micro_batch_size, max_grad_norm, temperature, norm_length, generator, progress)."""
     if algorithm.schedule == "trpo":
         return trpo_update(model, batch, algorithm, algorithm.schedule_settings, **options)
     options = {**options, "value_head": state.value_head, "proximal": state.proximal}
     if algorithm.schedule == "sfpo":
         return sfpo_update(model, optimizer, batch, algorithm, state, **options)
-    return policy_update(model, optimizer, batch, algorithm, **options)
+    return standard_update(model, optimizer, batch, algorithm, **options)
 
 
 def sfpo_update(
@@ -106,7 +101,7 @@ def sfpo_update(
     **options: Any,
 ) -> dict[str, float]:
     """Slow-Fast Policy Optimization (Wang et al. 2025, "Slow-Fast Policy Optimization:
-    Reposition-Before-Update for LLM Reasoning", arXiv:2510.04072; methods-a §10):
+    Reposition-Before-Update for LLM Reasoning", arXiv:2510.04072):
 
         theta_{k+1} = update(theta_k) for k = 0..K-1           (fast: K full passes over the batch)
         theta~      = theta_0 + alpha (theta_K - theta_0)       (reposition)
@@ -121,14 +116,14 @@ def sfpo_update(
     switch = state.sfpo_switch
     settings: SFPOSettings = algorithm.schedule_settings
     if switch is not None and not switch.active():
-        stats = policy_update(model, optimizer, batch, algorithm, **options)
+        stats = standard_update(model, optimizer, batch, algorithm, **options)
         switch.observe(stats.get("entropy", 0.0))
         return {**stats, "sfpo_active": 0.0}
     parameters = state.parameters(model)
     start = [p.detach().clone() for p in parameters]
-    passes = [policy_update(model, optimizer, batch, algorithm, **options) for _ in range(settings.fast_steps)]
+    passes = [standard_update(model, optimizer, batch, algorithm, **options) for _ in range(settings.fast_steps)]
     interpolate_(parameters, start, settings.alpha)
-    passes.append(policy_update(model, optimizer, batch, algorithm, **options))
+    passes.append(standard_update(model, optimizer, batch, algorithm, **options))
     stats = {key: sum(p[key] for p in passes) / len(passes) for key in passes[-1]}
     stats["optimizer_steps"] = sum(p["optimizer_steps"] for p in passes)
     if switch is not None:

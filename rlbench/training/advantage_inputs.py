@@ -1,6 +1,14 @@
 """Advantage inputs that need more than the training batch: extra rollouts, per-prompt state across
-steps, or the grader's extracted answers. The runner asks :class:`AdvantageInputSources` for them
-just before the advantage, and calls :meth:`AdvantageInputSources.after_update` after the policy step.
+steps, or the grader's extracted answers. The step (rlbench.training.step) asks
+:class:`AdvantageInputSources` for them just before the advantage, and calls
+:meth:`AdvantageInputSources.after_update` after the policy step.
+
+Adding such an input: name it in :data:`RUNNER_INPUTS` (and in
+rlbench.algorithm.composition.PROVIDED_ADVANTAGE_INPUTS, which lets an estimator ask for it), provide
+it in :meth:`AdvantageInputSources.before_advantage` (a source object when it keeps state or samples,
+built in :meth:`AdvantageInputSources.from_config`), and check its options in
+:func:`validate_step_options`. Extra rollouts go through the run's
+:class:`rlbench.rollout.groups.GroupSampler` with their own random stream (rlbench.utils).
 
     baseline_rewards  [B]   the reward of a baseline rollout of each response's prompt:
                             greedy    one greedy (temperature 0) response of the current policy (remax)
@@ -30,20 +38,20 @@ import copy
 import inspect
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Hashable, Sequence
 
 import torch
 
 from rlbench.algorithm import Algorithm
 from rlbench.algorithm.advantages import PVPOBaselineCache, SPOTracker
 from rlbench.algorithm.registry import ADVANTAGES
-from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
-from rlbench.group_sampling import DynamicSampling, GradedGroups, generate_and_grade
 from rlbench.reward.math import canonical_answer
-from rlbench.rollout.base import Completion, SamplingParams
-from rlbench.trainer import TrainBatch, batch_logprobs, collate
-from rlbench.utils import make_generator
+from rlbench.rollout import GradedGroups, GroupSampler, validate_strategy
+from rlbench.rollout.base import Completion, RolloutEngine, SamplingParams
+from rlbench.training.batch import TrainBatch, collate
+from rlbench.training.forward import batch_outputs
+from rlbench.utils import STREAM_GREEDY, STREAM_REFERENCE, make_generator
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +61,6 @@ BASELINE_SOURCES = ("greedy", "reference")
 DEFAULT_BASELINE_SOURCE = {"remax": "greedy", "pvpo": "reference"}
 BASELINE_KEYS = {"source", "samples", "refresh_every"}
 TRACKER_KEYS = {"rho_min", "rho_max", "d_half", "rho"}
-# Random streams of the extra rollouts (the runner's own streams are 1-4).
-STREAM_GREEDY, STREAM_REFERENCE = 11, 12
-
-# (problems, prompt ids, responses per prompt, sampling params, generator) -> graded groups
-GroupSampler = Callable[[list[Problem], list[tuple[int, ...]], int, SamplingParams, torch.Generator], GradedGroups]
 
 
 # ------------------------------------------------------------------------------ pure functions
@@ -194,17 +197,12 @@ def validate_step_options(cfg: Any, algorithm: Algorithm) -> None:
     prescribed = cfg.algorithm.get("rollout_n")
     if prescribed is not None and int(prescribed) != n:
         log.warning("algorithm '%s' prescribes rollout.n=%s; this run uses rollout.n=%d", algorithm.name, prescribed, n)
-    dynamic = DynamicSampling.from_config(cfg.algorithm)
-    if dynamic.enabled and n < 2:
+    if cfg.algorithm.get("dynamic_sampling") is not None:
         raise ConfigError(
-            f"algorithm.dynamic_sampling keeps groups whose responses differ, which needs rollout.n >= 2 (got {n}); "
-            "set algorithm.dynamic_sampling.enabled=false"
+            "algorithm.dynamic_sampling moved to the rollout strategy: select rollout=dynamic_sampling and set "
+            "rollout.dynamic_sampling.max_rounds / .metric (algorithm=dapo selects it; rollout=iid turns it off)"
         )
-    if dynamic.enabled and name == "spo":
-        raise ConfigError(
-            "advantage 'spo' does not combine with algorithm.dynamic_sampling: the tracker baseline already gives "
-            "all-equal groups a signal (SPO, arXiv:2509.13232); set algorithm.dynamic_sampling.enabled=false"
-        )
+    validate_strategy(cfg.rollout, name)
     if not isinstance(cfg.algorithm.get("overlong_filter", False), bool):
         raise ConfigError(f"algorithm.overlong_filter must be true or false, got {cfg.algorithm.get('overlong_filter')!r}")
     needs = needed_inputs(algorithm)
@@ -248,7 +246,7 @@ class GreedyBaseline:
         self.generator = generator
 
     def __call__(self, graded: GradedGroups) -> torch.Tensor:
-        greedy = self.sample(graded.problems, prompt_ids_of(graded), 1, self.params, self.generator)
+        greedy = self.sample(graded.problems, 1, self.params, self.generator, prompt_ids_of(graded))
         return greedy.rewards
 
 
@@ -262,7 +260,7 @@ class ReferenceAnchor:
     def __init__(
         self,
         sample: GroupSampler,
-        engine: Any,
+        engine: RolloutEngine,
         policy: torch.nn.Module,
         reference: torch.nn.Module,
         options: BaselineOptions,
@@ -286,8 +284,8 @@ class ReferenceAnchor:
             self.engine.sync_weights(self.reference)
             try:
                 reference = self.sample(
-                    [graded.problems[g] for g in groups], [prompt_ids[g] for g in groups],
-                    self.options.samples, self.params, self.generator,
+                    [graded.problems[g] for g in groups], self.options.samples, self.params, self.generator,
+                    [prompt_ids[g] for g in groups],
                 )
             finally:
                 self.engine.sync_weights(self.policy)
@@ -334,7 +332,7 @@ class SPOStream:
         return self.tracker.baseline(graded.uids)
 
     def _logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        return batch_logprobs(self.model, batch, self.micro_batch_size, self.temperature)[0]
+        return batch_outputs(self.model, batch, self.micro_batch_size, self.temperature).logp
 
     def policy_change(self, uids: Sequence[Hashable]) -> torch.Tensor:
         """[B] D of each uid's stored response under the current policy (0 for unseen uids)."""
@@ -377,31 +375,36 @@ class AdvantageInputSources:
         self.needs, self.baseline, self.spo = needs, baseline, spo
 
     @classmethod
-    def for_context(cls, cfg: Any, ctx: Any) -> "AdvantageInputSources":
-        """Build from the run config and the runner's StepContext (engine, model, grader, ...)."""
-        algorithm = ctx.algorithm
+    def from_config(
+        cls,
+        cfg: Any,
+        algorithm: Algorithm,
+        sampler: GroupSampler,
+        params: SamplingParams,
+        model: torch.nn.Module,
+        reference: torch.nn.Module | None,
+        micro_batch_size: int,
+        device: torch.device,
+    ) -> "AdvantageInputSources":
+        """The sources the estimator of ``algorithm`` needs, sampling with the run's ``sampler`` (its
+        engine samples from ``model``; PVPO's anchor from ``reference``, or a frozen copy of the
+        initial ``model`` when the algorithm keeps no reference)."""
         needs = needed_inputs(algorithm)
-
-        def sample(problems, prompt_ids, n, params, generator) -> GradedGroups:
-            return generate_and_grade(
-                ctx.engine, ctx.grader, algorithm.shape_rewards, problems, prompt_ids, n, params, generator, ctx.tokenizer
-            )
-
         baseline = None
         if "baseline_rewards" in needs:
             options = BaselineOptions.from_config(cfg.algorithm, algorithm.advantage.name)
             if options.source == "greedy":
-                baseline = GreedyBaseline(sample, ctx.params, make_generator(cfg.seed, STREAM_GREEDY))
+                baseline = GreedyBaseline(sampler, params, make_generator(cfg.seed, STREAM_GREEDY))
             else:
-                reference = ctx.reference if ctx.reference is not None else copy.deepcopy(ctx.model).eval().requires_grad_(False)
+                frozen = reference if reference is not None else copy.deepcopy(model).eval().requires_grad_(False)
                 baseline = ReferenceAnchor(
-                    sample, ctx.engine, ctx.model, reference, options, ctx.params, make_generator(cfg.seed, STREAM_REFERENCE)
+                    sampler, sampler.engine, model, frozen, options, params, make_generator(cfg.seed, STREAM_REFERENCE)
                 )
         spo = None
         if "tracker_baseline" in needs:
-            temperature = ctx.params.temperature if ctx.params.temperature > 0 else 1.0
-            spo = SPOStream(tracker_from_config(cfg.algorithm), ctx.model, ctx.tokenizer.pad_token_id,
-                            ctx.micro_batch_size, temperature, ctx.device)
+            temperature = params.temperature if params.temperature > 0 else 1.0
+            spo = SPOStream(tracker_from_config(cfg.algorithm), model, sampler.tokenizer.pad_token_id,
+                            micro_batch_size, temperature, device)
         return cls(needs, baseline, spo)
 
     def before_advantage(self, graded: GradedGroups, batch: TrainBatch) -> tuple[dict[str, torch.Tensor], dict[str, float]]:

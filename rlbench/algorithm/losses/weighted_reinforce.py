@@ -1,0 +1,217 @@
+"""The REINFORCE family: l_t = -w_t A_t logp_t with a stop-gradient weight w_t (1, a clipped IS
+weight, or a regularised one): REINFORCE, CISPO, and the off-policy REC / OPMD / AsymRE losses.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlbench.algorithm.losses.common import _ratio_metrics, log_ratio
+from rlbench.algorithm.registry import POLICY_LOSSES
+
+
+def _weighted_reinforce(
+    logp: torch.Tensor, advantages: torch.Tensor, weight: torch.Tensor | None = None
+) -> torch.Tensor:
+    """l_t = -sg(w_t) A_t logp_t  (w = 1 when None): gradient -w A grad logp."""
+    loss = -advantages * logp
+    return loss if weight is None else weight.detach() * loss
+
+
+@POLICY_LOSSES.register("reinforce")
+def reinforce_loss(
+    logp: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """REINFORCE (Williams 1992, "Simple statistical gradient-following algorithms for
+    connectionist reinforcement learning", Machine Learning 8:229-256), as used by GPG (Chu et al.
+    2025, "GPG: A Simple and Strong Reinforcement Learning Baseline for Model Reasoning",
+    arXiv:2504.02546; verl's ``gpg`` loss).
+
+        l_t = -A_t logp_t        (no ratio, no clipping; on-policy by construction)
+    Metrics: none.
+    """
+    mask = response_mask.to(logp.dtype)
+    return _weighted_reinforce(logp, advantages) * mask, {}
+
+
+#: Why CISPO refuses a sequence-level importance ratio.
+CISPO_TOKEN_RATIO_ONLY = (
+    "sequence-level importance ratio: CISPO clips a per-token IS weight that multiplies "
+    "that token's logp gradient; a sequence ratio has no per-token weight to clip (undefined)",
+)
+
+
+def _cispo(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    lower: float | None,
+    upper: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """l_t = -sg(clip(rho_t, lower, upper)) A_t logp_t (see the two registered wrappers)."""
+    lr = log_ratio(logp, old_logp)
+    ratio = torch.exp(lr)
+    weight = ratio.clamp(lower, upper)
+    mask = response_mask.to(ratio.dtype)
+    metrics = _ratio_metrics(lr, ratio, mask, cispo_clip_fraction=weight != ratio)
+    return _weighted_reinforce(logp, advantages, weight) * mask, metrics
+
+
+@POLICY_LOSSES.register(
+    "cispo_upper", ratio_level="token", paper_aggregation="token_mean", conflicts=CISPO_TOKEN_RATIO_ONLY
+)
+def cispo_upper_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    ratio_max: float = 5.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO with an upper cap only, TRL's semantics (MiniMax 2025, "MiniMax-M1: Scaling
+    Test-Time Compute Efficiently with Lightning Attention", arXiv:2506.13585).
+
+        l_t = -sg(min(rho_t, ratio_max)) A_t logp_t
+    ratio_max is an ABSOLUTE ratio (TRL's ``epsilon_high`` for cispo; ScaleRL, arXiv:2510.13786,
+    recommends 5.0), not 1 + epsilon; values <= 1 are rejected as a likely relative epsilon.
+    The gradient flows only through logp, so clipped tokens keep a (capped) gradient; the loss
+    value is not a surrogate estimate. verl's ``cispo`` is cispo_two_sided.
+    Metrics: approx_kl, ratio_mean, cispo_clip_fraction.
+    """
+    if ratio_max <= 1.0:
+        raise ValueError(f"ratio_max is an absolute ratio cap and must be > 1, got {ratio_max}")
+    return _cispo(logp, old_logp, advantages, response_mask, None, ratio_max)
+
+
+@POLICY_LOSSES.register(
+    "cispo_two_sided", ratio_level="token", paper_aggregation="token_mean", conflicts=CISPO_TOKEN_RATIO_ONLY
+)
+def cispo_two_sided_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO with a two-sided clip, verl's semantics (MiniMax 2025, "MiniMax-M1: Scaling
+    Test-Time Compute Efficiently with Lightning Attention", arXiv:2506.13585).
+
+        l_t = -sg(clip(rho_t, 1 - clip_low, 1 + clip_high)) A_t logp_t
+    The paper's r^ = clip(r, 1 - e_low^IS, 1 + e_high^IS); it effectively leaves the lower bound
+    open (cispo_upper). Equals cispo_upper whenever every ratio lies in
+    [1 - clip_low, min(1 + clip_high, ratio_max)]. Metrics: as cispo_upper.
+    """
+    return _cispo(logp, old_logp, advantages, response_mask, 1.0 - clip_low, 1.0 + clip_high)
+
+
+CLIP_MODES = ("none", "one_side", "two_side")
+
+
+WEIGHTINGS = ("none", "importance")
+
+
+def _regularised_reinforce(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_mode: str = "none",
+    weighting: str = "none",
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    reg_coef: float = 0.0,
+    baseline_shift: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The REC family (see rec_loss): -w M (A + delta) logp + (tau/2)(logp - old_logp)^2."""
+    if clip_mode not in CLIP_MODES:
+        raise ValueError(f"clip_mode must be one of {CLIP_MODES}, got {clip_mode!r}")
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+    lr = log_ratio(logp, old_logp)
+    ratio = torch.exp(lr)
+    adv = advantages + baseline_shift
+    with torch.no_grad():
+        if clip_mode == "one_side":
+            keep = ~(((adv > 0) & (ratio > 1.0 + clip_high)) | ((adv < 0) & (ratio < 1.0 - clip_low)))
+        elif clip_mode == "two_side":
+            keep = (ratio >= 1.0 - clip_low) & (ratio <= 1.0 + clip_high)
+        else:
+            keep = torch.ones_like(ratio, dtype=torch.bool)
+        weight = keep * (ratio if weighting == "importance" else 1.0)
+    loss = _weighted_reinforce(logp, adv, weight) + 0.5 * reg_coef * lr**2
+    mask = response_mask.to(ratio.dtype)
+    return loss * mask, _ratio_metrics(lr, ratio, mask, masked_fraction=~keep)
+
+
+@POLICY_LOSSES.register("rec", paper_aggregation="seq_mean_token_sum")
+def rec_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_mode: str = "none",
+    weighting: str = "none",
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    reg_coef: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """REC, off-policy group-relative REINFORCE (Yao et al. 2025, "Group-Relative REINFORCE Is
+    Secretly an Off-Policy Algorithm: Demystifying Some Myths About GRPO and Its Friends",
+    arXiv:2509.24203).
+
+        l_t = -w_t M_t A_t logp_t + (reg_coef / 2) (logp_t - old_logp_t)^2
+        M (clip_mode): none | one_side: drop A>0 & rho>1+e_h and A<0 & rho<1-e_l (the tokens PPO
+                       freezes) | two_side: drop rho outside [1-e_l, 1+e_h]
+        w (weighting): none -> 1 | importance -> sg(rho)
+    The paper's A = R_i - mean R (no std: pair with the dr_grpo advantage) and divides by the
+    batch size (seq_mean_token_sum). The "ring" mask and advantage-based weighting of the
+    paper are not implemented (not specified precisely enough here to implement). With
+    on-policy data every variant has the REINFORCE gradient. Metrics: approx_kl, ratio_mean,
+    masked_fraction.
+    """
+    return _regularised_reinforce(
+        logp, old_logp, advantages, response_mask,
+        clip_mode=clip_mode, weighting=weighting, clip_low=clip_low, clip_high=clip_high, reg_coef=reg_coef,
+    )
+
+
+@POLICY_LOSSES.register("opmd")
+def opmd_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    tau: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """OPMD as regularised REINFORCE (Kimi Team 2025, "Kimi k1.5: Scaling Reinforcement Learning
+    with LLMs", arXiv:2501.12599; in the REC form of arXiv:2509.24203).
+
+        l_t = -A_t logp_t + (tau / 2) (logp_t - old_logp_t)^2
+    The regulariser is per token (the papers write it on log-probs without fixing token vs
+    sequence level); its gradient is 0 at theta = theta_old. = rec(reg_coef=tau).
+    Metrics: as rec.
+    """
+    return _regularised_reinforce(logp, old_logp, advantages, response_mask, reg_coef=tau)
+
+
+@POLICY_LOSSES.register("asymre")
+def asymre_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    baseline_shift: float = 0.1,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Asymmetric REINFORCE (Arnal et al. 2025, "Asymmetric REINFORCE for off-Policy Reinforcement
+    Learning: Balancing positive and negative rewards", arXiv:2506.20520).
+
+        A'_t = R_i - (mean R - delta) = A_t + delta,    l_t = -A'_t logp_t
+    A lowered baseline (delta = baseline_shift > 0) up-weights positive samples under off-policy
+    data; meant for un-normalised advantages A = R - mean R (dr_grpo). = rec with the shift.
+    Metrics: as rec.
+    """
+    return _regularised_reinforce(logp, old_logp, advantages, response_mask, baseline_shift=baseline_shift)

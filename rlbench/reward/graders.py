@@ -1,0 +1,44 @@
+"""The grader of a dataset or benchmark, from the ``reward`` config group."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlbench.errors import ConfigError
+from rlbench.reward.math import MathReward
+from rlbench.reward.toy import EvenTokenReward
+
+
+def make_grader(reward_cfg: Any, data_spec: Any, sandbox_cfg: Any = None) -> Any:
+    """The grader of one dataset or benchmark.
+
+    ``reward.name``: ``even_tokens`` (toy) grades everything with the toy reward. Otherwise the
+    spec's ``answer_type`` decides: ``code`` runs the tests in the sandbox (reward=code sets its
+    mode and values; on a math run a code benchmark is graded all-pass), ``math`` checks the answer
+    (reward=math sets the values; on a code run a math benchmark gets the default math grader).
+    """
+    if reward_cfg.name == "even_tokens":
+        return EvenTokenReward(threshold=reward_cfg.get("threshold", 0.75))
+    if reward_cfg.name not in ("math", "code"):
+        raise ConfigError(f"reward={reward_cfg.name} is unknown; choose math, code or even_tokens")
+    own = reward_cfg if reward_cfg.name == data_spec.get("answer_type", "math") else {}
+    if data_spec.get("answer_type", "math") == "code":
+        from rlbench.reward.code import CodeReward
+        from rlbench.sandbox import limits_from_config
+
+        return CodeReward(
+            mode=own.get("mode", "all_pass"),
+            correct_reward=own.get("correct_reward", 1.0),
+            incorrect_reward=own.get("incorrect_reward", 0.0),
+            limits=limits_from_config(sandbox_cfg),
+            workers=(sandbox_cfg or {}).get("workers"),
+        )
+    extraction = own.get("extraction") or data_spec.get("reward_extraction") or "auto"
+    return MathReward(
+        correct_reward=own.get("correct_reward", 1.0),
+        incorrect_reward=own.get("incorrect_reward", 0.0),
+        format_weight=own.get("format_weight", 0.0),
+        tolerance=own.get("tolerance", 1e-6),
+        extraction=extraction,
+        verify_timeout_s=own.get("verify_timeout_s", 5.0),
+    )

@@ -1,0 +1,145 @@
+"""Graded groups: what a rollout strategy returns. A group is the responses of one prompt, graded
+against the prompt's problem and rewarded with the algorithm's reward shaping; each group carries an
+explicit id.
+
+:class:`GroupSampler` is the one way to produce them: encode the prompts, ask the engine for ``n``
+responses each, grade them, shape the rewards. Strategies (rlbench.rollout.strategy) decide which
+prompts to sample and which groups to keep; advantage inputs that need extra rollouts (ReMax's
+greedy baseline, PVPO's reference anchor) call the same sampler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from rlbench.dataset.base import Problem
+from rlbench.prompting import encode_prompts
+from rlbench.reward import grade_completions
+from rlbench.reward.math import Grade
+from rlbench.rollout.base import Completion, GenerationRequest, RolloutEngine, SamplingParams
+
+
+@dataclass
+class GradedGroups:
+    """Graded responses, grouped per prompt. Per-group fields have one entry per group; per-response
+    fields are flat, group after group.
+
+    group_ids [G] the id of each group: unique within a training step, assigned by the strategy in
+                  the order the groups were generated (a group keeps its id through selection, so
+                  a strategy that drops or regroups responses still names where each came from)
+    rewards   [B] the reward after the algorithm's reward shaping (what the advantage sees)
+    outcome   [B] the graders' rewards, before shaping
+    finished  [B] bool, True when the response ended with EOS
+    """
+
+    problems: list[Problem]
+    groups: list[list[Completion]]
+    grades: list[Grade]
+    rewards: torch.Tensor
+    outcome: torch.Tensor
+    finished: torch.Tensor
+    group_ids: list[int]
+
+    @property
+    def group_index(self) -> torch.Tensor:
+        """[B] long: the position (0..G-1) in this batch of each response's group."""
+        sizes = torch.tensor([len(group) for group in self.groups], dtype=torch.long)
+        return torch.arange(len(self.groups)).repeat_interleave(sizes)
+
+    @property
+    def response_group_ids(self) -> torch.Tensor:
+        """[B] long: the group id of each response."""
+        return torch.tensor([gid for gid, group in zip(self.group_ids, self.groups) for _ in group], dtype=torch.long)
+
+    @property
+    def correct(self) -> torch.Tensor:
+        return torch.tensor([float(grade.correct) for grade in self.grades])
+
+    @property
+    def uids(self) -> list[str]:
+        """The problem uid of every response."""
+        return [problem.uid for problem, group in zip(self.problems, self.groups) for _ in group]
+
+    def with_group_ids(self, first_id: int) -> "GradedGroups":
+        """The same groups numbered first_id, first_id + 1, ... in order."""
+        ids = list(range(first_id, first_id + len(self.groups)))
+        return GradedGroups(self.problems, self.groups, self.grades, self.rewards, self.outcome, self.finished, ids)
+
+    def select(self, positions: Sequence[int]) -> "GradedGroups":
+        """The groups at ``positions`` (0..G-1), in that order, keeping their ids."""
+        index = self.group_index
+        rows = [row for g in positions for row in (index == g).nonzero(as_tuple=True)[0].tolist()]
+        take = torch.tensor(rows, dtype=torch.long)
+        return GradedGroups(
+            problems=[self.problems[g] for g in positions],
+            groups=[self.groups[g] for g in positions],
+            grades=[self.grades[row] for row in rows],
+            rewards=self.rewards[take],
+            outcome=self.outcome[take],
+            finished=self.finished[take],
+            group_ids=[self.group_ids[g] for g in positions],
+        )
+
+    @staticmethod
+    def concat(parts: Sequence["GradedGroups"]) -> "GradedGroups":
+        return GradedGroups(
+            problems=[p for part in parts for p in part.problems],
+            groups=[g for part in parts for g in part.groups],
+            grades=[g for part in parts for g in part.grades],
+            rewards=torch.cat([part.rewards for part in parts]),
+            outcome=torch.cat([part.outcome for part in parts]),
+            finished=torch.cat([part.finished for part in parts]),
+            group_ids=[i for part in parts for i in part.group_ids],
+        )
+
+
+def shaping_inputs(groups: Sequence[Sequence[Completion]], grades: Sequence[Grade], max_length: int, tokenizer: Any) -> dict[str, Any]:
+    """What reward-shaping functions may read (rlbench/algorithm/shaping.py lists the inputs)."""
+    flat = [c for group in groups for c in group]
+    sizes = torch.tensor([len(group) for group in groups], dtype=torch.long)
+    return {
+        "response_lengths": torch.tensor([len(c.response_ids) for c in flat], dtype=torch.long),
+        "finished": torch.tensor([c.finished for c in flat], dtype=torch.bool),
+        "max_length": max_length,
+        "correct": torch.tensor([bool(g.correct) for g in grades], dtype=torch.bool),
+        "group_index": torch.arange(len(groups)).repeat_interleave(sizes),
+        "response_texts": [c.text for c in flat],
+        "first_tokens": [tokenizer.decode(c.response_ids[:1]) if c.response_ids else "" for c in flat],
+    }
+
+
+@dataclass
+class GroupSampler:
+    """Prompts -> graded groups: encode each problem's prompt, sample ``n`` responses per prompt, grade
+    each against its problem (one batch call for graders that run programs in parallel) and apply the
+    reward shaping (``shape_rewards(rewards, inputs)``, i.e. ``Algorithm.shape_rewards``, with
+    :func:`shaping_inputs`). Groups are numbered 0..G-1."""
+
+    engine: RolloutEngine
+    grader: Any
+    tokenizer: Any
+    prompt_spec: Mapping[str, Any]
+    shape_rewards: Callable[[torch.Tensor, dict[str, Any]], torch.Tensor]
+
+    def __call__(
+        self,
+        problems: Sequence[Problem],
+        n: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        prompt_ids: Sequence[tuple[int, ...]] | None = None,
+    ) -> GradedGroups:
+        """``prompt_ids``: the encoded prompts when the caller has them (else they are encoded here)."""
+        if prompt_ids is None:
+            prompt_ids = encode_prompts(self.tokenizer, problems, self.prompt_spec)
+        requests = [GenerationRequest(prompt_ids=ids, n=n) for ids in prompt_ids]
+        groups = self.engine.generate(requests, params, generator=generator)
+        flat = [c for group in groups for c in group]
+        grades = grade_completions(self.grader, [p for p, group in zip(problems, groups) for _ in group], flat)
+        outcome = torch.tensor([g.reward for g in grades], dtype=torch.float32)
+        inputs = shaping_inputs(groups, grades, params.max_new_tokens, self.tokenizer)
+        rewards = self.shape_rewards(outcome, inputs).to(torch.float32)
+        return GradedGroups(list(problems), groups, grades, rewards, outcome, inputs["finished"], list(range(len(groups))))

@@ -1,0 +1,99 @@
+"""The rollout-strategy seam: how a training step turns prompts into graded groups.
+
+A strategy is selected by ``conf/rollout/<strategy>.yaml`` (``rollout.strategy``); the engine that
+generates (``rollout.engine``: hf | vllm) is a sub-choice every strategy shares. The step calls
+
+    groups, metrics = strategy.rollout(problems, draw_prompts)
+
+and trains on ``groups`` (:class:`rlbench.rollout.groups.GradedGroups`: responses grouped per
+prompt, graded, reward-shaped, each group with an explicit id). ``draw_prompts(k)`` gives k more
+training problems for strategies that sample beyond the step's own prompts.
+
+Adding a strategy is one module and one YAML: a class registered with :func:`register_strategy`,
+with ``from_config(rollout_cfg, setup)`` (build from the ``rollout`` node and the shared
+:class:`RolloutSetup`), ``validate(rollout_cfg, advantage)`` (refuse impossible settings before the
+model loads; ``advantage`` is the estimator's name) and ``rollout(problems, draw_prompts)``; and
+``conf/rollout/<name>.yaml`` with ``defaults: [iid, _self_]``, ``strategy: <name>`` and the
+strategy's own block. Import the module in rlbench/rollout/__init__.py so that it registers.
+
+Shaped for what comes next (not implemented yet):
+
+* tree / segment strategies (TreeRL, segment rollouts) branch from shared prefixes: they send the
+  engine requests with ``prefix_ids`` (the prefix is returned and scored as part of the response) and
+  a per-request ``n``; the responses sharing a root prompt form one group, whatever request produced
+  them, which is why groups carry ids rather than being positions in a request list;
+* multi-turn tool use (code-interpreter turns): a strategy alternates generation and tool calls and
+  returns the tool's output tokens inside the response; they must not be trained on, so such a
+  group carries a per-token loss mask (1 for policy tokens, 0 for tool output) that the batch
+  multiplies into its response mask (as DAPO's overlong filter does per response);
+* pairwise / preference objectives over the responses of a group read the group as it is: its
+  responses, rewards and id, from which the loss forms pairs inside each group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import torch
+
+from rlbench.dataset.base import Problem
+from rlbench.errors import ConfigError
+from rlbench.rollout.base import SamplingParams
+from rlbench.rollout.groups import GradedGroups, GroupSampler
+
+DEFAULT_STRATEGY = "iid"
+
+
+@dataclass(frozen=True)
+class RolloutSetup:
+    """What every strategy samples with: the sampler (engine, grader, reward shaping), the group size
+    ``n`` (rollout.n), the sampling parameters and the rollout's random stream."""
+
+    sampler: GroupSampler
+    n: int
+    params: SamplingParams
+    generator: torch.Generator | None
+
+    def sample(self, problems: list[Problem]) -> GradedGroups:
+        """``n`` graded responses for each of ``problems``."""
+        return self.sampler(problems, self.n, self.params, self.generator)
+
+
+class RolloutStrategy(Protocol):
+    def rollout(
+        self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None
+    ) -> tuple[GradedGroups, dict[str, float]]:
+        """The step's graded groups (one per prompt of ``problems`` unless the strategy says otherwise)
+        and the strategy's metrics."""
+        ...
+
+
+STRATEGIES: dict[str, type] = {}
+
+
+def register_strategy(name: str) -> Callable[[type], type]:
+    def register(cls: type) -> type:
+        if name in STRATEGIES:
+            raise ValueError(f"rollout strategy {name!r} is registered twice")
+        STRATEGIES[name] = cls
+        return cls
+
+    return register
+
+
+def strategy_class(rollout_cfg: Any) -> type:
+    """The class of ``rollout.strategy``; ConfigError naming the registered strategies if unknown."""
+    name = rollout_cfg.get("strategy", DEFAULT_STRATEGY)
+    if name not in STRATEGIES:
+        raise ConfigError(f"rollout.strategy={name!r} is unknown; choose one of {sorted(STRATEGIES)} (conf/rollout/)")
+    return STRATEGIES[name]
+
+
+def validate_strategy(rollout_cfg: Any, advantage: str) -> None:
+    """Refuse an unknown strategy or impossible strategy settings (before anything is loaded)."""
+    strategy_class(rollout_cfg).validate(rollout_cfg, advantage)
+
+
+def make_strategy(rollout_cfg: Any, setup: RolloutSetup) -> RolloutStrategy:
+    return strategy_class(rollout_cfg).from_config(rollout_cfg, setup)

@@ -1,0 +1,13 @@
+"""Training: one step of rollout -> reward -> advantage inputs -> advantages -> update -> metrics.
+
+    step.py              train_step and its named stages; StepContext, built once by make_step_context
+    loop.py              the loop over steps (prompt order, steps without trainable tokens)
+    batch.py             TrainBatch, collate, micro-batches, DAPO's overlong mask
+    forward.py           token_outputs: the one function for token log-probs (entropy, values)
+    update.py            the micro-batch objective and the standard update schedule
+    update_schedules.py  the schedules' driver: standard, sfpo, trpo, the EWMA proximal policy
+    advantage_inputs.py  inputs that need more than the batch (ReMax/PVPO baselines, SPO tracker,
+                         polychromic answer keys) and the checks of their options
+
+Dependencies point one way: rlbench.algorithm <- rlbench.rollout <- rlbench.training <- rlbench.runner.
+"""

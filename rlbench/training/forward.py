@@ -1,0 +1,171 @@
+"""The forward pass: one function, :func:`token_outputs`, gives the per-token log-probs (and on
+request entropies, critic values, the full distribution) of a batch's responses; every log-prob the
+step needs (sampling pass, reference, proximal policy, SPO's stored responses) comes from it.
+
+The batch layout (left-padded prompts, right-padded responses) is described in
+rlbench.training.batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rlbench.training.batch import TrainBatch, micro_batches
+
+
+def autocast_context(device: torch.device | str) -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA; nothing on CPU (float32 there)."""
+    if torch.device(device).type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _last_hidden(out: object, with_hidden: bool) -> torch.Tensor | None:
+    """The final (post-norm) hidden states of a forward run with output_hidden_states."""
+    return out.hidden_states[-1] if with_hidden else None
+
+
+def _logits_per_row(
+    model: torch.nn.Module, batch: TrainBatch, with_hidden: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logits that predict each response token, [B, T, V], one forward over every full row; with
+    ``with_hidden`` also the final hidden states at the same positions ([B, T, H])."""
+    T = batch.response_mask.shape[1]
+    position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=position_ids,
+        logits_to_keep=T + 1,
+        use_cache=False,
+        output_hidden_states=with_hidden,
+    )
+    hidden = _last_hidden(out, with_hidden)
+    return out.logits[:, -(T + 1) : -1, :], None if hidden is None else hidden[:, -(T + 1) : -1, :]
+
+
+def _logits_shared_prompts(
+    model: torch.nn.Module, batch: TrainBatch, with_hidden: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Same logits (and hidden states) as :func:`_logits_per_row`, running each distinct prompt only once.
+
+    Responses of one group share their prompt (same tokens, same left padding). The prompt pass runs
+    on one row per group and keeps its key/value cache, which is gathered to the group's rows
+    (differentiably, so gradients flow back into the shared prompt pass); the response pass then
+    runs on the response tokens alone. The logit that predicts response token 0 is the prompt
+    pass's last position.
+    """
+    P, T = batch.prompt_width, batch.response_mask.shape[1]
+    groups, row_to_group = torch.unique(batch.group_index, return_inverse=True)
+    rows = torch.arange(batch.size, device=batch.input_ids.device)
+    first_row = torch.full((len(groups),), batch.size, device=rows.device).scatter_reduce(
+        0, row_to_group, rows, reduce="amin"
+    )
+    prompt_mask = batch.attention_mask[first_row, :P]
+    prompt_out = model(
+        input_ids=batch.input_ids[first_row, :P],
+        attention_mask=prompt_mask,
+        position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
+        logits_to_keep=1,
+        use_cache=True,
+        output_hidden_states=with_hidden,
+    )
+    first_logits = prompt_out.logits[row_to_group]  # [B, 1, V]
+    prompt_hidden = _last_hidden(prompt_out, with_hidden)
+    first_hidden = None if prompt_hidden is None else prompt_hidden[row_to_group, -1:, :]  # [B, 1, H]
+    if T == 1:
+        return first_logits, first_hidden
+    # transformers >= 5.x names the cache `cache` (older releases: `past_key_values`)
+    cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache = getattr(prompt_out, cache_name)
+    cache.reorder_cache(row_to_group)  # one cache row per response row
+    full_mask = batch.attention_mask[:, : P + T - 1]
+    response_out = model(
+        input_ids=batch.input_ids[:, P : P + T - 1],
+        attention_mask=full_mask,
+        position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0)[:, P:],
+        use_cache=True,
+        output_hidden_states=with_hidden,
+        **{cache_name: cache},
+    )
+    logits = torch.cat([first_logits, response_out.logits], dim=1)
+    response_hidden = _last_hidden(response_out, with_hidden)
+    return logits, None if response_hidden is None else torch.cat([first_hidden, response_hidden], dim=1)
+
+
+@dataclass
+class TokenOutputs:
+    """What one forward pass gives for every response token of a (sub-)batch."""
+
+    logp: torch.Tensor  # [B, T] log pi(o_t | q, o_<t)
+    entropy: torch.Tensor | None = None  # [B, T] entropy of pi(. | q, o_<t)
+    values: torch.Tensor | None = None  # [B, T] critic values V(q, o_<t) (value head on the same state)
+    log_probs: torch.Tensor | None = None  # [B, T, V] the whole distribution (trust-region KL)
+
+
+def token_outputs(
+    model: torch.nn.Module,
+    batch: TrainBatch,
+    temperature: float = 1.0,
+    *,
+    with_entropy: bool = False,
+    share_prompts: bool = True,
+    entropy_requires_grad: bool = True,
+    value_head: torch.nn.Module | None = None,
+    with_log_probs: bool = False,
+) -> TokenOutputs:
+    """log pi(o_t | q, o_<t) for every response token, and on request the entropy of
+    pi(. | q, o_<t), the critic value ``value_head(h_t)`` of the hidden state that predicts o_t, and
+    the full-vocabulary log-probs. Logits are divided by ``temperature`` (the sampling
+    temperature), so that the ratio compares the distribution that was actually sampled from. With
+    ``share_prompts`` each distinct prompt runs once (see :func:`_logits_shared_prompts`); the
+    result is the same."""
+    T = batch.response_mask.shape[1]
+    shared = share_prompts and int(torch.unique(batch.group_index).numel()) < batch.size
+    forward = _logits_shared_prompts if shared else _logits_per_row
+    with autocast_context(batch.input_ids.device):
+        logits, hidden = forward(model, batch, with_hidden=value_head is not None)
+    logits = logits.float()
+    if temperature and temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    log_probs = F.log_softmax(logits, dim=-1)
+    targets = batch.input_ids[:, batch.prompt_width : batch.prompt_width + T]
+    logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        # Only an entropy bonus needs its gradient; for logging and entropy-aware pieces (which
+        # detach it) skip the autograd graph over the [B, T, vocab] probabilities.
+        with torch.set_grad_enabled(entropy_requires_grad and torch.is_grad_enabled()):
+            entropy = -(log_probs.exp() * log_probs).sum(-1)
+    values = value_head(hidden) if value_head is not None else None
+    return TokenOutputs(logp, entropy, values, log_probs if with_log_probs else None)
+
+
+@torch.no_grad()
+def batch_outputs(
+    model: torch.nn.Module,
+    batch: TrainBatch,
+    micro_batch_size: int,
+    temperature: float,
+    with_entropy: bool = False,
+    value_head: torch.nn.Module | None = None,
+) -> TokenOutputs:
+    """Log-probs, and optionally entropies and critic values, of the whole batch without gradient
+    ([B, T] each, zero on padding)."""
+    def zeros() -> torch.Tensor:
+        return torch.zeros_like(batch.response_mask)
+
+    result = TokenOutputs(zeros(), zeros() if with_entropy else None, zeros() if value_head is not None else None)
+    for rows in micro_batches(torch.arange(batch.size, device=batch.input_ids.device), micro_batch_size):
+        sub = batch.select(rows)
+        out = token_outputs(model, sub, temperature, with_entropy=with_entropy, value_head=value_head)
+        for name in ("logp", "entropy", "values"):
+            target, part = getattr(result, name), getattr(out, name)
+            if target is not None:
+                target[rows, : part.shape[1]] = part * sub.response_mask
+    return result

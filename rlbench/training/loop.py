@@ -1,0 +1,69 @@
+"""The training loop: steps over a seeded order of the training problems, logging each step, and
+saying so when steps learn nothing (no trainable token in the loss)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from rlbench.dataset.base import Problem
+from rlbench.training.step import StepContext, train_step
+from rlbench.utils import STREAM_DATA_ORDER, Progress
+
+log = logging.getLogger(__name__)
+
+
+class PromptSampler:
+    """Shuffled passes over the training problems; the order is a function of the seed alone."""
+
+    def __init__(self, problems: list[Problem], seed: int):
+        self.problems = problems
+        self.rng = np.random.default_rng([seed, STREAM_DATA_ORDER])
+        self.order: list[int] = []
+
+    def next(self, count: int) -> list[Problem]:
+        batch = []
+        while len(batch) < count:
+            if not self.order:
+                self.order = self.rng.permutation(len(self.problems)).tolist()
+            batch.append(self.problems[self.order.pop()])
+        return batch
+
+
+class UntrainedSteps:
+    """Counts the steps whose loss had no trainable token (metric ``trainable_tokens`` = 0): their
+    gradient is zero, so the policy did not learn from them (e.g. DAPO's overlong filter masking
+    every response that hit rollout.max_new_tokens). Warns once per run."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def observe(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
+        """``metrics`` plus ``steps_without_trainable_tokens`` (cumulative)."""
+        if metrics.get("trainable_tokens", 1.0) == 0:
+            self.count += 1
+            if self.count == 1:
+                log.warning(
+                    "step %d: the loss has no trainable token (every response masked%s), so this step learned "
+                    "nothing; such steps are counted in steps_without_trainable_tokens (metrics.jsonl, summary.json)",
+                    step, f", truncated_rate={metrics['truncated_rate']:.2f}" if "truncated_rate" in metrics else "",
+                )
+        return {**metrics, "steps_without_trainable_tokens": float(self.count)}
+
+
+def train(cfg: Any, ctx: StepContext, problems: list[Problem], logger: Any) -> dict[str, Any]:
+    """``cfg.trainer.steps`` steps of ``cfg.trainer.prompts_per_step`` prompts. Returns what the run's
+    summary reports about training."""
+    sampler = PromptSampler(problems, cfg.seed)
+    progress = Progress("train", cfg.trainer.steps)
+    untrained = UntrainedSteps()
+    for step in range(1, cfg.trainer.steps + 1):
+        progress_fraction = (step - 1) / cfg.trainer.steps
+        metrics = train_step(
+            ctx, sampler.next(cfg.trainer.prompts_per_step), progress=progress_fraction, draw_prompts=sampler.next
+        )
+        logger.log_step(step, untrained.observe(step, metrics))
+        progress.update(1, note=f"reward {metrics['reward_mean']:.3f} acc {metrics['accuracy']:.3f}")
+    return {"steps_without_trainable_tokens": untrained.count}

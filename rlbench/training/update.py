@@ -1,0 +1,153 @@
+"""One update of the policy on a batch: the micro-batch objective, the metrics of an update, and the
+standard schedule (``epochs`` passes over ``minibatches`` optimizer batches, gradients accumulated
+over micro-batches). The other schedules (sfpo, trpo) are in rlbench.training.update_schedules.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rlbench.algorithm import Algorithm
+from rlbench.training.batch import TrainBatch, batch_norms, micro_batches
+from rlbench.training.forward import TokenOutputs, token_outputs
+
+ADDITIVE_METRICS = {"policy_loss", "kl", "value_loss"}
+
+
+def micro_batch_loss(
+    model: torch.nn.Module,
+    sub: TrainBatch,
+    algorithm: Algorithm,
+    norms: dict[str, int],
+    temperature: float,
+    *,
+    track_entropy: bool = True,
+    progress: float = 0.0,
+    value_head: torch.nn.Module | None = None,
+    proximal_model: torch.nn.Module | None = None,
+    with_log_probs: bool = False,
+) -> tuple[torch.Tensor, dict[str, float], TokenOutputs]:
+    """The objective of one micro-batch (with gradient), its metrics and the forward's outputs.
+
+    Without stored old log-probs (one on-policy update) pi_old is the detached current policy
+    (ratio 1); likewise V_old for the value clip. ``proximal_model`` (decoupled PPO) supplies
+    ``prox_logp`` from its own no-grad forward."""
+    out = token_outputs(
+        model, sub, temperature, with_entropy=track_entropy or algorithm.uses_entropy_bonus,
+        entropy_requires_grad=algorithm.uses_entropy_bonus, value_head=value_head, with_log_probs=with_log_probs,
+    )
+    prox_logp = None
+    if proximal_model is not None:
+        with torch.no_grad():
+            prox_logp = token_outputs(proximal_model, sub, temperature).logp
+    old_values = sub.old_values
+    if old_values is None and out.values is not None:
+        old_values = out.values.detach()
+    loss, metrics = algorithm.compute_loss(
+        logp=out.logp,
+        old_logp=sub.old_logp if sub.old_logp is not None else out.logp.detach(),
+        advantages=sub.advantages,
+        response_mask=sub.response_mask,
+        norms=norms,
+        ref_logp=sub.ref_logp,
+        entropy=out.entropy,
+        progress=progress,
+        token_weights=sub.token_weights,
+        values=out.values,
+        old_values=old_values,
+        returns=sub.returns,
+        prox_logp=prox_logp,
+        sampling_logp=sub.sampling_logp,
+    )
+    if out.entropy is not None:
+        tokens = float(sub.response_mask.sum().item())
+        metrics["entropy"] = float((out.entropy * sub.response_mask).sum().item() / max(tokens, 1.0))
+    return loss, metrics, out
+
+
+class UpdateMetrics:
+    """Averages micro-batch metrics over an update: token means weighted by the micro-batch's
+    tokens; losses already normalised by their optimizer batch (ADDITIVE_METRICS) summed per
+    optimizer step and averaged over the steps.
+
+    A token mean over an update without a single trainable token (e.g. every response masked by
+    DAPO's overlong filter) is a statistic of the empty set: NaN, never 0."""
+
+    def __init__(self) -> None:
+        self.weighted: dict[str, float] = {}
+        self.additive: dict[str, float] = {}
+        self.tokens = 0.0
+
+    def add(self, metrics: dict[str, float], tokens: float) -> None:
+        for key, value in metrics.items():
+            if key in ADDITIVE_METRICS:
+                self.additive[key] = self.additive.get(key, 0.0) + value
+            else:
+                self.weighted[key] = self.weighted.get(key, 0.0) + value * tokens
+        self.tokens += tokens
+
+    def result(self, optimizer_steps: int) -> dict[str, float]:
+        tokens = self.tokens if self.tokens > 0 else math.nan
+        out = {key: value / tokens for key, value in self.weighted.items()}
+        out.update({key: value / max(optimizer_steps, 1) for key, value in self.additive.items()})
+        return out
+
+
+def standard_update(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: TrainBatch,
+    algorithm: Algorithm,
+    *,
+    micro_batch_size: int,
+    max_grad_norm: float | None,
+    temperature: float,
+    norm_length: int,
+    generator: torch.Generator | None = None,
+    track_entropy: bool = True,
+    progress: float = 0.0,
+    value_head: torch.nn.Module | None = None,
+    proximal: object | None = None,
+) -> dict[str, float]:
+    """One batch's worth of optimizer steps: ``epochs`` passes over ``minibatches`` splits.
+
+    Each mini-batch is processed in micro-batches whose gradients accumulate; aggregation uses
+    the mini-batch's token and sequence counts, so the accumulated gradient equals the gradient
+    of the mini-batch loss computed in one pass. When the batch is used for exactly one on-policy
+    update the old log-probs are the detached current ones (ratio 1), and no extra pass is run.
+    ``value_head`` (PPO's critic) is trained by the same steps; ``proximal`` (decoupled PPO: has
+    ``.model`` and ``.update(model)``) gives prox_logp and follows the weights after every step.
+    """
+    model.train()
+    device = batch.input_ids.device
+    parameters = [*model.parameters(), *(value_head.parameters() if value_head is not None else ())]
+    metrics_total = UpdateMetrics()
+    grad_norms: list[float] = []
+    for _ in range(algorithm.epochs):
+        order = (
+            torch.randperm(batch.size, generator=generator).to(device)
+            if algorithm.minibatches > 1
+            else torch.arange(batch.size, device=device)
+        )
+        for minibatch in order.chunk(algorithm.minibatches):
+            norms = batch_norms(batch, minibatch, norm_length)
+            for rows in micro_batches(minibatch, micro_batch_size):
+                sub = batch.select(rows)
+                loss, metrics, _ = micro_batch_loss(
+                    model, sub, algorithm, norms, temperature, track_entropy=track_entropy, progress=progress,
+                    value_head=value_head, proximal_model=proximal.model if proximal is not None else None,
+                )
+                loss.backward()
+                metrics_total.add(metrics, float(sub.response_mask.sum().item()))
+            clip = max_grad_norm if max_grad_norm is not None and max_grad_norm > 0 else math.inf
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(parameters, clip)))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if proximal is not None:
+                proximal.update(model)
+    result = metrics_total.result(len(grad_norms))
+    result["grad_norm"] = sum(grad_norms) / len(grad_norms)
+    result["optimizer_steps"] = float(len(grad_norms))
+    return result
