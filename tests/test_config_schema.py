@@ -131,6 +131,17 @@ def test_a_settings_block_for_a_rollout_strategy_that_is_not_selected_is_refused
     check_against_schema(make_cfg("rollout=dynamic_sampling", "rollout.dynamic_sampling.max_rounds=3"), NO_ORIGINS)
 
 
+def test_a_new_rollout_strategy_brings_its_block_without_a_schema_edit(make_cfg, monkeypatch):
+    from rlbench.rollout import STRATEGIES
+
+    monkeypatch.setitem(STRATEGIES, "tree", object)
+    check_against_schema(make_cfg("experiment=smoke", "rollout.strategy=tree", "+rollout.tree={depth: 2}"), NO_ORIGINS)
+    message = refused(make_cfg("experiment=smoke", "+rollout.tree={depth: 2}"))
+    assert "rollout.tree holds the settings of rollout.strategy=tree, but rollout.strategy is iid" in message
+    monkeypatch.delitem(STRATEGIES, "tree")
+    assert "unknown key 'rollout.tree'" in refused(make_cfg("experiment=smoke", "+rollout.tree={depth: 2}"))
+
+
 def test_a_key_that_moved_says_where_to(make_cfg):
     message = refused(make_cfg("experiment=smoke", "+algorithm.dynamic_sampling.enabled=true"))
     assert message.startswith("unknown key 'algorithm.dynamic_sampling': it moved to the rollout strategy")

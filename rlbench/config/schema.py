@@ -5,6 +5,9 @@ into the config by Hydra (the YAML under conf/ stays the source of values); ``rl
 checks a composed config against them, so that a misspelt or misplaced key, added by a YAML file or
 by ``+``/``++`` on the command line, is refused before anything is loaded.
 
+A schema class may define ``extra_blocks()``: keys beyond its fields that hold the settings of a
+registered choice (``rollout.<strategy>``), each allowed only with that choice.
+
 Field metadata:
   help          what the knob does (``rlbench-list`` prints it)
   ge, gt, le    numeric bounds (``ge=0``: the value must be >= 0)
@@ -227,6 +230,15 @@ class RolloutConfig:
     dynamic_sampling: Optional[DynamicSamplingConfig] = node(
         DynamicSamplingConfig, "settings of rollout=dynamic_sampling (only with it)", only_with=("strategy", "dynamic_sampling")
     )
+
+    @classmethod
+    def extra_blocks(cls) -> dict[str, tuple[str, str]]:
+        """The settings block of every registered strategy without a typed field here (a new strategy
+        is one module and one YAML): ``rollout.<name>``, only with rollout.strategy=<name>; the
+        strategy's own ``validate`` checks its keys."""
+        from rlbench.rollout import STRATEGIES
+
+        return {name: ("strategy", name) for name in STRATEGIES if name not in cls.__dataclass_fields__}
 
 
 @dataclass

@@ -65,11 +65,15 @@ class _Walk:
             self.fail(path, f"{path} must be a mapping of {{{', '.join(f.name for f in dataclasses.fields(schema))}}}, got {value!r}")
         fields = {f.name: f for f in dataclasses.fields(schema)}
         hints = typing.get_type_hints(schema)
+        extra = schema.extra_blocks() if hasattr(schema, "extra_blocks") else {}
         for key in value.keys():
-            if key not in fields:
-                self.unknown_key(path, str(key), fields, path or "the top level of the config")
+            if key not in fields and key not in extra:
+                self.unknown_key(path, str(key), [*fields, *extra], path or "the top level of the config")
         for key in value.keys():
-            self.field(value, str(key), fields[key], hints[key], _join(path, key), fields)
+            if key in extra:
+                self.only_with(value, fields, extra[key], _join(path, key))
+            else:
+                self.field(value, str(key), fields[key], hints[key], _join(path, key), fields)
 
     def field(
         self, parent: DictConfig, key: str, spec: dataclasses.Field, annotation: Any, path: str,
@@ -82,16 +86,8 @@ class _Walk:
         except Exception:  # an interpolation that resolves only inside a Hydra run (${hydra:...})
             return
         meta = spec.metadata
-        if "only_with" in meta and value is not None:
-            selector, wanted = meta["only_with"]
-            selected = parent.get(selector, siblings[selector].default)
-            if selected != wanted:
-                where = _join(path.rpartition(".")[0], selector)
-                self.fail(
-                    path,
-                    f"{path} holds the settings of {where}={wanted}, but {where} is {selected}; "
-                    f"set {where}={wanted} or remove the block (~{path})",
-                )
+        if "only_with" in meta:
+            self.only_with(parent, siblings, meta["only_with"], path)
         if "node" in meta:
             if value is not None:
                 self.node(value, meta["node"], path)
@@ -108,6 +104,22 @@ class _Walk:
                 self.unknown_name(path, value, registry)
         elif not meta.get("open") or not isinstance(value, DictConfig):
             self.value(value, annotation, spec.default is None, meta, path)
+
+    def only_with(
+        self, parent: DictConfig, siblings: typing.Mapping[str, dataclasses.Field], choice: tuple[str, str], path: str
+    ) -> None:
+        """A settings block (not null) for a choice of ``selector`` that is not the selected one is refused."""
+        selector, wanted = choice
+        if parent.get(path.rpartition(".")[2]) is None:
+            return
+        selected = parent.get(selector, siblings[selector].default)
+        if selected != wanted:
+            where = _join(path.rpartition(".")[0], selector)
+            self.fail(
+                path,
+                f"{path} holds the settings of {where}={wanted}, but {where} is {selected}; "
+                f"set {where}={wanted} or remove the block (~{path})",
+            )
 
     # ------------------------------------------------------------------------------- values
 
