@@ -112,11 +112,11 @@ def test_no_reference_model_when_the_coefficient_is_zero(make_cfg, placement):
     algo = Algorithm.from_config(_cfg(kl={"coef": 0.0, "placement": placement}))
     assert not algo.needs_reference and not algo.kl_in_reward and not algo.kl_in_loss
     assert not algo.needs_sampling_pass  # nothing to compute before the advantage either
-    cfg = make_cfg("experiment=smoke", f"+algorithm.kl.placement={placement}")
+    cfg = make_cfg("experiment=smoke", f"algorithm.kl.placement={placement}")
     model = torch.nn.Linear(2, 2)
     ctx = make_step_context(cfg, Algorithm.from_config(cfg.algorithm), model, None, None, torch.device("cpu"))
     assert ctx.reference is None
-    with_kl = make_cfg("experiment=smoke", "algorithm.kl.coef=0.1", f"+algorithm.kl.placement={placement}")
+    with_kl = make_cfg("experiment=smoke", "algorithm.kl.coef=0.1", f"algorithm.kl.placement={placement}")
     ctx = make_step_context(with_kl, Algorithm.from_config(with_kl.algorithm), model, None, None, "cpu")
     assert ctx.reference is not None and ctx.reference is not model
 
@@ -248,10 +248,10 @@ def test_controllers_and_mask_run_through_the_runner(make_cfg, tmp_path):
     batch = 2 * 2  # smoke: prompts_per_step * n
     cfg = make_cfg(
         "experiment=smoke", "logger=files", "trainer.save_model=false", "eval.before_training=false",
-        "eval.limit=1", "eval.n=1", "eval.k=[1]", "reward=even_tokens", "algorithm=reinforce_pp", "algorithm.kl.coef=0.1", "+algorithm.kl.placement=reward",
-        "+algorithm.kl.adaptive={target: 0.5, horizon: 100}",
-        "+algorithm.entropy_adaptive={target: 100.0, delta: 0.01}",
-        "+algorithm.token_mask={top_entropy_quantile: 0.5}",
+        "eval.limit=1", "eval.n=1", "eval.k=[1]", "reward=even_tokens", "algorithm=reinforce_pp", "algorithm.kl.coef=0.1", "algorithm.kl.placement=reward",
+        "algorithm.kl.adaptive={target: 0.5, horizon: 100}",
+        "algorithm.entropy_adaptive={target: 100.0, delta: 0.01}",
+        "algorithm.token_mask={top_entropy_quantile: 0.5}",
     )
     runner.run(cfg)
     first, second = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

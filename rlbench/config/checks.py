@@ -1,7 +1,8 @@
 """Validation of a composed run configuration, before any model or data is loaded.
 
-Every check raises :class:`ConfigError` (or :class:`DataError` for files) with a message that
-names the key(s) and says what to change.
+First every key and value is checked against the typed schemas (rlbench/config/walk.py), then the
+cross-field checks below run. Every check raises :class:`ConfigError` (or :class:`DataError` for
+files) with a message that names the key(s) and says what to change.
 """
 
 from __future__ import annotations
@@ -12,13 +13,11 @@ import torch
 
 from rlbench.training.advantage_inputs import validate_step_options
 from rlbench.algorithm import Algorithm
+from rlbench.config.origin import ValueOrigins, with_origins
+from rlbench.config.walk import check_against_schema
 from rlbench.dataset import validate_spec
 from rlbench.errors import ConfigError
 from rlbench.model import validate_model_config
-
-MODES = ("train", "eval")
-REWARDS = ("math", "code", "even_tokens")
-ENGINES = ("hf", "vllm")
 
 
 def _positive(value: Any, key: str) -> None:
@@ -95,33 +94,28 @@ def check_reward_matches_dataset(reward: str, dataset: Any) -> None:
 
 
 def validate_config(cfg: Any) -> Algorithm:
-    """Check the whole run configuration. Returns the built Algorithm."""
-    if cfg.mode not in MODES:
-        raise ConfigError(f"mode={cfg.mode} is unknown; choose one of {MODES}")
+    """Check the whole run configuration. Returns the built Algorithm. Every refusal says where the
+    keys it names were set (the command line, or a YAML file and its group option)."""
+    origins = ValueOrigins.from_hydra()
+    try:
+        return check_run(cfg, origins)
+    except ConfigError as err:
+        raise ConfigError(with_origins(str(err), cfg, origins)) from None
+
+
+def check_run(cfg: Any, origins: ValueOrigins) -> Algorithm:
+    """The schema walk checks every key, type, choice and bound (rlbench/config/schema.py); the
+    checks here relate several keys, or need the registry, the files or the device."""
+    check_against_schema(cfg, origins)
     device = resolve_device(str(cfg.device))
     algorithm = Algorithm.from_config(cfg.algorithm)
 
-    if cfg.reward.name not in REWARDS:
-        raise ConfigError(f"reward={cfg.reward.name} is unknown; choose one of {REWARDS}")
     rollout = cfg.rollout
-    if rollout.engine not in ENGINES:
-        raise ConfigError(f"rollout.engine={rollout.engine} is unknown; choose one of {ENGINES}")
     if rollout.engine == "vllm" and device.type != "cuda":
         raise ConfigError("rollout.engine=vllm needs a CUDA device; use rollout.engine=hf on CPU")
-    _positive(rollout.max_new_tokens, "rollout.max_new_tokens")
-    _positive(rollout.batch_size, "rollout.batch_size")
-    for section in ("rollout", "eval"):
-        node = cfg[section]
-        if node.temperature < 0:
-            raise ConfigError(f"{section}.temperature must be >= 0, got {node.temperature}")
-        if not 0 < node.top_p <= 1:
-            raise ConfigError(f"{section}.top_p must be in (0, 1], got {node.top_p}")
 
     if cfg.mode == "train":
         trainer = cfg.trainer
-        if trainer.steps < 0:
-            raise ConfigError(f"trainer.steps must be >= 0, got {trainer.steps}")
-        _positive(trainer.lr, "trainer.lr")
         if algorithm.group_relative and rollout.n < 2:
             raise ConfigError(
                 f"algorithm '{algorithm.name}' uses the group-relative advantage '{algorithm.advantage.name}', "
@@ -134,10 +128,6 @@ def validate_config(cfg: Any) -> Algorithm:
         check_reward_matches_dataset(cfg.reward.name, cfg.dataset)
 
     ev = cfg.eval
-    _positive(ev.n, "eval.n")
-    _positive(ev.max_new_tokens, "eval.max_new_tokens")
-    if ev.limit is not None:
-        _positive(ev.limit, "eval.limit")
     ks = list(ev.k)
     if not ks:
         raise ConfigError("eval.k is empty; give at least one k, e.g. eval.k=[1]")

@@ -1,0 +1,7 @@
+"""Configuration: typed schemas (schema.py), the schema walk (walk.py), where a value came from
+(origin.py), the registered pieces (pieces.py), cross-field checks (checks.py) and the listing
+command (list.py)."""
+
+from rlbench.config.checks import resolve_device, validate_config
+
+__all__ = ["resolve_device", "validate_config"]

@@ -1,0 +1,99 @@
+"""``rlbench-list`` (also ``python -m rlbench.config.list``): what each config group offers.
+
+    rlbench-list                 every conf group with its options, every registered piece with the
+                                 first line of its docstring, the update schedules and rollout strategies
+    rlbench-list --keys [NODE]   the schema's keys under NODE (e.g. algorithm.kl) with defaults and help
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import textwrap
+import typing
+from pathlib import Path
+from typing import Iterator
+
+from rlbench.config.origin import CONF_DIR
+from rlbench.config.pieces import PIECE_KINDS, piece_parameters
+from rlbench.config.schema import RunConfig, UpdateConfig
+from rlbench.rollout import STRATEGIES
+
+
+def summary(text: str | None, width: int = 110) -> str:
+    """The first paragraph of a docstring on one line, shortened to ``width`` characters."""
+    paragraph = (text or "").strip().split("\n\n")[0]
+    return textwrap.shorten(" ".join(paragraph.split()), width=width, placeholder=" ...")
+
+
+def group_options(conf_dir: Path = CONF_DIR) -> dict[str, list[str]]:
+    """conf group ('algorithm', 'algorithm/loss', ...) -> its option names, sorted."""
+    groups: dict[str, list[str]] = {}
+    for folder in sorted(path for path in conf_dir.rglob("*") if path.is_dir()):
+        options = sorted(path.stem for path in folder.glob("*.yaml"))
+        if options and "hydra" not in folder.relative_to(conf_dir).parts:
+            groups[folder.relative_to(conf_dir).as_posix()] = options
+    return groups
+
+
+def group_lines(conf_dir: Path = CONF_DIR) -> Iterator[str]:
+    for group, options in group_options(conf_dir).items():
+        yield f"{group}: {' '.join(options)}"
+
+
+def piece_lines() -> Iterator[str]:
+    for kind, piece in PIECE_KINDS.items():
+        yield f"{kind} (choose with {piece.selected_by}):"
+        for name in piece.registry.names():
+            parameters = ", ".join(
+                f"{key}={p.default}" if p.default is not inspect.Parameter.empty else key
+                for key, p in piece_parameters(kind, name).items()
+            )
+            doc = summary(inspect.getdoc(piece.registry.get(name)))
+            yield f"  {name}({parameters}): {doc}"
+    schedules = typing.get_args(typing.get_type_hints(UpdateConfig)["schedule"])
+    yield f"update schedule (choose with algorithm.update.schedule): {' '.join(schedules)}"
+    yield "rollout strategy (choose with rollout=<strategy>):"
+    for name, strategy in sorted(STRATEGIES.items()):
+        yield f"  {name}: {summary(inspect.getdoc(strategy) or inspect.getdoc(inspect.getmodule(strategy)))}"
+
+
+def schema_lines(schema: type = RunConfig, prefix: str = "") -> Iterator[str]:
+    """Every key of ``schema`` (recursively) with its default and help string."""
+    for spec in dataclasses.fields(schema):
+        path = f"{prefix}.{spec.name}" if prefix else spec.name
+        meta = spec.metadata
+        if "node" in meta:
+            yield f"{path}: {meta['help']}"
+            yield from schema_lines(meta["node"], path)
+            continue
+        default = spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
+        yield f"{path} = {default!r}: {meta.get('help', '')}"
+
+
+def node_schema(path: str) -> tuple[type, str]:
+    """The schema class of a dotted node path ('' is the whole config)."""
+    schema, walked = RunConfig, []
+    for part in [p for p in path.split(".") if p]:
+        fields = {f.name: f for f in dataclasses.fields(schema)}
+        if part not in fields or "node" not in fields[part].metadata:
+            raise SystemExit(f"rlbench-list: '{'.'.join([*walked, part])}' is not a config node")
+        schema = fields[part].metadata["node"]
+        walked.append(part)
+    return schema, ".".join(walked)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="rlbench-list", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--keys", nargs="?", const="", metavar="NODE", help="list the schema keys under NODE")
+    args = parser.parse_args(argv)
+    if args.keys is not None:
+        lines = schema_lines(*node_schema(args.keys))
+    else:
+        lines = [*group_lines(), "", *piece_lines()]
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

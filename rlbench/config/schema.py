@@ -1,0 +1,378 @@
+"""Typed schemas of the composed run configuration: one dataclass per node, a help string per field.
+
+The schemas say which keys exist, their types, their ranges and what they do. They are not merged
+into the config by Hydra (the YAML under conf/ stays the source of values); ``rlbench.config.walk``
+checks a composed config against them, so that a misspelt or misplaced key, added by a YAML file or
+by ``+``/``++`` on the command line, is refused before anything is loaded.
+
+A schema class may define ``extra_blocks()``: keys beyond its fields that hold the settings of a
+registered choice (``rollout.<strategy>``), each allowed only with that choice.
+
+Field metadata:
+  help          what the knob does (``rlbench-list`` prints it)
+  ge, gt, le    numeric bounds (``ge=0``: the value must be >= 0)
+  only_with     (selector, value): the block holds the settings of one choice of its sibling key
+                ``selector`` (algorithm.update.trpo only with schedule=trpo) and is refused otherwise
+  piece         the node is ``{name, <parameters>}`` of a registered piece of this kind
+                (advantage, loss, aggregation, reward_shaping); its parameters are checked against
+                the function's signature at run time, so a new piece needs no schema edit
+  open          a mapping whose keys are free (paper metadata, dataset field maps, LlamaConfig fields)
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, field
+from typing import Any, Literal, Optional
+
+
+def knob(default: Any = None, help: str = "", **metadata: Any) -> Any:
+    """A schema field: its default (``MISSING`` for a required key), help string and checks."""
+    if isinstance(default, (list, dict)):
+        value = default
+        return field(default_factory=lambda: type(value)(value), metadata={"help": help, **metadata})
+    if default is MISSING:
+        return field(metadata={"help": help, **metadata})
+    return field(default=default, metadata={"help": help, **metadata})
+
+
+def node(cls: type, help: str = "", **metadata: Any) -> Any:
+    """A nested schema node (its fields are checked one level down)."""
+    return field(default=None, metadata={"help": help, "node": cls, **metadata})
+
+
+# ----------------------------------------------------------------------------------------- algorithm
+
+
+@dataclass
+class AdaptiveKLConfig:
+    """Ziegler et al. 2019 (arXiv:1909.08593): beta <- beta (1 + clip(KL/target - 1, +-0.2) B/horizon)."""
+
+    target: float = knob(None, "KL (per response, summed over tokens) the controller steers towards; the paper uses 6")
+    horizon: float = knob(None, "responses over which the coefficient may move by e; the paper uses 10000")
+
+
+@dataclass
+class KLConfig:
+    """The KL term between the policy and a frozen reference model."""
+
+    coef: float = knob(0.0, "beta; > 0 loads a frozen reference model", ge=0)
+    estimator: str = knob("k3", "registered KL estimator (rlbench-list shows them): k1 | k2 | k3 ...", registry="kl_estimator")
+    clamp: Optional[float] = knob(None, "c > 0: clamp the value of k3 / k3+ to [-c, c] (verl's low_var_kl: 10); null: no clamp")
+    placement: Literal["loss", "reward"] = knob(
+        "loss", "loss: beta * KL added to the loss; reward: beta * KL subtracted from the reward (per token for token-level estimators)"
+    )
+    adaptive: Optional[AdaptiveKLConfig] = node(
+        AdaptiveKLConfig, "null: beta fixed; {target, horizon}: Ziegler et al.'s adaptive controller (needs coef > 0)"
+    )
+
+
+@dataclass
+class AdaptiveEntropyConfig:
+    """Adaptive entropy coefficient (Skywork-OR1, arXiv:2505.22312; TRL's form)."""
+
+    target: float = knob(None, "mean token entropy the coefficient steers towards (required)")
+    delta: float = knob(0.005, "step of the coefficient after each training step")
+    min_coef: float = knob(0.0, "lower bound of the coefficient")
+    max_coef: float = knob(1.0, "upper bound of the coefficient")
+    gate: bool = knob(False, "true: apply the bonus only while the last entropy is at or below the target")
+
+
+@dataclass
+class TokenMaskConfig:
+    """Which tokens get a policy gradient (Wang et al. 2025, arXiv:2506.01939, eq. 6)."""
+
+    top_entropy_quantile: Optional[float] = knob(
+        None, "null: every token; q in (0, 1]: only the top-q fraction of the batch's tokens by entropy"
+    )
+
+
+@dataclass
+class SamplingCorrectionConfig:
+    """Truncated importance sampling between the rollout engine and the trainer (Yao et al. 2025, TIS)."""
+
+    cap: float = knob(2.0, "each token's loss weight is min(pi_old / pi_sampler, cap)")
+
+
+@dataclass
+class SFPOConfig:
+    """Slow-Fast Policy Optimization settings (arXiv:2510.04072); used with schedule=sfpo."""
+
+    fast_steps: int = knob(3, "K fast passes over the batch before repositioning")
+    alpha: float = knob(0.8, "reposition theta~ = theta_0 + alpha (theta_K - theta_0)")
+    entropy_window: int = knob(30, "steps of entropy history the z-score is computed over")
+    entropy_z: Optional[float] = knob(1.0, "z-score at which SFPO switches off for good; null: never")
+
+
+@dataclass
+class TRPOConfig:
+    """Trust Region Policy Optimization settings (arXiv:1502.05477); used with schedule=trpo."""
+
+    max_kl: float = knob(0.01, "delta: bound on the token-mean KL(pi_old || pi_new)")
+    cg_iters: int = knob(10, "conjugate-gradient iterations for F^-1 g")
+    damping: float = knob(0.1, "F + damping I keeps CG well posed")
+    backtrack: float = knob(0.8, "line-search step factor backtrack^j")
+    line_search_steps: int = knob(10, "line-search tries at most")
+
+
+@dataclass
+class UpdateConfig:
+    """How one rollout batch's loss becomes parameter changes (rlbench/algorithm/schedules.py)."""
+
+    schedule: Literal["standard", "sfpo", "trpo"] = knob(
+        "standard", "standard: epochs x minibatches optimizer steps; sfpo: slow-fast; trpo: one natural-gradient step"
+    )
+    epochs: int = knob(1, "passes over each rollout batch", ge=1)
+    minibatches: int = knob(1, "optimizer steps per pass; > 1 (or epochs > 1) stores old log-probs", ge=1)
+    proximal_decay: Optional[float] = knob(
+        None, "EWMA decay of the proximal policy of decoupled PPO (loss ppo_ewma only); null: 0"
+    )
+    sfpo: Optional[SFPOConfig] = node(SFPOConfig, "settings of schedule=sfpo (only with it)", only_with=("schedule", "sfpo"))
+    trpo: Optional[TRPOConfig] = node(TRPOConfig, "settings of schedule=trpo (only with it)", only_with=("schedule", "trpo"))
+
+
+@dataclass
+class CriticConfig:
+    """A value head trained with the policy (PPO, arXiv:1707.06347, section 5)."""
+
+    coef: float = knob(0.5, "weight of the clipped value loss")
+    clip: Optional[float] = knob(0.2, "value clip range; null: no clipping")
+
+
+@dataclass
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling (arXiv:2503.14476, section 3.2): the rollout strategy's settings."""
+
+    max_rounds: int = knob(16, "generation rounds per step at most")
+    metric: Literal["correct", "reward"] = knob("correct", "what must differ within a kept group")
+
+
+@dataclass
+class BaselineConfig:
+    """Where baseline_rewards come from (ReMax arXiv:2310.10505, PVPO arXiv:2508.21104)."""
+
+    source: Optional[str] = knob(None, "greedy | reference (null: the estimator's default)")
+    samples: int = knob(8, "reference-policy samples per prompt")
+    refresh_every: Optional[int] = knob(None, "steps between recomputing cached baselines; null: never")
+
+
+@dataclass
+class TrackerConfig:
+    """SPO's per-prompt Beta tracker of the success probability (arXiv:2509.13232)."""
+
+    rho: Optional[float] = knob(None, "fixed decay; null: adaptive between rho_min and rho_max")
+    rho_min: float = knob(0.875, "lower bound of the adaptive decay")
+    rho_max: float = knob(0.96, "upper bound of the adaptive decay")
+    d_half: float = knob(0.06, "KL distance at which the decay is halfway")
+
+
+@dataclass
+class AlgorithmConfig:
+    """``algorithm``: advantage x loss x aggregation x KL x entropy x update schedule (composition.py)."""
+
+    name: str = knob("custom", "the preset's name (run names and tables)")
+    paper: Optional[str] = knob(None, "citation of the method's paper (arXiv id)")
+    advantage: Any = knob(None, "advantage estimator {name, parameters} (algorithm/advantage=<option>)", piece="advantage")
+    loss: Any = knob(None, "policy loss {name, parameters} (algorithm/loss=<option>)", piece="loss")
+    aggregation: Any = knob(None, "loss aggregation {name} (algorithm/aggregation=<option>)", piece="aggregation")
+    kl: KLConfig = node(KLConfig, "KL to a reference model")
+    entropy_coef: float = knob(0.0, "entropy-bonus coefficient (the start value when entropy_adaptive is set)", ge=0)
+    entropy_adaptive: Optional[AdaptiveEntropyConfig] = node(AdaptiveEntropyConfig, "null: fixed entropy_coef; {target, ...}: adaptive")
+    token_mask: TokenMaskConfig = node(TokenMaskConfig, "which tokens get a policy gradient")
+    sampling_correction: Optional[SamplingCorrectionConfig] = node(
+        SamplingCorrectionConfig, "null: none; {cap}: truncated importance sampling between sampler and trainer"
+    )
+    update: UpdateConfig = node(UpdateConfig, "update schedule and its settings")
+    critic: Optional[CriticConfig] = node(CriticConfig, "null: no value head; {coef, clip}: PPO's value head (advantage gae)")
+    overlong_filter: bool = knob(False, "mask responses truncated at rollout.max_new_tokens out of the loss (DAPO)")
+    reward_shaping: list = knob([], "list of {name, parameters} reward-shaping functions, applied in order", piece="reward_shaping")
+    rollout_n: Optional[int] = knob(None, "the group size the method prescribes; rollout.n follows it unless set", ge=1)
+    baseline: Optional[BaselineConfig] = node(BaselineConfig, "baseline_rewards source (remax, pvpo)")
+    tracker: Optional[TrackerConfig] = node(TrackerConfig, "SPO's tracker (advantage spo)")
+    deviations: list = knob([], "where the preset departs from the paper, one sentence each")
+
+
+# Keys that moved: the unknown-key message says where to.
+MOVED_KEYS = {
+    "algorithm.dynamic_sampling": "the rollout strategy: select rollout=dynamic_sampling and set "
+    "rollout.dynamic_sampling.max_rounds / .metric (algorithm=dapo selects it; rollout=iid turns it off)",
+}
+
+
+# ----------------------------------------------------------------------------------------- the run
+
+
+@dataclass
+class TrainerConfig:
+    """``trainer``: the optimisation loop around the algorithm."""
+
+    steps: int = knob(24, "rollout -> update iterations", ge=0)
+    prompts_per_step: int = knob(8, "prompts per batch; the batch holds prompts_per_step * rollout.n responses", ge=1)
+    micro_batch_size: int = knob(16, "responses per forward/backward; gradients accumulate to the full batch", ge=1)
+    lr: float = knob(3.0e-5, "AdamW learning rate", gt=0)
+    weight_decay: float = knob(0.0, "AdamW weight decay", ge=0)
+    betas: list = knob([0.9, 0.999], "AdamW betas")
+    max_grad_norm: float = knob(1.0, "gradient-norm clip", gt=0)
+    warmup_steps: int = knob(0, "linear learning-rate warm-up steps", ge=0)
+    save_model: bool = knob(True, "save the trained policy (Hugging Face format) in the run folder")
+
+
+@dataclass
+class RolloutConfig:
+    """``rollout``: how prompts become graded groups (the strategy) and how responses are sampled."""
+
+    strategy: str = knob("iid", "rollout strategy (rollout=<strategy>, rlbench-list): iid | dynamic_sampling")
+    engine: Literal["hf", "vllm"] = knob("hf", "generation engine: hf (any device) | vllm (CUDA)")
+    n: int = knob(4, "responses per prompt (group size)", ge=1)
+    temperature: float = knob(1.0, "sampling temperature", ge=0)
+    top_p: float = knob(1.0, "nucleus sampling mass, in (0, 1]", gt=0, le=1)
+    max_new_tokens: int = knob(16, "longest response in tokens", ge=1)
+    batch_size: int = knob(64, "sequences per generate call", ge=1)
+    dynamic_sampling: Optional[DynamicSamplingConfig] = node(
+        DynamicSamplingConfig, "settings of rollout=dynamic_sampling (only with it)", only_with=("strategy", "dynamic_sampling")
+    )
+
+    @classmethod
+    def extra_blocks(cls) -> dict[str, tuple[str, str]]:
+        """The settings block of every registered strategy without a typed field here (a new strategy
+        is one module and one YAML): ``rollout.<name>``, only with rollout.strategy=<name>; the
+        strategy's own ``validate`` checks its keys."""
+        from rlbench.rollout import STRATEGIES
+
+        return {name: ("strategy", name) for name in STRATEGIES if name not in cls.__dataclass_fields__}
+
+
+@dataclass
+class PromptConfig:
+    """The chat messages a problem is put into."""
+
+    system: Optional[str] = knob(None, "system message (null: none)")
+    user: str = knob(None, "user message template; must contain {problem}")
+
+
+@dataclass
+class ArithConfig:
+    """The generated arithmetic task."""
+
+    level: Any = knob(None, "difficulty level")
+    seed: Optional[int] = knob(None, "generator seed (null: the run's seed)")
+    train_size: Any = knob(None, "problems in the train split")
+    test_size: Any = knob(None, "problems in the test split")
+
+
+@dataclass
+class DatasetConfig:
+    """A dataset or benchmark spec (rlbench/dataset); which keys apply depends on the loader."""
+
+    name: str = knob(None, "the dataset's name")
+    loader: str = knob("jsonl", "jsonl | arith")
+    split: Optional[str] = knob(None, "split to read (train, test, ...)")
+    files: dict = knob({}, "split -> JSONL file name", open=True)
+    hub_id: Optional[str] = knob(None, "Hugging Face dataset id (fallback when the local file is missing)")
+    hub_config: Any = knob(None, "Hub dataset config name(s)")
+    hub_splits: dict = knob({}, "split -> Hub split name", open=True)
+    fields: dict = knob({}, "our field -> the file's field", open=True)
+    prompt: PromptConfig = node(PromptConfig, "prompt templates")
+    answer_format: Optional[str] = knob(None, "how reference answers are written")
+    answer_type: Optional[str] = knob(None, "math (answers) | code (tests)")
+    reward_extraction: Optional[str] = knob(None, "how the answer is extracted from a response")
+    id_field: Optional[str] = knob(None, "field that identifies a problem")
+    id_range: dict = knob({}, "split -> [first, last] id", open=True)
+    meta_fields: list = knob([], "fields kept as metadata")
+    limit: Optional[int] = knob(None, "read at most this many problems", ge=1)
+    skip_bad_answers: bool = knob(False, "skip problems whose answer cannot be parsed")
+    example_test_in_prompt: bool = knob(False, "show one test in the prompt (code)")
+    test_format: Optional[str] = knob(None, "how tests are written (code)")
+    arith: Optional[ArithConfig] = node(ArithConfig, "settings of loader=arith")
+
+
+@dataclass
+class EvalConfig:
+    """``eval``: the benchmark suite scored before and after training."""
+
+    name: str = knob(None, "the suite's name")
+    n: int = knob(4, "samples per problem", ge=1)
+    k: list = knob([1], "the k of pass@k (each 1 <= k <= n)")
+    temperature: float = knob(0.6, "sampling temperature", ge=0)
+    top_p: float = knob(0.95, "nucleus sampling mass, in (0, 1]", gt=0, le=1)
+    max_new_tokens: int = knob(1024, "longest response in tokens", ge=1)
+    limit: Optional[int] = knob(None, "problems per benchmark at most (null: all)", ge=1)
+    before_training: bool = knob(True, "also evaluate the model before training")
+    benchmarks: dict = knob({}, "benchmark name -> dataset spec", values=DatasetConfig)
+
+
+@dataclass
+class SandboxConfig:
+    """``sandbox``: limits for model-written code. Their types, bounds and ceilings are checked by
+    ``rlbench.sandbox.limits_from_config`` (one place), so the fields here are untyped."""
+
+    timeout_s: Any = knob(5.0, "wall clock per program, seconds")
+    memory_mb: Any = knob(1024, "address-space limit, MiB")
+    file_size_mb: Any = knob(16, "largest file a program may write, MiB")
+    max_output_bytes: Any = knob(65536, "captured output per program, bytes")
+    workers: Any = knob(None, "programs in parallel (a positive integer); null: one per CPU core")
+
+
+@dataclass
+class ModelConfig:
+    """``model``: where the policy comes from (rlbench/model)."""
+
+    name: str = knob(None, "the model's short name (run names)")
+    source: Literal["gguf_package", "tiny", "hub", "path"] = knob(None, "where the weights come from")
+    gguf_package: Optional[str] = knob(None, "installed package holding the .gguf (source gguf_package, tiny's tokenizer)")
+    gguf_file: Optional[str] = knob(None, "file inside the package (null: the only one)")
+    hub_id: Optional[str] = knob(None, "Hugging Face model id (source hub)")
+    path: Optional[str] = knob(None, "checkpoint directory (source path)")
+    revision: Optional[str] = knob(None, "Hub revision")
+    trust_remote_code: bool = knob(False, "allow the checkpoint's own modelling code")
+    tiny: Optional[dict] = knob(None, "LlamaConfig fields of the random tiny model (source tiny)", open=True)
+
+
+@dataclass
+class RewardConfig:
+    """``reward``: the grader (rlbench/reward); the keys that apply depend on the option."""
+
+    name: Literal["math", "code", "even_tokens"] = knob(None, "the grader")
+    correct_reward: float = knob(1.0, "reward of a correct response")
+    incorrect_reward: float = knob(0.0, "reward of an incorrect response")
+    format_weight: float = knob(0.0, "added when an answer in the expected format was found (math)")
+    tolerance: float = knob(1.0e-6, "relative tolerance for numeric answers (math)", ge=0)
+    extraction: Optional[str] = knob(None, "null: the dataset's reward_extraction (math)")
+    verify_timeout_s: float = knob(5.0, "seconds one math-verify comparison may take (math)", gt=0)
+    mode: Optional[str] = knob(None, "all_pass | pass_rate (code)")
+    threshold: float = knob(0.75, "reward at which a response counts as correct (even_tokens)")
+
+
+@dataclass
+class LoggerConfig:
+    """``logger``: files only, or Weights & Biases as well."""
+
+    name: Literal["files", "wandb"] = knob(None, "the logger")
+    mode: Optional[str] = knob(None, "auto | online | offline | disabled (wandb)")
+    project: Optional[str] = knob(None, "W&B project")
+    entity: Optional[str] = knob(None, "W&B entity")
+    group: Optional[str] = knob(None, "W&B group")
+    tags: list = knob([], "W&B tags")
+
+
+@dataclass
+class RunConfig:
+    """The whole composed config (conf/config.yaml and its groups)."""
+
+    seed: int = knob(0, "seeds python, numpy, torch, the data order, the sampler and the eval sampler")
+    mode: Literal["train", "eval"] = knob("train", "train: eval, train, eval | eval: evaluation only")
+    device: str = knob("auto", "auto (cuda if available, else cpu) | cpu | cuda[:i]")
+    data_dir: Optional[str] = knob(None, "local JSONL folder; RLBENCH_DATA_DIR wins")
+    data_source: Literal["auto", "local", "hub"] = knob("auto", "auto (local file, else Hub) | local | hub")
+    cache_dir: Optional[str] = knob(None, "converted checkpoints; default $RLBENCH_CACHE or ~/.cache/rlbench")
+    output_dir: str = knob(None, "the run folder")
+    run_name: str = knob(None, "the run's name (folder suffix, W&B name)")
+    sandbox: SandboxConfig = node(SandboxConfig, "limits for model-written code")
+    algorithm: AlgorithmConfig = node(AlgorithmConfig, "the RL algorithm (algorithm=<preset>)")
+    model: ModelConfig = node(ModelConfig, "the policy model (model=<option>)")
+    dataset: DatasetConfig = node(DatasetConfig, "the training set (dataset=<option>)")
+    reward: RewardConfig = node(RewardConfig, "the grader (reward=<option>)")
+    rollout: RolloutConfig = node(RolloutConfig, "training-time sampling (rollout=<option>)")
+    eval: EvalConfig = node(EvalConfig, "the evaluation suite (eval=<option>)")
+    logger: LoggerConfig = node(LoggerConfig, "where metrics go (logger=<option>)")
+    trainer: TrainerConfig = node(TrainerConfig, "the optimisation loop (trainer=<option>)")
+    paper: Optional[dict] = knob(None, "a paper preset's reference numbers and deviations (+paper=<name>)", open=True)

@@ -1,0 +1,206 @@
+"""Check a composed config against the schemas of ``rlbench.config.schema``.
+
+Every key must be a field of its node's schema (else: the nearest valid spelling, by difflib), every
+value must have the field's type and lie in its bounds, and every piece node's parameters must be
+parameters of the registered function (its signature, read through the registry). Each message
+names the key, what is allowed, and where the value came from (``rlbench.config.origin``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import math
+import operator
+import typing
+from typing import Any, Iterable, Literal, Union
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from rlbench.config.origin import ValueOrigins
+from rlbench.config.pieces import PIECE_KINDS, PIECE_PARAMETER_BOUNDS, piece_parameters
+from rlbench.config.schema import MOVED_KEYS, RunConfig
+from rlbench.errors import ConfigError
+
+
+BOUND_TESTS = {"ge": (">=", operator.ge), "gt": (">", operator.gt), "le": ("<=", operator.le)}
+
+
+def check_against_schema(cfg: DictConfig, origins: ValueOrigins | None = None) -> None:
+    """Raise :class:`ConfigError` for the first key or value the schema does not allow."""
+    _Walk(origins if origins is not None else ValueOrigins.from_hydra()).node(cfg, RunConfig, "")
+
+
+def nearest(key: str, valid: Iterable[str]) -> str | None:
+    """The closest valid spelling of ``key`` (difflib ratio >= 0.6), or None."""
+    matches = difflib.get_close_matches(key, sorted(valid), n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+class _Walk:
+    def __init__(self, origins: ValueOrigins):
+        self.origins = origins
+
+    def fail(self, path: str, message: str) -> None:
+        origin = self.origins.of(path)
+        raise ConfigError(f"{message} (set by {origin})" if origin else message)
+
+    def unknown_key(self, path: str, key: str, valid: Iterable[str], what: str) -> None:
+        if _join(path, key) in MOVED_KEYS:
+            self.fail(_join(path, key), f"unknown key '{_join(path, key)}': it moved to {MOVED_KEYS[_join(path, key)]}")
+        valid = sorted(valid)
+        suggestion = nearest(key, valid)
+        hint = f"did you mean '{suggestion}'? " if suggestion else ""
+        self.fail(_join(path, key), f"unknown key '{_join(path, key)}': {what} has no '{key}'; {hint}valid keys: {', '.join(valid)}")
+
+    # ------------------------------------------------------------------------------- schema nodes
+
+    def node(self, value: Any, schema: type, path: str) -> None:
+        if not isinstance(value, DictConfig):
+            self.fail(path, f"{path} must be a mapping of {{{', '.join(f.name for f in dataclasses.fields(schema))}}}, got {value!r}")
+        fields = {f.name: f for f in dataclasses.fields(schema)}
+        hints = typing.get_type_hints(schema)
+        extra = schema.extra_blocks() if hasattr(schema, "extra_blocks") else {}
+        for key in value.keys():
+            if key not in fields and key not in extra:
+                self.unknown_key(path, str(key), [*fields, *extra], path or "the top level of the config")
+        for key in value.keys():
+            if key in extra:
+                self.only_with(value, fields, extra[key], _join(path, key))
+            else:
+                self.field(value, str(key), fields[key], hints[key], _join(path, key), fields)
+
+    def field(
+        self, parent: DictConfig, key: str, spec: dataclasses.Field, annotation: Any, path: str,
+        siblings: typing.Mapping[str, dataclasses.Field],
+    ) -> None:
+        if OmegaConf.is_missing(parent, key):
+            return  # ??? : the runner reports it when it is read
+        try:
+            value = parent[key]
+        except Exception:  # an interpolation that resolves only inside a Hydra run (${hydra:...})
+            return
+        meta = spec.metadata
+        if "only_with" in meta:
+            self.only_with(parent, siblings, meta["only_with"], path)
+        if "node" in meta:
+            if value is not None:
+                self.node(value, meta["node"], path)
+        elif "piece" in meta:
+            self.pieces(value, meta["piece"], path)
+        elif "values" in meta:
+            if not isinstance(value, DictConfig):
+                self.fail(path, f"{path} must be a mapping, got {value!r}")
+            for name in value.keys():
+                self.node(value[name], meta["values"], _join(path, name))
+        elif "registry" in meta:
+            registry = PIECE_KINDS[meta["registry"]].registry
+            if value not in registry:
+                self.unknown_name(path, value, registry)
+        elif not meta.get("open") or not isinstance(value, DictConfig):
+            self.value(value, annotation, spec.default is None, meta, path)
+
+    def only_with(
+        self, parent: DictConfig, siblings: typing.Mapping[str, dataclasses.Field], choice: tuple[str, str], path: str
+    ) -> None:
+        """A settings block (not null) for a choice of ``selector`` that is not the selected one is refused."""
+        selector, wanted = choice
+        if parent.get(path.rpartition(".")[2]) is None:
+            return
+        selected = parent.get(selector, siblings[selector].default)
+        if selected != wanted:
+            where = _join(path.rpartition(".")[0], selector)
+            self.fail(
+                path,
+                f"{path} holds the settings of {where}={wanted}, but {where} is {selected}; "
+                f"set {where}={wanted} or remove the block (~{path})",
+            )
+
+    # ------------------------------------------------------------------------------- values
+
+    def value(self, value: Any, annotation: Any, nullable: bool, bounds: typing.Mapping[str, Any], path: str) -> None:
+        if annotation is Any:
+            return
+        if typing.get_origin(annotation) is Union:
+            arguments = [a for a in typing.get_args(annotation) if a is not type(None)]
+            annotation, nullable = arguments[0], True
+        if value is None:
+            if not nullable:
+                self.fail(path, f"{path} must be {_describe(annotation)}, got null")
+            return
+        if typing.get_origin(annotation) is Literal:
+            choices = typing.get_args(annotation)
+            if value not in choices:
+                self.fail(path, f"{path}={value!r} is unknown; choose one of: {', '.join(map(str, choices))}")
+            return
+        if not _is_instance(value, annotation):
+            self.fail(path, f"{path} must be {_describe(annotation)}, got {value!r}")
+        self.bounds(value, bounds, path)
+
+    def bounds(self, value: Any, bounds: typing.Mapping[str, Any], path: str) -> None:
+        declared = [name for name in BOUND_TESTS if name in bounds]
+        if any(not BOUND_TESTS[name][1](value, bounds[name]) for name in declared):
+            allowed = " and ".join(f"{BOUND_TESTS[name][0]} {bounds[name]}" for name in declared)
+            self.fail(path, f"{path} must be {allowed}, got {value}")
+
+    # ------------------------------------------------------------------------------- pieces
+
+    def unknown_name(self, path: str, name: Any, registry: Any) -> None:
+        suggestion = nearest(str(name), registry.names())
+        hint = f"did you mean '{suggestion}'? " if suggestion else ""
+        self.fail(path, f"{path}={name}: no {registry.kind} of that name; {hint}choose one of {', '.join(registry.names())}")
+
+    def pieces(self, value: Any, kind: str, path: str) -> None:
+        if value is None:
+            return  # Algorithm.from_config says which option to pick
+        if isinstance(value, ListConfig):
+            for index, entry in enumerate(value):
+                self.piece(entry, kind, _join(path, index))
+        elif PIECE_KINDS[kind].many:
+            self.fail(path, f"{path} must be a list of {{name, parameters}} entries, got {value!r}")
+        else:
+            self.piece(value, kind, path)
+
+    def piece(self, value: Any, kind: str, path: str) -> None:
+        registry = PIECE_KINDS[kind].registry
+        if not isinstance(value, DictConfig) or "name" not in value:
+            self.fail(path, f"{path} must be {{name: <{registry.kind}>, <parameters>}}; choose a name from {', '.join(registry.names())}")
+        name = value["name"]
+        if name not in registry:
+            self.unknown_name(_join(path, "name"), name, registry)
+        accepted = registry.accepted_inputs(name)  # the registry's rule: any parameter of the signature
+        for key in value.keys():
+            if key != "name" and key not in accepted:
+                self.unknown_key(path, str(key), ["name", *piece_parameters(kind, name)], f"{registry.kind} '{name}'")
+        parameters = inspect.signature(registry.get(name)).parameters
+        for key in value.keys():
+            if key == "name" or OmegaConf.is_missing(value, key):
+                continue
+            default = parameters[key].default
+            annotation = Any if default is None or default is inspect.Parameter.empty else type(default)
+            self.value(value[key], annotation, default is None, PIECE_PARAMETER_BOUNDS.get(str(key), {}), _join(path, key))
+
+
+def _is_instance(value: Any, annotation: Any) -> bool:
+    if annotation is bool:
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if annotation is float:
+        return isinstance(value, (int, float)) and math.isfinite(value)
+    if annotation is list:
+        return isinstance(value, (ListConfig, list))
+    if annotation is dict:
+        return isinstance(value, (DictConfig, dict))
+    return isinstance(value, annotation)
+
+
+def _describe(annotation: Any) -> str:
+    return {
+        bool: "true or false", int: "an integer", float: "a finite number", str: "a string", list: "a list", dict: "a mapping",
+    }.get(annotation, str(annotation))
