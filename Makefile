@@ -8,7 +8,9 @@ ARGS   ?=
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-fast bench bench-eval setup clean
+PYTEST := HF_HUB_OFFLINE=1 WANDB_MODE=offline $(VENV)/bin/pytest
+
+.PHONY: run test test-fast test-integration test-learning bench bench-eval setup clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,11 +25,20 @@ setup: $(STAMP)
 run: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/rlbench $(ARGS)
 
+# The three tiers (docs/testing.md): unit (unmarked), integration (marker slow), learning (tests/learning,
+# two workers of one torch thread each: the tiny model's toy runs do not speed up with a second thread).
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(VENV)/bin/pytest -q -rs
+	$(PYTEST) -q -rs -n 2 tests/learning
+	$(PYTEST) -q -rs tests --ignore=tests/learning
 
 test-fast: $(STAMP)
-	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(VENV)/bin/pytest -q -m "not slow"
+	$(PYTEST) -q -m "not slow" tests --ignore=tests/learning
+
+test-integration: $(STAMP)
+	$(PYTEST) -q -rs -m slow tests --ignore=tests/learning
+
+test-learning: $(STAMP)
+	$(PYTEST) -q -rs -n 2 tests/learning
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) bench/compare_trl.py

@@ -1,0 +1,102 @@
+"""Every algorithm preset learns the toy task through the real runner, and its negative control does not.
+
+The criterion and its margins are in toy_check.py; each preset's toy budget is its file in
+conf/experiment/toy_learning/. RLBENCH_LEARNING_SEEDS (default 0,1,2) and RLBENCH_LEARNING_THREADS
+(default 1) choose the seed set and torch's thread count; RLBENCH_LEARNING_RECORD=<dir> writes each
+preset's verdict there as JSON (bench/learning_tier.py turns them into results/learning/).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from rlbench.algorithm import Algorithm
+from rlbench.runner import run
+
+from conftest import compose_config
+from toy_check import TOY_DIR, all_presets, judge, seeds_from_env, step_rewards
+
+SEEDS = seeds_from_env()
+TIMING_KEYS = {"generate_s", "update_s", "step_s", "tokens_per_s"}
+TOY_BASE = OmegaConf.load(TOY_DIR.parent / "toy_learning.yaml")
+
+
+def toy_run(out: Path, preset: str, *overrides: str) -> Path:
+    run(compose_config([f"experiment=toy_learning/{preset}", *overrides], out))
+    return out / "metrics.jsonl"
+
+
+def control_overrides(preset: str, tmp_path: Path) -> list[str]:
+    """No parameter change: lr -> 1e-12, or for a schedule without optimizer steps (TRPO) max_kl -> 1e-12."""
+    cfg = compose_config([f"experiment=toy_learning/{preset}"], tmp_path / "compose")
+    if Algorithm.from_config(cfg.algorithm).uses_optimizer:
+        return ["trainer.lr=1e-12"]
+    return ["algorithm.update.trpo.max_kl=1e-12"]
+
+
+@pytest.mark.learning
+# Every optimizer step comes before its lr-scheduler step; TRPO, which takes none, steps neither.
+@pytest.mark.filterwarnings(r"error:Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`")
+@pytest.mark.parametrize("preset", all_presets())
+def test_preset_learns_and_its_control_does_not(tmp_path, preset):
+    torch.set_num_threads(int(os.environ.get("RLBENCH_LEARNING_THREADS", "1")))
+    control = control_overrides(preset, tmp_path)
+    runs, controls = [], []
+    for seed in SEEDS:
+        runs.append(step_rewards(toy_run(tmp_path / f"learn{seed}", preset, f"seed={seed}")))
+        controls.append(step_rewards(toy_run(tmp_path / f"control{seed}", preset, f"seed={seed}", *control)))
+    assert all(len(r) == TOY_BASE.trainer.steps for r in runs + controls)
+    verdict = judge(preset, SEEDS, runs, controls)
+    record_dir = os.environ.get("RLBENCH_LEARNING_RECORD")
+    if record_dir:
+        Path(record_dir).mkdir(parents=True, exist_ok=True)
+        row = verdict.record(torch.get_num_threads())
+        (Path(record_dir) / f"{preset}.json").write_text(json.dumps(row))
+    assert verdict.control_is_flat, f"the negative control rises: {verdict.explain()}"
+    assert verdict.learns, verdict.explain()
+
+
+def test_every_preset_has_its_toy_budget_and_no_other():
+    assert sorted(p.stem for p in TOY_DIR.glob("*.yaml")) == all_presets()
+
+
+@pytest.mark.parametrize("preset", all_presets())
+def test_toy_budget_selects_its_preset_and_states_the_lr_rule(tmp_path, preset):
+    """The toy file runs its own preset, trains on at least the toy's responses per step, and a preset that takes
+    several optimizer steps per batch divides the toy lr by their number (each batch then moves the
+    policy about as far as one GRPO step does; see conf/experiment/toy_learning.yaml)."""
+    cfg = compose_config([f"experiment=toy_learning/{preset}"], tmp_path / "compose")
+    algorithm = Algorithm.from_config(cfg.algorithm)
+    assert cfg.algorithm.name == preset
+    assert cfg.model.name == "tiny" and cfg.reward.name == "even_tokens"
+    assert cfg.trainer.steps == TOY_BASE.trainer.steps
+    responses = cfg.trainer.prompts_per_step * cfg.rollout.n
+    base_responses = TOY_BASE.trainer.prompts_per_step * TOY_BASE.rollout.n
+    assert responses >= base_responses, (preset, responses)
+    if algorithm.uses_optimizer:
+        assert cfg.trainer.lr == pytest.approx(TOY_BASE.trainer.lr / optimizer_steps_per_batch(cfg), rel=1e-5), preset
+
+
+def optimizer_steps_per_batch(cfg) -> int:
+    update = cfg.algorithm["update"]
+    steps = update.get("epochs", 1) * update.get("minibatches", 1)
+    if update.get("schedule", "standard") == "sfpo":
+        steps *= update.sfpo.fast_steps
+    return steps
+
+
+@pytest.mark.learning
+@pytest.mark.parametrize("preset", ["dapo", "gspo", "trpo"])
+def test_preset_run_is_deterministic(tmp_path, preset):
+    runs = []
+    for i in range(2):
+        metrics = toy_run(tmp_path / str(i), preset, "trainer.steps=4")
+        steps = [json.loads(line) for line in metrics.read_text().splitlines()]
+        runs.append([{k: v for k, v in s.items() if k not in TIMING_KEYS} for s in steps])
+    assert runs[0] == runs[1]
