@@ -10,6 +10,8 @@ import pytest
 
 from conftest import ROOT, needs_data
 
+pytestmark = pytest.mark.slow  # integration tier: runs the runner or the CLI
+
 SMALL = ["model=tiny", "logger=files", "eval.n=2", "eval.k=[1,2]", "eval.limit=3", "eval.max_new_tokens=16",
          "sandbox.timeout_s=3"]
 

@@ -7,6 +7,8 @@ import pytest
 import rlbench.runner as runner
 from rlbench.errors import ConfigError
 
+pytestmark = pytest.mark.slow  # integration tier: runs the runner or the CLI
+
 
 def test_estimator_reading_entropy_runs_end_to_end(make_cfg, tmp_path):
     cfg = make_cfg("experiment=smoke", "algorithm/advantage=edge_grpo", "logger=files", "trainer.save_model=false",

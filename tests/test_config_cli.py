@@ -12,6 +12,8 @@ import pytest
 
 from conftest import ROOT
 
+pytestmark = pytest.mark.slow  # integration tier: runs the runner or the CLI
+
 
 def run_cli(tmp_path, *overrides, timeout=900):
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}

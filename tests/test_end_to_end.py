@@ -15,6 +15,8 @@ from rlbench.runner import run
 
 from conftest import ROOT
 
+pytestmark = pytest.mark.slow  # integration tier: runs the runner or the CLI
+
 TIMING_KEYS = {"generate_s", "update_s", "step_s", "tokens_per_s"}
 
 
@@ -122,10 +124,11 @@ def test_same_seed_gives_identical_metrics_twice(tmp_path):
 
 
 def test_a_run_whose_steps_learn_nothing_says_so(make_cfg, tmp_path, caplog):
-    """DAPO on the smoke setup: the tiny model never stops before max_new_tokens, so the overlong filter
-    masks every response. Each step is counted, the run warns once, and the statistics of the empty
+    """DAPO with its overlong filter on the smoke setup (which turns the filter off): the tiny model never
+    stops before max_new_tokens, so the filter masks every response. Each step is counted, the run warns once, and the statistics of the empty
     update are NaN, not 0."""
-    cfg = make_cfg("experiment=smoke", "algorithm=dapo", "rollout.dynamic_sampling.max_rounds=1", "logger=files",
+    cfg = make_cfg("experiment=smoke", "algorithm=dapo", "algorithm.overlong_filter=true",
+                   "rollout.dynamic_sampling.max_rounds=1", "logger=files",
                    "trainer.save_model=false", "eval.before_training=false", "eval.n=2", "eval.k=[1]", "eval.limit=2")
     with caplog.at_level(logging.WARNING):
         summary = run(cfg)

@@ -20,7 +20,10 @@ from rlbench.errors import ConfigError
 from rlbench.sandbox import SandboxLimits, SandboxResult, TestOutcome, run_many, run_tests
 from rlbench.sandbox.core import SUPERVISOR_MARGIN_S, HarnessReport, judge, parse_report
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox needs Linux")
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox needs Linux"),
+    pytest.mark.slow,  # integration tier: runs programs in the sandbox
+]
 
 #: Wall clock of the runs whose subject is not time: generous, so that start-up on a loaded 2-core
 #: machine (about 0.1 s idle, up to a second beside two busy processes) cannot turn a verdict into a
