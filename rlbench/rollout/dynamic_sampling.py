@@ -88,12 +88,14 @@ def sample_informative_groups(
     dropped: list[GradedGroups] = []
     kept_count = dropped_count = rounds = generated = 0
     sampled_rewards: list[torch.Tensor] = []
+    sampled_outcomes: list[torch.Tensor] = []
     prompts = first_prompts
     while rounds < options.max_rounds and kept_count < target:
         rounds += 1
         graded = sample(prompts).with_group_ids(generated)
         generated += len(graded.groups)
         sampled_rewards.append(graded.rewards)
+        sampled_outcomes.append(graded.outcome)
         informative = informative_groups(options.filter_values(graded), graded.group_index)
         kept.append(graded.select(informative.nonzero(as_tuple=True)[0].tolist()))
         dropped.append(graded.select((~informative).nonzero(as_tuple=True)[0].tolist()))
@@ -118,6 +120,7 @@ def sample_informative_groups(
         "dynamic_sampling_filled_groups": float(filled),
         # the policy's reward on all responses generated this step, before the selection
         "rollout_reward_mean": float(torch.cat(sampled_rewards).mean().item()),
+        "rollout_outcome_mean": float(torch.cat(sampled_outcomes).mean().item()),  # the same, before shaping
     }
     return batch, metrics
 

@@ -232,6 +232,7 @@ def step_metrics(graded: GradedGroups, batch: TrainBatch, response_kl: torch.Ten
     group_std = torch.stack([rewards[batch.group_index == g].std(correction=0) for g in range(len(graded.groups))])
     return {
         "reward_mean": rewards.mean().item(),
+        "outcome_mean": graded.outcome.mean().item(),  # the graders' reward, before reward shaping
         "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
         "accuracy": float(np.mean([g.correct for g in grades])),
         "format_rate": float(np.mean([g.format_ok for g in grades])),

@@ -6,8 +6,10 @@ budget) through the real runner, once per seed, and once per seed as its negativ
 preset with no parameter change (``trainer.lr`` -> 1e-12; a schedule that takes no optimizer step, TRPO,
 gets ``max_kl`` -> 1e-12 instead).
 
-Criterion, on each run's per-step mean reward r_1..r_S (with dynamic sampling, the mean over all the
-responses generated, since the trained batch's mean is biased by the group selection):
+Criterion, on each run's per-step mean outcome r_1..r_S: the grader's reward before reward shaping (the
+task is what must be learned; Thinkless' mode table and DAPO's length penalty are means to it), and with
+dynamic sampling the mean over all the responses generated (the trained batch's mean is biased by the
+group selection):
 
     peak rise = max_w mean(r_w .. r_w+3) - mean(r_1 .. r_4)     the best 4-step window against the first 4
     end rise  = mean(r_S-3 .. r_S) - mean(r_1 .. r_4)           the end against the start
@@ -64,7 +66,7 @@ def end_rise(rewards: list[float]) -> float:
 
 def step_rewards(metrics_file: Path) -> list[float]:
     steps = [json.loads(line) for line in metrics_file.read_text().splitlines()]
-    return [s.get("rollout_reward_mean", s["reward_mean"]) for s in steps]
+    return [s.get("rollout_outcome_mean", s["outcome_mean"]) for s in steps]
 
 
 def compose(overrides: list[str], output_dir: Path):
