@@ -52,8 +52,9 @@ def test_losses_reading_progress_or_entropy_run_through_the_runner(make_cfg, los
     ("pvpo", [], lambda s: s["reference_responses"] in (0.0, 8.0, 16.0)),  # 8 per newly drawn prompt
     ("spo", [], lambda s: "tracker_baseline_mean" in s and "tracker_policy_change_mean" in s),
     ("polychromic", [], lambda s: "advantage_std" in s),
-    # the tiny model never answers right, so every group is dropped: all rounds run, then the batch is filled
-    ("dapo", ["rollout.dynamic_sampling.max_rounds=2"],
+    # with the math grader the tiny model never answers right, so every group is dropped: all rounds run,
+    # then the batch is filled
+    ("dapo", ["reward=math", "rollout.dynamic_sampling.max_rounds=2"],
      lambda s: s["dynamic_sampling_rounds"] == 2 and s["dynamic_sampling_filled_groups"] == 2),
 ])
 def test_presets_reading_extra_rollout_inputs_run_end_to_end(make_cfg, tmp_path, preset, extra, check):

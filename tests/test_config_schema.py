@@ -63,7 +63,9 @@ def test_origins_trace_a_key_to_the_last_file_that_sets_it():
     origins = ValueOrigins(("algorithm=dapo", "trainer.lr=1"), tuple(composed_files(choices)))
     assert origins.of("algorithm.loss.clip_high") == "conf/paper/dapo.yaml (paper=dapo)"
     assert origins.of("algorithm.loss.name") == "conf/algorithm/loss/ppo_clip.yaml (algorithm/loss=ppo_clip)"
-    assert origins.of("algorithm.overlong_filter") == "conf/algorithm/dapo.yaml (algorithm=dapo)"
+    assert origins.of("algorithm.paper") == "conf/algorithm/dapo.yaml (algorithm=dapo)"
+    # experiment=smoke sets it after algorithm=dapo did: the last file wins
+    assert origins.of("algorithm.overlong_filter") == "conf/experiment/smoke.yaml (experiment=smoke)"
     assert origins.of("trainer.steps") == "conf/experiment/smoke.yaml (experiment=smoke)"
     assert origins.of("eval.benchmarks.gsm8k.hub_id") == "conf/benchmark/gsm8k.yaml (benchmark=gsm8k)"
     assert origins.of("algorithm.kl.placement") == "conf/config.yaml (the primary config)"

@@ -94,7 +94,8 @@ def test_smoke_offline_wandb_run_holds_the_passk_table(smoke_run):
 
 def test_saved_policy_loads_for_evaluation(smoke_run, make_cfg):
     out, _ = smoke_run
-    summary = run(make_cfg("mode=eval", "model=checkpoint", f"model.path={out / 'policy'}", "logger=files",
+    # reward=even_tokens: the smoke run's grader (it grades its evaluation too)
+    summary = run(make_cfg("mode=eval", "model=checkpoint", f"model.path={out / 'policy'}", "logger=files", "reward=even_tokens",
                            "eval.n=4", "eval.k=[1,2,4]", "eval.limit=4", "rollout.max_new_tokens=8",
                            "dataset.arith.test_size=16"))
     assert summary["pass_at_1_before"] is None and set(summary["pass_at_1_after"]) == {"arith"}

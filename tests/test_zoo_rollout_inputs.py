@@ -263,7 +263,8 @@ def test_dynamic_sampling_keeps_only_mixed_groups_and_fills_the_batch():
     assert batch.rewards.tolist() == [1.0, 0.0] * 4 and batch.group_index.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
     assert draws == [4]
     assert metrics == {"dynamic_sampling_rounds": 2.0, "dynamic_sampling_dropped_groups": 3.0,
-                       "dynamic_sampling_filled_groups": 0.0, "rollout_reward_mean": 11 / 16}
+                       "dynamic_sampling_filled_groups": 0.0, "rollout_reward_mean": 11 / 16,
+                       "rollout_outcome_mean": 11 / 16}
 
 
 def test_dynamic_sampling_stops_after_max_rounds_and_fills_with_dropped_groups(caplog):
