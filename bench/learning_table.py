@@ -39,6 +39,11 @@ def main(dirs: list[str]) -> None:
         any_record = next(iter(records.values()))
         print(f"## {name}: seeds {any_record['seeds']}, torch threads {any_record['threads']}, "
               f"kernels {any_record.get('aten_cpu_capability', 'native')}\n")
+        verdicts = {p: judge(p, r["seeds"], r["runs"], r["controls"]) for p, r in records.items()}
+        margins = {p: v.median_peak - v.median_control_peak - PEAK_MARGIN for p, v in verdicts.items()}
+        tightest = min(margins, key=margins.get)
+        print(f"{sum(v.learns for v in verdicts.values())} of {len(verdicts)} recorded presets learn; control runs per "
+              f"preset: {len(any_record['controls'])}; smallest margin left {margins[tightest]:+.3f} ({tightest}).\n")
         print("| preset | median peak rise | worst seed (peak) | median end rise | control median peak | margin left | learns |")
         print("|---|---|---|---|---|---|---|")
         for preset in presets:
