@@ -43,7 +43,7 @@ def main(dirs: list[str]) -> None:
         margins = {p: v.median_peak - v.median_control_peak - PEAK_MARGIN for p, v in verdicts.items()}
         tightest = min(margins, key=margins.get)
         print(f"{sum(v.learns for v in verdicts.values())} of {len(verdicts)} recorded presets learn; control runs per "
-              f"preset: {len(any_record['controls'])}; smallest margin left {margins[tightest]:+.3f} ({tightest}).\n")
+              f"preset: {'/'.join(str(n) for n in sorted({len(r['controls']) for r in records.values()}))}; smallest margin left {margins[tightest]:+.3f} ({tightest}).\n")
         print("| preset | median peak rise | worst seed (peak) | median end rise | control median peak | margin left | learns |")
         print("|---|---|---|---|---|---|---|")
         for preset in presets:
