@@ -74,11 +74,10 @@ def step_rewards(metrics_file: Path) -> list[float]:
 
 
 def compose(overrides: list[str], output_dir: Path):
-    """The run configuration the CLI would build from these overrides."""
-    from hydra import compose as hydra_compose, initialize_config_dir
+    """tests/conftest.py's compose_config, imported at call time so the table script needs no Hydra."""
+    from conftest import compose_config
 
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return hydra_compose("config", overrides=[*overrides, f"output_dir={output_dir}"])
+    return compose_config(overrides, output_dir)
 
 
 def toy_run(out: Path, preset: str, *overrides: str) -> Path:
