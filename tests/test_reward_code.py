@@ -14,7 +14,7 @@ import rlbench.sandbox.core as sandbox_core
 from conftest import needs_data
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError, DataError
-from rlbench.reward.code import CodeReward, extract_code, problem_program
+from rlbench.reward.code import CodeReward, extract_code, problem_program, problem_setup
 from rlbench.sandbox import SandboxLimits
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox needs Linux")
@@ -173,7 +173,7 @@ def test_slow_solution_times_out():
     completion = fence("def has_close_elements(numbers, threshold):\n    while True:\n        pass\n")
     grade = grader(completion, "", problem=HUMANEVAL)
     assert not grade.correct and grade.reward == 0.0
-    assert grade.details == {"tests": [[False, "not run"]], "status": "timeout"}
+    assert grade.details == {"tests": [[False, "wall-clock time limit reached"]], "status": "timeout"}
 
 
 @pytest.mark.parametrize("completion", ["I think the answer is to compare all pairs.", HUMANEVAL_BODY])
@@ -265,14 +265,21 @@ def test_extract_code(completion, code):
 
 
 def test_problem_program_puts_the_prompt_before_a_bare_body():
-    assert problem_program(HUMANEVAL_BODY, HUMANEVAL) == (
-        HUMANEVAL_PROMPT + HUMANEVAL_BODY.rstrip("\n") + "\n\n" + HUMANEVAL_TEST + "\n"
-    )
+    assert problem_program(HUMANEVAL_BODY, HUMANEVAL) == HUMANEVAL_PROMPT + HUMANEVAL_BODY
 
 
 def test_problem_program_puts_the_prompt_before_a_whole_function_too():
     code = "def has_close_elements(numbers, threshold):\n    return True\n"
-    assert problem_program(code, HUMANEVAL) == HUMANEVAL_PROMPT + code + "\n" + HUMANEVAL_TEST + "\n"
+    assert problem_program(code, HUMANEVAL) == HUMANEVAL_PROMPT + code
+
+
+def test_the_tests_setup_is_trusted_code_outside_the_program():
+    """The test set-up (check, imports) and the prompt's helpers never run in the sandbox: the
+    program is the completion (after the prompt), the setup is the prompt and then the tests' code."""
+    assert HUMANEVAL_TEST not in problem_program(HUMANEVAL_BODY, HUMANEVAL)
+    assert problem_setup(HUMANEVAL) == HUMANEVAL_PROMPT.rstrip("\n") + "\n\n" + HUMANEVAL_TEST.rstrip("\n") + "\n"
+    assert problem_setup(MBPP_WITH_IMPORTS) == "import math\n"
+    assert problem_setup(MBPP) == ""
 
 
 @pytest.mark.parametrize("task", ["HumanEval/10", "HumanEval/32", "HumanEval/38", "HumanEval/50"])
@@ -294,10 +301,12 @@ def test_whole_function_answers_may_use_the_prompts_helpers(task):
     assert grade.correct, grade.details
 
 
-def test_problem_program_appends_test_imports():
+def test_problem_program_appends_the_setups_imports_only():
     code = "def volume_sphere(r):\n    return r\n"
     assert problem_program(code, MBPP_WITH_IMPORTS) == code + "\nimport math\n"
     assert problem_program(code, MBPP) == code
+    mixed = Problem(uid="x/0", prompt="", answer="", meta={"tests": ["pass"], "test_setup": "import re\ndef check(c):\n    import os\n"})
+    assert problem_program(code, mixed) == code + "\nimport re\n"
 
 
 @pytest.mark.parametrize("tests", [None, [], "assert True", [1, 2]])
