@@ -126,18 +126,21 @@ class TestOutcome:
 class SandboxResult:
     """Outcome of running one program and its tests.
 
-    passed:    every test ran and passed, the program loaded, and the harness's completion
-               line (with this run's nonce) was seen with exit status 0.
-    outcomes:  one per test, in order; tests never reached are ``(False, "not run")``.
+    passed:    the program loaded, every test ran (in the trusted process) and passed, and the
+               run neither timed out nor ended early.
+    outcomes:  one per test, in order; tests never reached are ``(False, "not run")``; a test
+               that needed a value that is not plain data fails with ``"cannot cross: ..."``.
     status:    ``passed``; else the first that applies of ``timeout`` (wall clock or CPU),
                ``output_limit`` (stdout/stderr reached ``file_size_mb``), ``load_error`` (the
-               program raised), ``crashed`` (no completion line: killed, ``os._exit``, ...),
+               program raised), ``crashed`` (the program's process ended: killed, ``os._exit``),
                ``failed`` (ran to the end, some test failed); ``sandbox_error`` when the
                sandbox itself broke.
     stdout, stderr: what the program printed, cut to ``max_output_bytes`` each.
     seconds:   wall-clock seconds of the whole call (sandbox start-up included).
-    isolation: which protections were active (``netns``, ``mountns``, ``readonly_fs``, ``uid``,
-               ``rlimits``, ``subreaper``, ``audit_hook``, ``undumpable``, ...).
+    isolation: which protections were active (``verdict_outside``, ``bwrap``, ``pidns``,
+               ``netns``, ``mountns``, ``minimal_root``, ``work_tmpfs``, ``cgroup_pids``,
+               ``cgroup_memory``, ``uid``, ``rlimits``, ``subreaper``, ``audit_hook``; the fallback
+               adds ``readonly_fs``, ``userns``).
     error:     the load error, or what went wrong (timeout, crash, sandbox failure).
     """
 
