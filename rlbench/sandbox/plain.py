@@ -10,7 +10,8 @@ does.
 Wire form (inside one JSON document): ``None``/``bool``/``int``/``float``/``str`` as themselves
 (``NaN`` and infinities as JSON's extensions); containers and the other types as a one-key object:
 ``{"l": [...]}`` list, ``{"t": [...]}`` tuple, ``{"d": [[key, value], ...]}`` dict, ``{"s": [...]}``
-set, ``{"f": [...]}`` frozenset, ``{"b": "<hex>"}`` bytes, ``{"c": [real, imag]}`` complex.
+set, ``{"f": [...]}`` frozenset, ``{"b": "<hex>"}`` bytes, ``{"c": [real, imag]}`` complex,
+``{"i": "<hex>"}`` an integer of 64 bits or more.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from __future__ import annotations
 MAX_DEPTH = 100
 
 _SCALARS = (type(None), bool, int, float, str)
+#: Integers at least this large (in absolute value) cross as hexadecimal text: decimal conversion
+#: of huge integers is limited (``sys.set_int_max_str_digits``) and quadratic.
+BIG_INT = 1 << 64
 
 
 class NotPlain(TypeError):
@@ -30,6 +34,8 @@ def to_wire(value, depth: int = 0):
     if depth > MAX_DEPTH:
         raise NotPlain(f"nested deeper than {MAX_DEPTH} levels")
     kind = type(value)
+    if kind is int and not -BIG_INT < value < BIG_INT:
+        return {"i": format(value, "x")}
     if kind in _SCALARS:
         return value
     if kind is list or kind is tuple or kind is set or kind is frozenset:
@@ -77,6 +83,11 @@ def from_wire(data, depth: int = 0):
             return bytes.fromhex(body)
         except ValueError:
             raise NotPlain("malformed plain data: bytes") from None
+    if tag == "i" and type(body) is str:
+        try:
+            return int(body, 16)
+        except ValueError:
+            raise NotPlain("malformed plain data: int") from None
     if tag == "c" and type(body) is list and len(body) == 2 and all(type(x) is float for x in body):
         return complex(body[0], body[1])
     raise NotPlain(f"malformed plain data: tag {str(tag)[:20]!r}")
