@@ -73,6 +73,38 @@ def alive(pid: int) -> bool:
     return data[data.rfind(b")") + 2 : data.rfind(b")") + 3] != b"Z"
 
 
+#: A wrong ``add`` and the tests of a right one: a forged pass would grade it correct.
+WRONG_ADD = "def add(a, b):\n    return a - b\n"
+ADD_TESTS = ["assert add(1, 2) == 3", "assert add(-4, 4) == 0"]
+ADD_CHECK = "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(2, 2) == 4\n"
+RIGHT_ADD = "def add(a, b):\n    return a + b\n"
+
+
+#: Hostile runs that stop answering end at this wall clock (still a failure if start-up under load eats it).
+HOSTILE_LIMITS = SandboxLimits(timeout_s=5.0)
+
+
+@pytest.fixture
+def correct_run_beside():
+    """Correct programs graded one after another in the background for the whole test (at least
+    one, overlapping it): a hostile program next to them must not change their verdict."""
+    done, results = threading.Event(), []
+
+    def keep_grading():
+        while not done.is_set() or not results:
+            results.append(run_tests(RIGHT_ADD, ADD_TESTS, LIMITS))
+
+    worker = threading.Thread(target=keep_grading)
+    worker.start()
+    yield
+    done.set()
+    worker.join()
+    assert all(r.passed for r in results), [r for r in results if not r.passed]
+
+
+BESIDE_A_CORRECT_RUN = pytest.mark.usefixtures("correct_run_beside")
+
+
 # ---------------------------------------------------------------------------------------
 # verdicts on ordinary programs
 # ---------------------------------------------------------------------------------------
@@ -216,6 +248,7 @@ def test_cpu_limit_kills_a_busy_program():
 
 
 @BOTH_LAYERS
+@BESIDE_A_CORRECT_RUN
 def test_fork_bomb_is_contained(audit_hook):
     result = run("import os\nwhile True:\n    os.fork()\n", ["pass"], LIMITS, audit_hook)
     assert not result.passed
@@ -225,6 +258,7 @@ def test_fork_bomb_is_contained(audit_hook):
         assert processes_of_uid(result.isolation["uid"]) == set()
 
 
+@BESIDE_A_CORRECT_RUN
 def test_memory_bomb_hits_the_address_space_limit():
     program = (
         "def grow():\n    blocks = []\n    while True:\n        blocks.append(bytearray(2 ** 24))\n"
@@ -257,6 +291,7 @@ def test_long_output_of_a_passing_program_is_truncated_with_a_note():
 
 
 @BOTH_LAYERS
+@BESIDE_A_CORRECT_RUN
 def test_writing_outside_the_work_directory_fails(tmp_path, audit_hook):
     target = tmp_path / "escaped.txt"
     shared = f"/tmp/rlbench-sandbox-escape-{uuid.uuid4().hex}"  # world-writable /tmp too
@@ -267,6 +302,7 @@ def test_writing_outside_the_work_directory_fails(tmp_path, audit_hook):
 
 
 @BOTH_LAYERS
+@BESIDE_A_CORRECT_RUN
 def test_deleting_a_file_outside_fails(tmp_path, audit_hook):
     sentinel = tmp_path / "sentinel.txt"
     sentinel.write_text("keep me")
@@ -282,6 +318,7 @@ def test_deleting_a_file_outside_fails(tmp_path, audit_hook):
 
 
 @BOTH_LAYERS
+@BESIDE_A_CORRECT_RUN
 def test_environment_secrets_are_invisible(monkeypatch, audit_hook):
     name, value = f"RLBENCH_TEST_SECRET_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
     monkeypatch.setenv(name, value)
@@ -357,6 +394,7 @@ def test_no_network_connection_reaches_a_local_server(audit_hook):
 
 
 @pytest.mark.parametrize("abstract", [True, False], ids=["abstract", "path"])
+@BESIDE_A_CORRECT_RUN
 def test_no_unix_socket_of_the_host_is_reachable(tmp_path, abstract):
     """Without the audit hook (the program may use sockets and ctypes): the host's Unix sockets,
     abstract or on disk, stay out of reach (network namespace; the path is not in the sandbox)."""
@@ -383,6 +421,7 @@ def test_a_subprocess_that_outlives_the_program_is_refused():
 
 
 @pytest.mark.skipif(not IS_ROOT, reason="needs the run's own uid to find its processes")
+@BESIDE_A_CORRECT_RUN
 def test_orphaned_and_detached_processes_are_killed_when_the_run_ends():
     """Without the audit hook the program may start processes: a ``sleep`` in its own session
     and a double-forked daemon. None of the run's processes is left when run_tests returns."""
@@ -511,15 +550,6 @@ def test_incomplete_or_odd_facts_never_pass(change):
 # concurrent run alone
 # ---------------------------------------------------------------------------------------
 
-#: A wrong ``add`` and the tests of a right one: a forged pass would grade it correct.
-WRONG_ADD = "def add(a, b):\n    return a - b\n"
-ADD_TESTS = ["assert add(1, 2) == 3", "assert add(-4, 4) == 0"]
-ADD_CHECK = "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(2, 2) == 4\n"
-RIGHT_ADD = "def add(a, b):\n    return a + b\n"
-
-
-#: Hostile runs that stop answering end at this wall clock (still a failure if start-up under load eats it).
-HOSTILE_LIMITS = SandboxLimits(timeout_s=5.0)
 
 
 def graded_fail_beside_a_correct_run(program: str, limits: SandboxLimits = HOSTILE_LIMITS, audit_hook: bool = True):
@@ -642,6 +672,7 @@ def test_values_that_are_not_plain_data_fail_with_a_reason():
     assert errors[7] is None
 
 
+@BESIDE_A_CORRECT_RUN
 def test_the_answer_key_and_the_project_are_unreadable(tmp_path):
     """A completion that opens the benchmark's data (here: a copy of an answer key on the host),
     the project's source or the host's home and temporary folders reads nothing."""
@@ -668,6 +699,7 @@ def test_the_answer_key_and_the_project_are_unreadable(tmp_path):
 
 
 @pytest.mark.skipif(not HAS_BWRAP, reason="the PID namespace comes from bubblewrap")
+@BESIDE_A_CORRECT_RUN
 def test_signals_and_pidfds_reach_nothing_outside():
     """Without the audit hook (ctypes allowed): kill(-1), kill and pidfd_send_signal on a host
     process of another uid, and /proc through a directory descriptor: nothing outside is reached."""
@@ -729,6 +761,7 @@ def _held_mib(result: SandboxResult) -> int:
 
 
 @pytest.mark.skipif(not IS_ROOT, reason="the memory cgroup needs root")
+@BESIDE_A_CORRECT_RUN
 def test_memfds_count_against_the_memory_limit():
     program = (
         "import os\n"
@@ -749,6 +782,7 @@ def test_memfds_count_against_the_memory_limit():
 
 
 @pytest.mark.skipif(not IS_ROOT, reason="the capped work tmpfs needs root")
+@BESIDE_A_CORRECT_RUN
 def test_the_work_directory_is_capped_in_bytes_and_entries():
     program = (
         "import os\n"
@@ -776,6 +810,7 @@ def test_the_work_directory_is_capped_in_bytes_and_entries():
 
 
 def test_a_deep_directory_tree_leaves_nothing_and_spoils_no_batch():
+    """The correct program of the batch runs beside the deep one (two workers)."""
     before = set(glob.glob(os.path.join(tempfile.gettempdir(), "rlbench-sandbox-*")))
     deep = "import os\nfor _ in range(1500):\n    os.mkdir('d')\n    os.chdir('d')\n" + RIGHT_ADD
     results = run_many([(deep, ADD_TESTS), (RIGHT_ADD, ADD_TESTS), (WRONG_ADD, ADD_TESTS)], LIMITS, workers=2)
@@ -804,6 +839,21 @@ def test_a_harness_that_cannot_start_is_reported_with_its_cause(monkeypatch, tmp
         result = run_tests(RIGHT_ADD, ADD_TESTS, LIMITS, bwrap=bwrap)
         assert result.status == "sandbox_error" and result.error.startswith("the harness did not start")
         assert "harness.py" in result.error or "missing" in result.error, result.error
+
+
+def test_a_bubblewrap_that_cannot_start_falls_back_once(monkeypatch, tmp_path, caplog):
+    """bubblewrap installed but refused its namespaces (as in some containers): the run goes to the
+    fallback, the warning says why, and later runs skip bubblewrap."""
+    fake = tmp_path / "bwrap"
+    fake.write_text("#!/bin/sh\necho 'bwrap: No permissions to creating new namespace' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(sandbox_core, "BWRAP_DIRS", (str(tmp_path),))
+    monkeypatch.setitem(sandbox_core.BWRAP_STATE, "unusable", False)
+    first, second = run_tests(RIGHT_ADD, ADD_TESTS, LIMITS), run_tests(RIGHT_ADD, ADD_TESTS, LIMITS)
+    assert first.passed and second.passed
+    assert first.isolation["bwrap"] is False and "No permissions" in first.isolation["bwrap_error"]
+    assert "bwrap_error" not in second.isolation  # not tried again
+    assert "bubblewrap is installed but cannot start here" in caplog.text
 
 
 @pytest.mark.skipif(not IS_ROOT, reason="the fallback's OS layers need root")

@@ -272,7 +272,8 @@ def run_tests(
         request = {
             "program": program, "tests": tests, "setup": setup, "entry_point": entry_point,
             "workdir": os.path.realpath(workdir), "harness": str(HARNESS), "audit_hook": bool(audit_hook),
-            "bwrap": bool(bwrap), "limits": _limits_request(limits),
+            "bwrap": find_bwrap() if bwrap and not BWRAP_STATE["unusable"] else None,
+            "limits": _limits_request(limits),
         }  # fmt: skip
         supervisor, problem = _call_supervisor(request, limits.timeout_s + SUPERVISOR_MARGIN_S)
     finally:
@@ -280,6 +281,22 @@ def run_tests(
     if problem is not None:
         return _sandbox_error(len(tests), problem, time.monotonic() - start)
     return _result(supervisor, len(tests), time.monotonic() - start)
+
+
+#: Where bubblewrap is looked for (not ``PATH``: the caller's environment does not choose it).
+BWRAP_DIRS = ("/usr/bin", "/bin", "/usr/local/bin")
+#: Set once a run found bubblewrap installed but unable to start (e.g. no namespaces in a
+#: container); later runs then go straight to the fallback.
+BWRAP_STATE = {"unusable": False}
+
+
+def find_bwrap() -> str | None:
+    """The bubblewrap executable, or None."""
+    for directory in BWRAP_DIRS:
+        path = os.path.join(directory, "bwrap")
+        if os.access(path, os.X_OK):
+            return path
+    return None
 
 
 def _limits_request(limits: SandboxLimits) -> dict:
@@ -324,7 +341,10 @@ def _result(supervisor: dict, n_tests: int, seconds: float) -> SandboxResult:
     passed, status, error = judge(supervisor, n_tests)
     outcomes = [TestOutcome(bool(p), e) for p, e in supervisor["outcomes"]]
     isolation = supervisor["isolation"]
-    _log_layers_once(tuple(sorted((k, v) for k, v in isolation.items() if k != "uid")))
+    if "bwrap_error" in isolation and not BWRAP_STATE["unusable"]:
+        BWRAP_STATE["unusable"] = True
+        logger.warning("bubblewrap is installed but cannot start here; using the fallback: %s", isolation["bwrap_error"])
+    _log_layers_once(tuple(sorted((k, v) for k, v in isolation.items() if k not in ("uid", "bwrap_error"))))
     return SandboxResult(
         passed=passed,
         outcomes=outcomes,

@@ -6,7 +6,7 @@ one JSON object on stdout.
 Started by :func:`rlbench.sandbox.run_tests` as ``python -I -B -S supervisor.py`` in a new session
 (a process separate from the caller's), with a minimal environment, an empty work directory as
 cwd and the request (JSON) on stdin: ``{"program", "tests", "setup", "entry_point", "workdir",
-"harness", "audit_hook", "bwrap", "limits"}``. Standard library only (isolated mode; it must not
+"harness", "audit_hook", "bwrap" (the executable or null), "limits"}``. Standard library only (isolated mode; it must not
 import ``rlbench``; it loads ``plain.py`` from its own directory).
 
 Layers (each reported under ``isolation``; see the package docstring for the threat model):
@@ -86,6 +86,9 @@ TEST_MODULES = frozenset({
     "array", "bisect", "cmath", "collections", "copy", "datetime", "decimal", "fractions", "functools",
     "heapq", "itertools", "math", "operator", "random", "re", "statistics", "string", "sys", "typing",
 })  # fmt: skip
+#: Start of the error of a run whose bubblewrap could not set up the sandbox: the supervisor then
+#: runs the fallback (``isolation["bwrap_error"]`` keeps the message).
+BWRAP_FAILED = "bubblewrap could not start"
 #: Seconds a harness whose channel closed gets to exit on its own (so its exit status is seen).
 EXIT_GRACE_S = 1.0
 #: bwrap exits with 128 + N when the program is killed by signal N.
@@ -202,14 +205,6 @@ class Cgroups:
 # ---------------------------------------------------------------------------------------
 # the harness's command: bubblewrap, or the fallback made here
 # ---------------------------------------------------------------------------------------
-
-
-def find_bwrap() -> str | None:
-    for directory in ("/usr/bin", "/bin", "/usr/local/bin"):
-        path = os.path.join(directory, "bwrap")
-        if os.access(path, os.X_OK):
-            return path
-    return None
 
 
 def python_executable() -> str:
@@ -752,22 +747,31 @@ def supervise(request: dict) -> dict:
     subreaper = _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     root = os.geteuid() == 0
     uid = RUN_UID_BASE + secrets.randbelow(RUN_UID_COUNT) if root else os.geteuid()
-    bwrap = find_bwrap() if request["bwrap"] else None
+    bwrap = request["bwrap"]  # the executable, or None
     if root and not os.access("/usr/bin/setpriv", os.X_OK):
         bwrap = None
-    isolation = {"subreaper": subreaper, "bwrap": bwrap is not None, "verdict_outside": True, "rlimits": True}
-    if bwrap:
-        isolation.update({"pidns": True, "netns": True, "mountns": True, "minimal_root": True, "uid": uid})
+    isolation = {"subreaper": subreaper, "verdict_outside": True, "rlimits": True}
     if root:
         private_work_tmpfs(request["workdir"], int(limits["file_size_mb"]) << 20, uid)
         isolation["work_tmpfs"] = True
     cgroups = Cgroups(f"rlbench-sandbox-{os.getpid()}-{secrets.token_hex(4)}", int(limits["memory_mb"]) << 20)
     isolation.update({f"cgroup_{k}": v for k, v in cgroups.active.items()})
     try:
-        return _run(request, root, uid, bwrap, cgroups, isolation)
+        result = _run(request, root, uid, bwrap, cgroups, {**isolation, **bwrap_layers(bwrap, uid)})
+        error = result.get("sandbox_error", "")
+        if bwrap and error.startswith(BWRAP_FAILED):  # e.g. namespaces not allowed in a container
+            kill_descendants()
+            result = _run(request, root, uid, None, cgroups, {**isolation, "bwrap": False, "bwrap_error": error[:300]})
+        return result
     finally:
         kill_descendants()
         cgroups.remove()
+
+
+def bwrap_layers(bwrap: str | None, uid: int) -> dict:
+    if not bwrap:
+        return {"bwrap": False}
+    return {"bwrap": True, "pidns": True, "netns": True, "mountns": True, "minimal_root": True, "uid": uid}
 
 
 def _run(request: dict, root: bool, uid: int, bwrap: str | None, cgroups: Cgroups, isolation: dict) -> dict:
@@ -831,6 +835,8 @@ def _run(request: dict, root: bool, uid: int, bwrap: str | None, cgroups: Cgroup
     stdout, stdout_size = read_output(fds["stdout"], max_output)
     stderr, stderr_size = read_output(fds["stderr"], max_output)
     if start_error is not None and not timed_out:
+        if bwrap and stderr.startswith("bwrap:"):
+            return {"sandbox_error": f"{BWRAP_FAILED} ({stderr.strip()[:400]})"}
         cause = setup_error or f"exit code {exit_code}: {stderr.strip()[-400:]}"
         return {"sandbox_error": f"the harness did not start ({cause})"}
     return {
