@@ -256,7 +256,7 @@ def markdown(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--math-limit", type=int, default=None, help="first N MATH-500 problems (default all)")
-    parser.add_argument("--code-limit", type=int, default=None, help="first N MBPP tasks (default all)")
+    parser.add_argument("--code-limit", type=int, default=None, help="first N problems of each code task (default all)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="parallel workers")
     parser.add_argument("--code-timeout", type=float, default=10.0, help="sandbox timeout_s per program")
     parser.add_argument("--tasks", default="math,code,humaneval", help="comma-separated: math, code (MBPP), humaneval")
