@@ -6,6 +6,7 @@ by hand into :class:`Problem` records the way a code loader does.
 
 from __future__ import annotations
 
+import shutil
 import sys
 
 import pytest
@@ -333,3 +334,26 @@ def test_a_broken_sandbox_is_counted_not_raised(monkeypatch, caplog):
     assert [g.correct for g in grades] == [False, False] and grader.failures == 1
     assert "cannot fork" in grades[0].error and grades[1].error is None
     assert "sandbox unavailable" in caplog.text
+
+
+@needs_data
+@pytest.mark.skipif(shutil.which("bwrap", path="/usr/bin:/bin:/usr/local/bin") is None, reason="the minimal root comes from bubblewrap")
+def test_a_completion_that_reads_the_answer_key_fails():
+    """HumanEval/0 'solved' by opening the benchmark's data file and running the canonical solution:
+    the data directory (and the project) are not in the sandbox, so it fails; the real solution passes."""
+    from rlbench.dataset import resolve_data_dir
+
+    data_file = resolve_data_dir() / "humaneval" / "test.jsonl"
+    cheat = (
+        "import json\n"
+        "def has_close_elements(numbers, threshold):\n"
+        f"    with open({str(data_file)!r}) as f:\n"
+        "        record = json.loads(f.readline())\n"
+        "    namespace = {}\n"
+        "    exec(record['prompt'] + record['canonical_solution'], namespace)\n"
+        "    return namespace['has_close_elements'](numbers, threshold)\n"
+    )
+    grader = CodeReward(limits=LIMITS)
+    cheated, honest = grader.grade_many([fence(cheat), fence(HUMANEVAL_BODY)], [HUMANEVAL, HUMANEVAL])
+    assert not cheated.correct and cheated.details["tests"][0][1].startswith("FileNotFoundError")
+    assert honest.correct
