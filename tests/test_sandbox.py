@@ -124,6 +124,11 @@ def test_per_test_outcomes_in_order():
     assert result.outcomes[3].error == "SystemExit(0)"
 
 
+def test_tests_that_print_do_not_disturb_the_report():
+    result = run("def f():\n    return 1\n", ["print('{}'); print(f())", "import sys\nprint('x', file=sys.stderr)\nassert f() == 1"])
+    assert result.passed, result
+
+
 def test_tests_share_the_program_namespace():
     result = run("counter = [0]\n", ["counter[0] += 1\nshared = 5", "assert shared == 5 and counter == [1]"])
     assert result.passed

@@ -769,9 +769,10 @@ def supervise(request: dict) -> dict:
 
 
 def bwrap_layers(bwrap: str | None, uid: int) -> dict:
+    """What bubblewrap adds (without root its work tmpfs is capped in bytes only)."""
     if not bwrap:
         return {"bwrap": False}
-    return {"bwrap": True, "pidns": True, "netns": True, "mountns": True, "minimal_root": True, "uid": uid}
+    return {"bwrap": True, "pidns": True, "netns": True, "mountns": True, "minimal_root": True, "uid": uid, "work_tmpfs": True}
 
 
 def _run(request: dict, root: bool, uid: int, bwrap: str | None, cgroups: Cgroups, isolation: dict) -> dict:
@@ -873,13 +874,19 @@ def _send_payload(channel: Channel, fd: int, data: bytes) -> None:
 
 
 def main() -> None:
+    # The report goes to the caller's pipe through a private descriptor; fd 1 becomes /dev/null, so
+    # that whatever the trusted tests print cannot garble it.
+    report = os.fdopen(os.dup(1), "w")
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
     request = json.loads(sys.stdin.buffer.read())
     try:
         result = supervise(request)
     except Exception as exc:  # noqa: BLE001 - reported as a sandbox infrastructure error
         result = {"sandbox_error": f"{type(exc).__name__}: {exc}"}
-    sys.stdout.write(json.dumps(result))
-    sys.stdout.flush()
+    report.write(json.dumps(result))
+    report.flush()
     os._exit(0)
 
 
