@@ -357,3 +357,22 @@ def test_a_completion_that_reads_the_answer_key_fails():
     cheated, honest = grader.grade_many([fence(cheat), fence(HUMANEVAL_BODY)], [HUMANEVAL, HUMANEVAL])
     assert not cheated.correct and cheated.details["tests"][0][1].startswith("FileNotFoundError")
     assert honest.correct
+
+
+@needs_data
+def test_the_prompts_helpers_in_the_tests_are_the_benchmarks_own():
+    """HumanEval/32's check calls the prompt's ``poly`` on the candidate's root. A completion that
+    redefines ``poly`` to return 0 everywhere (and answers 0) does not reach the tests' ``poly``."""
+    import yaml
+
+    from conftest import ROOT
+    from rlbench.dataset import load_problems
+
+    spec = yaml.safe_load((ROOT / "conf" / "benchmark" / "humaneval.yaml").read_text())
+    problem = next(p for p in load_problems(spec) if p.meta["id"] == "HumanEval/32")
+    forged = "def poly(xs, x):\n    return 0\n\ndef find_zero(xs):\n    return 0.0\n"
+    honest = problem.answer
+    grader = CodeReward(limits=LIMITS)
+    forged_grade, honest_grade = grader.grade_many([fence(forged), fence(honest)], [problem, problem])
+    assert not forged_grade.correct and forged_grade.details["tests"][0][1] == "AssertionError"
+    assert honest_grade.correct, honest_grade.details
