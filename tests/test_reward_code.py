@@ -15,7 +15,7 @@ import rlbench.sandbox.core as sandbox_core
 from conftest import needs_data
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError, DataError
-from rlbench.reward.code import CodeReward, extract_code, problem_program, problem_setup
+from rlbench.reward.code import CodeReward, extract_code, problem_entry_point, problem_program, problem_setup
 from rlbench.sandbox import SandboxLimits
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox needs Linux")
@@ -88,6 +88,13 @@ MBPP_WITH_IMPORTS = Problem(
     },
 )
 
+MBPP_BUILTIN_NAME = Problem(  # MBPP 126: the function under test is called sum
+    uid="mbpp/test/126",
+    prompt="Write a python function to find the sum of common divisors of two given numbers.",
+    answer="def sum(a,b): \n    sum = 0\n    for i in range (1,min(a,b)): \n        if (a % i == 0 and b % i == 0): \n            sum += i \n    return sum",
+    meta={"tests": ["assert sum(10,15) == 6", "assert sum(100,150) == 93", "assert sum(4,6) == 3"], "test_setup": ""},
+)
+
 WRONG_HE = "def has_close_elements(numbers, threshold):\n    return False\n"
 
 
@@ -134,6 +141,13 @@ CASES = [
               "def similar_elements(a, b):\n    return ()\n"),
         MBPP, False, "failed",
     ),
+    (
+        "shadow-a-builtin-the-tests-use",
+        fence("def set(x):\n    return 0\ndef similar_elements(a, b):\n    return ()\n"),
+        MBPP, False, "failed",
+    ),
+    ("function-named-like-a-builtin", fence(MBPP_BUILTIN_NAME.answer), MBPP_BUILTIN_NAME, True, "passed"),
+    ("wrong-function-named-like-a-builtin", fence("def sum(a, b):\n    return 6\n"), MBPP_BUILTIN_NAME, False, "failed"),
     (
         "redefine-check",
         fence("def check(candidate):\n    pass\n" + WRONG_HE),
@@ -263,6 +277,13 @@ def test_sandbox_failures_are_counted_not_raised(monkeypatch, tmp_path):
 )
 def test_extract_code(completion, code):
     assert extract_code(completion) == code
+
+
+def test_the_entry_point_is_the_called_function_the_solution_defines():
+    assert problem_entry_point(HUMANEVAL) == "has_close_elements"
+    assert problem_entry_point(MBPP) == "similar_elements"  # not set, called first
+    assert problem_entry_point(MBPP_BUILTIN_NAME) == "sum"
+    assert problem_entry_point(MBPP_WITH_IMPORTS) is None  # no reference solution
 
 
 def test_problem_program_puts_the_prompt_before_a_bare_body():

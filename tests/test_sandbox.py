@@ -629,6 +629,14 @@ def test_forged_passes_fail(name):
     graded_fail_beside_a_correct_run(FORGERIES[name])
 
 
+def test_program_names_never_shadow_a_builtin_the_tests_use():
+    program = "def abs(x):\n    return 0\n" + WRONG_ADD
+    result = run(program, ["assert abs(add(1, 2) - 3) == 0"])
+    assert not result.passed and result.outcomes[0].error == "AssertionError"
+    # unless it is the function under test (MBPP 126 calls its function sum)
+    assert run_tests("def sum(a, b):\n    return a * b\n", ["assert sum(2, 3) == 6"], LIMITS, entry_point="sum").passed
+
+
 def test_patched_math_isclose_does_not_reach_the_tests():
     program = "import math\nmath.isclose = lambda *a, **k: True\ndef area(r):\n    return 3.0 * r * r\n"
     result = run(program, ["assert math.isclose(area(2.0), 12.566, rel_tol=1e-3)"], setup="import math")

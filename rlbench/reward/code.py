@@ -32,7 +32,10 @@ if TYPE_CHECKING:  # a runtime import would be circular (rlbench.dataset imports
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CODE_REWARD_MODES", "CodeReward", "extract_code", "problem_program", "problem_setup", "problem_tests"]
+__all__ = [
+    "CODE_REWARD_MODES", "CodeReward", "extract_code", "problem_entry_point", "problem_program", "problem_setup",
+    "problem_tests",
+]  # fmt: skip
 
 CODE_REWARD_MODES = ("all_pass", "pass_rate")
 #: Fence languages taken as Python (a bare fence counts too).
@@ -133,11 +136,32 @@ def problem_setup(problem: Problem) -> str:
     return "\n\n".join(part.rstrip("\n") for part in parts if part) + ("\n" if any(parts) else "")
 
 
+def _called_names(code: str) -> list[str]:
+    """Names called as ``name(...)`` in ``code``, in source order (none if it does not parse)."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return []
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+    return [c.func.id for c in sorted(calls, key=lambda c: (c.lineno, c.col_offset))]
+
+
 def problem_entry_point(problem: Problem) -> str | None:
+    """The function the tests call: ``meta["entry_point"]`` (HumanEval); else, when the problem has
+    a reference solution (MBPP), the first name the tests call that the solution defines at its top
+    level (``sum`` for MBPP 126, ``similar_elements`` in ``set(similar_elements(...))``); else None.
+    The sandbox lets the program's name shadow a builtin in the tests only for this name."""
     entry_point = problem.meta.get("entry_point") or None
-    if entry_point is not None and not (isinstance(entry_point, str) and entry_point.isidentifier()):
-        raise DataError(f"problem {problem.uid}: meta['entry_point'] must be a Python identifier, got {entry_point!r}")
-    return entry_point
+    if entry_point is not None:
+        if not (isinstance(entry_point, str) and entry_point.isidentifier()):
+            raise DataError(f"problem {problem.uid}: meta['entry_point'] must be a Python identifier, got {entry_point!r}")
+        return entry_point
+    try:
+        solution = ast.parse(problem.answer or "")
+    except SyntaxError:
+        return None
+    defined = {n.name for n in solution.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    return next((name for test in problem_tests(problem) for name in _called_names(test) if name in defined), None)
 
 
 class CodeReward:

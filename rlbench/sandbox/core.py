@@ -255,9 +255,9 @@ def run_tests(
 
     The tests are trusted code: they run outside the sandbox, in a namespace holding the
     program's global names (functions as proxies that call into the sandbox with plain data,
-    plain data values as copies; nothing else crosses), then the names ``setup`` (trusted code,
-    e.g. HumanEval's ``def check(candidate)``) defines, then ``entry_point`` bound to the
-    program's function of that name. Never raises for anything the program does; a broken
+    plain data values as copies; nothing else crosses, and no name that shadows a builtin), then
+    the names ``setup`` (trusted code, e.g. HumanEval's ``def check(candidate)``) defines, then
+    ``entry_point`` bound to the program's function of that name (it may shadow a builtin). Never raises for anything the program does; a broken
     sandbox gives status ``sandbox_error``. Linux only. ``audit_hook=False`` and ``bwrap=False``
     switch those layers off, to test that the others hold on their own.
     """

@@ -573,12 +573,15 @@ def describe(exc: BaseException) -> str:
 
 def tests_namespace(channel: Channel, names: dict, setup: str, entry_point: str | None) -> tuple[dict, dict]:
     """The namespace the tests run in, and ``{name: type}`` of the program's names that could not
-    cross. First the program's names (functions as :class:`Candidate`, plain data as copies), then
-    the trusted ``setup`` (whose names win), then ``entry_point`` bound to the program's function."""
+    cross. First the program's names (functions as :class:`Candidate`, plain data as copies; never
+    one that shadows a builtin), then the trusted ``setup`` (whose names win), then ``entry_point``
+    bound to the program's function (it may shadow a builtin: MBPP 126's ``sum``)."""
     namespace: dict = {"__name__": "tests", "__builtins__": builtins}
     opaque: dict[str, str] = {}
     for name, kind in names.items():
         if type(name) is not str or not name.isidentifier() or type(kind) is not dict or len(kind) != 1:
+            continue
+        if hasattr(builtins, name) or name.startswith("__"):  # ``def set(x): return 0`` would rig the tests
             continue
         ((what, body),) = kind.items()
         if what == "callable":
