@@ -55,9 +55,10 @@ class SandboxLimits:
 
     timeout_s:        wall-clock seconds for the whole run (start-up, program and all tests).
     cpu_s:            CPU seconds (``RLIMIT_CPU``); None means ``ceil(timeout_s)``.
-    memory_mb:        address-space limit in MiB (``RLIMIT_AS``).
+    memory_mb:        address-space limit in MiB (``RLIMIT_AS``) and, where a memory cgroup is
+                      available, the limit on all memory the run holds (memfds, tmpfs included).
     file_size_mb:     largest file the program may write, in MiB (``RLIMIT_FSIZE``); this also
-                      caps what it can print.
+                      caps what it can print, and (as root) the whole work folder's tmpfs.
     max_output_bytes: bytes of stdout and of stderr kept in the result (the rest is cut off,
                       with a note saying so).
     network:          must be False: the program never gets a network (kept so a config can
