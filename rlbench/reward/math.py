@@ -190,30 +190,34 @@ def _extract_phrase(text: str) -> str | None:
     return ans or None
 
 
-def _extract(text: str, style: str) -> tuple[str | None, bool]:
-    """(answer, format_ok) for ``style``; raises on unknown style or non-string input."""
+#: the extractors by the name ``Grade.extraction`` (and samples.jsonl) reports; the first two are
+#: explicit answer markers, the last two fallbacks
+_EXTRACTORS = {
+    "boxed": _extract_boxed,
+    "gsm8k": _extract_gsm8k,
+    "phrase": _extract_phrase,
+    "last_number": _extract_last_number,
+}
+_FALLBACKS = ("phrase", "last_number")
+
+
+def _extract(text: str, style: str, fallbacks: bool = True) -> tuple[str | None, bool, str | None]:
+    """(answer, format_ok, extractor name) for ``style``; raises on unknown style or non-string
+    input. ``fallbacks=False`` (a truncated response whose benchmark says so) uses only the
+    explicit markers: ``\\boxed{}`` and ``####``."""
     if style not in EXTRACTION_STYLES:
         raise ValueError(f"unknown extraction style {style!r}; use one of {EXTRACTION_STYLES}")
     if not isinstance(text, str):
         raise TypeError(f"completion must be a str, got {type(text).__name__}")
-    if style == "boxed":
-        ans = _extract_boxed(text)
-        return ans, ans is not None
-    if style == "gsm8k":
-        ans = _extract_gsm8k(text)
-        return ans, ans is not None
-    if style == "last_number":
-        ans = _extract_last_number(text)
-        return ans, ans is not None
     # auto: boxed, then ####, then "the answer is", then last number
-    ans = _extract_boxed(text)
-    if ans is not None:
-        return ans, True
-    for fn in (_extract_gsm8k, _extract_phrase, _extract_last_number):
-        ans = fn(text)
+    order = ("boxed", "gsm8k", "phrase", "last_number") if style == "auto" else (style,)
+    for name in order:
+        if not fallbacks and name in _FALLBACKS:
+            continue
+        ans = _EXTRACTORS[name](text)
         if ans is not None:
-            return ans, False
-    return None, False
+            return ans, style != "auto" or name == "boxed", name
+    return None, False, None
 
 
 def extract_answer(text: str, style: str = "auto") -> str | None:
@@ -615,6 +619,8 @@ class Grade:
     format_ok: an answer in the expected format was found (``\\boxed`` for styles
                auto/boxed; ``####`` for gsm8k; any number for last_number).
     error:     exception text if the grader crashed on this output.
+    extraction: which extractor found ``extracted`` (``boxed``, ``gsm8k``, ``phrase``,
+               ``last_number``; None when nothing was found or the grader has no extraction).
     details:   grader-specific detail (the code grader: per-test outcomes and the sandbox
                status); None for graders that have none.
     """
@@ -625,12 +631,17 @@ class Grade:
     format_ok: bool
     error: str | None = None
     details: dict | None = None
+    extraction: str | None = None
 
 
 class MathReward:
     """Binary correctness reward plus optional format reward.
 
     ``reward = (correct_reward if correct else incorrect_reward) + format_weight * format_ok``.
+    ``answer_type`` and ``absolute_tolerance``: see :func:`answers_equivalent`.  With
+    ``truncated_fallback=False`` a response cut at the token limit (``finished=False``) is graded
+    only on an explicit answer (``\\boxed{}``, ``####``), never on the "the answer is" / last-number
+    fallbacks of ``extraction="auto"`` or on ``extraction="last_number"``.
     Grader errors (including a math-verify timeout after ``verify_timeout_s`` seconds) never
     raise: the completion is graded incorrect, the error text goes to ``Grade.error``,
     ``failures`` is incremented and a warning with the running count is logged.
@@ -644,13 +655,19 @@ class MathReward:
         tolerance: float = 1e-6,
         extraction: str = "auto",
         verify_timeout_s: float = MATH_VERIFY_TIMEOUT_S,
+        *,
+        absolute_tolerance: float = 0.0,
+        answer_type: str = "math",
+        truncated_fallback: bool = True,
     ) -> None:
         if extraction not in EXTRACTION_STYLES:
             raise ValueError(
                 f"reward extraction={extraction!r} is unknown; use one of {EXTRACTION_STYLES}"
             )
-        if tolerance < 0:
-            raise ValueError(f"reward tolerance must be >= 0, got {tolerance}")
+        if tolerance < 0 or absolute_tolerance < 0:
+            raise ValueError(f"reward tolerances must be >= 0, got {tolerance} and {absolute_tolerance}")
+        if answer_type not in ANSWER_TYPES:
+            raise ValueError(f"answer_type={answer_type!r} is unknown; use one of {ANSWER_TYPES}")
         if verify_timeout_s <= 0:
             raise ValueError(f"reward verify_timeout_s must be > 0, got {verify_timeout_s}")
         self.correct_reward = float(correct_reward)
@@ -659,19 +676,41 @@ class MathReward:
         self.tolerance = float(tolerance)
         self.extraction = extraction
         self.verify_timeout_s = float(verify_timeout_s)
+        self.absolute_tolerance = float(absolute_tolerance)
+        self.answer_type = answer_type
+        self.truncated_fallback = bool(truncated_fallback)
         self.failures = 0
         self._lock = threading.Lock()
 
-    def __call__(self, completion: str, reference: str, response_ids: Sequence[int] = ()) -> Grade:
+    def __call__(
+        self,
+        completion: str,
+        reference: str,
+        response_ids: Sequence[int] = (),
+        *,
+        finished: bool = True,
+        tolerance: float | None = None,
+    ) -> Grade:
         """Grade ``completion`` against ``reference``; never raises (see ``failures``).
-        ``response_ids`` is part of the grader interface; this grader reads the text only."""
+        ``response_ids`` is part of the grader interface; this grader reads the text only.
+        ``finished=False``: the response was cut at the token limit; ``tolerance``: the problem's
+        own relative tolerance (None: the grader's)."""
         extracted: str | None = None
         format_ok = False
         correct = False
         error: str | None = None
+        method: str | None = None
         try:
-            extracted, format_ok = _extract(completion, self.extraction)
-            correct = _equivalent(extracted, reference, self.tolerance, self.verify_timeout_s)
+            fallbacks = finished or self.truncated_fallback
+            extracted, format_ok, method = _extract(completion, self.extraction, fallbacks)
+            correct = _equivalent(
+                extracted,
+                reference,
+                self.tolerance if tolerance is None else float(tolerance),
+                self.verify_timeout_s,
+                absolute_tolerance=self.absolute_tolerance,
+                answer_type=self.answer_type,
+            )
         except Exception as exc:  # noqa: BLE001 - documented: never raises
             correct = False
             error = f"{type(exc).__name__}: {exc}"
@@ -684,7 +723,7 @@ class MathReward:
         reward = self.correct_reward if correct else self.incorrect_reward
         reward += self.format_weight * float(format_ok)
         return Grade(
-            correct=correct, extracted=extracted, reward=reward, format_ok=format_ok, error=error
+            correct=correct, extracted=extracted, reward=reward, format_ok=format_ok, error=error, extraction=method
         )
 
     def __repr__(self) -> str:
@@ -692,5 +731,6 @@ class MathReward:
             f"MathReward(correct_reward={self.correct_reward}, "
             f"incorrect_reward={self.incorrect_reward}, format_weight={self.format_weight}, "
             f"tolerance={self.tolerance}, extraction={self.extraction!r}, "
-            f"verify_timeout_s={self.verify_timeout_s})"
+            f"verify_timeout_s={self.verify_timeout_s}, absolute_tolerance={self.absolute_tolerance}, "
+            f"answer_type={self.answer_type!r}, truncated_fallback={self.truncated_fallback})"
         )
