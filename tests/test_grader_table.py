@@ -310,7 +310,7 @@ def test_long_answers_compared_as_exact_strings():
 
 def test_timeout_is_a_counted_and_logged_failure(caplog):
     reward = MathReward(verify_timeout_s=1, format_weight=0.5)
-    grade = reward("\\boxed{10^{10^{10}}}", "1")
+    grade = reward("\\boxed{x^{10^{10^{10}}}}", "1")
     assert grade.correct is False and grade.format_ok is True
     assert grade.reward == pytest.approx(0.5)
     assert TIMEOUT_ERROR.search(grade.error)
@@ -330,7 +330,7 @@ def test_timeout_is_a_counted_and_logged_failure(caplog):
 def test_timeout_from_a_worker_thread_does_not_hang():
     reward = MathReward(verify_timeout_s=1)
     grades = []
-    thread = threading.Thread(target=lambda: grades.append(reward("\\boxed{9^{9^{9}}}", "1")))
+    thread = threading.Thread(target=lambda: grades.append(reward("\\boxed{x^{10^{10^{10}}}}", "1")))
     thread.start()
     thread.join(timeout=60)
     assert not thread.is_alive()
@@ -429,3 +429,19 @@ def test_verdict_by_answer_type(pred, ref, answer_type, expected, caplog):
 
 def test_unknown_answer_type_is_a_grader_error():
     assert answers_equivalent("1", "1", answer_type="nope") is False
+
+
+@pytest.mark.parametrize(
+    ("pred", "ref", "expected"),
+    [
+        pytest.param(r"-\left(\frac{1}{2^{98}}\right)", r"\frac{1}{2^{98}}", False, id="tiny-exact-constant-negation"),
+        pytest.param(r"2\left(\frac{1}{2^{98}}\right)", r"\frac{1}{2^{98}}", False, id="tiny-exact-constant-twice"),
+        pytest.param(r"2^{-98}", r"\frac{1}{2^{98}}", True, id="tiny-exact-constant-other-form"),
+        pytest.param("0", "x + y + z = 0", False, id="equation-is-not-its-right-side"),
+        pytest.param(r"10^{10^{10}}", "1", False, id="huge-exact-power-decided-by-value"),
+        pytest.param("x+y+z=0", "x + y + z = 0", True, id="equation-vs-equation"),
+    ],
+)
+def test_found_by_the_probe_battery(pred, ref, expected):
+    """False positives the battery found in MATH train (regressions)."""
+    assert answers_equivalent(pred, ref) is expected

@@ -38,6 +38,8 @@ Policy (each rule is a choice; ``tests/test_grader_table.py`` pins every one):
   ``1, 2`` = ``2, 1``, compared element by element: ``E_{2}, E_{1}`` = ``E_{1},E_{2}``); a finite
   set never equals a tuple or an interval (``\\{1,2\\}`` is not ``(1,2)``); interval ends matter
   (``[1,2]`` is not ``(1,2)``).
+* Equations: a one-letter label ``x =`` is dropped, so an answer that still has ``=`` is an
+  equation and equals only an equation (``x + y + z = 0`` is not ``0``).
 * Answer types (a benchmark's ``answer_type``): ``math`` (the rules above), ``number`` (a lone
   letter after the value is a unit), ``expression`` (no unit is stripped), ``set`` (the answer is
   an unordered collection, with or without ``\\{ \\}``: compared as a multiset of elements), and
@@ -463,6 +465,7 @@ def _mv_verify(pred: str, ref: str, *, tolerance: float, timeout_s: float, absol
 
 
 _OPENERS, _CLOSERS = "([{", ")]}"
+_EQUATION_RE = re.compile(r"(?<![<>!\\])=")  # "=" left after the normaliser dropped "x =" labels
 
 
 def _top_level_items(s: str) -> list[str]:
@@ -566,8 +569,8 @@ def _equivalent(
     p_items, r_items = _set_items(p_norm, answer_type), _set_items(r_norm, answer_type)
     if p_items is not None and r_items is not None:
         return _multiset_equal(p_items, r_items, same)
-    if _set_versus_tuple(p_key, r_key):
-        return False
+    if _set_versus_tuple(p_key, r_key) or (_EQUATION_RE.search(p_key) is None) != (_EQUATION_RE.search(r_key) is None):
+        return False  # a set is not a tuple; an equation is not a value (math-verify compares right sides)
     return _mv_verify(
         _latex_for_math_verify(p_norm),
         _latex_for_math_verify(r_norm),

@@ -45,7 +45,7 @@ BATTERY_SOURCES = {
 # a number times a factor that is not a unit: "3\sqrt{13}", "288 \pi", "5r^5"
 _NUMBER_TIMES_FACTOR_RE = re.compile(r"^(-?\d+(?:\.\d+)?|-?\\frac\{\d+\}\{\d+\})\s*((?:\\[A-Za-z]+|[A-Za-z]).*)$")
 # references that are not one expression (negating or doubling them means nothing)
-_COMPOUND_RE = re.compile(r",|=|\\text|\\mbox|\\in\b|\\cup|\\cap|\\pm|\\mp|matrix|\\le|\\ge|<|>|\\infty|\\(?:emptyset|varnothing)")
+_COMPOUND_RE = re.compile(r",|=|\\text|\\mbox|\\in\b|\\cup|\\cap|\\pm|\\mp|matrix|\\le|\\ge|<|>|\\infty|\\approx|\\(?:emptyset|varnothing)")
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,8 @@ def probes_for(ref: str, answer_type: str = "math") -> list[Probe]:
         Probe("rendering", "boxed_completion", f"We work it out step by step.\nThe answer is $\\boxed{{{ref}}}$.", True),
         Probe("rendering", "dollars", f"${ref}$"),
     ]
-    if unit:
+    labelled = value is not None and re.search(r"\\(?:text|mbox|mathrm)\s*\{", ref) and _to_fraction(ref) is None
+    if unit or labelled:  # "864 \mbox{ inches}^2": the label is dropped by the normaliser
         out.append(Probe("rendering", "unit_dropped", norm))
     if value is not None:
         out.append(Probe("rendering", "plain", str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"))

@@ -15,7 +15,9 @@ Protocol: one JSON object per line on the worker's stdin/stdout.
 Comparison in the worker: both sides are parsed by math-verify.  If both are numeric
 constants (no free symbols, real) and at least one contains a decimal (a float), they are
 compared with the grader's tolerance (:func:`within_tolerance`, so ``1414214`` vs
-``10^6\\sqrt{2}`` follows the same rule as plain numbers); otherwise math-verify's
+``10^6\\sqrt{2}`` follows the same rule as plain numbers); two exact real constants
+(``\\frac{1}{2^{98}}``, ``\\sqrt{8}``) must agree to :data:`EXACT_DIGITS` significant digits
+(math-verify itself rounds to 6 decimals, which equates tiny values); otherwise math-verify's
 ``verify(gold=ref, target=pred)`` decides.
 """
 
@@ -42,6 +44,8 @@ __all__ = ["SymbolicCheckError", "symbolic_equal", "within_tolerance"]
 REPLY_GRACE_S = 2.0
 #: seconds a fresh worker may take to import math-verify and report ready.
 STARTUP_TIMEOUT_S = 120.0
+#: two exact constants (no decimals) are equal when they agree to this many significant digits
+EXACT_DIGITS = 30
 #: address-space limit of the worker (a hostile answer gets MemoryError, not the OOM killer).
 WORKER_MEMORY_BYTES = 4 * 1024**3
 
@@ -93,7 +97,7 @@ def _numeric_value(expr):
 
     if not isinstance(expr, Expr) or not expr.is_number:
         return None
-    value = expr.evalf(30)
+    value = expr.evalf(EXACT_DIGITS + 20)
     if not value.is_real or not value.is_finite:
         return None
     return value
@@ -108,10 +112,13 @@ def _compare(pred: str, ref: str, tolerance: float, absolute_tolerance: float = 
     if not gold or not target:
         return False
     gold_expr, target_expr = gold[0], target[0]
-    if any(isinstance(e, Basic) and e.has(Float) for e in (gold_expr, target_expr)):
-        ref_value, pred_value = _numeric_value(gold_expr), _numeric_value(target_expr)
-        if ref_value is not None and pred_value is not None:
+    ref_value, pred_value = _numeric_value(gold_expr), _numeric_value(target_expr)
+    if ref_value is not None and pred_value is not None:
+        if any(isinstance(e, Basic) and e.has(Float) for e in (gold_expr, target_expr)):
             return within_tolerance(pred_value, ref_value, tolerance, absolute_tolerance)
+        # two exact constants: equal to EXACT_DIGITS digits; math-verify's own rounding to 6
+        # decimals would equate 2^-98 with its negation
+        return within_tolerance(pred_value, ref_value, 10.0**-EXACT_DIGITS)
     return bool(verify(gold, target, timeout_seconds=None))
 
 
