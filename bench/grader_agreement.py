@@ -35,6 +35,7 @@ from rlbench.utils import atomic_write_json, atomic_write_text  # noqa: E402
 
 PEERS = ("math_verify", "prm800k")
 PEER_TIMEOUT_S = 5
+EXAMPLES_KEPT = 20  # per disagreement class, in the .json (the .md shows 3)
 
 
 class _Timeout(BaseException):
@@ -125,7 +126,11 @@ def run(samples) -> dict:
             counts["ours_right"] += v["ours"] == truth
             for peer in PEERS:
                 counts[f"{peer}_right"] += v[peer] == truth
-    return {"counts": dict(counts), "classes": {" | ".join(k): v for k, v in sorted(classes.items(), key=lambda kv: -len(kv[1]))}}
+    ordered = sorted(classes.items(), key=lambda kv: -len(kv[1]))
+    return {
+        "counts": dict(counts),
+        "classes": {" | ".join(k): {"count": len(v), "examples": v[:EXAMPLES_KEPT]} for k, v in ordered},
+    }
 
 
 def report(result: dict, args) -> str:
@@ -153,9 +158,9 @@ def report(result: dict, args) -> str:
             "",
         ]
     lines += ["## Disagreement classes", "", "source | probe | peer | our verdict | who is right: count, examples (benchmark: reference -> response tail)", ""]
-    for key, items in result["classes"].items():
-        lines.append(f"- **{key}**: {len(items)}")
-        for bench, ref, tail in items[:3]:
+    for key, found in result["classes"].items():
+        lines.append(f"- **{key}**: {found['count']}")
+        for bench, ref, tail in found["examples"][:3]:
             lines.append(f"  - {bench}: `{ref}` -> `{tail.replace(chr(10), ' ')}`")
     return "\n".join(lines) + "\n"
 

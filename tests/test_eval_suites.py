@@ -118,3 +118,17 @@ def test_skip_counts_reach_the_loader_result(tmp_path):
             "answer_format": "boxed", "skip_bad_answers": True}
     problems = load_problems(spec, source="local")
     assert len(problems) == 1 and problems.skipped == 1
+
+
+def test_runner_refuses_an_empty_benchmark_before_the_model_loads(tmp_path, make_cfg, monkeypatch):
+    from rlbench import runner
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    cfg = make_cfg("mode=eval", "model=tiny", "eval=custom", f"eval.benchmarks.custom.files.test={empty}")
+    monkeypatch.setattr(runner, "load_policy", lambda *a, **k: pytest.fail("the model must not load"))
+    with pytest.raises(DataError, match="'custom' has no usable problems: the source has no records"):
+        runner.run(cfg)
+    allowed = make_cfg("mode=eval", "eval=custom", f"eval.benchmarks.custom.files.test={empty}", "eval.benchmarks.custom.allow_empty=true")
+    (bench,) = runner.load_benchmarks(allowed)
+    assert bench.problems == [] and bench.skipped == 0

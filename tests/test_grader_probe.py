@@ -65,3 +65,31 @@ def test_battery_subset(name):
 @pytest.mark.parametrize("name", sorted(n for n in BATTERY_SOURCES if UNIT_TIER_EVERY[n] > 1))
 def test_battery_full(name):
     _check(name, 1)
+
+
+def _agreement_script():
+    import importlib.util
+
+    pytest.importorskip("mathruler")
+    pytest.importorskip("math_verify")
+    spec = importlib.util.spec_from_file_location("grader_agreement", ROOT / "bench" / "grader_agreement.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_agreement_counts_and_classes():
+    agreement = _agreement_script()
+    grader = MathReward()
+    boxed = "The answer is $\\boxed{{{}}}$.".format
+    samples = [
+        ("battery", "toy", "unit_word", boxed("5 J"), "5", True, grader),  # peers keep the unit: ours is right
+        ("battery", "toy", "zero", boxed("0"), r"5.89\times10^{-7}", False, grader),  # everyone rejects
+        ("model", "toy", "response", boxed(r"\frac{37}{4}"), r"\frac{37}{4} m", None, grader, True),
+    ]
+    result = agreement.run(samples)
+    counts, classes = result["counts"], result["classes"]
+    assert counts["samples"] == 3 and counts["battery_samples"] == 2 and counts["ours_right"] == 2
+    assert classes["battery | unit_word | prm800k | ours accepts | ours"]["count"] == 1
+    assert classes["model | response | math_verify | ours rejects | unknown"]["count"] == 1  # it drops the m
+    assert "battery | zero | math_verify | ours rejects | ours" not in classes
