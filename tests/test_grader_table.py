@@ -445,3 +445,19 @@ def test_unknown_answer_type_is_a_grader_error():
 def test_found_by_the_probe_battery(pred, ref, expected):
     """False positives the battery found in MATH train (regressions)."""
     assert answers_equivalent(pred, ref) is expected
+
+
+@pytest.mark.parametrize(
+    ("pred", "ref", "expected"),
+    [
+        pytest.param("5.4 cm", r"5.4 \text{ cents}", False, id="wrapped-unit-compared"),
+        pytest.param(r"5.4\text{ cents}", "5.4 cents", True, id="wrapped-vs-bare-unit"),
+        pytest.param("864", r"864 \mbox{ inches}^2", True, id="wrapped-unit-on-reference-only"),
+        pytest.param(r"864 \text{ cm}^2", r"864 \mbox{ inches}^2", False, id="wrapped-units-differ"),
+        pytest.param("2", "2s", False, id="lone-s-is-a-variable"),
+        pytest.param(r"5 \text{ apples}", "5", True, id="wrapped-label-is-dropped"),
+    ],
+)
+def test_units_in_text_wrappers(pred, ref, expected):
+    """Found by the agreement run: a unit inside \\text{} is compared like a bare one."""
+    assert answers_equivalent(pred, ref) is expected

@@ -518,15 +518,22 @@ def _multiset_equal(pred_items: list[str], ref_items: list[str], equal) -> bool:
     return True
 
 
+_UNIT_WRAPPER_RE = re.compile(r"\\(?:text|textrm|mbox|mathrm)\s*\{([^{}]*)\}")
+
+
 @lru_cache(maxsize=65536)
 def _value_and_unit(s: str, answer_type: str) -> tuple[str, str]:
-    """The normalised answer split into value and unit (``rlbench.reward.units``); the unit is ""
-    when there is none, and always for answer types ``expression`` and ``text``."""
+    """The normalised answer split into value and unit (``rlbench.reward.units``; a unit may be
+    bare, ``5 J``, or wrapped, ``5.4 \\text{ cents}``); the unit is "" when there is none (a
+    wrapped word that is not in the unit list is a label: dropped, not compared), and always for
+    answer types ``expression`` and ``text``."""
     if answer_type in ("expression", "text"):
         return _normalize(s, strip_units=False), ""
-    norm = _normalize(s)
-    value, unit = split_unit(norm, lambda head: _to_fraction(head) is not None, answer_type == "number")
-    return value, unit_key(unit) if unit else ""
+    plain = _UNIT_WRAPPER_RE.sub(r" \1", s.replace("$", "")).strip()
+    head, unit = split_unit(plain, lambda h: _to_fraction(_normalize(h)) is not None, answer_type == "number")
+    if unit:
+        return _normalize(head), unit_key(unit)
+    return _normalize(s), ""
 
 
 def _equivalent(

@@ -24,7 +24,10 @@ How it works:
 * sampling is a function of the passed ``torch.Generator``: a seed is drawn from it, seeds the
   sampler's own generator, and ``generate`` runs inside ``torch.random.fork_rng()`` seeded with
   it too, so the global RNG state is left untouched and the same generator state gives the same
-  completions (given the same batch composition and device).
+  completions (given the same batch composition and device); requests that carry their own
+  ``seed`` (the evaluation's) instead draw each sample's tokens from a generator of its own,
+  seeded with ``sample_seed(seed, k)``, so that a sample does not depend on the other requests of
+  the call (up to the float effects of padding in a differently composed batch).
 """
 
 from __future__ import annotations
