@@ -12,8 +12,9 @@ The peers, each used as its authors document it:
 
 Samples: the probe battery (rlbench/reward/probe.py) of MATH-500, GSM8K test, AIME 2024, AMC 2023 and
 every ``--math-train-every``-th MATH train answer, each probe put as a response ending in ``\\boxed{}``
-(the truth is known: a rendering is right, a wrong answer is wrong), plus the responses of
-``--samples`` files (truth unknown; every disagreement is listed to be judged). Writes
+(the truth is known: a rendering is right, a wrong answer is wrong); the pairs of the grader table
+(tests/test_grader_table.py, its verdicts taken as the truth: the policy and the false positives of
+issue 16); and the responses of ``--samples`` files (truth unknown; every disagreement is listed). Writes
 results/eval/grader_agreement.md and .json (atomically).
 """
 
@@ -93,6 +94,21 @@ def battery_samples(math_train_every: int):
                 yield "battery", name, probe.name, response, ref, probe.kind == "rendering", grader
 
 
+def table_samples():
+    """The same tuples for the (prediction, reference, verdict) pairs of the grader table."""
+    import importlib.util
+
+    from rlbench.reward import MathReward
+
+    spec = importlib.util.spec_from_file_location("grader_table", ROOT / "tests" / "test_grader_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    grader = MathReward()
+    for param in table.TABLE:
+        pred, ref, expected = param.values
+        yield "table", "table", param.id, f"The answer is $\\boxed{{{pred}}}$.", ref, expected, grader
+
+
 def model_samples(paths: list[Path]):
     """The same tuples for the responses of samples.jsonl files (truth None: to be judged)."""
     graders = {}
@@ -135,7 +151,7 @@ def run(samples) -> dict:
 
 def report(result: dict, args) -> str:
     c = result["counts"]
-    battery = c.get("battery_samples", 0)
+    battery = c.get("battery_samples", 0) + c.get("table_samples", 0)
     lines = [
         "# Agreement with peer graders",
         "",
@@ -152,7 +168,8 @@ def report(result: dict, args) -> str:
     ]
     if battery:
         lines += [
-            "On the battery (truth known): "
+            f"With a known truth (battery {c.get('battery_samples', 0)}, grader table {c.get('table_samples', 0)}; "
+            f"model samples {c.get('model_samples', 0)}): "
             + ", ".join(f"{who} right on {c.get(who + '_right', 0)} of {battery} ({c.get(who + '_right', 0) / battery:.2%})" for who in ("ours", *PEERS))
             + f"; no verdict (crash or > {PEER_TIMEOUT_S} s): math-verify {c.get('math_verify_no_verdict', 0)}, PRM800K {c.get('prm800k_no_verdict', 0)}.",
             "",
@@ -178,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     def samples():
         if not args.no_battery:
             yield from battery_samples(args.math_train_every)
+            yield from table_samples()
         yield from model_samples(args.samples)
 
     result = run(samples())

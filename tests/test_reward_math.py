@@ -200,7 +200,8 @@ def test_bad_config_raises():
     ("answers", "same"),
     [
         ([r"\frac{1}{2}", "1/2", "0.5", r"\dfrac12", "0.50"], True),
-        (["27", "27.0", "x = 27", r"27\text{ cm}"], True),
+        (["27", "27.0", "x = 27", r"27\text{ cm}", "27 J", "27 m/s"], True),
+        ([r"\frac{37}{4}", r"\frac{37}{4} m"], False),  # m is a variable
         (["1,234", "1234"], True),
         (["1/3", "0.333"], False),
         ([r"\sqrt{2}", r"\sqrt 2", r"\sqrt{2} "], True),

@@ -402,7 +402,7 @@ def canonical_answer(ans: str | None) -> str | None:
     if ans is None:
         return None
     try:
-        norm = _normalize(str(ans))
+        norm = _value_and_unit(str(ans), "math")[0]  # "5 J" votes with "5"
         value = _to_fraction(norm)
         if value is not None:
             return _fraction_key(value)
