@@ -408,6 +408,7 @@ ANSWER_TYPE_TABLE = [
     pytest.param("5", "5 m", "math", False, id="math-lone-letter-is-a-variable"),
     pytest.param(r"\frac{37}{4}", r"\frac{37}{4} m", "number", True, id="number-fraction-unit"),
     pytest.param("1e3 m", "1000", "number", True, id="number-unit-after-e-notation"),
+    pytest.param("2", "2mg", "number", True, id="number-glued-unit"),
     pytest.param("5", "5 cm", "expression", False, id="expression-strips-no-unit"),
     pytest.param(r"\{2, 1\}", "1, 2", "set", True, id="set-braced-vs-bare"),
     pytest.param(r"E_{2}, E_{1}", r"\{E_1, E_2\}", "set", True, id="set-of-symbols"),
@@ -455,6 +456,8 @@ def test_found_by_the_probe_battery(pred, ref, expected):
         pytest.param("864", r"864 \mbox{ inches}^2", True, id="wrapped-unit-on-reference-only"),
         pytest.param(r"864 \text{ cm}^2", r"864 \mbox{ inches}^2", False, id="wrapped-units-differ"),
         pytest.param("2", "2s", False, id="lone-s-is-a-variable"),
+        pytest.param("2", "2mg", False, id="glued-letters-are-variables-not-milligrams"),
+        pytest.param("2", "2 mg", True, id="spaced-unit-word"),
         pytest.param(r"5 \text{ apples}", "5", True, id="wrapped-label-is-dropped"),
     ],
 )

@@ -5,9 +5,11 @@ A trailing unit is split off only when what precedes it is a plain number (``5``
 ``1.5e3``, ``2\\times10^{3}``) and every word of the tail is in :data:`UNIT_WORDS`, joined by ``/``,
 ``\\cdot``, ``*`` or spaces, each with an optional power (``cm^{-3}``, ``m/s^2``, ``kg \\cdot m``).
 
-**A variable is never mistaken for a unit.** One lower-case letter is a variable in an expression
-(``\\frac{37}{4} m``, ``5r``, ``2k``), so on its own (``5 m``, ``5 m^2``) it is taken as a unit only
-when the benchmark's ``answer_type`` is ``number``. Elsewhere a tail counts as a unit when it is
+**A variable is never mistaken for a unit.** Letters written against the number are a product of
+variables (``2mg`` is 2·m·g, ``5r^5``), so a unit must be separated from the value by a space (or be
+wrapped in ``\\text{}``). One lower-case letter is a variable in an expression (``\\frac{37}{4} m``,
+``2k``), so on its own (``5 m``, ``5 m^2``) it is taken as a unit only when the benchmark's
+``answer_type`` is ``number`` (which also accepts a unit written against the value, ``5m``). Elsewhere a tail counts as a unit when it is
 unambiguous: it has a word of two or more letters from the list (``cm``, ``kg``, ``eV``), a ``/``
 between units (``m/s``), or an upper-case SI symbol of :data:`UPPERCASE_SYMBOLS` (``J``, ``V``,
 ``W``, ``N``, ...). Units wrapped in ``\\text{}``/``\\mathrm{}``/``\\mbox{}`` are labels and are
@@ -87,8 +89,9 @@ def split_unit(text: str, is_number, number_answer: bool = False) -> tuple[str, 
     """``(value, unit)`` of a normalised answer: the longest trailing run of unit words (module
     docstring) after a value for which ``is_number(value)`` holds; ``unit`` is ``""`` when there is
     none (then ``value`` is ``text``)."""
+    separators = " ~}0123456789" if number_answer else " ~"
     for start in range(1, len(text)):
-        if text[start - 1] not in " }0123456789" or not _UNIT_TAIL_RE.fullmatch(text, start):
+        if text[start - 1] not in separators or not _UNIT_TAIL_RE.fullmatch(text, start):
             continue
         head, tail = text[:start].strip(), text[start:].strip()
         if head and is_number(head) and _is_unit(tail, number_answer):
