@@ -86,12 +86,13 @@ def test_empty_benchmark_is_refused_or_marked(engine_and_tokenizer):
         usable_problems("x", [], {}, skipped=3)
     assert usable_problems("x", [], {"allow_empty": True}) == []
     empty = Benchmark("x", {"prompt": {"user": "{problem}"}, "allow_empty": True}, [], MathReward(), skipped=2)
-    result = _run(engine_and_tokenizer, [_benchmark("b", 2), empty])
+    result = _run(engine_and_tokenizer, [_benchmark("b", 2), empty, _benchmark("c", 1)])
     rows_x = [r for r in result.rows if r["benchmark"] == "x"]
     assert [r["k"] for r in rows_x] == [1, 2]
     assert all(r["empty"] and r["problems"] == 0 and r["skipped"] == 2 and r["pass_at_k"] != r["pass_at_k"] for r in rows_x)
-    assert result.pass_at(1)["x"] is None and result.skipped == {"b": 0, "x": 2}
-    assert not any(r["benchmark"] == "macro_avg" and r["problems"] != 2 for r in result.rows)
+    assert result.pass_at(1)["x"] is None and result.skipped == {"b": 0, "x": 2, "c": 0}
+    assert [r["benchmark"] for r in result.rows] == ["b", "b", "x", "x", "c", "c", "macro_avg", "macro_avg"]
+    assert all(r["problems"] == 3 for r in result.rows if r["benchmark"] == "macro_avg")  # x left out
 
 
 def test_samples_show_the_extraction_of_truncated_responses(engine_and_tokenizer):
