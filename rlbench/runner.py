@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 import rlbench
 from rlbench.config import resolve_device, validate_config
 from rlbench.dataset import load_problems
-from rlbench.eval.evaluate import Benchmark, EvalResult, evaluate
+from rlbench.eval.evaluate import Benchmark, EvalResult, evaluate, usable_problems
 from rlbench.logger import RunLogger
 from rlbench.model import load_policy
 from rlbench.reward.graders import make_grader
@@ -41,10 +41,11 @@ log = logging.getLogger(__name__)
 def load_benchmarks(cfg: DictConfig) -> list[Benchmark]:
     benchmarks = []
     for name, spec in cfg.eval.benchmarks.items():
-        problems = load_problems(spec, seed=cfg.seed, data_dir=cfg.data_dir, source=cfg.data_source)
-        if cfg.eval.limit is not None:
-            problems = problems[: cfg.eval.limit]
-        benchmarks.append(Benchmark(name, spec, problems, make_grader(cfg.reward, spec, cfg.get("sandbox"))))
+        loaded = load_problems(spec, seed=cfg.seed, data_dir=cfg.data_dir, source=cfg.data_source)
+        skipped = getattr(loaded, "skipped", 0)
+        problems = usable_problems(name, loaded[: cfg.eval.limit] if cfg.eval.limit is not None else loaded, spec, skipped)
+        grader = make_grader(cfg.reward, spec, cfg.get("sandbox"))
+        benchmarks.append(Benchmark(name, spec, problems, grader, skipped=skipped))
     return benchmarks
 
 
@@ -156,6 +157,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             "pass_at_1_after": final.pass_at(1),
             "eval_seconds": {"before": baseline.seconds if baseline else None, "after": final.seconds},
             "grader_errors": {"before": baseline.grader_errors if baseline else None, "after": final.grader_errors},
+            "skipped_records": final.skipped,
             **training_summary,
             "wall_seconds": time.perf_counter() - started,
             "device": str(device),

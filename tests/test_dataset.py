@@ -465,3 +465,111 @@ def test_all_configs_validate():
             if cfg.get("answer_type") == "code":
                 continue  # graded by tests, no answer extraction
             assert cfg.reward_extraction == ("last_number" if cfg.loader == "arith" else "auto")
+
+
+# ---------------------------------------------------------------------------------------------
+# benchmark YAML (issue 16): field paths, record fields in the prompt, tolerances, answer types,
+# misspelt keys, and the two worked examples of docs/evaluation.md
+# ---------------------------------------------------------------------------------------------
+
+
+def _doc_examples() -> list[tuple[list[dict], dict]]:
+    """(records, spec) of each worked example in docs/evaluation.md: a jsonl block, then a yaml block."""
+    import re
+
+    text = (REPO / "docs" / "evaluation.md").read_text()
+    blocks = re.findall(r"```(jsonl|yaml)\n(.*?)```", text, flags=re.S)
+    examples, records = [], None
+    for kind, body in blocks:
+        if kind == "jsonl":
+            records = [json.loads(line) for line in body.splitlines() if line.strip()]
+        elif records is not None:
+            examples.append((records, OmegaConf.to_container(OmegaConf.create(body))))
+            records = None
+    return examples
+
+
+def _load_example(tmp_path, records, spec):
+    path = tmp_path / f"{spec['name']}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    spec = {**spec, "files": {"test": str(path)}}
+    validate_spec(spec, source="local")
+    return spec, load_problems(spec, source="local")
+
+
+def test_docs_worked_examples_load_and_grade(tmp_path):
+    from rlbench.reward import grade_completions
+    from rlbench.reward.graders import make_grader
+    from rlbench.rollout.base import Completion
+
+    examples = _doc_examples()
+    assert len(examples) == 2
+    reward = OmegaConf.create({"name": "math", "tolerance": 1e-6})
+
+    def grade(spec, problem, text):
+        completion = Completion(request_index=0, prompt_ids=(1,), response_ids=[1], logprobs=[0.0], finished=True, text=text)
+        return grade_completions(make_grader(reward, spec), [problem], [completion])[0].correct
+
+    spec, (p1, p2) = _load_example(tmp_path, *examples[0])
+    assert p1.answer == r"5.89\times10^{-7}" and p1.meta["tolerance"] == 0.01 and "tolerance" not in p2.meta
+    assert "Give the answer in m," in build_messages(p1, spec["prompt"])[-1]["content"]
+    assert grade(spec, p1, r"\boxed{5.9\times10^{-7} m}")  # within the problem's 1%
+    assert not grade(spec, p1, r"\boxed{6\times10^{-7}}")  # 1.9% off
+    assert not grade(spec, p1, r"\boxed{0}")
+    assert not grade(spec, p1, "The wavelength is 5.89e-7 m")  # reward_extraction: boxed
+    assert grade(spec, p2, r"\boxed{9 J}") and not grade(spec, p2, r"\boxed{9.001}")  # benchmark tolerance 1e-4
+
+    spec, (q0, q1) = _load_example(tmp_path, *examples[1])
+    assert q0.answer == "E_{1}, E_{2}" and q0.uid == "levels/test/0"
+    assert grade(spec, q0, r"\boxed{E_2, E_1}") and not grade(spec, q0, r"\boxed{E_1}")
+    assert grade(spec, q1, r"\boxed{2, 1}") and not grade(spec, q1, r"\boxed{1, 3}")
+
+
+def test_answer_field_paths(tmp_path):
+    from rlbench.dataset.jsonl import field_value
+
+    record = {"a": [{"text": "x"}, {"text": "y"}], "b": {"c": [5]}, "d.e": 1, "n": None}
+    assert field_value(record, "a[0].text") == "x" and field_value(record, "a[-1].text") == "y"
+    assert field_value(record, "b.c[0]") == 5 and field_value(record, "d.e") == 1
+    assert field_value(record, "a[2]") is None and field_value(record, "b.z") is None and field_value(record, "n") is None
+    assert field_value(record, "a[x]") is None
+
+
+def test_prompt_field_missing_in_a_record_names_file_and_line(tmp_path):
+    path = tmp_path / "u.jsonl"
+    path.write_text(json.dumps({"problem": "p", "answer": "1", "unit": "m"}) + "\n" + json.dumps({"problem": "q", "answer": "2"}) + "\n")
+    spec = {"name": "u", "files": {"test": str(path)}, "split": "test", "fields": {"problem": "problem", "answer": "answer"},
+            "prompt": {"user": "{problem} in {unit}"}}
+    with pytest.raises(DataError, match=r"u.jsonl:2: the prompt template names \{unit\}"):
+        load_problems(spec, source="local")
+    with pytest.raises(ConfigError, match="unknown placeholder"):  # the arith loader has no records
+        validate_spec(load_conf("dataset", "arith", prompt={"user": "{problem} in {unit}"}))
+
+
+def test_bad_tolerances_and_answer_types_refused(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"problem": "p", "answer": "1", "tol": "big"}) + "\n")
+    spec = {"name": "t", "files": {"test": str(path)}, "split": "test", "fields": {"problem": "problem", "answer": "answer"}}
+    with pytest.raises(DataError, match="t.jsonl:1: tolerance field 'tol' must be a number"):
+        load_problems({**spec, "fields": {**spec["fields"], "tolerance": "tol"}}, source="local")
+    for key, value in (("tolerance", -1), ("absolute_tolerance", "x"), ("truncated_fallback", "no"), ("allow_empty", 1)):
+        with pytest.raises(ConfigError, match=key):
+            validate_spec({**spec, key: value}, source="local")
+    with pytest.raises(ConfigError, match="answer_type 'numbers' is unknown"):
+        validate_spec({**spec, "answer_type": "numbers"}, source="local")
+    for answer_type in ("math", "number", "expression", "set", "text"):
+        validate_spec({**spec, "answer_type": answer_type}, source="local")
+
+
+def test_misspelt_keys_are_refused_with_the_nearest_key(tmp_path, make_cfg):
+    spec = OmegaConf.to_container(load_conf("benchmark", "amc23"))
+    with pytest.raises(ConfigError, match="unknown key 'answer_fromat'; did you mean 'answer_format'"):
+        validate_spec({**spec, "answer_fromat": "raw"}, source="hub")
+    with pytest.raises(ConfigError, match="'answr' \\(did you mean 'answer'\\?\\)"):
+        validate_spec({**spec, "fields": {"problem": "problem", "answr": "answer"}}, source="hub")
+    from rlbench.config.walk import check_against_schema
+    from rlbench.config.origin import ValueOrigins
+
+    cfg = make_cfg("mode=eval", "eval=custom", "+eval.benchmarks.custom.answer_fromat=raw")
+    with pytest.raises(ConfigError, match="did you mean 'answer_format'"):
+        check_against_schema(cfg, ValueOrigins())

@@ -162,6 +162,31 @@ TABLE = [
     case("1e999999", "1", False, "huge-e-notation"),
     case("1" * 5000, "1", False, "very-long-number"),
     case("{" * 300 + "1" + "}" * 300, "1", True, "deep-braces-are-grouping"),
+    # --- issue 16: false positives and parsing slips found on unseen benchmarks (regressions)
+    case("0", r"5.89\times10^{-7}", False, "tiny-reference-rejects-zero"),
+    case(r"1.178\times10^{-6}", r"5.89\times10^{-7}", False, "tiny-reference-rejects-twice"),
+    case(r"-5.89\times10^{-7}", r"5.89\times10^{-7}", False, "tiny-reference-rejects-negation"),
+    case("5.89e-7", r"5.89\times10^{-7}", True, "tiny-reference-e-notation"),
+    case("-1", "-1./3", False, "trailing-dot-fraction-is-not-minus-one"),
+    case(r"-\frac{1}{3}", "-1./3", True, "trailing-dot-fraction"),
+    case(r"\frac{37}{4}", r"\frac{37}{4} m", False, "lowercase-letter-is-a-variable"),
+    case(r"\frac{37}{4} m", r"\frac{37}{4}m", True, "variable-kept-both-sides"),
+    case("5", "5r^5", False, "variable-with-power-kept"),
+    case("2", r"\text{Evelyn}", False, "no-number-read-from-a-name"),
+    case("2", "2x+1", False, "no-number-read-from-an-expression"),
+    case("E_1", "E_{1}", True, "subscript-braces"),
+    case(r"E_{2}, E_{1}", r"E_{1},E_{2}", True, "unordered-list-of-symbols"),
+    case(r"E_{2}, E_{2}", r"E_{1},E_{2}", False, "unordered-list-needs-every-element"),
+    case("5 J", "5", True, "unit-joule"),
+    case(r"3\ \mathrm{V}", "3", True, "unit-volt-mathrm"),
+    case("3 V", "3", True, "unit-volt"),
+    case("4 m/s", "4", True, "unit-compound-slash"),
+    case(r"2\times10^{3} cm^{-3}", "2000", True, "unit-after-power-of-ten"),
+    case("1.5e3 kg", "1500", True, "unit-after-e-notation"),
+    case(r"5 kg \cdot m/s^2", "5", True, "unit-product"),
+    case("5 cm", "5 m", False, "different-units"),
+    case(r"12 \text{ inches}", "12 inch", True, "unit-plural"),
+    case("4", "4 m/s", True, "unit-on-reference-only"),
 ]
 
 
@@ -285,7 +310,7 @@ def test_long_answers_compared_as_exact_strings():
 
 def test_timeout_is_a_counted_and_logged_failure(caplog):
     reward = MathReward(verify_timeout_s=1, format_weight=0.5)
-    grade = reward("\\boxed{10^{10^{10}}}", "1")
+    grade = reward("\\boxed{x^{10^{10^{10}}}}", "1")
     assert grade.correct is False and grade.format_ok is True
     assert grade.reward == pytest.approx(0.5)
     assert TIMEOUT_ERROR.search(grade.error)
@@ -305,7 +330,7 @@ def test_timeout_is_a_counted_and_logged_failure(caplog):
 def test_timeout_from_a_worker_thread_does_not_hang():
     reward = MathReward(verify_timeout_s=1)
     grades = []
-    thread = threading.Thread(target=lambda: grades.append(reward("\\boxed{9^{9^{9}}}", "1")))
+    thread = threading.Thread(target=lambda: grades.append(reward("\\boxed{x^{10^{10^{10}}}}", "1")))
     thread.start()
     thread.join(timeout=60)
     assert not thread.is_alive()
@@ -375,3 +400,67 @@ def test_math500_solutions_match_their_answers():
     wrong = [r["unique_id"] for r in rows if not reward(r["solution"], r["answer"]).correct]
     assert len(rows) == 500
     assert wrong == [] and reward.failures == 0
+
+
+# (prediction, reference, answer_type, expected verdict): the benchmark's answer_type changes the reading
+ANSWER_TYPE_TABLE = [
+    pytest.param("5", "5 m", "number", True, id="number-lone-letter-is-a-unit"),
+    pytest.param("5", "5 m", "math", False, id="math-lone-letter-is-a-variable"),
+    pytest.param(r"\frac{37}{4}", r"\frac{37}{4} m", "number", True, id="number-fraction-unit"),
+    pytest.param("1e3 m", "1000", "number", True, id="number-unit-after-e-notation"),
+    pytest.param("2", "2mg", "number", True, id="number-glued-unit"),
+    pytest.param("5", "5 cm", "expression", False, id="expression-strips-no-unit"),
+    pytest.param(r"\{2, 1\}", "1, 2", "set", True, id="set-braced-vs-bare"),
+    pytest.param(r"E_{2}, E_{1}", r"\{E_1, E_2\}", "set", True, id="set-of-symbols"),
+    pytest.param("3", r"\{3\}", "set", True, id="set-of-one"),
+    pytest.param("1, 2", r"\{1, 2, 3\}", "set", False, id="set-missing-element"),
+    pytest.param("1, 2", "2, 1", "math", True, id="math-bare-list-unordered"),
+    pytest.param("evelyn", r"\text{Evelyn}", "text", True, id="text-case-insensitive"),
+    pytest.param("2", r"\text{2 cats}", "text", False, id="text-no-number-reading"),
+    pytest.param("0.5", r"\frac{1}{2}", "text", False, id="text-no-numeric-equivalence"),
+]
+
+
+@pytest.mark.parametrize(("pred", "ref", "answer_type", "expected"), ANSWER_TYPE_TABLE)
+def test_verdict_by_answer_type(pred, ref, answer_type, expected, caplog):
+    caplog.set_level(logging.WARNING, logger="rlbench.reward")
+    assert answers_equivalent(pred, ref, answer_type=answer_type) is expected
+    assert not caplog.records
+
+
+def test_unknown_answer_type_is_a_grader_error():
+    assert answers_equivalent("1", "1", answer_type="nope") is False
+
+
+@pytest.mark.parametrize(
+    ("pred", "ref", "expected"),
+    [
+        pytest.param(r"-\left(\frac{1}{2^{98}}\right)", r"\frac{1}{2^{98}}", False, id="tiny-exact-constant-negation"),
+        pytest.param(r"2\left(\frac{1}{2^{98}}\right)", r"\frac{1}{2^{98}}", False, id="tiny-exact-constant-twice"),
+        pytest.param(r"2^{-98}", r"\frac{1}{2^{98}}", True, id="tiny-exact-constant-other-form"),
+        pytest.param("0", "x + y + z = 0", False, id="equation-is-not-its-right-side"),
+        pytest.param(r"10^{10^{10}}", "1", False, id="huge-exact-power-decided-by-value"),
+        pytest.param("x+y+z=0", "x + y + z = 0", True, id="equation-vs-equation"),
+    ],
+)
+def test_found_by_the_probe_battery(pred, ref, expected):
+    """False positives the battery found in MATH train (regressions)."""
+    assert answers_equivalent(pred, ref) is expected
+
+
+@pytest.mark.parametrize(
+    ("pred", "ref", "expected"),
+    [
+        pytest.param("5.4 cm", r"5.4 \text{ cents}", False, id="wrapped-unit-compared"),
+        pytest.param(r"5.4\text{ cents}", "5.4 cents", True, id="wrapped-vs-bare-unit"),
+        pytest.param("864", r"864 \mbox{ inches}^2", True, id="wrapped-unit-on-reference-only"),
+        pytest.param(r"864 \text{ cm}^2", r"864 \mbox{ inches}^2", False, id="wrapped-units-differ"),
+        pytest.param("2", "2s", False, id="lone-s-is-a-variable"),
+        pytest.param("2", "2mg", False, id="glued-letters-are-variables-not-milligrams"),
+        pytest.param("2", "2 mg", True, id="spaced-unit-word"),
+        pytest.param(r"5 \text{ apples}", "5", True, id="wrapped-label-is-dropped"),
+    ],
+)
+def test_units_in_text_wrappers(pred, ref, expected):
+    """Found by the agreement run: a unit inside \\text{} is compared like a bare one."""
+    assert answers_equivalent(pred, ref) is expected

@@ -108,7 +108,10 @@ def test_extract_never_raises():
         ("", "1", False),
         ("0.333", "1/3", False),
         ("1/3", "0.3333333333333", True),
-        ("1e-9", "0", True),  # tolerance is absolute below |ref| = 1
+        ("1e-9", "0", False),  # a zero reference is matched only by zero (absolute_tolerance 0)
+        ("0", "0.0", True),
+        ("5.8900001e-7", "5.89e-7", True),  # |diff| = 1e-14 <= 1e-6 * 5.89e-7
+        ("5.8901e-7", "5.89e-7", False),  # relative at every magnitude
         ("100.00001", "100", True),  # |diff| = 1e-5 <= 1e-6 * 100
         ("100.001", "100", False),  # |diff| = 1e-3 > 1e-4
         ("-0.5", r"-\frac{1}{2}", True),
@@ -123,6 +126,14 @@ def test_answers_equivalent_numeric(pred, ref, expected):
 def test_tolerance_argument():
     assert answers_equivalent("0.333", "1/3", tolerance=1e-2)
     assert not answers_equivalent("0.333", "1/3", tolerance=1e-4)
+
+
+def test_absolute_tolerance_closed_form():
+    # |pred - ref| <= tolerance * |ref| + absolute_tolerance, at the boundary and just past it
+    assert answers_equivalent("0.001", "0", absolute_tolerance=1e-3)
+    assert not answers_equivalent("0.0011", "0", absolute_tolerance=1e-3)
+    assert answers_equivalent("10.2", "10", tolerance=0.01, absolute_tolerance=0.1)  # 0.2 <= 0.1 + 0.1
+    assert not answers_equivalent("10.21", "10", tolerance=0.01, absolute_tolerance=0.1)
 
 
 def test_cheap_paths_skip_math_verify(monkeypatch):
@@ -189,7 +200,8 @@ def test_bad_config_raises():
     ("answers", "same"),
     [
         ([r"\frac{1}{2}", "1/2", "0.5", r"\dfrac12", "0.50"], True),
-        (["27", "27.0", "x = 27", r"27\text{ cm}"], True),
+        (["27", "27.0", "x = 27", r"27\text{ cm}", "27 J", "27 m/s"], True),
+        ([r"\frac{37}{4}", r"\frac{37}{4} m"], False),  # m is a variable
         (["1,234", "1234"], True),
         (["1/3", "0.333"], False),
         ([r"\sqrt{2}", r"\sqrt 2", r"\sqrt{2} "], True),

@@ -270,10 +270,23 @@ class DatasetConfig:
     hub_id: Optional[str] = knob(None, "Hugging Face dataset id (fallback when the local file is missing)")
     hub_config: Any = knob(None, "Hub dataset config name(s)")
     hub_splits: dict = knob({}, "split -> Hub split name", open=True)
-    fields: dict = knob({}, "our field -> the file's field", open=True)
-    prompt: PromptConfig = node(PromptConfig, "prompt templates")
+    fields: dict = knob(
+        {}, "problem / answer / tolerance (math) or the code keys -> the record's field: a name, a path "
+        "(answer[0], meta.answer) or a list of candidates", open=True
+    )
+    prompt: PromptConfig = node(PromptConfig, "prompt templates ({problem} and, for JSONL records, any record field: {unit})")
     answer_format: Optional[str] = knob(None, "how reference answers are written")
-    answer_type: Optional[str] = knob(None, "math (answers) | code (tests)")
+    answer_type: Optional[str] = knob(
+        None, "how the reference is read: math (decided from the answer) | number (a lone letter after it is a unit) | "
+        "expression | set (unordered) | text (exact, no letter case) | code (tests)"
+    )
+    tolerance: Optional[float] = knob(None, "relative tolerance of numeric answers; null: reward.tolerance", ge=0)
+    absolute_tolerance: float = knob(0.0, "added to it: |pred - ref| <= tolerance * |ref| + absolute_tolerance", ge=0)
+    truncated_fallback: bool = knob(
+        True, "a response cut at max_new_tokens may be graded by the 'the answer is' / last-number fallbacks; "
+        "false: only an explicit \\boxed{} or ####"
+    )
+    allow_empty: bool = knob(False, "zero usable problems: false = an error before the model loads, true = a row marked empty")
     reward_extraction: Optional[str] = knob(None, "how the answer is extracted from a response")
     id_field: Optional[str] = knob(None, "field that identifies a problem")
     id_range: dict = knob({}, "split -> [first, last] id", open=True)

@@ -20,3 +20,12 @@ class Problem:
     prompt: str
     answer: str
     meta: dict[str, Any] = field(default_factory=dict)
+
+
+class ProblemList(list):
+    """The problems of one split (a list), with ``skipped``: how many source records were left out
+    (``skip_bad_answers``), so that the count can be reported beside the scores."""
+
+    def __init__(self, problems=(), skipped: int = 0) -> None:
+        super().__init__(problems)
+        self.skipped = int(skipped)

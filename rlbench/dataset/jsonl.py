@@ -11,6 +11,9 @@ reference answer in one of the supported ``answer_format`` styles:
 ``boxed``
     the content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in a worked solution, with
     nested braces matched (``\\boxed{\\frac{1}{2}}`` -> ``"\\frac{1}{2}"``).
+
+A field name may be a path into the record (:func:`field_value`): ``answer[0]`` (the first
+element of a list), ``meta.answer`` (a key of a nested object), ``answers[0].text``.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rlbench.dataset.base import Problem
+import re
+
+from rlbench.dataset.base import Problem, ProblemList
 from rlbench.reward.math import extract_answer as extract_reward_answer
 from rlbench.errors import DataError
 
@@ -118,11 +123,39 @@ def as_name_list(names: str | Sequence[str]) -> list[str]:
     return [str(n) for n in names]
 
 
+_PATH_STEP_RE = re.compile(r"\.?([^.\[\]]+)|\[(-?\d+)\]")
+
+
+def field_value(record: Mapping[str, Any], path: str) -> Any:
+    """The value at ``path`` in ``record`` (None when absent): a key of the record (also one that
+    contains dots or brackets), else a path of keys and list indices, ``answer[0]``,
+    ``meta.answer``, ``answers[-1].text``."""
+    if path in record:
+        return record[path]
+    value: Any = record
+    position = 0
+    while position < len(path):
+        step = _PATH_STEP_RE.match(path, position)
+        if step is None or step.end() == position:
+            return None
+        key, index = step.groups()
+        if key is not None:
+            value = value.get(key) if isinstance(value, Mapping) else None
+        else:
+            value = value[int(index)] if isinstance(value, list) and -len(value) <= int(index) < len(value) else None
+        if value is None:
+            return None
+        position = step.end()
+    return value
+
+
 def pick_field(record: Mapping[str, Any], names: str | Sequence[str]) -> tuple[str | None, Any]:
-    """Return ``(name, value)`` for the first candidate field present (and not None) in ``record``."""
+    """Return ``(name, value)`` for the first candidate field (or path, :func:`field_value`)
+    present and not None in ``record``."""
     for name in as_name_list(names):
-        if name in record and record[name] is not None:
-            return name, record[name]
+        value = field_value(record, name)
+        if value is not None:
+            return name, value
     return None, None
 
 
@@ -138,7 +171,9 @@ def records_to_problems(
     meta_fields: Sequence[str] = (),
     limit: int | None = None,
     skip_bad_answers: bool = False,
-) -> list[Problem]:
+    tolerance_field: str | None = None,
+    prompt_fields: Sequence[str] = (),
+) -> ProblemList:
     """Convert ``(where, record)`` pairs into Problems.
 
     ``where`` locates the record for error messages (``"path/to/file.jsonl:12"``). ``uid`` is
@@ -147,7 +182,11 @@ def records_to_problems(
     ``index``, ``id`` (when present) and the listed ``meta_fields`` that the record has. At most
     ``limit`` problems are returned. With ``skip_bad_answers`` a record whose answer cannot be
     extracted (e.g. the two MATH solutions with an empty ``\\boxed{}``) is skipped with a warning
-    instead of raising DataError.
+    instead of raising DataError; the count is the result's ``skipped``. ``tolerance_field``: the
+    record field (or path) with the problem's own relative tolerance (a number >= 0, or absent /
+    null: the benchmark's), kept as ``meta["tolerance"]``. ``prompt_fields``: record fields the
+    prompt template names (``{unit}``), kept in ``meta["prompt_fields"]``; a record without one is
+    a DataError.
     """
     if answer_format not in ANSWER_FORMATS:
         raise ValueError(f"unknown answer_format {answer_format!r}; choose one of {list(ANSWER_FORMATS)}")
@@ -184,6 +223,7 @@ def records_to_problems(
                 f"{where}: cannot extract the answer with answer_format={answer_format!r} "
                 f"({hint}); value starts {str(raw_answer)[:80]!r}"
             )
+        _check_record_extras(where, record, tolerance_field, prompt_fields)
         rows.append((position, problem, record, answer))
     if skipped:
         log.warning(
@@ -204,6 +244,27 @@ def records_to_problems(
         for key in meta_fields:
             if key in record:
                 meta[key] = record[key]
+        if tolerance_field and field_value(record, tolerance_field) is not None:
+            meta["tolerance"] = float(field_value(record, tolerance_field))
+        if prompt_fields:
+            meta["prompt_fields"] = {key: field_value(record, key) for key in prompt_fields}
         uid = f"{name}/{split}/{rid if use_ids else index}"
         problems.append(Problem(uid=uid, prompt=problem, answer=answer, meta=meta))
-    return problems
+    return ProblemList(problems, skipped=len(skipped))
+
+
+def _check_record_extras(
+    where: str, record: Mapping[str, Any], tolerance_field: str | None, prompt_fields: Sequence[str]
+) -> None:
+    """DataError unless the record's tolerance (when given) is a number >= 0 and it has every field
+    the prompt template names."""
+    if tolerance_field:
+        tol = field_value(record, tolerance_field)
+        if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol >= 0):
+            raise DataError(f"{where}: tolerance field {tolerance_field!r} must be a number >= 0, got {tol!r}")
+    for key in prompt_fields:
+        if field_value(record, key) is None:
+            raise DataError(
+                f"{where}: the prompt template names {{{key}}}, but the record has no field {key!r} "
+                f"(fields present: {sorted(record)})"
+            )

@@ -1,7 +1,9 @@
 """Turn a :class:`Problem` into chat messages using a dataset's ``prompt`` config.
 
 A prompt config is ``{"system": str | None, "user": str}``; ``user`` is a ``str.format``
-template with one placeholder, ``{problem}``; literal braces are doubled (``\\boxed{{}}``).
+template that contains ``{problem}`` and, for records read from files, may name any other field
+of the record (``{unit}``: the loader copies those values into ``Problem.meta["prompt_fields"]``);
+literal braces are doubled (``\\boxed{{}}``).
 """
 
 from __future__ import annotations
@@ -16,8 +18,18 @@ from rlbench.errors import ConfigError
 DEFAULT_USER_TEMPLATE = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
 
 
-def check_template(template: Any, key: str = "prompt.user") -> None:
-    """Raise ConfigError unless ``template`` is a format string whose only placeholder is ``{problem}``."""
+def template_fields(template: Any) -> list[str]:
+    """The placeholders of a user template other than ``{problem}`` (record fields), in order."""
+    if not isinstance(template, str):
+        return []
+    names = [field for _, field, _, _ in string.Formatter().parse(template) if field]
+    return list(dict.fromkeys(n for n in names if n != "problem"))
+
+
+def check_template(template: Any, key: str = "prompt.user", record_fields: bool = False) -> None:
+    """Raise ConfigError unless ``template`` is a format string containing ``{problem}``; other
+    placeholders are allowed only with ``record_fields`` (each must be a plain field name: the
+    loader checks that every record has it)."""
     if not isinstance(template, str) or not template.strip():
         raise ConfigError(f"{key} must be a non-empty string template containing {{problem}}")
     try:
@@ -30,10 +42,16 @@ def check_template(template: Any, key: str = "prompt.user") -> None:
     if "problem" not in names:
         raise ConfigError(f"{key} must contain the placeholder {{problem}}; got {template!r}")
     unknown = sorted({n for n in names if n != "problem"})
-    if unknown:
+    if unknown and not record_fields:
         raise ConfigError(
             f"{key} uses unknown placeholder(s) {unknown}; only {{problem}} is filled in "
             "(write literal braces doubled, e.g. \\boxed{{}})"
+        )
+    odd = [n for n in unknown if not n.isidentifier()]
+    if odd:
+        raise ConfigError(
+            f"{key}: placeholder(s) {odd} are not record field names (write {{field}}; literal braces "
+            "doubled, e.g. \\boxed{{}})"
         )
 
 
@@ -54,9 +72,13 @@ def render_user_prompt(problem: Problem | str, prompt_spec: Any = None) -> str:
     """Fill the user template of ``prompt_spec`` with the problem text (default template if none)."""
     section = _prompt_section(prompt_spec)
     template = section.get("user") or DEFAULT_USER_TEMPLATE
-    check_template(template)
+    fields = dict(problem.meta.get("prompt_fields") or {}) if isinstance(problem, Problem) else {}
+    check_template(template, record_fields=bool(fields))
+    missing = [n for n in template_fields(template) if n not in fields]
+    if missing:
+        raise ConfigError(f"prompt.user names record field(s) {missing} that this problem does not carry")
     text = problem.prompt if isinstance(problem, Problem) else problem
-    return str(template).format(problem=text)
+    return str(template).format(problem=text, **{k: v for k, v in fields.items() if k != "problem"})
 
 
 def build_messages(problem: Problem, prompt_spec: Any = None) -> list[dict[str, str]]:

@@ -9,21 +9,29 @@ A spec (one YAML file, as a plain dict or an OmegaConf DictConfig) looks like::
     hub_splits: {test: train}     # optional: local split name -> Hub split name
     files: {train: gsm8k/train.jsonl, test: gsm8k/test.jsonl}   # relative to the data dir
     split: train
-    fields: {problem: question, answer: answer}   # each a name or a list of candidate names
-    answer_type: math             # math (reference answer) | code (tests; see rlbench.dataset.code)
+    fields: {problem: question, answer: answer}   # each a name, a path (answer[0], meta.answer)
+                                  # or a list of candidates; optional tolerance: <field>
+    answer_type: math             # math | number | expression | set | text (reference answers,
+                                  # rlbench.reward.math) | code (tests; see rlbench.dataset.code)
     answer_format: gsm8k          # raw | gsm8k | boxed
+    tolerance: null               # relative tolerance of numeric answers (null: reward.tolerance)
+    absolute_tolerance: 0         # added to it: |pred - ref| <= tolerance * |ref| + absolute_tolerance
+    truncated_fallback: true      # a response cut at the token limit may be graded by the
+                                  # "the answer is" / last-number fallbacks (false: \boxed / #### only)
+    allow_empty: false            # zero usable problems: an error (true: a row marked empty)
     id_field: id                  # optional, default "id"
     meta_fields: [level]          # optional record fields copied into Problem.meta
     skip_bad_answers: false       # optional: skip (with a warning) records without an answer
     limit: null
     reward_extraction: auto       # hint for the grader (passed through, not used here)
-    prompt: {system: null, user: "{problem} ..."}
+    prompt: {system: null, user: "{problem} ..."}   # may name other record fields: {unit}
 
 The arith loader takes ``arith: {level, train_size, test_size, seed}`` instead of files.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -32,15 +40,18 @@ from typing import Any
 from rlbench.dataset.arith import LEVELS as ARITH_LEVELS
 from rlbench.dataset.arith import SPLITS as ARITH_SPLITS
 from rlbench.dataset.arith import generate_arith
-from rlbench.dataset.base import Problem
+from rlbench.dataset.base import Problem, ProblemList
 from rlbench.dataset.code import records_to_code_problems, validate_code_spec
 from rlbench.dataset.jsonl import ANSWER_FORMATS, iter_jsonl, records_to_problems
-from rlbench.dataset.prompts import check_template
+from rlbench.dataset.prompts import check_template, template_fields
+from rlbench.reward.math import ANSWER_TYPES as MATH_ANSWER_TYPES
 from rlbench.errors import ConfigError, DataError
 
 DATA_DIR_ENV = "RLBENCH_DATA_DIR"
 LOADERS = ("jsonl", "arith")
-ANSWER_TYPES = ("math", "code")  # graded by rlbench.reward.MathReward / rlbench.reward.code.CodeReward
+# graded by rlbench.reward.MathReward (the reference read as math, number, ...) / rlbench.reward.code.CodeReward
+ANSWER_TYPES = (*MATH_ANSWER_TYPES, "code")
+MATH_FIELDS = ("problem", "answer", "tolerance")  # the keys of ``fields`` of an answer benchmark
 SOURCES = ("auto", "local", "hub")
 
 _HUB_OFFLINE_ENVS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
@@ -184,6 +195,7 @@ def validate_spec(
 def _validate_static(spec: Mapping[str, Any], split: str | None) -> tuple[str, str]:
     """All checks of :func:`validate_spec` except file existence; returns ``(name, split)``."""
     name = _spec_name(spec)
+    _check_keys(spec, name)
     loader = spec.get("loader", "jsonl")
     if loader not in LOADERS:
         raise ConfigError(f"dataset {name!r}: unknown loader {loader!r}; choose one of {list(LOADERS)}")
@@ -194,7 +206,7 @@ def _validate_static(spec: Mapping[str, Any], split: str | None) -> tuple[str, s
     if prompt is not None and not isinstance(prompt, Mapping):
         raise ConfigError(f"dataset {name!r}: prompt must be a mapping with 'system' and 'user'")
     if prompt and prompt.get("user") is not None:
-        check_template(prompt["user"], key=f"dataset {name!r} prompt.user")
+        check_template(prompt["user"], key=f"dataset {name!r} prompt.user", record_fields=loader == "jsonl" and spec.get("answer_type") != "code")
     system = (prompt or {}).get("system")
     if system is not None and not isinstance(system, str):
         raise ConfigError(f"dataset {name!r}: prompt.system must be a string or null")
@@ -210,6 +222,7 @@ def _validate_static(spec: Mapping[str, Any], split: str | None) -> tuple[str, s
         validate_code_spec(spec, name, split)
         _check_files(spec, name, split)
         return name, split
+    _check_grading_keys(spec, name)
     answer_format = spec.get("answer_format", "raw")
     if answer_format not in ANSWER_FORMATS:
         raise ConfigError(
@@ -219,6 +232,15 @@ def _validate_static(spec: Mapping[str, Any], split: str | None) -> tuple[str, s
     fields = spec.get("fields")
     if not isinstance(fields, Mapping):
         raise ConfigError(f"dataset {name!r}: set fields: {{problem: <field>, answer: <field>}}")
+    unknown = sorted(set(fields) - set(MATH_FIELDS))
+    if unknown:
+        from rlbench.config.walk import nearest  # here: rlbench.config imports this module
+
+        hints = [f"{key!r} (did you mean {nearest(key, MATH_FIELDS)!r}?)" if nearest(key, MATH_FIELDS) else repr(key) for key in unknown]
+        raise ConfigError(f"dataset {name!r}: unknown fields key(s) {', '.join(hints)}; fields maps {list(MATH_FIELDS)}")
+    tolerance_field = fields.get("tolerance")
+    if tolerance_field is not None and not (isinstance(tolerance_field, str) and tolerance_field):
+        raise ConfigError(f"dataset {name!r}: fields.tolerance must name a record field, got {tolerance_field!r}")
     for key in ("problem", "answer"):
         value = fields.get(key)
         one_name = isinstance(value, str) and bool(value)
@@ -231,6 +253,31 @@ def _validate_static(spec: Mapping[str, Any], split: str | None) -> tuple[str, s
             )
     _check_files(spec, name, split)
     return name, split
+
+
+def _check_keys(spec: Mapping[str, Any], name: str) -> None:
+    """A key the spec schema does not know (``answer_fromat``) is refused, naming the nearest one:
+    the same rule as the config walk, for specs passed to the loaders directly."""
+    from rlbench.config.schema import DatasetConfig  # here: rlbench.config imports this module
+    from rlbench.config.walk import nearest
+
+    valid = [f.name for f in dataclasses.fields(DatasetConfig)]
+    for key in spec:
+        if key not in valid:
+            guess = nearest(str(key), valid)
+            hint = f"did you mean {guess!r}? " if guess else ""
+            raise ConfigError(f"dataset {name!r}: unknown key {key!r}; {hint}valid keys: {', '.join(sorted(valid))}")
+
+
+def _check_grading_keys(spec: Mapping[str, Any], name: str) -> None:
+    """The per-benchmark tolerances are numbers >= 0 (or null); the two switches are booleans."""
+    for key in ("tolerance", "absolute_tolerance"):
+        value = spec.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf")):
+            raise ConfigError(f"dataset {name!r}: {key} must be a finite number >= 0 or null, got {value!r}")
+    for key in ("truncated_fallback", "allow_empty"):
+        if key in spec and not isinstance(spec[key], bool):
+            raise ConfigError(f"dataset {name!r}: {key} must be true or false, got {spec[key]!r}")
 
 
 def _check_files(spec: Mapping[str, Any], name: str, split: str) -> None:
@@ -292,10 +339,10 @@ def load_problems(
         )
         if limit is not None:
             problems = problems[:limit]
-        return [
+        return ProblemList(
             Problem(uid=f"{name}/{split}/{i}", prompt=p.prompt, answer=p.answer, meta=dict(p.meta))
             for i, p in enumerate(problems)
-        ]
+        )
 
     if source == "local":
         return _load_local(plain, name, split, _local_path(plain, split, data_dir), limit)
@@ -354,6 +401,8 @@ def _convert(
         meta_fields=list(spec.get("meta_fields") or ()),
         limit=limit,
         skip_bad_answers=bool(spec.get("skip_bad_answers", False)),
+        tolerance_field=fields.get("tolerance"),
+        prompt_fields=template_fields((spec.get("prompt") or {}).get("user")),
     )
 
 

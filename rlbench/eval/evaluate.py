@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-import torch
-
 from rlbench.dataset.base import Problem
-from rlbench.eval.metrics import ProblemResult, summarize
+from rlbench.errors import DataError
+from rlbench.eval.metrics import METRIC_COLUMNS, ProblemResult, summarize
 from rlbench.prompting import encode_prompts
 from rlbench.reward import canonical_answer, grade_completions
 from rlbench.rollout.base import GenerationRequest, RolloutEngine, SamplingParams
@@ -25,6 +26,28 @@ class Benchmark:
     spec: Mapping[str, Any]
     problems: list[Problem]
     grader: Any  # MathReward or another grader with the same call signature
+    skipped: int = 0  # records of the source left out (skip_bad_answers), reported beside the scores
+
+
+def usable_problems(name: str, problems: list[Problem], spec: Mapping[str, Any], skipped: int = 0) -> list[Problem]:
+    """``problems``, or a DataError (before any model loads) when there are none and the
+    benchmark's ``allow_empty`` is not set: an empty file, or one whose every record was skipped,
+    must not read as a finished evaluation."""
+    if problems or spec.get("allow_empty"):
+        return problems
+    why = f"all {skipped} records were skipped (skip_bad_answers)" if skipped else "the source has no records"
+    raise DataError(
+        f"benchmark {name!r} has no usable problems: {why}. Fix the file or the field mapping, or set "
+        f"eval.benchmarks.{name}.allow_empty=true to report it as a row marked empty"
+    )
+
+
+def problem_seed(seed: int, benchmark: str, uid: str) -> int:
+    """The random stream of one problem's samples: a function of the run's eval seed, the
+    benchmark's name and the problem's uid alone, so a benchmark's samples (and pass@k) are the same
+    whatever else the suite evaluates, in whatever order."""
+    digest = hashlib.sha256(f"{int(seed)}\0{benchmark}\0{uid}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 2
 
 
 @dataclass
@@ -34,6 +57,7 @@ class EvalResult:
     seconds: float
     problems: list[dict] = field(default_factory=list)  # one per problem: benchmark, uid, n, correct
     grader_errors: dict[str, int] = field(default_factory=dict)  # per benchmark: completions the grader failed on
+    skipped: dict[str, int] = field(default_factory=dict)  # per benchmark: source records left out
 
     def with_phase(self, phase: str) -> "EvalResult":
         """Tag every table row and problem row with the evaluation phase (before / after / eval)."""
@@ -41,8 +65,9 @@ class EvalResult:
             row["phase"] = phase
         return self
 
-    def pass_at(self, k: int = 1) -> dict[str, float]:
-        return {r["benchmark"]: r["pass_at_k"] for r in self.rows if r["k"] == k}
+    def pass_at(self, k: int = 1) -> dict[str, float | None]:
+        """pass@k per benchmark; None for a benchmark without problems (JSON has no NaN)."""
+        return {r["benchmark"]: None if r["problems"] == 0 else r["pass_at_k"] for r in self.rows if r["k"] == k}
 
 
 def evaluate(
@@ -58,11 +83,12 @@ def evaluate(
 ) -> EvalResult:
     """Sample ``n`` completions per problem, grade them and summarise pass@k / maj@k / accuracy.
 
-    The sampler is re-seeded from ``seed`` for every call, so the evaluation before and after
-    training draws from the same random stream (a paired comparison).
+    Each problem's samples draw from their own stream, :func:`problem_seed` (seed, benchmark,
+    uid): the evaluation before and after training draws the same random numbers (a paired
+    comparison), and a benchmark's samples do not depend on the other benchmarks of the suite. A
+    benchmark without problems (allowed by its ``allow_empty``) gets rows marked ``empty``.
     """
     start = time.perf_counter()
-    generator = torch.Generator().manual_seed(seed)
     results: list[ProblemResult] = []
     samples: list[dict] = []
     total = sum(len(b.problems) for b in benchmarks)
@@ -71,8 +97,11 @@ def evaluate(
         for lo in range(0, len(bench.problems), chunk_prompts):
             chunk = bench.problems[lo : lo + chunk_prompts]
             prompt_ids = encode_prompts(tokenizer, chunk, bench.spec["prompt"])
-            requests = [GenerationRequest(prompt_ids=ids, n=n) for ids in prompt_ids]
-            groups = engine.generate(requests, params, generator=generator)
+            requests = [
+                GenerationRequest(prompt_ids=ids, n=n, seed=problem_seed(seed, bench.name, p.uid))
+                for ids, p in zip(prompt_ids, chunk)
+            ]
+            groups = engine.generate(requests, params)
             flat = [c for group in groups for c in group]
             all_grades = grade_completions(bench.grader, [p for p, g in zip(chunk, groups) for _ in g], flat)
             votable = bench.spec.get("answer_type", "math") != "code"  # programs cannot vote
@@ -96,6 +125,7 @@ def evaluate(
                             "prompt_id": problem.uid,
                             "completion": c.text,
                             "extracted": g.extracted,
+                            "extraction": g.extraction,
                             "reference": problem.answer,
                             "correct": g.correct,
                             "finished": c.finished,
@@ -105,10 +135,14 @@ def evaluate(
                         }
                     )
             progress.update(len(chunk), note=bench.name)
-    rows = summarize(results, ks, seed=seed)
+    rows = summarize(results, ks, seed=seed) if results else []
+    rows = _with_empty_rows(rows, benchmarks, n, ks)
     errors = {bench.name: sum(s["grader_error"] is not None for s in samples if s["benchmark"] == bench.name) for bench in benchmarks}
-    for row in rows:  # a broken grader reads as a low score: keep the count beside it
+    skipped = {bench.name: bench.skipped for bench in benchmarks}
+    for row in rows:  # a broken grader or skipped records read as a low score: keep the counts beside it
         row["grader_errors"] = errors.get(row["benchmark"], sum(errors.values()))
+        row["skipped"] = skipped.get(row["benchmark"], sum(skipped.values()))
+        row["empty"] = row["problems"] == 0
     for name, count in errors.items():
         if count:
             log.warning("%s: the grader failed on %d completions (scored 0; see grader_error in samples.jsonl)", name, count)
@@ -116,5 +150,26 @@ def evaluate(
         {"benchmark": r.benchmark, "uid": r.uid, "n": len(r.correct), "correct": int(sum(r.correct))} for r in results
     ]
     return EvalResult(
-        rows=rows, samples=samples, seconds=time.perf_counter() - start, problems=problems, grader_errors=errors
+        rows=rows,
+        samples=samples,
+        seconds=time.perf_counter() - start,
+        problems=problems,
+        grader_errors=errors,
+        skipped=skipped,
     )
+
+
+def _with_empty_rows(rows: list[dict], benchmarks: Sequence[Benchmark], n: int, ks: Sequence[int]) -> list[dict]:
+    """``rows`` with NaN rows (``problems`` 0) for the benchmarks that have no problems, in suite
+    order; the macro average (over the benchmarks with problems) stays last."""
+    by_name: dict[str, list[dict]] = {}
+    for row in rows:
+        by_name.setdefault(row["benchmark"], []).append(row)
+    out: list[dict] = []
+    for bench in benchmarks:
+        if bench.problems:
+            out += by_name.pop(bench.name, [])
+        else:
+            nan = {column: math.nan for columns in METRIC_COLUMNS for column in columns}
+            out += [{"benchmark": bench.name, "k": k, **nan, "n": n, "problems": 0} for k in sorted(set(ks))]
+    return out + [row for group in by_name.values() for row in group]

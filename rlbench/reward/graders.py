@@ -14,15 +14,19 @@ def make_grader(reward_cfg: Any, data_spec: Any, sandbox_cfg: Any = None) -> Any
 
     ``reward.name``: ``even_tokens`` (toy) grades everything with the toy reward. Otherwise the
     spec's ``answer_type`` decides: ``code`` runs the tests in the sandbox (reward=code sets its
-    mode and values; on a math run a code benchmark is graded all-pass), ``math`` checks the answer
-    (reward=math sets the values; on a code run a math benchmark gets the default math grader).
+    mode and values; on a math run a code benchmark is graded all-pass), any other answer type
+    (``math``, ``number``, ``expression``, ``set``, ``text``) checks the answer (reward=math sets the
+    values; on a code run a math benchmark gets the default math grader). The spec's
+    ``tolerance`` (relative) wins over ``reward.tolerance``; ``absolute_tolerance`` and
+    ``truncated_fallback`` are the spec's alone.
     """
     if reward_cfg.name == "even_tokens":
         return EvenTokenReward(threshold=reward_cfg.get("threshold", 0.75))
     if reward_cfg.name not in ("math", "code"):
         raise ConfigError(f"reward={reward_cfg.name} is unknown; choose math, code or even_tokens")
-    own = reward_cfg if reward_cfg.name == data_spec.get("answer_type", "math") else {}
-    if data_spec.get("answer_type", "math") == "code":
+    answer_type = data_spec.get("answer_type") or "math"
+    own = reward_cfg if reward_cfg.name == ("code" if answer_type == "code" else "math") else {}
+    if answer_type == "code":
         from rlbench.reward.code import CodeReward
         from rlbench.sandbox import limits_from_config
 
@@ -34,11 +38,15 @@ def make_grader(reward_cfg: Any, data_spec: Any, sandbox_cfg: Any = None) -> Any
             workers=(sandbox_cfg or {}).get("workers"),
         )
     extraction = own.get("extraction") or data_spec.get("reward_extraction") or "auto"
+    tolerance = data_spec.get("tolerance")  # the benchmark's own, else reward.tolerance
     return MathReward(
         correct_reward=own.get("correct_reward", 1.0),
         incorrect_reward=own.get("incorrect_reward", 0.0),
         format_weight=own.get("format_weight", 0.0),
-        tolerance=own.get("tolerance", 1e-6),
+        tolerance=own.get("tolerance", 1e-6) if tolerance is None else tolerance,
         extraction=extraction,
         verify_timeout_s=own.get("verify_timeout_s", 5.0),
+        absolute_tolerance=data_spec.get("absolute_tolerance") or 0.0,
+        answer_type=answer_type,
+        truncated_fallback=data_spec.get("truncated_fallback", True),
     )

@@ -13,8 +13,10 @@ Grading goes cheapest-first:
 Policy (each rule is a choice; ``tests/test_grader_table.py`` pins every one):
 
 * Numbers: two integers must be equal exactly (``1000001`` is not ``1000000``); otherwise
-  ``|pred - ref| <= tolerance * max(1, |ref|)`` (default 1e-6, so ``0.333`` is not ``1/3``
-  but ``0.3333333`` is; ``27.000001`` matches the AMC reference ``27.0``).  The same rule
+  ``|pred - ref| <= tolerance * |ref| + absolute_tolerance`` (defaults 1e-6 and 0: relative at
+  every magnitude, so ``0.333`` is not ``1/3`` but ``0.3333333`` is, ``27.000001`` matches the
+  AMC reference ``27.0``, a reference of ``5.89\\times10^{-7}`` accepts neither ``0`` nor twice
+  the value, and a reference of ``0`` only ``0``).  ``-1./3`` is ``-1/3``.  The same rule
   applies when one side is a decimal and the other a constant expression (``3.14`` is not
   ``\\pi``, ``1.41421356`` is ``\\sqrt{2}``).  Two exact forms never match by closeness
   (``355/113`` is not ``\\pi``).  Leading zeros are ignored (``033`` = ``33``).
@@ -22,14 +24,27 @@ Policy (each rule is a choice; ``tests/test_grader_table.py`` pins every one):
   one side may also be read as a fraction (``50\\%`` = ``0.5``, ``0.5`` = ``50\\%``), but a
   bare ``0.5`` never equals a bare ``50``.
 * Units and labels are dropped: ``\\text{...}`` after the answer, plain unit words after a
-  number (``5 dollars``), ``^\\circ`` (no radian conversion: ``\\frac{\\pi}{6}`` is not
-  ``30^\\circ``), ``\\$``, and a one-letter ``x =`` label (so ``x = 3`` = ``3`` = ``y = 3``).
+  number (``5 dollars``), units of the maintained list (``5 J``, ``4 m/s``, ``2\\times10^{3}
+  cm^{-3}``; :mod:`rlbench.reward.units`, which also states when a letter is a variable:
+  ``\\frac{37}{4} m`` is not ``\\frac{37}{4}`` unless the answer type is ``number``), ``^\\circ``
+  (no radian conversion: ``\\frac{\\pi}{6}`` is not ``30^\\circ``), ``\\$``, and a one-letter
+  ``x =`` label (so ``x = 3`` = ``3`` = ``y = 3``).  When both sides carry a listed unit, the
+  units must agree (``5 cm`` is not ``5 m``).
+* Subscripts: ``E_1`` = ``E_{1}``.
 * Mixed numbers: ``1\\frac{1}{2}`` = ``3/2`` (proper fraction after the integer).
 * Expressions are compared symbolically: ``(x+1)^2`` = ``x^2+2x+1``; ``x^2`` is not ``2x``.
 * Collections: parenthesised tuples/points are ordered (``(1,2)`` is not ``(2,1)``); sets and
   bare comma lists (lists of solutions) are unordered (``\\{1,2\\}`` = ``\\{2,1\\}``,
-  ``1, 2`` = ``2, 1``); a finite set never equals a tuple or an interval (``\\{1,2\\}`` is not
-  ``(1,2)``); interval ends matter (``[1,2]`` is not ``(1,2)``).
+  ``1, 2`` = ``2, 1``, compared element by element: ``E_{2}, E_{1}`` = ``E_{1},E_{2}``); a finite
+  set never equals a tuple or an interval (``\\{1,2\\}`` is not ``(1,2)``); interval ends matter
+  (``[1,2]`` is not ``(1,2)``).
+* Equations: a one-letter label ``x =`` is dropped, so an answer that still has ``=`` is an
+  equation and equals only an equation (``x + y + z = 0`` is not ``0``).
+* Answer types (a benchmark's ``answer_type``): ``math`` (the rules above), ``number`` (a lone
+  letter after the value is a unit), ``expression`` (no unit is stripped), ``set`` (the answer is
+  an unordered collection, with or without ``\\{ \\}``: compared as a multiset of elements), and
+  ``text`` (normalised strings compared without letter case; no number or symbolic reading, so no
+  stray number is ever read out of a name).
 * Multiple choice: ``(A)`` = ``A`` = ``\\text{(A)}`` (math-verify also ignores letter case).
 * Answers longer than ``MAX_ANSWER_CHARS`` after extraction are compared as exact strings
   only (normalising or parsing them could take very long).
@@ -47,7 +62,8 @@ from fractions import Fraction
 from functools import lru_cache
 from typing import Sequence
 
-from rlbench.reward.symbolic import symbolic_equal
+from rlbench.reward.symbolic import symbolic_equal, within_tolerance
+from rlbench.reward.units import split_unit, unit_key
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +76,8 @@ __all__ = [
 ]
 
 EXTRACTION_STYLES = ("auto", "boxed", "gsm8k", "last_number")
+#: how a reference is read (a benchmark's ``answer_type``; ``math``: decide from the answer)
+ANSWER_TYPES = ("math", "number", "expression", "set", "text")
 
 #: seconds math-verify may spend on one comparison (parsing included).
 MATH_VERIFY_TIMEOUT_S = 5.0
@@ -174,30 +192,34 @@ def _extract_phrase(text: str) -> str | None:
     return ans or None
 
 
-def _extract(text: str, style: str) -> tuple[str | None, bool]:
-    """(answer, format_ok) for ``style``; raises on unknown style or non-string input."""
+#: the extractors by the name ``Grade.extraction`` (and samples.jsonl) reports; the first two are
+#: explicit answer markers, the last two fallbacks
+_EXTRACTORS = {
+    "boxed": _extract_boxed,
+    "gsm8k": _extract_gsm8k,
+    "phrase": _extract_phrase,
+    "last_number": _extract_last_number,
+}
+_FALLBACKS = ("phrase", "last_number")
+
+
+def _extract(text: str, style: str, fallbacks: bool = True) -> tuple[str | None, bool, str | None]:
+    """(answer, format_ok, extractor name) for ``style``; raises on unknown style or non-string
+    input. ``fallbacks=False`` (a truncated response whose benchmark says so) uses only the
+    explicit markers: ``\\boxed{}`` and ``####``."""
     if style not in EXTRACTION_STYLES:
         raise ValueError(f"unknown extraction style {style!r}; use one of {EXTRACTION_STYLES}")
     if not isinstance(text, str):
         raise TypeError(f"completion must be a str, got {type(text).__name__}")
-    if style == "boxed":
-        ans = _extract_boxed(text)
-        return ans, ans is not None
-    if style == "gsm8k":
-        ans = _extract_gsm8k(text)
-        return ans, ans is not None
-    if style == "last_number":
-        ans = _extract_last_number(text)
-        return ans, ans is not None
     # auto: boxed, then ####, then "the answer is", then last number
-    ans = _extract_boxed(text)
-    if ans is not None:
-        return ans, True
-    for fn in (_extract_gsm8k, _extract_phrase, _extract_last_number):
-        ans = fn(text)
+    order = ("boxed", "gsm8k", "phrase", "last_number") if style == "auto" else (style,)
+    for name in order:
+        if not fallbacks and name in _FALLBACKS:
+            continue
+        ans = _EXTRACTORS[name](text)
         if ans is not None:
-            return ans, False
-    return None, False
+            return ans, style != "auto" or name == "boxed", name
+    return None, False, None
 
 
 def extract_answer(text: str, style: str = "auto") -> str | None:
@@ -269,14 +291,15 @@ def _strip_outer_braces(s: str) -> str:
 
 
 @lru_cache(maxsize=65536)
-def _normalize(s: str) -> str:
+def _normalize(s: str, strip_units: bool = True) -> str:
     """Light LaTeX normalisation that keeps the expression parseable (spaces are kept).
 
     Removes ``$``/``\\$``, ``\\left``/``\\right``, spacing commands (``\\!``, ``\\,``, ...),
     degree marks, ``\\%``/``%``, trailing ``\\text{unit}``, plain unit words after a number
     (``5 dollars``), a trailing ``.``, a leading ``x =``; maps ``\\dfrac``/``\\tfrac`` ->
     ``\\frac`` and the unicode minus to ``-``; unwraps ``\\boxed{}`` and a whole-string
-    ``\\text{}``; drops thousands commas in a plain number (``1,234``).
+    ``\\text{}``; drops thousands commas in a plain number (``1,234``).  ``strip_units=False``
+    keeps trailing ``\\text{...}`` and words (answer types ``expression`` and ``text``).
     """
     s = s.strip().replace("\u2212", "-")  # unicode minus sign
     boxed = _extract_boxed(s) if s.startswith(("\\boxed", "\\fbox")) else None
@@ -293,7 +316,7 @@ def _normalize(s: str) -> str:
     whole = _WHOLE_TEXT_RE.match(s)
     if whole:
         s = whole.group(1).strip()
-    prev = None
+    prev = None if strip_units else s
     while prev != s:  # "5\text{ cm}^2", "3 \text{m} \text{ long}"
         prev = s
         stripped = _TRAILING_UNIT_RE.sub("", s).strip()
@@ -301,13 +324,14 @@ def _normalize(s: str) -> str:
             s = stripped
     s = s.rstrip(".").strip()
     words = _TRAILING_WORDS_RE.match(s)
-    if words and not _NOT_UNITS.intersection(words.group(2).lower().split()):
+    if strip_units and words and not _NOT_UNITS.intersection(words.group(2).lower().split()):
         s = words.group(1)
     s = _ASSIGN_RE.sub("", s).strip()
     s = _strip_outer_braces(s)
     # \frac12 -> \frac{1}{2}, \frac ab -> \frac{a}{b}, \sqrt3 -> \sqrt{3}
     s = re.sub(r"\\frac\s*([0-9A-Za-z])\s*([0-9A-Za-z])", r"\\frac{\1}{\2}", s)
     s = re.sub(r"\\sqrt\s*([0-9A-Za-z])", r"\\sqrt{\1}", s)
+    s = re.sub(r"_\s*([0-9A-Za-z])", r"_{\1}", s)  # E_1 -> E_{1}
     if _THOUSANDS_RE.match(s):
         s = s.replace(",", "")
     if s.startswith("+") and _NUMERIC_RE.match(s):
@@ -332,7 +356,9 @@ def _to_fraction(s: str) -> Fraction | None:
         if exp and abs(int(exp.group(1))) > 400:  # keep Fraction() cheap
             return None
         try:
-            return Fraction(s)
+            num, _, den = s.partition("/")  # "-1./3": Fraction() reads neither "1." nor "1./3"
+            value = Fraction(re.sub(r"\.(?=$|[eE])", "", num))
+            return value / Fraction(den) if den else value
         except (ValueError, ZeroDivisionError):
             return None
     m = _LATEX_FRAC_RE.match(s)
@@ -376,7 +402,7 @@ def canonical_answer(ans: str | None) -> str | None:
     if ans is None:
         return None
     try:
-        norm = _normalize(str(ans))
+        norm = _value_and_unit(str(ans), "math")[0]  # "5 J" votes with "5"
         value = _to_fraction(norm)
         if value is not None:
             return _fraction_key(value)
@@ -397,25 +423,24 @@ def _is_percent(answer: str) -> bool:
     return bool(_PERCENT_RE.search(answer))
 
 
-def _numbers_close(a: Fraction, b: Fraction, tolerance: float) -> bool:
-    """``a == b`` exactly when both are integers, else ``|a - b| <= tolerance * max(1, |b|)``
-    (evaluated exactly)."""
+def _numbers_close(a: Fraction, b: Fraction, tolerance: float, absolute_tolerance: float) -> bool:
+    """``a == b`` exactly when both are integers, else :func:`within_tolerance` (evaluated exactly)."""
     if a.denominator == 1 and b.denominator == 1:
         return a == b
-    return abs(a - b) <= Fraction(tolerance) * max(Fraction(1), abs(b))
+    return within_tolerance(a, b, Fraction(tolerance), Fraction(absolute_tolerance))
 
 
 def _numbers_match(
-    pred: Fraction, ref: Fraction, pred_percent: bool, ref_percent: bool, tolerance: float
+    pred: Fraction, ref: Fraction, pred_percent: bool, ref_percent: bool, tolerance: float, absolute_tolerance: float
 ) -> bool:
     """Numeric verdict; a percentage on exactly one side may also be read as a fraction
     (``50\\%`` matches ``50`` and ``0.5``)."""
-    if _numbers_close(pred, ref, tolerance):
+    if _numbers_close(pred, ref, tolerance, absolute_tolerance):
         return True
     if pred_percent and not ref_percent:
-        return _numbers_close(pred / 100, ref, tolerance)
+        return _numbers_close(pred / 100, ref, tolerance, absolute_tolerance)
     if ref_percent and not pred_percent:
-        return _numbers_close(pred, ref / 100, tolerance)
+        return _numbers_close(pred, ref / 100, tolerance, absolute_tolerance)
     return False
 
 
@@ -433,37 +458,132 @@ def _latex_for_math_verify(norm: str) -> str:
     return f"{m.group(1)}\\times10^{{{int(m.group(2))}}}" if m else norm
 
 
-def _mv_verify(pred: str, ref: str, *, tolerance: float, timeout_s: float) -> bool:
+def _mv_verify(pred: str, ref: str, *, tolerance: float, timeout_s: float, absolute_tolerance: float = 0.0) -> bool:
     """Symbolic check ``pred == ref`` with math-verify (isolated worker; may raise
     :class:`~rlbench.reward.symbolic.SymbolicCheckError`)."""
-    return symbolic_equal(pred, ref, tolerance=tolerance, timeout_s=timeout_s)
+    return symbolic_equal(pred, ref, tolerance=tolerance, timeout_s=timeout_s, absolute_tolerance=absolute_tolerance)
+
+
+_OPENERS, _CLOSERS = "([{", ")]}"
+_EQUATION_RE = re.compile(r"(?<![<>!\\])=")  # "=" left after the normaliser dropped "x =" labels
+
+
+def _top_level_items(s: str) -> list[str]:
+    """``s`` split at the commas outside every bracket (``\\{``/``\\}`` count as brackets)."""
+    items, depth, current, i = [], 0, [], 0
+    while i < len(s):
+        two = s[i : i + 2]
+        if two in ("\\{", "\\}"):
+            depth += 1 if two == "\\{" else -1
+            current.append(two)
+            i += 2
+            continue
+        ch = s[i]
+        if ch in _OPENERS:
+            depth += 1
+        elif ch in _CLOSERS:
+            depth -= 1
+        if ch == "," and depth == 0:
+            items.append("".join(current).strip())
+            current = []
+        else:
+            current.append(ch)
+        i += 1
+    items.append("".join(current).strip())
+    return items
+
+
+def _set_items(norm: str, answer_type: str) -> list[str] | None:
+    """The elements of an unordered answer: a bare comma list (``1, 2``), or for answer type
+    ``set`` also a braced set (``\\{1, 2\\}``); None when ``norm`` is not one."""
+    key = _compact(norm)
+    if answer_type == "set" and key.startswith("\\{") and key.endswith("\\}"):
+        norm = norm.strip()[2:-2]
+    items = _top_level_items(norm)
+    if len(items) < 2 and answer_type != "set":
+        return None
+    return items if all(items) else None
+
+
+def _multiset_equal(pred_items: list[str], ref_items: list[str], equal) -> bool:
+    """Every reference element matched by its own predicted element (order ignored)."""
+    if len(pred_items) != len(ref_items):
+        return False
+    unmatched = list(pred_items)
+    for ref in ref_items:
+        hit = next((i for i, pred in enumerate(unmatched) if equal(pred, ref)), None)
+        if hit is None:
+            return False
+        unmatched.pop(hit)
+    return True
+
+
+_UNIT_WRAPPER_RE = re.compile(r"\\(?:text|textrm|mbox|mathrm)\s*\{([^{}]*)\}")
+
+
+@lru_cache(maxsize=65536)
+def _value_and_unit(s: str, answer_type: str) -> tuple[str, str]:
+    """The normalised answer split into value and unit (``rlbench.reward.units``; a unit may be
+    bare, ``5 J``, or wrapped, ``5.4 \\text{ cents}``); the unit is "" when there is none (a
+    wrapped word that is not in the unit list is a label: dropped, not compared), and always for
+    answer types ``expression`` and ``text``."""
+    if answer_type in ("expression", "text"):
+        return _normalize(s, strip_units=False), ""
+    plain = _UNIT_WRAPPER_RE.sub(r" \1", s.replace("$", "")).strip()
+    head, unit = split_unit(plain, lambda h: _to_fraction(_normalize(h)) is not None, answer_type == "number")
+    if unit:
+        return _normalize(head), unit_key(unit)
+    return _normalize(s), ""
 
 
 def _equivalent(
-    pred: str | None, ref: str, tolerance: float, timeout_s: float = MATH_VERIFY_TIMEOUT_S
+    pred: str | None,
+    ref: str,
+    tolerance: float,
+    timeout_s: float = MATH_VERIFY_TIMEOUT_S,
+    *,
+    absolute_tolerance: float = 0.0,
+    answer_type: str = "math",
 ) -> bool:
     """Core of :func:`answers_equivalent`; may raise (callers decide what to do)."""
     if pred is None or ref is None:
         return False
+    if answer_type not in ANSWER_TYPES:
+        raise ValueError(f"unknown answer_type {answer_type!r}; use one of {ANSWER_TYPES}")
     pred, ref = str(pred).strip(), str(ref).strip()
     if len(pred) > MAX_ANSWER_CHARS or len(ref) > MAX_ANSWER_CHARS:
         return bool(pred) and pred == ref
-    p_norm, r_norm = _normalize(pred), _normalize(ref)
+    (p_norm, p_unit), (r_norm, r_unit) = _value_and_unit(pred, answer_type), _value_and_unit(ref, answer_type)
     p_key, r_key = _compact(p_norm), _compact(r_norm)
     if not p_key or not r_key:
         return False
+    if p_unit and r_unit and p_unit != r_unit:
+        return False
+    if answer_type == "text":
+        return p_key.casefold() == r_key.casefold()
     if p_key == r_key:
         return True
     p_val, r_val = _to_fraction(p_norm), _to_fraction(r_norm)
     if p_val is not None and r_val is not None:
-        return _numbers_match(p_val, r_val, _is_percent(pred), _is_percent(ref), tolerance)
-    if _set_versus_tuple(p_key, r_key):
-        return False
+        return _numbers_match(p_val, r_val, _is_percent(pred), _is_percent(ref), tolerance, absolute_tolerance)
+
+    def same(a: str, b: str) -> bool:
+        element_type = "math" if answer_type == "set" else answer_type
+        return _equivalent(
+            a, b, tolerance, timeout_s, absolute_tolerance=absolute_tolerance, answer_type=element_type
+        )
+
+    p_items, r_items = _set_items(p_norm, answer_type), _set_items(r_norm, answer_type)
+    if p_items is not None and r_items is not None:
+        return _multiset_equal(p_items, r_items, same)
+    if _set_versus_tuple(p_key, r_key) or (_EQUATION_RE.search(p_key) is None) != (_EQUATION_RE.search(r_key) is None):
+        return False  # a set is not a tuple; an equation is not a value (math-verify compares right sides)
     return _mv_verify(
         _latex_for_math_verify(p_norm),
         _latex_for_math_verify(r_norm),
         tolerance=tolerance,
         timeout_s=timeout_s,
+        absolute_tolerance=absolute_tolerance,
     )
 
 
@@ -472,17 +592,23 @@ def answers_equivalent(
     ref: str,
     tolerance: float = 1e-6,
     timeout_s: float = MATH_VERIFY_TIMEOUT_S,
+    *,
+    absolute_tolerance: float = 0.0,
+    answer_type: str = "math",
 ) -> bool:
     """True if ``pred`` is mathematically equal to ``ref`` (rules: module docstring).
 
     Order: normalised exact string match; if both are plain numbers, the numeric rule
-    (integers exactly, else ``|pred - ref| <= tolerance * max(1, |ref|)``; decides either
-    way, so ``0.333`` is not ``1/3`` at the default tolerance); otherwise math-verify's
-    symbolic comparison, limited to ``timeout_s`` seconds.  ``pred=None`` -> False.
-    Never raises: a grader error (including a timeout) is logged and gives False.
+    (integers exactly, else ``|pred - ref| <= tolerance * |ref| + absolute_tolerance``; decides
+    either way, so ``0.333`` is not ``1/3`` at the default tolerance); unordered lists element by
+    element; otherwise math-verify's symbolic comparison, limited to ``timeout_s`` seconds.
+    ``pred=None`` -> False.  Never raises: a grader error (including a timeout) is logged and
+    gives False.
     """
     try:
-        return _equivalent(pred, ref, tolerance, timeout_s)
+        return _equivalent(
+            pred, ref, tolerance, timeout_s, absolute_tolerance=absolute_tolerance, answer_type=answer_type
+        )
     except Exception:  # noqa: BLE001 - documented: never raises
         logger.warning("answer comparison failed; counted as incorrect", exc_info=True)
         return False
@@ -503,6 +629,8 @@ class Grade:
     format_ok: an answer in the expected format was found (``\\boxed`` for styles
                auto/boxed; ``####`` for gsm8k; any number for last_number).
     error:     exception text if the grader crashed on this output.
+    extraction: which extractor found ``extracted`` (``boxed``, ``gsm8k``, ``phrase``,
+               ``last_number``; None when nothing was found or the grader has no extraction).
     details:   grader-specific detail (the code grader: per-test outcomes and the sandbox
                status); None for graders that have none.
     """
@@ -513,12 +641,17 @@ class Grade:
     format_ok: bool
     error: str | None = None
     details: dict | None = None
+    extraction: str | None = None
 
 
 class MathReward:
     """Binary correctness reward plus optional format reward.
 
     ``reward = (correct_reward if correct else incorrect_reward) + format_weight * format_ok``.
+    ``answer_type`` and ``absolute_tolerance``: see :func:`answers_equivalent`.  With
+    ``truncated_fallback=False`` a response cut at the token limit (``finished=False``) is graded
+    only on an explicit answer (``\\boxed{}``, ``####``), never on the "the answer is" / last-number
+    fallbacks of ``extraction="auto"`` or on ``extraction="last_number"``.
     Grader errors (including a math-verify timeout after ``verify_timeout_s`` seconds) never
     raise: the completion is graded incorrect, the error text goes to ``Grade.error``,
     ``failures`` is incremented and a warning with the running count is logged.
@@ -532,13 +665,19 @@ class MathReward:
         tolerance: float = 1e-6,
         extraction: str = "auto",
         verify_timeout_s: float = MATH_VERIFY_TIMEOUT_S,
+        *,
+        absolute_tolerance: float = 0.0,
+        answer_type: str = "math",
+        truncated_fallback: bool = True,
     ) -> None:
         if extraction not in EXTRACTION_STYLES:
             raise ValueError(
                 f"reward extraction={extraction!r} is unknown; use one of {EXTRACTION_STYLES}"
             )
-        if tolerance < 0:
-            raise ValueError(f"reward tolerance must be >= 0, got {tolerance}")
+        if tolerance < 0 or absolute_tolerance < 0:
+            raise ValueError(f"reward tolerances must be >= 0, got {tolerance} and {absolute_tolerance}")
+        if answer_type not in ANSWER_TYPES:
+            raise ValueError(f"answer_type={answer_type!r} is unknown; use one of {ANSWER_TYPES}")
         if verify_timeout_s <= 0:
             raise ValueError(f"reward verify_timeout_s must be > 0, got {verify_timeout_s}")
         self.correct_reward = float(correct_reward)
@@ -547,19 +686,41 @@ class MathReward:
         self.tolerance = float(tolerance)
         self.extraction = extraction
         self.verify_timeout_s = float(verify_timeout_s)
+        self.absolute_tolerance = float(absolute_tolerance)
+        self.answer_type = answer_type
+        self.truncated_fallback = bool(truncated_fallback)
         self.failures = 0
         self._lock = threading.Lock()
 
-    def __call__(self, completion: str, reference: str, response_ids: Sequence[int] = ()) -> Grade:
+    def __call__(
+        self,
+        completion: str,
+        reference: str,
+        response_ids: Sequence[int] = (),
+        *,
+        finished: bool = True,
+        tolerance: float | None = None,
+    ) -> Grade:
         """Grade ``completion`` against ``reference``; never raises (see ``failures``).
-        ``response_ids`` is part of the grader interface; this grader reads the text only."""
+        ``response_ids`` is part of the grader interface; this grader reads the text only.
+        ``finished=False``: the response was cut at the token limit; ``tolerance``: the problem's
+        own relative tolerance (None: the grader's)."""
         extracted: str | None = None
         format_ok = False
         correct = False
         error: str | None = None
+        method: str | None = None
         try:
-            extracted, format_ok = _extract(completion, self.extraction)
-            correct = _equivalent(extracted, reference, self.tolerance, self.verify_timeout_s)
+            fallbacks = finished or self.truncated_fallback
+            extracted, format_ok, method = _extract(completion, self.extraction, fallbacks)
+            correct = _equivalent(
+                extracted,
+                reference,
+                self.tolerance if tolerance is None else float(tolerance),
+                self.verify_timeout_s,
+                absolute_tolerance=self.absolute_tolerance,
+                answer_type=self.answer_type,
+            )
         except Exception as exc:  # noqa: BLE001 - documented: never raises
             correct = False
             error = f"{type(exc).__name__}: {exc}"
@@ -572,7 +733,7 @@ class MathReward:
         reward = self.correct_reward if correct else self.incorrect_reward
         reward += self.format_weight * float(format_ok)
         return Grade(
-            correct=correct, extracted=extracted, reward=reward, format_ok=format_ok, error=error
+            correct=correct, extracted=extracted, reward=reward, format_ok=format_ok, error=error, extraction=method
         )
 
     def __repr__(self) -> str:
@@ -580,5 +741,6 @@ class MathReward:
             f"MathReward(correct_reward={self.correct_reward}, "
             f"incorrect_reward={self.incorrect_reward}, format_weight={self.format_weight}, "
             f"tolerance={self.tolerance}, extraction={self.extraction!r}, "
-            f"verify_timeout_s={self.verify_timeout_s})"
+            f"verify_timeout_s={self.verify_timeout_s}, absolute_tolerance={self.absolute_tolerance}, "
+            f"answer_type={self.answer_type!r}, truncated_fallback={self.truncated_fallback})"
         )

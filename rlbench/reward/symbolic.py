@@ -14,9 +14,11 @@ Protocol: one JSON object per line on the worker's stdin/stdout.
 
 Comparison in the worker: both sides are parsed by math-verify.  If both are numeric
 constants (no free symbols, real) and at least one contains a decimal (a float), they are
-compared with the grader's tolerance ``|pred - ref| <= tolerance * max(1, |ref|)`` (so
-``1414214`` vs ``10^6\\sqrt{2}`` follows the same rule as plain numbers); otherwise
-math-verify's ``verify(gold=ref, target=pred)`` decides.
+compared with the grader's tolerance (:func:`within_tolerance`, so ``1414214`` vs
+``10^6\\sqrt{2}`` follows the same rule as plain numbers); two exact real constants
+(``\\frac{1}{2^{98}}``, ``\\sqrt{8}``) must agree to :data:`EXACT_DIGITS` significant digits
+(math-verify itself rounds to 6 decimals, which equates tiny values); otherwise math-verify's
+``verify(gold=ref, target=pred)`` decides.
 """
 
 from __future__ import annotations
@@ -36,14 +38,24 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SymbolicCheckError", "symbolic_equal"]
+__all__ = ["SymbolicCheckError", "symbolic_equal", "within_tolerance"]
 
 #: seconds the parent waits beyond the request's timeout before killing the worker.
 REPLY_GRACE_S = 2.0
 #: seconds a fresh worker may take to import math-verify and report ready.
 STARTUP_TIMEOUT_S = 120.0
+#: two exact constants (no decimals) are equal when they agree to this many significant digits
+EXACT_DIGITS = 30
 #: address-space limit of the worker (a hostile answer gets MemoryError, not the OOM killer).
 WORKER_MEMORY_BYTES = 4 * 1024**3
+
+
+def within_tolerance(pred, ref, relative: float, absolute: float = 0.0) -> bool:
+    """``|pred - ref| <= relative * |ref| + absolute``: the grader's one rule for inexact numbers
+    (Fractions or sympy numbers). With ``absolute = 0`` (the default) a reference of any magnitude
+    is matched to ``relative`` of itself (``5.89e-7`` does not accept ``0`` or twice the value) and a
+    zero reference only by zero."""
+    return bool(abs(pred - ref) <= relative * abs(ref) + absolute)
 
 
 class SymbolicCheckError(RuntimeError):
@@ -62,10 +74,21 @@ class _Deadline(BaseException):
 
 @lru_cache(maxsize=8192)
 def _parse(expr: str):
-    """math-verify parse of one bare LaTeX expression (wrapped in ``$...$``); cached."""
-    from math_verify import parse
+    """math-verify parse of one bare LaTeX expression (wrapped in ``$...$``); cached.
 
-    return parse(f"${expr}$", parsing_timeout=None)
+    LaTeX extraction only (math-verify's default also reads plain-text numbers, which pulls a stray
+    number out of a name or a sentence) and without math-verify's own unit removal (it drops any
+    trailing ``m``, ``s``, ...: the grader has already removed units by its own rule,
+    ``rlbench.reward.units``, which never takes a variable for a unit)."""
+    from latex2sympy2_extended.latex2sympy2 import NormalizationConfig
+    from math_verify import LatexExtractionConfig, parse
+
+    config = LatexExtractionConfig(
+        normalization_config=NormalizationConfig(
+            basic_latex=True, units=False, malformed_operators=True, nits=True, boxed="all", equations=False
+        )
+    )
+    return parse(f"${expr}$", extraction_config=[config], parsing_timeout=None)
 
 
 def _numeric_value(expr):
@@ -74,13 +97,13 @@ def _numeric_value(expr):
 
     if not isinstance(expr, Expr) or not expr.is_number:
         return None
-    value = expr.evalf(30)
+    value = expr.evalf(EXACT_DIGITS + 20)
     if not value.is_real or not value.is_finite:
         return None
     return value
 
 
-def _compare(pred: str, ref: str, tolerance: float) -> bool:
+def _compare(pred: str, ref: str, tolerance: float, absolute_tolerance: float = 0.0) -> bool:
     """The worker's verdict for ``pred == ref`` (see the module docstring)."""
     from math_verify import verify
     from sympy import Basic, Float
@@ -89,10 +112,13 @@ def _compare(pred: str, ref: str, tolerance: float) -> bool:
     if not gold or not target:
         return False
     gold_expr, target_expr = gold[0], target[0]
-    if any(isinstance(e, Basic) and e.has(Float) for e in (gold_expr, target_expr)):
-        ref_value, pred_value = _numeric_value(gold_expr), _numeric_value(target_expr)
-        if ref_value is not None and pred_value is not None:
-            return bool(abs(pred_value - ref_value) <= tolerance * max(1, abs(ref_value)))
+    ref_value, pred_value = _numeric_value(gold_expr), _numeric_value(target_expr)
+    if ref_value is not None and pred_value is not None:
+        if any(isinstance(e, Basic) and e.has(Float) for e in (gold_expr, target_expr)):
+            return within_tolerance(pred_value, ref_value, tolerance, absolute_tolerance)
+        # two exact constants: equal to EXACT_DIGITS digits; math-verify's own rounding to 6
+        # decimals would equate 2^-98 with its negation
+        return within_tolerance(pred_value, ref_value, 10.0**-EXACT_DIGITS)
     return bool(verify(gold, target, timeout_seconds=None))
 
 
@@ -104,7 +130,10 @@ def _answer(request: dict) -> dict:
     """Reply for one request: ``{"equal": bool}`` or ``{"error": text}``."""
     signal.setitimer(signal.ITIMER_REAL, float(request["timeout_s"]))
     try:
-        return {"equal": _compare(request["pred"], request["ref"], float(request["tolerance"]))}
+        equal = _compare(
+            request["pred"], request["ref"], float(request["tolerance"]), float(request.get("absolute_tolerance", 0.0))
+        )
+        return {"equal": equal}
     except _Deadline:
         return {"error": f"math-verify timed out after {request['timeout_s']} s"}
     except MemoryError:
@@ -247,13 +276,15 @@ class _Worker:
 _WORKER = _Worker()
 
 
-def symbolic_equal(pred: str, ref: str, tolerance: float, timeout_s: float) -> bool:
+def symbolic_equal(pred: str, ref: str, tolerance: float, timeout_s: float, absolute_tolerance: float = 0.0) -> bool:
     """math-verify's verdict on ``pred == ref`` (see the module docstring).
 
     Raises :class:`SymbolicCheckError` when it cannot decide within ``timeout_s`` seconds
     (plus :data:`REPLY_GRACE_S`), runs out of memory or crashes.
     """
-    payload = {"pred": pred, "ref": ref, "tolerance": tolerance, "timeout_s": timeout_s}
+    payload = {
+        "pred": pred, "ref": ref, "tolerance": tolerance, "absolute_tolerance": absolute_tolerance, "timeout_s": timeout_s
+    }
     reply = _WORKER.request(payload, timeout_s + REPLY_GRACE_S)
     if "error" in reply:
         raise SymbolicCheckError(reply["error"])

@@ -31,11 +31,32 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """Sample ``n`` continuations of ``prompt_ids + prefix_ids``."""
+    """Sample ``n`` continuations of ``prompt_ids + prefix_ids``.
+
+    ``seed``: the request's own random stream. Its k-th sample draws from a generator seeded with
+    :func:`sample_seed` ``(seed, k)``, whatever else is in the call (the evaluation gives each
+    problem one, so a benchmark's samples do not depend on the rest of the suite). None: the
+    call's ``generator`` (the training rollouts). A call takes all requests with seeds or none.
+    """
 
     prompt_ids: tuple[int, ...]
     n: int = 1
     prefix_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+
+def sample_seed(request_seed: int, k: int) -> int:
+    """The seed of the k-th sample of a request with its own ``seed`` (31 bits, so that every
+    engine, vLLM included, takes it)."""
+    return (int(request_seed) * 1_000_003 + k) % (2**31 - 1)
+
+
+def request_seeds(requests: Sequence[GenerationRequest]) -> bool:
+    """True when every request carries its own seed, False when none does; a mix is refused."""
+    seeded = [r.seed is not None for r in requests]
+    if any(seeded) and not all(seeded):
+        raise ValueError("either every generation request has its own seed or none has")
+    return bool(seeded) and all(seeded)
 
 
 @dataclass

@@ -24,7 +24,10 @@ How it works:
 * sampling is a function of the passed ``torch.Generator``: a seed is drawn from it, seeds the
   sampler's own generator, and ``generate`` runs inside ``torch.random.fork_rng()`` seeded with
   it too, so the global RNG state is left untouched and the same generator state gives the same
-  completions (given the same batch composition and device).
+  completions (given the same batch composition and device); requests that carry their own
+  ``seed`` (the evaluation's) instead draw each sample's tokens from a generator of its own,
+  seeded with ``sample_seed(seed, k)``, so that a sample does not depend on the other requests of
+  the call (up to the float effects of padding in a differently composed batch).
 """
 
 from __future__ import annotations
@@ -35,14 +38,16 @@ from typing import Sequence
 import torch
 
 from rlbench.utils import Progress
-from rlbench.rollout.base import Completion, GenerationRequest, SamplingParams
+from rlbench.rollout.base import Completion, GenerationRequest, SamplingParams, request_seeds, sample_seed
 
 log = logging.getLogger(__name__)
 
 
-def sample_from_logprobs(logprobs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_from_logprobs(
+    logprobs: torch.Tensor, generator: torch.Generator | Sequence[torch.Generator] | None = None
+) -> torch.Tensor:
     """One token per row of ``logprobs`` (``[B, V]``, normalised, ``-inf`` = excluded), drawn by
-    inverse-CDF sampling with ``generator``.
+    inverse-CDF sampling with ``generator`` (or one generator per row).
 
     Equivalent to ``torch.multinomial(logprobs.exp(), 1)`` in distribution but about ten times
     faster on CPU for large vocabularies; the CDF is accumulated in float64 so that tail tokens
@@ -51,7 +56,10 @@ def sample_from_logprobs(logprobs: torch.Tensor, generator: torch.Generator | No
     # convert, then accumulate: the same float64 sums as ``cumsum(dtype=torch.float64)``, several times
     # faster on CPU (the converting cumsum takes a slow path)
     cdf = logprobs.exp().double().cumsum(-1)
-    u = torch.rand((cdf.shape[0], 1), generator=generator, device=cdf.device, dtype=torch.float64)
+    if isinstance(generator, (list, tuple)):
+        u = torch.cat([torch.rand((1, 1), generator=g, device=cdf.device, dtype=torch.float64) for g in generator])
+    else:
+        u = torch.rand((cdf.shape[0], 1), generator=generator, device=cdf.device, dtype=torch.float64)
     tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
     tokens = tokens.clamp_(max=cdf.shape[-1] - 1)
     # guard against float rounding landing on an excluded token
@@ -73,7 +81,7 @@ class _TokenSampler:
     work and memory per step.
     """
 
-    def __init__(self, greedy: bool, generator: torch.Generator | None) -> None:
+    def __init__(self, greedy: bool, generator: torch.Generator | Sequence[torch.Generator] | None) -> None:
         self.greedy = greedy
         self.generator = generator
         self.logprobs: list[torch.Tensor] = []
@@ -207,9 +215,11 @@ class HFGenerateEngine:
             remove_invalid_values=False,
         )
 
-    def _run_generate(self, seqs: list[tuple[int, ...]], params: SamplingParams, generator: torch.Generator | None):
-        """Generate for one batch of input rows; returns ``(new_tokens [B, T], logprobs [B, T])``
-        (on CPU)."""
+    def _run_generate(
+        self, seqs: list[tuple[int, ...]], params: SamplingParams, generator: torch.Generator | Sequence[torch.Generator] | None
+    ):
+        """Generate for one batch of input rows (one generator, or one per row); returns
+        ``(new_tokens [B, T], logprobs [B, T])`` (on CPU)."""
         from transformers import GenerationConfig, LogitsProcessorList
 
         input_ids, mask = left_pad(seqs, self.pad_id, self.device)
@@ -290,7 +300,8 @@ class HFGenerateEngine:
         results: list[list[Completion | None]] = [[None] * req.n for req in requests]
         if not rows:
             return [[] for _ in requests]
-        seed = draw_seed(generator)
+        own_seeds = request_seeds(requests)
+        seed = sample_seed(requests[0].seed, 0) if own_seeds else draw_seed(generator)
 
         model = self.model
         was_training = model.training
@@ -319,7 +330,12 @@ class HFGenerateEngine:
                     batch = order[start : start + self.batch_size]
                     seqs = [tuple(requests[i].prompt_ids) + tuple(requests[i].prefix_ids) for i, _ in batch]
                     if params.max_new_tokens > 0:
-                        new, lps = self._run_generate(seqs, params, sample_gen)
+                        gens = (
+                            [torch.Generator(device=self.device).manual_seed(sample_seed(requests[i].seed, k)) for i, k in batch]
+                            if own_seeds
+                            else sample_gen
+                        )
+                        new, lps = self._run_generate(seqs, params, gens)
                     else:
                         new = torch.zeros((len(batch), 0), dtype=torch.long)
                         lps = torch.zeros((len(batch), 0))

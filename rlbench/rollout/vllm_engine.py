@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from rlbench.rollout.base import Completion, GenerationRequest, SamplingParams
+from rlbench.rollout.base import Completion, GenerationRequest, SamplingParams, request_seeds, sample_seed
 from rlbench.rollout.hf_engine import HFGenerateEngine
 
 log = logging.getLogger(__name__)
@@ -233,7 +233,13 @@ class VLLMEngine:
         prompts, rows = requests_to_vllm_inputs(requests)
         if not rows:
             return [[] for _ in requests]
-        if generator is None:
+        if request_seeds(requests):
+            seen: dict[int, int] = {}
+            seeds = []
+            for i in rows:  # rows of one request are consecutive: k counts them
+                seeds.append(sample_seed(requests[i].seed, seen.get(i, 0)))
+                seen[i] = seen.get(i, 0) + 1
+        elif generator is None:
             seeds = torch.randint(0, 2**31 - 1, (len(rows),)).tolist()
         else:
             seeds = torch.randint(0, 2**31 - 1, (len(rows),), generator=generator, device=generator.device).tolist()
