@@ -35,7 +35,7 @@ def preset_names() -> list[str]:
 
 
 def paper_names() -> list[str]:
-    """Every paper preset: a YAML file in conf/paper/ (used as ``+paper=<name>``)."""
+    """Every paper preset: a YAML file in conf/paper/ (used as ``paper=<name>``)."""
     return sorted(path.stem for path in (CONF_DIR / "paper").glob("*.yaml"))
 
 
@@ -90,14 +90,14 @@ def algorithms_table(cfgs: dict[str, DictConfig]) -> str:
 
 def papers_table(cfgs: dict[str, DictConfig]) -> str:
     """The Markdown table of docs/papers.md: paper, preset, how many reference numbers are verified,
-    the command (name -> run config composed with ``+paper=<name>``)."""
+    the command (name -> run config composed with ``paper=<name>``)."""
     rows = [PAPERS_HEADER, "|---|---|---|---|"]
     for name in sorted(cfgs):
         paper = cfgs[name].paper
         verified = sum(bool(entry.verified) for entry in paper.reference)
         cell = f"yes ({verified} of {len(paper.reference)})" if verified else "no"
         title = f"{paper.title} (arXiv:{paper.arxiv})"
-        rows.append(_cells_row([title, f"`{cfgs[name].algorithm.name}`", cell, f"`rlbench +paper={name}`"]))
+        rows.append(_cells_row([title, f"`{cfgs[name].algorithm.name}`", cell, f"`rlbench paper={name}`"]))
     return "\n".join(rows) + "\n"
 
 
@@ -109,7 +109,7 @@ def compose_all(output_dir: Path) -> tuple[dict[str, DictConfig], dict[str, Dict
             for name in preset_names()
         }
         papers = {
-            name: compose("config", overrides=[f"+paper={name}", f"output_dir={output_dir}"])
+            name: compose("config", overrides=[f"paper={name}", f"output_dir={output_dir}"])
             for name in paper_names()
         }
     return presets, papers

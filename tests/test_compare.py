@@ -1,6 +1,6 @@
 """rlbench-compare: the bootstrap and the paired test on hand-made counts with known answers, the table
 against the runner's own passk.csv, grouping and filters, errors, outputs, launchers and sweeps, and
-(slow) a real two-algorithm x two-seed sweep through sweeps/ and the compare command."""
+(slow) a real two-algorithm x two-seed sweep through conf/sweep/ and the compare command."""
 
 import csv
 import importlib
@@ -32,7 +32,6 @@ from rlbench.logger.run_logger import RunLogger
 
 from conftest import CONF_DIR, ROOT
 
-SWEEPS_DIR = str(ROOT / "sweeps")
 
 
 # --------------------------------------------------------------------------- statistics
@@ -355,8 +354,8 @@ def test_launcher_choices_compose(choice, target, settings):
 
 
 def compose_sweep(name, overrides):
-    with initialize_config_dir(config_dir=SWEEPS_DIR, version_base="1.3"):
-        return compose(name, overrides=[f"hydra.searchpath=[file://{CONF_DIR}]", *overrides, "output_dir=/tmp/unused"],
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose("config", overrides=[f"sweep={name}", *overrides, "output_dir=/tmp/unused"],
                        return_hydra_config=True)
 
 
@@ -398,13 +397,12 @@ def test_submitit_local_launcher_runs_a_sweep(tmp_path):
 @pytest.mark.slow
 def test_sweep_then_compare_end_to_end(tmp_path):
     """Must-show 4 of the benchmark issue: grpo and rloo x seeds 0, 1 with experiment=smoke through
-    sweeps/algorithms.yaml, then rlbench-compare. The same sweep is the zoo issue's must-show 4: one
+    sweep=algorithms, then rlbench-compare. The same sweep is the zoo issue's must-show 4: one
     `-m` command runs grpo, dr_grpo, dapo, gspo and rloo (seed 0); a second adds seed 1 for grpo and
     rloo. The tiny random model scores 0 under the math grader, so the toy even-token reward (also the
     evaluation grader) makes the pass@k values differ from zero and between seeds."""
     sweep, out = tmp_path / "sweep", tmp_path / "compare"
-    common = ["-m", "rlbench.cli", "-m", "--config-dir", SWEEPS_DIR, "--config-name", "algorithms",
-              "experiment=smoke", "reward=even_tokens", "logger=files", "trainer.save_model=false"]
+    common = ["-m", "rlbench.cli", "-m", "sweep=algorithms", "experiment=smoke", "reward=even_tokens", "logger=files", "trainer.save_model=false"]
     _run([*common, "algorithm=grpo,dr_grpo,dapo,gspo,rloo", "seed=0", f"hydra.sweep.dir={sweep / 'seed0'}"])
     ran = sorted(load_run(d).config["algorithm"]["name"] for d in find_run_dirs([sweep]))
     assert ran == ["dapo", "dr_grpo", "grpo", "gspo", "rloo"]

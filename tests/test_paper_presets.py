@@ -1,4 +1,4 @@
-"""Paper presets (conf/paper/*.yaml, used as ``rlbench +paper=<name>``).
+"""Paper presets (conf/paper/*.yaml, used as ``rlbench paper=<name>``).
 
 Each paper file composes on top of the run config, passes the configuration validator, records the
 paper's reported numbers with their provenance (``paper.reference``), lists what rlbench does not
@@ -174,8 +174,8 @@ def _uses_local_data(cfg: DictConfig) -> bool:
 
 
 def compose_paper(name: str, output_dir: Path) -> DictConfig:
-    """``compose_config(["+paper=<name>"], ...)`` inside an initialised Hydra."""
-    return compose("config", overrides=[f"+paper={name}", f"output_dir={output_dir}"])
+    """``compose_config(["paper=<name>"], ...)`` inside an initialised Hydra."""
+    return compose("config", overrides=[f"paper={name}", f"output_dir={output_dir}"])
 
 
 @pytest.fixture(scope="module")
@@ -277,7 +277,7 @@ def test_deviations_listed(name):
 def test_cli_prints_composed_paper_config(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
     result = subprocess.run(
-        [sys.executable, "-m", "rlbench.cli", "+paper=dapo", "--cfg", "job"],
+        [sys.executable, "-m", "rlbench.cli", "paper=dapo", "--cfg", "job"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, result.stderr
