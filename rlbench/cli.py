@@ -15,12 +15,11 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from rlbench.errors import ConfigError, DataError
-from rlbench.logger.run_status import FAILED, FINISHED, RUNNING, config_key, write_status
+from rlbench.logger.run_status import FAILED, FINISHED, RUNNING, config_key, in_sweep, write_status
 
 log = logging.getLogger("rlbench")
 
@@ -34,10 +33,6 @@ def error_message(err: BaseException) -> str:
         key = getattr(err, "full_key", "") or str(err)
         return f"ConfigError: {key} must be set (it is ??? in the config); add {key}=<value> to the command line"
     return f"{type(err).__name__}: {err}"
-
-
-def in_sweep() -> bool:
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 def command_line_overrides() -> list[str]:

@@ -297,6 +297,7 @@ class EvalConfig:
     max_new_tokens: int = knob(1024, "longest response in tokens", ge=1)
     limit: Optional[int] = knob(None, "problems per benchmark at most (null: all)", ge=1)
     before_training: bool = knob(True, "also evaluate the model before training")
+    every: Optional[int] = knob(None, "also evaluate every N training steps (pass@k curves: eval/curve.csv, wandb); null: before and after only", ge=1)
     benchmarks: dict = knob({}, "benchmark name -> dataset spec", values=DatasetConfig)
 
 

@@ -25,6 +25,14 @@ PLACE_KEYS = ("output_dir",)             # where a run writes, not what it does
 SEED_KEYS = ("seed", "run_name")         # what differs between the seeds of one configuration
 
 
+def in_sweep() -> bool:
+    """Whether this process runs a job of a Hydra sweep (``rlbench -m``)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
 def config_key(resolved: Mapping[str, Any], leave_out: Iterable[str] = PLACE_KEYS) -> str:
     """SHA-1 of the resolved config (JSON, sorted keys) without the top-level keys ``leave_out``."""
     kept = {key: value for key, value in resolved.items() if key not in set(leave_out) and key != "hydra"}
