@@ -25,7 +25,8 @@ from rlbench.analysis.statistics import (
     percentile_interval,
     sign_flip_test,
 )
-from rlbench.analysis.tables import MACRO, build_table
+from rlbench.analysis.plots import budget_axis, training_curve_stats
+from rlbench.analysis.tables import MACRO, build_table, markdown_table, wide_cells, wide_markdown
 from rlbench.errors import ConfigError, DataError
 from rlbench.eval.metrics import ProblemResult, pass_at_k, summarize
 from rlbench.logger.run_logger import RunLogger
@@ -116,7 +117,7 @@ def test_paired_bootstrap_allows_different_seed_counts():
 
 
 def write_run(root, name, *, algorithm="grpo", seed=0, model="tiny", clip_high=0.2, problems, ks=(1, 2),
-              phase="after", steps=(), mode="train"):
+              phase="after", steps=(), step_metrics=(), mode="train"):
     """A run folder written by the runner's own code: RunLogger + summarize, from per-problem counts.
 
     problems: {benchmark: [(uid, n, correct), ...]}; steps: [(reward_mean, response_length, entropy), ...]."""
@@ -126,6 +127,8 @@ def write_run(root, name, *, algorithm="grpo", seed=0, model="tiny", clip_high=0
     logger = RunLogger(out, config, OmegaConf.to_yaml(OmegaConf.create(config)), {"name": "files"})
     for step, (reward, length, entropy) in enumerate(steps, 1):
         logger.log_step(step, {"reward_mean": reward, "response_length": length, "entropy": entropy})
+    for step, metrics in enumerate(step_metrics, 1):
+        logger.log_step(step, metrics)
     results = [ProblemResult(bench, uid, [i < c for i in range(n)], ["x"] * n)
                for bench, rows in problems.items() for uid, n, c in rows]
     rows = [{**r, "phase": phase} for r in summarize(results, ks)]
@@ -280,19 +283,80 @@ def test_main_writes_tables_and_plots(two_groups, tmp_path, capsys):
     assert main([str(tmp_path / "sweep"), "--by", "algorithm", "--baseline", "grpo", "--k", "1", "2",
                  "--out", str(out), "--resamples", "200"]) == 0
     printed = capsys.readouterr().out
-    assert "| group | benchmark | k | pass@k [95% CI]" in printed and "Δ vs grpo" in printed
+    assert "| method | alpha pass@1 | alpha Δ pass@1 vs grpo | alpha pass@2 | alpha maj@2 |" in printed
     assert (out / "table.md").read_text() in printed
     table = pd.read_csv(out / "table.csv")
     runs, _ = two_groups
-    expected = build_table(group_runs(runs, ["algorithm"]), baseline="grpo", ks=[1, 2], n_resamples=200)
+    groups = group_runs(runs, ["algorithm"])
+    expected = build_table(groups, baseline="grpo", ks=[1, 2], n_resamples=200)
     assert np.allclose(table["pass_at_k"], expected["pass_at_k"]) and np.allclose(table["ci_low"], expected["ci_low"])
+    assert (out / "table_long.md").read_text() == markdown_table(expected)
     tex = (out / "table.tex").read_text()
-    assert tex.startswith("\\begin{tabular}") and "$\\Delta$ vs grpo" in tex and tex.count("\\\\") == len(table) + 1
+    assert "\\toprule" in tex and "\\midrule" in tex and "\\bottomrule" in tex and "\\hline" not in tex
+    assert "\\multicolumn{4}{c}{alpha}" in tex and "\\cmidrule(lr){2-5}" in tex and "$\\Delta$ pass@1 vs grpo" in tex
+    assert tex.count("\\textbf{") == (out / "table.md").read_text().count("**") // 2
+    wide = pd.read_csv(out / "table_wide.csv").set_index("group")
+    cells = wide_cells(expected, groups, n_resamples=200)
+    for cell in cells.itertuples():
+        assert wide.loc[cell.group, f"{cell.benchmark} {cell.metric}"] == pytest.approx(cell.mean, nan_ok=True)
     for png in ("passk_curves.png", "training_curves.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with open(out / "runs.csv") as f:
         assert sorted((r["group"], r["seed"]) for r in csv.DictReader(f)) == [
             ("grpo", "0"), ("grpo", "1"), ("rloo", "0"), ("rloo", "1")]
+
+
+def test_wide_table_numbers_equal_the_runs_own_files(two_groups):
+    """pass@1 and pass@k cells: the mean over seeds of each run's passk.csv; maj@k: of each run's
+    maj_at_k; Δ and p: the long table's; the best of each column in bold."""
+    runs, _ = two_groups
+    groups = group_runs(runs, ["algorithm"])
+    table = build_table(groups, baseline="grpo", ks=[1, 2], n_resamples=200)
+    cells = wide_cells(table, groups, n_resamples=200).set_index(["group", "benchmark", "metric"])
+    assert sorted(set(cells.index.get_level_values("metric"))) == ["maj@2", "pass@1", "pass@2"]
+    for label, members in groups.items():
+        for bench in ("alpha", "beta"):
+            for k in (1, 2):
+                own = np.mean([passk_value(r.passk, bench, k) for r in members])
+                assert cells.loc[(label, bench, f"pass@{k}"), "mean"] == pytest.approx(own, abs=1e-12)
+            own_maj = [float(r.passk[(r.passk["phase"] == "after") & (r.passk["benchmark"] == bench)
+                                     & (r.passk["k"] == 2)]["maj_at_k"].iloc[0]) for r in members]
+            maj = cells.loc[(label, bench, "maj@2")]
+            assert maj["mean"] == pytest.approx(np.mean(own_maj), abs=1e-12)
+            assert min(own_maj) - 1e-12 <= maj["ci_low"] <= maj["mean"] <= maj["ci_high"] <= max(own_maj) + 1e-12
+        macro = [np.mean([passk_value(r.passk, b, 1) for b in ("alpha", "beta")]) for r in members]
+        assert cells.loc[(label, MACRO, "pass@1"), "mean"] == pytest.approx(np.mean(macro), abs=1e-12)
+    rloo = cells.loc[("rloo", "alpha", "pass@1")]
+    long_row = table.query("group == 'rloo' and benchmark == 'alpha' and k == 1").iloc[0]
+    assert rloo["diff"] == long_row["diff"] and rloo["p_value"] == long_row["p_value"]
+    for (bench, metric), column in cells.groupby(level=["benchmark", "metric"]):
+        assert list(column["best"]) == list(column["mean"] == column["mean"].max()), (bench, metric)
+    markdown = wide_markdown(cells.reset_index())
+    grpo_line = next(line for line in markdown.splitlines() if line.startswith("| grpo |"))
+    rloo_line = next(line for line in markdown.splitlines() if line.startswith("| rloo |"))
+    assert "(baseline)" in grpo_line and "**0.583 ± " in rloo_line  # rloo's alpha pass@1 = 7/12, the best
+    assert f"+{7 / 12 - 0.25:.3f} (p 0.250)" in rloo_line
+
+
+def test_budget_axis_interpolates_seeds_onto_a_common_grid(tmp_path):
+    """Two seeds that spend wall seconds at different rates: on the wall_seconds axis each curve is
+    read at the same budgets, up to the smaller total; on generated_tokens, tokens = tokens/s x s."""
+    a = write_run(tmp_path, "a", seed=0, problems={"alpha": counts("alpha", [1])},
+                  step_metrics=[{"outcome_mean": 0.0, "step_s": 1.0, "tokens_per_s": 10.0},
+                                {"outcome_mean": 1.0, "step_s": 1.0, "tokens_per_s": 10.0}])
+    b = write_run(tmp_path, "b", seed=1, problems={"alpha": counts("alpha", [1])},
+                  step_metrics=[{"outcome_mean": 0.0, "step_s": 2.0, "tokens_per_s": 10.0},
+                                {"outcome_mean": 0.5, "step_s": 2.0, "tokens_per_s": 10.0}])
+    runs = [load_run(a), load_run(b)]
+    assert list(budget_axis(runs[1].metrics, "wall_seconds")) == [2.0, 4.0]
+    assert list(budget_axis(runs[1].metrics, "generated_tokens")) == [20.0, 40.0]
+    stats = training_curve_stats(runs, "outcome_mean", "wall_seconds")
+    assert stats["x"].iloc[0] == 2.0 and stats["x"].iloc[-1] == 2.0  # run a reaches only 2 s
+    assert stats["mean"].iloc[-1] == pytest.approx((1.0 + 0.0) / 2)  # a at 2 s: 1.0; b at 2 s: 0.0
+    by_step = training_curve_stats(runs, "outcome_mean")
+    assert list(by_step["x"]) == [1, 2] and list(by_step["mean"]) == [0.0, 0.75]
+    assert main([str(tmp_path), "--phase", "after", "--budget", "generated_tokens", "--out", str(tmp_path / "o")]) == 0
+    assert (tmp_path / "o" / "training_curves.png").is_file()
 
 
 def test_console_script_entry_is_the_cli_main():
@@ -409,8 +473,8 @@ def test_sweep_then_compare_end_to_end(tmp_path):
     _run([*common, "algorithm=grpo,rloo", "seed=1", f"hydra.sweep.dir={sweep / 'seed1'}"])
     proc = _run(["-m", "rlbench.analysis", str(sweep), "--by", "algorithm", "--baseline", "grpo", "--out", str(out),
                  "--filter", "algorithm=grpo,rloo"])
-    assert "| grpo | arith | 1 |" in proc.stdout
-    for name in ("table.md", "table.csv", "table.tex", "passk_curves.png", "training_curves.png"):
+    assert "| method | arith pass@1 | arith Δ pass@1 vs grpo |" in proc.stdout and "| grpo | " in proc.stdout
+    for name in ("table.md", "table.csv", "table.tex", "table_wide.csv", "passk_curves.png", "training_curves.png"):
         assert (out / name).stat().st_size > 0, name
 
     table = pd.read_csv(out / "table.csv")
