@@ -25,6 +25,7 @@ from rlbench.analysis.statistics import (
     percentile_interval,
     sign_flip_test,
 )
+from rlbench.analysis.paper import paper_reference
 from rlbench.analysis.plots import budget_axis, training_curve_stats
 from rlbench.analysis.tables import MACRO, build_table, markdown_table, wide_cells, wide_markdown
 from rlbench.errors import ConfigError, DataError
@@ -357,6 +358,29 @@ def test_budget_axis_interpolates_seeds_onto_a_common_grid(tmp_path):
     assert list(by_step["x"]) == [1, 2] and list(by_step["mean"]) == [0.0, 0.75]
     assert main([str(tmp_path), "--phase", "after", "--budget", "generated_tokens", "--out", str(tmp_path / "o")]) == 0
     assert (tmp_path / "o" / "training_curves.png").is_file()
+
+
+def test_paper_reference_numbers_beside_the_runs(tmp_path, capsys):
+    """--paper dapo: each of conf/paper/dapo.yaml's reference entries (AIME 2024, in %) with its
+    value and verified flag, beside each group's pass@1 on aime24 in %; an unknown paper is refused."""
+    for seed, correct in ((0, [1, 0, 2]), (1, [2, 1, 0])):
+        write_run(tmp_path / "runs", f"dapo-s{seed}", algorithm="dapo", seed=seed,
+                  problems={"aime24": counts("aime24", correct)})
+    out = tmp_path / "out"
+    assert main([str(tmp_path / "runs"), "--paper", "dapo", "--out", str(out), "--resamples", "100"]) == 0
+    printed = capsys.readouterr().out
+    beside = (out / "paper.md").read_text()
+    assert beside in printed
+    reference = paper_reference("dapo")
+    rows = [line for line in beside.splitlines() if line.startswith("| AIME 2024")]
+    assert len(rows) == len(reference) == 3
+    ours = 100 * np.mean([3 / 12, 3 / 12])  # pass@1 = correct / (3 problems x 4 samples) per seed
+    for row, entry in zip(rows, reference):
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[2] == str(entry["value"]) and cells[3] == ("verified" if entry["verified"] else "not verified")
+        assert cells[5].startswith(f"{ours:.1f} [") and "(pass@1, 2 seeds)" in cells[5]
+    assert main([str(tmp_path / "runs"), "--paper", "dapoo", "--out", str(tmp_path / "o2")]) == 2
+    assert "no conf/paper/dapoo.yaml" in capsys.readouterr().err and not (tmp_path / "o2").exists()
 
 
 def test_console_script_entry_is_the_cli_main():

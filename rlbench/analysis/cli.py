@@ -12,6 +12,7 @@ from typing import Any
 
 import pandas as pd
 
+from rlbench.analysis.paper import paper_comparison, paper_reference
 from rlbench.analysis.plots import BUDGETS, plot_passk_curves, plot_training_curves
 from rlbench.analysis.runs import find_run_dirs, group_runs, group_warnings, load_run, select_runs
 from rlbench.analysis.tables import (
@@ -76,6 +77,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--budget", choices=BUDGETS, default="step",
                         help="x axis of the training curves: step (default), generated_tokens or wall_seconds "
                         "(cumulative, for equal-compute comparisons)")
+    parser.add_argument("--paper", default=None, metavar="NAME",
+                        help="also print the reference numbers of paper preset NAME (conf/paper/NAME.yaml) beside "
+                        "the runs', each marked verified or not (written to paper.md)")
     parser.add_argument("--resamples", type=int, default=1000, help="bootstrap and permutation resamples (default 1000)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the resampling (default 0)")
     return parser.parse_args(argv)
@@ -83,6 +87,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def compare(args: argparse.Namespace) -> Path:
     """Run the comparison described by parsed arguments; returns the output folder."""
+    if args.paper:
+        paper_reference(args.paper)  # an unknown paper is refused before any run is read
     run_dirs = find_run_dirs(args.results)
     if not run_dirs:
         raise DataError(f"no runs found under {', '.join(args.results)} (a run folder holds eval/problems.csv)")
@@ -111,6 +117,10 @@ def compare(args: argparse.Namespace) -> Path:
     if plot_training_curves(groups, out / "training_curves.png", budget=args.budget):
         images["training_curves"] = out / "training_curves.png"
     print(markdown)
+    if args.paper:
+        beside = paper_comparison(args.paper, table)
+        atomic_write_text(out / "paper.md", beside)
+        print(beside)
     if args.wandb_run:
         print(f"wandb: {log_to_wandb(args.wandb_run, {'table': table, 'wide': wide}, images, out)}")
     print(f"comparison of {len(runs)} runs in {len(groups)} groups: {out}")

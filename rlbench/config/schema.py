@@ -326,6 +326,7 @@ class ModelConfig:
     revision: Optional[str] = knob(None, "Hub revision")
     trust_remote_code: bool = knob(False, "allow the checkpoint's own modelling code")
     tiny: Optional[dict] = knob(None, "LlamaConfig fields of the random tiny model (source tiny)", open=True)
+    parameters: Optional[int] = knob(None, "about how many parameters (model card): a run whose model would not fit the device is refused before loading; null: not checked", ge=1)
 
 
 @dataclass
