@@ -18,21 +18,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from rlbench.errors import ConfigError, DataError
+from rlbench.errors import ConfigError, DataError, error_message
 from rlbench.logger.run_status import FAILED, FINISHED, RUNNING, config_key, in_sweep, write_status
 
 log = logging.getLogger("rlbench")
 
 # conf/ sits next to the package (the repository layout mirrors config groups and packages).
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-
-
-def error_message(err: BaseException) -> str:
-    """The one-line message a refused or failed run reports."""
-    if isinstance(err, MissingMandatoryValue):  # a ??? left in the config
-        key = getattr(err, "full_key", "") or str(err)
-        return f"ConfigError: {key} must be set (it is ??? in the config); add {key}=<value> to the command line"
-    return f"{type(err).__name__}: {err}"
 
 
 def command_line_overrides() -> list[str]:
@@ -75,6 +67,11 @@ def fail(message: str) -> None:
 
 
 def main() -> None:
+    if any(arg in ("--help", "-h") for arg in sys.argv[1:]):  # rlbench's own help; Hydra's: --hydra-help
+        from rlbench.config.list import help_lines
+
+        print("\n".join(help_lines()))
+        return
     app()
 
 

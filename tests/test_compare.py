@@ -331,7 +331,10 @@ def test_wide_table_numbers_equal_the_runs_own_files(two_groups):
     long_row = table.query("group == 'rloo' and benchmark == 'alpha' and k == 1").iloc[0]
     assert rloo["diff"] == long_row["diff"] and rloo["p_value"] == long_row["p_value"]
     for (bench, metric), column in cells.groupby(level=["benchmark", "metric"]):
+        assert column["mean"].nunique() > 1  # no column ties here
         assert list(column["best"]) == list(column["mean"] == column["mean"].max()), (bench, metric)
+    tied = wide_cells(table.assign(pass_at_k=0.5), groups, n_resamples=50)
+    assert not tied[tied["metric"] == "pass@1"]["best"].any()  # a column where every group ties has no best
     markdown = wide_markdown(cells.reset_index())
     grpo_line = next(line for line in markdown.splitlines() if line.startswith("| grpo |"))
     rloo_line = next(line for line in markdown.splitlines() if line.startswith("| rloo |"))

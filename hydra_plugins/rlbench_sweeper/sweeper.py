@@ -14,7 +14,6 @@ any launcher) with three additions.
 import copy
 import csv
 import io
-import logging
 import re
 import sys
 from dataclasses import dataclass
@@ -26,8 +25,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf, open_dict
 
-log = logging.getLogger(__name__)
-
+# rlbench is imported inside the methods: Hydra imports every plugin module when it starts, also for
+# commands that never sweep, and rlbench.config imports torch.
 SWEEP_STATUS_FILE = "sweep_status.csv"
 INVALID, SKIPPED = "invalid", "skipped"
 
@@ -95,8 +94,8 @@ class RlbenchSweeper(BasicSweeper):
 
     def check_point(self, overrides: list[str]) -> tuple[str, str]:
         """(the point's config key, "") or ("", the message of the error that refuses it)."""
-        from rlbench.cli import error_message
         from rlbench.config import validate_config
+        from rlbench.errors import error_message
         from rlbench.logger.run_status import config_key
 
         try:
@@ -112,7 +111,8 @@ class RlbenchSweeper(BasicSweeper):
             resolved = OmegaConf.to_container(task_cfg, resolve=True)
             validate_config(task_cfg)
         except Exception as err:  # noqa: BLE001 - any refusal makes the point invalid, with its message
-            return "", error_message(err)
+            message = error_message(err).split("Config search path:")[0]  # Hydra appends its search path
+            return "", " ".join(message.split())  # one line (Hydra lists a group's options one per line)
         return config_key(resolved), ""
 
     def report_plan(self, points: list[Point]) -> None:

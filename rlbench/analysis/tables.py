@@ -212,7 +212,7 @@ def wide_cells(table: pd.DataFrame, groups: Mapping[str, Sequence[Run]], *, phas
     at the largest k. pass@k cells are the long table's rows (mean, bootstrap interval, Δ and p);
     a maj@k cell is the mean over seeds of the runs' own maj@k (per-sample votes are not kept, so
     its interval resamples seeds only, and it has no paired test). ``best`` marks the highest mean
-    of each (benchmark, metric) column (ties: all of them)."""
+    of each (benchmark, metric) column (ties: all of them; none when the whole column ties)."""
     ks = sorted(table["k"].unique())
     k_low, k_high = int(ks[0]), int(ks[-1])
     cells = []
@@ -234,8 +234,10 @@ def wide_cells(table: pd.DataFrame, groups: Mapping[str, Sequence[Run]], *, phas
                           "ci_low": low, "ci_high": high, "seeds": len(values), "baseline": table["baseline"].iloc[0],
                           "diff": math.nan, "diff_ci_low": math.nan, "diff_ci_high": math.nan, "p_value": math.nan})
     frame = pd.DataFrame(cells)
-    column_best = frame.groupby(["benchmark", "metric"])["mean"].transform("max")
-    frame["best"] = frame["mean"].notna() & np.isclose(frame["mean"], column_best, rtol=0, atol=1e-12)
+    columns = frame.groupby(["benchmark", "metric"])["mean"]
+    column_best, column_worst = columns.transform("max"), columns.transform("min")
+    frame["best"] = (frame["mean"].notna() & np.isclose(frame["mean"], column_best, rtol=0, atol=1e-12)
+                     & ~np.isclose(column_best, column_worst, rtol=0, atol=1e-12))
     metrics = list(dict.fromkeys([f"pass@{k_low}", f"pass@{k_high}", f"maj@{k_high}"]))
     frame["_metric"] = frame["metric"].map({m: i for i, m in enumerate(metrics)})
     frame["_bench"] = frame["benchmark"].map({b: i for i, b in enumerate(dict.fromkeys(table["benchmark"]))})

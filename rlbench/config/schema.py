@@ -377,4 +377,4 @@ class RunConfig:
     eval: EvalConfig = node(EvalConfig, "the evaluation suite (eval=<option>)")
     logger: LoggerConfig = node(LoggerConfig, "where metrics go (logger=<option>)")
     trainer: TrainerConfig = node(TrainerConfig, "the optimisation loop (trainer=<option>)")
-    paper: Optional[dict] = knob(None, "a paper preset's reference numbers and deviations (paper=<name>)", open=True)
+    paper: Optional[dict] = knob(None, "a paper's setting with its reference numbers and deviations (paper=<name>)", open=True)
