@@ -10,6 +10,7 @@ docs/gen_tables.py (checked by tests/test_docs.py).
 
 from __future__ import annotations
 
+import json
 import numbers
 import re
 import os
@@ -348,3 +349,22 @@ def test_a_preset_that_cannot_run_here_says_so_before_loading(paper_cfg, tmp_pat
     smoke = compose("config", overrides=["paper=dapo", "experiment=smoke", f"output_dir={tmp_path}"])  # paper_cfg's Hydra
     assert smoke.model.name == "tiny" and smoke.algorithm.name == "dapo" and smoke.paper.name == "dapo"
     validate_config(smoke)
+
+
+@pytest.mark.slow
+@needs_data
+def test_paper_with_experiment_smoke_runs_the_smoke_model(tmp_path):
+    """paper=dapo experiment=smoke trains DAPO (16 mini-batches, so 16 prompts per step) on the tiny
+    model and evaluates with the smoke lengths, not the paper's 32B model and 20480 tokens."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    result = subprocess.run(
+        [sys.executable, "-m", "rlbench.cli", "paper=dapo", "experiment=smoke", "logger=files",
+         "trainer.save_model=false", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["model"], summary["algorithm"], summary["dataset"]) == ("tiny", "dapo", "math")
+    config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert config["eval"]["max_new_tokens"] == config["rollout"]["max_new_tokens"] == 8
+    assert config["trainer"]["prompts_per_step"] == config["algorithm"]["update"]["minibatches"] == 16
