@@ -67,6 +67,13 @@ def test_sweep_presets_are_a_config_group_with_the_rlbench_sweeper(name, params)
     assert dict(cfg.hydra.sweeper.params) == params
 
 
+def test_run_names_say_what_ran(make_cfg):
+    """Trained runs: algorithm, model, training set, seed; evaluation-only runs: the model and the
+    suite, not an algorithm and a training set they never used."""
+    assert make_cfg("experiment=smoke", "seed=3").run_name == "grpo-tiny-arith-s3"
+    assert make_cfg("mode=eval", "eval=math", "model=tiny").run_name == "eval-tiny-math-s0"
+
+
 def _sweep(tmp_path, cwd, *overrides):
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     env.pop("WANDB_API_KEY", None)
