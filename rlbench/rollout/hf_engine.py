@@ -48,7 +48,9 @@ def sample_from_logprobs(logprobs: torch.Tensor, generator: torch.Generator | No
     faster on CPU for large vocabularies; the CDF is accumulated in float64 so that tail tokens
     keep their probability next to a dominant token.
     """
-    cdf = logprobs.exp().cumsum(-1, dtype=torch.float64)
+    # convert, then accumulate: the same float64 sums as ``cumsum(dtype=torch.float64)``, several times
+    # faster on CPU (the converting cumsum takes a slow path)
+    cdf = logprobs.exp().double().cumsum(-1)
     u = torch.rand((cdf.shape[0], 1), generator=generator, device=cdf.device, dtype=torch.float64)
     tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
     tokens = tokens.clamp_(max=cdf.shape[-1] - 1)

@@ -5,14 +5,13 @@ See the package docstring (:mod:`rlbench.sandbox`) for the design and the threat
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import math
 import os
-import secrets
 import signal
-import site
 import subprocess
 import sys
 import tempfile
@@ -28,10 +27,6 @@ logger = logging.getLogger(__name__)
 
 SUPERVISOR = Path(__file__).with_name("supervisor.py")
 HARNESS = Path(__file__).with_name("harness.py")
-#: Start of every report line; the per-run nonce follows it.
-MARKER = "@@rlbench-sandbox@@"
-#: The unprivileged user (and group) the program runs as when we are root: ``nobody``.
-SANDBOX_UID = 65534
 #: Seconds past ``timeout_s`` after which the caller kills the supervisor itself (a backstop:
 #: the supervisor enforces ``timeout_s`` on the program).
 SUPERVISOR_MARGIN_S = 10.0
@@ -60,9 +55,10 @@ class SandboxLimits:
 
     timeout_s:        wall-clock seconds for the whole run (start-up, program and all tests).
     cpu_s:            CPU seconds (``RLIMIT_CPU``); None means ``ceil(timeout_s)``.
-    memory_mb:        address-space limit in MiB (``RLIMIT_AS``).
+    memory_mb:        address-space limit in MiB (``RLIMIT_AS``) and, where a memory cgroup is
+                      available, the limit on all memory the run holds (memfds, tmpfs included).
     file_size_mb:     largest file the program may write, in MiB (``RLIMIT_FSIZE``); this also
-                      caps what it can print.
+                      caps what it can print, and (as root) the whole work folder's tmpfs.
     max_output_bytes: bytes of stdout and of stderr kept in the result (the rest is cut off,
                       with a note saying so).
     network:          must be False: the program never gets a network (kept so a config can
@@ -131,18 +127,21 @@ class TestOutcome:
 class SandboxResult:
     """Outcome of running one program and its tests.
 
-    passed:    every test ran and passed, the program loaded, and the harness's completion
-               line (with this run's nonce) was seen with exit status 0.
-    outcomes:  one per test, in order; tests never reached are ``(False, "not run")``.
+    passed:    the program loaded, every test ran (in the trusted process) and passed, and the
+               run neither timed out nor ended early.
+    outcomes:  one per test, in order; tests never reached are ``(False, "not run")``; a test
+               that needed a value that is not plain data fails with ``"cannot cross: ..."``.
     status:    ``passed``; else the first that applies of ``timeout`` (wall clock or CPU),
                ``output_limit`` (stdout/stderr reached ``file_size_mb``), ``load_error`` (the
-               program raised), ``crashed`` (no completion line: killed, ``os._exit``, ...),
+               program raised), ``crashed`` (the program's process ended: killed, ``os._exit``),
                ``failed`` (ran to the end, some test failed); ``sandbox_error`` when the
                sandbox itself broke.
     stdout, stderr: what the program printed, cut to ``max_output_bytes`` each.
     seconds:   wall-clock seconds of the whole call (sandbox start-up included).
-    isolation: which protections were active (``netns``, ``mountns``, ``readonly_fs``, ``uid``,
-               ``rlimits``, ``subreaper``, ``audit_hook``, ``undumpable``, ...).
+    isolation: which protections were active (``verdict_outside``, ``bwrap``, ``pidns``,
+               ``netns``, ``mountns``, ``minimal_root``, ``work_tmpfs``, ``cgroup_pids``,
+               ``cgroup_memory``, ``uid``, ``rlimits``, ``subreaper``, ``audit_hook``; the fallback
+               adds ``readonly_fs``, ``userns``).
     error:     the load error, or what went wrong (timeout, crash, sandbox failure).
     """
 
@@ -160,78 +159,28 @@ class SandboxResult:
 
 
 # ---------------------------------------------------------------------------------------
-# report parsing (pure)
+# the verdict (pure)
 # ---------------------------------------------------------------------------------------
 
 
-@dataclass
-class HarnessReport:
-    """What the harness's report lines say (see ``harness.py`` for the line format)."""
-
-    ready: bool = False
-    undumpable: bool = False
-    audit_hook: bool = False
-    loaded: bool | None = None
-    load_error: str | None = None
-    outcomes: dict[int, TestOutcome] = field(default_factory=dict)
-    done: bool = False
-    malformed: bool = False
-
-
-def _hex_text(fields: list[str]) -> str:
-    try:
-        return bytes.fromhex(fields[0]).decode("utf-8", "replace") if fields else "error"
-    except ValueError:
-        return "error"
-
-
-def parse_report(lines: Sequence[str], n_tests: int) -> HarnessReport:
-    """Parse report lines (prefix already removed). Out-of-order, duplicate or unknown lines
-    mark the report malformed; such a run never passes."""
-    report = HarnessReport()
-    for line in lines:
-        kind, *fields = line.split(" ")
-        if kind == "ready" and not report.ready:
-            report.ready = True
-            report.undumpable, report.audit_hook = fields[:1] == ["1"], fields[1:2] == ["1"]
-        elif kind == "load" and report.loaded is None and fields[:1] in (["0"], ["1"]):
-            report.loaded = fields[0] == "1"
-            report.load_error = None if report.loaded else _hex_text(fields[1:])
-        elif kind == "test" and report.loaded and len(fields) >= 2 and fields[0].isdigit():
-            index = int(fields[0])
-            if index >= n_tests or index in report.outcomes or index != len(report.outcomes):
-                report.malformed = True
-                continue
-            passed = fields[1] == "1"
-            report.outcomes[index] = TestOutcome(passed, None if passed else _hex_text(fields[2:]))
-        elif kind == "done" and not report.done and fields == [str(n_tests)]:
-            report.done = True
-        else:
-            report.malformed = True
-    return report
-
-
-def judge(report: HarnessReport, n_tests: int, supervisor: dict) -> tuple[bool, str, str | None]:
-    """(passed, status, error) from the parsed report and the supervisor's facts."""
-    complete = (
-        report.done
-        and report.loaded is True
-        and not report.malformed
-        and len(report.outcomes) == n_tests
-        and supervisor["exit_code"] == 0
-    )
-    passed = complete and not supervisor["timed_out"] and all(o.passed for o in report.outcomes.values())
-    if passed:
+def judge(supervisor: dict, n_tests: int) -> tuple[bool, str, str | None]:
+    """(passed, status, error) from the supervisor's facts: ``loaded``, ``load_error``,
+    ``outcomes`` (``[passed, error]`` per test), ``timed_out``, ``cpu_limit``, ``crashed``,
+    ``output_limit``. A run passes only if the program loaded, the run neither timed out nor
+    ended early, and every one of the ``n_tests`` tests passed."""
+    outcomes = supervisor["outcomes"]
+    complete = supervisor["loaded"] is True and len(outcomes) == n_tests and not supervisor["crashed"]
+    if complete and not (supervisor["timed_out"] or supervisor["cpu_limit"]) and all(passed is True for passed, _ in outcomes):
         return True, "passed", None
     if supervisor["timed_out"] or supervisor["cpu_limit"]:
         kind = "CPU time" if supervisor["cpu_limit"] else "wall-clock time"
         return False, "timeout", f"{kind} limit reached"
     if supervisor["output_limit"]:
         return False, "output_limit", "output reached the file size limit"
-    if report.loaded is False:
-        return False, "load_error", report.load_error
+    if supervisor["loaded"] is False:
+        return False, "load_error", supervisor["load_error"]
     if not complete:
-        return False, "crashed", f"no completion report (exit code {supervisor['exit_code']})"
+        return False, "crashed", f"the program's process ended (exit code {supervisor['exit_code']})"
     return False, "failed", None
 
 
@@ -251,15 +200,46 @@ def _sandbox_error(n_tests: int, message: str, seconds: float) -> SandboxResult:
     )
 
 
-def _site_packages() -> list[str]:
-    """Our site-packages directories: the harness runs with ``-S`` (no ``site``, so no ``.pth``
-    processing at start-up) and puts these on ``sys.path`` itself."""
-    return [p for p in site.getsitepackages() if os.path.isdir(p)]
-
-
 def _supervisor_env(workdir: str) -> dict[str, str]:
     """The supervisor's environment: nothing from ours (no tokens, no keys)."""
     return {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir}
+
+
+def remove_tree(path: str) -> None:
+    """Remove the directory ``path`` and everything under it, however deep: no recursion, one open
+    directory at a time, names relative to it (a deep path may exceed ``PATH_MAX``). Entries that
+    vanish meanwhile are ignored. Used for the work directory, which the program may have filled."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        return
+    names: list[str] = []  # from ``path`` down to the directory ``fd`` is
+    while True:
+        subdir = None
+        with os.scandir(fd) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    subdir = subdir or entry.name
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry.name, dir_fd=fd)
+        if subdir is not None:
+            child = os.open(subdir, flags, dir_fd=fd)
+            os.close(fd)
+            fd = child
+            names.append(subdir)
+            continue
+        if not names:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.rmdir(path)
+            return
+        parent = os.open("..", flags, dir_fd=fd)
+        os.close(fd)
+        fd = parent
+        with contextlib.suppress(FileNotFoundError):
+            os.rmdir(names.pop(), dir_fd=fd)
 
 
 def run_tests(
@@ -267,44 +247,66 @@ def run_tests(
     tests: Sequence[str],
     limits: SandboxLimits = SandboxLimits(),
     *,
+    setup: str = "",
+    entry_point: str | None = None,
     audit_hook: bool = True,
+    bwrap: bool = True,
 ) -> SandboxResult:
-    """Run ``program`` in a fresh sandbox, then each of ``tests`` in the same namespace.
+    """Run ``program`` in a fresh sandbox and ``tests`` against it in a trusted process.
 
-    Never raises for anything the program does; a broken sandbox gives status
-    ``sandbox_error``. Linux only (namespaces, /proc). ``audit_hook=False`` switches the
-    in-process layer off; it exists to test that the OS layers hold on their own.
+    The tests are trusted code: they run outside the sandbox, in a namespace holding the
+    program's global names (functions as proxies that call into the sandbox with plain data,
+    plain data values as copies; nothing else crosses, and no name that shadows a builtin), then
+    the names ``setup`` (trusted code, e.g. HumanEval's ``def check(candidate)``) defines, then
+    ``entry_point`` bound to the program's function of that name (it may shadow a builtin). Never raises for anything the program does; a broken
+    sandbox gives status ``sandbox_error``. Linux only. ``audit_hook=False`` and ``bwrap=False``
+    switch those layers off, to test that the others hold on their own.
     """
-    if not isinstance(program, str) or not all(isinstance(t, str) for t in tests):
-        raise TypeError("run_tests needs the program and every test as str")
+    if not isinstance(program, str) or not all(isinstance(t, str) for t in tests) or not isinstance(setup, str):
+        raise TypeError("run_tests needs the program, the setup and every test as str")
+    if entry_point is not None and not (isinstance(entry_point, str) and entry_point.isidentifier()):
+        raise TypeError(f"entry_point must be a Python identifier or None, got {entry_point!r}")
     tests = list(tests)
     start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="rlbench-sandbox-", ignore_cleanup_errors=True) as tmp:
-        request = _request(program, tests, limits, os.path.realpath(tmp), audit_hook)
+    workdir = tempfile.mkdtemp(prefix="rlbench-sandbox-")
+    try:
+        request = {
+            "program": program, "tests": tests, "setup": setup, "entry_point": entry_point,
+            "workdir": os.path.realpath(workdir), "harness": str(HARNESS), "audit_hook": bool(audit_hook),
+            "bwrap": find_bwrap() if bwrap and not BWRAP_STATE["unusable"] else None,
+            "limits": _limits_request(limits),
+        }  # fmt: skip
         supervisor, problem = _call_supervisor(request, limits.timeout_s + SUPERVISOR_MARGIN_S)
+    finally:
+        remove_tree(workdir)
     if problem is not None:
         return _sandbox_error(len(tests), problem, time.monotonic() - start)
     return _result(supervisor, len(tests), time.monotonic() - start)
 
 
-def _request(program: str, tests: list[str], limits: SandboxLimits, workdir: str, audit_hook: bool) -> dict:
-    """What the supervisor gets on stdin (see ``supervisor.py``)."""
+#: Where bubblewrap is looked for (not ``PATH``: the caller's environment does not choose it).
+BWRAP_DIRS = ("/usr/bin", "/bin", "/usr/local/bin")
+#: Set once a run found bubblewrap installed but unable to start (e.g. no namespaces in a
+#: container); later runs then go straight to the fallback.
+BWRAP_STATE = {"unusable": False}
+
+
+def find_bwrap() -> str | None:
+    """The bubblewrap executable, or None."""
+    for directory in BWRAP_DIRS:
+        path = os.path.join(directory, "bwrap")
+        if os.access(path, os.X_OK):
+            return path
+    return None
+
+
+def _limits_request(limits: SandboxLimits) -> dict:
     return {
-        "program": program,
-        "tests": tests,
-        "prefix": MARKER + secrets.token_hex(16),
-        "workdir": workdir,
-        "harness": str(HARNESS),
-        "site_packages": _site_packages(),
-        "uid": SANDBOX_UID,
-        "audit_hook": bool(audit_hook),
-        "limits": {
-            "timeout_s": float(limits.timeout_s),
-            "cpu_s": limits.cpu_seconds,
-            "memory_mb": int(limits.memory_mb),
-            "file_size_mb": int(limits.file_size_mb),
-            "max_output_bytes": int(limits.max_output_bytes),
-        },
+        "timeout_s": float(limits.timeout_s),
+        "cpu_s": limits.cpu_seconds,
+        "memory_mb": int(limits.memory_mb),
+        "file_size_mb": int(limits.file_size_mb),
+        "max_output_bytes": int(limits.max_output_bytes),
     }
 
 
@@ -322,10 +324,8 @@ def _call_supervisor(request: dict, timeout_s: float) -> tuple[dict, str | None]
     try:
         out, err = proc.communicate(json.dumps(request).encode(), timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         proc.communicate()
         return {}, "supervisor did not finish"
     try:
@@ -335,22 +335,17 @@ def _call_supervisor(request: dict, timeout_s: float) -> tuple[dict, str | None]
         return {}, f"supervisor exited with {proc.returncode} without a report: {stderr_tail}"
     if "sandbox_error" in report:
         return {}, report["sandbox_error"]
-    if report.get("setup_error"):
-        return {}, f"sandbox set-up failed: {report['setup_error']}"
     return report, None
 
 
 def _result(supervisor: dict, n_tests: int, seconds: float) -> SandboxResult:
-    report = parse_report(supervisor["report"], n_tests)
-    passed, status, error = judge(report, n_tests, supervisor)
-    outcomes = [report.outcomes.get(i, TestOutcome(False, NOT_RUN)) for i in range(n_tests)]
-    isolation = {**supervisor["isolation"], "audit_hook": report.audit_hook, "undumpable": report.undumpable}
-    if isolation.get("uid") == 0:
-        _warn_once(
-            "sandboxed programs run as root: no mount namespace was available to make the Python "
-            "installation reachable for an unprivileged user; only the audit hook, the rlimits "
-            "and the network namespace (if any) contain them"
-        )
+    passed, status, error = judge(supervisor, n_tests)
+    outcomes = [TestOutcome(bool(p), e) for p, e in supervisor["outcomes"]]
+    isolation = supervisor["isolation"]
+    if "bwrap_error" in isolation and not BWRAP_STATE["unusable"]:
+        BWRAP_STATE["unusable"] = True
+        logger.warning("bubblewrap is installed but cannot start here; using the fallback: %s", isolation["bwrap_error"])
+    _log_layers_once(tuple(sorted((k, v) for k, v in isolation.items() if k not in ("uid", "bwrap_error"))))
     return SandboxResult(
         passed=passed,
         outcomes=outcomes,
@@ -363,18 +358,31 @@ def _result(supervisor: dict, n_tests: int, seconds: float) -> SandboxResult:
     )
 
 
+#: Layers whose absence is logged as a warning (see the package docstring for what each adds).
+KEY_LAYERS = ("bwrap", "cgroup_pids", "cgroup_memory", "work_tmpfs")
+
+
 @functools.lru_cache(maxsize=None)
-def _warn_once(message: str) -> None:
-    logger.warning(message)
+def _log_layers_once(isolation: tuple) -> None:
+    layers = dict(isolation)
+    active = sorted(k for k, v in layers.items() if v is True)
+    missing = [k for k in KEY_LAYERS if not layers.get(k)]
+    logger.info("sandbox layers active: %s", ", ".join(active))
+    if missing:
+        logger.warning(
+            "sandbox layers missing: %s; see docs/evaluation.md#the-sandbox for what holds without them "
+            "(install bubblewrap and run as root for all of them)", ", ".join(missing)
+        )
 
 
 def run_many(
-    jobs: Sequence[tuple[str, Sequence[str]]],
+    jobs: Sequence[tuple],
     limits: SandboxLimits = SandboxLimits(),
     workers: int | None = None,
 ) -> list[SandboxResult]:
-    """:func:`run_tests` for each ``(program, tests)`` job, ``workers`` at a time (default:
-    the number of CPU cores; 1 runs them one after another). Results keep the jobs' order."""
+    """:func:`run_tests` for each job, ``workers`` at a time (default: the number of CPU cores; 1
+    runs them one after another). A job is ``(program, tests)`` or ``(program, tests, setup,
+    entry_point)``. Results keep the jobs' order."""
     if workers is None:
         workers = os.cpu_count() or 1
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
@@ -382,7 +390,12 @@ def run_many(
     jobs = list(jobs)
     if not jobs:
         return []
+
+    def run_job(job: tuple) -> SandboxResult:
+        program, tests, setup, entry_point = (*job, "", None)[:4] if len(job) == 2 else job
+        return run_tests(program, tests, limits, setup=setup, entry_point=entry_point)
+
     if workers == 1:
-        return [run_tests(program, tests, limits) for program, tests in jobs]
+        return [run_job(job) for job in jobs]
     with ThreadPoolExecutor(max_workers=min(workers, len(jobs)), thread_name_prefix="sandbox") as pool:
-        return list(pool.map(lambda job: run_tests(job[0], job[1], limits), jobs))
+        return list(pool.map(run_job, jobs))

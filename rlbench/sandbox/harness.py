@@ -1,24 +1,26 @@
-"""Sandbox harness: runs one untrusted program and its tests, then reports the outcomes.
+"""Sandbox harness: the untrusted side of a run. It loads one program and calls its functions
+when the supervisor asks; it never sees the tests and decides nothing.
 
-Started by ``supervisor.py`` as ``python -I -B -S harness.py`` inside the namespaces, limits and
-user it set up. It must only use the standard library: it runs in isolated mode and must not
-import ``rlbench``.
+Started by ``supervisor.py`` as ``python -I -B -S harness.py`` inside the sandbox (bubblewrap or
+the fallback). Standard library only (isolated mode); ``plain.py`` comes from this file's
+directory. Everything here runs beside the program, so nothing here is trusted: the supervisor
+checks every value it receives (exact plain data only) and runs the tests and every comparison
+itself.
 
-Protocol (file descriptors set up by the supervisor):
+Protocol (file descriptors set up by the supervisor; messages are JSON, one per line):
 
-* fd 0: the payload, JSON ``{"program", "tests", "prefix", "workdir", "site_packages",
-  "audit_hook"}``, read once and closed before any untrusted code runs (fd 0 is then
-  ``/dev/null``). ``site_packages`` go on ``sys.path`` (``-S`` skips ``site`` to start
-  faster); ``audit_hook`` false leaves the hook out (only to test the OS layers alone).
-* fd 1 / fd 2: unlinked files the supervisor reads back (the program's stdout / stderr).
-* fd 3: the report channel. Every line starts with ``prefix`` (a marker plus a random nonce):
-  ``ready <undumpable 1|0> <audit hook 1|0>``, ``load 1`` or ``load 0 <hex error>``, then per test
-  ``test <i> 1`` or ``test <i> 0 <hex error>``, then ``done <number of tests>``.
+* fd 0: the payload ``{"program", "audit_hook"}``, read once and closed before the program runs
+  (fd 0 is then ``/dev/null``).
+* fd 1 / fd 2: memory files the supervisor reads back (the program's stdout / stderr).
+* fd 3, to the supervisor: ``{"ready": {"audit_hook": bool}}``, then
+  ``{"load": null, "names": {name: {"callable": true} | {"value": <plain>} | {"opaque": type}}}``
+  (and ``{"module": name}``) or ``{"load": "<error>"}``, then one reply per request:
+  ``{"ok": <plain>}``, ``{"raised": [type name, message]}``, ``{"opaque": [type name, truth]}``
+  (the result is not plain data) or ``{"refused": reason}``.
+* fd 4, from the supervisor: ``{"call": name, "args": <plain list>, "kwargs": <plain dict>}``.
 
-Nothing that decides or writes the verdict may be looked up at run time through a name the
-untrusted code can rebind: the harness binds ``os.write``, ``os._exit``, ``exec``, ``compile``,
-the exception classes, ... before the program runs, and the audit hook only uses values bound
-in its closure (immutable containers, builtin functions).
+The audit hook and the other in-process measures below are defence in depth only (they make
+the fallback without bubblewrap less open); the verdict does not depend on them.
 """
 
 from __future__ import annotations
@@ -29,8 +31,13 @@ import os
 import sys
 import types
 
-REPORT_FD = 3
-#: How much of an exception's text goes into the report.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from plain import NotPlain, from_wire, to_wire  # noqa: E402
+
+MESSAGES_FD, REQUESTS_FD = 3, 4
+#: Bound before the program runs, so that a program patching ``json`` does not garble its own replies.
+dumps, loads = json.dumps, json.loads
+#: How much of an exception's text goes into a message.
 MAX_ERROR_CHARS = 300
 
 
@@ -60,21 +67,6 @@ def read_payload() -> dict:
     os.close(0)
     os.open(os.devnull, os.O_RDONLY)  # lowest free descriptor: becomes fd 0
     return json.loads(b"".join(chunks))
-
-
-def make_undumpable() -> bool:
-    """``prctl(PR_SET_DUMPABLE, 0)``: other processes of the sandbox user cannot read this
-    one's memory (``/proc/<pid>/mem``, ptrace). ``ctypes`` is then dropped from
-    ``sys.modules``; the audit hook refuses to import it again."""
-    try:
-        import ctypes
-
-        ok = ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) == 0  # PR_SET_DUMPABLE
-    except Exception:  # noqa: BLE001 - recorded in the isolation report
-        ok = False
-    for name in [m for m in sys.modules if m in ("ctypes", "_ctypes") or m.startswith("ctypes.")]:
-        del sys.modules[name]
-    return ok
 
 
 def disable_fork_exec() -> None:
@@ -219,99 +211,124 @@ def make_audit_hook(workdir: str, own_pid: int):
 
 
 # ---------------------------------------------------------------------------------------
-# running the program and its tests
+# loading the program and serving calls
 # ---------------------------------------------------------------------------------------
 
 
-def describe(exc: BaseException) -> str:
-    """Short text of an exception: ``SystemExit(0)``, ``AssertionError``, ``ValueError: bad``.
-
-    Calls the exception's own ``__str__`` (untrusted); any failure there gives the type name.
-    """
+def exception_text(exc: BaseException) -> tuple[str, str]:
+    """(type name, message) of an exception; its own ``__str__`` may fail (then no message)."""
     try:
         if isinstance(exc, SystemExit):
-            return f"SystemExit({exc.code!r})"[:MAX_ERROR_CHARS]
-        name = type(exc).__name__
-        if type(name) is not str:
-            name = "exception"
-        message = str(exc)
-        if type(message) is not str:
-            message = ""
-        return (f"{name}: {message}" if message else name)[:MAX_ERROR_CHARS]
+            return "SystemExit", repr(exc.code)[:MAX_ERROR_CHARS]
+        return str(type(exc).__name__), str(exc)[:MAX_ERROR_CHARS]
     except BaseException:  # noqa: BLE001 - untrusted __str__
-        return "unprintable exception"
+        return "Exception", "unprintable exception"
+
+
+def describe(exc: BaseException) -> str:
+    """Short text of an exception: ``ValueError: bad``, ``SystemExit(0)``."""
+    name, message = exception_text(exc)
+    if name == "SystemExit":
+        return f"SystemExit({message})"
+    return f"{name}: {message}" if message else name
+
+
+def describe_names(namespace: dict) -> dict:
+    """What each of the program's global names is, as the supervisor needs it."""
+    names = {}
+    for name, value in list(namespace.items()):
+        if name.startswith("__") and name.endswith("__"):
+            continue
+        if isinstance(value, type(os)):
+            names[name] = {"module": str(value.__name__)}
+        elif callable(value):
+            names[name] = {"callable": True}
+        else:
+            try:
+                names[name] = {"value": to_wire(value)}
+            except (NotPlain, RecursionError):
+                names[name] = {"opaque": type(value).__name__}
+    return names
+
+
+#: Mappings of the standard library that a result may be (``collections.Counter``): they cross as
+#: a plain dict, which compares with a dict as they do.
+DICT_LIKE = ("Counter", "OrderedDict", "defaultdict")
+
+
+def reply_for(result) -> dict:
+    """The reply for a function's result: plain data; else a dict for the standard library's
+    mappings; else only its type name and truth value (a regex match, a generator)."""
+    try:
+        return {"ok": to_wire(result)}
+    except (NotPlain, RecursionError):
+        pass
+    collections = sys.modules.get("collections")
+    try:
+        if collections is not None and any(type(result) is getattr(collections, n) for n in DICT_LIKE):
+            return {"ok": to_wire(dict(result))}
+        return {"opaque": [type(result).__name__, bool(result)]}
+    except BaseException as exc:  # noqa: BLE001 - untrusted __bool__, members that are not plain
+        return {"refused": describe(exc)}
+
+
+def send(message: dict) -> None:
+    data = (dumps(message) + "\n").encode()
+    while data:
+        data = data[os.write(MESSAGES_FD, data) :]
+
+
+def flush_output() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:  # noqa: BLE001 - e.g. the file size limit was reached
+            pass
+
+
+def serve(namespace: dict) -> None:
+    """Answer call requests until the supervisor closes the request pipe."""
+    requests = os.fdopen(REQUESTS_FD, "rb", buffering=1 << 16)
+    for line in requests:
+        try:
+            request = loads(line)
+            function = namespace[request["call"]]
+            args, kwargs = from_wire(request["args"]), from_wire(request["kwargs"])
+            result = function(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt included
+            flush_output()
+            send({"raised": list(exception_text(exc))})
+            continue
+        reply = reply_for(result)
+        flush_output()
+        send(reply)
 
 
 def main() -> None:
-    # Everything the verdict depends on is bound to local names first.
-    write, exit_now, compile_, exec_ = os.write, os._exit, compile, exec
-    base_exception, str_, enumerate_, len_ = BaseException, str, enumerate, len
-    describe_ = describe
-    stdout, stderr = sys.stdout, sys.stderr
-    builtins_module, builtins_dict = builtins, builtins.__dict__
-    builtins_snapshot = dict(builtins_dict)
-    dict_clear, dict_update = dict.clear, dict.update
-
     payload = read_payload()
-    prefix = payload["prefix"].encode("ascii")
-    program, tests, workdir = payload["program"], list(payload["tests"]), payload["workdir"]
-    sys.path.extend(payload["site_packages"])
-    use_audit_hook = payload["audit_hook"]
+    program, use_audit_hook = payload["program"], payload["audit_hook"]
     del payload
-
-    def emit(line: str) -> None:
-        data = prefix + b" " + line.encode("utf-8", "replace") + b"\n"
-        while data:
-            data = data[write(REPORT_FD, data) :]
-
-    def emit_outcome(head: str, exc) -> None:
-        if exc is None:
-            emit(head + " 1")
-        else:
-            emit(head + " 0 " + describe_(exc).encode("utf-8", "replace").hex())
-
-    def flush_output() -> None:
-        for stream in (stdout, stderr):
-            try:
-                stream.flush()
-            except base_exception:  # noqa: BLE001 - e.g. the file size limit was reached
-                pass
-
-    undumpable = make_undumpable()
     if use_audit_hook:
         disable_fork_exec()
-        sys.addaudithook(make_audit_hook(workdir, os.getpid()))
-    emit(f"ready {int(undumpable)} {int(use_audit_hook)}")
-
-    namespace = {"__name__": "solution", "__builtins__": builtins_module}
+        sys.addaudithook(make_audit_hook(os.getcwd(), os.getpid()))
+    send({"ready": {"audit_hook": bool(use_audit_hook)}})
+    namespace = {"__name__": "solution", "__builtins__": builtins}
     try:
-        exec_(compile_(program, "<solution>", "exec", dont_inherit=True), namespace)  # not our __future__ flags
-    except base_exception as exc:  # noqa: BLE001 - SystemExit included: it is a failure
+        exec(compile(program, "<solution>", "exec", dont_inherit=True), namespace)
+        names = describe_names(namespace)
+    except BaseException as exc:  # noqa: BLE001 - SystemExit included: a load error
         flush_output()
-        emit_outcome("load", exc)
-        emit("done " + str_(len_(tests)))
-        exit_now(0)
-    emit_outcome("load", None)
-    for index, test in enumerate_(tests):
-        # Undo changes the program made to the builtins, so a test's own expressions
-        # (``sorted``, ``abs``, ``len``, ...) mean what they mean in plain Python.
-        dict_clear(builtins_dict)
-        dict_update(builtins_dict, builtins_snapshot)
-        namespace["__builtins__"] = builtins_module
-        head = "test " + str_(index)
-        try:
-            exec_(compile_(test, f"<test {index}>", "exec", dont_inherit=True), namespace)
-        except base_exception as exc:  # noqa: BLE001 - SystemExit, KeyboardInterrupt: failures
-            emit_outcome(head, exc)
-        else:
-            emit_outcome(head, None)
+        send({"load": describe(exc)})
+        os._exit(0)
     flush_output()
-    emit("done " + str_(len_(tests)))
-    exit_now(0)
+    send({"load": None, "names": names})
+    serve(namespace)
+    flush_output()
+    os._exit(0)
 
 
 if __name__ == "__main__":
     try:
         main()
-    except BaseException:  # noqa: BLE001 - no completion line: the supervisor reports a crash
+    except BaseException:  # noqa: BLE001 - the supervisor sees the channel close
         os._exit(70)
