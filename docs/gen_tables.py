@@ -102,7 +102,7 @@ def papers_table(cfgs: dict[str, DictConfig]) -> str:
 
 
 def compose_all(output_dir: Path) -> tuple[dict[str, DictConfig], dict[str, DictConfig]]:
-    """(algorithm preset -> config composed with the smoke experiment, paper -> ``+paper`` config)."""
+    """(algorithm preset -> config composed with the smoke experiment, paper -> ``paper=<name>`` config)."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         presets = {
             name: compose("config", overrides=[f"algorithm={name}", "experiment=smoke", f"output_dir={output_dir}"])
