@@ -35,7 +35,7 @@ def preset_names() -> list[str]:
 
 
 def paper_names() -> list[str]:
-    """Every paper preset: a YAML file in conf/paper/ (used as ``+paper=<name>``)."""
+    """Every paper preset: a YAML file in conf/paper/ (used as ``paper=<name>``)."""
     return sorted(path.stem for path in (CONF_DIR / "paper").glob("*.yaml"))
 
 
@@ -90,26 +90,26 @@ def algorithms_table(cfgs: dict[str, DictConfig]) -> str:
 
 def papers_table(cfgs: dict[str, DictConfig]) -> str:
     """The Markdown table of docs/papers.md: paper, preset, how many reference numbers are verified,
-    the command (name -> run config composed with ``+paper=<name>``)."""
+    the command (name -> run config composed with ``paper=<name>``)."""
     rows = [PAPERS_HEADER, "|---|---|---|---|"]
     for name in sorted(cfgs):
         paper = cfgs[name].paper
         verified = sum(bool(entry.verified) for entry in paper.reference)
         cell = f"yes ({verified} of {len(paper.reference)})" if verified else "no"
         title = f"{paper.title} (arXiv:{paper.arxiv})"
-        rows.append(_cells_row([title, f"`{cfgs[name].algorithm.name}`", cell, f"`rlbench +paper={name}`"]))
+        rows.append(_cells_row([title, f"`{cfgs[name].algorithm.name}`", cell, f"`rlbench paper={name}`"]))
     return "\n".join(rows) + "\n"
 
 
 def compose_all(output_dir: Path) -> tuple[dict[str, DictConfig], dict[str, DictConfig]]:
-    """(algorithm preset -> config composed with the smoke experiment, paper -> ``+paper`` config)."""
+    """(algorithm preset -> config composed with the smoke experiment, paper -> ``paper=<name>`` config)."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         presets = {
             name: compose("config", overrides=[f"algorithm={name}", "experiment=smoke", f"output_dir={output_dir}"])
             for name in preset_names()
         }
         papers = {
-            name: compose("config", overrides=[f"+paper={name}", f"output_dir={output_dir}"])
+            name: compose("config", overrides=[f"paper={name}", f"output_dir={output_dir}"])
             for name in paper_names()
         }
     return presets, papers

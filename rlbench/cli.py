@@ -1,16 +1,25 @@
-"""The ``rlbench`` console script: a Hydra app over conf/."""
+"""The ``rlbench`` console script: a Hydra app over conf/.
+
+Every run writes ``status.json`` (rlbench/logger/run_status.py): running, then finished or failed
+with the error. In a sweep (``-m``) a failing run is recorded and the sweep goes on with the next
+point; the sweeper (hydra_plugins/rlbench_sweeper) validates every point before the first starts,
+skips points that already finished and reports what failed at the end.
+"""
 
 from __future__ import annotations
 
 import logging
 import sys
+import traceback
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from rlbench.errors import ConfigError, DataError
+from rlbench.errors import ConfigError, DataError, error_message
+from rlbench.logger.run_status import FAILED, FINISHED, RUNNING, config_key, in_sweep, write_status
 
 log = logging.getLogger("rlbench")
 
@@ -18,17 +27,33 @@ log = logging.getLogger("rlbench")
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
+def command_line_overrides() -> list[str]:
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def app(cfg: DictConfig) -> float | None:
     from rlbench.runner import run
 
+    out_dir, key = None, ""
     try:
+        out_dir = Path(cfg.output_dir)
+        key = config_key(OmegaConf.to_container(cfg, resolve=True))
+        write_status(out_dir, RUNNING, key, run_name=cfg.run_name, overrides=command_line_overrides())
         summary = run(cfg)
-    except (ConfigError, DataError) as err:
-        fail(f"{type(err).__name__}: {err}")
-    except MissingMandatoryValue as err:  # a ??? left in the config
-        key = getattr(err, "full_key", "") or str(err)
-        fail(f"ConfigError: {key} must be set (it is ??? in the config); add {key}=<value> to the command line")
+    except Exception as err:
+        message = error_message(err)
+        if out_dir is not None:
+            write_status(out_dir, FAILED, key, error=message, traceback=traceback.format_exc(),
+                         overrides=command_line_overrides())
+        expected = isinstance(err, (ConfigError, DataError, MissingMandatoryValue))
+        if in_sweep():  # record it and let the sweep go on with the next point
+            log.error("run failed: %s", message, exc_info=not expected)
+            return None
+        if not expected:
+            raise
+        fail(message)
+    write_status(out_dir, FINISHED, key, run_name=cfg.run_name, overrides=command_line_overrides())
     after = summary.get("pass_at_1_after") or {}
     if "macro_avg" in after:  # for sweepers that optimise: the macro average over benchmarks
         return after["macro_avg"]
@@ -42,6 +67,11 @@ def fail(message: str) -> None:
 
 
 def main() -> None:
+    if any(arg in ("--help", "-h") for arg in sys.argv[1:]):  # rlbench's own help; Hydra's: --hydra-help
+        from rlbench.config.list import help_lines
+
+        print("\n".join(help_lines()))
+        return
     app()
 
 

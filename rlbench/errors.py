@@ -7,3 +7,14 @@ class ConfigError(ValueError):
 
 class DataError(ValueError):
     """A data file is missing or malformed; the message names the file (and line)."""
+
+
+def error_message(err: BaseException) -> str:
+    """The one-line report of a refused or failed run: ``ConfigError: ...``; a ``???`` left in the
+    config (omegaconf's MissingMandatoryValue) says which key to add on the command line."""
+    from omegaconf.errors import MissingMandatoryValue
+
+    if isinstance(err, MissingMandatoryValue):
+        key = getattr(err, "full_key", "") or str(err)
+        return f"ConfigError: {key} must be set (it is ??? in the config); add {key}=<value> to the command line"
+    return f"{type(err).__name__}: {err}"

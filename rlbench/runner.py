@@ -27,6 +27,7 @@ from rlbench.config import resolve_device, validate_config
 from rlbench.dataset import load_problems
 from rlbench.eval.evaluate import Benchmark, EvalResult, evaluate, usable_problems
 from rlbench.logger import RunLogger
+from rlbench.logger.run_status import in_sweep
 from rlbench.model import load_policy
 from rlbench.reward.graders import make_grader
 from rlbench.rollout import make_engine
@@ -121,7 +122,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
     train_problems = load_problems(cfg.dataset, seed=cfg.seed, data_dir=cfg.data_dir, source=cfg.data_source) if training else []
     benchmarks = load_benchmarks(cfg)
-    logger = RunLogger(out_dir, resolved, OmegaConf.to_yaml(cfg, resolve=True), cfg.logger)
+    logger = RunLogger(out_dir, resolved, OmegaConf.to_yaml(cfg, resolve=True), cfg.logger,
+                       job_type="train" if training else "eval", in_sweep=in_sweep())
     try:
         dtype = torch.float32  # bf16 enters through autocast on CUDA; master weights stay fp32
         model, tokenizer = load_policy(cfg.model, device=device, dtype=dtype, seed=cfg.seed, cache_dir=cfg.cache_dir)
@@ -130,17 +132,22 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         eval_params = SamplingParams(ev.temperature, ev.top_p, ev.max_new_tokens)
         eval_seed = make_generator(cfg.seed, STREAM_EVAL).initial_seed()
 
-        def run_eval(phase: str) -> EvalResult:
+        def run_eval(phase: str, step: int) -> EvalResult:
             log.info("evaluating (%s) on %s", phase, ", ".join(b.name for b in benchmarks))
             result = evaluate(engine, tokenizer, benchmarks, n=ev.n, ks=list(ev.k), params=eval_params, seed=eval_seed)
-            return result.with_phase(phase)
+            logger.log_evaluation(step, result.with_phase(phase).rows)
+            return result
 
-        baseline = run_eval("before") if training and ev.before_training else None
+        def periodic_eval(step: int) -> None:  # eval.every: pass@k curves during training
+            if ev.every and step % ev.every == 0 and step < cfg.trainer.steps:
+                run_eval("during", step)
+
+        baseline = run_eval("before", 0) if training and ev.before_training else None
         training_summary = {}
         if training:
             ctx = make_step_context(cfg, algorithm, model, tokenizer, engine, device)
-            training_summary = train(cfg, ctx, train_problems, logger)
-        final = run_eval("after" if training else "eval")
+            training_summary = train(cfg, ctx, train_problems, logger, after_step=periodic_eval)
+        final = run_eval("after" if training else "eval", int(cfg.trainer.steps) if training else 0)
 
         if training and cfg.trainer.save_model:
             save_policy(model, tokenizer, out_dir / "policy")

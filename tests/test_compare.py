@@ -1,6 +1,6 @@
 """rlbench-compare: the bootstrap and the paired test on hand-made counts with known answers, the table
 against the runner's own passk.csv, grouping and filters, errors, outputs, launchers and sweeps, and
-(slow) a real two-algorithm x two-seed sweep through sweeps/ and the compare command."""
+(slow) a real two-algorithm x two-seed sweep through conf/sweep/ and the compare command."""
 
 import csv
 import importlib
@@ -25,14 +25,15 @@ from rlbench.analysis.statistics import (
     percentile_interval,
     sign_flip_test,
 )
-from rlbench.analysis.tables import MACRO, build_table
+from rlbench.analysis.paper import paper_reference
+from rlbench.analysis.plots import budget_axis, training_curve_stats
+from rlbench.analysis.tables import MACRO, build_table, markdown_table, wide_cells, wide_markdown
 from rlbench.errors import ConfigError, DataError
 from rlbench.eval.metrics import ProblemResult, pass_at_k, summarize
 from rlbench.logger.run_logger import RunLogger
 
 from conftest import CONF_DIR, ROOT
 
-SWEEPS_DIR = str(ROOT / "sweeps")
 
 
 # --------------------------------------------------------------------------- statistics
@@ -117,7 +118,7 @@ def test_paired_bootstrap_allows_different_seed_counts():
 
 
 def write_run(root, name, *, algorithm="grpo", seed=0, model="tiny", clip_high=0.2, problems, ks=(1, 2),
-              phase="after", steps=(), mode="train"):
+              phase="after", steps=(), step_metrics=(), mode="train"):
     """A run folder written by the runner's own code: RunLogger + summarize, from per-problem counts.
 
     problems: {benchmark: [(uid, n, correct), ...]}; steps: [(reward_mean, response_length, entropy), ...]."""
@@ -127,6 +128,8 @@ def write_run(root, name, *, algorithm="grpo", seed=0, model="tiny", clip_high=0
     logger = RunLogger(out, config, OmegaConf.to_yaml(OmegaConf.create(config)), {"name": "files"})
     for step, (reward, length, entropy) in enumerate(steps, 1):
         logger.log_step(step, {"reward_mean": reward, "response_length": length, "entropy": entropy})
+    for step, metrics in enumerate(step_metrics, 1):
+        logger.log_step(step, metrics)
     results = [ProblemResult(bench, uid, [i < c for i in range(n)], ["x"] * n)
                for bench, rows in problems.items() for uid, n, c in rows]
     rows = [{**r, "phase": phase} for r in summarize(results, ks)]
@@ -281,19 +284,106 @@ def test_main_writes_tables_and_plots(two_groups, tmp_path, capsys):
     assert main([str(tmp_path / "sweep"), "--by", "algorithm", "--baseline", "grpo", "--k", "1", "2",
                  "--out", str(out), "--resamples", "200"]) == 0
     printed = capsys.readouterr().out
-    assert "| group | benchmark | k | pass@k [95% CI]" in printed and "Δ vs grpo" in printed
+    assert "| method | alpha pass@1 | alpha Δ pass@1 vs grpo | alpha pass@2 | alpha maj@2 |" in printed
     assert (out / "table.md").read_text() in printed
     table = pd.read_csv(out / "table.csv")
     runs, _ = two_groups
-    expected = build_table(group_runs(runs, ["algorithm"]), baseline="grpo", ks=[1, 2], n_resamples=200)
+    groups = group_runs(runs, ["algorithm"])
+    expected = build_table(groups, baseline="grpo", ks=[1, 2], n_resamples=200)
     assert np.allclose(table["pass_at_k"], expected["pass_at_k"]) and np.allclose(table["ci_low"], expected["ci_low"])
+    assert (out / "table_long.md").read_text() == markdown_table(expected)
     tex = (out / "table.tex").read_text()
-    assert tex.startswith("\\begin{tabular}") and "$\\Delta$ vs grpo" in tex and tex.count("\\\\") == len(table) + 1
+    assert "\\toprule" in tex and "\\midrule" in tex and "\\bottomrule" in tex and "\\hline" not in tex
+    assert "\\multicolumn{4}{c}{alpha}" in tex and "\\cmidrule(lr){2-5}" in tex and "$\\Delta$ pass@1 vs grpo" in tex
+    assert tex.count("\\textbf{") == (out / "table.md").read_text().count("**") // 2
+    wide = pd.read_csv(out / "table_wide.csv").set_index("group")
+    cells = wide_cells(expected, groups, n_resamples=200)
+    for cell in cells.itertuples():
+        assert wide.loc[cell.group, f"{cell.benchmark} {cell.metric}"] == pytest.approx(cell.mean, nan_ok=True)
     for png in ("passk_curves.png", "training_curves.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with open(out / "runs.csv") as f:
         assert sorted((r["group"], r["seed"]) for r in csv.DictReader(f)) == [
             ("grpo", "0"), ("grpo", "1"), ("rloo", "0"), ("rloo", "1")]
+
+
+def test_wide_table_numbers_equal_the_runs_own_files(two_groups):
+    """pass@1 and pass@k cells: the mean over seeds of each run's passk.csv; maj@k: of each run's
+    maj_at_k; Δ and p: the long table's; the best of each column in bold."""
+    runs, _ = two_groups
+    groups = group_runs(runs, ["algorithm"])
+    table = build_table(groups, baseline="grpo", ks=[1, 2], n_resamples=200)
+    cells = wide_cells(table, groups, n_resamples=200).set_index(["group", "benchmark", "metric"])
+    assert sorted(set(cells.index.get_level_values("metric"))) == ["maj@2", "pass@1", "pass@2"]
+    for label, members in groups.items():
+        for bench in ("alpha", "beta"):
+            for k in (1, 2):
+                own = np.mean([passk_value(r.passk, bench, k) for r in members])
+                assert cells.loc[(label, bench, f"pass@{k}"), "mean"] == pytest.approx(own, abs=1e-12)
+            own_maj = [float(r.passk[(r.passk["phase"] == "after") & (r.passk["benchmark"] == bench)
+                                     & (r.passk["k"] == 2)]["maj_at_k"].iloc[0]) for r in members]
+            maj = cells.loc[(label, bench, "maj@2")]
+            assert maj["mean"] == pytest.approx(np.mean(own_maj), abs=1e-12)
+            assert min(own_maj) - 1e-12 <= maj["ci_low"] <= maj["mean"] <= maj["ci_high"] <= max(own_maj) + 1e-12
+        macro = [np.mean([passk_value(r.passk, b, 1) for b in ("alpha", "beta")]) for r in members]
+        assert cells.loc[(label, MACRO, "pass@1"), "mean"] == pytest.approx(np.mean(macro), abs=1e-12)
+    rloo = cells.loc[("rloo", "alpha", "pass@1")]
+    long_row = table.query("group == 'rloo' and benchmark == 'alpha' and k == 1").iloc[0]
+    assert rloo["diff"] == long_row["diff"] and rloo["p_value"] == long_row["p_value"]
+    for (bench, metric), column in cells.groupby(level=["benchmark", "metric"]):
+        assert column["mean"].nunique() > 1  # no column ties here
+        assert list(column["best"]) == list(column["mean"] == column["mean"].max()), (bench, metric)
+    tied = wide_cells(table.assign(pass_at_k=0.5), groups, n_resamples=50)
+    assert not tied[tied["metric"] == "pass@1"]["best"].any()  # a column where every group ties has no best
+    markdown = wide_markdown(cells.reset_index())
+    grpo_line = next(line for line in markdown.splitlines() if line.startswith("| grpo |"))
+    rloo_line = next(line for line in markdown.splitlines() if line.startswith("| rloo |"))
+    assert "(baseline)" in grpo_line and "**0.583 ± " in rloo_line  # rloo's alpha pass@1 = 7/12, the best
+    assert f"+{7 / 12 - 0.25:.3f} (p 0.250)" in rloo_line
+
+
+def test_budget_axis_interpolates_seeds_onto_a_common_grid(tmp_path):
+    """Two seeds that spend wall seconds at different rates: on the wall_seconds axis each curve is
+    read at the same budgets, up to the smaller total; on generated_tokens, tokens = tokens/s x s."""
+    a = write_run(tmp_path, "a", seed=0, problems={"alpha": counts("alpha", [1])},
+                  step_metrics=[{"outcome_mean": 0.0, "step_s": 1.0, "tokens_per_s": 10.0},
+                                {"outcome_mean": 1.0, "step_s": 1.0, "tokens_per_s": 10.0}])
+    b = write_run(tmp_path, "b", seed=1, problems={"alpha": counts("alpha", [1])},
+                  step_metrics=[{"outcome_mean": 0.0, "step_s": 2.0, "tokens_per_s": 10.0},
+                                {"outcome_mean": 0.5, "step_s": 2.0, "tokens_per_s": 10.0}])
+    runs = [load_run(a), load_run(b)]
+    assert list(budget_axis(runs[1].metrics, "wall_seconds")) == [2.0, 4.0]
+    assert list(budget_axis(runs[1].metrics, "generated_tokens")) == [20.0, 40.0]
+    stats = training_curve_stats(runs, "outcome_mean", "wall_seconds")
+    assert stats["x"].iloc[0] == 2.0 and stats["x"].iloc[-1] == 2.0  # run a reaches only 2 s
+    assert stats["mean"].iloc[-1] == pytest.approx((1.0 + 0.0) / 2)  # a at 2 s: 1.0; b at 2 s: 0.0
+    by_step = training_curve_stats(runs, "outcome_mean")
+    assert list(by_step["x"]) == [1, 2] and list(by_step["mean"]) == [0.0, 0.75]
+    assert main([str(tmp_path), "--phase", "after", "--budget", "generated_tokens", "--out", str(tmp_path / "o")]) == 0
+    assert (tmp_path / "o" / "training_curves.png").is_file()
+
+
+def test_paper_reference_numbers_beside_the_runs(tmp_path, capsys):
+    """--paper dapo: each of conf/paper/dapo.yaml's reference entries (AIME 2024, in %) with its
+    value and verified flag, beside each group's pass@1 on aime24 in %; an unknown paper is refused."""
+    for seed, correct in ((0, [1, 0, 2]), (1, [2, 1, 0])):
+        write_run(tmp_path / "runs", f"dapo-s{seed}", algorithm="dapo", seed=seed,
+                  problems={"aime24": counts("aime24", correct)})
+    out = tmp_path / "out"
+    assert main([str(tmp_path / "runs"), "--paper", "dapo", "--out", str(out), "--resamples", "100"]) == 0
+    printed = capsys.readouterr().out
+    beside = (out / "paper.md").read_text()
+    assert beside in printed
+    reference = paper_reference("dapo")
+    rows = [line for line in beside.splitlines() if line.startswith("| AIME 2024")]
+    assert len(rows) == len(reference) == 3
+    ours = 100 * np.mean([3 / 12, 3 / 12])  # pass@1 = correct / (3 problems x 4 samples) per seed
+    for row, entry in zip(rows, reference):
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[2] == str(entry["value"]) and cells[3] == ("verified" if entry["verified"] else "not verified")
+        assert cells[5].startswith(f"{ours:.1f} [") and "(pass@1, 2 seeds)" in cells[5]
+    assert main([str(tmp_path / "runs"), "--paper", "dapoo", "--out", str(tmp_path / "o2")]) == 2
+    assert "no conf/paper/dapoo.yaml" in capsys.readouterr().err and not (tmp_path / "o2").exists()
 
 
 def test_console_script_entry_is_the_cli_main():
@@ -355,8 +445,8 @@ def test_launcher_choices_compose(choice, target, settings):
 
 
 def compose_sweep(name, overrides):
-    with initialize_config_dir(config_dir=SWEEPS_DIR, version_base="1.3"):
-        return compose(name, overrides=[f"hydra.searchpath=[file://{CONF_DIR}]", *overrides, "output_dir=/tmp/unused"],
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose("config", overrides=[f"sweep={name}", *overrides, "output_dir=/tmp/unused"],
                        return_hydra_config=True)
 
 
@@ -398,21 +488,20 @@ def test_submitit_local_launcher_runs_a_sweep(tmp_path):
 @pytest.mark.slow
 def test_sweep_then_compare_end_to_end(tmp_path):
     """Must-show 4 of the benchmark issue: grpo and rloo x seeds 0, 1 with experiment=smoke through
-    sweeps/algorithms.yaml, then rlbench-compare. The same sweep is the zoo issue's must-show 4: one
+    sweep=algorithms, then rlbench-compare. The same sweep is the zoo issue's must-show 4: one
     `-m` command runs grpo, dr_grpo, dapo, gspo and rloo (seed 0); a second adds seed 1 for grpo and
     rloo. The tiny random model scores 0 under the math grader, so the toy even-token reward (also the
     evaluation grader) makes the pass@k values differ from zero and between seeds."""
     sweep, out = tmp_path / "sweep", tmp_path / "compare"
-    common = ["-m", "rlbench.cli", "-m", "--config-dir", SWEEPS_DIR, "--config-name", "algorithms",
-              "experiment=smoke", "reward=even_tokens", "logger=files", "trainer.save_model=false"]
+    common = ["-m", "rlbench.cli", "-m", "sweep=algorithms", "experiment=smoke", "reward=even_tokens", "logger=files", "trainer.save_model=false"]
     _run([*common, "algorithm=grpo,dr_grpo,dapo,gspo,rloo", "seed=0", f"hydra.sweep.dir={sweep / 'seed0'}"])
     ran = sorted(load_run(d).config["algorithm"]["name"] for d in find_run_dirs([sweep]))
     assert ran == ["dapo", "dr_grpo", "grpo", "gspo", "rloo"]
     _run([*common, "algorithm=grpo,rloo", "seed=1", f"hydra.sweep.dir={sweep / 'seed1'}"])
     proc = _run(["-m", "rlbench.analysis", str(sweep), "--by", "algorithm", "--baseline", "grpo", "--out", str(out),
                  "--filter", "algorithm=grpo,rloo"])
-    assert "| grpo | arith | 1 |" in proc.stdout
-    for name in ("table.md", "table.csv", "table.tex", "passk_curves.png", "training_curves.png"):
+    assert "| method | arith pass@1 | arith Δ pass@1 vs grpo |" in proc.stdout and "| grpo | " in proc.stdout
+    for name in ("table.md", "table.csv", "table.tex", "table_wide.csv", "passk_curves.png", "training_curves.png"):
         assert (out / name).stat().st_size > 0, name
 
     table = pd.read_csv(out / "table.csv")

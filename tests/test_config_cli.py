@@ -54,3 +54,21 @@ def test_documented_knobs_run_as_plain_overrides(tmp_path, overrides):
     proc = run_cli(tmp_path, *overrides)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "run" / "summary.json").is_file()
+
+
+def test_help_names_the_app_and_gives_one_line_per_group_and_option_from_the_schemas():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "rlbench.cli", "--help"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("rlbench: ") and "cli" not in lines[0]
+    groups = {line.split()[0]: line for line in lines if line.startswith("  ") and not line.startswith("   ")}
+    for group, help_text in [("algorithm", "the RL algorithm"), ("model", "the policy model"),
+                             ("paper", "a paper's setting"), ("sweep", "the points of a sweep"),
+                             ("experiment", "bundles of overrides")]:
+        assert help_text in groups[group], group
+    assert "dapo" in groups["algorithm"] and "clip_higher" in groups["sweep"] and "smoke" in groups["experiment"]
+    assert "seeds python, numpy, torch" in groups["seed"] and "(default: 0)" in groups["seed"]
+    assert not any(name.startswith(("paper/common", "experiment/toy_learning")) for name in groups)  # internal
+    assert "--info defaults" in proc.stdout and "-sc install=bash" in proc.stdout and "-p KEY" in proc.stdout

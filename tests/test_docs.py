@@ -114,7 +114,7 @@ def test_algorithm_table_has_one_row_per_preset(tmp_path):
 def test_paper_table_has_one_row_per_paper():
     page = (ROOT / "docs" / "papers.md").read_text()
     for name in gen_tables.paper_names():
-        assert sum(line.endswith(f"| `rlbench +paper={name}` |") for line in page.splitlines()) == 1, name
+        assert sum(line.endswith(f"| `rlbench paper={name}` |") for line in page.splitlines()) == 1, name
 
 
 def test_replace_region_rewrites_only_between_its_markers():

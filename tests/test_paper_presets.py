@@ -1,4 +1,4 @@
-"""Paper presets (conf/paper/*.yaml, used as ``rlbench +paper=<name>``).
+"""Paper presets (conf/paper/*.yaml, used as ``rlbench paper=<name>``).
 
 Each paper file composes on top of the run config, passes the configuration validator, records the
 paper's reported numbers with their provenance (``paper.reference``), lists what rlbench does not
@@ -10,7 +10,9 @@ docs/gen_tables.py (checked by tests/test_docs.py).
 
 from __future__ import annotations
 
+import json
 import numbers
+import re
 import os
 import subprocess
 import sys
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
@@ -27,7 +30,8 @@ from conftest import CONF_DIR, ROOT, needs_data  # noqa: E402
 
 from rlbench.config import validate_config  # noqa: E402
 from rlbench.dataset.sources import resolve_data_dir  # noqa: E402
-from rlbench.errors import DataError  # noqa: E402
+from rlbench.config import fit  # noqa: E402
+from rlbench.errors import ConfigError, DataError  # noqa: E402
 
 PAPER_DIR = ROOT / "conf" / "paper"
 PAPERS = sorted(path.stem for path in PAPER_DIR.glob("*.yaml"))
@@ -174,8 +178,8 @@ def _uses_local_data(cfg: DictConfig) -> bool:
 
 
 def compose_paper(name: str, output_dir: Path) -> DictConfig:
-    """``compose_config(["+paper=<name>"], ...)`` inside an initialised Hydra."""
-    return compose("config", overrides=[f"+paper={name}", f"output_dir={output_dir}"])
+    """``compose_config(["paper=<name>"], ...)`` inside an initialised Hydra."""
+    return compose("config", overrides=[f"paper={name}", f"output_dir={output_dir}"])
 
 
 @pytest.fixture(scope="module")
@@ -201,13 +205,19 @@ def test_expected_papers_exist():
 
 @pytest.mark.parametrize("name", PAPERS)
 @needs_data
-def test_paper_composes_and_validates(paper_cfg, name):
+def test_paper_composes_and_validates(paper_cfg, name, monkeypatch):
     cfg = paper_cfg(name)
     if _uses_local_data(cfg):
         try:
             resolve_data_dir(cfg.data_dir)
         except DataError:
             pytest.skip("shared data directory not present (needed to validate jsonl datasets)")
+    monkeypatch.setattr(fit, "device_memory_bytes", lambda device: 2**60)  # every model fits here
+    try:
+        validate_config(cfg)
+    except ConfigError as err:  # the only refusal left: too few new tokens for a reasoning task
+        assert f"paper={name} samples" in str(err) and "too few for a reasoning answer" in str(err)
+        cfg = OmegaConf.merge(cfg, {"rollout": {"max_new_tokens": 1024}, "eval": {"max_new_tokens": 1024}})
     algorithm = validate_config(cfg)  # loads no model: hub models need only their hub_id here
     assert cfg.paper.name == name
     assert cfg.paper.algorithm == algorithm_of(name) == cfg.algorithm.name == algorithm.name
@@ -277,7 +287,7 @@ def test_deviations_listed(name):
 def test_cli_prints_composed_paper_config(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
     result = subprocess.run(
-        [sys.executable, "-m", "rlbench.cli", "+paper=dapo", "--cfg", "job"],
+        [sys.executable, "-m", "rlbench.cli", "paper=dapo", "--cfg", "job"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, result.stderr
@@ -287,3 +297,74 @@ def test_cli_prints_composed_paper_config(tmp_path):
     assert printed["algorithm"]["loss"]["clip_high"] == pytest.approx(0.28)
     assert printed["model"]["hub_id"] == "Qwen/Qwen2.5-32B"
     assert printed["paper"]["reference"][0]["value"] == 50
+
+
+# Features whose presence in the composed config can be read off, with the words that name them in
+# deviations. Each is implemented in rlbench, so a deviation may say the preset does not enable it,
+# never that it is "not implemented"; and what a deviation says is (not) enabled must match the config.
+FEATURES = {
+    "dynamic sampling": (r"dynamic sampling", lambda cfg: cfg.rollout.get("strategy") == "dynamic_sampling"),
+    "overlong reward shaping": (r"overlong (?:reward )?shaping|overlong buffer|overlong punishment",
+                                lambda cfg: any(s.name == "dapo_overlong" for s in cfg.algorithm.reward_shaping)),
+    "overlong filter": (r"overlong filter", lambda cfg: bool(cfg.algorithm.overlong_filter)),
+}
+SAYS_OFF = re.compile(r"\bnot (?:enabled|set|used|selected)\b|\bdisabled\b|\b(?:is|are) off\b", re.IGNORECASE)
+SAYS_ON = re.compile(r"\b(?:enabled|selected) by\b|\bis used\b|\bare used\b", re.IGNORECASE)
+
+
+def deviation_clauses(cfg: DictConfig) -> list[str]:
+    items = [*(cfg.paper.get("deviations") or []), *(cfg.algorithm.get("deviations") or [])]
+    return [clause for item in items for clause in re.split(r"(?<=[.;])\s+", str(item)) if clause.strip()]
+
+
+@pytest.mark.parametrize("name", PAPERS)
+def test_deviations_agree_with_the_composed_algorithm(paper_cfg, name):
+    """A deviation that names a feature of FEATURES says what the composed config does: "not
+    implemented" is wrong for a feature rlbench has, "not enabled / not set / not used" needs it off,
+    "selected by / enabled by / is used" needs it on."""
+    cfg = paper_cfg(name)
+    for feature, (pattern, active) in FEATURES.items():
+        for clause in deviation_clauses(cfg):
+            if not re.search(pattern, clause, re.IGNORECASE):
+                continue
+            assert "not implemented" not in clause, (
+                f"{name}: '{clause}' calls {feature} not implemented; rlbench has it: say whether the preset enables it")
+            if SAYS_OFF.search(clause):
+                assert not active(cfg), f"{name}: '{clause}' says {feature} is off, but the composed config enables it"
+            elif SAYS_ON.search(clause):
+                assert active(cfg), f"{name}: '{clause}' says {feature} is used, but the composed config lacks it"
+
+
+def test_a_preset_that_cannot_run_here_says_so_before_loading(paper_cfg, tmp_path):
+    """paper=dapo trains a 32B model: about 16 bytes per parameter, refused on a 24 GiB device with
+    the numbers; with experiment=smoke the same preset runs the tiny model and validates."""
+    cfg = paper_cfg("dapo")
+    with pytest.raises(ConfigError, match=r"qwen2_5_32b has about 32.5B parameters.*about 484 GiB, more than the 24 GiB"):
+        fit.check_fits_here(cfg, torch.device("cpu"), training=True, available_bytes=24 * 2**30)
+    assert fit.memory_needed_bytes(10**9, training=True, reference_model=True) == 20 * 10**9
+    assert fit.memory_needed_bytes(10**9, training=False, reference_model=True) == 4 * 10**9
+    gspo = paper_cfg("gspo")
+    with pytest.raises(ConfigError, match=r"paper=gspo samples .*rollout.max_new_tokens=16 new tokens on math"):
+        fit.check_fits_here(gspo, torch.device("cpu"), training=True, available_bytes=2**60)
+    smoke = compose("config", overrides=["paper=dapo", "experiment=smoke", f"output_dir={tmp_path}"])  # paper_cfg's Hydra
+    assert smoke.model.name == "tiny" and smoke.algorithm.name == "dapo" and smoke.paper.name == "dapo"
+    validate_config(smoke)
+
+
+@pytest.mark.slow
+@needs_data
+def test_paper_with_experiment_smoke_runs_the_smoke_model(tmp_path):
+    """paper=dapo experiment=smoke trains DAPO (16 mini-batches, so 16 prompts per step) on the tiny
+    model and evaluates with the smoke lengths, not the paper's 32B model and 20480 tokens."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    result = subprocess.run(
+        [sys.executable, "-m", "rlbench.cli", "paper=dapo", "experiment=smoke", "logger=files",
+         "trainer.save_model=false", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["model"], summary["algorithm"], summary["dataset"]) == ("tiny", "dapo", "math")
+    config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert config["eval"]["max_new_tokens"] == config["rollout"]["max_new_tokens"] == 8
+    assert config["trainer"]["prompts_per_step"] == config["algorithm"]["update"]["minibatches"] == 16

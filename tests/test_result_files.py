@@ -75,8 +75,8 @@ def test_run_folder_and_comparison_files_apply_the_umask(tmp_path, umask):
     assert {"config.yaml", "metrics.jsonl", "summary.json", "eval/passk.csv", "eval/problems.csv",
             "eval/samples.jsonl"} <= run_files
     compare_files = {p.name for p in files_below(out)}
-    assert compare_files == {"table.md", "table.csv", "table.tex", "runs.csv", "passk_curves.png",
-                             "training_curves.png"}
+    assert compare_files == {"table.md", "table.csv", "table.tex", "table_wide.csv", "table_long.md", "runs.csv",
+                             "passk_curves.png", "training_curves.png"}
     for path in [*files_below(run), *files_below(out)]:
         assert mode(path) == 0o666 & ~umask, path
 

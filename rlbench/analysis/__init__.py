@@ -3,7 +3,7 @@ across seeds and benchmarks.
 
     rlbench-compare RESULTS... [--by algorithm] [--baseline grpo] [--phase after]
                     [--filter key=value ...] [--k 1 4] [--out DIR] [--wandb-run RUN_PATH]
-                    [--resamples 1000] [--seed 0]
+                    [--budget step|generated_tokens|wall_seconds] [--resamples 1000] [--seed 0]
 
 RESULTS are run folders or folders above them (a multirun folder holds many): every folder below
 them that holds ``eval/problems.csv`` is a run. Runs are grouped by dotted keys of their
@@ -25,8 +25,12 @@ For every group, benchmark and k the table reports, from the runs' per-problem c
   sign-flip permutation test over problems (:func:`~rlbench.analysis.statistics.sign_flip_test`).
 
 With more than one benchmark, a ``macro`` row averages the benchmarks (each benchmark weighs the same).
-The table goes to ``table.md``, ``table.csv`` and ``table.tex``, the runs behind it to ``runs.csv``,
-and two PNG figures are drawn: ``passk_curves.png`` and ``training_curves.png``.
+This long table goes to ``table.csv`` and ``table_long.md``. The wide, paper-ready table (methods ×
+benchmarks; pass@1, its Δ vs the baseline with p, pass@k and maj@k at the largest k; mean ± half the
+interval; the best of each column in bold) goes to ``table.md`` (printed), ``table.tex`` (booktabs)
+and ``table_wide.csv``; the runs behind them to ``runs.csv``. Two PNG figures are drawn:
+``passk_curves.png`` and ``training_curves.png`` (accuracy as the graders' outcome, KL, entropy, clip
+fraction, response length; against steps or ``--budget`` generated tokens or wall seconds).
 
 Modules, in the order of the pipeline:
 

@@ -12,9 +12,18 @@ from typing import Any
 
 import pandas as pd
 
-from rlbench.analysis.plots import plot_passk_curves, plot_training_curves
+from rlbench.analysis.paper import paper_comparison, paper_reference
+from rlbench.analysis.plots import BUDGETS, plot_passk_curves, plot_training_curves
 from rlbench.analysis.runs import find_run_dirs, group_runs, group_warnings, load_run, select_runs
-from rlbench.analysis.tables import build_table, latex_table, markdown_table, runs_table
+from rlbench.analysis.tables import (
+    build_table,
+    markdown_table,
+    runs_table,
+    wide_cells,
+    wide_csv,
+    wide_latex,
+    wide_markdown,
+)
 from rlbench.errors import ConfigError, DataError
 from rlbench.utils import atomic_write_text
 
@@ -28,8 +37,8 @@ def parse_wandb_run(reference: str) -> dict[str, str | None]:
     return {"entity": parts[0], "project": parts[1] or "rlbench", "id": parts[2]}
 
 
-def log_to_wandb(reference: str, table: pd.DataFrame, images: Mapping[str, Path], out_dir: Path) -> str:
-    """Log the table as ``compare/table`` (a wandb.Table) and the figures as images to the run
+def log_to_wandb(reference: str, tables: Mapping[str, pd.DataFrame], images: Mapping[str, Path], out_dir: Path) -> str:
+    """Log the tables as ``compare/<name>`` (wandb.Tables) and the figures as images to the run
     ``reference`` (resumed if it exists, created otherwise; offline without an API key). Returns the
     local wandb run folder."""
     import wandb
@@ -39,7 +48,7 @@ def log_to_wandb(reference: str, table: pd.DataFrame, images: Mapping[str, Path]
     run = wandb.init(**parse_wandb_run(reference), resume="allow", dir=str(out_dir), mode=wandb_mode("auto"),
                      job_type="compare", reinit="finish_previous")
     try:
-        payload: dict[str, Any] = {"compare/table": wandb.Table(dataframe=table)}
+        payload: dict[str, Any] = {f"compare/{name}": wandb.Table(dataframe=t) for name, t in tables.items()}
         payload.update({f"compare/{name}": wandb.Image(str(p)) for name, p in images.items()})
         run.log(payload)
         return str(Path(run.dir).parent)
@@ -65,6 +74,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", default=None, help="output folder (default: results/compare/<time>)")
     parser.add_argument("--wandb-run", default=None, metavar="RUN_PATH",
                         help="also log the table to this wandb run: entity/project/run_id, project/run_id or run_id")
+    parser.add_argument("--budget", choices=BUDGETS, default="step",
+                        help="x axis of the training curves: step (default), generated_tokens or wall_seconds "
+                        "(cumulative, for equal-compute comparisons)")
+    parser.add_argument("--paper", default=None, metavar="NAME",
+                        help="also print the reference numbers of paper preset NAME (conf/paper/NAME.yaml) beside "
+                        "the runs', each marked verified or not (written to paper.md)")
     parser.add_argument("--resamples", type=int, default=1000, help="bootstrap and permutation resamples (default 1000)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the resampling (default 0)")
     return parser.parse_args(argv)
@@ -72,6 +87,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def compare(args: argparse.Namespace) -> Path:
     """Run the comparison described by parsed arguments; returns the output folder."""
+    if args.paper:
+        paper_reference(args.paper)  # an unknown paper is refused before any run is read
     run_dirs = find_run_dirs(args.results)
     if not run_dirs:
         raise DataError(f"no runs found under {', '.join(args.results)} (a run folder holds eval/problems.csv)")
@@ -84,19 +101,28 @@ def compare(args: argparse.Namespace) -> Path:
     table = build_table(groups, phase=args.phase, ks=args.k, baseline=args.baseline,
                         n_resamples=args.resamples, seed=args.seed)
 
+    cells = wide_cells(table, groups, phase=args.phase, n_resamples=args.resamples, seed=args.seed)
+    wide = wide_csv(cells)
+
     out = Path(args.out) if args.out else Path("results") / "compare" / time.strftime("%Y-%m-%d_%H-%M-%S")
-    markdown = markdown_table(table)
+    markdown = wide_markdown(cells)
     atomic_write_text(out / "table.md", markdown)
+    atomic_write_text(out / "table.tex", wide_latex(cells))
+    atomic_write_text(out / "table_wide.csv", wide.to_csv(index=False))
     atomic_write_text(out / "table.csv", table.to_csv(index=False))
-    atomic_write_text(out / "table.tex", latex_table(table))
+    atomic_write_text(out / "table_long.md", markdown_table(table))
     atomic_write_text(out / "runs.csv", runs_table(groups).to_csv(index=False))
     images = {"passk_curves": out / "passk_curves.png"}
     plot_passk_curves(table, images["passk_curves"])
-    if plot_training_curves(groups, out / "training_curves.png"):
+    if plot_training_curves(groups, out / "training_curves.png", budget=args.budget):
         images["training_curves"] = out / "training_curves.png"
     print(markdown)
+    if args.paper:
+        beside = paper_comparison(args.paper, table)
+        atomic_write_text(out / "paper.md", beside)
+        print(beside)
     if args.wandb_run:
-        print(f"wandb: {log_to_wandb(args.wandb_run, table, images, out)}")
+        print(f"wandb: {log_to_wandb(args.wandb_run, {'table': table, 'wide': wide}, images, out)}")
     print(f"comparison of {len(runs)} runs in {len(groups)} groups: {out}")
     return out
 

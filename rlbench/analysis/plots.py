@@ -1,5 +1,5 @@
 """Figures of a comparison (matplotlib, Agg canvas, no display needed): pass@k against k per group,
-and training curves per group over seeds."""
+and training curves per group over seeds, against steps or a compute budget."""
 
 from __future__ import annotations
 
@@ -7,12 +7,24 @@ import io
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from rlbench.analysis.runs import Run
 from rlbench.utils import atomic_write_bytes
 
-TRAINING_METRICS = ("reward_mean", "response_length", "entropy")
+# Panels of the training curves: (title, the step metrics it shows, the first one a run logged).
+# Accuracy is the graders' outcome before reward shaping (with dynamic sampling, over every response
+# generated), so a length penalty or a mode bonus does not read as poor accuracy.
+TRAINING_PANELS = (
+    ("accuracy (outcome)", ("rollout_outcome_mean", "outcome_mean")),
+    ("KL", ("kl", "approx_kl")),
+    ("entropy", ("entropy",)),
+    ("clip fraction", ("clip_fraction",)),
+    ("response length", ("response_length",)),
+)
+BUDGETS = ("step", "generated_tokens", "wall_seconds")
+CURVE_POINTS = 50  # grid points of a budget axis (seeds spend the budget at different rates)
 
 
 def _save_figure(fig, path: Path) -> None:
@@ -50,36 +62,67 @@ def plot_passk_curves(table: pd.DataFrame, path: Path) -> None:
     _save_figure(fig, path)
 
 
-def training_curve_stats(runs: Sequence[Run], metric: str) -> pd.DataFrame:
-    """step -> mean, min and max of ``metric`` over the runs that logged it at that step."""
-    frames = [run.metrics[["step", metric]] for run in runs if not run.metrics.empty and metric in run.metrics]
+def budget_axis(metrics: pd.DataFrame, budget: str) -> pd.Series:
+    """The x value of each logged step: the step, or the cumulative generated tokens (the step's
+    ``generated_tokens`` when logged, else ``tokens_per_s`` x ``step_s``) or wall seconds (``step_s``)."""
+    if budget == "step":
+        return metrics["step"].astype(float)
+    if budget == "wall_seconds":
+        return metrics["step_s"].cumsum()
+    if "generated_tokens" in metrics:
+        return metrics["generated_tokens"].cumsum()
+    return (metrics["tokens_per_s"] * metrics["step_s"]).cumsum()
+
+
+def training_curve_stats(runs: Sequence[Run], metric: str, budget: str = "step") -> pd.DataFrame:
+    """x -> mean, min and max of ``metric`` over the runs that logged it. On the step axis x is every
+    logged step; on a budget axis each run's curve is interpolated onto a common grid up to the
+    smallest budget any of the runs reached, so every point averages the same runs."""
+    frames = [run.metrics for run in runs if not run.metrics.empty and metric in run.metrics]
     if not frames:
-        return pd.DataFrame(columns=["step", "mean", "min", "max"])
-    values = pd.concat(frames).groupby("step")[metric]
-    return pd.DataFrame({"mean": values.mean(), "min": values.min(), "max": values.max()}).reset_index()
+        return pd.DataFrame(columns=["x", "mean", "min", "max"])
+    if budget == "step":
+        values = pd.concat(frame[["step", metric]] for frame in frames).groupby("step")[metric]
+        stats = pd.DataFrame({"mean": values.mean(), "min": values.min(), "max": values.max()}).reset_index()
+        return stats.rename(columns={"step": "x"})
+    curves = [(budget_axis(frame, budget).to_numpy(), frame[metric].to_numpy(dtype=float)) for frame in frames]
+    start = max(x[0] for x, _ in curves)
+    end = min(x[-1] for x, _ in curves)
+    grid = np.linspace(start, end, CURVE_POINTS) if end > start else np.array([end])
+    stacked = np.stack([np.interp(grid, x, y) for x, y in curves])
+    return pd.DataFrame({"x": grid, "mean": stacked.mean(axis=0), "min": stacked.min(axis=0), "max": stacked.max(axis=0)})
 
 
-def plot_training_curves(groups: Mapping[str, Sequence[Run]], path: Path, metrics: Sequence[str] = TRAINING_METRICS) -> bool:
-    """One panel per training metric: the mean over seeds per step for each group, with the min-max
-    range over seeds as a band. Returns False (and draws nothing) when no run logged training steps."""
+def panel_metric(groups: Mapping[str, Sequence[Run]], candidates: Sequence[str]) -> str | None:
+    """The first of ``candidates`` that some run logged."""
+    logged = {column for runs in groups.values() for run in runs for column in run.metrics.columns}
+    return next((metric for metric in candidates if metric in logged), None)
+
+
+def plot_training_curves(groups: Mapping[str, Sequence[Run]], path: Path, budget: str = "step") -> bool:
+    """One panel per entry of ``TRAINING_PANELS``: the mean over seeds for each group against
+    ``budget`` (step, generated_tokens or wall_seconds), with the min-max range over seeds as a
+    band. Returns False (and draws nothing) when no run logged training steps."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    stats = {(label, m): training_curve_stats(runs, m) for label, runs in groups.items() for m in metrics}
-    if all(s.empty for s in stats.values()):
+    panels = [(title, metric) for title, candidates in TRAINING_PANELS
+              if (metric := panel_metric(groups, candidates)) is not None]
+    if not panels:
         return False
-    fig = Figure(figsize=(4.2 * len(metrics), 3.6), layout="constrained")
-    axes = fig.subplots(1, len(metrics), squeeze=False)[0]
-    for ax, metric in zip(axes, metrics):
-        for label in groups:
-            s = stats[(label, metric)]
+    fig = Figure(figsize=(4.2 * len(panels), 3.6), layout="constrained")
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (title, metric) in zip(axes, panels):
+        for label, runs in groups.items():
+            s = training_curve_stats(runs, metric, budget)
             if s.empty:
                 continue
-            line = ax.plot(s["step"], s["mean"], label=f"{label} ({len(groups[label])} seeds)")
-            ax.fill_between(s["step"], s["min"], s["max"], color=line[0].get_color(), alpha=0.2)
-        ax.set_title(metric)
-        ax.set_xlabel("step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            line = ax.plot(s["x"], s["mean"], label=f"{label} ({len(runs)} seeds)")
+            ax.fill_between(s["x"], s["min"], s["max"], color=line[0].get_color(), alpha=0.2)
+        ax.set_title(f"{title}: {metric}", fontsize=9)
+        ax.set_xlabel(budget.replace("_", " "))
+        if budget == "step":
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.ticklabel_format(axis="y", useOffset=False)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)

@@ -197,14 +197,20 @@ def group_warnings(groups: Mapping[str, Sequence[Run]]) -> list[str]:
     return warnings
 
 
-def phase_problems(run: Run, phase: str) -> pd.DataFrame:
-    """The run's problems.csv rows of ``phase``; a clear error when the phase is absent.
-
-    An evaluation-only run (``mode=eval``) has one phase, ``eval``; it stands in for ``before``
-    and ``after``, so a base model or a checkpoint can be the baseline of trained runs."""
+def effective_phase(run: Run, phase: str) -> str:
+    """``phase``, except that an evaluation-only run (``mode=eval``) has one phase, ``eval``, which
+    stands in for ``before`` and ``after``, so a base model or a checkpoint can be the baseline of
+    trained runs."""
     phases = set(run.problems["phase"].unique())
     if phase in ("before", "after") and phase not in phases and phases == {"eval"}:
-        phase = "eval"
+        return "eval"
+    return phase
+
+
+def phase_problems(run: Run, phase: str) -> pd.DataFrame:
+    """The run's problems.csv rows of ``phase`` (:func:`effective_phase`); a clear error when the
+    phase is absent."""
+    phase = effective_phase(run, phase)
     rows = run.problems[run.problems["phase"] == phase]
     if rows.empty:
         available = ", ".join(sorted(run.problems["phase"].unique())) or "none"

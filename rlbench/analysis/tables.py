@@ -1,5 +1,7 @@
-"""The comparison table: per (group, benchmark, k) pass@k with bootstrap intervals and the paired
-difference against a baseline group, and its Markdown, CSV and LaTeX renderings."""
+"""The comparison tables. The long table (:func:`build_table`): per (group, benchmark, k) pass@k
+with bootstrap intervals and the paired difference against a baseline group (CSV, Markdown). The
+wide table (:func:`wide_cells`): methods × benchmarks with pass@1, its Δ, pass@k and maj@k at the
+largest k, mean ± CI, the best in bold (Markdown, booktabs LaTeX, CSV)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from rlbench.analysis.runs import Run, natural_key, phase_problems, shared_problem_sets
+from rlbench.analysis.runs import Run, effective_phase, natural_key, phase_problems, shared_problem_sets
 from rlbench.analysis.statistics import (
     hierarchical_bootstrap,
     paired_bootstrap_difference,
@@ -178,17 +180,170 @@ def latex_escape(text: str) -> str:
     return "".join(_LATEX_SPECIAL.get(ch, ch) for ch in text)
 
 
-def latex_table(table: pd.DataFrame) -> str:
-    """A LaTeX ``tabular`` (no packages needed) with the Markdown table's cells."""
-    header, cells = display_rows(table)
-    spec = "lll" + "l" + "rr" + ("lr" if len(header) > 6 else "")
-    lines = [f"\\begin{{tabular}}{{{spec}}}", "\\hline", " & ".join(map(latex_escape, header)) + " \\\\", "\\hline"]
-    lines += [" & ".join(map(latex_escape, line)) + " \\\\" for line in cells]
-    lines += ["\\hline", "\\end{tabular}"]
-    return "\n".join(lines) + "\n"
-
-
 def runs_table(groups: Mapping[str, Sequence[Run]]) -> pd.DataFrame:
     return pd.DataFrame(
         [{"group": label, "seed": run.config.get("seed"), "run": run.name} for label, runs in groups.items() for run in runs]
     )
+
+
+# --------------------------------------------------------------------------- the wide (paper) table
+
+CELL_COLUMNS = ["group", "benchmark", "metric", "mean", "ci_low", "ci_high", "seeds",
+                "baseline", "diff", "diff_ci_low", "diff_ci_high", "p_value", "best"]
+
+
+def run_maj_at_k(run: Run, phase: str, benchmark: str, k: int) -> float:
+    """The run's own maj@k of ``benchmark`` (its passk.csv; NaN when its answers cannot vote). The
+    macro benchmark is the mean over the run's benchmarks."""
+    rows = run.passk[(run.passk["phase"] == effective_phase(run, phase)) & (run.passk["k"] == k)]
+    if "maj_at_k" not in rows:
+        return math.nan
+    values = rows.set_index("benchmark")["maj_at_k"].astype(float)
+    if benchmark == MACRO:
+        values = values.drop(index=["macro_avg"], errors="ignore")
+        return float(values.mean()) if len(values) else math.nan
+    return float(values.get(benchmark, math.nan))
+
+
+def wide_cells(table: pd.DataFrame, groups: Mapping[str, Sequence[Run]], *, phase: str = "after",
+               n_resamples: int = 1000, seed: int = 0, alpha: float = 0.05) -> pd.DataFrame:
+    """The cells of the wide table, one row per (group, benchmark, metric), for the metrics pass@k
+    at the smallest and the largest k of ``table`` (the long table of :func:`build_table`) and maj@k
+    at the largest k. pass@k cells are the long table's rows (mean, bootstrap interval, Δ and p);
+    a maj@k cell is the mean over seeds of the runs' own maj@k (per-sample votes are not kept, so
+    its interval resamples seeds only, and it has no paired test). ``best`` marks the highest mean
+    of each (benchmark, metric) column (ties: all of them; none when the whole column ties)."""
+    ks = sorted(table["k"].unique())
+    k_low, k_high = int(ks[0]), int(ks[-1])
+    cells = []
+    for r in table.itertuples(index=False):
+        if r.k in (k_low, k_high):
+            cells.append({"group": r.group, "benchmark": r.benchmark, "metric": f"pass@{r.k}", "mean": r.pass_at_k,
+                          "ci_low": r.ci_low, "ci_high": r.ci_high, "seeds": r.seeds, "baseline": r.baseline,
+                          "diff": r.diff, "diff_ci_low": r.diff_ci_low, "diff_ci_high": r.diff_ci_high,
+                          "p_value": r.p_value})
+    for bench in dict.fromkeys(table["benchmark"]):
+        for label in dict.fromkeys(table["group"]):
+            values = np.array([run_maj_at_k(run, phase, bench, k_high) for run in groups[label]])
+            mean, low, high = math.nan, math.nan, math.nan
+            if not np.isnan(values).any():
+                mean = float(values.mean())
+                low, high = percentile_interval(
+                    hierarchical_bootstrap([values[:, None]], n_resamples=n_resamples, seed=seed), alpha)
+            cells.append({"group": label, "benchmark": bench, "metric": f"maj@{k_high}", "mean": mean,
+                          "ci_low": low, "ci_high": high, "seeds": len(values), "baseline": table["baseline"].iloc[0],
+                          "diff": math.nan, "diff_ci_low": math.nan, "diff_ci_high": math.nan, "p_value": math.nan})
+    frame = pd.DataFrame(cells)
+    columns = frame.groupby(["benchmark", "metric"])["mean"]
+    column_best, column_worst = columns.transform("max"), columns.transform("min")
+    frame["best"] = (frame["mean"].notna() & np.isclose(frame["mean"], column_best, rtol=0, atol=1e-12)
+                     & ~np.isclose(column_best, column_worst, rtol=0, atol=1e-12))
+    metrics = list(dict.fromkeys([f"pass@{k_low}", f"pass@{k_high}", f"maj@{k_high}"]))
+    frame["_metric"] = frame["metric"].map({m: i for i, m in enumerate(metrics)})
+    frame["_bench"] = frame["benchmark"].map({b: i for i, b in enumerate(dict.fromkeys(table["benchmark"]))})
+    frame["_group"] = frame["group"].map({g: i for i, g in enumerate(dict.fromkeys(table["group"]))})
+    frame = frame.sort_values(["_group", "_bench", "_metric"], kind="stable")
+    return frame.drop(columns=["_metric", "_bench", "_group"]).reset_index(drop=True)[CELL_COLUMNS]
+
+
+def wide_columns(cells: pd.DataFrame) -> list[tuple[str, str, bool]]:
+    """(benchmark, metric, is_delta) per column of the wide table, in order: per benchmark each
+    metric, and after the first pass@k the Δ vs the baseline when there is one."""
+    has_baseline = bool(cells["baseline"].iloc[0])
+    first_pass = next(m for m in cells["metric"] if m.startswith("pass@"))
+    columns = []
+    for bench in dict.fromkeys(cells["benchmark"]):
+        for metric in dict.fromkeys(cells["metric"]):
+            columns.append((bench, metric, False))
+            if has_baseline and metric == first_pass:
+                columns.append((bench, metric, True))
+    return columns
+
+
+def _mean_pm(mean: float, low: float, high: float) -> str:
+    if math.isnan(mean):
+        return "—"
+    return f"{mean:.3f} ± {(high - low) / 2:.3f}"
+
+
+def _delta_text(cell: Mapping) -> str:
+    if not cell["baseline"] or cell["group"] == cell["baseline"]:
+        return "(baseline)" if cell["baseline"] else ""
+    if math.isnan(cell["diff"]):
+        return "—"
+    return f"{cell['diff']:+.3f} (p {_p_text(cell['p_value'])})"
+
+
+def wide_display(cells: pd.DataFrame) -> tuple[list[tuple[str, str, bool]], list[tuple[str, list[tuple[str, bool]]]]]:
+    """The wide table's columns and, per group, its cells as (text, bold)."""
+    columns = wide_columns(cells)
+    index = cells.set_index(["group", "benchmark", "metric"])
+    rows = []
+    for label in dict.fromkeys(cells["group"]):
+        line = []
+        for bench, metric, is_delta in columns:
+            cell = {**index.loc[(label, bench, metric)].to_dict(), "group": label}
+            if is_delta:
+                line.append((_delta_text(cell), False))
+            else:
+                line.append((_mean_pm(cell["mean"], cell["ci_low"], cell["ci_high"]), bool(cell["best"])))
+        rows.append((str(label), line))
+    return columns, rows
+
+
+def _column_title(metric: str, is_delta: bool, baseline: str) -> str:
+    return f"Δ {metric} vs {baseline}" if is_delta else metric
+
+
+def wide_markdown(cells: pd.DataFrame) -> str:
+    """Methods × benchmarks: per benchmark pass@1, its Δ vs the baseline (paired sign-flip p),
+    pass@k and maj@k at the largest k; mean ± half the 95% interval, the best of a column in bold."""
+    columns, rows = wide_display(cells)
+    baseline = cells["baseline"].iloc[0]
+    header = ["method"] + [f"{bench} {_column_title(metric, delta, baseline)}" for bench, metric, delta in columns]
+    lines = ["| " + " | ".join(header) + " |", "|---" + "|---:" * len(columns) + "|"]
+    for label, line in rows:
+        texts = [f"**{text}**" if bold else text for text, bold in line]
+        lines.append("| " + " | ".join([label, *texts]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def wide_latex(cells: pd.DataFrame) -> str:
+    """The wide table as a booktabs ``tabular`` (``\\usepackage{booktabs}``): one column block per
+    benchmark under a ``\\cmidrule``, the best of a column in ``\\textbf``."""
+    columns, rows = wide_display(cells)
+    baseline = cells["baseline"].iloc[0]
+    benchmarks = list(dict.fromkeys(bench for bench, _, _ in columns))
+    widths = [sum(1 for bench, _, _ in columns if bench == b) for b in benchmarks]
+    lines = ["% needs \\usepackage{booktabs}", f"\\begin{{tabular}}{{l{'r' * len(columns)}}}", "\\toprule",
+             " & " + " & ".join(f"\\multicolumn{{{w}}}{{c}}{{{latex_escape(b)}}}" for b, w in zip(benchmarks, widths))
+             + " \\\\"]
+    start, rules = 2, []
+    for width in widths:
+        rules.append(f"\\cmidrule(lr){{{start}-{start + width - 1}}}")
+        start += width
+    lines.append(" ".join(rules))
+    lines.append(" & ".join(["method"] + [latex_escape(_column_title(m, d, baseline)) for _, m, d in columns]) + " \\\\")
+    lines.append("\\midrule")
+    for label, line in rows:
+        texts = [latex_escape(text).replace("±", "$\\pm$") for text, _ in line]
+        texts = [f"\\textbf{{{t}}}" if bold else t for t, (_, bold) in zip(texts, line)]
+        lines.append(" & ".join([latex_escape(label), *texts]) + " \\\\")
+    lines += ["\\bottomrule", "\\end{tabular}"]
+    return "\n".join(lines) + "\n"
+
+
+def wide_csv(cells: pd.DataFrame) -> pd.DataFrame:
+    """The wide table with numbers: one row per group, per benchmark and metric the columns
+    ``<benchmark> <metric>`` (the mean), ``... ci_low``, ``... ci_high`` and, for pass@k with a
+    baseline, ``... diff``, ``... diff_ci_low``, ``... diff_ci_high``, ``... p_value``."""
+    has_baseline = bool(cells["baseline"].iloc[0])
+    rows = {}
+    for cell in cells.itertuples(index=False):
+        row = rows.setdefault(cell.group, {"group": cell.group})
+        prefix = f"{cell.benchmark} {cell.metric}"
+        row[prefix], row[f"{prefix} ci_low"], row[f"{prefix} ci_high"] = cell.mean, cell.ci_low, cell.ci_high
+        if has_baseline and cell.metric.startswith("pass@"):
+            for name in ("diff", "diff_ci_low", "diff_ci_high", "p_value"):
+                row[f"{prefix} {name}"] = getattr(cell, name)
+    return pd.DataFrame(list(rows.values()))

@@ -13,6 +13,7 @@ import torch
 
 from rlbench.training.advantage_inputs import validate_step_options
 from rlbench.algorithm import Algorithm
+from rlbench.config.fit import check_fits_here
 from rlbench.config.origin import ValueOrigins, with_origins
 from rlbench.config.walk import check_against_schema
 from rlbench.dataset import validate_spec
@@ -143,4 +144,5 @@ def check_run(cfg: Any, origins: ValueOrigins) -> Algorithm:
     check_reward_values(cfg.reward)
 
     validate_model_config(cfg.model)
+    check_fits_here(cfg, device, training=cfg.mode == "train" and cfg.trainer.steps > 0)
     return algorithm

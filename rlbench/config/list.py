@@ -84,6 +84,52 @@ def node_schema(path: str) -> tuple[type, str]:
     return schema, ".".join(walked)
 
 
+# Groups without a schema node of their own, and the groups that are internal (included by other
+# files, not chosen on the command line) and hidden from ``rlbench --help``.
+GROUP_HELP = {
+    "algorithm/advantage": "swap one piece of the algorithm: the advantage estimator",
+    "algorithm/loss": "swap one piece of the algorithm: the policy loss",
+    "algorithm/aggregation": "swap one piece of the algorithm: how token losses become a scalar",
+    "benchmark": "evaluation sets, combined by the eval suites",
+    "experiment": "bundles of overrides, applied last (smoke: tiny model, 2 steps)",
+    "sweep": "the points of a sweep, for rlbench -m sweep=<name> (docs/compare.md)",
+}
+HIDDEN_GROUPS = ("paper/common", "experiment/toy_learning")
+
+USAGE = """\
+rlbench: benchmark policy-optimization methods for LLMs trained with verifiable rewards.
+
+usage: rlbench [GROUP=OPTION ...] [KEY=VALUE ...]     one run (train, then evaluate)
+       rlbench -m [GROUP=A,B ...] [KEY=A,B ...]       a sweep: every combination (rlbench -m sweep=algorithms)
+       rlbench --cfg job [-p KEY]                     print the composed config, or one node of it
+       rlbench --info defaults                        which file each group came from
+       rlbench --hydra-help                           Hydra's flags; tab completion: eval "$(rlbench -sc install=bash)"
+       rlbench-list [--keys NODE]                     every option and registered piece; a node's keys with help
+       rlbench-compare RESULTS...                     tables and plots across runs (docs/compare.md)"""
+
+
+def help_lines(conf_dir: Path = CONF_DIR) -> Iterator[str]:
+    """``rlbench --help``: the usage, one line per config group (its help and options) and per
+    top-level option (its default and help), from the schemas (rlbench/config/schema.py)."""
+    nodes = {spec.name: spec.metadata for spec in dataclasses.fields(RunConfig)}
+    yield USAGE
+    yield ""
+    yield "config groups (GROUP=OPTION):"
+    for group, options in group_options(conf_dir).items():
+        if group.startswith(HIDDEN_GROUPS):
+            continue
+        described = GROUP_HELP.get(group) or nodes.get(group, {}).get("help", "")
+        shown = " ".join(options) if group != "experiment" else " ".join([*options, "toy_learning/<preset>"])
+        yield f"  {group:<22} {described}: {shown}"
+    yield ""
+    yield "options (KEY=VALUE; a group's keys: GROUP.KEY=VALUE, listed by rlbench-list --keys GROUP):"
+    for spec in dataclasses.fields(RunConfig):
+        if "node" in spec.metadata or spec.name in ("paper", "output_dir"):
+            continue
+        default = spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
+        yield f"  {spec.name:<22} {spec.metadata.get('help', '')} (default: {default})"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="rlbench-list", description=__doc__.split("\n\n")[0])
     parser.add_argument("--keys", nargs="?", const="", metavar="NODE", help="list the schema keys under NODE")

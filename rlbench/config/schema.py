@@ -310,6 +310,7 @@ class EvalConfig:
     max_new_tokens: int = knob(1024, "longest response in tokens", ge=1)
     limit: Optional[int] = knob(None, "problems per benchmark at most (null: all)", ge=1)
     before_training: bool = knob(True, "also evaluate the model before training")
+    every: Optional[int] = knob(None, "also evaluate every N training steps (pass@k curves: eval/curve.csv, wandb); null: before and after only", ge=1)
     benchmarks: dict = knob({}, "benchmark name -> dataset spec", values=DatasetConfig)
 
 
@@ -338,6 +339,7 @@ class ModelConfig:
     revision: Optional[str] = knob(None, "Hub revision")
     trust_remote_code: bool = knob(False, "allow the checkpoint's own modelling code")
     tiny: Optional[dict] = knob(None, "LlamaConfig fields of the random tiny model (source tiny)", open=True)
+    parameters: Optional[int] = knob(None, "about how many parameters (model card): a run whose model would not fit the device is refused before loading; null: not checked", ge=1)
 
 
 @dataclass
@@ -388,4 +390,4 @@ class RunConfig:
     eval: EvalConfig = node(EvalConfig, "the evaluation suite (eval=<option>)")
     logger: LoggerConfig = node(LoggerConfig, "where metrics go (logger=<option>)")
     trainer: TrainerConfig = node(TrainerConfig, "the optimisation loop (trainer=<option>)")
-    paper: Optional[dict] = knob(None, "a paper preset's reference numbers and deviations (+paper=<name>)", open=True)
+    paper: Optional[dict] = knob(None, "a paper's setting with its reference numbers and deviations (paper=<name>)", open=True)

@@ -6,7 +6,16 @@ Files (all written atomically except the append-only metrics log):
     eval/passk.csv     benchmark, k, pass@k, 95% CI, maj@k, mean accuracy, n, problems, phase
     eval/problems.csv  phase, benchmark, uid, n, correct: per-problem counts (for paired comparisons)
     eval/samples.jsonl one line per sampled completion of the final evaluation
+    eval/curve.csv     every evaluation with its training step: before (0), every eval.every steps, after
     summary.json       before/after pass@1 per benchmark, wall time, versions, git commit
+    status.json        running / finished / failed (rlbench/logger/run_status.py)
+
+wandb (docs/running.md): ``group`` = the configuration without the seed, ``job_type`` = train or
+eval, tags ``algorithm:<name>``, ``model:``, ``dataset:``, ``rollout:``; step metrics under
+``actor/``, ``rollout/``, ``reward/`` and ``timing/`` (:func:`wandb_key`; the local metrics.jsonl
+keeps the bare names); every evaluation as ``eval/<benchmark>/pass@k`` and ``maj@k`` at its step,
+so pass@k has a curve and its summary is the final value; in a sweep the run name gets a short hash
+of the configuration and wandb prints nothing.
 """
 
 from __future__ import annotations
@@ -19,9 +28,65 @@ from typing import Any, Mapping, Sequence
 
 import pandas as pd
 
+from rlbench.logger.run_status import config_key, group_key
 from rlbench.utils import atomic_write_json, atomic_write_text
 
 log = logging.getLogger(__name__)
+
+# Step metrics by wandb section (the rest, the update's statistics, go to actor/).
+REWARD_METRICS = ("reward_", "outcome_", "accuracy", "advantage_", "format_rate", "grader_errors")
+ROLLOUT_METRICS = ("rollout_", "response_length", "truncated_rate", "frac_zero_std_groups")
+TIMING_METRICS = ("_s", "tokens_per_s")
+CURVE_COLUMNS = ["step", "phase", "benchmark", "k", "pass_at_k", "ci_low", "ci_high", "maj_at_k"]
+
+
+def wandb_key(metric: str) -> str:
+    """The wandb key of a step metric: ``timing/generate_s``, ``reward/outcome_mean``,
+    ``rollout/response_length``, ``actor/clip_fraction``."""
+    if metric.endswith(TIMING_METRICS):
+        return f"timing/{metric}"
+    if metric.startswith(REWARD_METRICS):
+        return f"reward/{metric}"
+    if metric.startswith(ROLLOUT_METRICS):
+        return f"rollout/{metric}"
+    return f"actor/{metric}"
+
+
+def eval_keys(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """``eval/<benchmark>/pass@k`` and ``eval/<benchmark>/maj@k`` of an evaluation's table rows
+    (maj@k left out where answers cannot vote: NaN)."""
+    values = {}
+    for row in rows:
+        values[f"eval/{row['benchmark']}/pass@{row['k']}"] = row["pass_at_k"]
+        if row.get("maj_at_k") == row.get("maj_at_k"):
+            values[f"eval/{row['benchmark']}/maj@{row['k']}"] = row["maj_at_k"]
+    return values
+
+
+def _name_of(config: Mapping[str, Any], node: str) -> str:
+    value = config.get(node)
+    return str(value.get("name") if isinstance(value, Mapping) else value)
+
+
+def wandb_tags(config: Mapping[str, Any]) -> list[str]:
+    rollout = config.get("rollout") or {}
+    strategy = rollout.get("strategy", "iid") if isinstance(rollout, Mapping) else "iid"
+    tags = [f"{node}:{_name_of(config, node)}" for node in ("algorithm", "model", "dataset")]
+    return [*tags, f"rollout:{strategy}"]
+
+
+def wandb_group(config: Mapping[str, Any]) -> str:
+    """``<algorithm>-<model>-<dataset>-<hash of the config without the seed>``: the seeds of one
+    configuration share it, any other difference separates them."""
+    readable = "-".join(_name_of(config, node) for node in ("algorithm", "model", "dataset"))
+    return f"{readable}-{group_key(config)[:8]}"
+
+
+def wandb_run_name(config: Mapping[str, Any], in_sweep: bool) -> str:
+    """``run_name``; in a sweep with a short hash of the configuration, since a sweep over a key the
+    run name does not show would give its runs one name."""
+    name = str(config.get("run_name", "run"))
+    return f"{name}-{config_key(config)[:6]}" if in_sweep else name
 
 
 def wandb_mode(requested: str) -> str:
@@ -34,13 +99,15 @@ def wandb_mode(requested: str) -> str:
 
 
 class RunLogger:
-    def __init__(self, out_dir: str | Path, config: Mapping[str, Any], config_yaml: str, logger_cfg: Mapping[str, Any]):
+    def __init__(self, out_dir: str | Path, config: Mapping[str, Any], config_yaml: str, logger_cfg: Mapping[str, Any],
+                 *, job_type: str = "train", in_sweep: bool = False):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "eval").mkdir(exist_ok=True)
         atomic_write_text(self.out_dir / "config.yaml", config_yaml)
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.metrics_path.write_text("")
+        self.curve: list[dict[str, Any]] = []
         self.wandb_run = None
         if logger_cfg.get("name") == "wandb":
             mode = wandb_mode(str(logger_cfg.get("mode", "auto")))
@@ -50,13 +117,15 @@ class RunLogger:
                 self.wandb_run = wandb.init(
                     project=logger_cfg.get("project", "rlbench"),
                     entity=logger_cfg.get("entity"),
-                    group=logger_cfg.get("group"),
-                    tags=list(logger_cfg.get("tags") or []),
-                    name=str(config.get("run_name", "run")),
+                    group=logger_cfg.get("group") or wandb_group(config),
+                    job_type=job_type,
+                    tags=[*(logger_cfg.get("tags") or []), *wandb_tags(config)],
+                    name=wandb_run_name(config, in_sweep),
                     config=dict(config),
                     dir=str(self.out_dir),
                     mode=mode,
                     reinit="finish_previous",
+                    settings=wandb.Settings(silent=True) if in_sweep else None,  # no footer per sweep job
                 )
                 log.info("wandb run %s (%s mode)", self.wandb_run.id, mode)
 
@@ -70,7 +139,16 @@ class RunLogger:
             f.write(json.dumps(record) + "\n")
             f.flush()
         if self.wandb_run is not None:
-            self.wandb_run.log({f"train/{k}": v for k, v in metrics.items()}, step=step)
+            self.wandb_run.log({wandb_key(k): v for k, v in metrics.items()}, step=step)
+
+    def log_evaluation(self, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
+        """One evaluation at a training step (0: before training): appended to eval/curve.csv and
+        logged to wandb as eval/<benchmark>/pass@k and maj@k at that step."""
+        self.curve += [{"step": step, **{c: row.get(c) for c in CURVE_COLUMNS[1:]}} for row in rows]
+        atomic_write_text(self.out_dir / "eval" / "curve.csv",
+                          pd.DataFrame(self.curve, columns=CURVE_COLUMNS).to_csv(index=False))
+        if self.wandb_run is not None:
+            self.wandb_run.log(eval_keys(rows), step=step)
 
     def log_eval(
         self,
@@ -92,12 +170,6 @@ class RunLogger:
             import wandb
 
             self.wandb_run.log({"eval/passk": wandb.Table(dataframe=table)}, step=step)
-            for row in rows:
-                key = f"eval/{row['phase']}/{row['benchmark']}/pass@{row['k']}"
-                self.wandb_run.summary[key] = row["pass_at_k"]
-            for phase in ("before", "after"):
-                for benchmark, value in (summary.get(f"pass_at_1_{phase}") or {}).items():
-                    self.wandb_run.summary[f"pass@1/{phase}/{benchmark}"] = value
 
     def finish(self) -> None:
         if self.wandb_run is not None:

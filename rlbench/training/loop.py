@@ -4,7 +4,7 @@ saying so when steps learn nothing (no trainable token in the loss)."""
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -53,9 +53,11 @@ class UntrainedSteps:
         return {**metrics, "steps_without_trainable_tokens": float(self.count)}
 
 
-def train(cfg: Any, ctx: StepContext, problems: list[Problem], logger: Any) -> dict[str, Any]:
-    """``cfg.trainer.steps`` steps of ``cfg.trainer.prompts_per_step`` prompts. Returns what the run's
-    summary reports about training."""
+def train(cfg: Any, ctx: StepContext, problems: list[Problem], logger: Any,
+          after_step: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """``cfg.trainer.steps`` steps of ``cfg.trainer.prompts_per_step`` prompts; ``after_step(step)``
+    runs after each step is logged (the runner's periodic evaluation, ``eval.every``). Returns what
+    the run's summary reports about training."""
     sampler = PromptSampler(problems, cfg.seed)
     progress = Progress("train", cfg.trainer.steps)
     untrained = UntrainedSteps()
@@ -66,4 +68,6 @@ def train(cfg: Any, ctx: StepContext, problems: list[Problem], logger: Any) -> d
         )
         logger.log_step(step, untrained.observe(step, metrics))
         progress.update(1, note=f"reward {metrics['reward_mean']:.3f} acc {metrics['accuracy']:.3f}")
+        if after_step is not None:
+            after_step(step)
     return {"steps_without_trainable_tokens": untrained.count}

@@ -1,0 +1,1 @@
+"""rlbench's Hydra sweeper (``hydra/sweeper=rlbench``, the default of conf/config.yaml)."""
