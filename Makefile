@@ -34,10 +34,11 @@ run: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/rlbench $(ARGS)
 
 # The three tiers (docs/testing.md): unit (unmarked), integration (marker slow), learning (tests/learning,
-# two workers of one torch thread each: the tiny model's toy runs do not speed up with a second thread).
+# one torch thread per toy run: the tiny model's runs do not speed up with a second thread). `make test`
+# runs all three in one session on two pytest-xdist workers: the learning checks start first, most
+# expensive first (tests/conftest.py), and the unit and integration tests fill the workers' ends.
 test: $(STAMP) sandbox-tools
-	$(PYTEST) -q -rs -n 2 tests/learning
-	$(PYTEST) -q -rs tests --ignore=tests/learning
+	$(PYTEST) -q -rs -n 2 tests
 
 test-fast: $(STAMP) sandbox-tools
 	$(PYTEST) -q -m "not slow" tests --ignore=tests/learning
