@@ -36,9 +36,11 @@ run: $(STAMP)
 # The three tiers (docs/testing.md): unit (unmarked), integration (marker slow), learning (tests/learning,
 # one torch thread per toy run: the tiny model's runs do not speed up with a second thread). `make test`
 # runs all three in one session on two pytest-xdist workers: the learning checks start first, most
-# expensive first (tests/conftest.py), and the unit and integration tests fill the workers' ends.
+# expensive first (tests/conftest.py), and the unit and integration tests fill the workers' ends;
+# --maxschedchunk 1 hands out one test at a time (xdist's default would give one worker a block of the
+# first ~190 tests, every learning check among them).
 test: $(STAMP) sandbox-tools
-	$(PYTEST) -q -rs -n 2 tests
+	$(PYTEST) -q -rs -n 2 --maxschedchunk 1 tests
 
 test-fast: $(STAMP) sandbox-tools
 	$(PYTEST) -q -m "not slow" tests --ignore=tests/learning
@@ -47,7 +49,7 @@ test-integration: $(STAMP) sandbox-tools
 	$(PYTEST) -q -rs -m slow tests --ignore=tests/learning
 
 test-learning: $(STAMP)
-	$(PYTEST) -q -rs -n 2 tests/learning
+	$(PYTEST) -q -rs -n 2 --maxschedchunk 1 tests/learning
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) bench/compare_trl.py

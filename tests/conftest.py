@@ -44,12 +44,18 @@ def make_cfg(tmp_path):
 RUN_SECONDS = ROOT / "results" / "learning" / "run_seconds.json"
 
 
+# Toy runs per test, in full 16-step runs: a learning check runs 3 seeds and one control; the determinism
+# check runs its preset twice for 4 steps.
+TOY_RUNS_PER_TEST = {"test_preset_learns_and_its_control_does_not": 4.0, "test_preset_run_is_deterministic": 0.5}
+
+
 def learning_check_cost(item, seconds: dict) -> float:
-    """The expected cost of a test item: a preset's learning check (several toy runs), else 0."""
+    """The expected CPU seconds of a test item: toy runs x one run's cost for the learning tier, else 0."""
     callspec = getattr(item, "callspec", None)
     if item.get_closest_marker("learning") is None or callspec is None or "preset" not in callspec.params:
         return 0.0
-    return seconds.get(callspec.params["preset"], float("inf"))
+    runs = TOY_RUNS_PER_TEST.get(item.originalname, 4.0)
+    return runs * seconds.get(callspec.params["preset"], float("inf"))
 
 
 def pytest_collection_modifyitems(session, config, items):
