@@ -9,6 +9,7 @@ skips points that already finished and reports what failed at the end.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -66,12 +67,41 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
+PLAIN_OVERRIDE = re.compile(r"^(?!hydra\.)([A-Za-z_]\w*(?:\.\w+)+)=")
+
+
+def check_plain_overrides(args: list[str]) -> None:
+    """A plain ``a.b=value`` override of a key the config does not have exits 2, naming the key and its
+    nearest spelling, before Hydra refuses it with its own error (exit 1). ``++``/``+`` overrides are
+    checked against the schemas later (rlbench.config.walk); sweeps are checked by the sweeper."""
+    if any(arg in ("-m", "--multirun") or arg.startswith("-") for arg in args):
+        return
+    plain = {m.group(1): arg for arg in args if (m := PLAIN_OVERRIDE.match(arg))}
+    if not plain:
+        return
+    from hydra import compose, initialize_config_dir
+
+    from rlbench.config.walk import unknown_override_message
+
+    others = [arg for arg in args if arg not in plain.values() and not arg.startswith("hydra.")]
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        try:
+            cfg = compose("config", overrides=others)
+        except Exception:  # a bad group choice or value: Hydra's own message names it
+            return
+    for key, arg in plain.items():
+        message = unknown_override_message(cfg, key, arg)
+        if message:
+            fail(message)
+
+
 def main() -> None:
     if any(arg in ("--help", "-h") for arg in sys.argv[1:]):  # rlbench's own help; Hydra's: --hydra-help
         from rlbench.config.list import help_lines
 
         print("\n".join(help_lines()))
         return
+    check_plain_overrides(sys.argv[1:])
     app()
 
 

@@ -24,7 +24,7 @@ def run_cli(tmp_path, *overrides, timeout=900):
     )
 
 
-@pytest.mark.parametrize("override", ["++trainer.lrr=1", "+trainer.lrr=1"])
+@pytest.mark.parametrize("override", ["++trainer.lrr=1", "+trainer.lrr=1", "trainer.lrr=1"])
 def test_a_misspelt_key_exits_2_within_30_seconds_naming_it(tmp_path, override):
     started = time.perf_counter()
     proc = run_cli(tmp_path, override, timeout=120)

@@ -219,3 +219,19 @@ def test_nearest_spelling():
     assert nearest("lrr", ["lr", "steps"]) == "lr"
     assert nearest("zzz", ["lr", "steps"]) is None
 
+
+
+def test_a_plain_override_of_a_missing_key_names_the_first_missing_segment_and_its_nearest_spelling():
+    from omegaconf import OmegaConf
+
+    from rlbench.config.walk import unknown_override_message
+
+    cfg = OmegaConf.create({"trainer": {"lr": 1.0, "steps": 2}, "algorithm": {"kl": {"placement": "loss", "adaptive": None}}})
+    message = unknown_override_message(cfg, "trainer.lrr", "trainer.lrr=1")
+    assert message.startswith("unknown key 'trainer.lrr': trainer has no 'lrr'; did you mean 'lr'?")
+    assert message.endswith("(set by the command-line override 'trainer.lrr=1')")
+    assert "did you mean 'trainer'?" in unknown_override_message(cfg, "trainr.lr", "trainr.lr=1")
+    assert "algorithm.kl has no 'placment'; did you mean 'placement'?" in unknown_override_message(
+        cfg, "algorithm.kl.placment", "algorithm.kl.placment=reward")
+    assert unknown_override_message(cfg, "trainer.lr", "trainer.lr=2") is None  # an existing key
+    assert unknown_override_message(cfg, "algorithm.kl.adaptive.target", "x") is None  # below a null node: Hydra's call

@@ -204,3 +204,24 @@ def _describe(annotation: Any) -> str:
     return {
         bool: "true or false", int: "an integer", float: "a finite number", str: "a string", list: "a list", dict: "a mapping",
     }.get(annotation, str(annotation))
+
+
+def unknown_override_message(cfg: DictConfig, key_path: str, override: str) -> str | None:
+    """The message for a plain ``key=value`` override whose key is not in the composed config (Hydra
+    refuses those with its own error): the first missing segment of ``key_path``, its nearest valid
+    spelling among the keys beside it, and the override; None when every segment exists."""
+    node: Any = cfg
+    parts = key_path.split(".")
+    for depth, part in enumerate(parts):
+        if not isinstance(node, DictConfig):
+            return None
+        if part not in node:
+            parent = ".".join(parts[:depth])
+            valid = sorted(str(k) for k in node.keys())
+            suggestion = nearest(part, valid)
+            hint = f"did you mean '{suggestion}'? " if suggestion else ""
+            where = parent or "the top level of the config"
+            return (f"unknown key '{_join(parent, part)}': {where} has no '{part}'; {hint}valid keys: "
+                    f"{', '.join(valid)} (set by the command-line override '{override}')")
+        node = node[part]
+    return None
