@@ -82,7 +82,7 @@ def optimizer_steps_per_batch(cfg) -> int:
 def test_preset_run_is_deterministic(tmp_path, preset):
     runs = []
     for i in range(2):
-        metrics = toy_run(tmp_path / str(i), preset, "trainer.steps=4")
+        metrics = toy_run(tmp_path / str(i), preset, "trainer.steps=2")
         steps = [json.loads(line) for line in metrics.read_text().splitlines()]
         runs.append([{k: v for k, v in s.items() if k not in TIMING_KEYS} for s in steps])
     assert runs[0] == runs[1]
