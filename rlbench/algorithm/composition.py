@@ -54,6 +54,7 @@ PROVIDED_ADVANTAGE_INPUTS = {
 PROVIDED_LOSS_INPUTS = {
     "logp", "old_logp", "advantages", "response_mask", "entropy", "progress", "prox_logp",
     "sampling_logp",  # TrainBatch.sampling_logp, the rollout engine's log-probs (Completion.logprobs)
+    "off_policy",  # TrainBatch.off_policy: 1 on tokens pi_old did not sample (traces, replay, stale data)
 }
 
 
@@ -397,6 +398,7 @@ class Algorithm:
         returns: torch.Tensor | None = None,
         prox_logp: torch.Tensor | None = None,
         sampling_logp: torch.Tensor | None = None,
+        off_policy: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """The scalar loss of one (micro-)batch and its metrics.
 
@@ -420,6 +422,8 @@ class Algorithm:
             inputs["prox_logp"] = prox_logp.detach()
         if sampling_logp is not None:
             inputs["sampling_logp"] = sampling_logp
+        # The off-policy mask, zeros when every token is on-policy, so a piece reading it needs no branch.
+        inputs["off_policy"] = off_policy if off_policy is not None else torch.zeros_like(mask)
         loss_matrix, metrics = POLICY_LOSSES.call(self.loss.name, inputs, self.loss.params)
         if token_weights is not None:
             loss_matrix = loss_matrix * token_weights

@@ -69,6 +69,25 @@ class Completion:
                   distribution actually sampled from (after temperature and top-p); prefix
                   tokens are scored under the same distribution.
     finished:     True when generation stopped at EOS, False when it hit ``max_new_tokens``.
+
+    Behaviour-policy bookkeeping (which policy produced each token; the trainer must never treat a
+    token it did not sample from pi_old as if it had, i.e. never a silent ratio 1):
+
+    behaviour:          where the response came from: "policy" (sampled by the policy being trained),
+                        or a label of its off-policy source ("teacher", "dataset", "hint", "prefix",
+                        "edited", "replay", "draft", ...); logged as a count per label.
+    off_policy:         per token of ``response_ids``: 1 where the token was not sampled by the policy
+                        whose log-probs are pi_old at the step that trains on it (trace, replayed or
+                        edited tokens), 0 where it was. None: decided by ``policy_version`` (a response
+                        sampled by an older policy version is off-policy in every token), else all 0.
+    behaviour_logprobs: log mu(token) under the policy that produced each token; None: ``logprobs``
+                        (the engine's scores of the tokens it sampled). NaN where unknown (a teacher
+                        trace without scores); an algorithm that trains on such tokens must say how
+                        (rlbench.training.step.behaviour_old_logp refuses them otherwise).
+    loss_mask:          per token: 0 for tokens that are context, not actions (tool output, a hint
+                        given as a prefix); they are never trained on. None: every token is trained.
+    policy_version:     the number of policy updates before the sampling policy's weights were taken;
+                        None until the training step stamps it with its current version.
     """
 
     request_index: int
@@ -78,6 +97,11 @@ class Completion:
     finished: bool
     text: str = ""
     prefix_len: int = 0
+    behaviour: str = "policy"
+    off_policy: list[int] | None = None
+    behaviour_logprobs: list[float] | None = None
+    loss_mask: list[int] | None = None
+    policy_version: int | None = None
 
 
 class RolloutEngine(Protocol):

@@ -16,6 +16,16 @@ model loads; ``advantage`` is the estimator's name) and ``rollout(problems, draw
 ``conf/rollout/<name>.yaml`` with ``defaults: [iid, _self_]``, ``strategy: <name>`` and the
 strategy's own block. Import the module in rlbench/rollout/__init__.py so that it registers.
 
+State across steps: a strategy that keeps anything between steps (a replay buffer, stored drafts,
+per-prompt statistics) implements ``state_dict() -> dict`` and ``load_state_dict(state)`` (plain
+Python values and tensors), so checkpoints save it and a resumed run continues exactly.
+
+Off-policy responses: a strategy that returns tokens the current policy did not sample (a trace, a
+replayed or stale response, a draft, a hint) labels them on the Completion (``behaviour``,
+``off_policy``, ``behaviour_logprobs``, ``loss_mask``, ``policy_version``; rlbench/rollout/base.py);
+the trainer then takes pi_old from the stored behaviour log-probs on those tokens, never ratio 1
+(rlbench.training.step.behaviour_old_logp), and the loss pieces read the ``off_policy`` mask.
+
 Shaped for what comes next (not implemented yet):
 
 * tree / segment strategies (TreeRL, segment rollouts) branch from shared prefixes: they send the

@@ -30,6 +30,14 @@ class TrainBatch:
     old_values: torch.Tensor | None = None  # [B, T] critic values of the sampling policy
     returns: torch.Tensor | None = None  # [B, T] critic regression targets
     sampling_logp: torch.Tensor | None = None  # [B, T] the rollout engine's log-probs (Completion.logprobs)
+    off_policy: torch.Tensor | None = None  # [B, T] float, 1 = token not sampled by pi_old (None: all on-policy)
+    behaviour_logp: torch.Tensor | None = None  # [B, T] log mu of the behaviour policy (NaN: unknown)
+    policy_version: torch.Tensor | None = None  # [B] long, the policy version that sampled each response
+
+    @property
+    def has_off_policy(self) -> bool:
+        """True when some trainable token was not sampled by pi_old."""
+        return self.off_policy is not None and bool((self.off_policy * self.response_mask).any())
 
     @property
     def size(self) -> int:
@@ -37,7 +45,7 @@ class TrainBatch:
 
     def select(self, rows: torch.Tensor) -> "TrainBatch":
         """The sub-batch of ``rows``, trimmed to the longest response it holds."""
-        response_len = int(self.response_mask[rows].sum(-1).max().item()) if len(rows) else 0
+        response_len = last_trained_position(self.response_mask[rows]) if len(rows) else 0
         keep = max(response_len, 1)
         width = self.prompt_width + keep
 
@@ -61,11 +69,25 @@ class TrainBatch:
             old_values=take(self.old_values, True),
             returns=take(self.returns, True),
             sampling_logp=take(self.sampling_logp, True),
+            off_policy=take(self.off_policy, True),
+            behaviour_logp=take(self.behaviour_logp, True),
+            policy_version=take(self.policy_version, False),
         )
 
 
-def collate(groups: Sequence[Sequence[Completion]], pad_token_id: int, device: torch.device | str = "cpu") -> TrainBatch:
-    """Stack completions (grouped per prompt) into a left/right padded batch."""
+def collate(
+    groups: Sequence[Sequence[Completion]],
+    pad_token_id: int,
+    device: torch.device | str = "cpu",
+    current_version: int | None = None,
+) -> TrainBatch:
+    """Stack completions (grouped per prompt) into a left/right padded batch.
+
+    The behaviour bookkeeping of each completion (rlbench.rollout.base.Completion) becomes
+    ``off_policy`` and ``behaviour_logp``: a token is off-policy where its completion says so, or,
+    when it does not, every token of a completion sampled by a policy version older than
+    ``current_version``. ``loss_mask`` zeros are taken out of the response mask (context tokens are
+    never trained). The off-policy fields stay None when every token is on-policy."""
     flat = [(g, c) for g, group in enumerate(groups) for c in group]
     if not flat:
         raise ValueError("no completions to train on")
@@ -76,6 +98,9 @@ def collate(groups: Sequence[Sequence[Completion]], pad_token_id: int, device: t
     attention_mask = torch.zeros_like(input_ids)
     response_mask = torch.zeros(B, response_len)
     sampling_logp = torch.zeros(B, response_len)
+    off_policy = torch.zeros(B, response_len)
+    behaviour_logp = torch.zeros(B, response_len)
+    versions = torch.tensor([-1 if c.policy_version is None else c.policy_version for _, c in flat], dtype=torch.long)
     for row, (_, c) in enumerate(flat):
         p, r = len(c.prompt_ids), len(c.response_ids)
         input_ids[row, prompt_width - p : prompt_width] = torch.tensor(c.prompt_ids, dtype=torch.long)
@@ -83,9 +108,13 @@ def collate(groups: Sequence[Sequence[Completion]], pad_token_id: int, device: t
         if r:
             input_ids[row, prompt_width : prompt_width + r] = torch.tensor(c.response_ids, dtype=torch.long)
             attention_mask[row, prompt_width : prompt_width + r] = 1
-            response_mask[row, :r] = 1
+            response_mask[row, :r] = 1 if c.loss_mask is None else torch.tensor(c.loss_mask, dtype=response_mask.dtype)
             sampling_logp[row, :r] = torch.tensor(c.logprobs, dtype=sampling_logp.dtype)
+            off_policy[row, :r] = token_off_policy(c, current_version)
+            behaviour = c.logprobs if c.behaviour_logprobs is None else c.behaviour_logprobs
+            behaviour_logp[row, :r] = torch.tensor(behaviour, dtype=behaviour_logp.dtype)
     group_index = torch.tensor([g for g, _ in flat], dtype=torch.long)
+    any_off_policy = bool(off_policy.any())
     return TrainBatch(
         input_ids=input_ids.to(device),
         attention_mask=attention_mask.to(device),
@@ -93,7 +122,35 @@ def collate(groups: Sequence[Sequence[Completion]], pad_token_id: int, device: t
         prompt_width=prompt_width,
         group_index=group_index.to(device),
         sampling_logp=sampling_logp.to(device),
+        off_policy=off_policy.to(device) if any_off_policy else None,
+        behaviour_logp=behaviour_logp.to(device) if any_off_policy else None,
+        policy_version=versions.to(device),
     )
+
+
+def token_off_policy(completion: Completion, current_version: int | None) -> torch.Tensor:
+    """[len(response_ids)] float: 1 where the token was not sampled by pi_old (the policy at
+    ``current_version``). The completion's own ``off_policy`` list wins; otherwise a completion
+    stamped with an older policy version is off-policy in every token."""
+    r = len(completion.response_ids)
+    if completion.off_policy is not None:
+        if len(completion.off_policy) != r:
+            raise ValueError(f"off_policy has {len(completion.off_policy)} entries for {r} response tokens")
+        return torch.tensor(completion.off_policy, dtype=torch.float32)
+    stale = (
+        current_version is not None
+        and completion.policy_version is not None
+        and completion.policy_version < current_version
+    )
+    return torch.full((r,), float(stale))
+
+
+def last_trained_position(response_mask: torch.Tensor) -> int:
+    """1 + the last column holding a trained token in any row (0 if none): the response length to
+    keep. Equals the longest response when masks are contiguous; a loss mask with holes (context
+    tokens inside a response) keeps the trained tokens after the hole."""
+    positions = torch.arange(1, response_mask.shape[1] + 1, device=response_mask.device)
+    return int(((response_mask > 0) * positions).max().item()) if response_mask.numel() else 0
 
 
 def micro_batches(rows: torch.Tensor, micro_batch_size: int) -> list[torch.Tensor]:

@@ -56,6 +56,7 @@ class StepContext:
     minibatch_generator: torch.Generator
     reference: torch.nn.Module | None = None
     overlong_filter: bool = False
+    policy_version: int = 0  # policy updates so far; stamps the responses sampled at this step
 
     @property
     def temperature(self) -> float:
@@ -115,6 +116,7 @@ def train_step(
     t0 = time.perf_counter()
     graded, rollout_metrics = ctx.strategy.rollout(problems, draw_prompts)  # rollout and reward
     t_generate = time.perf_counter() - t0
+    stamp_policy_version(graded, ctx.policy_version)
     batch = to_batch(ctx, graded)
     t1 = time.perf_counter()
     inputs, input_metrics = advantage_inputs(ctx, graded, batch)
@@ -122,6 +124,7 @@ def train_step(
     coefficients = {"kl_coef": ctx.algorithm.kl_coefficient, "entropy_coef": ctx.algorithm.entropy_coefficient}
     stats = update(ctx, batch, graded.finished.to(ctx.device), progress, response_kl)
     input_metrics.update(ctx.inputs.after_update(graded))
+    ctx.policy_version += 1
     t_update = time.perf_counter() - t1
     step_time = time.perf_counter() - t0
     lengths = batch.response_mask.sum(-1)
@@ -134,16 +137,63 @@ def train_step(
         "step_s": step_time,
         "tokens_per_s": float(lengths.sum().item()) / step_time,
         **rollout_metrics,
+        **behaviour_metrics(graded, batch),
         **input_metrics,
         **stats,
     }
 
 
+def stamp_policy_version(graded: GradedGroups, version: int) -> None:
+    """Responses without a policy version were sampled now, by the policy after ``version`` updates."""
+    for group in graded.groups:
+        for completion in group:
+            if completion.policy_version is None:
+                completion.policy_version = version
+
+
 def to_batch(ctx: StepContext, graded: GradedGroups) -> TrainBatch:
-    """The graded groups as a padded batch with their (shaped) rewards."""
-    batch = collate(graded.groups, ctx.tokenizer.pad_token_id, ctx.device)
+    """The graded groups as a padded batch with their (shaped) rewards and behaviour bookkeeping."""
+    batch = collate(graded.groups, ctx.tokenizer.pad_token_id, ctx.device, current_version=ctx.policy_version)
     batch.rewards = graded.rewards.to(ctx.device)
     return batch
+
+
+def behaviour_metrics(graded: GradedGroups, batch: TrainBatch) -> dict[str, float]:
+    """Off-policy bookkeeping of the step (only when some response is not the policy's own sample):
+    the share of trained tokens not sampled by pi_old, responses per behaviour label, and the
+    staleness (policy versions behind the current one) of the oldest response."""
+    labels = [c.behaviour for group in graded.groups for c in group]
+    if not batch.has_off_policy and all(label == "policy" for label in labels):
+        return {}
+    mask = batch.response_mask
+    off = batch.off_policy if batch.off_policy is not None else torch.zeros_like(mask)
+    versions = batch.policy_version
+    metrics = {
+        "off_policy_token_fraction": float((off * mask).sum().item() / max(mask.sum().item(), 1.0)),
+        "max_staleness": float((versions.max() - versions.min()).item()) if versions is not None else 0.0,
+    }
+    for label in sorted(set(labels)):
+        metrics[f"responses_{label}"] = float(labels.count(label))
+    return metrics
+
+
+def behaviour_old_logp(batch: TrainBatch, recomputed: torch.Tensor) -> torch.Tensor:
+    """pi_old for the ratio: the recomputed log-probs of the sampling policy on its own tokens, the
+    behaviour policy's stored log-probs on off-policy tokens (never recomputed: a stale or replayed
+    token's ratio is pi_theta / mu, not a silent 1). A trained off-policy token whose behaviour
+    log-prob is unknown (NaN) is refused: its algorithm must supply pi_old for it first
+    (rlbench.rollout.base.Completion.behaviour_logprobs)."""
+    if not batch.has_off_policy:
+        return recomputed
+    off = (batch.off_policy > 0) & (batch.response_mask > 0)
+    unknown = off & batch.behaviour_logp.isnan()
+    if bool(unknown.any()):
+        raise ValueError(
+            f"{int(unknown.sum())} trained off-policy tokens have no behaviour log-prob (NaN); set "
+            "Completion.behaviour_logprobs where the tokens enter the batch (an algorithm that assumes "
+            "a behaviour probability, e.g. LUFFY's mu = 1, writes it there)"
+        )
+    return torch.where(off, batch.behaviour_logp.to(recomputed.dtype), recomputed)
 
 
 def advantage_inputs(ctx: StepContext, graded: GradedGroups, batch: TrainBatch) -> tuple[dict[str, Any], dict[str, float]]:
@@ -155,14 +205,15 @@ def advantage_inputs(ctx: StepContext, graded: GradedGroups, batch: TrainBatch) 
     active. Then the inputs that need more than the batch (:class:`AdvantageInputSources`)."""
     algorithm = ctx.algorithm
     inputs: dict[str, Any] = {"correct": graded.correct.to(ctx.device).bool(), "max_length": ctx.params.max_new_tokens}
-    if algorithm.needs_sampling_pass:
+    if algorithm.needs_sampling_pass or batch.has_off_policy:
         before = batch_outputs(
             ctx.model, batch, ctx.micro_batch_size, ctx.temperature, with_entropy=algorithm.needs_sampling_entropy,
             value_head=ctx.update_state.value_head,
         )
-        inputs.update(old_logp=before.logp, entropy=before.entropy, values=before.values)
-        if algorithm.needs_old_logp:
-            batch.old_logp = before.logp
+        old_logp = behaviour_old_logp(batch, before.logp)
+        inputs.update(old_logp=old_logp, entropy=before.entropy, values=before.values)
+        if algorithm.needs_old_logp or batch.has_off_policy:
+            batch.old_logp = old_logp
         batch.old_values = before.values
     provided, metrics = ctx.inputs.before_advantage(graded, batch)
     inputs.update(provided)

@@ -34,6 +34,8 @@ def micro_batch_loss(
     Without stored old log-probs (one on-policy update) pi_old is the detached current policy
     (ratio 1); likewise V_old for the value clip. ``proximal_model`` (decoupled PPO) supplies
     ``prox_logp`` from its own no-grad forward."""
+    if sub.old_logp is None and sub.has_off_policy:
+        raise ValueError("off-policy tokens need stored old log-probs (training.step.behaviour_old_logp), not ratio 1")
     out = token_outputs(
         model, sub, temperature, with_entropy=track_entropy or algorithm.uses_entropy_bonus,
         entropy_requires_grad=algorithm.uses_entropy_bonus, value_head=value_head, with_log_probs=with_log_probs,
@@ -60,6 +62,7 @@ def micro_batch_loss(
         returns=sub.returns,
         prox_logp=prox_logp,
         sampling_logp=sub.sampling_logp,
+        off_policy=sub.off_policy,
     )
     if out.entropy is not None:
         tokens = float(sub.response_mask.sum().item())
