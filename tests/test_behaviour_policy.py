@@ -78,3 +78,14 @@ def test_the_update_never_falls_back_to_ratio_one_for_off_policy_tokens():
     batch.advantages = torch.ones(1, 2)
     with pytest.raises(ValueError, match="not ratio 1"):
         micro_batch_loss(model, batch, None, {}, 1.0)
+
+
+def test_generation_cost_counts_generated_and_reused_tokens_and_resets():
+    from rlbench.rollout.groups import GenerationCost
+
+    cost = GenerationCost()
+    groups = [[completion([3, 4, 5], [0.0] * 3, prefix_len=2), completion([6], [0.0])], [completion([], [])]]
+    cost.add(groups, 0.5)
+    cost.add([[completion([7, 8], [0.0] * 2)]], 0.25)
+    assert cost.take() == {"generated_tokens": 4.0, "reused_tokens": 2.0, "generated_responses": 4.0, "engine_s": 0.75}
+    assert cost.take()["generated_tokens"] == 0.0

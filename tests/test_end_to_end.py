@@ -17,7 +17,7 @@ from conftest import ROOT
 
 pytestmark = pytest.mark.slow  # integration tier: runs the runner or the CLI
 
-TIMING_KEYS = {"generate_s", "update_s", "step_s", "tokens_per_s"}
+from rlbench.training.step import TIMING_METRICS as TIMING_KEYS
 
 
 @pytest.fixture(scope="module")

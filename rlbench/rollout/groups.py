@@ -10,7 +10,8 @@ greedy baseline, PVPO's reference anchor) call the same sampler.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -112,6 +113,40 @@ def shaping_inputs(groups: Sequence[Sequence[Completion]], grades: Sequence[Grad
 
 
 @dataclass
+class GenerationCost:
+    """What generation cost since the last :meth:`take`: tokens the engine generated (sampled, EOS
+    included), tokens it was given as response prefixes and only scored (``reused``: a shared tree
+    prefix, an accepted draft, a hint), responses and seconds inside the engine. Every engine call
+    of a run goes through :class:`GroupSampler`, so the step's cost includes the extra rollouts of
+    dynamic sampling, ReMax's greedy baseline and PVPO's anchors."""
+
+    generated_tokens: int = 0
+    reused_tokens: int = 0
+    responses: int = 0
+    seconds: float = 0.0
+
+    def add(self, groups: Sequence[Sequence[Completion]], seconds: float) -> None:
+        for group in groups:
+            for c in group:
+                self.generated_tokens += len(c.response_ids) - c.prefix_len
+                self.reused_tokens += c.prefix_len
+                self.responses += 1
+        self.seconds += seconds
+
+    def take(self) -> dict[str, float]:
+        """The counts as step metrics, reset to zero."""
+        out = {
+            "generated_tokens": float(self.generated_tokens),
+            "reused_tokens": float(self.reused_tokens),
+            "generated_responses": float(self.responses),
+            "engine_s": self.seconds,
+        }
+        self.generated_tokens = self.reused_tokens = self.responses = 0
+        self.seconds = 0.0
+        return out
+
+
+@dataclass
 class GroupSampler:
     """Prompts -> graded groups: encode each problem's prompt, sample ``n`` responses per prompt, grade
     each against its problem (one batch call for graders that run programs in parallel) and apply the
@@ -123,6 +158,17 @@ class GroupSampler:
     tokenizer: Any
     prompt_spec: Mapping[str, Any]
     shape_rewards: Callable[[torch.Tensor, dict[str, Any]], torch.Tensor]
+    cost: GenerationCost = field(default_factory=GenerationCost)
+
+    def generate(
+        self, requests: Sequence[GenerationRequest], params: SamplingParams, generator: torch.Generator | None
+    ) -> list[list[Completion]]:
+        """The engine's completions for ``requests``, counted in :attr:`cost` (strategies that build
+        their own requests, e.g. with ``prefix_ids``, call this rather than the engine)."""
+        start = time.perf_counter()
+        groups = self.engine.generate(requests, params, generator=generator)
+        self.cost.add(groups, time.perf_counter() - start)
+        return groups
 
     def __call__(
         self,
@@ -136,7 +182,7 @@ class GroupSampler:
         if prompt_ids is None:
             prompt_ids = encode_prompts(self.tokenizer, problems, self.prompt_spec)
         requests = [GenerationRequest(prompt_ids=ids, n=n) for ids in prompt_ids]
-        groups = self.engine.generate(requests, params, generator=generator)
+        groups = self.generate(requests, params, generator)
         flat = [c for group in groups for c in group]
         grades = grade_completions(self.grader, [p for p, group in zip(problems, groups) for _ in group], flat)
         outcome = torch.tensor([g.reward for g in grades], dtype=torch.float32)

@@ -36,6 +36,11 @@ from rlbench.training.update_schedules import UpdateState, apply_update_schedule
 from rlbench.utils import STREAM_MINIBATCH, STREAM_ROLLOUT, make_generator
 
 
+# Step metrics measured in wall-clock seconds (or derived from them): they differ between two runs of
+# one seed; every other metric is repeatable bit for bit on one machine.
+TIMING_METRICS = frozenset({"generate_s", "update_s", "step_s", "tokens_per_s", "engine_s"})
+
+
 @dataclass
 class StepContext:
     """Everything one training step needs (built once per run by :func:`make_step_context`)."""
@@ -45,6 +50,7 @@ class StepContext:
     tokenizer: Any
     engine: RolloutEngine
     strategy: RolloutStrategy  # prompts -> graded groups (iid, dynamic_sampling, ...)
+    sampler: GroupSampler  # every engine call of training goes through it (it counts the generation cost)
     inputs: AdvantageInputSources  # remax/pvpo baselines, SPO tracker, answer keys
     update_state: UpdateState  # value head, EWMA proximal policy, SFPO switch
     optimizer: torch.optim.Optimizer
@@ -86,6 +92,7 @@ def make_step_context(
         tokenizer=tokenizer,
         engine=engine,
         strategy=make_strategy(rollout, setup),
+        sampler=sampler,
         inputs=AdvantageInputSources.from_config(
             cfg, algorithm, sampler, params, model, reference, trainer.micro_batch_size, device
         ),
@@ -136,6 +143,8 @@ def train_step(
         "update_s": t_update,
         "step_s": step_time,
         "tokens_per_s": float(lengths.sum().item()) / step_time,
+        "trained_tokens": float(batch.response_mask.sum().item()),
+        **ctx.sampler.cost.take(),
         **rollout_metrics,
         **behaviour_metrics(graded, batch),
         **input_metrics,

@@ -22,7 +22,7 @@ from conftest import compose_config
 from toy_check import TOY_DIR, all_presets, check_preset, judge, seeds_from_env, toy_run
 
 SEEDS = seeds_from_env()
-TIMING_KEYS = {"generate_s", "update_s", "step_s", "tokens_per_s"}
+from rlbench.training.step import TIMING_METRICS as TIMING_KEYS
 TOY_BASE = OmegaConf.load(TOY_DIR.parent / "toy_learning.yaml")
 
 
