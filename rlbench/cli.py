@@ -15,12 +15,13 @@ import traceback
 from pathlib import Path
 
 import hydra
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from rlbench.errors import ConfigError, DataError, error_message
-from rlbench.logger.run_status import FAILED, FINISHED, RUNNING, config_key, in_sweep, write_status
+from rlbench.logger.run_status import (
+    FAILED, FINISHED, INTERRUPTED, RUNNING, command_line_overrides, config_key, in_sweep, write_status,
+)
 
 log = logging.getLogger("rlbench")
 
@@ -28,13 +29,10 @@ log = logging.getLogger("rlbench")
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
-def command_line_overrides() -> list[str]:
-    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
-
-
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def app(cfg: DictConfig) -> float | None:
     from rlbench.runner import run
+    from rlbench.training.interrupt import Interrupted
 
     out_dir, key = None, ""
     try:
@@ -42,6 +40,11 @@ def app(cfg: DictConfig) -> float | None:
         key = config_key(OmegaConf.to_container(cfg, resolve=True))
         write_status(out_dir, RUNNING, key, run_name=cfg.run_name, overrides=command_line_overrides())
         summary = run(cfg)
+    except Interrupted as stopped:  # Ctrl-C / SIGTERM: a checkpoint and the summary are written
+        write_status(out_dir, INTERRUPTED, key, run_name=cfg.run_name, signal=stopped.signal_name,
+                     exit_code=stopped.exit_code, overrides=command_line_overrides())
+        print(f"rlbench: {stopped}; resume with: rlbench resume={out_dir}", file=sys.stderr)
+        sys.exit(stopped.exit_code)
     except Exception as err:
         message = error_message(err)
         if out_dir is not None:
@@ -95,12 +98,45 @@ def check_plain_overrides(args: list[str]) -> None:
             fail(message)
 
 
+RUNS_ROOT = Path("results") / "runs"  # where runs go (hydra.run.dir); resume=auto looks here
+
+
+def override_key(arg: str) -> str:
+    return arg.split("=", 1)[0].lstrip("+~")
+
+
+def resume_arguments(args: list[str]) -> list[str]:
+    """``resume=<run folder>`` (or ``resume=auto``: the run below results/runs/ whose latest valid
+    checkpoint is the newest) -> the run's own overrides (from its checkpoint's manifest), then the
+    other arguments given now (a key given again replaces the saved one; the run then refuses it
+    unless ``resume_allow`` lists it), then ``resume=<folder>`` and ``hydra.run.dir=<folder>``.
+    Other arguments pass through unchanged."""
+    given = [arg for arg in args if override_key(arg) == "resume"]
+    if not given:
+        return args
+    from rlbench.training.checkpoint import CheckpointError, find_latest_run, latest_checkpoint
+
+    if any(arg in ("-m", "--multirun") for arg in args):
+        fail("resume= continues one run; a sweep (-m) relaunched skips its finished runs and reruns the others")
+    value = given[-1].split("=", 1)[1]
+    try:
+        folder = (find_latest_run(RUNS_ROOT) if value == "auto" else Path(value)).resolve()
+        saved = latest_checkpoint(folder).manifest.get("overrides", [])
+    except CheckpointError as err:
+        fail(str(err))
+    others = [arg for arg in args if override_key(arg) not in ("resume", "hydra.run.dir")]
+    replaced = {override_key(arg) for arg in others} | {"resume", "resume_allow"}
+    kept = [arg for arg in saved if override_key(arg) not in replaced]
+    return [*kept, *others, f"resume={folder}", f"hydra.run.dir={folder}"]
+
+
 def main() -> None:
     if any(arg in ("--help", "-h") for arg in sys.argv[1:]):  # rlbench's own help; Hydra's: --hydra-help
         from rlbench.config.list import help_lines
 
         print("\n".join(help_lines()))
         return
+    sys.argv[1:] = resume_arguments(sys.argv[1:])
     check_plain_overrides(sys.argv[1:])
     app()
 

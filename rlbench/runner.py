@@ -2,7 +2,7 @@
 
     validate the config (before anything expensive)
     evaluate pi_theta before training
-    for step in 1..S:                       rlbench.training.loop.train
+    for step in 1..S:                       rlbench.training.loop.TrainingRun (checkpoints, resume)
         prompts <- next batch of training problems (seeded order)
         one training step                   rlbench.training.step.train_step
     evaluate pi_theta after; write result files and log to wandb.
@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import platform
 import subprocess
@@ -23,18 +25,22 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import rlbench
+from rlbench import faults
 from rlbench.config import resolve_device, validate_config
 from rlbench.dataset import load_problems
 from rlbench.eval.evaluate import Benchmark, EvalResult, evaluate, usable_problems
 from rlbench.logger import RunLogger
-from rlbench.logger.run_status import in_sweep
+from rlbench.errors import ConfigError
+from rlbench.logger.run_status import command_line_overrides, config_key, in_sweep
 from rlbench.model import load_policy
 from rlbench.reward.graders import make_grader
 from rlbench.rollout import make_engine
 from rlbench.rollout.base import SamplingParams
-from rlbench.training.loop import train
+from rlbench.training import checkpoint
+from rlbench.training.interrupt import Interrupted, StopSignals
+from rlbench.training.loop import TrainingRun
 from rlbench.training.step import make_step_context
-from rlbench.utils import STREAM_EVAL, make_generator, seed_everything
+from rlbench.utils import STREAM_EVAL, atomic_write_text, make_generator, seed_everything
 
 log = logging.getLogger(__name__)
 
@@ -110,71 +116,148 @@ def print_table(result: EvalResult, baseline: EvalResult | None) -> None:
     print()
 
 
+def resume_point(cfg: DictConfig, resolved: dict[str, Any]) -> checkpoint.Checkpoint | None:
+    """``resume=<run folder>``: its latest valid checkpoint, after checking that this run writes into
+    that folder and has the configuration the checkpoint was saved with (``resume_allow`` lists the
+    keys that may differ). None for a new run. Runs before anything is loaded."""
+    if not cfg.get("resume"):
+        return None
+    folder = Path(cfg.resume)
+    saved = checkpoint.latest_checkpoint(folder)
+    if folder.resolve() != Path(cfg.output_dir).resolve():
+        raise ConfigError(f"resume={cfg.resume} continues that run in its own folder, but output_dir is {cfg.output_dir}")
+    checkpoint.check_resume_config(saved.manifest["config"], resolved, cfg.get("resume_allow") or [], saved.path)
+    if cfg.mode != "train" or cfg.trainer.steps < saved.step:
+        raise ConfigError(
+            f"resume: checkpoint {saved.path} is at step {saved.step}; the resumed run must train "
+            f"(mode=train) for trainer.steps >= {saved.step} (got mode={cfg.mode}, trainer.steps={cfg.trainer.steps})"
+        )
+    return saved
+
+
+BEFORE_EVAL_FILE = "before.json"  # eval/before.json: the evaluation before training, kept for a resumed run
+
+
+def save_eval_result(path: Path, result: EvalResult) -> None:
+    """JSON keeping the rows' column order (the result tables are written from them)."""
+    atomic_write_text(path, json.dumps(dataclasses.asdict(result)) + "\n")
+
+
+def load_eval_result(path: Path) -> EvalResult | None:
+    return EvalResult(**json.loads(path.read_text())) if path.is_file() else None
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
-    """Validate, train (unless mode=eval), evaluate, write results. Returns the summary."""
+    """Validate, train (unless mode=eval), evaluate, write results. Returns the summary. A stop
+    signal (Ctrl-C, SIGTERM) checkpoints the training done so far and raises
+    :class:`rlbench.training.interrupt.Interrupted` after writing an interrupted summary."""
     started = time.perf_counter()
     algorithm = validate_config(cfg)  # every check before anything expensive
-    seed_everything(cfg.seed)
-    device = resolve_device(str(cfg.device))
     out_dir = Path(cfg.output_dir)
     resolved = OmegaConf.to_container(cfg, resolve=True)
+    resumed = resume_point(cfg, resolved)
+    seed_everything(cfg.seed)
+    device = resolve_device(str(cfg.device))
     training = cfg.mode == "train" and cfg.trainer.steps > 0
 
     train_problems = load_problems(cfg.dataset, seed=cfg.seed, data_dir=cfg.data_dir, source=cfg.data_source) if training else []
     benchmarks = load_benchmarks(cfg)
     logger = RunLogger(out_dir, resolved, OmegaConf.to_yaml(cfg, resolve=True), cfg.logger,
-                       job_type="train" if training else "eval", in_sweep=in_sweep())
-    try:
-        dtype = torch.float32  # bf16 enters through autocast on CUDA; master weights stay fp32
-        model, tokenizer = load_policy(cfg.model, device=device, dtype=dtype, seed=cfg.seed, cache_dir=cfg.cache_dir)
-        engine = make_engine(cfg.rollout, model, tokenizer, device)
-        ev = cfg.eval
-        eval_params = SamplingParams(ev.temperature, ev.top_p, ev.max_new_tokens)
-        eval_seed = make_generator(cfg.seed, STREAM_EVAL).initial_seed()
+                       job_type="train" if training else "eval", in_sweep=in_sweep(),
+                       resume_id=(resumed.manifest.get("run_id") or "") if resumed else None)
+    baseline: EvalResult | None = None
+    training_run: TrainingRun | None = None
 
-        def run_eval(phase: str, step: int) -> EvalResult:
-            log.info("evaluating (%s) on %s", phase, ", ".join(b.name for b in benchmarks))
-            result = evaluate(engine, tokenizer, benchmarks, n=ev.n, ks=list(ev.k), params=eval_params, seed=eval_seed)
-            logger.log_evaluation(step, result.with_phase(phase).rows)
-            return result
-
-        def periodic_eval(step: int) -> None:  # eval.every: pass@k curves during training
-            if ev.every and step % ev.every == 0 and step < cfg.trainer.steps:
-                run_eval("during", step)
-
-        baseline = run_eval("before", 0) if training and ev.before_training else None
-        training_summary = {}
-        if training:
-            ctx = make_step_context(cfg, algorithm, model, tokenizer, engine, device)
-            training_summary = train(cfg, ctx, train_problems, logger, after_step=periodic_eval)
-        final = run_eval("after" if training else "eval", int(cfg.trainer.steps) if training else 0)
-
-        if training and cfg.trainer.save_model:
-            save_policy(model, tokenizer, out_dir / "policy")
-        rows = (baseline.rows if baseline else []) + final.rows
-        problem_rows = (baseline.problems if baseline else []) + final.problems
-        summary = {
-            "run_name": cfg.run_name,
-            "mode": cfg.mode,
-            "algorithm": algorithm.name,
-            "model": cfg.model.name,
-            "dataset": cfg.dataset.name,
-            "seed": cfg.seed,
+    def partial_summary(status: str, exit_code: int, **fields: Any) -> dict[str, Any]:
+        return {
+            "run_name": cfg.run_name, "status": status, "exit_code": exit_code,
+            "steps_completed": training_run.step if training_run else 0,
             "pass_at_1_before": baseline.pass_at(1) if baseline else None,
-            "pass_at_1_after": final.pass_at(1),
-            "eval_seconds": {"before": baseline.seconds if baseline else None, "after": final.seconds},
-            "grader_errors": {"before": baseline.grader_errors if baseline else None, "after": final.grader_errors},
-            "skipped_records": final.skipped,
-            **training_summary,
-            "wall_seconds": time.perf_counter() - started,
-            "device": str(device),
-            "versions": versions(),
-            "git_commit": git_commit(),
+            **fields, "wall_seconds": time.perf_counter() - started, "git_commit": git_commit(),
             "command": " ".join(sys.argv),
         }
-        logger.log_eval(rows, problem_rows, final.samples, summary, step=int(cfg.trainer.steps) if training else 0)
+
+    try:
+        with StopSignals() as stop:
+            dtype = torch.float32  # bf16 enters through autocast on CUDA; master weights stay fp32
+            model, tokenizer = load_policy(cfg.model, device=device, dtype=dtype, seed=cfg.seed, cache_dir=cfg.cache_dir)
+            engine = make_engine(cfg.rollout, model, tokenizer, device)
+            ev = cfg.eval
+            eval_params = SamplingParams(ev.temperature, ev.top_p, ev.max_new_tokens)
+            eval_seed = make_generator(cfg.seed, STREAM_EVAL).initial_seed()
+
+            def run_eval(phase: str, step: int) -> EvalResult:
+                log.info("evaluating (%s) on %s", phase, ", ".join(b.name for b in benchmarks))
+                result = evaluate(engine, tokenizer, benchmarks, n=ev.n, ks=list(ev.k), params=eval_params, seed=eval_seed)
+                logger.log_evaluation(step, result.with_phase(phase).rows)
+                faults.kill_point("eval", step)
+                return result
+
+            def periodic_eval(step: int) -> None:  # eval.every: pass@k curves during training
+                if ev.every and step % ev.every == 0 and step < cfg.trainer.steps:
+                    run_eval("during", step)
+
+            if training and ev.before_training:
+                baseline = load_eval_result(out_dir / "eval" / BEFORE_EVAL_FILE) if resumed else None
+                if baseline is None:
+                    baseline = run_eval("before", 0)
+                    save_eval_result(out_dir / "eval" / BEFORE_EVAL_FILE, baseline)
+                logger.log_tables(baseline.rows, baseline.problems)  # the phase's results, kept if the run stops
+            training_summary = {}
+            if training:
+                ctx = make_step_context(cfg, algorithm, model, tokenizer, engine, device)
+                manifest = {"config": checkpoint.comparable_config(resolved), "config_key": config_key(resolved),
+                            "overrides": command_line_overrides(), "rlbench_commit": git_commit()}
+                training_run = TrainingRun(cfg, ctx, train_problems, logger, manifest)
+                if resumed is not None:
+                    training_run.restore(resumed)
+                training_summary = training_run.train(stop, after_step=periodic_eval)
+            final = run_eval("after" if training else "eval", int(cfg.trainer.steps) if training else 0)
+
+            if training and cfg.trainer.save_model:
+                save_policy(model, tokenizer, out_dir / "policy")
+            rows = (baseline.rows if baseline else []) + final.rows
+            problem_rows = (baseline.problems if baseline else []) + final.problems
+            summary = {
+                "run_name": cfg.run_name,
+                "status": "finished",
+                "exit_code": 0,
+                "mode": cfg.mode,
+                "algorithm": algorithm.name,
+                "model": cfg.model.name,
+                "dataset": cfg.dataset.name,
+                "seed": cfg.seed,
+                "pass_at_1_before": baseline.pass_at(1) if baseline else None,
+                "pass_at_1_after": final.pass_at(1),
+                "eval_seconds": {"before": baseline.seconds if baseline else None, "after": final.seconds},
+                "grader_errors": {"before": baseline.grader_errors if baseline else None, "after": final.grader_errors},
+                "skipped_records": final.skipped,
+                **training_summary,
+                **({"resumed_from_step": resumed.step} if resumed else {}),
+                "wall_seconds": time.perf_counter() - started,
+                "device": str(device),
+                "versions": versions(),
+                "git_commit": git_commit(),
+                "command": " ".join(sys.argv),
+            }
+            logger.log_eval(rows, problem_rows, final.samples, summary, step=int(cfg.trainer.steps) if training else 0)
         print_table(final, baseline)
         print(f"results: {out_dir}")
+    except Interrupted as stopped:
+        saved = None
+        if training_run is not None and training_run.unsaved and not stopped.mid_step:
+            saved = training_run.save()  # the steps completed so far; a second signal leaves the earlier checkpoints
+        log.warning("run %s after %d steps; %s", stopped, training_run.step if training_run else 0,
+                    f"resume it: rlbench resume={out_dir}" if saved or (training_run and training_run.saved_step)
+                    else "no checkpoint to resume from")
+        logger.log_summary(partial_summary("interrupted", stopped.exit_code, signal=stopped.signal_name,
+                                           checkpoint=str(saved.path) if saved else None))
+        logger.finish(stopped.exit_code)
+        raise
+    except Exception as err:
+        logger.log_summary(partial_summary("failed", 1, error=f"{type(err).__name__}: {err}"))
+        logger.finish(1)
+        raise
     finally:
         logger.finish()
     link_latest(out_dir)

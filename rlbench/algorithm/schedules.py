@@ -188,6 +188,12 @@ class SFPOSwitch:
             self.stopped = z is not None and z >= self.threshold
         return not self.stopped
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": list(self.history), "stopped": self.stopped}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history, self.stopped = [float(h) for h in state["history"]], bool(state["stopped"])
+
 
 # --------------------------------------------------------------------------------------------------
 # the proximal policy of decoupled PPO

@@ -214,6 +214,10 @@ class TrainerConfig:
     max_grad_norm: float = knob(1.0, "gradient-norm clip", gt=0)
     warmup_steps: int = knob(0, "linear learning-rate warm-up steps", ge=0)
     save_model: bool = knob(True, "save the trained policy (Hugging Face format) in the run folder")
+    checkpoint_every: Optional[int] = knob(
+        None, "write a checkpoint (weights, optimizer, random streams, all training state) every N steps and after "
+        "the last, into <run>/checkpoints/; null: only when the run is interrupted (docs/resume.md)", ge=1)
+    keep_checkpoints: int = knob(2, "keep the last K checkpoints (an unreadable newest one falls back to the previous)", ge=1)
 
 
 @dataclass
@@ -381,6 +385,11 @@ class RunConfig:
     cache_dir: Optional[str] = knob(None, "converted checkpoints; default $RLBENCH_CACHE or ~/.cache/rlbench")
     output_dir: str = knob(None, "the run folder")
     run_name: str = knob(None, "the run's name (folder suffix, W&B name)")
+    resume: Optional[str] = knob(
+        None, "a run folder, or auto (the run below results/runs/ with the newest checkpoint): continue that run "
+        "from its latest valid checkpoint with the same config (docs/resume.md)")
+    resume_allow: list = knob([], "config keys (or nodes) a resumed run may change, e.g. [trainer.steps]; any "
+                              "other change from the checkpoint's config is refused, listing the keys")
     sandbox: SandboxConfig = node(SandboxConfig, "limits for model-written code")
     algorithm: AlgorithmConfig = node(AlgorithmConfig, "the RL algorithm (algorithm=<preset>)")
     model: ModelConfig = node(ModelConfig, "the policy model (model=<option>)")

@@ -99,15 +99,20 @@ def wandb_mode(requested: str) -> str:
 
 
 class RunLogger:
+    """``resume_id``: a resumed run's wandb run id (its metrics.jsonl and curve come back with
+    :meth:`load_state_dict`); None starts a new run and empties metrics.jsonl."""
+
     def __init__(self, out_dir: str | Path, config: Mapping[str, Any], config_yaml: str, logger_cfg: Mapping[str, Any],
-                 *, job_type: str = "train", in_sweep: bool = False):
+                 *, job_type: str = "train", in_sweep: bool = False, resume_id: str | None = None):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "eval").mkdir(exist_ok=True)
         atomic_write_text(self.out_dir / "config.yaml", config_yaml)
         self.metrics_path = self.out_dir / "metrics.jsonl"
-        self.metrics_path.write_text("")
+        self.records: list[dict[str, Any]] = []  # the step metrics so far (checkpoints keep them)
         self.curve: list[dict[str, Any]] = []
+        if resume_id is None:
+            self.metrics_path.write_text("")
         self.wandb_run = None
         if logger_cfg.get("name") == "wandb":
             mode = wandb_mode(str(logger_cfg.get("mode", "auto")))
@@ -126,6 +131,7 @@ class RunLogger:
                     mode=mode,
                     reinit="finish_previous",
                     settings=wandb.Settings(silent=True) if in_sweep else None,  # no footer per sweep job
+                    **({"id": resume_id, "resume": "allow"} if resume_id else {}),
                 )
                 log.info("wandb run %s (%s mode)", self.wandb_run.id, mode)
 
@@ -133,8 +139,28 @@ class RunLogger:
     def wandb_dir(self) -> Path | None:
         return Path(self.wandb_run.dir).parent if self.wandb_run is not None else None
 
+    @property
+    def run_id(self) -> str | None:
+        """The wandb run's id (a resumed run continues it), None without wandb."""
+        return self.wandb_run.id if self.wandb_run is not None else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "metrics": list(self.records), "curve": list(self.curve)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """A resumed run: metrics.jsonl and eval/curve.csv as they were at the checkpoint (the lines a
+        killed process wrote after it are dropped; those steps run again)."""
+        self.records, self.curve = list(state["metrics"]), list(state["curve"])
+        atomic_write_text(self.metrics_path, "".join(json.dumps(r) + "\n" for r in self.records))
+        self._write_curve()
+
+    def _write_curve(self) -> None:
+        atomic_write_text(self.out_dir / "eval" / "curve.csv",
+                          pd.DataFrame(self.curve, columns=CURVE_COLUMNS).to_csv(index=False))
+
     def log_step(self, step: int, metrics: Mapping[str, float]) -> None:
         record = {"step": step, **metrics}
+        self.records.append(record)
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
@@ -145,10 +171,21 @@ class RunLogger:
         """One evaluation at a training step (0: before training): appended to eval/curve.csv and
         logged to wandb as eval/<benchmark>/pass@k and maj@k at that step."""
         self.curve += [{"step": step, **{c: row.get(c) for c in CURVE_COLUMNS[1:]}} for row in rows]
-        atomic_write_text(self.out_dir / "eval" / "curve.csv",
-                          pd.DataFrame(self.curve, columns=CURVE_COLUMNS).to_csv(index=False))
+        self._write_curve()
         if self.wandb_run is not None:
             self.wandb_run.log(eval_keys(rows), step=step)
+
+    def log_tables(self, rows: Sequence[Mapping[str, Any]], problems: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+        """eval/passk.csv and eval/problems.csv with the evaluations so far (written when each ends)."""
+        table = pd.DataFrame(list(rows))
+        atomic_write_text(self.out_dir / "eval" / "passk.csv", table.to_csv(index=False))
+        problem_table = pd.DataFrame(list(problems), columns=["phase", "benchmark", "uid", "n", "correct"])
+        atomic_write_text(self.out_dir / "eval" / "problems.csv", problem_table.to_csv(index=False))
+        return table
+
+    def log_summary(self, summary: Mapping[str, Any]) -> None:
+        """summary.json (also written for an interrupted or failed run, with its status and exit code)."""
+        atomic_write_json(self.out_dir / "summary.json", summary)
 
     def log_eval(
         self,
@@ -158,20 +195,18 @@ class RunLogger:
         summary: Mapping[str, Any],
         step: int,
     ) -> None:
-        table = pd.DataFrame(list(rows))
-        atomic_write_text(self.out_dir / "eval" / "passk.csv", table.to_csv(index=False))
-        problem_table = pd.DataFrame(list(problems), columns=["phase", "benchmark", "uid", "n", "correct"])
-        atomic_write_text(self.out_dir / "eval" / "problems.csv", problem_table.to_csv(index=False))
+        table = self.log_tables(rows, problems)
         atomic_write_text(
             self.out_dir / "eval" / "samples.jsonl", "".join(json.dumps(s) + "\n" for s in samples)
         )
-        atomic_write_json(self.out_dir / "summary.json", summary)
+        self.log_summary(summary)
         if self.wandb_run is not None:
             import wandb
 
             self.wandb_run.log({"eval/passk": wandb.Table(dataframe=table)}, step=step)
 
-    def finish(self) -> None:
+    def finish(self, exit_code: int = 0) -> None:
+        """Close the wandb run; a non-zero ``exit_code`` marks it failed (interrupted: 130, 143)."""
         if self.wandb_run is not None:
-            self.wandb_run.finish()
+            self.wandb_run.finish(exit_code=exit_code)
             self.wandb_run = None

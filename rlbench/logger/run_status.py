@@ -1,7 +1,7 @@
 """A run's status file, ``status.json``: whether the run finished or failed (with the error), and
 the key of its configuration, so that a relaunched sweep skips the runs that finished.
 
-    {"status": "running" | "finished" | "failed", "config_key": "<sha1>", "error": "...", ...}
+    {"status": "running" | "finished" | "failed" | "interrupted", "config_key": "<sha1>", "error": "...", ...}
 
 The config key is a hash of the resolved configuration without the keys that name where a run
 writes (``output_dir``): two runs with the same key trained and evaluated the same thing. The
@@ -20,8 +20,8 @@ from typing import Any
 from rlbench.utils import atomic_write_json
 
 STATUS_FILE = "status.json"
-FINISHED, FAILED, RUNNING = "finished", "failed", "running"
-PLACE_KEYS = ("output_dir",)             # where a run writes, not what it does
+FINISHED, FAILED, RUNNING, INTERRUPTED = "finished", "failed", "running", "interrupted"
+PLACE_KEYS = ("output_dir", "resume", "resume_allow")  # where a run writes and how it resumes, not what it does
 SEED_KEYS = ("seed", "run_name")         # what differs between the seeds of one configuration
 
 
@@ -31,6 +31,13 @@ def in_sweep() -> bool:
     from hydra.types import RunMode
 
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def command_line_overrides() -> list[str]:
+    """The run's overrides as given on the command line (Hydra's ``overrides.task``)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
 def config_key(resolved: Mapping[str, Any], leave_out: Iterable[str] = PLACE_KEYS) -> str:

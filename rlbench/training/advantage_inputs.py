@@ -249,6 +249,12 @@ class GreedyBaseline:
         greedy = self.sample(graded.problems, 1, self.params, self.generator, prompt_ids_of(graded))
         return greedy.rewards
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(state["generator"])
+
 
 class ReferenceAnchor:
     """PVPO's static anchor (Feng et al. 2025, arXiv:2508.21104): V_ref(x) = mean reward of
@@ -296,6 +302,14 @@ class ReferenceAnchor:
             self.generated = 0
         self.step += 1
         return self.cache.baseline([p.uid for p in graded.problems])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generator": self.generator.get_state(), "cache": self.cache.state_dict(), "step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(state["generator"])
+        self.cache.load_state_dict(state["cache"])
+        self.step = int(state["step"])
 
 
 class SPOStream:
@@ -362,6 +376,17 @@ class SPOStream:
                 self.previous[uid] = Completion(0, tuple(response.prompt_ids), list(response.response_ids), logprobs, True)
         self.pending_logp = None
 
+    def state_dict(self) -> dict[str, Any]:
+        """The tracker and each prompt's stored response (between steps nothing is pending)."""
+        previous = {uid: {"prompt_ids": list(c.prompt_ids), "response_ids": list(c.response_ids), "logprobs": list(c.logprobs)}
+                    for uid, c in self.previous.items()}
+        return {"tracker": self.tracker.state_dict(), "previous": previous}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.tracker.load_state_dict(state["tracker"])
+        self.previous = {uid: Completion(0, tuple(c["prompt_ids"]), list(c["response_ids"]), list(c["logprobs"]), True)
+                         for uid, c in state["previous"].items()}
+
 
 class AdvantageInputSources:
     """The advantage inputs of :data:`RUNNER_INPUTS` one run's estimator reads, and their state."""
@@ -427,6 +452,16 @@ class AdvantageInputSources:
             responses = [c.response_ids for group in graded.groups for c in group]
             inputs["diversity"] = token_jaccard_distance(responses).to(device)
         return inputs, metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sources' state across steps (random streams, caches, trackers) for checkpoints."""
+        return {name: source.state_dict() for name, source in (("baseline", self.baseline), ("spo", self.spo))
+                if source is not None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, source in (("baseline", self.baseline), ("spo", self.spo)):
+            if source is not None:
+                source.load_state_dict(state[name])
 
     def after_update(self, graded: GradedGroups) -> dict[str, float]:
         """State updates after the policy step (SPO's tracker); returns metrics."""

@@ -1,5 +1,6 @@
-"""The training loop: steps over a seeded order of the training problems, logging each step, and
-saying so when steps learn nothing (no trainable token in the loss)."""
+"""The training loop: steps over a seeded order of the training problems, logging each step,
+checkpointing (rlbench.training.checkpoint) and saying so when steps learn nothing (no trainable
+token in the loss)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ from typing import Any, Callable
 
 import numpy as np
 
+from rlbench import faults
 from rlbench.dataset.base import Problem
+from rlbench.training import checkpoint
+from rlbench.training.interrupt import StopSignals
 from rlbench.training.step import StepContext, train_step
 from rlbench.utils import STREAM_DATA_ORDER, Progress
 
@@ -30,6 +34,14 @@ class PromptSampler:
                 self.order = self.rng.permutation(len(self.problems)).tolist()
             batch.append(self.problems[self.order.pop()])
         return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position in the order: the generator's state and what is left of the current pass."""
+        return {"rng": self.rng.bit_generator.state, "order": list(self.order)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rng.bit_generator.state = state["rng"]
+        self.order = [int(i) for i in state["order"]]
 
 
 class UntrainedSteps:
@@ -53,21 +65,93 @@ class UntrainedSteps:
         return {**metrics, "steps_without_trainable_tokens": float(self.count)}
 
 
-def train(cfg: Any, ctx: StepContext, problems: list[Problem], logger: Any,
-          after_step: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """``cfg.trainer.steps`` steps of ``cfg.trainer.prompts_per_step`` prompts; ``after_step(step)``
-    runs after each step is logged (the runner's periodic evaluation, ``eval.every``). Returns what
-    the run's summary reports about training."""
-    sampler = PromptSampler(problems, cfg.seed)
-    progress = Progress("train", cfg.trainer.steps)
-    untrained = UntrainedSteps()
-    for step in range(1, cfg.trainer.steps + 1):
-        progress_fraction = (step - 1) / cfg.trainer.steps
-        metrics = train_step(
-            ctx, sampler.next(cfg.trainer.prompts_per_step), progress=progress_fraction, draw_prompts=sampler.next
-        )
-        logger.log_step(step, untrained.observe(step, metrics))
-        progress.update(1, note=f"reward {metrics['reward_mean']:.3f} acc {metrics['accuracy']:.3f}")
-        if after_step is not None:
-            after_step(step)
-    return {"steps_without_trainable_tokens": untrained.count}
+class TrainingRun:
+    """The loop over ``cfg.trainer.steps`` steps of ``cfg.trainer.prompts_per_step`` prompts, and
+    everything it carries from step to step, which a checkpoint saves and :meth:`restore` loads:
+    the step context's state (rlbench.training.step.StepContext.state_dict), the model and the
+    optimizer, the prompt order, the untrained-steps counter, the global random generators and the
+    logger's state (wandb run id, metrics so far). ``manifest``: what the checkpoints' manifest
+    records besides the step (config, overrides, commit)."""
+
+    def __init__(self, cfg: Any, ctx: StepContext, problems: list[Problem], logger: Any,
+                 manifest: dict[str, Any] | None = None):
+        self.cfg, self.ctx, self.logger = cfg, ctx, logger
+        self.prompts = PromptSampler(problems, cfg.seed)
+        self.untrained = UntrainedSteps()
+        self.step = 0  # steps completed
+        self.saved_step: int | None = None  # the step of the last checkpoint written or loaded
+        self.manifest = dict(manifest or {})
+        self.every = cfg.trainer.get("checkpoint_every")
+        self.keep = cfg.trainer.get("keep_checkpoints")
+
+    def files(self) -> dict[str, Any]:
+        """The checkpoint's files: name -> object for torch.save."""
+        return {
+            checkpoint.MODEL_FILE: checkpoint.model_state(self.ctx.model),
+            checkpoint.OPTIMIZER_FILE: checkpoint.optimizer_state(self.ctx.optimizer),
+            checkpoint.STATE_FILE: {
+                "step": self.step,
+                "context": self.ctx.state_dict(),
+                "prompts": self.prompts.state_dict(),
+                "untrained_steps": self.untrained.count,
+                "logger": self.logger.state_dict(),
+                "random": checkpoint.global_random_state(),
+            },
+        }
+
+    def save(self) -> checkpoint.Checkpoint:
+        saved = checkpoint.save_checkpoint(self.cfg.output_dir, self.step, self.files(),
+                                           {**self.manifest, "run_id": self.logger.run_id}, keep=self.keep)
+        self.saved_step = self.step
+        log.info("checkpoint %s (%.1f s)", saved.path, saved.manifest["write_seconds"])
+        return saved
+
+    @property
+    def unsaved(self) -> bool:
+        """Steps were completed since the last checkpoint (or none was written yet)."""
+        return self.saved_step != self.step
+
+    def restore(self, saved: checkpoint.Checkpoint) -> None:
+        """Continue from ``saved``. The loading order matters: the context's parts exist (built
+        from the initial model, so the reference and EWMA copies start where the saved run's
+        did), then weights, optimizer, the rest, and last the global random generators."""
+        device = self.ctx.device
+        checkpoint.load_model_state(self.ctx.model, saved.load(checkpoint.MODEL_FILE, device))
+        checkpoint.load_optimizer_state(self.ctx.optimizer, saved.load(checkpoint.OPTIMIZER_FILE, device))
+        state = saved.load(checkpoint.STATE_FILE, device)
+        self.ctx.load_state_dict(state["context"])
+        self.ctx.engine.sync_weights(self.ctx.model)
+        self.prompts.load_state_dict(state["prompts"])
+        self.untrained.count = int(state["untrained_steps"])
+        self.logger.load_state_dict(state["logger"])
+        self.step = self.saved_step = int(state["step"])
+        checkpoint.load_global_random_state(state["random"])
+        log.info("resumed from %s: %d of %d steps done", saved.path, self.step, self.cfg.trainer.steps)
+
+    def checkpoint_due(self, step: int) -> bool:
+        return bool(self.every) and (step % self.every == 0 or step == self.cfg.trainer.steps)
+
+    def train(self, stop: StopSignals, after_step: Callable[[int], None] | None = None) -> dict[str, Any]:
+        """The remaining steps; ``after_step(step)`` runs after each step is logged and checkpointed
+        (the runner's periodic evaluation, ``eval.every``). A stop signal during a step lets it finish
+        (:class:`rlbench.training.interrupt.StopSignals`). Returns what the run's summary reports
+        about training."""
+        cfg = self.cfg
+        progress = Progress("train", cfg.trainer.steps)
+        progress.done = self.step
+        for step in range(self.step + 1, cfg.trainer.steps + 1):
+            faults.at_step(step)
+            with stop.step():
+                metrics = train_step(
+                    self.ctx, self.prompts.next(cfg.trainer.prompts_per_step), progress=(step - 1) / cfg.trainer.steps,
+                    draw_prompts=self.prompts.next,
+                )
+                self.logger.log_step(step, self.untrained.observe(step, metrics))
+                self.step = step
+            progress.update(1, note=f"reward {metrics['reward_mean']:.3f} acc {metrics['accuracy']:.3f}")
+            if self.checkpoint_due(step):
+                self.save()
+            stop.raise_if_requested()
+            if after_step is not None:
+                after_step(step)
+        return {"steps_without_trainable_tokens": self.untrained.count}

@@ -15,6 +15,7 @@ the steps of one run share and is built once, complete, by :func:`make_step_cont
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from rlbench import faults
 from rlbench.algorithm import Algorithm
 from rlbench.algorithm.critic import value_targets
 from rlbench.dataset.base import Problem
@@ -63,11 +65,42 @@ class StepContext:
     reference: torch.nn.Module | None = None
     overlong_filter: bool = False
     policy_version: int = 0  # policy updates so far; stamps the responses sampled at this step
+    rollout_generator: torch.Generator | None = None  # the strategy's random stream (RolloutSetup.generator)
 
     @property
     def temperature(self) -> float:
         """The temperature the log-probs are computed at: the sampling one (1 for greedy sampling)."""
         return self.params.temperature if self.params.temperature > 0 else 1.0
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the steps carry from one to the next, besides the model's weights and the optimizer
+        (rlbench.training.checkpoint saves those): the lr schedule, the random streams, the adaptive
+        coefficients, the policy version and the state of the strategy, the advantage inputs and the
+        update (each part's own ``state_dict``)."""
+        strategy = getattr(self.strategy, "state_dict", None)
+        return {
+            "policy_version": self.policy_version,
+            "coefficients": dataclasses.asdict(self.algorithm.coefficients),
+            "scheduler": self.scheduler.state_dict(),
+            "rollout_generator": None if self.rollout_generator is None else self.rollout_generator.get_state(),
+            "minibatch_generator": self.minibatch_generator.get_state(),
+            "strategy": strategy() if strategy is not None else None,
+            "inputs": self.inputs.state_dict(),
+            "update_state": self.update_state.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.policy_version = int(state["policy_version"])
+        for key, value in state["coefficients"].items():
+            setattr(self.algorithm.coefficients, key, value)
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.rollout_generator is not None:
+            self.rollout_generator.set_state(state["rollout_generator"])
+        self.minibatch_generator.set_state(state["minibatch_generator"])
+        if state["strategy"] is not None:
+            self.strategy.load_state_dict(state["strategy"])
+        self.inputs.load_state_dict(state["inputs"])
+        self.update_state.load_state_dict(state["update_state"])
 
 
 def make_step_context(
@@ -85,7 +118,8 @@ def make_step_context(
     params = SamplingParams(rollout.temperature, rollout.top_p, rollout.max_new_tokens)
     grader = make_grader(cfg.reward, cfg.dataset, cfg.get("sandbox"))
     sampler = GroupSampler(engine, grader, tokenizer, cfg.dataset.prompt, algorithm.shape_rewards)
-    setup = RolloutSetup(sampler, int(rollout.n), params, make_generator(cfg.seed, STREAM_ROLLOUT))
+    rollout_generator = make_generator(cfg.seed, STREAM_ROLLOUT)
+    setup = RolloutSetup(sampler, int(rollout.n), params, rollout_generator)
     return StepContext(
         algorithm=algorithm,
         model=model,
@@ -106,6 +140,7 @@ def make_step_context(
         minibatch_generator=make_generator(cfg.seed, STREAM_MINIBATCH),
         reference=reference,
         overlong_filter=bool(cfg.algorithm.get("overlong_filter", False)),
+        rollout_generator=rollout_generator,
     )
 
 
@@ -123,6 +158,7 @@ def train_step(
     t0 = time.perf_counter()
     graded, rollout_metrics = ctx.strategy.rollout(problems, draw_prompts)  # rollout and reward
     t_generate = time.perf_counter() - t0
+    faults.kill_point("generate")
     stamp_policy_version(graded, ctx.policy_version)
     batch = to_batch(ctx, graded)
     t1 = time.perf_counter()
@@ -271,6 +307,7 @@ def update(
         generator=ctx.minibatch_generator,
         progress=progress,
     )
+    faults.kill_point("update")
     stats["trainable_tokens"] = float(trainable_tokens(trained))
     entropy = stats.get("entropy")
     algorithm.update_coefficients(

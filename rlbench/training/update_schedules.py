@@ -51,6 +51,13 @@ class EWMAPolicy:
             self.model.parameters(), [p.detach() for p in model.parameters()], self.total_weight, self.decay
         )
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "total_weight": self.total_weight}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.total_weight = float(state["total_weight"])
+
 
 @dataclass
 class UpdateState:
@@ -63,6 +70,18 @@ class UpdateState:
     def parameters(self, model: torch.nn.Module) -> list[torch.nn.Parameter]:
         """Everything the optimizer trains: the policy's parameters and the value head's."""
         return [*model.parameters(), *(self.value_head.parameters() if self.value_head is not None else ())]
+
+    def parts(self) -> dict[str, Any]:
+        return {"value_head": self.value_head, "proximal": self.proximal, "sfpo_switch": self.sfpo_switch}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state of each part the algorithm uses (for checkpoints)."""
+        return {name: part.state_dict() for name, part in self.parts().items() if part is not None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, part in self.parts().items():
+            if part is not None:
+                part.load_state_dict(state[name])
 
 
 def make_update_state(algorithm: Algorithm, model: torch.nn.Module) -> UpdateState:
