@@ -79,6 +79,7 @@ class TrainingRun:
         self.prompts = PromptSampler(problems, cfg.seed)
         self.untrained = UntrainedSteps()
         self.step = 0  # steps completed
+        self.after_step_done = 0  # the last step whose after_step (periodic evaluation) ran
         self.saved_step: int | None = None  # the step of the last checkpoint written or loaded
         self.manifest = dict(manifest or {})
         self.every = cfg.trainer.get("checkpoint_every")
@@ -94,6 +95,7 @@ class TrainingRun:
                 "context": self.ctx.state_dict(),
                 "prompts": self.prompts.state_dict(),
                 "untrained_steps": self.untrained.count,
+                "after_step_done": self.after_step_done,
                 "logger": self.logger.state_dict(),
                 "random": checkpoint.global_random_state(),
             },
@@ -123,6 +125,7 @@ class TrainingRun:
         self.ctx.engine.sync_weights(self.ctx.model)
         self.prompts.load_state_dict(state["prompts"])
         self.untrained.count = int(state["untrained_steps"])
+        self.after_step_done = int(state["after_step_done"])
         self.logger.load_state_dict(state["logger"])
         self.step = self.saved_step = int(state["step"])
         checkpoint.load_global_random_state(state["random"])
@@ -133,12 +136,16 @@ class TrainingRun:
 
     def train(self, stop: StopSignals, after_step: Callable[[int], None] | None = None) -> dict[str, Any]:
         """The remaining steps; ``after_step(step)`` runs after each step is logged and checkpointed
-        (the runner's periodic evaluation, ``eval.every``). A stop signal during a step lets it finish
+        (the runner's periodic evaluation, ``eval.every``; a run resumed from a checkpoint written
+        before it ran runs it first). A stop signal during a step lets it finish
         (:class:`rlbench.training.interrupt.StopSignals`). Returns what the run's summary reports
         about training."""
         cfg = self.cfg
         progress = Progress("train", cfg.trainer.steps)
         progress.done = self.step
+        if after_step is not None and self.after_step_done < self.step:  # checkpointed before it ran
+            after_step(self.step)
+            self.after_step_done = self.step
         for step in range(self.step + 1, cfg.trainer.steps + 1):
             faults.at_step(step)
             with stop.step():
@@ -154,4 +161,5 @@ class TrainingRun:
             stop.raise_if_requested()
             if after_step is not None:
                 after_step(step)
+            self.after_step_done = step
         return {"steps_without_trainable_tokens": self.untrained.count}

@@ -1,0 +1,296 @@
+"""Checkpoints and exact resume (docs/resume.md): atomic checkpoints that fall back to the previous
+valid one, the config check of a resumed run, stop signals, and runs killed (SIGKILL, SIGINT) at
+deterministic points (RLBENCH_KILL_AT, rlbench/faults.py) and resumed, which must give the metrics
+and evaluation files of the run that was never interrupted, bit for bit."""
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, compose_config
+from rlbench import faults
+from rlbench.cli import resume_arguments
+from rlbench.errors import ConfigError
+from rlbench.training import checkpoint
+from rlbench.training.checkpoint import CheckpointError
+from rlbench.training.interrupt import Interrupted, StopSignals
+from rlbench.training.loop import PromptSampler
+from rlbench.training.step import TIMING_METRICS
+
+RESULT_FILES = ("eval/passk.csv", "eval/problems.csv", "eval/samples.jsonl", "eval/curve.csv")
+
+
+# ------------------------------------------------------------------------------ checkpoints on disk
+
+
+def save(run_dir, step, payload, keep=None):
+    return checkpoint.save_checkpoint(run_dir, step, {"state.pt": payload}, {"config": {"seed": 0}}, keep=keep)
+
+
+def test_checkpoint_round_trip_and_keep(tmp_path):
+    for step in (1, 2, 3):
+        save(tmp_path, step, {"step": step, "weights": torch.full((3,), float(step))}, keep=2)
+    assert [p.name for p in checkpoint.checkpoint_dirs(tmp_path)] == ["step_000002", "step_000003"]
+    latest = checkpoint.latest_checkpoint(tmp_path)
+    assert latest.step == 3
+    assert torch.equal(latest.load("state.pt")["weights"], torch.full((3,), 3.0))
+
+
+def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
+    save(tmp_path, 2, {"w": torch.zeros(100)})
+    newest = save(tmp_path, 4, {"w": torch.ones(100)})
+    data = (newest.path / "state.pt").read_bytes()
+    (newest.path / "state.pt").write_bytes(data[: len(data) // 2])
+    with caplog.at_level(logging.WARNING):
+        assert checkpoint.latest_checkpoint(tmp_path).step == 2
+    assert "step_000004" in caplog.text and "previous valid checkpoint" in caplog.text
+
+
+def test_a_checkpoint_killed_mid_write_is_invisible(tmp_path):
+    """What a writer killed before the rename leaves: a hidden temporary folder, never step_<N>."""
+    save(tmp_path, 2, {"w": torch.zeros(1)})
+    leftover = tmp_path / "checkpoints" / ".step_000004.tmp-abc"
+    leftover.mkdir()
+    (leftover / "model.pt").write_bytes(b"half")
+    assert checkpoint.latest_checkpoint(tmp_path).step == 2
+    save(tmp_path, 4, {"w": torch.zeros(1)})  # the next save removes the leftover
+    assert not leftover.exists()
+
+
+def test_a_folder_without_checkpoint_is_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="no valid checkpoint"):
+        checkpoint.latest_checkpoint(tmp_path)
+    broken = tmp_path / "checkpoints" / "step_000001"
+    broken.mkdir(parents=True)
+    (broken / "manifest.json").write_text("{")
+    with pytest.raises(CheckpointError, match="invalid: .*manifest"):
+        checkpoint.latest_checkpoint(tmp_path)
+
+
+def test_unreadable_checkpoint_file_names_it(tmp_path):
+    saved = save(tmp_path, 1, {"w": torch.zeros(1)})
+    (saved.path / "state.pt").write_bytes(b"x" * saved.manifest["files"]["state.pt"])  # right size, garbage
+    with pytest.raises(CheckpointError, match="state.pt cannot be read"):
+        checkpoint.latest_checkpoint(tmp_path).load("state.pt")
+
+
+def test_resume_auto_takes_the_run_with_the_newest_checkpoint(tmp_path):
+    older, newer = tmp_path / "b_older", tmp_path / "a_newer"
+    save(older, 5, {})
+    save(newer, 1, {})
+    os.utime(older / "checkpoints" / "step_000005", (1, 1))
+    assert checkpoint.find_latest_run(tmp_path) == newer
+    with pytest.raises(CheckpointError, match="no run folder"):
+        checkpoint.find_latest_run(tmp_path / "empty")
+
+
+# ------------------------------------------------------------------------------ the config of a resumed run
+
+
+def test_changed_keys_are_listed_and_allowed_ones_pass(tmp_path):
+    saved = {"seed": 0, "trainer": {"steps": 4, "lr": 0.1}, "eval": {"n": 4}, "output_dir": "a", "resume": None}
+    current = {"seed": 1, "trainer": {"steps": 8, "lr": 0.1}, "eval": {"n": 8}, "output_dir": "b", "resume": "a"}
+    assert checkpoint.changed_keys(saved, current) == {"eval.n": (4, 8), "seed": (0, 1), "trainer.steps": (4, 8)}
+    with pytest.raises(ConfigError) as refused:
+        checkpoint.check_resume_config(saved, current, ["trainer.steps"], tmp_path)
+    message = str(refused.value)
+    assert "seed: 0 -> 1" in message and "eval.n: 4 -> 8" in message and "trainer.steps" not in message.split("allow")[0]
+    assert "resume_allow=[eval.n,seed]" in message
+    assert checkpoint.check_resume_config(saved, current, ["trainer.steps", "eval", "seed"], tmp_path)
+
+
+def test_resume_arguments_replay_the_runs_overrides(tmp_path):
+    checkpoint.save_checkpoint(tmp_path, 2, {}, {"overrides": ["experiment=smoke", "trainer.steps=4", "resume_allow=[x]"]})
+    args = resume_arguments([f"resume={tmp_path}", "trainer.steps=8", "resume_allow=[trainer.steps]"])
+    folder = tmp_path.resolve()
+    assert args == ["experiment=smoke", "trainer.steps=8", "resume_allow=[trainer.steps]", f"resume={folder}",
+                    f"hydra.run.dir={folder}"]
+    assert resume_arguments(["seed=1"]) == ["seed=1"]
+
+
+# ------------------------------------------------------------------------------ stateful parts
+
+
+def test_prompt_sampler_continues_its_order():
+    problems = list(range(7))
+    first, second = PromptSampler(problems, 3), PromptSampler(problems, 3)
+    first.next(5)
+    second.load_state_dict(first.state_dict())
+    assert second.next(12) == first.next(12)
+
+
+def test_global_random_state_round_trip():
+    state = checkpoint.global_random_state()
+    import random
+
+    import numpy as np
+
+    drawn = (random.random(), np.random.rand(), torch.rand(2))
+    checkpoint.load_global_random_state(state)
+    again = (random.random(), np.random.rand(), torch.rand(2))
+    assert drawn[:2] == again[:2] and torch.equal(drawn[2], again[2])
+
+
+def test_kill_points_do_nothing_without_the_variable(monkeypatch):
+    monkeypatch.delenv(faults.KILL_ENV, raising=False)
+    faults.at_step(3)
+    faults.kill_point("update")  # returns
+    monkeypatch.setenv(faults.KILL_ENV, "update:4")
+    faults.kill_point("update")  # another step: returns
+    assert os.environ[faults.KILL_ENV] == "update:4"
+
+
+def test_a_signal_inside_a_step_waits_for_its_end():
+    with StopSignals() as stop:
+        with stop.step():
+            os.kill(os.getpid(), signal.SIGTERM)  # deferred: the step goes on
+            finished = True
+        assert finished
+        with pytest.raises(Interrupted) as stopped:
+            stop.raise_if_requested()
+    assert stopped.value.exit_code == 143 and not stopped.value.mid_step
+    with StopSignals() as stop, pytest.raises(Interrupted) as again:
+        with stop.step():
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)  # a second signal stops at once
+    assert again.value.mid_step and again.value.exit_code == 130
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+
+
+# ------------------------------------------------------------------------------ runs: resumed == uninterrupted
+
+
+def metrics_without_timing(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING_METRICS}
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_results(reference: Path, resumed: Path) -> None:
+    assert metrics_without_timing(resumed) == metrics_without_timing(reference)
+    for name in RESULT_FILES:
+        assert (resumed / name).read_bytes() == (reference / name).read_bytes(), name
+
+
+SMOKE = ["experiment=smoke", "trainer.steps=4", "trainer.checkpoint_every=2", "eval.every=2", "trainer.save_model=false"]
+
+# Presets whose state across steps is not trivial: the critic (ppo), the EWMA proximal policy
+# (ppo_ewma), SPO's tracker and stored responses, SFPO's entropy switch, dynamic sampling (dapo),
+# ReMax's greedy stream, PVPO's cached anchors, and adaptive KL and entropy coefficients. Each setting
+# makes the state matter within 4 steps (a resume that dropped it was measured to fail, except ReMax's
+# greedy stream, which greedy decoding never draws from).
+STATEFUL_PRESETS = {
+    "ppo": ["algorithm=ppo"],
+    "ppo_ewma": ["algorithm=ppo_ewma"],
+    "spo": ["algorithm=spo", "dataset.arith.train_size=2"],  # every step revisits both prompts: the tracker matters
+    # the switch reads 3 entropies, so at step 4 it fires only with steps 1-3 in its history
+    "sfpo": ["algorithm=sfpo", "algorithm.update.sfpo.entropy_window=3", "algorithm.update.sfpo.entropy_z=-100"],
+    "dapo": ["algorithm=dapo"],
+    "remax": ["algorithm=remax"],
+    "pvpo": ["algorithm=pvpo"],
+    "adaptive": ["algorithm=grpo", "algorithm.kl.coef=0.05", "algorithm.kl.adaptive={target:0.001,horizon:10}",
+                 "algorithm.entropy_adaptive={target:5.0,delta:0.01}"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", sorted(STATEFUL_PRESETS))
+def test_resume_from_a_checkpoint_equals_the_uninterrupted_run(preset, tmp_path):
+    """Step 2's checkpoint of a 4-step run, resumed in a copy of the run folder, gives steps 3-4 and
+    the final evaluation of the run itself."""
+    from rlbench.runner import run
+
+    overrides = [*SMOKE, *STATEFUL_PRESETS[preset], "logger=files"]
+    reference = tmp_path / "reference"
+    run(compose_config(overrides, reference))
+    resumed = tmp_path / "resumed"
+    shutil.copytree(reference, resumed, ignore=shutil.ignore_patterns("step_000004"))
+    summary = run(compose_config([*overrides, f"resume={resumed}"], resumed))
+    assert summary["resumed_from_step"] == 2
+    assert_same_results(reference, resumed)
+
+
+def run_cli(args, run_dir, kill_at=None):
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("WANDB_API_KEY", None)
+    env.pop(faults.KILL_ENV, None)
+    if kill_at:
+        env[faults.KILL_ENV] = kill_at
+    return subprocess.run([sys.executable, "-m", "rlbench.cli", *args, f"hydra.run.dir={run_dir}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("resume") / "uninterrupted"
+    proc = run_cli(SMOKE, out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_at, resumed_from", [
+    ("generate:3", 2),     # during step 3's rollout
+    ("update:3", 2),       # weights and optimizer changed, the step not finished
+    ("checkpoint:4", 2),   # step 4's checkpoint half written: step 2's stays valid
+])
+def test_a_run_killed_and_resumed_gives_the_uninterrupted_results(uninterrupted, tmp_path, kill_at, resumed_from):
+    run_dir = tmp_path / "run"
+    killed = run_cli(SMOKE, run_dir, kill_at=kill_at)
+    assert killed.returncode == -signal.SIGKILL
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "running"  # it never got to say more
+    resumed = run_cli([f"resume={run_dir}"], run_dir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["resumed_from_step"] == resumed_from
+    assert "evaluating (before)" not in resumed.stderr  # the phase done is not run again
+    assert_same_results(uninterrupted, run_dir)
+    wandb_runs = {p.name.rsplit("-", 1)[1] for p in (run_dir / "wandb").glob("offline-run-*")}
+    assert len(wandb_runs) == 1  # the resumed process continued the same wandb run id
+
+
+@pytest.mark.slow
+def test_ctrl_c_checkpoints_the_step_and_marks_the_run_interrupted(uninterrupted, tmp_path):
+    run_dir = tmp_path / "run"
+    stopped = run_cli(SMOKE, run_dir, kill_at="generate:3:INT")  # SIGINT in the middle of step 3
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    status = json.loads((run_dir / "status.json").read_text())
+    assert summary["status"] == status["status"] == "interrupted"
+    assert summary["exit_code"] == status["exit_code"] == 130 and summary["signal"] == "SIGINT"
+    assert summary["steps_completed"] == 3 and summary["checkpoint"].endswith("step_000003")  # step 3 finished
+    assert summary["pass_at_1_before"] is not None
+    assert "before" in (run_dir / "eval" / "passk.csv").read_text()  # the before-evaluation is kept
+    assert [m["step"] for m in metrics_without_timing(run_dir)] == [1, 2, 3]
+    assert not list((run_dir / "checkpoints").glob(".*"))  # nothing half-written
+    resumed = run_cli(["resume=" + str(run_dir)], run_dir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_results(uninterrupted, run_dir)
+
+
+@pytest.mark.slow
+def test_resume_refuses_bad_input_before_training(uninterrupted, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = run_cli([f"resume={empty}"], empty)
+    assert proc.returncode == 2 and "no valid checkpoint" in proc.stderr
+    run_dir = tmp_path / "copy"
+    shutil.copytree(uninterrupted, run_dir)
+    proc = run_cli([f"resume={run_dir}", "trainer.lr=0.5", "seed=1"], run_dir)
+    assert proc.returncode == 2 and "seed: 0 -> 1" in proc.stderr and "trainer.lr" in proc.stderr
+    assert "[train]" not in proc.stderr  # refused before any training
+    newest = checkpoint.latest_checkpoint(run_dir)
+    (newest.path / "model.pt").write_bytes(b"")  # a corrupted newest checkpoint: the previous one is used
+    proc = run_cli([f"resume={run_dir}", "trainer.steps=5", "resume_allow=[trainer.steps]"], run_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "previous valid checkpoint" in proc.stderr
+    assert json.loads((run_dir / "summary.json").read_text())["resumed_from_step"] == 2
+    steps = metrics_without_timing(run_dir)
+    assert [m["step"] for m in steps] == [1, 2, 3, 4, 5]
