@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -165,6 +166,35 @@ def test_a_signal_inside_a_step_waits_for_its_end():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
 
 
+def test_logger_resumes_its_wandb_run_and_marks_an_interrupted_one(tmp_path, monkeypatch):
+    """The resumed logger continues the run id and metrics.jsonl as checkpointed; finish(130) is the
+    wandb run's exit code (wandb shows the run failed)."""
+    from test_wandb_logging import CONFIG, wandb_records
+
+    from rlbench.logger import RunLogger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    first = RunLogger(tmp_path, CONFIG, "{}", {"name": "wandb", "mode": "auto"})
+    first.log_step(1, {"reward_mean": 0.5})
+    state = first.state_dict()
+    first.log_step(2, {"reward_mean": 0.7})  # after the checkpoint: dropped on resume
+    first.finish(exit_code=130)
+    (first_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    exits = []
+    for _ in range(600):
+        exits = [r.exit.exit_code for r in wandb_records(first_dir) if r.WhichOneof("record_type") == "exit"]
+        if exits:
+            break
+        time.sleep(0.1)
+    assert exits == [130]
+    second = RunLogger(tmp_path, CONFIG, "{}", {"name": "wandb", "mode": "auto"}, resume_id=state["run_id"])
+    second.load_state_dict(state)
+    assert second.run_id == state["run_id"]
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
+    second.finish()
+
+
 # ------------------------------------------------------------------------------ runs: resumed == uninterrupted
 
 
@@ -276,6 +306,21 @@ def test_ctrl_c_checkpoints_the_step_and_marks_the_run_interrupted(uninterrupted
 
 
 @pytest.mark.slow
+def test_sigterm_in_the_final_evaluation_resumes_without_training_again(uninterrupted, tmp_path):
+    run_dir = tmp_path / "run"
+    stopped = run_cli(SMOKE, run_dir, kill_at="eval:4:TERM")  # the evaluation after step 4, before its files
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["exit_code"] == 143 and summary["signal"] == "SIGTERM"
+    assert summary["steps_completed"] == 4 and summary["checkpoint"] is None  # step 4's checkpoint was already written
+    assert "after" not in (run_dir / "eval" / "passk.csv").read_text()
+    resumed = run_cli([f"resume={run_dir}"], run_dir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "[train]" not in resumed.stderr  # nothing left to train
+    assert_same_results(uninterrupted, run_dir)
+
+
+@pytest.mark.slow
 def test_resume_refuses_bad_input_before_training(uninterrupted, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -286,6 +331,8 @@ def test_resume_refuses_bad_input_before_training(uninterrupted, tmp_path):
     proc = run_cli([f"resume={run_dir}", "trainer.lr=0.5", "seed=1"], run_dir)
     assert proc.returncode == 2 and "seed: 0 -> 1" in proc.stderr and "trainer.lr" in proc.stderr
     assert "[train]" not in proc.stderr  # refused before any training
+    proc = run_cli([f"resume={run_dir}", "trainer.steps=3", "resume_allow=[trainer.steps]"], run_dir)
+    assert proc.returncode == 2 and "trainer.steps >= 4" in proc.stderr
     newest = checkpoint.latest_checkpoint(run_dir)
     (newest.path / "model.pt").write_bytes(b"")  # a corrupted newest checkpoint: the previous one is used
     proc = run_cli([f"resume={run_dir}", "trainer.steps=5", "resume_allow=[trainer.steps]"], run_dir)

@@ -37,6 +37,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import torch
 
+from rlbench import faults
 from rlbench.errors import ConfigError
 from rlbench.utils import atomic_write_json, temporary_sibling
 
@@ -212,8 +213,6 @@ def save_checkpoint(run_dir: str | Path, step: int, files: Mapping[str, Any], ma
                     keep: int | None = None) -> Checkpoint:
     """Write ``files`` (name -> object for torch.save) and the manifest as checkpoint ``step`` of the
     run, atomically; keep only the last ``keep`` checkpoints (None: all). Returns it."""
-    from rlbench import faults
-
     root = Path(run_dir) / CHECKPOINTS_DIR
     root.mkdir(parents=True, exist_ok=True)
     for leftover in root.glob(".step_*.tmp-*"):  # a writer killed earlier
