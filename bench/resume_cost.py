@@ -87,6 +87,9 @@ def main() -> None:
         "before the rename). The optimizer's file is twice the model's (AdamW's two moments in float32); "
         "`state.pt` (random streams, prompt order, metrics so far) is small for this algorithm (grpo).",
         "",
+        "Seconds are wall clock on the machine it ran on (this project's is a 2-core machine shared with other jobs, "
+        "where repeated runs differ by a third); the bytes do not vary.",
+        "",
     ]
     atomic_write_text(OUT / "resume.md", "\n".join(lines))
     print("\n".join(lines))
