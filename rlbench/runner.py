@@ -210,7 +210,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                             "overrides": command_line_overrides(), "rlbench_commit": git_commit()}
                 training_run = TrainingRun(cfg, ctx, train_problems, logger, manifest)
                 if resumed is not None:
-                    training_run.restore(resumed)
+                    resumed = training_run.resume(resumed)
                 training_summary = training_run.train(stop, after_step=periodic_eval)
             final = run_eval("after" if training else "eval", int(cfg.trainer.steps) if training else 0)
 

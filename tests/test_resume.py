@@ -77,10 +77,14 @@ def test_a_folder_without_checkpoint_is_refused(tmp_path):
 
 
 def test_unreadable_checkpoint_file_names_it(tmp_path):
-    saved = save(tmp_path, 1, {"w": torch.zeros(1)})
+    save(tmp_path, 1, {"w": torch.zeros(1)})
+    saved = save(tmp_path, 2, {"w": torch.zeros(1)})
     (saved.path / "state.pt").write_bytes(b"x" * saved.manifest["files"]["state.pt"])  # right size, garbage
     with pytest.raises(CheckpointError, match="state.pt cannot be read"):
         checkpoint.latest_checkpoint(tmp_path).load("state.pt")
+    assert checkpoint.latest_checkpoint(tmp_path, before_step=2).step == 1  # where a resumed run goes instead
+    with pytest.raises(CheckpointError, match="older than step 1"):
+        checkpoint.latest_checkpoint(tmp_path, before_step=1)
 
 
 def test_resume_auto_takes_the_run_with_the_newest_checkpoint(tmp_path):
@@ -262,6 +266,7 @@ def uninterrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("resume") / "uninterrupted"
     proc = run_cli(SMOKE, out)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "evaluating (before)" in proc.stdout + proc.stderr  # what a resumed run must not say
     return out
 
 
@@ -280,7 +285,7 @@ def test_a_run_killed_and_resumed_gives_the_uninterrupted_results(uninterrupted,
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["resumed_from_step"] == resumed_from
-    assert "evaluating (before)" not in resumed.stderr  # the phase done is not run again
+    assert "evaluating (before)" not in resumed.stdout + resumed.stderr  # the phase done is not run again
     assert_same_results(uninterrupted, run_dir)
     wandb_runs = {p.name.rsplit("-", 1)[1] for p in (run_dir / "wandb").glob("offline-run-*")}
     assert len(wandb_runs) == 1  # the resumed process continued the same wandb run id
@@ -334,10 +339,12 @@ def test_resume_refuses_bad_input_before_training(uninterrupted, tmp_path):
     proc = run_cli([f"resume={run_dir}", "trainer.steps=3", "resume_allow=[trainer.steps]"], run_dir)
     assert proc.returncode == 2 and "trainer.steps >= 4" in proc.stderr
     newest = checkpoint.latest_checkpoint(run_dir)
-    (newest.path / "model.pt").write_bytes(b"")  # a corrupted newest checkpoint: the previous one is used
+    size = newest.manifest["files"]["optimizer.pt"]
+    (newest.path / "optimizer.pt").write_bytes(b"x" * size)  # corrupted, same size: found when loaded
     proc = run_cli([f"resume={run_dir}", "trainer.steps=5", "resume_allow=[trainer.steps]"], run_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "previous valid checkpoint" in proc.stderr
+    said = proc.stdout + proc.stderr  # the run's log lines go to stdout
+    assert "optimizer.pt cannot be read" in said and "previous valid checkpoint" in said
     assert json.loads((run_dir / "summary.json").read_text())["resumed_from_step"] == 2
     steps = metrics_without_timing(run_dir)
     assert [m["step"] for m in steps] == [1, 2, 3, 4, 5]

@@ -15,7 +15,8 @@ A checkpoint is written into a hidden temporary folder next to the others (every
 which is renamed onto ``step_<N>`` only when complete, so a process killed while writing leaves the
 previous checkpoints valid (the leftover ``.step_<N>.tmp-<hex>`` is removed by the next save). A
 checkpoint is valid when its manifest reads and every file it lists has the size it records;
-:func:`latest_checkpoint` falls back to the previous valid one and says why.
+:func:`latest_checkpoint` falls back to the previous valid one and says why (and a resumed run
+whose checkpoint file cannot be loaded does the same: rlbench.training.loop.TrainingRun.resume).
 
 Model and optimizer state pass through :func:`model_state` / :func:`load_model_state` and
 :func:`optimizer_state` / :func:`load_optimizer_state`: plain ``state_dict()`` here; a sharded
@@ -203,10 +204,7 @@ class Checkpoint:
         try:
             return torch.load(self.path / name, map_location=map_location, weights_only=True)
         except Exception as err:
-            raise CheckpointError(
-                f"checkpoint {self.path}: {name} cannot be read ({type(err).__name__}: {err}); delete the folder "
-                "to resume from the previous checkpoint"
-            ) from err
+            raise CheckpointError(f"checkpoint {self.path}: {name} cannot be read ({type(err).__name__}: {err})") from err
 
 
 def save_checkpoint(run_dir: str | Path, step: int, files: Mapping[str, Any], manifest: Mapping[str, Any],
@@ -258,14 +256,16 @@ def read_checkpoint(path: Path) -> Checkpoint:
     return Checkpoint(path, manifest)
 
 
-def latest_checkpoint(run_dir: str | Path) -> Checkpoint:
-    """The newest valid checkpoint of the run; an invalid newer one is skipped with a warning saying
-    why. CheckpointError when the folder has none."""
+def latest_checkpoint(run_dir: str | Path, before_step: int | None = None) -> Checkpoint:
+    """The newest valid checkpoint of the run (older than ``before_step`` when given); an invalid
+    newer one is skipped with a warning saying why. CheckpointError when the folder has none."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise CheckpointError(f"resume: {run_dir} is not a folder")
     problems = []
     for path in reversed(checkpoint_dirs(run_dir)):
+        if before_step is not None and int(path.name[5:]) >= before_step:
+            continue
         try:
             checkpoint = read_checkpoint(path)
         except CheckpointError as err:
@@ -275,8 +275,9 @@ def latest_checkpoint(run_dir: str | Path) -> Checkpoint:
             log.warning("%s; resuming from the previous valid checkpoint %s", problem, checkpoint.path)
         return checkpoint
     detail = f" (invalid: {'; '.join(problems)})" if problems else ""
+    older = f" older than step {before_step}" if before_step is not None else ""
     raise CheckpointError(
-        f"resume: {run_dir} has no valid checkpoint in {CHECKPOINTS_DIR}/{detail}; a run writes one every "
+        f"resume: {run_dir} has no valid checkpoint{older} in {CHECKPOINTS_DIR}/{detail}; a run writes one every "
         "trainer.checkpoint_every steps and when it is interrupted (Ctrl-C, SIGTERM). Start the run again instead"
     )
 

@@ -131,6 +131,19 @@ class TrainingRun:
         checkpoint.load_global_random_state(state["random"])
         log.info("resumed from %s: %d of %d steps done", saved.path, self.step, self.cfg.trainer.steps)
 
+    def resume(self, saved: checkpoint.Checkpoint) -> checkpoint.Checkpoint:
+        """:meth:`restore` from ``saved``, or, when one of its files cannot be loaded, from the
+        newest valid checkpoint before it (saying so; each restore overwrites every part). Returns
+        the checkpoint restored."""
+        while True:
+            try:
+                self.restore(saved)
+                return saved
+            except checkpoint.CheckpointError as err:
+                previous = checkpoint.latest_checkpoint(self.cfg.output_dir, before_step=saved.step)
+                log.warning("%s; resuming from the previous valid checkpoint %s", err, previous.path)
+                saved = previous
+
     def checkpoint_due(self, step: int) -> bool:
         return bool(self.every) and (step % self.every == 0 or step == self.cfg.trainer.steps)
 
