@@ -199,6 +199,20 @@ def test_logger_resumes_its_wandb_run_and_marks_an_interrupted_one(tmp_path, mon
     second.finish()
 
 
+def test_comparisons_leave_out_runs_that_did_not_finish(tmp_path, caplog):
+    from rlbench.analysis.runs import find_run_dirs
+    from rlbench.logger.run_status import write_status
+
+    for name, status in (("done", "finished"), ("stopped", "interrupted"), ("killed", "running"), ("bare", None)):
+        (tmp_path / name / "eval").mkdir(parents=True)
+        (tmp_path / name / "eval" / "problems.csv").write_text("phase,benchmark,uid,n,correct\n")
+        if status:
+            write_status(tmp_path / name, status, "key")
+    with caplog.at_level(logging.WARNING):
+        assert [p.name for p in find_run_dirs([tmp_path])] == ["bare", "done"]
+    assert "stopped is left out" in caplog.text and "resume=" in caplog.text
+
+
 # ------------------------------------------------------------------------------ runs: resumed == uninterrupted
 
 

@@ -4,6 +4,7 @@ select and group them by config keys, and check that they scored the same proble
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,9 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from rlbench.errors import ConfigError, DataError
+from rlbench.logger.run_status import FINISHED, read_status
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -31,7 +35,9 @@ class Run:
 
 
 def find_run_dirs(paths: Sequence[str | Path]) -> list[Path]:
-    """Every folder at or below ``paths`` that holds ``eval/problems.csv``, sorted, without repeats."""
+    """Every folder at or below ``paths`` that holds ``eval/problems.csv``, sorted, without repeats;
+    a run whose status.json says it did not finish (interrupted, failed, or killed while running:
+    its files hold the evaluation before training only) is left out with a warning."""
     found: set[Path] = set()
     for path in map(Path, paths):
         if not path.exists():
@@ -39,7 +45,11 @@ def find_run_dirs(paths: Sequence[str | Path]) -> list[Path]:
         if (path / "eval" / "problems.csv").is_file():
             found.add(path.resolve())
         found.update(p.parent.parent.resolve() for p in path.rglob("eval/problems.csv"))
-    return sorted(found)
+    unfinished = {run for run in found if (read_status(run) or {}).get("status", FINISHED) != FINISHED}
+    for run in sorted(unfinished):
+        log.warning("%s is left out: its run did not finish (status.json: %s; resume it: rlbench resume=%s)",
+                    run, read_status(run)["status"], run)
+    return sorted(found - unfinished)
 
 
 def _read_csv(path: Path, required: Sequence[str]) -> pd.DataFrame:
