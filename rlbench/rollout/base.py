@@ -88,6 +88,12 @@ class Completion:
                         given as a prefix); they are never trained on. None: every token is trained.
     policy_version:     the number of policy updates before the sampling policy's weights were taken;
                         None until the training step stamps it with its current version.
+
+    Tree rollouts (rlbench/rollout/tree.py):
+
+    tree_nodes:         per token of ``response_ids``: the id of the tree node (a run of tokens sampled
+                        once and shared by every response below it) the token belongs to; ids are
+                        unique within a training step. None: not part of a tree.
     """
 
     request_index: int
@@ -102,6 +108,7 @@ class Completion:
     behaviour_logprobs: list[float] | None = None
     loss_mask: list[int] | None = None
     policy_version: int | None = None
+    tree_nodes: list[int] | None = None
 
 
 class RolloutEngine(Protocol):

@@ -182,7 +182,11 @@ class GroupSampler:
         if prompt_ids is None:
             prompt_ids = encode_prompts(self.tokenizer, problems, self.prompt_spec)
         requests = [GenerationRequest(prompt_ids=ids, n=n) for ids in prompt_ids]
-        groups = self.generate(requests, params, generator)
+        return self.grade(problems, self.generate(requests, params, generator), params)
+
+    def grade(self, problems: Sequence[Problem], groups: list[list[Completion]], params: SamplingParams) -> GradedGroups:
+        """Grade ``groups`` (the responses of each of ``problems``, however a strategy produced them)
+        and shape their rewards; groups are numbered 0..G-1."""
         flat = [c for group in groups for c in group]
         grades = grade_completions(self.grader, [p for p, group in zip(problems, groups) for _ in group], flat)
         outcome = torch.tensor([g.reward for g in grades], dtype=torch.float32)
