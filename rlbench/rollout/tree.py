@@ -12,8 +12,8 @@ Configuration (``rollout.tree`` / ``rollout.treerpo``; conf/rollout/tree.yaml):
 How a group of ``rollout.n`` leaves grows. Every node carries a leaf budget; the prompt's is
 ``n``. A node with budget B spawns c = min(branching, B) children at its segment boundary
 (``root_branching`` at the prompt; all B when the next segment is its last), its budget split as
-evenly as possible among them; a node with budget 1 continues alone (its segments extend the same
-node, so a node is a maximal run of tokens without a branch). Each round sends one engine request
+evenly as possible among them; a node with budget 1 will not branch again and is generated to its
+end in one piece (a node is a maximal run of tokens without a branch). Each round sends one engine request
 per growing node with ``prefix_ids`` = its tokens so far and ``n`` = its children, through
 ``GroupSampler.generate``: the prefix is prefilled once for the node's children and counted as
 reused tokens, only the new segment as generated tokens. A path that samples EOS or reaches
@@ -44,7 +44,6 @@ import torch
 from rlbench.algorithm.registry import ADVANTAGES
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
-from rlbench.prompting import encode_prompts
 from rlbench.rollout.base import Completion, GenerationRequest
 from rlbench.rollout.groups import GradedGroups
 from rlbench.rollout.strategy import RolloutSetup, register_strategy
@@ -174,10 +173,14 @@ class TreeSampling:
                 GenerationRequest(prompt_ids=prompt_ids[node.prompt], n=children, prefix_ids=tuple(node.path_tokens()))
                 for node, _, children in plan
             ]
-            lengths = sorted({min(self.options.segment_tokens, params.max_new_tokens - len(r.prefix_ids)) for r in requests})
+            # a path that will not branch again (budget 1) is generated to its end in one piece
+            wanted = [
+                params.max_new_tokens - len(r.prefix_ids) if budget == 1 else min(self.options.segment_tokens, params.max_new_tokens - len(r.prefix_ids))
+                for r, (_, budget, _) in zip(requests, plan)
+            ]
             results: dict[int, list[Completion]] = {}
-            for length in lengths:  # one engine call per segment length (one, unless fallbacks restart short paths)
-                chosen = [k for k, r in enumerate(requests) if min(self.options.segment_tokens, params.max_new_tokens - len(r.prefix_ids)) == length]
+            for length in sorted(set(wanted)):  # one engine call per length
+                chosen = [k for k, want in enumerate(wanted) if want == length]
                 out = self.setup.sampler.generate(
                     [requests[k] for k in chosen], dataclasses.replace(params, max_new_tokens=length), self.setup.generator
                 )
@@ -237,9 +240,9 @@ class TreeSampling:
         self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None = None
     ) -> tuple[GradedGroups, dict[str, float]]:
         sampler = self.setup.sampler
-        prompt_ids = encode_prompts(sampler.tokenizer, problems, sampler.prompt_spec)
+        prompt_ids = sampler.encode(problems)
         groups, metrics = self.grow(prompt_ids)
-        return sampler.grade(problems, groups, self.setup.params), metrics
+        return sampler.grade(problems, groups, self.setup.params.max_new_tokens), metrics
 
 
 register_strategy("tree")(TreeSampling)
