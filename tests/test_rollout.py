@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -234,6 +235,21 @@ def test_prefill_once_per_input_and_finished_rows_leave(eos_model):
     expected = [sum(length > t for length in lengths) for t in range(1, max(lengths))]
     assert rows_per_forward[1:] == expected
     assert expected[-1] < 16  # rows did leave
+
+
+def test_unscored_prefix_skips_scoring_only(eos_model):
+    """score_prefix=False: the same continuations and log-probs, the prefix's log-probs NaN."""
+    model, tokenizer = eos_model
+    engine = HFGenerateEngine(model, tokenizer)
+    prompt, prefix = _prompt(tokenizer, "Question: what is 2+2?"), _prompt(tokenizer, " The answer is")
+    params = SamplingParams(temperature=0.8, max_new_tokens=6)
+    scored, unscored = (
+        engine.generate([GenerationRequest(prompt, n=3, prefix_ids=prefix, score_prefix=flag)], params, torch.Generator().manual_seed(4))[0]
+        for flag in (True, False)
+    )
+    for a, b in zip(scored, unscored):
+        assert a.response_ids == b.response_ids and a.logprobs[len(prefix):] == b.logprobs[len(prefix):]
+        assert all(math.isnan(x) for x in b.logprobs[: len(prefix)]) and not any(math.isnan(x) for x in a.logprobs)
 
 
 def test_greedy_rows_identical_and_batch_independent(tiny):

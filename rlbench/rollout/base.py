@@ -37,12 +37,16 @@ class GenerationRequest:
     :func:`sample_seed` ``(seed, k)``, whatever else is in the call (the evaluation gives each
     problem one, so a benchmark's samples do not depend on the rest of the suite). None: the
     call's ``generator`` (the training rollouts). A call takes all requests with seeds or none.
+
+    ``score_prefix``: False when the caller already holds the prefix's log-probs (a tree node's own
+    tokens): the engine skips scoring it and the completion's prefix log-probs are NaN.
     """
 
     prompt_ids: tuple[int, ...]
     n: int = 1
     prefix_ids: tuple[int, ...] = ()
     seed: int | None = None
+    score_prefix: bool = True
 
 
 def sample_seed(request_seed: int, k: int) -> int:

@@ -340,7 +340,7 @@ class HFGenerateEngine:
                         if key not in seen:
                             seen[key] = len(inputs)
                             inputs.append(tuple(requests[i].prompt_ids) + tuple(requests[i].prefix_ids))
-                            prefix_lens.append(len(requests[i].prefix_ids))
+                            prefix_lens.append(len(requests[i].prefix_ids) if requests[i].score_prefix else 0)
                         row_input.append(seen[key])
                     gens = (
                         [torch.Generator(device=self.device).manual_seed(sample_seed(requests[i].seed, k)) for i, k in batch]
@@ -358,6 +358,8 @@ class HFGenerateEngine:
     def _make_completion(self, index, req, tokens: list[int], logprobs: list[float], prefix_lp) -> Completion:
         finished = bool(tokens) and tokens[-1] in self.eos_ids
         response = list(req.prefix_ids) + tokens
+        if not req.score_prefix:
+            prefix_lp = [float("nan")] * len(req.prefix_ids)
         return Completion(
             request_index=index,
             prompt_ids=tuple(req.prompt_ids),

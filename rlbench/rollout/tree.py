@@ -170,7 +170,7 @@ class TreeSampling:
             rounds += 1
             plan = [(node, budget, self._children(node, budget)) for node, budget in growing]
             requests = [
-                GenerationRequest(prompt_ids=prompt_ids[node.prompt], n=children, prefix_ids=tuple(node.path_tokens()))
+                GenerationRequest(prompt_ids=prompt_ids[node.prompt], n=children, prefix_ids=tuple(node.path_tokens()), score_prefix=False)
                 for node, _, children in plan
             ]
             # a path that will not branch again (budget 1) is generated to its end in one piece
