@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 
 PYTEST := HF_HUB_OFFLINE=1 WANDB_MODE=offline $(VENV)/bin/pytest
 
-.PHONY: run test test-fast test-integration test-learning bench bench-eval setup sandbox-tools clean
+.PHONY: run test test-fast test-integration test-learning bench bench-eval bench-rollout setup sandbox-tools clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,9 @@ test-learning: $(STAMP)
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) bench/compare_trl.py
+
+bench-rollout: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) bench/rollout_strategies.py
 
 bench-eval: $(STAMP) sandbox-tools
 	HF_HUB_OFFLINE=1 $(PY) bench/eval_throughput.py

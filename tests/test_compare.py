@@ -518,3 +518,29 @@ def test_sweep_then_compare_end_to_end(tmp_path):
         assert row.pass_at_k == pytest.approx(expected[(row.group, row.benchmark, row.k)], abs=1e-12)
         assert row.seeds == 2 and row.ci_low <= row.pass_at_k <= row.ci_high
     assert table.query("group == 'rloo'")["p_value"].between(0, 1).all()
+
+
+def test_cost_table_reads_rewards_at_equal_cost(tmp_path):
+    """Two methods, one cheap (10 generated tokens and 1 s per step) and one dear (20 and 2): at equal
+    cost each is read where the dearer one's total ends; the totals are sums over steps."""
+    from rlbench.analysis.tables import cost_markdown, cost_table
+
+    def steps(tokens, seconds, rewards):
+        return [{"outcome_mean": r, "step_s": seconds, "generated_tokens": tokens, "reused_tokens": 1.0, "engine_s": seconds / 2}
+                for r in rewards]
+
+    cheap = write_run(tmp_path, "cheap", seed=0, algorithm="tree", problems={"alpha": counts("alpha", [1, 0])},
+                      step_metrics=steps(10.0, 1.0, [0.0, 0.2, 0.4, 0.6]))
+    dear = write_run(tmp_path, "dear", seed=0, algorithm="grpo", problems={"alpha": counts("alpha", [1, 1])},
+                     step_metrics=steps(20.0, 2.0, [0.0, 0.5]))
+    raw = cost_table(group_runs([load_run(cheap), load_run(dear)], ["algorithm"]))
+    table = raw.set_index("group")
+    assert raw.attrs["equal_generated_tokens"] == 40.0 and raw.attrs["equal_wall_seconds"] == 4.0
+    assert table.loc["tree", "generated_tokens"] == 40.0 and table.loc["grpo", "generated_tokens"] == 40.0
+    assert table.loc["tree", "wall_seconds"] == 4.0 and table.loc["grpo", "engine_seconds"] == 2.0
+    assert table.loc["tree", "reward_at_generated_tokens"] == pytest.approx(0.6)  # its last step: 40 tokens
+    assert table.loc["grpo", "reward_at_generated_tokens"] == pytest.approx(0.5)
+    assert table.loc["tree", "reward_final"] == pytest.approx(0.6) and table.loc["grpo", "reward_final"] == pytest.approx(0.5)
+    assert "| tree | 1 | 40 | 4 |" in cost_markdown(raw)
+    assert main([str(tmp_path), "--phase", "after", "--out", str(tmp_path / "o")]) == 0
+    assert "reward at equal tokens" in (tmp_path / "o" / "cost.md").read_text()

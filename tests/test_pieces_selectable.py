@@ -30,6 +30,8 @@ COMPANIONS = {
     ("advantage", "gae"): ["algorithm=ppo"],  # needs the value head of the ppo preset
     ("advantage", "polychromic"): ["rollout.n=8"],  # needs rollout.n > set_size=4
     ("loss", "degrpo"): ["algorithm/aggregation=seq_mean_token_sum"],
+    ("advantage", "tree"): ["rollout=tree"],  # reads the tree of a tree rollout
+    ("advantage", "treerpo"): ["rollout=treerpo"],
 }
 PRESET_MARK = re.compile(r"#\s*preset:")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -192,6 +193,63 @@ def test_prefix_continuation(eos_model):
         assert c.text == tokenizer.decode(c.response_ids, skip_special_tokens=True)
         assert c.text.startswith(" The answer is")
     assert out[1][0].prefix_len == 0
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_shared_prefill_equals_unshared(eos_model, temperature, top_p):
+    """Prefilling each distinct input once and copying its KV cache to the request's rows gives the
+    samples and log-probs of prefilling every row itself, at the same seed (prefixes included)."""
+    model, tokenizer = eos_model
+    requests = [
+        GenerationRequest(_prompt(tokenizer, "The quick brown fox"), n=5),
+        GenerationRequest(_prompt(tokenizer, "hi"), n=3, prefix_ids=_prompt(tokenizer, " there friend")),
+        GenerationRequest(_prompt(tokenizer, "hi"), n=2),
+    ]
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=12)
+
+    def run(share):
+        engine = HFGenerateEngine(model, tokenizer, batch_size=6, share_prefill=share)  # a request split across batches
+        out = engine.generate(requests, params, torch.Generator().manual_seed(11))
+        return [[(c.response_ids, c.logprobs, c.finished) for c in cs] for cs in out]
+
+    shared = run(True)
+    assert shared == run(False)
+    assert any(done for cs in shared for _, _, done in cs)  # rows left the batch early
+
+
+def test_prefill_once_per_input_and_finished_rows_leave(eos_model):
+    """The prefill runs one row per distinct input; a row that sampled EOS is in no later forward
+    pass (each decoding step's batch is the rows still running)."""
+    model, tokenizer = eos_model
+    rows_per_forward: list[int] = []
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: rows_per_forward.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    try:
+        engine = HFGenerateEngine(model, tokenizer, batch_size=64)
+        requests = [GenerationRequest(_prompt(tokenizer, "hello there"), n=8), GenerationRequest(_prompt(tokenizer, "q"), n=8)]
+        out = engine.generate(requests, SamplingParams(max_new_tokens=16), torch.Generator().manual_seed(1))
+    finally:
+        hook.remove()
+    lengths = [len(c.response_ids) for cs in out for c in cs]
+    assert rows_per_forward[0] == 2  # one prefill row per prompt, not 16
+    # decoding step t (1-based) runs the rows whose response is longer than t tokens
+    expected = [sum(length > t for length in lengths) for t in range(1, max(lengths))]
+    assert rows_per_forward[1:] == expected
+    assert expected[-1] < 16  # rows did leave
+
+
+def test_unscored_prefix_skips_scoring_only(eos_model):
+    """score_prefix=False: the same continuations and log-probs, the prefix's log-probs NaN."""
+    model, tokenizer = eos_model
+    engine = HFGenerateEngine(model, tokenizer)
+    prompt, prefix = _prompt(tokenizer, "Question: what is 2+2?"), _prompt(tokenizer, " The answer is")
+    params = SamplingParams(temperature=0.8, max_new_tokens=6)
+    scored, unscored = (
+        engine.generate([GenerationRequest(prompt, n=3, prefix_ids=prefix, score_prefix=flag)], params, torch.Generator().manual_seed(4))[0]
+        for flag in (True, False)
+    )
+    for a, b in zip(scored, unscored):
+        assert a.response_ids == b.response_ids and a.logprobs[len(prefix):] == b.logprobs[len(prefix):]
+        assert all(math.isnan(x) for x in b.logprobs[: len(prefix)]) and not any(math.isnan(x) for x in a.logprobs)
 
 
 def test_greedy_rows_identical_and_batch_independent(tiny):

@@ -17,6 +17,8 @@ from rlbench.analysis.plots import BUDGETS, plot_passk_curves, plot_training_cur
 from rlbench.analysis.runs import find_run_dirs, group_runs, group_warnings, load_run, select_runs
 from rlbench.analysis.tables import (
     build_table,
+    cost_markdown,
+    cost_table,
     markdown_table,
     runs_table,
     wide_cells,
@@ -112,11 +114,17 @@ def compare(args: argparse.Namespace) -> Path:
     atomic_write_text(out / "table.csv", table.to_csv(index=False))
     atomic_write_text(out / "table_long.md", markdown_table(table))
     atomic_write_text(out / "runs.csv", runs_table(groups).to_csv(index=False))
+    costs = cost_table(groups, phase=args.phase)
+    if not costs.empty:
+        atomic_write_text(out / "cost.csv", costs.to_csv(index=False))
+        atomic_write_text(out / "cost.md", cost_markdown(costs))
     images = {"passk_curves": out / "passk_curves.png"}
     plot_passk_curves(table, images["passk_curves"])
     if plot_training_curves(groups, out / "training_curves.png", budget=args.budget):
         images["training_curves"] = out / "training_curves.png"
     print(markdown)
+    if not costs.empty:
+        print(cost_markdown(costs))
     if args.paper:
         beside = paper_comparison(args.paper, table)
         atomic_write_text(out / "paper.md", beside)

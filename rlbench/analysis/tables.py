@@ -347,3 +347,69 @@ def wide_csv(cells: pd.DataFrame) -> pd.DataFrame:
             for name in ("diff", "diff_ci_low", "diff_ci_high", "p_value"):
                 row[f"{prefix} {name}"] = getattr(cell, name)
     return pd.DataFrame(list(rows.values()))
+
+
+# What a run's training cost, summed over its steps: (column, metrics.jsonl key).
+COST_COLUMNS = (("generated_tokens", "generated_tokens"), ("reused_tokens", "reused_tokens"),
+                ("engine_seconds", "engine_s"), ("wall_seconds", "step_s"))
+EQUAL_COST_BUDGETS = ("generated_tokens", "wall_seconds")
+REWARD_METRICS = ("rollout_outcome_mean", "outcome_mean")
+
+
+def cost_table(groups: Mapping[str, Sequence[Run]], phase: str = "after") -> pd.DataFrame:
+    """Per group, means over its runs: what training cost (generated and reused tokens, engine and wall
+    seconds, summed over steps), the training reward at the end and **at equal cost** (each run's reward
+    curve read, by linear interpolation, at the smallest total every run of every group reached, in
+    generated tokens and in wall seconds), and pass@1 after training (mean over benchmarks). Empty when
+    no run logged training metrics."""
+    from rlbench.analysis.plots import budget_axis
+
+    frames = {label: [run.metrics for run in runs if not run.metrics.empty] for label, runs in groups.items()}
+    logged = [frame for group in frames.values() for frame in group]
+    metric = next((m for m in REWARD_METRICS if logged and all(m in frame for frame in logged)), None)
+    if metric is None:
+        return pd.DataFrame()
+    ends = {budget: min(float(budget_axis(frame, budget).iloc[-1]) for frame in logged) for budget in EQUAL_COST_BUDGETS}
+    rows = []
+    for label, runs in groups.items():
+        group = frames[label]
+        if not group:
+            continue
+        row: dict = {"group": label, "runs": len(group)}
+        for column, key in COST_COLUMNS:
+            row[column] = float(np.mean([frame[key].sum() for frame in group])) if all(key in f for f in group) else float("nan")
+        row["reward_final"] = float(np.mean([frame[metric].iloc[-1] for frame in group]))
+        for budget, end in ends.items():
+            row[f"reward_at_{budget}"] = float(np.mean([
+                np.interp(end, budget_axis(frame, budget).to_numpy(dtype=float), frame[metric].to_numpy(dtype=float))
+                for frame in group
+            ]))
+        passes = [float(r.passk[(r.passk["phase"] == effective_phase(r, phase)) & (r.passk["k"] == 1)]["pass_at_k"].mean())
+                  for r in runs if not r.passk.empty]
+        row["pass_at_1"] = float(np.nanmean(passes)) if passes else float("nan")
+        rows.append(row)
+    table = pd.DataFrame(rows)
+    table.attrs.update(reward_metric=metric, **{f"equal_{b}": e for b, e in ends.items()})
+    return table
+
+
+def cost_markdown(table: pd.DataFrame) -> str:
+    """The cost table as markdown, with the budgets the equal-cost columns are read at."""
+    if table.empty:
+        return ""
+    attrs = table.attrs
+    lines = [
+        f"Training cost per run (mean over seeds) and the training reward ({attrs['reward_metric']}) at equal cost: "
+        f"at {attrs['equal_generated_tokens']:.0f} generated tokens and at {attrs['equal_wall_seconds']:.1f} wall "
+        "seconds, the least any run reached.",
+        "",
+        "| group | runs | generated tokens | reused tokens | engine s | wall s | reward at equal tokens | reward at equal seconds | final reward | pass@1 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in table.to_dict("records"):
+        lines.append(
+            f"| {row['group']} | {row['runs']} | {row['generated_tokens']:.0f} | {row['reused_tokens']:.0f} | "
+            f"{row['engine_seconds']:.1f} | {row['wall_seconds']:.1f} | {row['reward_at_generated_tokens']:.3f} | "
+            f"{row['reward_at_wall_seconds']:.3f} | {row['reward_final']:.3f} | {row['pass_at_1']:.3f} |"
+        )
+    return "\n".join(lines) + "\n"

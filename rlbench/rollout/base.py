@@ -37,12 +37,16 @@ class GenerationRequest:
     :func:`sample_seed` ``(seed, k)``, whatever else is in the call (the evaluation gives each
     problem one, so a benchmark's samples do not depend on the rest of the suite). None: the
     call's ``generator`` (the training rollouts). A call takes all requests with seeds or none.
+
+    ``score_prefix``: False when the caller already holds the prefix's log-probs (a tree node's own
+    tokens): the engine skips scoring it and the completion's prefix log-probs are NaN.
     """
 
     prompt_ids: tuple[int, ...]
     n: int = 1
     prefix_ids: tuple[int, ...] = ()
     seed: int | None = None
+    score_prefix: bool = True
 
 
 def sample_seed(request_seed: int, k: int) -> int:
@@ -88,6 +92,12 @@ class Completion:
                         given as a prefix); they are never trained on. None: every token is trained.
     policy_version:     the number of policy updates before the sampling policy's weights were taken;
                         None until the training step stamps it with its current version.
+
+    Tree rollouts (rlbench/rollout/tree.py):
+
+    tree_nodes:         per token of ``response_ids``: the id of the tree node (a run of tokens sampled
+                        once and shared by every response below it) the token belongs to; ids are
+                        unique within a training step. None: not part of a tree.
     """
 
     request_index: int
@@ -102,6 +112,7 @@ class Completion:
     behaviour_logprobs: list[float] | None = None
     loss_mask: list[int] | None = None
     policy_version: int | None = None
+    tree_nodes: list[int] | None = None
 
 
 class RolloutEngine(Protocol):

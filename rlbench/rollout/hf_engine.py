@@ -1,37 +1,38 @@
-"""Rollout engine on Hugging Face ``model.generate`` (CPU and GPU).
+"""Rollout engine on a Hugging Face causal LM (CPU and GPU): its own decoding loop over the model's
+forward pass with a KV cache.
 
 How it works:
 
 * every request is expanded into ``n`` rows whose input is ``prompt_ids + prefix_ids``; rows are
-  sorted by input length and generated in batches of at most ``batch_size`` sequences, left
-  padded;
-* the sampling distribution is defined by ``temperature`` and ``top_p`` alone: the engine runs
-  ``generate`` under a clean generation config (greedy selection, no repetition penalty, no
-  n-gram blocking, ...) with the model's own ``generation_config`` swapped out meanwhile, so
-  that a checkpoint's ``generation_config.json`` defaults (e.g. Qwen's ``top_k=20``,
-  ``repetition_penalty=1.05``) cannot alter it;
-* the next token is chosen inside ``generate`` by the last logits processor
-  (``_TokenSampler``): transformers' own ``TemperatureLogitsWarper`` and ``TopPLogitsWarper``
-  run first, then the sampler draws from ``log_softmax`` of the warped scores (inverse CDF,
-  about 10x faster on CPU than ``generate``'s ``torch.multinomial`` for a 49k vocabulary),
-  records the chosen token's log-prob and masks every other token, so ``generate`` (run in
-  greedy mode) takes it. The log-probs are therefore exactly those of the distribution sampled
-  from, with ``O(batch x vocab)`` memory per step, where ``output_scores=True`` would keep
-  ``steps x batch x vocab`` floats (40 GB for 64 x 1024 tokens of a 152k vocabulary);
+  sorted by input length (a request's rows stay together) and decoded in batches of at most
+  ``batch_size`` rows;
+* **shared prefill**: a batch runs the forward pass over each distinct input once (left padded) and
+  copies its KV cache to the input's rows, so a group of ``n`` samples (or the branches of a tree
+  node, sent as one request with ``n`` > 1) pays for its prompt once. The same pass scores the
+  prefix tokens (their log-probs are read off the prefill's logits);
+* **finished rows leave the batch**: a row that sampled EOS is dropped from the cache and from every
+  later forward pass, so a step costs the rows still running, not the batch;
+* the sampling distribution is defined by ``temperature`` and ``top_p`` alone (transformers'
+  ``TemperatureLogitsWarper`` and ``TopPLogitsWarper``); nothing from the model's
+  ``generation_config`` (a checkpoint's ``top_k``, repetition penalty, ...) applies;
+* the next token is drawn from ``log_softmax`` of the warped scores by inverse-CDF sampling
+  (:func:`sample_from_logprobs`, about 10x faster on CPU than ``torch.multinomial`` for a 49k
+  vocabulary); its log-prob is recorded, so the log-probs are exactly those of the distribution
+  sampled from, with ``O(rows x vocab)`` memory per step;
 * greedy decoding (``temperature == 0``) reports ``log_softmax(logits)`` at temperature 1;
-* prefix tokens are scored with one forward pass per batch of requests under the same
-  temperature / top-p warping;
-* sampling is a function of the passed ``torch.Generator``: a seed is drawn from it, seeds the
-  sampler's own generator, and ``generate`` runs inside ``torch.random.fork_rng()`` seeded with
-  it too, so the global RNG state is left untouched and the same generator state gives the same
-  completions (given the same batch composition and device); requests that carry their own
-  ``seed`` (the evaluation's) instead draw each sample's tokens from a generator of its own,
-  seeded with ``sample_seed(seed, k)``, so that a sample does not depend on the other requests of
-  the call (up to the float effects of padding in a differently composed batch).
+* sampling is a function of the passed ``torch.Generator``: a seed is drawn from it and seeds the
+  engine's own generator, so the global RNG state is left untouched and the same generator state
+  gives the same completions (given the same batch composition and device). Each decoding step
+  draws one uniform number per row of the batch, finished rows included, so a row's draws do not
+  depend on when the other rows of its batch finish. Requests that carry their own ``seed`` (the
+  evaluation's) draw each sample's tokens from a generator of its own, seeded with
+  ``sample_seed(seed, k)``, so that a sample does not depend on the other requests of the call (up
+  to the float effects of padding in a differently composed batch).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Sequence
 
@@ -43,24 +44,15 @@ from rlbench.rollout.base import Completion, GenerationRequest, SamplingParams, 
 log = logging.getLogger(__name__)
 
 
-def sample_from_logprobs(
-    logprobs: torch.Tensor, generator: torch.Generator | Sequence[torch.Generator] | None = None
-) -> torch.Tensor:
-    """One token per row of ``logprobs`` (``[B, V]``, normalised, ``-inf`` = excluded), drawn by
-    inverse-CDF sampling with ``generator`` (or one generator per row).
-
-    Equivalent to ``torch.multinomial(logprobs.exp(), 1)`` in distribution but about ten times
-    faster on CPU for large vocabularies; the CDF is accumulated in float64 so that tail tokens
-    keep their probability next to a dominant token.
-    """
+def inverse_cdf_sample(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``logprobs`` (``[B, V]``, normalised, ``-inf`` = excluded) at the
+    uniform numbers ``uniforms`` (``[B, 1]`` float64 in [0, 1)): the first token whose cumulative
+    probability exceeds ``u``. The CDF is accumulated in float64 so that tail tokens keep their
+    probability next to a dominant token."""
     # convert, then accumulate: the same float64 sums as ``cumsum(dtype=torch.float64)``, several times
     # faster on CPU (the converting cumsum takes a slow path)
     cdf = logprobs.exp().double().cumsum(-1)
-    if isinstance(generator, (list, tuple)):
-        u = torch.cat([torch.rand((1, 1), generator=g, device=cdf.device, dtype=torch.float64) for g in generator])
-    else:
-        u = torch.rand((cdf.shape[0], 1), generator=generator, device=cdf.device, dtype=torch.float64)
-    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
+    tokens = torch.searchsorted(cdf, uniforms * cdf[:, -1:], right=True).squeeze(-1)
     tokens = tokens.clamp_(max=cdf.shape[-1] - 1)
     # guard against float rounding landing on an excluded token
     bad = ~torch.isfinite(logprobs.gather(-1, tokens[:, None]).squeeze(-1))
@@ -69,43 +61,24 @@ def sample_from_logprobs(
     return tokens
 
 
-class _TokenSampler:
-    """The last logits processor: picks the next token itself and records its log-prob.
+def draw_uniforms(rows: int, generator: torch.Generator | Sequence[torch.Generator] | None, device) -> torch.Tensor:
+    """``[rows, 1]`` float64 uniforms from one generator, or one from each of ``rows`` generators."""
+    if isinstance(generator, (list, tuple)):
+        return torch.cat([torch.rand((1, 1), generator=g, device=device, dtype=torch.float64) for g in generator])
+    return torch.rand((rows, 1), generator=generator, device=device, dtype=torch.float64)
 
-    It receives the scores after temperature / top-p warping (transformers' own warpers, placed
-    before it), samples from ``log_softmax(scores)`` (:func:`sample_from_logprobs`; the argmax
-    when ``greedy``), records the log-prob of the chosen token and returns scores that are
-    ``-inf`` everywhere else, so that ``generate``'s greedy selection takes exactly that token.
-    This replaces ``generate``'s ``torch.multinomial`` (slow on CPU) and its
-    ``output_scores=True`` (which keeps ``steps x batch x vocab`` floats) with ``O(batch x vocab)``
-    work and memory per step.
-    """
 
-    def __init__(self, greedy: bool, generator: torch.Generator | Sequence[torch.Generator] | None) -> None:
-        self.greedy = greedy
-        self.generator = generator
-        self.logprobs: list[torch.Tensor] = []
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        logp = torch.log_softmax(scores.float(), dim=-1)
-        tokens = logp.argmax(-1) if self.greedy else sample_from_logprobs(logp, self.generator)
-        self.logprobs.append(logp.gather(-1, tokens[:, None]).squeeze(-1))
-        # ``scores`` is generate's private copy of the logits: overwrite it in place
-        return scores.fill_(float("-inf")).scatter_(-1, tokens[:, None], 0.0)
-
-    def finish(self, new_tokens: torch.Tensor) -> torch.Tensor:
-        """``[B, T]`` log-probs of the generated tokens ``new_tokens`` (``[B, T]``); steps that
-        ``generate`` ran and then undid (deferred stop checks) are dropped."""
-        steps = new_tokens.shape[1]
-        if len(self.logprobs) < steps:
-            raise RuntimeError(f"recorded {len(self.logprobs)} log-prob steps for {steps} generated tokens")
-        if steps == 0:
-            return new_tokens.new_zeros(new_tokens.shape, dtype=torch.float32)
-        return torch.stack(self.logprobs[:steps], dim=1)
+def sample_from_logprobs(
+    logprobs: torch.Tensor, generator: torch.Generator | Sequence[torch.Generator] | None = None
+) -> torch.Tensor:
+    """One token per row of ``logprobs`` drawn by inverse-CDF sampling with ``generator`` (or one
+    generator per row): equivalent to ``torch.multinomial(logprobs.exp(), 1)`` in distribution but
+    about ten times faster on CPU for large vocabularies."""
+    return inverse_cdf_sample(logprobs, draw_uniforms(logprobs.shape[0], generator, logprobs.device))
 
 
 def _warpers(params: SamplingParams) -> list:
-    """transformers' warpers for ``params`` (the ones ``generate`` would build itself)."""
+    """transformers' warpers for ``params`` (temperature, then top-p)."""
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
     out: list = []
@@ -115,6 +88,14 @@ def _warpers(params: SamplingParams) -> list:
         if params.top_p < 1.0:
             out.append(TopPLogitsWarper(float(params.top_p)))
     return out
+
+
+def warped_logprobs(logits: torch.Tensor, warpers: Sequence) -> torch.Tensor:
+    """``log_softmax`` of ``logits`` (``[N, V]``, any dtype) after the warpers, in float32."""
+    scores = logits.float()
+    for w in warpers:
+        scores = w(None, scores)
+    return torch.log_softmax(scores, dim=-1)
 
 
 def _check_params(params: SamplingParams) -> None:
@@ -145,14 +126,27 @@ def left_pad(seqs: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.
     return ids.to(device), mask.to(device)
 
 
-class HFGenerateEngine:
-    """:class:`~rlbench.rollout.base.RolloutEngine` on ``model.generate``.
+def _cache_argument(model) -> str:
+    """The forward pass's keyword for the KV cache: ``cache`` (transformers >= 5) or
+    ``past_key_values`` (4.x)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
-    ``batch_size`` is the number of sequences (rows) per ``generate`` call. The engine samples
-    from the model object it holds; :meth:`sync_weights` swaps that object.
+
+def _returned_cache(output):
+    cache = output.get("cache")
+    return cache if cache is not None else output.get("past_key_values")
+
+
+class HFGenerateEngine:
+    """:class:`~rlbench.rollout.base.RolloutEngine` on a Hugging Face causal LM (module docstring).
+
+    ``batch_size`` is the number of sequences (rows) decoded together. The engine samples from the
+    model object it holds; :meth:`sync_weights` swaps that object. ``share_prefill=False`` runs
+    the prefill once per row instead of once per distinct input (the reference the shared path is
+    tested against; same samples and log-probs).
     """
 
-    def __init__(self, model, tokenizer, *, batch_size: int = 64, device=None, progress: bool = True):
+    def __init__(self, model, tokenizer, *, batch_size: int = 64, device=None, progress: bool = True, share_prefill: bool = True):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.model = model
@@ -160,6 +154,7 @@ class HFGenerateEngine:
         self.batch_size = int(batch_size)
         self._device = torch.device(device) if device is not None else None
         self.progress = progress
+        self.share_prefill = share_prefill
         self.eos_ids = self._eos_ids(model, tokenizer)
         if not self.eos_ids:
             raise ValueError("neither the tokenizer nor the model's generation_config defines an EOS token")
@@ -186,100 +181,122 @@ class HFGenerateEngine:
             return self._device
         return next(self.model.parameters()).device
 
-    def _generation_config(self, params: SamplingParams):
-        """A generation config under which ``generate`` changes nothing in the scores: greedy
-        selection of the token ``_TokenSampler`` picked (the warpers for temperature and top-p
-        are passed as logits processors, see the module docstring)."""
-        from transformers import GenerationConfig
-
-        return GenerationConfig(
-            do_sample=False,  # _TokenSampler samples; generate takes its choice greedily
-            # greedy mode: generate adds no temperature / top-k / top-p / min-p / typical-p /
-            # epsilon / eta warpers whatever their values; the processors below stay neutral
-            repetition_penalty=1.0,
-            encoder_repetition_penalty=1.0,
-            no_repeat_ngram_size=0,
-            encoder_no_repeat_ngram_size=0,
-            length_penalty=1.0,
-            min_length=0,
-            num_beams=1,
-            num_return_sequences=1,
-            max_new_tokens=int(params.max_new_tokens),
-            eos_token_id=list(self.eos_ids),
-            pad_token_id=self.pad_id,
-            bos_token_id=getattr(self.model.generation_config, "bos_token_id", None),
-            output_scores=False,
-            return_dict_in_generate=False,
-            use_cache=True,
-            renormalize_logits=False,
-            remove_invalid_values=False,
-        )
-
-    def _run_generate(
-        self, seqs: list[tuple[int, ...]], params: SamplingParams, generator: torch.Generator | Sequence[torch.Generator] | None
-    ):
-        """Generate for one batch of input rows (one generator, or one per row); returns
-        ``(new_tokens [B, T], logprobs [B, T])`` (on CPU)."""
-        from transformers import GenerationConfig, LogitsProcessorList
-
+    def _prefill(self, seqs: Sequence[tuple[int, ...]], keep: int):
+        """One forward pass over the left-padded ``seqs``: ``(logits of the last keep positions
+        [U, keep, V], cache, attention mask or None when nothing is padded, last position ids [U])``."""
         input_ids, mask = left_pad(seqs, self.pad_id, self.device)
-        sampler = _TokenSampler(greedy=params.temperature == 0, generator=generator)
-        processors = LogitsProcessorList([*_warpers(params), sampler])
-        # The model's own generation_config fills every field left None in ours (e.g. min_p,
-        # bad_words_ids, suppress_tokens of a checkpoint); swap in a neutral one meanwhile.
-        saved = self.model.generation_config
-        self.model.generation_config = GenerationConfig(
-            bos_token_id=getattr(saved, "bos_token_id", None),
-            eos_token_id=list(self.eos_ids),
-            pad_token_id=self.pad_id,
+        position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        padded = not bool(mask.all())
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=mask if padded else None,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=keep,
         )
-        try:
-            out = self.model.generate(
-                input_ids=input_ids,
-                attention_mask=mask,
-                generation_config=self._generation_config(params),
-                logits_processor=processors,
-            )
-        finally:
-            self.model.generation_config = saved
-        sequences = out if isinstance(out, torch.Tensor) else out.sequences
-        new = sequences[:, input_ids.shape[1] :]
-        return new.cpu(), sampler.finish(new).cpu()
+        return out.logits[:, -keep:], _returned_cache(out), (mask if padded else None), position_ids[:, -1]
+
+    @staticmethod
+    def _prefix_logprobs(logits: torch.Tensor, prefix: Sequence[int], warpers: Sequence) -> list[float]:
+        """Log-probs of ``prefix`` from the kept logits of one row (``[keep, V]``, the input ending
+        with ``prefix``): position j's logits predict token j + 1."""
+        if not prefix:
+            return []
+        width = logits.shape[0]
+        targets = torch.tensor(list(prefix), dtype=torch.long, device=logits.device)
+        lp = warped_logprobs(logits[width - len(prefix) - 1 : width - 1], warpers)
+        return lp.gather(-1, targets[:, None]).squeeze(-1).cpu().tolist()
 
     def score_prefixes(
         self, items: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], params: SamplingParams
     ) -> list[list[float]]:
         """Log-probs of each ``prefix`` given its ``prompt`` (``items`` = ``(prompt, prefix)``
         pairs) under the sampling distribution of ``params`` (temperature and top-p warping;
-        temperature 0 scores at temperature 1). One forward pass per batch."""
+        temperature 0 scores at temperature 1). One forward pass per batch (the vLLM engine scores
+        prefixes with it; this engine scores them in its prefill)."""
         if any(len(p) == 0 for p, _ in items):
             raise ValueError("prefix scoring needs a non-empty prompt")
         warpers = _warpers(params)
         results: list[list[float]] = []
         for start in range(0, len(items), self.batch_size):
             chunk = items[start : start + self.batch_size]
-            seqs = [tuple(p) + tuple(x) for p, x in chunk]
-            input_ids, mask = left_pad(seqs, self.pad_id, self.device)
-            position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-            # only the last ``keep`` positions' logits are needed (not ``B x L x vocab``)
             keep = max(len(x) for _, x in chunk) + 1
-            logits = self.model(
-                input_ids=input_ids, attention_mask=mask, position_ids=position_ids, logits_to_keep=keep
-            ).logits[:, -keep:]
-            width = keep
-            for row, (prompt, prefix) in enumerate(chunk):
-                if not prefix:
-                    results.append([])
-                    continue
-                # logits at position j predict token j + 1; the prefix occupies the last len(prefix)
-                lo, hi = width - len(prefix) - 1, width - 1
-                scores = logits[row, lo:hi].float()
-                targets = input_ids[row, input_ids.shape[1] - len(prefix) :]
-                for w in warpers:
-                    scores = w(targets[None], scores)
-                lp = torch.log_softmax(scores, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
-                results.append(lp.cpu().tolist())
+            logits = self._prefill([tuple(p) + tuple(x) for p, x in chunk], keep)[0]
+            results.extend(self._prefix_logprobs(logits[row], prefix, warpers) for row, (_, prefix) in enumerate(chunk))
         return results
+
+    def _decode_batch(
+        self,
+        inputs: Sequence[tuple[int, ...]],
+        prefix_lens: Sequence[int],
+        row_input: Sequence[int],
+        params: SamplingParams,
+        generator: torch.Generator | Sequence[torch.Generator] | None,
+    ) -> tuple[list[list[int]], list[list[float]], list[list[float]]]:
+        """Decode one batch: ``inputs`` are the distinct inputs (``prompt + prefix``, the last
+        ``prefix_lens[u]`` tokens a prefix to score), ``row_input[r]`` the input of row r. Returns
+        per row its new tokens and their log-probs (up to and including EOS) and per input its
+        prefix log-probs."""
+        warpers = _warpers(params)
+        keep = max(prefix_lens) + 1
+        logits, cache, mask, last_pos = self._prefill(inputs, keep)
+        prefix_lp = [self._prefix_logprobs(logits[u], inputs[u][len(inputs[u]) - n :] if n else (), warpers) for u, n in enumerate(prefix_lens)]
+        rows = len(row_input)
+        tokens: list[list[int]] = [[] for _ in range(rows)]
+        logprobs: list[list[float]] = [[] for _ in range(rows)]
+        if params.max_new_tokens == 0:
+            return tokens, logprobs, prefix_lp
+        index = torch.tensor(list(row_input), dtype=torch.long, device=logits.device)
+        scores = logits[:, -1].index_select(0, index)
+        if len(inputs) != rows or not torch.equal(index, torch.arange(rows, device=index.device)):
+            cache.reorder_cache(index)
+        if mask is not None:
+            mask = mask.index_select(0, index)
+        position = last_pos.index_select(0, index)
+        per_row_generators = isinstance(generator, (list, tuple))
+        eos = torch.tensor(self.eos_ids, dtype=torch.long, device=scores.device)
+        active = list(range(rows))  # batch rows still running, in cache order
+        cache_kw = _cache_argument(self.model)
+        for step in range(params.max_new_tokens):
+            logp = warped_logprobs(scores, warpers)
+            if params.temperature == 0:
+                chosen = logp.argmax(-1)
+            elif per_row_generators:
+                chosen = inverse_cdf_sample(logp, draw_uniforms(len(active), [generator[r] for r in active], logp.device))
+            else:
+                # one draw per row of the batch, finished rows included (module docstring)
+                uniforms = draw_uniforms(rows, generator, logp.device)
+                if len(active) != rows:
+                    uniforms = uniforms[torch.tensor(active, device=uniforms.device)]
+                chosen = inverse_cdf_sample(logp, uniforms)
+            chosen_lp = logp.gather(-1, chosen[:, None]).squeeze(-1)
+            for r, t, lp in zip(active, chosen.tolist(), chosen_lp.tolist()):
+                tokens[r].append(t)
+                logprobs[r].append(lp)
+            running = ~torch.isin(chosen, eos)
+            if step == params.max_new_tokens - 1 or not bool(running.any()):
+                break
+            if not bool(running.all()):
+                still = running.nonzero(as_tuple=True)[0]
+                active = [active[i] for i in still.tolist()]
+                chosen, position = chosen[still], position[still]
+                cache.reorder_cache(still)
+                if mask is not None:
+                    mask = mask[still]
+            position = position + 1
+            if mask is not None:
+                mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
+            out = self.model(
+                input_ids=chosen[:, None],
+                attention_mask=mask,
+                position_ids=position[:, None],
+                use_cache=True,
+                logits_to_keep=1,
+                **{cache_kw: cache},
+            )
+            cache = _returned_cache(out)
+            scores = out.logits[:, -1]
+        return tokens, logprobs, prefix_lp
 
     # ---------------------------------------------------------------- RolloutEngine
 
@@ -306,56 +323,43 @@ class HFGenerateEngine:
         model = self.model
         was_training = model.training
         model.eval()
-        fork_devices = [self.device] if self.device.type == "cuda" else []
         try:
-            with torch.inference_mode(), torch.random.fork_rng(devices=fork_devices):
-                torch.manual_seed(seed)
+            with torch.inference_mode():
                 sample_gen = torch.Generator(device=self.device)
                 sample_gen.manual_seed(seed)
-                with_prefix = [i for i, req in enumerate(requests) if req.prefix_ids and req.n > 0]
-                prefix_lp = dict(
-                    zip(
-                        with_prefix,
-                        self.score_prefixes(
-                            [(tuple(requests[i].prompt_ids), tuple(requests[i].prefix_ids)) for i in with_prefix],
-                            params,
-                        ),
-                    )
-                )
                 order = sorted(
                     rows, key=lambda r: -(len(requests[r[0]].prompt_ids) + len(requests[r[0]].prefix_ids))
                 )
                 progress = Progress("rollout", len(order), min_interval=2.0, enabled=self.progress and len(order) > self.batch_size)
                 for start in range(0, len(order), self.batch_size):
                     batch = order[start : start + self.batch_size]
-                    seqs = [tuple(requests[i].prompt_ids) + tuple(requests[i].prefix_ids) for i, _ in batch]
-                    if params.max_new_tokens > 0:
-                        gens = (
-                            [torch.Generator(device=self.device).manual_seed(sample_seed(requests[i].seed, k)) for i, k in batch]
-                            if own_seeds
-                            else sample_gen
-                        )
-                        new, lps = self._run_generate(seqs, params, gens)
-                    else:
-                        new = torch.zeros((len(batch), 0), dtype=torch.long)
-                        lps = torch.zeros((len(batch), 0))
+                    # the distinct inputs of the batch: one per request (one per row unshared)
+                    inputs, prefix_lens, row_input, seen = [], [], [], {}
+                    for i, k in batch:
+                        key = i if self.share_prefill else (i, k)
+                        if key not in seen:
+                            seen[key] = len(inputs)
+                            inputs.append(tuple(requests[i].prompt_ids) + tuple(requests[i].prefix_ids))
+                            prefix_lens.append(len(requests[i].prefix_ids) if requests[i].score_prefix else 0)
+                        row_input.append(seen[key])
+                    gens = (
+                        [torch.Generator(device=self.device).manual_seed(sample_seed(requests[i].seed, k)) for i, k in batch]
+                        if own_seeds
+                        else sample_gen
+                    )
+                    new, lps, prefix_lp = self._decode_batch(inputs, prefix_lens, row_input, params, gens)
                     for row, (i, k) in enumerate(batch):
-                        results[i][k] = self._make_completion(i, requests[i], new[row], lps[row], prefix_lp.get(i, []))
+                        results[i][k] = self._make_completion(i, requests[i], new[row], lps[row], prefix_lp[row_input[row]])
                     progress.update(len(batch))
         finally:
             model.train(was_training)
         return results  # type: ignore[return-value]
 
-    def _make_completion(self, index, req, new: torch.Tensor, lps: torch.Tensor, prefix_lp) -> Completion:
-        tokens = new.tolist()
-        logprobs = lps.tolist()
-        finished = False
-        eos = set(self.eos_ids)
-        for j, t in enumerate(tokens):
-            if t in eos:
-                tokens, logprobs, finished = tokens[: j + 1], logprobs[: j + 1], True
-                break
+    def _make_completion(self, index, req, tokens: list[int], logprobs: list[float], prefix_lp) -> Completion:
+        finished = bool(tokens) and tokens[-1] in self.eos_ids
         response = list(req.prefix_ids) + tokens
+        if not req.score_prefix:
+            prefix_lp = [float("nan")] * len(req.prefix_ids)
         return Completion(
             request_index=index,
             prompt_ids=tuple(req.prompt_ids),

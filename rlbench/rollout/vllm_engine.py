@@ -243,8 +243,10 @@ class VLLMEngine:
             seeds = torch.randint(0, 2**31 - 1, (len(rows),)).tolist()
         else:
             seeds = torch.randint(0, 2**31 - 1, (len(rows),), generator=generator, device=generator.device).tolist()
-        with_prefix = [i for i, r in enumerate(requests) if r.prefix_ids and r.n > 0]
-        prefix_lp: dict[int, list[float]] = {}
+        with_prefix = [i for i, r in enumerate(requests) if r.prefix_ids and r.n > 0 and r.score_prefix]
+        prefix_lp: dict[int, list[float]] = {  # not scored: NaN (GenerationRequest.score_prefix)
+            i: [float("nan")] * len(r.prefix_ids) for i, r in enumerate(requests) if not r.score_prefix
+        }
         if with_prefix:
             model = self.scorer.model
             was_training = model.training
@@ -256,7 +258,7 @@ class VLLMEngine:
                     )
             finally:
                 model.train(was_training)
-            prefix_lp = dict(zip(with_prefix, scored))
+            prefix_lp.update(zip(with_prefix, scored))
         if params.max_new_tokens == 0:
             outputs = [_EmptyOutput() for _ in rows]
         else:

@@ -18,6 +18,8 @@ built in :meth:`AdvantageInputSources.from_config`), and check its options in
     answer_keys       [B]   class id of each response's canonical extracted answer (polychromic)
     diversity         [B,B] token-set Jaccard distance between responses (polychromic with
                             diversity_from=diversity)
+    tree_nodes        [B,T] the tree node of every response token, -1 on padding (Completion.tree_nodes
+                            of a tree rollout: tree, treerpo)
 
 Configuration (under ``algorithm``):
 
@@ -48,6 +50,7 @@ from rlbench.algorithm.registry import ADVANTAGES
 from rlbench.errors import ConfigError
 from rlbench.reward.math import canonical_answer
 from rlbench.rollout import GradedGroups, GroupSampler, validate_strategy
+from rlbench.rollout.strategy import strategy_class
 from rlbench.rollout.base import Completion, RolloutEngine, SamplingParams
 from rlbench.training.batch import TrainBatch, collate
 from rlbench.training.forward import batch_outputs
@@ -56,7 +59,7 @@ from rlbench.utils import STREAM_GREEDY, STREAM_REFERENCE, make_generator
 log = logging.getLogger(__name__)
 
 # The inputs this module provides (composition.PROVIDED_ADVANTAGE_INPUTS lists them too).
-RUNNER_INPUTS = {"baseline_rewards", "tracker_baseline", "answer_keys", "diversity"}
+RUNNER_INPUTS = {"baseline_rewards", "tracker_baseline", "answer_keys", "diversity", "tree_nodes"}
 BASELINE_SOURCES = ("greedy", "reference")
 DEFAULT_BASELINE_SOURCE = {"remax": "greedy", "pvpo": "reference"}
 BASELINE_KEYS = {"source", "samples", "refresh_every"}
@@ -162,6 +165,17 @@ def tracker_from_config(algorithm_cfg: Any) -> SPOTracker:
     return tracker
 
 
+def token_tree_nodes(graded: GradedGroups, width: int) -> torch.Tensor:
+    """[B, width] long: each response token's tree node (Completion.tree_nodes), -1 on padding."""
+    flat = [c for group in graded.groups for c in group]
+    out = torch.full((len(flat), width), -1, dtype=torch.long)
+    for row, completion in enumerate(flat):
+        if completion.tree_nodes is None:
+            raise ValueError("a response without tree_nodes reached an advantage that reads the tree (tree rollouts set them)")
+        out[row, : len(completion.tree_nodes)] = torch.tensor(completion.tree_nodes, dtype=torch.long)
+    return out
+
+
 def advantage_param(algorithm: Algorithm, name: str) -> Any:
     """The estimator's parameter ``name``: from the config, else the function's default."""
     if name in algorithm.advantage.params:
@@ -203,6 +217,11 @@ def validate_step_options(cfg: Any, algorithm: Algorithm) -> None:
             "rollout.dynamic_sampling.max_rounds / .metric (algorithm=dapo selects it; rollout=iid turns it off)"
         )
     validate_strategy(cfg.rollout, name)
+    if "tree_nodes" in needed_inputs(algorithm) and not getattr(strategy_class(cfg.rollout), "grows_trees", False):
+        raise ConfigError(
+            f"advantage '{name}' reads the tree of a tree rollout (tree_nodes), and rollout={cfg.rollout.get('strategy', 'iid')} "
+            "samples independent responses. Select rollout=tree (TreePO) or rollout=treerpo (TreeRPO)"
+        )
     if not isinstance(cfg.algorithm.get("overlong_filter", False), bool):
         raise ConfigError(f"algorithm.overlong_filter must be true or false, got {cfg.algorithm.get('overlong_filter')!r}")
     needs = needed_inputs(algorithm)
@@ -451,6 +470,8 @@ class AdvantageInputSources:
         if "diversity" in self.needs:
             responses = [c.response_ids for group in graded.groups for c in group]
             inputs["diversity"] = token_jaccard_distance(responses).to(device)
+        if "tree_nodes" in self.needs:
+            inputs["tree_nodes"] = token_tree_nodes(graded, batch.response_mask.shape[1]).to(device)
         return inputs, metrics
 
     def state_dict(self) -> dict[str, Any]:
