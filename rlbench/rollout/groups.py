@@ -170,6 +170,10 @@ class GroupSampler:
         self.cost.add(groups, time.perf_counter() - start)
         return groups
 
+    def encode(self, problems: Sequence[Problem]) -> list[tuple[int, ...]]:
+        """The prompt token ids of ``problems`` (the dataset's chat template)."""
+        return encode_prompts(self.tokenizer, problems, self.prompt_spec)
+
     def __call__(
         self,
         problems: Sequence[Problem],
@@ -180,12 +184,16 @@ class GroupSampler:
     ) -> GradedGroups:
         """``prompt_ids``: the encoded prompts when the caller has them (else they are encoded here)."""
         if prompt_ids is None:
-            prompt_ids = encode_prompts(self.tokenizer, problems, self.prompt_spec)
+            prompt_ids = self.encode(problems)
         requests = [GenerationRequest(prompt_ids=ids, n=n) for ids in prompt_ids]
-        groups = self.generate(requests, params, generator)
+        return self.grade(problems, self.generate(requests, params, generator), params.max_new_tokens)
+
+    def grade(self, problems: Sequence[Problem], groups: list[list[Completion]], max_length: int) -> GradedGroups:
+        """Grade completions the strategy built itself (``groups[i]`` answers ``problems[i]``) and shape
+        their rewards, as :meth:`__call__` does for its own; ``max_length`` is the response budget."""
         flat = [c for group in groups for c in group]
         grades = grade_completions(self.grader, [p for p, group in zip(problems, groups) for _ in group], flat)
         outcome = torch.tensor([g.reward for g in grades], dtype=torch.float32)
-        inputs = shaping_inputs(groups, grades, params.max_new_tokens, self.tokenizer)
+        inputs = shaping_inputs(groups, grades, max_length, self.tokenizer)
         rewards = self.shape_rewards(outcome, inputs).to(torch.float32)
         return GradedGroups(list(problems), groups, grades, rewards, outcome, inputs["finished"], list(range(len(groups))))

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from rlbench.algorithm import Algorithm
 
 from conftest import compose_config
-from toy_check import TOY_DIR, all_presets, check_preset, judge, seeds_from_env, toy_run
+from toy_check import TOY_DIR, all_presets, check_preset, judge, rollout_presets, seeds_from_env, toy_run
 
 SEEDS = seeds_from_env()
 from rlbench.training.step import TIMING_METRICS as TIMING_KEYS
@@ -59,7 +59,10 @@ def test_toy_budget_selects_its_preset_and_states_the_lr_rule(tmp_path, preset):
     the policy about as far as one GRPO step does; see conf/experiment/toy_learning.yaml)."""
     cfg = compose_config([f"experiment=toy_learning/{preset}"], tmp_path / "compose")
     algorithm = Algorithm.from_config(cfg.algorithm)
-    assert cfg.algorithm.name == preset
+    if preset in rollout_presets():  # a rollout strategy's check: grpo with that strategy
+        assert cfg.algorithm.name == "grpo" and cfg.rollout.strategy == preset
+    else:
+        assert cfg.algorithm.name == preset
     assert cfg.model.name == "tiny" and cfg.reward.name == "even_tokens"
     assert cfg.trainer.steps == TOY_BASE.trainer.steps
     responses = cfg.trainer.prompts_per_step * cfg.rollout.n

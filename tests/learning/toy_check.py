@@ -50,8 +50,19 @@ def seeds_from_env() -> tuple[int, ...]:
     return seeds
 
 
+# Rollout strategies checked by the algorithm presets' runs: iid (every preset's default) and
+# dynamic_sampling (dapo's). Every other strategy has its own check: grpo with rollout=<strategy>.
+ROLLOUT_STRATEGIES_CHECKED_BY_PRESETS = ("iid", "dynamic_sampling")
+
+
+def rollout_presets() -> list[str]:
+    """The rollout strategies (conf/rollout) with a learning check of their own."""
+    return sorted(p.stem for p in (ROOT / "conf" / "rollout").glob("*.yaml") if p.stem not in ROLLOUT_STRATEGIES_CHECKED_BY_PRESETS)
+
+
 def all_presets() -> list[str]:
-    return sorted(p.stem for p in (ROOT / "conf" / "algorithm").glob("*.yaml"))
+    """Every learning check: the algorithm presets (conf/algorithm) and :func:`rollout_presets`."""
+    return sorted([p.stem for p in (ROOT / "conf" / "algorithm").glob("*.yaml")] + rollout_presets())
 
 
 def window_means(rewards: list[float]) -> list[float]:
