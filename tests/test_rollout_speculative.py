@@ -26,9 +26,9 @@ from rlbench.rollout.speculative import (
     SpeculativeOptions,
     SpeculativeRollout,
     acceptance_probability,
-    budget_bucket,
     first_rejection,
 )
+from rlbench.rollout.continuation import budget_bucket
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, LENGTH = 3, 3  # every sequence of 3 tokens over a 3-token vocabulary: 27 sequences

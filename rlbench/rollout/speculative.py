@@ -57,8 +57,10 @@ import torch
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.base import Completion, GenerationRequest, SamplingParams
+from rlbench.rollout.continuation import continue_with_budgets
+from rlbench.rollout.scoring import needs_hf_engine
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.strategy import RolloutSetup, register_strategy
+from rlbench.rollout.strategy import RolloutSetup, options_block, register_strategy
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +75,7 @@ class SpeculativeOptions:
 
     @classmethod
     def from_config(cls, rollout_cfg: Any) -> "SpeculativeOptions":
-        node = rollout_cfg.get("speculative") or {}
-        unknown = set(node) - OPTION_KEYS
-        if unknown:
-            raise ConfigError(f"rollout.speculative has no key(s) {sorted(unknown)}; it takes {sorted(OPTION_KEYS)}")
+        node = options_block(rollout_cfg, "speculative", OPTION_KEYS)
         lenience = float(node.get("lenience", cls.lenience))
         if not math.isfinite(lenience):
             raise ConfigError(
@@ -121,12 +120,6 @@ def score_under_policy(engine: Any, items: list[tuple[tuple[int, ...], tuple[int
     return engine.score_prefixes(items, params) if items else []
 
 
-def budget_bucket(remaining: int, max_new_tokens: int) -> int:
-    """The generation budget of a regeneration with ``remaining`` tokens left: the next power of two,
-    at most ``max_new_tokens`` (one engine call per bucket; the completion is cut to ``remaining``)."""
-    return min(max_new_tokens, 1 << max(remaining - 1, 0).bit_length())
-
-
 @register_strategy("speculative")
 class SpeculativeRollout:
     """SPEC-RL (arXiv:2509.23232): the previous epoch's responses are drafts, verified against the
@@ -143,11 +136,7 @@ class SpeculativeRollout:
     @staticmethod
     def validate(rollout_cfg: Any, advantage: str) -> None:
         SpeculativeOptions.from_config(rollout_cfg)
-        if rollout_cfg.get("engine", "hf") != "hf":
-            raise ConfigError(
-                "rollout=speculative verifies drafts with the engine's score_prefixes, which only rollout.engine=hf has; "
-                "set rollout.engine=hf"
-            )
+        needs_hf_engine("speculative", rollout_cfg, "verifies drafts with the engine's score_prefixes")
 
     # ------------------------------------------------------------------ state
 
@@ -227,34 +216,15 @@ class SpeculativeRollout:
         fresh: list[tuple[int, list[int]]],
     ) -> None:
         """Fill the open slots: draftless slots sampled from scratch (one request per prompt), drafted
-        ones continued from their accepted prefix, one engine call per budget bucket."""
+        ones continued from their accepted prefix with the rest of the budget."""
         setup = self.setup
         budget = setup.params.max_new_tokens
-        buckets: dict[int, list[tuple[GenerationRequest, list[tuple[int, int]]]]] = {}
-        for i, ks in fresh:
-            buckets.setdefault(budget, []).append((GenerationRequest(prompts[i], n=len(ks)), [(i, k) for k in ks]))
-        for i, k, prefix in prefixed:
-            request = GenerationRequest(prompts[i], n=1, prefix_ids=tuple(prefix))
-            buckets.setdefault(budget_bucket(budget - len(prefix), budget), []).append((request, [(i, k)]))
-        for bucket in sorted(buckets):
-            entries = buckets[bucket]
-            params = SamplingParams(setup.params.temperature, setup.params.top_p, bucket)
-            outputs = setup.sampler.generate([request for request, _ in entries], params, setup.generator)
-            for (request, places), completions in zip(entries, outputs):
-                for (i, k), completion in zip(places, completions):
-                    completion = self._cut_to_budget(completion, budget)
-                    completion.request_index = i
-                    if completion.prefix_len:
-                        completion.behaviour = "draft"
-                    slots[i][k] = completion
-
-    def _cut_to_budget(self, completion: Completion, budget: int) -> Completion:
-        """The completion cut to ``budget`` response tokens (a bucket may generate past it; the first
-        ``budget`` tokens of a longer sample are a sample with that budget)."""
-        if len(completion.response_ids) <= budget:
-            return completion
-        ids = completion.response_ids[:budget]
-        completion.response_ids, completion.logprobs = ids, completion.logprobs[:budget]
-        completion.finished = False
-        completion.text = self.setup.sampler.tokenizer.decode(ids, skip_special_tokens=True)
-        return completion
+        requests = [(GenerationRequest(prompts[i], n=len(ks)), budget) for i, ks in fresh]
+        requests += [(GenerationRequest(prompts[i], n=1, prefix_ids=tuple(prefix)), budget - len(prefix)) for i, _, prefix in prefixed]
+        places = [[(i, k) for k in ks] for i, ks in fresh] + [[(i, k)] for i, k, _ in prefixed]
+        for where, completions in zip(places, continue_with_budgets(setup.sampler, requests, setup.params, setup.generator)):
+            for (i, k), completion in zip(where, completions):
+                completion.request_index = i
+                if completion.prefix_len:
+                    completion.behaviour = "draft"
+                slots[i][k] = completion
