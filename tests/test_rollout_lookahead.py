@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def stats(rows):
     """PositionStats from [(a1, p1, a2, p2), ...]."""
     return PositionStats(torch.tensor([[a1, a2] for a1, _, a2, _ in rows]),
-                         torch.tensor([[p1, p2] for _, p1, _, p2 in rows], dtype=torch.float64), torch.zeros(len(rows)))
+                         torch.tensor([[p1, p2] for _, p1, _, p2 in rows], dtype=torch.float64), torch.zeros(len(rows)), 100)
 
 
 def test_branch_points_need_a_likely_runner_up_close_to_the_top_token():

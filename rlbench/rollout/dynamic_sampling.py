@@ -20,7 +20,7 @@ import torch
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.strategy import RolloutSetup, options_block, register_strategy
+from rlbench.rollout.strategy import RolloutSetup, needs_groups, options_block, register_strategy
 
 log = logging.getLogger(__name__)
 
@@ -137,12 +137,7 @@ class DynamicSampling:
     @staticmethod
     def validate(rollout_cfg: Any, advantage: str) -> None:
         DynamicSamplingOptions.from_config(rollout_cfg)
-        n = int(rollout_cfg.n)
-        if n < 2:
-            raise ConfigError(
-                f"rollout=dynamic_sampling keeps groups whose responses differ, which needs rollout.n >= 2 (got {n}); "
-                "use rollout=iid"
-            )
+        needs_groups("dynamic_sampling", rollout_cfg, "keeps groups whose responses differ")
         if advantage == "spo":
             raise ConfigError(
                 "advantage 'spo' does not combine with rollout=dynamic_sampling: the tracker baseline already gives "

@@ -55,7 +55,7 @@ from rlbench.rollout.base import Completion, GenerationRequest
 from rlbench.rollout.continuation import continue_with_budgets
 from rlbench.rollout.groups import GradedGroups
 from rlbench.rollout.scoring import PositionStats, needs_hf_engine, position_stats
-from rlbench.rollout.strategy import RolloutSetup, options_block, register_strategy
+from rlbench.rollout.strategy import RolloutSetup, needs_groups, options_block, register_strategy
 
 log = logging.getLogger(__name__)
 
@@ -154,9 +154,8 @@ class LookaheadRollout:
     def validate(rollout_cfg: Any, advantage: str) -> None:
         options = LookaheadOptions.from_config(rollout_cfg)
         needs_hf_engine("lookahead", rollout_cfg, "reads the top-two token probabilities along the trunk through the HF engine's model")
-        n, budget = int(rollout_cfg.n), int(rollout_cfg.max_new_tokens)
-        if n < 2:
-            raise ConfigError(f"rollout=lookahead branches within a group, which needs rollout.n >= 2 (got {n}); use rollout=iid")
+        needs_groups("lookahead", rollout_cfg, "branches within a group")
+        budget = int(rollout_cfg.max_new_tokens)
         if options.checkpoints[-1] >= budget:
             raise ConfigError(
                 f"rollout.lookahead.checkpoints reach {options.checkpoints[-1]} tokens, not shorter than "

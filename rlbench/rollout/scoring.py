@@ -20,11 +20,13 @@ from rlbench.rollout.hf_engine import _warpers, left_pad
 class PositionStats:
     """For each position t of a response: the distribution that sampled token t (given the prompt
     and tokens < t). ``top_tokens`` / ``top_probs`` [L, 2]: the most and second most likely tokens
-    and their probabilities; ``entropy`` [L] in nats."""
+    and their probabilities; ``entropy`` [L] in nats; ``vocab_size``: the distribution's support
+    (``entropy / log(vocab_size)`` is the normalised entropy in [0, 1])."""
 
     top_tokens: torch.Tensor
     top_probs: torch.Tensor
     entropy: torch.Tensor
+    vocab_size: int
 
 
 def needs_hf_engine(strategy: str, rollout_cfg: Any, reason: str) -> None:
@@ -63,7 +65,7 @@ def position_stats(
                     probs = logp.exp()
                     top = probs.topk(2, dim=-1)
                     entropy = -(probs * logp.nan_to_num(neginf=0.0)).sum(-1)
-                    results.append(PositionStats(top.indices.cpu(), top.values.double().cpu(), entropy.double().cpu()))
+                    results.append(PositionStats(top.indices.cpu(), top.values.double().cpu(), entropy.double().cpu(), probs.shape[-1]))
     finally:
         model.train(was_training)
     return results

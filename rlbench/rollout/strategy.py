@@ -102,6 +102,13 @@ def options_block(rollout_cfg: Any, name: str, keys: set[str]) -> Any:
     return node
 
 
+def needs_groups(strategy: str, rollout_cfg: Any, reason: str) -> None:
+    """ConfigError unless ``rollout.n >= 2``; ``reason``: what the strategy does within a group."""
+    n = int(rollout_cfg.n)
+    if n < 2:
+        raise ConfigError(f"rollout={strategy} {reason}, which needs rollout.n >= 2 (got {n}); use rollout=iid")
+
+
 def strategy_class(rollout_cfg: Any) -> type:
     """The class of ``rollout.strategy``; ConfigError naming the registered strategies if unknown."""
     name = rollout_cfg.get("strategy", DEFAULT_STRATEGY)
