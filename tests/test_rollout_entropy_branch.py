@@ -25,6 +25,8 @@ from rlbench.rollout.entropy_branch import (
 )
 from rlbench.rollout.scoring import PositionStats
 
+from conftest import smoke_cli_steps
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -149,21 +151,10 @@ def test_settings_are_checked_before_the_model_loads(make_cfg):
 @pytest.mark.slow
 def test_cli_run_with_the_aepo_loss(tmp_path):
     """`rlbench experiment=smoke algorithm=aepo rollout=entropy_branch`: both halves of AEPO."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    out = tmp_path / "run"
-    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "rlbench.cli", "experiment=smoke", "algorithm=aepo", "rollout=entropy_branch", "rollout.n=4",
-         "rollout.entropy_branch.beta=0", "rollout.entropy_branch.branch_threshold=0", "logger=files",
-         "trainer.save_model=false", "eval.n=1", "eval.k=[1]", "eval.limit=1", f"hydra.run.dir={out}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, env=env,
+    steps = smoke_cli_steps(
+        tmp_path / "run", "algorithm=aepo", "rollout=entropy_branch", "rollout.n=4", "rollout.entropy_branch.beta=0",
+        "rollout.entropy_branch.branch_threshold=0"
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     for step in steps:  # 2 prompts: beta 0 gives 3 global samples each (floor(4 / 2) + 1), then 1 branch each
         assert step["entropy_branch_global"] == 6 and step["entropy_branch_branches"] == 2 and step["responses_branch"] == 2
         assert step["reused_tokens"] > 0

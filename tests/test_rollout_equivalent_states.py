@@ -14,6 +14,8 @@ from rlbench.rollout.base import Completion, SamplingParams
 from rlbench.rollout.equivalent_states import EquivalentStatesRollout, state_prompt_spec
 from rlbench.training.batch import collate
 
+from conftest import smoke_cli_steps
+
 
 class Tokenizer:
     """Chat template: the user message's characters as token ids; decode joins ids."""
@@ -78,20 +80,5 @@ def test_settings_are_checked_before_the_model_loads(make_cfg):
 
 @pytest.mark.slow
 def test_cli_run_pools_two_states(tmp_path):
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    out = tmp_path / "run"
-    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "rlbench.cli", "experiment=smoke", "rollout=equivalent_states", "rollout.n=4", "logger=files",
-         "trainer.save_model=false", "eval.n=1", "eval.k=[1]", "eval.limit=1", f"hydra.run.dir={out}"],
-        cwd=root, capture_output=True, text=True, timeout=600, env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = smoke_cli_steps(tmp_path / "run", "rollout=equivalent_states", "rollout.n=4")
     assert all("equivalent_states_reward_gap" in s and s["generated_responses"] == 8 for s in steps)

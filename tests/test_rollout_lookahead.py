@@ -18,6 +18,8 @@ from rlbench.rollout.base import Completion, SamplingParams
 from rlbench.rollout.lookahead import LookaheadOptions, LookaheadRollout, branch_points, rouge_l_f1, too_similar
 from rlbench.rollout.scoring import PositionStats, position_stats
 
+from conftest import smoke_cli_steps
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -175,22 +177,11 @@ def test_settings_are_checked_before_the_model_loads(make_cfg):
 def test_cli_run_branches_and_logs_what_it_did(tmp_path):
     """`rlbench experiment=smoke rollout=lookahead` with thresholds that make every position a branch
     point and prune nothing."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    out = tmp_path / "run"
-    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "rlbench.cli", "experiment=smoke", "rollout=lookahead", "rollout.n=3",
-         "rollout.lookahead.abs_threshold=0", "rollout.lookahead.rel_threshold=1", "rollout.lookahead.checkpoints=[2]",
-         "rollout.lookahead.rouge_l_threshold=1", "logger=files", "trainer.save_model=false", "eval.n=1", "eval.k=[1]",
-         "eval.limit=1", f"hydra.run.dir={out}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, env=env,
+    steps = smoke_cli_steps(
+        tmp_path / "run", "rollout=lookahead", "rollout.n=3", "rollout.lookahead.abs_threshold=0",
+        "rollout.lookahead.rel_threshold=1", "rollout.lookahead.checkpoints=[2]",
+        "rollout.lookahead.rouge_l_threshold=1"
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     for step in steps:  # 2 prompts, 2 branches each
         assert step["lookahead_share"] == 1.0 and step["lookahead_branches"] == 4 and step["responses_branch"] == 4
         assert step["reused_tokens"] > 0 and step["generated_responses"] >= 6

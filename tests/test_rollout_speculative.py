@@ -30,6 +30,8 @@ from rlbench.rollout.speculative import (
 )
 from rlbench.rollout.continuation import budget_bucket
 
+from conftest import smoke_cli_steps
+
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, LENGTH = 3, 3  # every sequence of 3 tokens over a 3-token vocabulary: 27 sequences
 
@@ -314,21 +316,9 @@ def test_settings_are_checked_before_the_model_loads(make_cfg):
 def test_cli_run_reuses_drafts_once_prompts_recur(tmp_path):
     """`rlbench experiment=smoke rollout=speculative` with 2 training prompts: step 1 has no draft (it
     says so in its metrics), step 2 verifies step 1's responses and reuses what it accepts."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    out = tmp_path / "run"
-    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "rlbench.cli", "experiment=smoke", "rollout=speculative", "rollout.speculative.lenience=2.0",
-         "dataset.arith.train_size=2", "logger=files", "trainer.save_model=false", "eval.n=1", "eval.k=[1]", "eval.limit=1",
-         f"hydra.run.dir={out}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, env=env,
+    first, second = smoke_cli_steps(
+        tmp_path / "run", "rollout=speculative", "rollout.speculative.lenience=2.0", "dataset.arith.train_size=2"
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    first, second = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert first["speculative_fallback_prompts"] == 2 and first["reused_tokens"] == 0
     assert second["speculative_fallback_prompts"] == 0 and second["speculative_draft_tokens"] == 2 * 2 * 8
     assert second["reused_tokens"] == second["speculative_accept_rate"] * second["speculative_draft_tokens"] > 0
