@@ -63,3 +63,20 @@ def pytest_collection_modifyitems(session, config, items):
 
     seconds = json.loads(RUN_SECONDS.read_text()) if RUN_SECONDS.exists() else {}
     items.sort(key=lambda item: -learning_check_cost(item, seconds))  # stable: ties keep their order
+
+
+def smoke_cli_steps(out: Path, *overrides: str) -> list[dict]:
+    """Run `rlbench experiment=smoke <overrides>` through the CLI (files logger, no saved model, a one-sample
+    evaluation) into ``out`` and return its per-step metrics (metrics.jsonl)."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlbench.cli", "experiment=smoke", *overrides, "logger=files", "trainer.save_model=false",
+         "eval.n=1", "eval.k=[1]", "eval.limit=1", f"hydra.run.dir={out}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from rlbench.algorithm import Algorithm
 from rlbench.rollout.base import Completion
 from rlbench.training.batch import collate, mask_truncated, trainable_tokens
-from rlbench.training.forward import batch_outputs, token_outputs
+from rlbench.training.forward import batch_outputs, groups_share_prompts, token_outputs
 from rlbench.training.loop import UntrainedSteps
 from rlbench.training.update import UpdateMetrics, standard_update
 
@@ -157,6 +157,17 @@ def test_shared_prompt_forward_with_scattered_group_rows():
     a = token_outputs(model, sub, share_prompts=False).logp
     b = token_outputs(model, sub, share_prompts=True).logp
     assert torch.allclose(a * sub.response_mask, b * sub.response_mask, atol=1e-5)
+
+
+def test_groups_that_pool_several_prompts_run_each_row_with_its_own_prompt():
+    """rollout=equivalent_states pools responses to different prompts in one group: the shared-prompt
+    forward would give them the first row's prompt; the check sends such batches down the per-row path."""
+    pooled = [group_a + group_b for group_a, group_b in zip(*[completions(s, groups=2, n=2) for s in (6, 7)])]
+    batch = collate(pooled, pad_token_id=0)
+    assert not groups_share_prompts(batch) and groups_share_prompts(collate(completions(6, groups=2, n=2), pad_token_id=0))
+    model = tiny_lm(seed=3).eval()
+    per_row = token_outputs(model, batch, share_prompts=False).logp
+    assert torch.allclose(token_outputs(model, batch).logp * batch.response_mask, per_row * batch.response_mask)
 
 
 def test_entropy_bonus_reaches_the_gradient():

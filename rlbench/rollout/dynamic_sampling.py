@@ -20,7 +20,7 @@ import torch
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.strategy import RolloutSetup, register_strategy
+from rlbench.rollout.strategy import RolloutSetup, needs_groups, options_block, register_strategy
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +52,7 @@ class DynamicSamplingOptions:
 
     @classmethod
     def from_config(cls, rollout_cfg: Any) -> "DynamicSamplingOptions":
-        node = rollout_cfg.get("dynamic_sampling") or {}
-        unknown = set(node) - OPTION_KEYS
-        if unknown:
-            raise ConfigError(f"rollout.dynamic_sampling has no key(s) {sorted(unknown)}; it takes {sorted(OPTION_KEYS)}")
+        node = options_block(rollout_cfg, "dynamic_sampling", OPTION_KEYS)
         options = cls(int(node.get("max_rounds", 16)), str(node.get("metric", "correct")))
         if options.max_rounds < 1:
             raise ConfigError(f"rollout.dynamic_sampling.max_rounds must be >= 1, got {options.max_rounds}")
@@ -140,12 +137,7 @@ class DynamicSampling:
     @staticmethod
     def validate(rollout_cfg: Any, advantage: str) -> None:
         DynamicSamplingOptions.from_config(rollout_cfg)
-        n = int(rollout_cfg.n)
-        if n < 2:
-            raise ConfigError(
-                f"rollout=dynamic_sampling keeps groups whose responses differ, which needs rollout.n >= 2 (got {n}); "
-                "use rollout=iid"
-            )
+        needs_groups("dynamic_sampling", rollout_cfg, "keeps groups whose responses differ")
         if advantage == "spo":
             raise ConfigError(
                 "advantage 'spo' does not combine with rollout=dynamic_sampling: the tracker baseline already gives "

@@ -92,6 +92,23 @@ def register_strategy(name: str) -> Callable[[type], type]:
     return register
 
 
+def options_block(rollout_cfg: Any, name: str, keys: set[str]) -> Any:
+    """The strategy's own block ``rollout.<name>`` (empty when absent); ConfigError naming the keys it
+    takes when it holds others."""
+    node = rollout_cfg.get(name) or {}
+    unknown = set(node) - keys
+    if unknown:
+        raise ConfigError(f"rollout.{name} has no key(s) {sorted(unknown)}; it takes {sorted(keys)}")
+    return node
+
+
+def needs_groups(strategy: str, rollout_cfg: Any, reason: str) -> None:
+    """ConfigError unless ``rollout.n >= 2``; ``reason``: what the strategy does within a group."""
+    n = int(rollout_cfg.n)
+    if n < 2:
+        raise ConfigError(f"rollout={strategy} {reason}, which needs rollout.n >= 2 (got {n}); use rollout=iid")
+
+
 def strategy_class(rollout_cfg: Any) -> type:
     """The class of ``rollout.strategy``; ConfigError naming the registered strategies if unknown."""
     name = rollout_cfg.get("strategy", DEFAULT_STRATEGY)

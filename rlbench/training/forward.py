@@ -108,6 +108,18 @@ class TokenOutputs:
     log_probs: torch.Tensor | None = None  # [B, T, V] the whole distribution (trust-region KL)
 
 
+def groups_share_prompts(batch: TrainBatch) -> bool:
+    """True when every response of a group has its group's prompt (the same tokens and padding), the
+    condition of :func:`_logits_shared_prompts`; a strategy that pools several prompts in one group
+    (rollout=equivalent_states) breaks it, and each row then runs its own prompt."""
+    prompts = batch.input_ids[:, : batch.prompt_width]
+    rows = torch.arange(batch.size, device=prompts.device)
+    first = torch.full((int(batch.group_index.max()) + 1,), batch.size, device=prompts.device).scatter_reduce(
+        0, batch.group_index, rows, reduce="amin"
+    )
+    return bool((prompts == prompts[first[batch.group_index]]).all())
+
+
 def token_outputs(
     model: torch.nn.Module,
     batch: TrainBatch,
@@ -126,7 +138,7 @@ def token_outputs(
     ``share_prompts`` each distinct prompt runs once (see :func:`_logits_shared_prompts`); the
     result is the same."""
     T = batch.response_mask.shape[1]
-    shared = share_prompts and int(torch.unique(batch.group_index).numel()) < batch.size
+    shared = share_prompts and int(torch.unique(batch.group_index).numel()) < batch.size and groups_share_prompts(batch)
     forward = _logits_shared_prompts if shared else _logits_per_row
     with autocast_context(batch.input_ids.device):
         logits, hidden = forward(model, batch, with_hidden=value_head is not None)

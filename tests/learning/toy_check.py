@@ -53,11 +53,21 @@ def seeds_from_env() -> tuple[int, ...]:
 # Rollout strategies checked by the algorithm presets' runs: iid (every preset's default) and
 # dynamic_sampling (dapo's). Every other strategy has its own check: grpo with rollout=<strategy>.
 ROLLOUT_STRATEGIES_CHECKED_BY_PRESETS = ("iid", "dynamic_sampling")
+# Strategies the toy cannot judge, with the measurement that says why (docs/testing.md).
+ROLLOUT_STRATEGIES_WITHOUT_TOY_CHECK = {
+    # MOTIF rewards a first-round response by the final-round accuracy of the rounds that continue from its
+    # progress; on the toy the next round's tokens barely depend on the first round's, so the reward carries
+    # no signal about the trained tokens: corr(first-round toy reward, MOTIF reward) = 0.09 on average over
+    # seeds 0-3 (8 continuations, 4 prompts x 8), and 3 seeds x 16 steps gave median peak rise +0.022 against
+    # the control's +0.035.
+    "multiround": "the toy's later rounds do not depend on the first round",
+}
 
 
 def rollout_presets() -> list[str]:
     """The rollout strategies (conf/rollout) with a learning check of their own."""
-    return sorted(p.stem for p in (ROOT / "conf" / "rollout").glob("*.yaml") if p.stem not in ROLLOUT_STRATEGIES_CHECKED_BY_PRESETS)
+    skipped = set(ROLLOUT_STRATEGIES_CHECKED_BY_PRESETS) | set(ROLLOUT_STRATEGIES_WITHOUT_TOY_CHECK)
+    return sorted(p.stem for p in (ROOT / "conf" / "rollout").glob("*.yaml") if p.stem not in skipped)
 
 
 def all_presets() -> list[str]:

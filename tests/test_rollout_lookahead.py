@@ -1,0 +1,187 @@
+"""LATR lookahead rollouts (rlbench/rollout/lookahead.py, arXiv:2510.24302)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from rlbench.dataset.base import Problem
+from rlbench.errors import ConfigError
+from rlbench.model import load_policy
+from rlbench.reward.toy import EvenTokenReward
+from rlbench.rollout import GroupSampler, HFGenerateEngine, RolloutSetup, make_strategy, validate_strategy
+from rlbench.rollout import lookahead as lookahead_module
+from rlbench.rollout.base import Completion, SamplingParams
+from rlbench.rollout.lookahead import LookaheadOptions, LookaheadRollout, branch_points, rouge_l_f1, too_similar
+from rlbench.rollout.scoring import PositionStats, position_stats
+
+from conftest import smoke_cli_steps
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def stats(rows):
+    """PositionStats from [(a1, p1, a2, p2), ...]."""
+    return PositionStats(torch.tensor([[a1, a2] for a1, _, a2, _ in rows]),
+                         torch.tensor([[p1, p2] for _, p1, _, p2 in rows], dtype=torch.float64), torch.zeros(len(rows)), 100)
+
+
+def test_branch_points_need_a_likely_runner_up_close_to_the_top_token():
+    s = stats([(5, 0.5, 6, 0.4), (5, 0.9, 6, 0.05), (7, 0.45, 8, 0.1), (3, 0.35, 4, 0.3), (1, 0.5, 2, 0.16)])
+    # p2 > 0.15 and p1 - p2 < 0.25: positions 0 (0.1 apart), 3 (0.05 apart); 4 is 0.34 apart, 2 has p2 = 0.1
+    assert branch_points(s, [5, 5, 7, 4, 1], 0.15, 0.25) == [(0, 6), (3, 3)]  # the top-two token not taken
+    assert branch_points(s, [5, 5, 7, 4, 1], 1.0, 0.25) == []  # abs threshold 1: never
+
+
+def test_rouge_l_f1_and_the_pruning_rule():
+    assert rouge_l_f1([1, 2, 3, 4], [1, 3, 4, 5]) == pytest.approx(0.75)  # LCS 3: P = R = 3/4
+    assert rouge_l_f1([1, 2], [1, 2, 3, 4]) == pytest.approx(2 * 1.0 * 0.5 / 1.5)  # P 1, R 1/2
+    assert rouge_l_f1([1, 2], [3, 4]) == 0.0 and rouge_l_f1([], [1]) == 0.0
+    trunk = [9, 1, 2, 3, 4, 5]
+    assert too_similar([9, 7, 2, 3, 4, 5], trunk, 1, (4,), 0.5)  # only the branch token differs: F1 0.8
+    assert not too_similar([9, 7, 8, 6, 0, 10], trunk, 1, (4,), 0.5)
+    assert too_similar([9, 7, 2, 3, 0, 10], trunk, 1, (2, 4), 0.5)  # similar at checkpoint 2 (F1 2/3)
+
+
+def test_the_share_of_latr_prompts_follows_the_schedule():
+    options = LookaheadOptions(mix_schedule=((0, 1.0), (100, 0.75), (200, 0.5)))
+    assert [options.share(s) for s in (0, 99, 100, 150, 200, 10_000)] == [1.0, 1.0, 0.75, 0.75, 0.5, 0.5]
+
+
+class ScriptedEngine:
+    """generate: a request without prefix gets [10, 11, 12, 13, 14, 15] (budget-cut); a prefixed one
+    gets its prefix then the tokens of ``tails[last prefix token]`` (budget-cut); calls are recorded."""
+
+    def __init__(self, tails):
+        self.tails, self.calls = tails, []
+
+    def generate(self, requests, params, generator=None):
+        self.calls.append([(r.prefix_ids, r.n, params.max_new_tokens) for r in requests])
+        out = []
+        for i, r in enumerate(requests):
+            new = (self.tails[r.prefix_ids[-1]] if r.prefix_ids else [10, 11, 12, 13, 14, 15])[: params.max_new_tokens]
+            out.append([Completion(i, r.prompt_ids, [*r.prefix_ids, *new], [0.0] * (len(r.prefix_ids) + len(new)), False,
+                                   prefix_len=len(r.prefix_ids)) for _ in range(r.n)])
+        return out
+
+
+class Tokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def scripted_setup(tails, n=3, budget=6):
+    class Sampler(GroupSampler):
+        def encode(self, problems):
+            return [(int(p.uid),) for p in problems]
+
+    sampler = Sampler(ScriptedEngine(tails), EvenTokenReward(), Tokenizer(), {}, lambda r, _: r)
+    return RolloutSetup(sampler, n, SamplingParams(1.0, 1.0, budget), torch.Generator().manual_seed(0))
+
+
+def test_branches_look_ahead_from_the_trunk_and_similar_ones_are_pruned(monkeypatch):
+    # trunk [10..15]; branch points at t=1 (token 21) and t=3 (token 23) and t=4 (token 24)
+    monkeypatch.setattr(lookahead_module, "position_stats", lambda engine, items, params: [
+        stats([(10, 0.9, 20, 0.05), (11, 0.4, 21, 0.35), (12, 0.9, 22, 0.05), (13, 0.4, 23, 0.3), (14, 0.4, 24, 0.3),
+               (15, 0.9, 25, 0.05)])])
+    # after 21 the branch rejoins the trunk (12, 13: too similar); after 23 and 24 it differs
+    tails = {21: [12, 13, 14, 15], 23: [30, 31, 32], 24: [40, 41]}
+    setup = scripted_setup(tails, n=3)
+    options = LookaheadOptions(checkpoints=(2,))
+    groups, metrics = LookaheadRollout(setup, options).rollout([Problem("7", "q", "a")])
+    calls = setup.sampler.engine.calls
+    assert calls[0] == [((), 1, 6)]  # the trunk
+    # lookahead: min(2, budget - t - 1) tokens after trunk[:t] + [branch token], one call per budget
+    assert calls[1:3] == [[((10, 11, 12, 13, 24), 1, 1)], [((10, 21), 1, 2), ((10, 11, 12, 23), 1, 2)]]
+    assert metrics == {"lookahead_share": 1.0, "lookahead_prompts": 1.0, "lookahead_candidates": 3.0,
+                       "lookahead_pruned": 1.0, "lookahead_branches": 2.0, "lookahead_filled": 0.0}
+    responses = [c.response_ids for c in groups.groups[0]]
+    assert responses[0] == [10, 11, 12, 13, 14, 15]
+    # both survivors filled the budget in their lookahead: no completion call
+    assert sorted(responses[1:]) == [[10, 11, 12, 13, 24, 40], [10, 11, 12, 23, 30, 31]] and len(calls) == 3
+    assert [c.behaviour for c in groups.groups[0]] == ["policy", "branch", "branch"]
+
+
+def test_no_branch_point_gives_plain_sampling(monkeypatch):
+    monkeypatch.setattr(lookahead_module, "position_stats",
+                        lambda engine, items, params: [stats([(10, 0.99, 20, 0.01)] * 6) for _ in items])
+    setup = scripted_setup({}, n=4)
+    groups, metrics = LookaheadRollout(setup, LookaheadOptions()).rollout([Problem("1", "q", "a"), Problem("2", "q", "a")])
+    assert metrics["lookahead_candidates"] == 0 and metrics["lookahead_filled"] == 6
+    assert [len(g) for g in groups.groups] == [4, 4]
+    assert all(c.prefix_len == 0 and c.behaviour == "policy" for g in groups.groups for c in g)
+
+
+def test_prompts_beyond_the_share_are_sampled_iid_and_the_step_count_is_state(monkeypatch):
+    monkeypatch.setattr(lookahead_module, "position_stats",
+                        lambda engine, items, params: [stats([(10, 0.99, 20, 0.01)] * 6) for _ in items])
+    setup = scripted_setup({}, n=2)
+    strategy = LookaheadRollout(setup, LookaheadOptions(mix_schedule=((0, 1.0), (1, 0.5))))
+    strategy.load_state_dict({"steps": 1})
+    _, metrics = strategy.rollout([Problem(str(i), "q", "a") for i in range(4)])
+    assert metrics["lookahead_share"] == 0.5 and metrics["lookahead_prompts"] == 2
+    assert setup.sampler.engine.calls[0] == [((), 1, 6), ((), 1, 6), ((), 2, 6), ((), 2, 6)]
+    assert strategy.state_dict() == {"steps": 2}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_policy(OmegaConf.load(ROOT / "conf" / "model" / "tiny.yaml"), seed=0)
+
+
+def test_on_the_tiny_model_branches_share_the_trunk_up_to_their_branch_token(tiny):
+    model, tokenizer = tiny
+    engine = HFGenerateEngine(model, tokenizer, batch_size=16, progress=False)
+    sampler = GroupSampler(engine, EvenTokenReward(), tokenizer, {"user": "{problem}"}, lambda r, _: r)
+    params = SamplingParams(1.0, 1.0, 6)
+    setup = RolloutSetup(sampler, 4, params, torch.Generator().manual_seed(0))
+    # every position a branch point, and no pruning: 3 branches per trunk
+    options = LookaheadOptions(abs_threshold=0.0, rel_threshold=1.0, checkpoints=(2,), rouge_l_threshold=1.0)
+    groups, metrics = LookaheadRollout(setup, options).rollout([Problem("a", "question a", "0")])
+    trunk, *branches = groups.groups[0]
+    assert metrics["lookahead_branches"] == 3 and len(branches) == 3
+    prompt = trunk.prompt_ids
+    top = position_stats(engine, [(prompt, tuple(trunk.response_ids))], params)[0].top_tokens
+    for t, branch in enumerate(branches):  # the earliest branch points: t = 0, 1, 2
+        assert branch.response_ids[:t] == trunk.response_ids[:t]
+        expected = int(top[t, 1]) if trunk.response_ids[t] == int(top[t, 0]) else int(top[t, 0])
+        assert branch.response_ids[t] == expected != trunk.response_ids[t]
+        assert len(branch.response_ids) <= 6 and branch.behaviour == "branch"
+    cost = sampler.cost.take()
+    assert cost["reused_tokens"] > 0
+
+
+def test_settings_are_checked_before_the_model_loads(make_cfg):
+    cfg = make_cfg("rollout=lookahead").rollout
+    validate_strategy(cfg, "grpo")
+    assert isinstance(make_strategy(cfg, scripted_setup({})), LookaheadRollout)
+    base = {"strategy": "lookahead", "n": 4, "max_new_tokens": 8}
+    with pytest.raises(ConfigError, match=r"checkpoints reach 8 tokens, not shorter than rollout.max_new_tokens=8"):
+        validate_strategy(OmegaConf.create({**base, "lookahead": {"checkpoints": [2, 8]}}), "grpo")
+    with pytest.raises(ConfigError, match="rollout.n >= 2"):
+        validate_strategy(OmegaConf.create({**base, "n": 1}), "grpo")
+    with pytest.raises(ConfigError, match="rollout.engine=hf"):
+        validate_strategy(OmegaConf.create({**base, "engine": "vllm"}), "grpo")
+    with pytest.raises(ConfigError, match="mix_schedule must be"):
+        validate_strategy(OmegaConf.create({**base, "lookahead": {"mix_schedule": [[5, 1.0]]}}), "grpo")
+    with pytest.raises(ConfigError, match="abs_threshold must be in"):
+        validate_strategy(OmegaConf.create({**base, "lookahead": {"abs_threshold": 1.5}}), "grpo")
+    with pytest.raises(ConfigError, match=r"no key\(s\) \['depth'\]"):
+        validate_strategy(OmegaConf.create({**base, "lookahead": {"depth": 2}}), "grpo")
+
+
+@pytest.mark.slow
+def test_cli_run_branches_and_logs_what_it_did(tmp_path):
+    """`rlbench experiment=smoke rollout=lookahead` with thresholds that make every position a branch
+    point and prune nothing."""
+    steps = smoke_cli_steps(
+        tmp_path / "run", "rollout=lookahead", "rollout.n=3", "rollout.lookahead.abs_threshold=0",
+        "rollout.lookahead.rel_threshold=1", "rollout.lookahead.checkpoints=[2]",
+        "rollout.lookahead.rouge_l_threshold=1"
+    )
+    for step in steps:  # 2 prompts, 2 branches each
+        assert step["lookahead_share"] == 1.0 and step["lookahead_branches"] == 4 and step["responses_branch"] == 4
+        assert step["reused_tokens"] > 0 and step["generated_responses"] >= 6

@@ -1,0 +1,96 @@
+"""MOTIF multi-round rollouts (rlbench/rollout/multiround.py, arXiv:2507.02851)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from rlbench.dataset.base import Problem
+from rlbench.errors import ConfigError
+from rlbench.reward.math import Grade
+from rlbench.rollout import GroupSampler, RolloutSetup, make_strategy, validate_strategy
+from rlbench.rollout.base import Completion, SamplingParams
+from rlbench.rollout.multiround import FINAL_ROUND_NOTE, MultiroundOptions, MultiroundRollout, motif_reward, round_problem
+
+
+def test_the_reward_is_twice_the_expected_final_round_accuracy():
+    final = torch.tensor([True, False, False, True, True, False])
+    assert motif_reward(final, 3).tolist() == pytest.approx([2.0 / 3, 4.0 / 3])
+
+from conftest import smoke_cli_steps
+
+
+class Tokenizer:
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        return [ord(ch) for ch in messages[-1]["content"]]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+class Engine:
+    """Round 1 (no "Progress" in the prompt) answers "a" for the first sample and "b" for the next;
+    a later round answers "R" when the progress it is given is "a", else "W"."""
+
+    def __init__(self):
+        self.prompts = []
+
+    def generate(self, requests, params, generator=None):
+        out = []
+        for i, r in enumerate(requests):
+            text = "".join(chr(t) for t in r.prompt_ids)
+            self.prompts.append(text)
+            if "Progress" not in text:
+                answers = ["a", "b"][: r.n]
+            else:
+                answers = ["R" if "Progress in round 1: a" in text or "Progress in round 2: R" in text else "W"]
+            out.append([Completion(i, r.prompt_ids, [ord(a)], [0.0], True, text=a) for a in answers])
+        return out
+
+
+class Grader:
+    """Reward 1 for the answer "R" or "b"."""
+
+    def __call__(self, text, answer, response_ids):
+        return Grade(correct=text in ("R", "b"), extracted=text, reward=float(text in ("R", "b")), format_ok=True)
+
+
+def test_first_round_responses_are_rewarded_by_their_later_rounds():
+    sampler = GroupSampler(Engine(), Grader(), Tokenizer(), {"user": "Q {problem}"}, lambda r, _: r)
+    setup = RolloutSetup(sampler, 2, SamplingParams(1.0, 1.0, 4), None)
+    groups, metrics = MultiroundRollout(setup, MultiroundOptions(rounds=3, continuations=2)).rollout([Problem("1", "x", "0")])
+    # round 1: "a" (graded wrong) hands on progress that leads to R, R (correct); "b" (graded right) to W, W
+    assert [c.text for c in groups.groups[0]] == ["a", "b"]  # only first-round responses are trained
+    assert groups.outcome.tolist() == [0.0, 1.0] and groups.rewards.tolist() == [2.0, 0.0]
+    assert metrics == {"multiround_final_accuracy": 0.5, "multiround_first_accuracy": 0.5}
+    later = sampler.engine.prompts[1:]
+    assert later[:4] == ["Q x\n\nProgress in round 1: a"] * 2 + ["Q x\n\nProgress in round 1: b"] * 2
+    assert later[4] == "Q x\n\nProgress in round 2: R" + FINAL_ROUND_NOTE
+    assert sampler.cost.take()["generated_responses"] == 2 + 2 * 2 * 2
+
+
+def test_round_problem_appends_the_progress():
+    p = round_problem(Problem("7", "2+2", "4"), 1, "it is 4", final=False)
+    assert p.prompt == "2+2\n\nProgress in round 1: it is 4" and p.answer == "4" and p.uid == "7"
+    assert round_problem(Problem("7", "2+2", "4"), 2, "4", final=True).prompt.endswith("round 2: 4" + FINAL_ROUND_NOTE)
+
+
+def test_settings_are_checked_before_the_model_loads(make_cfg):
+    cfg = make_cfg("rollout=multiround").rollout
+    validate_strategy(cfg, "grpo")
+    assert isinstance(make_strategy(cfg, RolloutSetup(None, 2, SamplingParams(), None)), MultiroundRollout)
+    with pytest.raises(ConfigError, match="rounds must be >= 2"):
+        validate_strategy(OmegaConf.create({"strategy": "multiround", "n": 2, "multiround": {"rounds": 1}}), "grpo")
+    with pytest.raises(ConfigError, match="continuations must be >= 1"):
+        validate_strategy(OmegaConf.create({"strategy": "multiround", "n": 2, "multiround": {"continuations": 0}}), "grpo")
+
+
+@pytest.mark.slow
+def test_cli_run_generates_the_later_rounds(tmp_path):
+    steps = smoke_cli_steps(
+        tmp_path / "run", "rollout=multiround", "rollout.multiround.rounds=2", "rollout.multiround.continuations=2"
+    )
+    for step in steps:  # 2 prompts x 2 first-round responses, each continued twice for one more round
+        assert step["generated_responses"] == 4 + 8 and step["trained_tokens"] <= 4 * 8
+        assert "multiround_final_accuracy" in step
