@@ -85,7 +85,7 @@ def make_step_context(
     params = SamplingParams(rollout.temperature, rollout.top_p, rollout.max_new_tokens)
     grader = make_grader(cfg.reward, cfg.dataset, cfg.get("sandbox"))
     sampler = GroupSampler(engine, grader, tokenizer, cfg.dataset.prompt, algorithm.shape_rewards)
-    setup = RolloutSetup(sampler, int(rollout.n), params, make_generator(cfg.seed, STREAM_ROLLOUT))
+    setup = RolloutSetup(sampler, int(rollout.n), params, make_generator(cfg.seed, STREAM_ROLLOUT), int(cfg.seed))
     return StepContext(
         algorithm=algorithm,
         model=model,
