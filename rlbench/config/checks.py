@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from rlbench.training.advantage_inputs import validate_step_options
+from rlbench.training.curricula import parse_stages, sampler_options, stage_settings
 from rlbench.algorithm import Algorithm
 from rlbench.config.fit import check_fits_here
 from rlbench.config.origin import ValueOrigins, with_origins
@@ -54,6 +55,18 @@ def check_batch_arithmetic(prompts_per_step: int, n: int, micro_batch_size: int,
             f"mini-batch of {per_minibatch} responses (prompts_per_step * n / minibatches) is not a multiple of "
             f"trainer.micro_batch_size={micro_batch_size}; use one of {divisors}"
         )
+
+
+def check_curriculum(cfg: Any, algorithm: Algorithm) -> None:
+    """The prompt sampler's options, and the stages (ordered, known keys) with every stage's batch."""
+    sampler_options(cfg.trainer.get("sampler"))
+    stages = parse_stages(cfg.trainer.get("stages"), cfg.trainer.steps)
+    for stage, settings in zip(stages, stage_settings(cfg, stages)):
+        try:
+            check_batch_arithmetic(settings["trainer.prompts_per_step"], settings["rollout.n"],
+                                   cfg.trainer.micro_batch_size, algorithm.minibatches)
+        except ConfigError as err:
+            raise ConfigError(f"from trainer.stages at step {stage.at}: {err}") from None
 
 
 def check_sandbox(sandbox: Any) -> None:
@@ -123,6 +136,7 @@ def check_run(cfg: Any, origins: ValueOrigins) -> Algorithm:
                 f"which needs rollout.n >= 2 responses per prompt (got {rollout.n})"
             )
         check_batch_arithmetic(trainer.prompts_per_step, rollout.n, trainer.micro_batch_size, algorithm.minibatches)
+        check_curriculum(cfg, algorithm)
         algorithm.check_batch_size(trainer.prompts_per_step * rollout.n)
         validate_step_options(cfg, algorithm)
         validate_spec(cfg.dataset, source=cfg.data_source, data_dir=cfg.data_dir)

@@ -202,6 +202,21 @@ MOVED_KEYS = {
 
 
 @dataclass
+class SamplerConfig:
+    """``trainer.sampler`` (``sampler=<name>``): which prompts each step trains on (rlbench/training/curricula.py)."""
+
+    name: str = knob("uniform", "prompt sampler: uniform (shuffled passes) | weighted (by pass rate) | hard_focus (DRIVE)")
+
+    @classmethod
+    def extra_blocks(cls) -> dict[str, tuple[str, str]]:
+        """The settings block of each registered sampler, ``trainer.sampler.<name>``, only with name=<name>;
+        the sampler's own options class checks its keys."""
+        from rlbench.training.curricula import PROMPT_SAMPLERS
+
+        return {name: ("name", name) for name in PROMPT_SAMPLERS}
+
+
+@dataclass
 class TrainerConfig:
     """``trainer``: the optimisation loop around the algorithm."""
 
@@ -214,6 +229,11 @@ class TrainerConfig:
     max_grad_norm: float = knob(1.0, "gradient-norm clip", gt=0)
     warmup_steps: int = knob(0, "linear learning-rate warm-up steps", ge=0)
     save_model: bool = knob(True, "save the trained policy (Hugging Face format) in the run folder")
+    sampler: SamplerConfig = node(SamplerConfig, "which prompts each step trains on (sampler=<name>, conf/sampler/)")
+    stages: list = knob(
+        [], "[{at: step, rollout.n: .., rollout.max_new_tokens: .., rollout.temperature: .., trainer.prompts_per_step: ..}]: "
+        "settings that change from step `at` on (strictly increasing steps)"
+    )
 
 
 @dataclass

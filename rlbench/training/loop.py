@@ -9,6 +9,7 @@ from typing import Any, Callable
 import numpy as np
 
 from rlbench.dataset.base import Problem
+from rlbench.training.curricula import PromptStatsStore, apply_stage, make_prompt_sampler, parse_stages
 from rlbench.training.step import StepContext, train_step
 from rlbench.utils import STREAM_DATA_ORDER, Progress
 
@@ -58,14 +59,23 @@ def train(cfg: Any, ctx: StepContext, problems: list[Problem], logger: Any,
     """``cfg.trainer.steps`` steps of ``cfg.trainer.prompts_per_step`` prompts; ``after_step(step)``
     runs after each step is logged (the runner's periodic evaluation, ``eval.every``). Returns what
     the run's summary reports about training."""
-    sampler = PromptSampler(problems, cfg.seed)
+    stats = PromptStatsStore()
+    sampler = make_prompt_sampler(cfg.trainer.get("sampler"), problems, cfg.seed, stats)
+    stages = {stage.at: stage for stage in parse_stages(cfg.trainer.get("stages"), cfg.trainer.steps)}
+    prompts_per_step = cfg.trainer.prompts_per_step
     progress = Progress("train", cfg.trainer.steps)
     untrained = UntrainedSteps()
     for step in range(1, cfg.trainer.steps + 1):
         progress_fraction = (step - 1) / cfg.trainer.steps
+        if step in stages:
+            apply_stage(ctx, stages[step])
+            prompts_per_step = int(stages[step].changes.get("trainer.prompts_per_step", prompts_per_step))
         metrics = train_step(
-            ctx, sampler.next(cfg.trainer.prompts_per_step), progress=progress_fraction, draw_prompts=sampler.next
+            ctx, sampler.next(prompts_per_step), progress=progress_fraction, draw_prompts=sampler.next,
+            observe=lambda graded, step=step: stats.observe(step, graded),
         )
+        if hasattr(sampler, "end_step"):
+            sampler.end_step(step)
         logger.log_step(step, untrained.observe(step, metrics))
         progress.update(1, note=f"reward {metrics['reward_mean']:.3f} acc {metrics['accuracy']:.3f}")
         if after_step is not None:

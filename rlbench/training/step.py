@@ -114,16 +114,20 @@ def train_step(
     problems: list[Problem],
     progress: float = 0.0,
     draw_prompts: Callable[[int], list[Problem]] | None = None,
+    observe: Callable[[GradedGroups], None] | None = None,
 ) -> dict[str, float]:
     """rollout -> reward -> advantage inputs -> advantages -> update -> metrics for one batch of
     prompts. Returns the step's metrics.
 
     ``progress`` is the fraction of training done before this step (for annealed losses);
-    ``draw_prompts(k)`` gives k more prompts (for strategies that draw them: dynamic sampling)."""
+    ``draw_prompts(k)`` gives k more prompts (for strategies that draw them: dynamic sampling);
+    ``observe(groups)`` sees the graded groups (the curricula's per-prompt statistics)."""
     t0 = time.perf_counter()
     graded, rollout_metrics = ctx.strategy.rollout(problems, draw_prompts)  # rollout and reward
     t_generate = time.perf_counter() - t0
     stamp_policy_version(graded, ctx.policy_version)
+    if observe is not None:
+        observe(graded)
     batch = to_batch(ctx, graded)
     t1 = time.perf_counter()
     inputs, input_metrics = advantage_inputs(ctx, graded, batch)
