@@ -234,6 +234,11 @@ class TrainerConfig:
         [], "[{at: step, rollout.n: .., rollout.max_new_tokens: .., rollout.temperature: .., trainer.prompts_per_step: ..}]: "
         "settings that change from step `at` on (strictly increasing steps)"
     )
+    max_staleness: Optional[int] = knob(
+        None, "null: synchronous (generate, then update); k >= 0: a generator thread samples batch s with policy "
+        "version max(0, s-1-k) while the learner updates (0 = the synchronous result through the pipeline)", ge=0
+    )
+    generator_threads: Optional[int] = knob(None, "torch threads of the generator thread (max_staleness set); null: the process's", ge=1)
 
 
 @dataclass

@@ -269,6 +269,39 @@ class HardFocusPrompts:
         self.stats.load_state_dict(state["stats"])
 
 
+# ------------------------------------------------------------------------------- the data side
+
+
+class Curriculum:
+    """The data side of the training loop: the prompt sampler, the statistics store it reads and the
+    stages. Per step: :meth:`prompts` (entering a stage first), the rollout, :meth:`observe`, :meth:`end_step`.
+    The synchronous loop calls them between updates, the asynchronous generator in its own thread."""
+
+    def __init__(self, cfg: Any, problems: list[Problem]):
+        self.stats = PromptStatsStore()
+        self.sampler = make_prompt_sampler(cfg.trainer.get("sampler"), problems, cfg.seed, self.stats)
+        self.stages = {stage.at: stage for stage in parse_stages(cfg.trainer.get("stages"), cfg.trainer.steps)}
+        self.prompts_per_step = int(cfg.trainer.prompts_per_step)
+
+    def prompts(self, step: int, ctx: Any) -> list[Problem]:
+        """Step ``step``'s prompts, after entering the stage that starts at it (if any)."""
+        if step in self.stages:
+            apply_stage(ctx, self.stages[step])
+            self.prompts_per_step = int(self.stages[step].changes.get("trainer.prompts_per_step", self.prompts_per_step))
+        return self.sampler.next(self.prompts_per_step)
+
+    def draw(self, count: int) -> list[Problem]:
+        """More prompts within a step (dynamic sampling's later rounds)."""
+        return self.sampler.next(count)
+
+    def observe(self, step: int, graded: GradedGroups) -> None:
+        self.stats.observe(step, graded)
+
+    def end_step(self, step: int) -> None:
+        if hasattr(self.sampler, "end_step"):
+            self.sampler.end_step(step)
+
+
 # ---------------------------------------------------------------------------------------- stages
 
 STAGE_KEYS = ("rollout.n", "rollout.max_new_tokens", "rollout.temperature", "trainer.prompts_per_step")

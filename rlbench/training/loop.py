@@ -4,12 +4,13 @@ saying so when steps learn nothing (no trainable token in the loss)."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from rlbench.dataset.base import Problem
-from rlbench.training.curricula import PromptStatsStore, apply_stage, make_prompt_sampler, parse_stages
+from rlbench.training.async_pipeline import AsyncPipeline
+from rlbench.training.curricula import Curriculum
 from rlbench.training.step import StepContext, train_step
 from rlbench.utils import STREAM_DATA_ORDER, Progress
 
@@ -59,25 +60,30 @@ def train(cfg: Any, ctx: StepContext, problems: list[Problem], logger: Any,
     """``cfg.trainer.steps`` steps of ``cfg.trainer.prompts_per_step`` prompts; ``after_step(step)``
     runs after each step is logged (the runner's periodic evaluation, ``eval.every``). Returns what
     the run's summary reports about training."""
-    stats = PromptStatsStore()
-    sampler = make_prompt_sampler(cfg.trainer.get("sampler"), problems, cfg.seed, stats)
-    stages = {stage.at: stage for stage in parse_stages(cfg.trainer.get("stages"), cfg.trainer.steps)}
-    prompts_per_step = cfg.trainer.prompts_per_step
+    curriculum = Curriculum(cfg, problems)
     progress = Progress("train", cfg.trainer.steps)
     untrained = UntrainedSteps()
-    for step in range(1, cfg.trainer.steps + 1):
-        progress_fraction = (step - 1) / cfg.trainer.steps
-        if step in stages:
-            apply_stage(ctx, stages[step])
-            prompts_per_step = int(stages[step].changes.get("trainer.prompts_per_step", prompts_per_step))
-        metrics = train_step(
-            ctx, sampler.next(prompts_per_step), progress=progress_fraction, draw_prompts=sampler.next,
-            observe=lambda graded, step=step: stats.observe(step, graded),
-        )
-        if hasattr(sampler, "end_step"):
-            sampler.end_step(step)
+    pipeline = None
+    if cfg.trainer.get("max_staleness") is None:
+        steps = synchronous_steps(ctx, curriculum, cfg.trainer.steps)
+    else:
+        pipeline = AsyncPipeline(ctx, curriculum, cfg.trainer.steps, int(cfg.trainer.max_staleness),
+                                 cfg.trainer.get("generator_threads"))
+        steps = pipeline.steps()
+    for step, metrics in steps:
         logger.log_step(step, untrained.observe(step, metrics))
         progress.update(1, note=f"reward {metrics['reward_mean']:.3f} acc {metrics['accuracy']:.3f}")
         if after_step is not None:
             after_step(step)
-    return {"steps_without_trainable_tokens": untrained.count}
+    return {"steps_without_trainable_tokens": untrained.count, **(pipeline.summary() if pipeline else {})}
+
+
+def synchronous_steps(ctx: StepContext, curriculum: Curriculum, steps: int) -> Iterator[tuple[int, dict[str, float]]]:
+    """Generate, then update, step after step (the default: trainer.max_staleness=null)."""
+    for step in range(1, steps + 1):
+        metrics = train_step(
+            ctx, curriculum.prompts(step, ctx), progress=(step - 1) / steps, draw_prompts=curriculum.draw,
+            observe=lambda graded, step=step: curriculum.observe(step, graded),
+        )
+        curriculum.end_step(step)
+        yield step, metrics

@@ -38,7 +38,7 @@ from rlbench.utils import STREAM_MINIBATCH, STREAM_ROLLOUT, make_generator
 
 # Step metrics measured in wall-clock seconds (or derived from them): they differ between two runs of
 # one seed; every other metric is repeatable bit for bit on one machine.
-TIMING_METRICS = frozenset({"generate_s", "update_s", "step_s", "tokens_per_s", "engine_s"})
+TIMING_METRICS = frozenset({"generate_s", "update_s", "step_s", "tokens_per_s", "engine_s", "queue_wait_s"})
 
 
 @dataclass
@@ -128,6 +128,23 @@ def train_step(
     stamp_policy_version(graded, ctx.policy_version)
     if observe is not None:
         observe(graded)
+    return learn_step(ctx, graded, rollout_metrics, progress, t_generate, started=t0)
+
+
+def learn_step(
+    ctx: StepContext,
+    graded: GradedGroups,
+    rollout_metrics: dict[str, float],
+    progress: float,
+    t_generate: float,
+    started: float,
+    generation_cost: dict[str, float] | None = None,
+) -> dict[str, float]:
+    """Everything after the rollout: advantage inputs -> advantages -> update -> metrics, on groups
+    whose responses are stamped with the policy version that sampled them (the synchronous step's
+    own, or an older one when an asynchronous generator produced them: rlbench/training/async_pipeline.py).
+    ``started``: when the step's clock started; ``generation_cost``: the generator's counts
+    (GenerationCost.take) when they were taken elsewhere, else the sampler's are taken here."""
     batch = to_batch(ctx, graded)
     t1 = time.perf_counter()
     inputs, input_metrics = advantage_inputs(ctx, graded, batch)
@@ -137,7 +154,7 @@ def train_step(
     input_metrics.update(ctx.inputs.after_update(graded))
     ctx.policy_version += 1
     t_update = time.perf_counter() - t1
-    step_time = time.perf_counter() - t0
+    step_time = time.perf_counter() - started
     lengths = batch.response_mask.sum(-1)
     return {
         **step_metrics(graded, batch, response_kl),
@@ -148,7 +165,7 @@ def train_step(
         "step_s": step_time,
         "tokens_per_s": float(lengths.sum().item()) / step_time,
         "trained_tokens": float(batch.response_mask.sum().item()),
-        **ctx.sampler.cost.take(),
+        **(ctx.sampler.cost.take() if generation_cost is None else generation_cost),
         **rollout_metrics,
         **behaviour_metrics(graded, batch),
         **input_metrics,
