@@ -245,7 +245,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         print(f"results: {out_dir}")
     except Interrupted as stopped:
         saved = None
-        if training_run is not None and training_run.unsaved and not stopped.mid_step:
+        if training_run is not None and training_run.resumable and training_run.unsaved and not stopped.mid_step:
             saved = training_run.save()  # the steps completed so far; a second signal leaves the earlier checkpoints
         log.warning("run %s after %d steps; %s", stopped, training_run.step if training_run else 0,
                     f"resume it: rlbench resume={out_dir}" if saved or (training_run and training_run.saved_step)

@@ -249,6 +249,14 @@ class Algorithm:
             )
 
     @property
+    def on_policy_requirements(self) -> list[str]:
+        """Each piece of the composition that declared it needs on-policy data (registry.Needs.on_policy),
+        as "<kind> '<name>': <why>"."""
+        pieces = (("advantage", ADVANTAGES, self.advantage.name), ("loss", POLICY_LOSSES, self.loss.name))
+        return [f"{kind} '{name}': {registry.needs(name).on_policy}" for kind, registry, name in pieces
+                if registry.needs(name).on_policy]
+
+    @property
     def group_relative(self) -> bool:
         """True when the advantage estimator compares responses of the same prompt."""
         return "group_index" in inspect.signature(ADVANTAGES.get(self.advantage.name)).parameters

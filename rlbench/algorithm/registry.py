@@ -37,6 +37,9 @@ class Needs:
     paper_aggregation  policy loss: the aggregation its paper / reference code uses (advisory)
     conflicts          why, in words, for the validator's error message (required with any of the
                        enforced needs above)
+    on_policy          why the piece is defined only on data sampled by the current policy (no
+                       importance ratio to correct stale data); a run that trains on stale data
+                       (trainer.max_staleness >= 1) is refused, naming the piece. None: it takes any data
     """
 
     advantage_level: str | None = None
@@ -44,6 +47,7 @@ class Needs:
     aggregation: str | None = None
     paper_aggregation: str | None = None
     conflicts: tuple[str, ...] = ()
+    on_policy: str | None = None
 
     def __post_init__(self) -> None:
         for key in ("advantage_level", "ratio_level"):

@@ -12,7 +12,9 @@ from typing import Any
 import torch
 
 from rlbench.training.advantage_inputs import validate_step_options
+from rlbench.training.curricula import parse_stages, sampler_options, stage_settings
 from rlbench.algorithm import Algorithm
+from rlbench.algorithm.registry import ADVANTAGES
 from rlbench.config.fit import check_fits_here
 from rlbench.config.origin import ValueOrigins, with_origins
 from rlbench.config.walk import check_against_schema
@@ -54,6 +56,44 @@ def check_batch_arithmetic(prompts_per_step: int, n: int, micro_batch_size: int,
             f"mini-batch of {per_minibatch} responses (prompts_per_step * n / minibatches) is not a multiple of "
             f"trainer.micro_batch_size={micro_batch_size}; use one of {divisors}"
         )
+
+
+def check_curriculum(cfg: Any, algorithm: Algorithm) -> None:
+    """The prompt sampler's options, and the stages (ordered, known keys) with every stage's batch."""
+    sampler_options(cfg.trainer.get("sampler"))
+    stages = parse_stages(cfg.trainer.get("stages"), cfg.trainer.steps)
+    for stage, settings in zip(stages, stage_settings(cfg, stages)):
+        try:
+            check_batch_arithmetic(settings["trainer.prompts_per_step"], settings["rollout.n"],
+                                   cfg.trainer.micro_batch_size, algorithm.minibatches)
+        except ConfigError as err:
+            raise ConfigError(f"from trainer.stages at step {stage.at}: {err}") from None
+
+
+def check_staleness(cfg: Any, algorithm: Algorithm) -> None:
+    """Training on stale data (trainer.max_staleness >= 1) is refused with a piece that needs on-policy
+    data, advantage inputs that sample at the learner, stages and periodic evaluation
+    (rlbench/training/async_pipeline.py says why)."""
+    k = cfg.trainer.get("max_staleness")
+    if k is not None and (cfg.trainer.get("checkpoint_every") or cfg.get("resume")):
+        raise ConfigError(f"trainer.max_staleness={k} runs the asynchronous pipeline, which writes no checkpoint "
+                          "(its generator runs ahead of the learner): drop trainer.checkpoint_every and resume, "
+                          "or use trainer.max_staleness=null")
+    if k is None or k == 0:
+        return
+    where = f"trainer.max_staleness={k} trains on data up to {k} policy versions old"
+    if algorithm.on_policy_requirements:
+        raise ConfigError(f"{where}, but algorithm '{algorithm.name}' needs on-policy data: "
+                          + "; ".join(algorithm.on_policy_requirements) + ". Use trainer.max_staleness=null or 0")
+    if "baseline_rewards" in ADVANTAGES.accepted_inputs(algorithm.advantage.name):
+        raise ConfigError(f"{where}; advantage '{algorithm.advantage.name}' samples baseline rollouts at the learner, "
+                          "which shares the engine with the generator thread: use trainer.max_staleness=null or 0")
+    if cfg.trainer.get("stages"):
+        raise ConfigError(f"{where}; trainer.stages would change the sampling settings while older batches are "
+                          "trained: use stages only with trainer.max_staleness=null or 0")
+    if cfg.eval.get("every"):
+        raise ConfigError(f"{where}; eval.every evaluates during training on the engine the generator thread "
+                          "samples with: set eval.every=null (the evaluation after training still runs)")
 
 
 def check_sandbox(sandbox: Any) -> None:
@@ -123,6 +163,8 @@ def check_run(cfg: Any, origins: ValueOrigins) -> Algorithm:
                 f"which needs rollout.n >= 2 responses per prompt (got {rollout.n})"
             )
         check_batch_arithmetic(trainer.prompts_per_step, rollout.n, trainer.micro_batch_size, algorithm.minibatches)
+        check_curriculum(cfg, algorithm)
+        check_staleness(cfg, algorithm)
         algorithm.check_batch_size(trainer.prompts_per_step * rollout.n)
         validate_step_options(cfg, algorithm)
         validate_spec(cfg.dataset, source=cfg.data_source, data_dir=cfg.data_dir)

@@ -202,6 +202,21 @@ MOVED_KEYS = {
 
 
 @dataclass
+class SamplerConfig:
+    """``trainer.sampler`` (``sampler=<name>``): which prompts each step trains on (rlbench/training/curricula.py)."""
+
+    name: str = knob("uniform", "prompt sampler: uniform (shuffled passes) | weighted (by pass rate) | hard_focus (DRIVE)")
+
+    @classmethod
+    def extra_blocks(cls) -> dict[str, tuple[str, str]]:
+        """The settings block of each registered sampler, ``trainer.sampler.<name>``, only with name=<name>;
+        the sampler's own options class checks its keys."""
+        from rlbench.training.curricula import PROMPT_SAMPLERS
+
+        return {name: ("name", name) for name in PROMPT_SAMPLERS}
+
+
+@dataclass
 class TrainerConfig:
     """``trainer``: the optimisation loop around the algorithm."""
 
@@ -218,13 +233,23 @@ class TrainerConfig:
         None, "write a checkpoint (weights, optimizer, random streams, all training state) every N steps and after "
         "the last, into <run>/checkpoints/; null: only when the run is interrupted (docs/resume.md)", ge=1)
     keep_checkpoints: int = knob(2, "keep the last K checkpoints (an unreadable newest one falls back to the previous)", ge=1)
+    sampler: SamplerConfig = node(SamplerConfig, "which prompts each step trains on (sampler=<name>, conf/sampler/)")
+    stages: list = knob(
+        [], "[{at: step, rollout.n: .., rollout.max_new_tokens: .., rollout.temperature: .., trainer.prompts_per_step: ..}]: "
+        "settings that change from step `at` on (strictly increasing steps)"
+    )
+    max_staleness: Optional[int] = knob(
+        None, "null: synchronous (generate, then update); k >= 0: a generator thread samples batch s with policy "
+        "version max(0, s-1-k) while the learner updates (0 = the synchronous result through the pipeline)", ge=0
+    )
+    generator_threads: Optional[int] = knob(None, "torch threads of the generator thread (max_staleness set); null: the process's", ge=1)
 
 
 @dataclass
 class RolloutConfig:
     """``rollout``: how prompts become graded groups (the strategy) and how responses are sampled."""
 
-    strategy: str = knob("iid", "rollout strategy (rollout=<strategy>, rlbench-list): iid | dynamic_sampling | tree | treerpo | ...")
+    strategy: str = knob("iid", "rollout strategy (rollout=<strategy>, rlbench-list; conf/rollout/): iid | dynamic_sampling | tree | replay | ...")
     engine: Literal["hf", "vllm"] = knob("hf", "generation engine: hf (any device) | vllm (CUDA)")
     n: int = knob(4, "responses per prompt (group size)", ge=1)
     temperature: float = knob(1.0, "sampling temperature", ge=0)

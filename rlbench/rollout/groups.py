@@ -177,20 +177,34 @@ class GroupSampler:
     def __call__(
         self,
         problems: Sequence[Problem],
-        n: int,
+        n: int | Sequence[int],
         params: SamplingParams,
         generator: torch.Generator | None,
         prompt_ids: Sequence[tuple[int, ...]] | None = None,
     ) -> GradedGroups:
-        """``prompt_ids``: the encoded prompts when the caller has them (else they are encoded here)."""
+        """``n`` graded responses per prompt (:meth:`sample`, then :meth:`grade`)."""
+        return self.grade(problems, self.sample(problems, n, params, generator, prompt_ids), params.max_new_tokens)
+
+    def sample(
+        self,
+        problems: Sequence[Problem],
+        n: int | Sequence[int],
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        prompt_ids: Sequence[tuple[int, ...]] | None = None,
+    ) -> list[list[Completion]]:
+        """``n`` responses per prompt (one count for all, or one per problem), ungraded; ``prompt_ids``:
+        the encoded prompts when the caller has them (else they are encoded here)."""
         if prompt_ids is None:
             prompt_ids = self.encode(problems)
-        requests = [GenerationRequest(prompt_ids=ids, n=n) for ids in prompt_ids]
-        return self.grade(problems, self.generate(requests, params, generator), params.max_new_tokens)
+        counts = [n] * len(problems) if isinstance(n, int) else list(n)
+        requests = [GenerationRequest(prompt_ids=ids, n=count) for ids, count in zip(prompt_ids, counts)]
+        return self.generate(requests, params, generator)
 
     def grade(self, problems: Sequence[Problem], groups: list[list[Completion]], max_length: int) -> GradedGroups:
-        """Grade completions the strategy built itself (``groups[i]`` answers ``problems[i]``) and shape
-        their rewards, as :meth:`__call__` does for its own; ``max_length`` is the response budget."""
+        """Grade ``groups`` (``groups[i]`` answers ``problems[i]``, however they were produced: sampled
+        now, built by a strategy, replayed from a buffer) and shape their rewards; ``max_length`` is the
+        response budget; groups numbered 0..G-1."""
         flat = [c for group in groups for c in group]
         grades = grade_completions(self.grader, [p for p, group in zip(problems, groups) for _ in group], flat)
         outcome = torch.tensor([g.reward for g in grades], dtype=torch.float32)

@@ -42,6 +42,7 @@ Shaped for what comes next (not implemented yet):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -58,12 +59,14 @@ DEFAULT_STRATEGY = "iid"
 @dataclass(frozen=True)
 class RolloutSetup:
     """What every strategy samples with: the sampler (engine, grader, reward shaping), the group size
-    ``n`` (rollout.n), the sampling parameters and the rollout's random stream."""
+    ``n`` (rollout.n), the sampling parameters and the rollout's random stream; ``seed`` (the run's)
+    derives a strategy's own streams (rlbench.utils STREAM_*)."""
 
     sampler: GroupSampler
     n: int
     params: SamplingParams
     generator: torch.Generator | None
+    seed: int = 0
 
     def sample(self, problems: list[Problem]) -> GradedGroups:
         """``n`` graded responses for each of ``problems``."""
@@ -115,6 +118,17 @@ def strategy_class(rollout_cfg: Any) -> type:
     if name not in STRATEGIES:
         raise ConfigError(f"rollout.strategy={name!r} is unknown; choose one of {sorted(STRATEGIES)} (conf/rollout/)")
     return STRATEGIES[name]
+
+
+def strategy_options(rollout_cfg: Any, name: str, options_class: type) -> Any:
+    """The ``rollout.<name>`` block as an instance of the dataclass ``options_class`` (its fields are
+    the keys, with their defaults); an unknown key is a ConfigError naming the keys it takes."""
+    node = dict(rollout_cfg.get(name) or {})
+    keys = {f.name for f in dataclasses.fields(options_class)}
+    unknown = set(node) - keys
+    if unknown:
+        raise ConfigError(f"rollout.{name} has no key(s) {sorted(unknown)}; it takes {sorted(keys)}")
+    return options_class(**node)
 
 
 def validate_strategy(rollout_cfg: Any, advantage: str) -> None:

@@ -12,6 +12,8 @@ import numpy as np
 from rlbench import faults
 from rlbench.dataset.base import Problem
 from rlbench.training import checkpoint
+from rlbench.training.async_pipeline import AsyncPipeline
+from rlbench.training.curricula import Curriculum
 from rlbench.training.interrupt import StopSignals
 from rlbench.training.step import StepContext, train_step
 from rlbench.utils import STREAM_DATA_ORDER, Progress
@@ -69,14 +71,17 @@ class TrainingRun:
     """The loop over ``cfg.trainer.steps`` steps of ``cfg.trainer.prompts_per_step`` prompts, and
     everything it carries from step to step, which a checkpoint saves and :meth:`restore` loads:
     the step context's state (rlbench.training.step.StepContext.state_dict), the model and the
-    optimizer, the prompt order, the untrained-steps counter, the global random generators and the
-    logger's state (wandb run id, metrics so far). ``manifest``: what the checkpoints' manifest
+    optimizer, the data side (prompt sampler, per-prompt statistics, stages: rlbench.training.curricula),
+    the untrained-steps counter, the global random generators and the logger's state (wandb run id,
+    metrics so far). With ``trainer.max_staleness`` set the steps run through the asynchronous
+    pipeline (rlbench.training.async_pipeline), which checkpoints nothing mid-run (validation refuses
+    checkpoint_every and resume with it). ``manifest``: what the checkpoints' manifest
     records besides the step (config, overrides, commit)."""
 
     def __init__(self, cfg: Any, ctx: StepContext, problems: list[Problem], logger: Any,
                  manifest: dict[str, Any] | None = None):
         self.cfg, self.ctx, self.logger = cfg, ctx, logger
-        self.prompts = PromptSampler(problems, cfg.seed)
+        self.curriculum = Curriculum(cfg, problems)
         self.untrained = UntrainedSteps()
         self.step = 0  # steps completed
         self.after_step_done = 0  # the last step whose after_step (periodic evaluation) ran
@@ -93,7 +98,7 @@ class TrainingRun:
             checkpoint.STATE_FILE: {
                 "step": self.step,
                 "context": self.ctx.state_dict(),
-                "prompts": self.prompts.state_dict(),
+                "curriculum": self.curriculum.state_dict(),
                 "untrained_steps": self.untrained.count,
                 "after_step_done": self.after_step_done,
                 "logger": self.logger.state_dict(),
@@ -107,6 +112,13 @@ class TrainingRun:
         self.saved_step = self.step
         log.info("checkpoint %s (%.1f s)", saved.path, saved.manifest["write_seconds"])
         return saved
+
+    @property
+    def resumable(self) -> bool:
+        """Checkpoints can continue this run exactly: not with the asynchronous pipeline, whose
+        generator thread runs ahead of the learner (its prompt order and random streams are past the
+        last trained step)."""
+        return self.cfg.trainer.get("max_staleness") is None
 
     @property
     def unsaved(self) -> bool:
@@ -123,11 +135,11 @@ class TrainingRun:
         state = saved.load(checkpoint.STATE_FILE, device)
         self.ctx.load_state_dict(state["context"])
         self.ctx.engine.sync_weights(self.ctx.model)
-        self.prompts.load_state_dict(state["prompts"])
+        self.step = self.saved_step = int(state["step"])
+        self.curriculum.load_state_dict(state["curriculum"], self.ctx, self.step)
         self.untrained.count = int(state["untrained_steps"])
         self.after_step_done = int(state["after_step_done"])
         self.logger.load_state_dict(state["logger"])
-        self.step = self.saved_step = int(state["step"])
         checkpoint.load_global_random_state(state["random"])
         log.info("resumed from %s: %d of %d steps done", saved.path, self.step, self.cfg.trainer.steps)
 
@@ -159,13 +171,17 @@ class TrainingRun:
         if after_step is not None and self.after_step_done < self.step:  # checkpointed before it ran
             after_step(self.step)
             self.after_step_done = self.step
+        if cfg.trainer.get("max_staleness") is not None:
+            return self.train_async(progress, after_step)
         for step in range(self.step + 1, cfg.trainer.steps + 1):
             faults.at_step(step)
             with stop.step():
                 metrics = train_step(
-                    self.ctx, self.prompts.next(cfg.trainer.prompts_per_step), progress=(step - 1) / cfg.trainer.steps,
-                    draw_prompts=self.prompts.next,
+                    self.ctx, self.curriculum.prompts(step, self.ctx), progress=(step - 1) / cfg.trainer.steps,
+                    draw_prompts=self.curriculum.draw,
+                    observe=lambda graded, step=step: self.curriculum.observe(step, graded),
                 )
+                self.curriculum.end_step(step)
                 self.logger.log_step(step, self.untrained.observe(step, metrics))
                 self.step = step
             progress.update(1, note=f"reward {metrics['reward_mean']:.3f} acc {metrics['accuracy']:.3f}")
@@ -176,3 +192,18 @@ class TrainingRun:
                 after_step(step)
             self.after_step_done = step
         return {"steps_without_trainable_tokens": self.untrained.count}
+
+    def train_async(self, progress: Progress, after_step: Callable[[int], None] | None) -> dict[str, Any]:
+        """The steps through the asynchronous pipeline (trainer.max_staleness): generation for later
+        steps overlaps the update; no checkpoint is written mid-run."""
+        cfg = self.cfg
+        pipeline = AsyncPipeline(self.ctx, self.curriculum, cfg.trainer.steps, int(cfg.trainer.max_staleness),
+                                 cfg.trainer.get("generator_threads"))
+        for step, metrics in pipeline.steps():
+            self.logger.log_step(step, self.untrained.observe(step, metrics))
+            self.step = step
+            progress.update(1, note=f"reward {metrics['reward_mean']:.3f} acc {metrics['accuracy']:.3f}")
+            if after_step is not None:
+                after_step(step)
+            self.after_step_done = step
+        return {"steps_without_trainable_tokens": self.untrained.count, **pipeline.summary()}

@@ -40,7 +40,7 @@ from rlbench.utils import STREAM_MINIBATCH, STREAM_ROLLOUT, make_generator
 
 # Step metrics measured in wall-clock seconds (or derived from them): they differ between two runs of
 # one seed; every other metric is repeatable bit for bit on one machine.
-TIMING_METRICS = frozenset({"generate_s", "update_s", "step_s", "tokens_per_s", "engine_s"})
+TIMING_METRICS = frozenset({"generate_s", "update_s", "step_s", "tokens_per_s", "engine_s", "queue_wait_s"})
 
 
 @dataclass
@@ -119,7 +119,7 @@ def make_step_context(
     grader = make_grader(cfg.reward, cfg.dataset, cfg.get("sandbox"))
     sampler = GroupSampler(engine, grader, tokenizer, cfg.dataset.prompt, algorithm.shape_rewards)
     rollout_generator = make_generator(cfg.seed, STREAM_ROLLOUT)
-    setup = RolloutSetup(sampler, int(rollout.n), params, rollout_generator)
+    setup = RolloutSetup(sampler, int(rollout.n), params, rollout_generator, int(cfg.seed))
     return StepContext(
         algorithm=algorithm,
         model=model,
@@ -149,17 +149,38 @@ def train_step(
     problems: list[Problem],
     progress: float = 0.0,
     draw_prompts: Callable[[int], list[Problem]] | None = None,
+    observe: Callable[[GradedGroups], None] | None = None,
 ) -> dict[str, float]:
     """rollout -> reward -> advantage inputs -> advantages -> update -> metrics for one batch of
     prompts. Returns the step's metrics.
 
     ``progress`` is the fraction of training done before this step (for annealed losses);
-    ``draw_prompts(k)`` gives k more prompts (for strategies that draw them: dynamic sampling)."""
+    ``draw_prompts(k)`` gives k more prompts (for strategies that draw them: dynamic sampling);
+    ``observe(groups)`` sees the graded groups (the curricula's per-prompt statistics)."""
     t0 = time.perf_counter()
     graded, rollout_metrics = ctx.strategy.rollout(problems, draw_prompts)  # rollout and reward
     t_generate = time.perf_counter() - t0
     faults.kill_point("generate")
     stamp_policy_version(graded, ctx.policy_version)
+    if observe is not None:
+        observe(graded)
+    return learn_step(ctx, graded, rollout_metrics, progress, t_generate, started=t0)
+
+
+def learn_step(
+    ctx: StepContext,
+    graded: GradedGroups,
+    rollout_metrics: dict[str, float],
+    progress: float,
+    t_generate: float,
+    started: float,
+    generation_cost: dict[str, float] | None = None,
+) -> dict[str, float]:
+    """Everything after the rollout: advantage inputs -> advantages -> update -> metrics, on groups
+    whose responses are stamped with the policy version that sampled them (the synchronous step's
+    own, or an older one when an asynchronous generator produced them: rlbench/training/async_pipeline.py).
+    ``started``: when the step's clock started; ``generation_cost``: the generator's counts
+    (GenerationCost.take) when they were taken elsewhere, else the sampler's are taken here."""
     batch = to_batch(ctx, graded)
     t1 = time.perf_counter()
     inputs, input_metrics = advantage_inputs(ctx, graded, batch)
@@ -169,7 +190,7 @@ def train_step(
     input_metrics.update(ctx.inputs.after_update(graded))
     ctx.policy_version += 1
     t_update = time.perf_counter() - t1
-    step_time = time.perf_counter() - t0
+    step_time = time.perf_counter() - started
     lengths = batch.response_mask.sum(-1)
     return {
         **step_metrics(graded, batch, response_kl),
@@ -180,7 +201,7 @@ def train_step(
         "step_s": step_time,
         "tokens_per_s": float(lengths.sum().item()) / step_time,
         "trained_tokens": float(batch.response_mask.sum().item()),
-        **ctx.sampler.cost.take(),
+        **(ctx.sampler.cost.take() if generation_cost is None else generation_cost),
         **rollout_metrics,
         **behaviour_metrics(graded, batch),
         **input_metrics,

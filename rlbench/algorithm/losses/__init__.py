@@ -50,6 +50,7 @@ from rlbench.algorithm.losses.ratio_clipped import (
     ppo_ewma_loss,
     dppo_loss,
     degrpo_loss,
+    exgrpo_loss,
 )
 from rlbench.algorithm.losses.covariance import covariance_selection_count, clip_cov_loss, kl_cov_loss
 from rlbench.algorithm.losses.sequence_level import gspo_loss, gspo_token_loss, gmpo_loss
@@ -83,6 +84,7 @@ __all__ = [
     "clip_cov_loss",
     "covariance_selection_count",
     "degrpo_loss",
+    "exgrpo_loss",
     "dppo_loss",
     "gmpo_loss",
     "gspo_loss",

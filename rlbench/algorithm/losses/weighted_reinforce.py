@@ -18,7 +18,9 @@ def _weighted_reinforce(
     return loss if weight is None else weight.detach() * loss
 
 
-@POLICY_LOSSES.register("reinforce")
+@POLICY_LOSSES.register(
+    "reinforce", on_policy="l = -A logp has no importance ratio: its gradient is the policy gradient only for samples of pi_theta"
+)
 def reinforce_loss(
     logp: torch.Tensor,
     advantages: torch.Tensor,

@@ -1,0 +1,397 @@
+"""Curricula: which prompts a step trains on, and stages that change the run's settings at given steps.
+
+* :class:`PromptStatsStore`: per prompt uid, the responses graded so far (attempts), how many were
+  correct (pass rate), their mean length and the last step that saw the prompt. The training loop
+  feeds it every step's graded groups; prompt samplers read it.
+* Prompt samplers (``sampler=<name>``, the node ``trainer.sampler``): ``uniform`` (the default:
+  shuffled passes, rlbench.training.loop.PromptSampler, unchanged), ``weighted`` (draw by pass rate:
+  a Gaussian around a target pass rate, or easy / medium / hard bucket weights) and ``hard_focus``
+  (DRIVE's stage-2 rule: after every phase, keep the hardest share of the pool). Each has
+  ``next(count)``, ``state_dict()`` and ``load_state_dict()``; a new one is a class registered with
+  :func:`register_prompt_sampler` and a YAML in conf/sampler/.
+* Stages (``trainer.stages``): ``[{at: 10, rollout.n: 16, rollout.max_new_tokens: 32}, ...]``: from
+  step ``at`` on, the listed settings change (DRIVE's and CAMPO's schedules of group size and length).
+  Steps must be strictly increasing (an unordered or repeated step is refused before the model loads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from rlbench.dataset.base import Problem
+from rlbench.errors import ConfigError
+from rlbench.rollout.groups import GradedGroups
+from rlbench.utils import STREAM_CURRICULUM
+
+
+# ------------------------------------------------------------------------------------ statistics
+
+
+@dataclass
+class PromptStats:
+    attempts: int = 0
+    correct: int = 0
+    length_sum: int = 0
+    last_seen: int = 0
+
+    @property
+    def pass_rate(self) -> float:
+        return self.correct / self.attempts if self.attempts else math.nan
+
+    @property
+    def mean_length(self) -> float:
+        return self.length_sum / self.attempts if self.attempts else math.nan
+
+
+class PromptStatsStore:
+    """Per-prompt statistics of every response graded in training (module docstring)."""
+
+    def __init__(self) -> None:
+        self.stats: dict[str, PromptStats] = {}
+
+    def observe(self, step: int, graded: GradedGroups) -> None:
+        correct = graded.correct.tolist()
+        row = 0
+        for problem, group in zip(graded.problems, graded.groups):
+            entry = self.stats.setdefault(problem.uid, PromptStats())
+            for completion in group:
+                entry.attempts += 1
+                entry.correct += int(correct[row] > 0)
+                entry.length_sum += len(completion.response_ids)
+                row += 1
+            entry.last_seen = step
+
+    def get(self, uid: str) -> PromptStats:
+        return self.stats.get(uid, PromptStats())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {uid: dataclasses.asdict(entry) for uid, entry in self.stats.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stats = {uid: PromptStats(**entry) for uid, entry in state.items()}
+
+
+# -------------------------------------------------------------------------------------- samplers
+
+PROMPT_SAMPLERS: dict[str, type] = {}
+
+
+def register_prompt_sampler(name: str) -> Callable[[type], type]:
+    def register(cls: type) -> type:
+        PROMPT_SAMPLERS[name] = cls
+        return cls
+
+    return register
+
+
+def sampler_options(sampler_cfg: Any) -> tuple[type, Any]:
+    """The sampler class named by ``trainer.sampler.name`` and its options (the block
+    ``trainer.sampler.<name>``); ConfigError for an unknown name or key."""
+    name = str((sampler_cfg or {}).get("name", "uniform"))
+    if name not in PROMPT_SAMPLERS:
+        raise ConfigError(f"trainer.sampler.name={name!r} is unknown; choose one of {sorted(PROMPT_SAMPLERS)} (conf/sampler/)")
+    cls = PROMPT_SAMPLERS[name]
+    options_class = getattr(cls, "Options", None)
+    if options_class is None:
+        return cls, None
+    block = dict((sampler_cfg or {}).get(name) or {})
+    keys = {f.name for f in dataclasses.fields(options_class)}
+    unknown = set(block) - keys
+    if unknown:
+        raise ConfigError(f"trainer.sampler.{name} has no key(s) {sorted(unknown)}; it takes {sorted(keys)}")
+    options = options_class(**block)
+    options.check()
+    return cls, options
+
+
+def make_prompt_sampler(sampler_cfg: Any, problems: list[Problem], seed: int, stats: PromptStatsStore):
+    cls, options = sampler_options(sampler_cfg)
+    return cls.build(problems, seed, stats, options)
+
+
+@register_prompt_sampler("uniform")
+class UniformPrompts:
+    """The default: shuffled passes over the problems (rlbench.training.loop.PromptSampler itself)."""
+
+    @staticmethod
+    def build(problems: list[Problem], seed: int, stats: PromptStatsStore, options: Any):
+        from rlbench.training.loop import PromptSampler
+
+        return PromptSampler(problems, seed)
+
+
+@dataclass(frozen=True)
+class WeightedOptions:
+    """``trainer.sampler.weighted``: how a prompt's pass rate p becomes its draw weight."""
+
+    weighting: str = "gaussian"  # gaussian: exp(-((p - target) / width)^2 / 2) | buckets
+    target: float = 0.5
+    width: float = 0.25
+    prior: float = 0.5  # the pass rate assumed for a prompt not seen yet
+    hard_below: float = 0.2  # buckets: p <= hard_below is hard, p >= easy_above is easy, else medium
+    easy_above: float = 0.8
+    hard_weight: float = 1.0
+    medium_weight: float = 1.0
+    easy_weight: float = 0.25
+
+    def check(self) -> None:
+        if self.weighting not in ("gaussian", "buckets"):
+            raise ConfigError(f"trainer.sampler.weighted.weighting={self.weighting!r}: choose gaussian or buckets")
+        if self.width <= 0 or not 0 <= self.prior <= 1 or not 0 <= self.hard_below < self.easy_above <= 1:
+            raise ConfigError("trainer.sampler.weighted: width > 0, prior in [0, 1] and 0 <= hard_below < easy_above <= 1 are required")
+        if min(self.hard_weight, self.medium_weight, self.easy_weight) < 0 or max(self.hard_weight, self.medium_weight, self.easy_weight) == 0:
+            raise ConfigError("trainer.sampler.weighted: bucket weights must be >= 0 and not all 0")
+
+    def weight(self, pass_rate: float) -> float:
+        p = self.prior if math.isnan(pass_rate) else pass_rate
+        if self.weighting == "gaussian":
+            return math.exp(-0.5 * ((p - self.target) / self.width) ** 2)
+        if p <= self.hard_below:
+            return self.hard_weight
+        return self.easy_weight if p >= self.easy_above else self.medium_weight
+
+
+@register_prompt_sampler("weighted")
+class WeightedPrompts:
+    """Prompts drawn without replacement within a step, with probability proportional to
+    :meth:`WeightedOptions.weight` of their pass rate so far: the Gaussian form concentrates on
+    prompts near a target pass rate (the mid-difficulty prompts whose groups carry signal, as
+    ExGRPO's buckets do for replay, arXiv:2510.02245 section 3.2); the bucket form is CLPO's
+    online difficulty buckets (arXiv:2509.25004) with easy prompts down-weighted (CLPO's rewriting
+    of medium / hard problems is not implemented)."""
+
+    Options = WeightedOptions
+
+    def __init__(self, problems: list[Problem], seed: int, stats: PromptStatsStore, options: WeightedOptions):
+        self.problems, self.stats, self.options = problems, stats, options
+        self.rng = np.random.default_rng([seed, STREAM_CURRICULUM])
+
+    @classmethod
+    def build(cls, problems, seed, stats, options):
+        return cls(problems, seed, stats, options)
+
+    def probabilities(self) -> np.ndarray:
+        """The probability of each problem on one draw."""
+        weights = np.array([self.options.weight(self.stats.get(p.uid).pass_rate) for p in self.problems])
+        if weights.sum() == 0:  # every prompt in a zero-weight bucket: fall back to uniform
+            weights = np.ones(len(self.problems))
+        return weights / weights.sum()
+
+    def next(self, count: int) -> list[Problem]:
+        probs = self.probabilities()
+        replace = count > int((probs > 0).sum())
+        chosen = self.rng.choice(len(self.problems), size=count, replace=replace, p=probs)
+        return [self.problems[i] for i in chosen]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": self.rng.bit_generator.state, "stats": self.stats.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rng.bit_generator.state = state["rng"]
+        self.stats.load_state_dict(state["stats"])
+
+
+@dataclass(frozen=True)
+class HardFocusOptions:
+    """``trainer.sampler.hard_focus``: DRIVE's stage-2 curriculum (arXiv:2511.06307)."""
+
+    phase_steps: int = 8  # steps per phase; the pool is cut after each
+    keep_fraction: float = 0.5  # share of the pool kept (the hardest first)
+    max_pass_rate: float = 0.8  # prompts above this pass rate leave the pool
+    min_pool: int = 8  # the pool never shrinks below this many prompts
+
+    def check(self) -> None:
+        if self.phase_steps < 1 or not 0 < self.keep_fraction <= 1 or not 0 <= self.max_pass_rate <= 1 or self.min_pool < 1:
+            raise ConfigError("trainer.sampler.hard_focus: phase_steps >= 1, keep_fraction in (0, 1], "
+                              "max_pass_rate in [0, 1] and min_pool >= 1 are required")
+
+
+def hardest(pool: Sequence[Problem], stats: PromptStatsStore, options: HardFocusOptions) -> list[Problem]:
+    """The pool after one phase: prompts with pass rate <= max_pass_rate (unseen prompts stay), the
+    hardest ceil(keep_fraction * |pool|) of them (lowest pass rate first, unseen as 0, ties in pool
+    order), never fewer than min_pool (then the hardest of the whole pool)."""
+    rate = lambda p: 0.0 if math.isnan(stats.get(p.uid).pass_rate) else stats.get(p.uid).pass_rate
+    eligible = [p for p in pool if rate(p) <= options.max_pass_rate]
+    keep = max(math.ceil(options.keep_fraction * len(pool)), min(options.min_pool, len(pool)))
+    ranked = sorted(eligible, key=rate)
+    if len(ranked) < keep:
+        ranked = ranked + sorted([p for p in pool if p not in eligible], key=rate)
+    kept = set(id(p) for p in ranked[:keep])
+    return [p for p in pool if id(p) in kept]
+
+
+@register_prompt_sampler("hard_focus")
+class HardFocusPrompts:
+    """Shuffled passes over a pool that starts as every problem and, after every ``phase_steps``
+    steps, keeps only its hardest part (:func:`hardest`); the pool never grows, so its pass rates
+    only rise in difficulty (DRIVE, arXiv:2511.06307: stage 2 keeps retaining the hardest problems)."""
+
+    Options = HardFocusOptions
+
+    def __init__(self, problems: list[Problem], seed: int, stats: PromptStatsStore, options: HardFocusOptions):
+        self.pool, self.stats, self.options = list(problems), stats, options
+        self.rng = np.random.default_rng([seed, STREAM_CURRICULUM])
+        self.order: list[int] = []
+        self.drawn_steps = 0
+
+    @classmethod
+    def build(cls, problems, seed, stats, options):
+        return cls(problems, seed, stats, options)
+
+    def next(self, count: int) -> list[Problem]:
+        batch = []
+        while len(batch) < count:
+            if not self.order:
+                self.order = self.rng.permutation(len(self.pool)).tolist()
+            batch.append(self.pool[self.order.pop()])
+        return batch
+
+    def end_step(self, step: int) -> None:
+        """Called by the loop after each step: cut the pool at the end of a phase."""
+        if step % self.options.phase_steps == 0:
+            self.pool = hardest(self.pool, self.stats, self.options)
+            self.order = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"pool": [p.uid for p in self.pool], "order": list(self.order), "rng": self.rng.bit_generator.state,
+                "stats": self.stats.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        by_uid = {p.uid: p for p in self.pool}
+        self.pool = [by_uid[uid] for uid in state["pool"]]
+        self.order = list(state["order"])
+        self.rng.bit_generator.state = state["rng"]
+        self.stats.load_state_dict(state["stats"])
+
+
+# ------------------------------------------------------------------------------- the data side
+
+
+class Curriculum:
+    """The data side of the training loop: the prompt sampler, the statistics store it reads and the
+    stages. Per step: :meth:`prompts` (entering a stage first), the rollout, :meth:`observe`, :meth:`end_step`.
+    The synchronous loop calls them between updates, the asynchronous generator in its own thread."""
+
+    def __init__(self, cfg: Any, problems: list[Problem]):
+        self.stats = PromptStatsStore()
+        self.sampler = make_prompt_sampler(cfg.trainer.get("sampler"), problems, cfg.seed, self.stats)
+        self.stages = {stage.at: stage for stage in parse_stages(cfg.trainer.get("stages"), cfg.trainer.steps)}
+        self.prompts_per_step = int(cfg.trainer.prompts_per_step)
+
+    def prompts(self, step: int, ctx: Any) -> list[Problem]:
+        """Step ``step``'s prompts, after entering the stage that starts at it (if any)."""
+        if step in self.stages:
+            apply_stage(ctx, self.stages[step])
+            self.prompts_per_step = int(self.stages[step].changes.get("trainer.prompts_per_step", self.prompts_per_step))
+        return self.sampler.next(self.prompts_per_step)
+
+    def draw(self, count: int) -> list[Problem]:
+        """More prompts within a step (dynamic sampling's later rounds)."""
+        return self.sampler.next(count)
+
+    def observe(self, step: int, graded: GradedGroups) -> None:
+        self.stats.observe(step, graded)
+
+    def end_step(self, step: int) -> None:
+        if hasattr(self.sampler, "end_step"):
+            self.sampler.end_step(step)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint saves: the sampler's position, the statistics, the prompts per step."""
+        return {"sampler": self.sampler.state_dict(), "stats": self.stats.state_dict(),
+                "prompts_per_step": self.prompts_per_step}
+
+    def load_state_dict(self, state: dict[str, Any], ctx: Any, step: int) -> None:
+        """Continue after ``step`` steps: the saved state, and every stage entered by then put back
+        into the step context (in order, as the run entered them)."""
+        self.sampler.load_state_dict(state["sampler"])
+        self.stats.load_state_dict(state["stats"])
+        self.prompts_per_step = int(state["prompts_per_step"])
+        for at in sorted(self.stages):
+            if at <= step:
+                apply_stage(ctx, self.stages[at])
+
+
+# ---------------------------------------------------------------------------------------- stages
+
+STAGE_KEYS = ("rollout.n", "rollout.max_new_tokens", "rollout.temperature", "trainer.prompts_per_step")
+
+
+@dataclass(frozen=True)
+class Stage:
+    at: int
+    changes: dict[str, Any]
+
+
+def parse_stages(stages_cfg: Any, steps: int) -> list[Stage]:
+    """``trainer.stages`` as Stages, refused unless each has ``at`` (2 <= at <= trainer.steps) and
+    only keys of STAGE_KEYS, and the steps strictly increase (no two stages at one step)."""
+    stages = []
+    for i, raw in enumerate(list(stages_cfg or [])):
+        entry = _flatten(dict(raw))
+        if "at" not in entry:
+            raise ConfigError(f"trainer.stages[{i}] has no 'at' (the step it starts at): {entry}")
+        at = entry.pop("at")
+        if isinstance(at, bool) or not isinstance(at, int) or not 2 <= at <= max(steps, 2):
+            raise ConfigError(f"trainer.stages[{i}].at={at!r} must be a step in 2..trainer.steps={steps}")
+        unknown = set(entry) - set(STAGE_KEYS)
+        if unknown or not entry:
+            raise ConfigError(f"trainer.stages[{i}] may change {list(STAGE_KEYS)}; got {sorted(entry) or 'nothing'}")
+        for key, value in entry.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"trainer.stages[{i}].{key}={value!r} must be a positive number")
+        if stages and at <= stages[-1].at:
+            what = "overlaps" if at == stages[-1].at else "comes before"
+            raise ConfigError(f"trainer.stages[{i}].at={at} {what} the previous stage's at={stages[-1].at}: "
+                              "stages must start at strictly increasing steps")
+        stages.append(Stage(at, entry))
+    return stages
+
+
+def _flatten(entry: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{rollout: {n: 16}} and {"rollout.n": 16} alike -> {"rollout.n": 16}."""
+    flat: dict[str, Any] = {}
+    for key, value in entry.items():
+        if hasattr(value, "items"):
+            flat.update(_flatten(dict(value), f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def apply_stage(ctx: Any, stage: Stage) -> None:
+    """Put a stage's rollout settings into the step context and its rollout strategy (every strategy
+    keeps its RolloutSetup as ``.setup``); trainer.prompts_per_step is read by the loop."""
+    changes = stage.changes
+    ctx.params = dataclasses.replace(
+        ctx.params,
+        max_new_tokens=int(changes.get("rollout.max_new_tokens", ctx.params.max_new_tokens)),
+        temperature=float(changes.get("rollout.temperature", ctx.params.temperature)),
+    )
+    setup = getattr(ctx.strategy, "setup", None)
+    if setup is None:
+        raise TypeError(f"{type(ctx.strategy).__name__} keeps no .setup: trainer.stages cannot change its group size or length")
+    ctx.strategy.setup = dataclasses.replace(setup, n=int(changes.get("rollout.n", setup.n)), params=ctx.params)
+
+
+def stage_settings(cfg: Any, stages: list[Stage]) -> list[dict[str, Any]]:
+    """The value of every stage key in force at each stage (the run's config, then each stage's
+    changes on top of the previous ones): what validation checks (batch arithmetic) for every stage."""
+    current = {key: _select(cfg, key) for key in STAGE_KEYS}
+    out = []
+    for stage in stages:
+        current = {**current, **stage.changes}
+        out.append(dict(current))
+    return out
+
+
+def _select(cfg: Any, dotted: str) -> Any:
+    node = cfg
+    for part in dotted.split("."):
+        node = node[part]
+    return node

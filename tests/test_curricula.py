@@ -1,0 +1,160 @@
+"""Curricula (rlbench/training/curricula.py): the per-prompt statistics store, the prompt samplers against
+their formulas on hand-made statistics tables, and the stage schedule's validation and effect."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from rlbench.dataset.base import Problem
+from rlbench.errors import ConfigError
+from rlbench.reward.math import Grade
+from rlbench.rollout.base import Completion
+from rlbench.rollout.groups import GradedGroups
+from rlbench.training.curricula import (
+    HardFocusOptions, PromptStats, PromptStatsStore, WeightedOptions, hardest, make_prompt_sampler, parse_stages,
+)
+from rlbench.training.loop import PromptSampler
+
+PROBLEMS = [Problem(str(i), f"q{i}", "a") for i in range(6)]
+
+
+def table(rates):
+    """A statistics store with 4 attempts per prompt uid -> pass rate (None: never seen)."""
+    store = PromptStatsStore()
+    for uid, rate in rates.items():
+        if rate is not None:
+            store.stats[uid] = PromptStats(attempts=4, correct=round(4 * rate), length_sum=40, last_seen=1)
+    return store
+
+
+def graded(problems, lengths, correct):
+    groups = [[Completion(0, (1,), [5] * length, [0.0] * length, True) for length in group] for group in lengths]
+    flat = [c for group in correct for c in group]
+    grades = [Grade(reward=float(c), correct=bool(c), format_ok=True, extracted=None) for c in flat]
+    n = len(flat)
+    return GradedGroups(problems, groups, grades, torch.tensor(flat, dtype=torch.float32),
+                        torch.tensor(flat, dtype=torch.float32), torch.ones(n, dtype=torch.bool), list(range(len(groups))))
+
+
+def test_store_counts_attempts_pass_rate_lengths_and_last_seen():
+    store = PromptStatsStore()
+    store.observe(1, graded(PROBLEMS[:2], [[2, 4], [3]], [[1, 0], [1]]))
+    store.observe(3, graded(PROBLEMS[:1], [[6, 8]], [[1, 1]]))
+    a, b = store.get("0"), store.get("1")
+    assert (a.attempts, a.correct, a.pass_rate, a.mean_length, a.last_seen) == (4, 3, 0.75, 5.0, 3)
+    assert (b.attempts, b.pass_rate, b.last_seen) == (1, 1.0, 1)
+    assert math.isnan(store.get("9").pass_rate)
+    copy = PromptStatsStore()
+    copy.load_state_dict(store.state_dict())
+    assert copy.stats == store.stats
+
+
+def test_uniform_sampler_is_the_loops_prompt_sampler_draw_for_draw():
+    ours = make_prompt_sampler(OmegaConf.create({"name": "uniform"}), PROBLEMS, 3, PromptStatsStore())
+    reference = PromptSampler(PROBLEMS, 3)
+    assert [p.uid for _ in range(5) for p in ours.next(4)] == [p.uid for _ in range(5) for p in reference.next(4)]
+
+
+def test_weighted_sampler_probabilities_follow_the_gaussian_of_the_pass_rate():
+    rates = {"0": 0.0, "1": 0.25, "2": 0.5, "3": 0.75, "4": 1.0, "5": None}  # "5" unseen: the prior 0.5
+    cfg = OmegaConf.create({"name": "weighted", "weighted": {"weighting": "gaussian", "target": 0.5, "width": 0.25, "prior": 0.5}})
+    sampler = make_prompt_sampler(cfg, PROBLEMS, 0, table(rates))
+    p = [0.0, 0.25, 0.5, 0.75, 1.0, 0.5]
+    w = np.array([math.exp(-0.5 * ((x - 0.5) / 0.25) ** 2) for x in p])
+    assert sampler.probabilities() == pytest.approx(w / w.sum())
+    # and the draws follow them (one prompt per step, many steps)
+    draws = 6000
+    counts = np.bincount([int(sampler.next(1)[0].uid) for _ in range(draws)], minlength=6) / draws
+    expected = w / w.sum()
+    assert np.all(np.abs(counts - expected) < 5 * np.sqrt(expected * (1 - expected) / draws))
+
+
+def test_bucket_weighting_down_weights_easy_prompts():
+    options = WeightedOptions(weighting="buckets", hard_below=0.2, easy_above=0.8, hard_weight=2.0, medium_weight=1.0, easy_weight=0.25)
+    assert [options.weight(x) for x in (0.0, 0.2, 0.5, 0.79, 0.8, 1.0)] == [2.0, 2.0, 1.0, 1.0, 0.25, 0.25]
+    cfg = OmegaConf.create({"name": "weighted", "weighted": {"weighting": "buckets", "hard_weight": 2.0, "easy_weight": 0.25}})
+    sampler = make_prompt_sampler(cfg, PROBLEMS[:3], 0, table({"0": 0.0, "1": 0.5, "2": 1.0}))
+    assert sampler.probabilities() == pytest.approx(np.array([2.0, 1.0, 0.25]) / 3.25)
+
+
+def test_hard_focus_keeps_the_hardest_share_and_the_pool_only_shrinks():
+    rates = {"0": 0.9, "1": 0.1, "2": 0.5, "3": None, "4": 0.3, "5": 0.85}
+    options = HardFocusOptions(phase_steps=2, keep_fraction=0.5, max_pass_rate=0.8, min_pool=1)
+    kept = hardest(PROBLEMS, table(rates), options)
+    assert [p.uid for p in kept] == ["1", "3", "4"]  # unseen counts as 0; 0.9 and 0.85 are above 0.8
+    cfg = OmegaConf.create({"name": "hard_focus", "hard_focus": {"phase_steps": 2, "keep_fraction": 0.5, "min_pool": 1}})
+    store = table(rates)
+    sampler = make_prompt_sampler(cfg, PROBLEMS, 0, store)
+    sampler.end_step(1)
+    assert len(sampler.pool) == 6  # not the end of a phase
+    sampler.end_step(2)
+    assert [p.uid for p in sampler.pool] == ["1", "3", "4"]
+    assert {p.uid for p in sampler.next(9)} <= {"1", "3", "4"}
+    store.stats["1"] = PromptStats(4, 4, 0, 3)  # prompt 1 got easy: it leaves at the next cut
+    sampler.end_step(4)
+    assert [p.uid for p in sampler.pool] == ["3", "4"]
+
+
+def test_sampler_state_round_trip_continues_identically():
+    cfg = OmegaConf.create({"name": "weighted"})
+    a = make_prompt_sampler(cfg, PROBLEMS, 1, table({"0": 0.5, "1": 0.0}))
+    a.next(3)
+    b = make_prompt_sampler(cfg, PROBLEMS, 2, PromptStatsStore())
+    b.load_state_dict(a.state_dict())
+    assert [p.uid for p in a.next(4)] == [p.uid for p in b.next(4)]
+
+
+@pytest.mark.parametrize("sampler, message", [
+    ({"name": "easiest"}, "trainer.sampler.name='easiest' is unknown"),
+    ({"name": "weighted", "weighted": {"widht": 1}}, r"has no key\(s\) \['widht'\]"),
+    ({"name": "weighted", "weighted": {"width": 0}}, "width > 0"),
+    ({"name": "hard_focus", "hard_focus": {"keep_fraction": 0}}, "keep_fraction in"),
+])
+def test_bad_sampler_options_are_refused(sampler, message):
+    with pytest.raises(ConfigError, match=message):
+        make_prompt_sampler(OmegaConf.create(sampler), PROBLEMS, 0, PromptStatsStore())
+
+
+def test_stages_parse_nested_or_dotted_keys():
+    stages = parse_stages([{"at": 3, "rollout": {"n": 8}}, {"at": 5, "rollout.max_new_tokens": 32}], steps=10)
+    assert [(s.at, s.changes) for s in stages] == [(3, {"rollout.n": 8}), (5, {"rollout.max_new_tokens": 32})]
+
+
+@pytest.mark.parametrize("stages, message", [
+    ([{"at": 5, "rollout.n": 8}, {"at": 3, "rollout.n": 4}], "at=3 comes before the previous stage's at=5"),
+    ([{"at": 5, "rollout.n": 8}, {"at": 5, "rollout.n": 4}], "at=5 overlaps the previous stage's at=5"),
+    ([{"rollout.n": 8}], "has no 'at'"),
+    ([{"at": 1, "rollout.n": 8}], "must be a step in 2..trainer.steps=10"),
+    ([{"at": 11, "rollout.n": 8}], "must be a step in 2..trainer.steps=10"),
+    ([{"at": 4, "dataset.name": "gsm8k"}], "may change"),
+    ([{"at": 4, "rollout.n": 0}], "must be a positive number"),
+])
+def test_bad_stage_schedules_are_refused(stages, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_stages(stages, steps=10)
+
+
+def test_a_stage_whose_batch_does_not_split_is_refused_before_the_model_loads(make_cfg):
+    from rlbench.config import validate_config
+
+    cfg = make_cfg("experiment=smoke", "algorithm.update.minibatches=2", "trainer.stages=[{at:2,rollout.n:3}]",
+                   "trainer.prompts_per_step=1")
+    with pytest.raises(ConfigError, match="from trainer.stages at step 2"):
+        validate_config(cfg)
+
+
+@pytest.mark.slow
+def test_a_stage_changes_the_group_size_and_length_from_its_step_on(make_cfg):
+    import json
+
+    from rlbench.runner import run
+
+    cfg = make_cfg("experiment=smoke", "trainer.steps=3", "eval.before_training=false", "sampler=hard_focus",
+                   "trainer.stages=[{at:2,rollout:{n:3,max_new_tokens:4}}]")
+    run(cfg)
+    steps = [json.loads(line) for line in open(f"{cfg.output_dir}/metrics.jsonl")]
+    assert [s["generated_responses"] for s in steps] == [4.0, 6.0, 6.0]  # 2 prompts x n
+    assert steps[0]["response_length"] == 8.0 and steps[1]["response_length"] <= 4.0
