@@ -8,7 +8,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import smoke_cli_steps
+from conftest import CharTokenizer, smoke_cli_steps
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.reward.math import Grade
@@ -17,14 +17,6 @@ from rlbench.rollout.base import Completion, SamplingParams
 from rlbench.rollout.rethink import RethinkOptions, RethinkRollout, stage_problem
 from rlbench.training.batch import collate
 from rlbench.training.step import behaviour_old_logp
-
-
-class Tokenizer:
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
-        return [ord(ch) for ch in messages[-1]["content"]]
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(i) for i in ids)
 
 
 class Engine:
@@ -50,7 +42,7 @@ class Grader:
 
 
 def test_unsolved_problems_go_through_decompose_then_refine_and_a_success_joins_off_policy():
-    sampler = GroupSampler(Engine(), Grader(), Tokenizer(), {"user": "Q: {problem}"}, lambda r, _: r)
+    sampler = GroupSampler(Engine(), Grader(), CharTokenizer(), {"user": "Q: {problem}"}, lambda r, _: r)
     setup = RolloutSetup(sampler, 3, SamplingParams(1.0, 1.0, 4), None)
     options = RethinkOptions(samples=2, shown_attempts=2, decompose_template="Split: {problem}",
                              refine_template="{problem} | {attempts} | wrong?")
