@@ -80,3 +80,14 @@ def smoke_cli_steps(out: Path, *overrides: str) -> list[dict]:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+class CharTokenizer:
+    """A stand-in tokenizer for rollout tests: the chat template is the last (user) message's characters
+    as token ids; decode maps ids back to characters."""
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        return [ord(ch) for ch in messages[-1]["content"]]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)

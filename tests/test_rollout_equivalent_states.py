@@ -14,17 +14,7 @@ from rlbench.rollout.base import Completion, SamplingParams
 from rlbench.rollout.equivalent_states import EquivalentStatesRollout, state_prompt_spec
 from rlbench.training.batch import collate
 
-from conftest import smoke_cli_steps
-
-
-class Tokenizer:
-    """Chat template: the user message's characters as token ids; decode joins ids."""
-
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
-        return [ord(ch) for ch in messages[-1]["content"]]
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
+from conftest import CharTokenizer, smoke_cli_steps
 
 
 class Engine:
@@ -40,7 +30,7 @@ class Engine:
 
 
 def setup(n=4):
-    sampler = GroupSampler(Engine(), EvenTokenReward(), Tokenizer(), {"system": None, "user": "Q: {problem}"}, lambda r, _: r)
+    sampler = GroupSampler(Engine(), EvenTokenReward(), CharTokenizer(), {"system": None, "user": "Q: {problem}"}, lambda r, _: r)
     return RolloutSetup(sampler, n, SamplingParams(1.0, 1.0, 3), None)
 
 

@@ -18,15 +18,7 @@ def test_the_reward_is_twice_the_expected_final_round_accuracy():
     final = torch.tensor([True, False, False, True, True, False])
     assert motif_reward(final, 3).tolist() == pytest.approx([2.0 / 3, 4.0 / 3])
 
-from conftest import smoke_cli_steps
-
-
-class Tokenizer:
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
-        return [ord(ch) for ch in messages[-1]["content"]]
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(i) for i in ids)
+from conftest import CharTokenizer, smoke_cli_steps
 
 
 class Engine:
@@ -57,7 +49,7 @@ class Grader:
 
 
 def test_first_round_responses_are_rewarded_by_their_later_rounds():
-    sampler = GroupSampler(Engine(), Grader(), Tokenizer(), {"user": "Q {problem}"}, lambda r, _: r)
+    sampler = GroupSampler(Engine(), Grader(), CharTokenizer(), {"user": "Q {problem}"}, lambda r, _: r)
     setup = RolloutSetup(sampler, 2, SamplingParams(1.0, 1.0, 4), None)
     groups, metrics = MultiroundRollout(setup, MultiroundOptions(rounds=3, continuations=2)).rollout([Problem("1", "x", "0")])
     # round 1: "a" (graded wrong) hands on progress that leads to R, R (correct); "b" (graded right) to W, W

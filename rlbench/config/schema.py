@@ -249,7 +249,7 @@ class TrainerConfig:
 class RolloutConfig:
     """``rollout``: how prompts become graded groups (the strategy) and how responses are sampled."""
 
-    strategy: str = knob("iid", "rollout strategy (rollout=<strategy>, rlbench-list; conf/rollout/): iid | dynamic_sampling | tree | replay | ...")
+    strategy: str = knob("iid", "rollout strategy (rollout=<strategy>; rlbench-list lists them, docs/rollout.md)")
     engine: Literal["hf", "vllm"] = knob("hf", "generation engine: hf (any device) | vllm (CUDA)")
     n: int = knob(4, "responses per prompt (group size)", ge=1)
     temperature: float = knob(1.0, "sampling temperature", ge=0)

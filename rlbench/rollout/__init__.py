@@ -7,7 +7,8 @@ from rlbench.rollout.hf_engine import HFGenerateEngine
 from rlbench.rollout.groups import GradedGroups, GroupSampler
 from rlbench.rollout.strategy import STRATEGIES, RolloutSetup, RolloutStrategy, make_strategy, validate_strategy
 from rlbench.rollout import (  # noqa: F401  (register the strategies)
-    adaptive, dynamic_sampling, entropy_branch, equivalent_states, iid, lookahead, multiround, replay, speculative, tree,
+    adaptive, dynamic_sampling, entropy_branch, equivalent_states, iid, lookahead, multiround, replay, rethink,
+    speculative, tree,
 )
 
 __all__ = [
