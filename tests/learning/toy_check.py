@@ -50,9 +50,32 @@ def seeds_from_env() -> tuple[int, ...]:
     return seeds
 
 
-# Rollout strategies checked by the algorithm presets' runs: iid (every preset's default) and
-# dynamic_sampling (dapo's). Every other strategy has its own check: grpo with rollout=<strategy>.
-ROLLOUT_STRATEGIES_CHECKED_BY_PRESETS = ("iid", "dynamic_sampling")
+def rollouts_checked_by_presets() -> set[str]:
+    """Rollout files the algorithm presets' own checks run: iid (every preset's default), every file an
+    algorithm preset selects (dapo: dynamic_sampling; rlep, exgrpo, ar3po: their replay rollouts) and
+    the rollout files those build on (their ``defaults``). Every other strategy has its own check:
+    grpo with rollout=<strategy>."""
+    import yaml
+
+    def bases(name: str) -> set[str]:
+        path = ROOT / "conf" / "rollout" / f"{name}.yaml"
+        defaults = (yaml.safe_load(path.read_text()) or {}).get("defaults", []) if path.exists() else []
+        found = {name}
+        for entry in defaults:
+            if isinstance(entry, str) and entry != "_self_":
+                found |= bases(entry)
+        return found
+
+    checked = bases("iid")
+    for path in (ROOT / "conf" / "algorithm").glob("*.yaml"):
+        for entry in (yaml.safe_load(path.read_text()) or {}).get("defaults", []):
+            if isinstance(entry, dict):
+                for key, value in entry.items():
+                    if key.startswith("override /rollout"):
+                        checked |= bases(value)
+    return checked
+
+
 # Strategies the toy cannot judge, with the measurement that says why (docs/testing.md).
 ROLLOUT_STRATEGIES_WITHOUT_TOY_CHECK = {
     # MOTIF rewards a first-round response by the final-round accuracy of the rounds that continue from its
@@ -66,7 +89,7 @@ ROLLOUT_STRATEGIES_WITHOUT_TOY_CHECK = {
 
 def rollout_presets() -> list[str]:
     """The rollout strategies (conf/rollout) with a learning check of their own."""
-    skipped = set(ROLLOUT_STRATEGIES_CHECKED_BY_PRESETS) | set(ROLLOUT_STRATEGIES_WITHOUT_TOY_CHECK)
+    skipped = rollouts_checked_by_presets() | set(ROLLOUT_STRATEGIES_WITHOUT_TOY_CHECK)
     return sorted(p.stem for p in (ROOT / "conf" / "rollout").glob("*.yaml") if p.stem not in skipped)
 
 
