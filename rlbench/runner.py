@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 import rlbench
 from rlbench.config import resolve_device, validate_config
 from rlbench.dataset import load_problems
+from rlbench.guidance import GuidanceOptions, load_guidance
 from rlbench.eval.evaluate import Benchmark, EvalResult, evaluate, usable_problems
 from rlbench.logger import RunLogger
 from rlbench.logger.run_status import in_sweep
@@ -48,6 +49,16 @@ def load_benchmarks(cfg: DictConfig) -> list[Benchmark]:
         grader = make_grader(cfg.reward, spec, cfg.get("sandbox"))
         benchmarks.append(Benchmark(name, spec, problems, grader, skipped=skipped))
     return benchmarks
+
+
+def load_run_guidance(cfg: DictConfig, train_problems: list, tokenizer: Any) -> Any:
+    """The checked guidance traces of the run (guidance=<source>), or None without a source; bad
+    traces are counted and logged, or refuse the run here, before training (guidance.on_bad)."""
+    options = GuidanceOptions.from_config(cfg.get("guidance"))
+    if options.source == "none":
+        return None
+    grader = make_grader(cfg.reward, cfg.dataset, cfg.get("sandbox"))
+    return load_guidance(options, train_problems, tokenizer, grader, int(cfg.rollout.max_new_tokens), cfg.dataset, cfg.seed)
 
 
 def git_commit() -> str:
@@ -119,6 +130,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     out_dir = Path(cfg.output_dir)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     training = cfg.mode == "train" and cfg.trainer.steps > 0
+    if cfg.mode == "generate":  # graded traces for the guided methods (rlbench/guidance/generate.py)
+        from rlbench.guidance.generate import write_traces
+
+        return write_traces(cfg, device)
 
     train_problems = load_problems(cfg.dataset, seed=cfg.seed, data_dir=cfg.data_dir, source=cfg.data_source) if training else []
     benchmarks = load_benchmarks(cfg)
@@ -128,6 +143,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         dtype = torch.float32  # bf16 enters through autocast on CUDA; master weights stay fp32
         model, tokenizer = load_policy(cfg.model, device=device, dtype=dtype, seed=cfg.seed, cache_dir=cfg.cache_dir)
         engine = make_engine(cfg.rollout, model, tokenizer, device)
+        guidance = load_run_guidance(cfg, train_problems, tokenizer) if training else None  # before any evaluation
         ev = cfg.eval
         eval_params = SamplingParams(ev.temperature, ev.top_p, ev.max_new_tokens)
         eval_seed = make_generator(cfg.seed, STREAM_EVAL).initial_seed()
@@ -145,7 +161,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         baseline = run_eval("before", 0) if training and ev.before_training else None
         training_summary = {}
         if training:
-            ctx = make_step_context(cfg, algorithm, model, tokenizer, engine, device)
+            ctx = make_step_context(cfg, algorithm, model, tokenizer, engine, device, guidance=guidance)
             training_summary = train(cfg, ctx, train_problems, logger, after_step=periodic_eval)
         final = run_eval("after" if training else "eval", int(cfg.trainer.steps) if training else 0)
 
@@ -165,6 +181,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             "eval_seconds": {"before": baseline.seconds if baseline else None, "after": final.seconds},
             "grader_errors": {"before": baseline.grader_errors if baseline else None, "after": final.grader_errors},
             "skipped_records": final.skipped,
+            "guidance_traces": guidance.counts if guidance is not None else None,
             **training_summary,
             "wall_seconds": time.perf_counter() - started,
             "device": str(device),

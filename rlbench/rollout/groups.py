@@ -170,6 +170,10 @@ class GroupSampler:
         self.cost.add(groups, time.perf_counter() - start)
         return groups
 
+    def encode(self, problems: Sequence[Problem]) -> list[tuple[int, ...]]:
+        """The prompt token ids of ``problems`` (the dataset's template in the model's chat template)."""
+        return encode_prompts(self.tokenizer, problems, self.prompt_spec)
+
     def __call__(
         self,
         problems: Sequence[Problem],
@@ -180,9 +184,13 @@ class GroupSampler:
     ) -> GradedGroups:
         """``prompt_ids``: the encoded prompts when the caller has them (else they are encoded here)."""
         if prompt_ids is None:
-            prompt_ids = encode_prompts(self.tokenizer, problems, self.prompt_spec)
+            prompt_ids = self.encode(problems)
         requests = [GenerationRequest(prompt_ids=ids, n=n) for ids in prompt_ids]
-        groups = self.generate(requests, params, generator)
+        return self.grade(problems, self.generate(requests, params, generator), params)
+
+    def grade(self, problems: Sequence[Problem], groups: list[list[Completion]], params: SamplingParams) -> GradedGroups:
+        """Grade ``groups`` (one per problem, generated here or assembled by a strategy, e.g. with a
+        guidance trace among the policy's responses) and shape their rewards; groups numbered 0..G-1."""
         flat = [c for group in groups for c in group]
         grades = grade_completions(self.grader, [p for p, group in zip(problems, groups) for _ in group], flat)
         outcome = torch.tensor([g.reward for g in grades], dtype=torch.float32)

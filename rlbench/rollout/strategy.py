@@ -58,12 +58,13 @@ DEFAULT_STRATEGY = "iid"
 @dataclass(frozen=True)
 class RolloutSetup:
     """What every strategy samples with: the sampler (engine, grader, reward shaping), the group size
-    ``n`` (rollout.n), the sampling parameters and the rollout's random stream."""
+    ``n`` (rollout.n), the sampling parameters, the rollout's random stream and the guidance traces."""
 
     sampler: GroupSampler
     n: int
     params: SamplingParams
     generator: torch.Generator | None
+    guidance: Any = None  # rlbench.guidance.GuidanceLibrary: the run's checked traces (guidance=<source>), or None
 
     def sample(self, problems: list[Problem]) -> GradedGroups:
         """``n`` graded responses for each of ``problems``."""

@@ -71,8 +71,11 @@ class StepContext:
 
 
 def make_step_context(
-    cfg: Any, algorithm: Algorithm, model: torch.nn.Module, tokenizer: Any, engine: RolloutEngine, device: torch.device
+    cfg: Any, algorithm: Algorithm, model: torch.nn.Module, tokenizer: Any, engine: RolloutEngine, device: torch.device,
+    guidance: Any = None,
 ) -> StepContext:
+    """``guidance``: the run's checked traces (rlbench.guidance.load_guidance), for the strategies that
+    mix them into groups or take hints from them."""
     trainer, rollout = cfg.trainer, cfg.rollout
     update_state = make_update_state(algorithm, model)
     # The fused AdamW kernel (one pass over all parameters) is ~4x faster on CPU than the default.
@@ -85,7 +88,7 @@ def make_step_context(
     params = SamplingParams(rollout.temperature, rollout.top_p, rollout.max_new_tokens)
     grader = make_grader(cfg.reward, cfg.dataset, cfg.get("sandbox"))
     sampler = GroupSampler(engine, grader, tokenizer, cfg.dataset.prompt, algorithm.shape_rewards)
-    setup = RolloutSetup(sampler, int(rollout.n), params, make_generator(cfg.seed, STREAM_ROLLOUT))
+    setup = RolloutSetup(sampler, int(rollout.n), params, make_generator(cfg.seed, STREAM_ROLLOUT), guidance)
     return StepContext(
         algorithm=algorithm,
         model=model,

@@ -1,0 +1,250 @@
+"""Guidance: trace sources and their bad input, LUFFY's mixed groups and its policy-shaping loss."""
+
+import json
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from rlbench.algorithm.losses import ppo_clip_loss
+from rlbench.algorithm.losses.off_policy import policy_shaping_loss, shaping_gamma
+from rlbench.dataset.arith import derivation
+from rlbench.dataset.base import Problem
+from rlbench.errors import ConfigError, DataError
+from rlbench.guidance import GuidanceLibrary, GuidanceOptions, Trace, load_guidance, tokenizer_fingerprint, trace_completion
+from rlbench.guidance.traces import even_token_ids, solution_trace_text
+from rlbench.reward import MathReward
+from rlbench.reward.toy import EvenTokenReward
+from rlbench.rollout import GroupSampler, RolloutSetup, make_strategy, validate_strategy
+from rlbench.rollout.base import Completion, SamplingParams
+from rlbench.rollout.mixed_traces import MixedTraces
+from rlbench.training.batch import collate
+from rlbench.training.step import behaviour_old_logp
+
+
+class CharTokenizer:
+    """One token per character (id = code point), EOS 0."""
+
+    eos_token_id = 0
+    all_special_ids = [0]
+
+    def __init__(self, shift=0):
+        self.shift = shift
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) + self.shift for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(i - self.shift) for i in ids if i)
+
+    def get_vocab(self):
+        return {chr(i): i + self.shift for i in range(1, 300)}
+
+    def __len__(self):
+        return 300
+
+
+def arith(uid, expression, answer):
+    return Problem(uid, expression, answer)
+
+
+# ----------------------------------------------------------------------------------------- sources
+
+
+def test_dataset_solutions_become_responses():
+    gsm8k = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nShe sold 48+24 = <<48+24=72>>72.\n#### 1,072"
+    assert solution_trace_text(gsm8k) == (
+        "Natalia sold 48/2 = 24 clips in May.\nShe sold 48+24 = 72.\nThe final answer is \\boxed{1072}."
+    )
+    math_solution = "So $x = \\boxed{\\frac12}$."
+    assert solution_trace_text(math_solution) == math_solution
+    assert derivation("2 + 3 * 4") == "2 + 3 * 4 = 2 + 12 = 14"
+    assert derivation("2 * 3 - 4 * 5") == "2 * 3 - 4 * 5 = 6 - 4 * 5 = 6 - 20 = -14"
+    assert derivation("37 + 48") == "37 + 48 = 85"
+
+
+def test_arith_derivations_are_graded_correct_and_carry_eos():
+    problems = [arith("a/0", "2 + 3 * 4", "14"), arith("a/1", "7 + 8", "15")]
+    library = load_guidance(GuidanceOptions("dataset"), problems, CharTokenizer(), MathReward(extraction="last_number"), 64, {"loader": "arith"})
+    assert library.counts == {"kept": 2, "unknown_uid": 0, "empty": 0, "too_long": 0, "tokenizer_mismatch": 0, "incorrect": 0}
+    trace = library.for_problem(problems[0])[0]
+    assert trace.text == "2 + 3 * 4 = 2 + 12 = 14" and trace.token_ids[-1] == 0 and trace.finished
+    assert trace.behaviour == "dataset" and trace.correct
+
+
+def write_traces(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def bad_trace_file(tmp_path):
+    tok = CharTokenizer()
+    return write_traces(tmp_path / "traces.jsonl", [
+        {"uid": "a/0", "text": "2 + 3 = 5"},                                # kept
+        {"uid": "a/9", "text": "1 + 1 = 2"},                                # unknown uid
+        {"uid": "a/1", "text": "   "},                                      # empty
+        {"uid": "a/1", "text": "7 + 8 = 16"},                               # graded wrong
+        {"uid": "a/1", "text": "7 + 8 = " + "1" * 80 + " 15"},              # too long (limit 32)
+        {"uid": "a/1", "response_ids": [55, 32, 43], "tokenizer": "elsewhere"},       # another tokenizer
+        {"uid": "a/1", "response_ids": tok.encode("15"), "tokenizer": tokenizer_fingerprint(tok)},  # same: kept
+    ])
+
+
+def test_bad_traces_are_counted_and_left_out(tmp_path, caplog):
+    problems = [arith("a/0", "2 + 3", "5"), arith("a/1", "7 + 8", "15")]
+    options = GuidanceOptions("jsonl", path=bad_trace_file(tmp_path))
+    library = load_guidance(options, problems, CharTokenizer(), MathReward(extraction="last_number"), 32)
+    assert library.counts == {"kept": 2, "unknown_uid": 1, "empty": 1, "too_long": 1, "tokenizer_mismatch": 1, "incorrect": 1}
+    assert [t.text for t in library.for_problem(problems[1])] == ["15"]
+    assert library.for_problem(problems[0])[0].behaviour == "teacher"
+    assert "left out unknown_uid 1" in caplog.text and "traces.jsonl:2" in caplog.text
+
+
+def test_wrong_traces_are_kept_only_when_asked_and_stop_refuses_before_training(tmp_path):
+    problems = [arith("a/0", "2 + 3", "5"), arith("a/1", "7 + 8", "15")]
+    path = write_traces(tmp_path / "t.jsonl", [{"uid": "a/1", "text": "7 + 8 = 16"}])
+    kept = load_guidance(GuidanceOptions("jsonl", path=path, keep_incorrect=True), problems, CharTokenizer(), MathReward(extraction="last_number"), 32)
+    assert len(kept) == 1 and not kept.for_problem(problems[1])[0].correct
+    with pytest.raises(DataError, match=r"incorrect 1 \(e.g. .*t.jsonl:1\) of 1 traces.*guidance.on_bad=skip"):
+        load_guidance(GuidanceOptions("jsonl", path=path, on_bad="stop"), problems, CharTokenizer(), MathReward(extraction="last_number"), 32)
+
+
+def test_guidance_options_refuse_bad_settings(tmp_path):
+    with pytest.raises(ConfigError, match="guidance.path"):
+        GuidanceOptions.from_config({"source": "jsonl"})
+    with pytest.raises(DataError, match="no such file"):
+        GuidanceOptions.from_config({"source": "jsonl", "path": str(tmp_path / "missing.jsonl")})
+    with pytest.raises(ConfigError, match="on_bad"):
+        GuidanceOptions.from_config({"source": "dataset", "on_bad": "ignore"})
+    bad = write_traces(tmp_path / "bad.jsonl", [{"text": "no uid"}])
+    with pytest.raises(DataError, match="bad.jsonl:1: a trace record needs a string 'uid'"):
+        load_guidance(GuidanceOptions("jsonl", path=bad), [], CharTokenizer(), MathReward(), 8)
+
+
+def test_toy_traces_are_even_deterministic_and_earn_the_full_toy_reward():
+    tok = CharTokenizer()
+    ids = even_token_ids(tok, 8, "arith/train/3", seed=0)
+    assert len(ids) == 8 and all(t % 2 == 0 and t != 0 for t in ids)
+    assert ids == even_token_ids(tok, 8, "arith/train/3", seed=0) != even_token_ids(tok, 8, "arith/train/4", seed=0)
+    library = load_guidance(GuidanceOptions("even_tokens"), [arith("arith/train/3", "1 + 1", "2")], tok, EvenTokenReward(), 8)
+    trace = library.for_problem(arith("arith/train/3", "", ""))[0]
+    assert trace.token_ids == ids and trace.reward == 1.0 and not trace.finished
+
+
+# ----------------------------------------------------------------------------------------- the trace in the batch
+
+
+def test_a_trace_is_off_policy_in_every_token_with_mu_one():
+    c = trace_completion(Trace("u", "ab", (5, 6, 0), "teacher"), (1, 2))
+    assert c.behaviour == "teacher" and c.off_policy == [1, 1, 1] and c.behaviour_logprobs == [0.0, 0.0, 0.0]
+    batch = collate([[Completion(0, (1, 2), (3, 4, 5), [-0.5, -0.5, -0.5], True), c]], 0, current_version=0)
+    recomputed = torch.full((2, 3), -2.0)
+    # the policy's own tokens keep the recomputed pi_old; the trace's get log mu = 0, never the recomputed one
+    assert behaviour_old_logp(batch, recomputed).tolist() == [[-2.0, -2.0, -2.0], [0.0, 0.0, 0.0]]
+
+
+# ----------------------------------------------------------------------------------------- policy shaping
+
+
+def test_shaped_gradient_is_the_closed_form_and_peaks_at_gamma():
+    gamma = 0.1
+    probs = torch.tensor([[0.01, 0.1, 0.5, 0.9]], dtype=torch.float64)
+    logp = probs.log().requires_grad_(True)
+    advantages = torch.full_like(probs, 2.0)
+    loss, _ = policy_shaping_loss(logp, torch.zeros_like(probs), advantages, torch.ones_like(probs), torch.ones_like(probs), gamma=gamma)
+    assert torch.allclose(loss.detach(), -2.0 * probs / (probs + gamma))
+    loss.sum().backward()
+    expected = -2.0 * gamma * probs / (probs + gamma) ** 2  # d(-A f(pi)) / d log pi
+    assert torch.allclose(logp.grad, expected)
+    weight = (-logp.grad / 2.0)[0]
+    assert weight[1] > weight[0] and weight[1] > weight[3]  # the weight gamma p / (p + gamma)^2 peaks at p = gamma
+
+
+def test_a_trace_token_is_never_clipped_while_the_policy_tokens_are():
+    logp = torch.tensor([[math.log(3.0), math.log(3.0)]], dtype=torch.float64, requires_grad=True)
+    old = torch.zeros(1, 2, dtype=torch.float64)  # ratio 3 on both tokens
+    off = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
+    loss, metrics = policy_shaping_loss(logp, old, torch.ones(1, 2, dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64), off)
+    loss.sum().backward()
+    assert logp.grad[0, 0] < 0 and logp.grad[0, 1] == 0  # the trace token has a gradient, the clipped policy token none
+    assert metrics["clip_fraction"] == 1.0 and metrics["off_policy_fraction"] == 0.5
+
+
+def test_without_off_policy_tokens_policy_shaping_is_ppo_clip_exactly():
+    torch.manual_seed(0)
+    logp, old, adv = torch.randn(3, 5), torch.randn(3, 5), torch.randn(3, 5)
+    mask = (torch.rand(3, 5) > 0.2).float()
+    shaped, _ = policy_shaping_loss(logp, old, adv, mask, torch.zeros(3, 5), clip_low=0.2, clip_high=0.28)
+    plain, _ = ppo_clip_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    assert torch.equal(shaped, plain)
+
+
+def test_guide_gamma_is_the_percentile_of_the_off_policy_ratios_only():
+    ratio = torch.tensor([[0.5, 1.0, 2.0, 100.0]])
+    off = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    assert shaping_gamma(ratio, off, None, 0.5).item() == pytest.approx(1.0)
+    assert shaping_gamma(torch.full((1, 2), 1e-9), torch.ones(1, 2), None, 0.9).item() == pytest.approx(1e-4)
+    logp = torch.log(ratio)
+    loss, metrics = policy_shaping_loss(logp, torch.zeros_like(logp), torch.ones_like(logp), torch.ones_like(logp), off, gamma=None, gamma_quantile=0.5)
+    assert torch.allclose(loss[0, :3], -ratio[0, :3] / (ratio[0, :3] + 1.0))
+    assert metrics["shaping_gamma"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="gamma"):
+        policy_shaping_loss(logp, logp, logp, logp, off, gamma=None, gamma_quantile=None)
+
+
+# ----------------------------------------------------------------------------------------- mixed groups
+
+
+class ScriptedEngine:
+    def __init__(self):
+        self.requests = []
+
+    def generate(self, requests, params, generator=None):
+        self.requests.append([(r.prompt_ids, r.n) for r in requests])
+        return [[Completion(i, r.prompt_ids, [1, 3], [-0.1, -0.1], True) for _ in range(r.n)] for i, r in enumerate(requests)]
+
+
+def mixed_setup(library, n=4):
+    class Sampler(GroupSampler):
+        def encode(self, problems):
+            return [(int(p.uid),) for p in problems]
+
+    sampler = Sampler(ScriptedEngine(), EvenTokenReward(threshold=0.75), CharTokenizer(), {}, lambda r, _: r)
+    return RolloutSetup(sampler, n, SamplingParams(1.0, 1.0, 4), None, library)
+
+
+def test_a_group_holds_n_minus_k_policy_samples_and_k_traces_used_in_turn():
+    library = GuidanceLibrary()
+    for ids in ((2, 4), (6, 8)):
+        library.add(Trace("0", "", ids, "dataset"))
+    setup = mixed_setup(library)
+    strategy = make_strategy(OmegaConf.create({"strategy": "mixed_traces", "n": 4, "mixed_traces": {"traces_per_group": 1}}), setup)
+    assert isinstance(strategy, MixedTraces)
+    graded, metrics = strategy.rollout([Problem("0", "q", "a"), Problem("1", "q", "a")])
+    assert setup.sampler.engine.requests == [[((0,), 3), ((1,), 4)]]  # a prompt without a trace gets n samples
+    assert [len(g) for g in graded.groups] == [4, 4]
+    assert metrics == {"groups_with_trace": 1.0, "rollout_outcome_mean": 0.0}  # the policy's own responses only
+    assert [c.behaviour for c in graded.groups[0]] == ["policy"] * 3 + ["dataset"]
+    assert graded.rewards.tolist() == [0.0, 0.0, 0.0, 1.0] + [0.0] * 4  # the trace is graded with its group
+    second, _ = strategy.rollout([Problem("0", "q", "a")])
+    assert second.groups[0][-1].response_ids == (6, 8)  # the next trace of the prompt
+    restored = MixedTraces(setup, 1)
+    restored.load_state_dict(strategy.state_dict())
+    assert restored.pick_traces(Problem("0", "q", "a"))[0].token_ids == (2, 4)
+
+
+def test_without_traces_the_requests_are_the_iid_ones():
+    mixed = mixed_setup(GuidanceLibrary())
+    iid = mixed_setup(None)
+    problems = [Problem("0", "q", "a"), Problem("1", "q", "a")]
+    make_strategy(OmegaConf.create({"strategy": "mixed_traces", "n": 4}), mixed).rollout(problems)
+    make_strategy(OmegaConf.create({"strategy": "iid", "n": 4}), iid).rollout(problems)
+    assert mixed.sampler.engine.requests == iid.sampler.engine.requests
+
+
+def test_traces_per_group_must_leave_room_for_the_policy():
+    with pytest.raises(ConfigError, match="traces_per_group=4 must be at least 1 and below rollout.n=4"):
+        validate_strategy(OmegaConf.create({"strategy": "mixed_traces", "n": 4, "mixed_traces": {"traces_per_group": 4}}), "grpo")
+    with pytest.raises(ConfigError, match="has no key"):
+        validate_strategy(OmegaConf.create({"strategy": "mixed_traces", "n": 4, "mixed_traces": {"per_group": 1}}), "grpo")
