@@ -186,11 +186,11 @@ def test_guide_gamma_is_the_percentile_of_the_off_policy_ratios_only():
     assert shaping_gamma(ratio, off, None, 0.5).item() == pytest.approx(1.0)
     assert shaping_gamma(torch.full((1, 2), 1e-9), torch.ones(1, 2), None, 0.9).item() == pytest.approx(1e-4)
     logp = torch.log(ratio)
-    loss, metrics = policy_shaping_loss(logp, torch.zeros_like(logp), torch.ones_like(logp), torch.ones_like(logp), off, gamma=None, gamma_quantile=0.5)
+    loss, metrics = policy_shaping_loss(logp, torch.zeros_like(logp), torch.ones_like(logp), torch.ones_like(logp), off, gamma_quantile=0.5)
     assert torch.allclose(loss[0, :3], -ratio[0, :3] / (ratio[0, :3] + 1.0))
     assert metrics["shaping_gamma"] == pytest.approx(1.0)
-    with pytest.raises(ValueError, match="gamma"):
-        policy_shaping_loss(logp, logp, logp, logp, off, gamma=None, gamma_quantile=None)
+    with pytest.raises(ValueError, match="gamma_quantile must lie in"):
+        policy_shaping_loss(logp, logp, logp, logp, off, gamma_quantile=1.5)
 
 
 # ----------------------------------------------------------------------------------------- mixed groups
@@ -248,3 +248,134 @@ def test_traces_per_group_must_leave_room_for_the_policy():
         validate_strategy(OmegaConf.create({"strategy": "mixed_traces", "n": 4, "mixed_traces": {"traces_per_group": 4}}), "grpo")
     with pytest.raises(ConfigError, match="has no key"):
         validate_strategy(OmegaConf.create({"strategy": "mixed_traces", "n": 4, "mixed_traces": {"per_group": 1}}), "grpo")
+
+
+# ----------------------------------------------------------------------------------------- hints and prefixes
+
+from rlbench.rollout.guided_prefix import GuidanceLength, GuidedPrefix  # noqa: E402
+from rlbench.rollout.hints import HINT_SEPARATOR, HintReroll, ScafHints, hint_text  # noqa: E402
+
+
+class HintEngine:
+    """Prompt (k,) answers odd tokens (reward 0); a hinted prompt (1000 + k,) even ones (reward 1) when its
+    hint reveals at least ``needed`` words; prefix requests return the prefix then [2]."""
+
+    def __init__(self):
+        self.requests = []
+
+    def generate(self, requests, params, generator=None):
+        self.requests.append([(r.prompt_ids, r.n, r.prefix_ids) for r in requests])
+        out = []
+        for i, r in enumerate(requests):
+            tokens = [2, 4] if r.prompt_ids[0] >= 1000 else [1, 3]
+            ids = list(r.prefix_ids) + ([2] if r.prefix_ids else tokens)
+            lp = [-0.5] * len(ids)
+            out.append([Completion(i, r.prompt_ids, ids, lp, True, prefix_len=len(r.prefix_ids)) for _ in range(r.n)])
+        return out
+
+
+def hint_setup(library, n=4, needed_words=0):
+    class Sampler(GroupSampler):
+        def encode(self, problems):
+            ids = []
+            for p in problems:
+                base = int(p.uid)
+                hinted = HINT_SEPARATOR in p.prompt and len(p.prompt.split(HINT_SEPARATOR)[1].split()) >= needed_words
+                ids.append((1000 + base,) if hinted else (base,))
+            return ids
+
+    sampler = Sampler(HintEngine(), EvenTokenReward(threshold=0.75), CharTokenizer(), {}, lambda r, _: r)
+    return RolloutSetup(sampler, n, SamplingParams(1.0, 1.0, 4), None, library)
+
+
+def library_of(**texts):
+    library = GuidanceLibrary()
+    for uid, text in texts.items():
+        library.add(Trace(uid, text, (2, 4, 6, 0), "dataset"))
+    return library
+
+
+def test_hint_is_a_share_of_the_solution_words():
+    assert hint_text("a b c d", 0.5) == "a b" and hint_text("a b c d", 0.3) == "a b" and hint_text("a b c d", 1.0) == "a b c d"
+
+
+def test_guide_rerolls_only_all_wrong_groups_and_trains_hinted_responses_for_the_unhinted_prompt():
+    setup = hint_setup(library_of(**{"0": "w1 w2 w3 w4", "1": "v1 v2"}))
+    strategy = make_strategy(OmegaConf.create({"strategy": "hint_reroll", "n": 4, "hint_reroll": {"hint_share": 0.5}}), setup)
+    assert isinstance(strategy, HintReroll)
+    graded, metrics = strategy.rollout([Problem("0", "q", "a"), Problem("1", "q", "a")])
+    # both groups are all wrong: both re-rolled with the hint, both solved
+    assert setup.sampler.engine.requests[1] == [((1000,), 4, ()), ((1001,), 4, ())]
+    assert metrics == {"rollout_outcome_mean": 0.0, "groups_unsolved_with_trace": 2.0, "groups_hinted": 2.0}
+    assert graded.group_ids == [0, 1] and graded.rewards.tolist() == [1.0] * 8
+    hinted = graded.groups[0][0]
+    assert hinted.prompt_ids == (0,) and hinted.behaviour == "hint"  # trained for the prompt without the hint
+    assert hinted.off_policy == [1, 1] and hinted.behaviour_logprobs == [-0.5, -0.5]  # log pi_old(y | x, h)
+
+
+def test_guide_leaves_solved_groups_and_prompts_without_a_trace_alone():
+    setup = hint_setup(library_of(**{"1": "v1 v2"}))
+    strategy = HintReroll(setup, 0.5)
+    graded, metrics = strategy.rollout([Problem("0", "q", "a")])  # no trace for "0"
+    assert len(setup.sampler.engine.requests) == 1 and metrics["groups_hinted"] == 0.0
+    assert all(c.behaviour == "policy" for c in graded.groups[0])
+
+
+def test_guide_ratio_is_pi_without_the_hint_over_pi_old_with_it():
+    # the stored behaviour log-prob (hinted prompt) is pi_old; the trainer's log-prob is for the unhinted prompt
+    hinted = Completion(0, (7,), (2, 4), [-1.0, -2.0], True, behaviour="hint", off_policy=[1, 1], behaviour_logprobs=[-1.0, -2.0])
+    batch = collate([[hinted]], 0, current_version=0)
+    unhinted_logp = torch.tensor([[-1.5, -2.0]], dtype=torch.float64)
+    old = behaviour_old_logp(batch, torch.zeros(1, 2, dtype=torch.float64))
+    assert old.tolist() == [[-1.0, -2.0]]
+    loss, _ = policy_shaping_loss(unhinted_logp, old, torch.ones(1, 2, dtype=torch.float64), batch.response_mask.double(),
+                                  batch.off_policy.double(), gamma=0.5)
+    ratio = torch.tensor([math.exp(-0.5), 1.0], dtype=torch.float64)  # a hint that changes nothing gives ratio 1
+    assert torch.allclose(loss[0], -ratio / (ratio + 0.5))
+
+
+def test_scaf_waits_out_the_exemption_then_climbs_the_tiers_and_replaces_one_failure():
+    setup = hint_setup(library_of(**{"0": "w1 w2 w3 w4"}), needed_words=4)  # only the full solution helps
+    cfg = OmegaConf.create({"strategy": "scaf_hints", "n": 4, "scaf_hints": {"tiers": [0.25, 0.5, 1.0], "exemption_fraction": 0.5, "total_steps": 2}})
+    strategy = make_strategy(cfg, setup)
+    assert isinstance(strategy, ScafHints) and strategy.exempt_steps == 1
+    graded, metrics = strategy.rollout([Problem("0", "q", "a")])
+    assert metrics["groups_scaffolded"] == 0.0 and len(setup.sampler.engine.requests) == 1  # exemption: no hint
+    graded, metrics = strategy.rollout([Problem("0", "q", "a")])
+    tiers = [reqs[0][0] for reqs in setup.sampler.engine.requests[2:]]
+    assert tiers == [(0,), (0,), (1000,)]  # a quarter and a half of the solution do not help; all of it does
+    assert metrics["groups_scaffolded"] == 1.0 and graded.rewards.tolist() == [1.0, 0.0, 0.0, 0.0]
+    rescued = graded.groups[0][0]
+    # on-policy for the hinted prompt: the hint is in the prompt ids, never in the trained response
+    assert rescued.prompt_ids == (1000,) and rescued.off_policy == [0, 0] and rescued.behaviour == "hint"
+    assert ScafHints(setup, [1.0], 0).state_dict() == {"steps": 0}
+
+
+def test_guidance_length_schedule_follows_the_three_step_rule():
+    schedule = GuidanceLength(length=100, max_length=150)
+    assert [schedule.update(a) for a in (0.4, 0.6)] == [100, 100]  # collect two steps
+    assert schedule.update(0.25) == 150  # 0.25 < mean 0.5: length * 0.5 / 0.25 = 200, capped at 150
+    assert [schedule.update(a) for a in (0.2, 0.4)] == [150, 150]
+    assert schedule.update(0.6) == 75  # 0.6 > mean 0.3: 150 * 0.3 / 0.6
+    assert [schedule.update(a) for a in (0.5, 0.5, 0.5)] == [75, 75, 75]  # equal: unchanged
+    assert [schedule.update(a) for a in (0.0, 0.0, 0.1)] == [75, 75, 75]  # a zero mean: unchanged
+    assert [schedule.update(a) for a in (0.5, 0.5, 0.0)] == [75, 75, 75]  # a zero accuracy: unchanged
+    tiny = GuidanceLength(length=2, max_length=8)
+    assert [tiny.update(a) for a in (0.1, 0.1, 0.9)] == [2, 2, 1]  # at least one token
+
+
+def test_guided_prefix_groups_hold_k_guided_responses_whose_prefix_is_context():
+    setup = hint_setup(library_of(**{"0": "x"}))
+    cfg = OmegaConf.create({"strategy": "guided_prefix", "n": 4, "guided_prefix": {"guided_per_group": 1, "initial_length": 2, "max_length": 3}})
+    strategy = make_strategy(cfg, setup)
+    assert isinstance(strategy, GuidedPrefix)
+    graded, metrics = strategy.rollout([Problem("0", "q", "a"), Problem("1", "q", "a")])
+    assert setup.sampler.engine.requests[0] == [((0,), 1, (2, 4)), ((0,), 3, ()), ((1,), 4, ())]  # trace (2, 4, 6, EOS)
+    guided = graded.groups[0][0]
+    assert guided.behaviour == "prefix" and guided.response_ids == [2, 4, 2] and guided.loss_mask == [0, 0, 1]
+    assert [c.behaviour for c in graded.groups[0]] == ["prefix", "policy", "policy", "policy"]
+    assert metrics["guidance_length"] == 2.0 and metrics["groups_guided"] == 1.0
+    batch = collate(graded.groups, 0)
+    assert batch.response_mask[0].tolist() == [0, 0, 1] and not batch.has_off_policy
+    trained = GuidedPrefix(setup, 1, 2, 3, train_prefix=True).label(guided, 2)
+    assert trained.off_policy == [1, 1, 0] and trained.behaviour_logprobs == [-0.5, -0.5, -0.5] and trained.loss_mask == [0, 0, 1]

@@ -184,6 +184,7 @@ class _Candidate:
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
     fingerprint: str | None = None
+    finished: bool = True  # ended with EOS (a file's record may say it was cut at the token limit)
 
 
 def _jsonl_candidates(path: str) -> list[_Candidate]:
@@ -200,7 +201,8 @@ def _jsonl_candidates(path: str) -> list[_Candidate]:
             raise DataError(f"{where}: 'text' must be a string")
         if ids is None and text is None:
             raise DataError(f"{where}: a trace record needs 'text' or 'response_ids' (with 'tokenizer')")
-        candidates.append(_Candidate(record["uid"], where, text, tuple(ids) if ids is not None else None, record.get("tokenizer")))
+        ids = tuple(ids) if ids is not None else None
+        candidates.append(_Candidate(record["uid"], where, text, ids, record.get("tokenizer"), bool(record.get("finished", True))))
     return candidates
 
 
@@ -247,7 +249,7 @@ def load_guidance(
             if c.fingerprint != own_fingerprint:
                 reject("tokenizer_mismatch", c)
                 continue
-            ids, text, finished = c.token_ids, c.text if c.text is not None else tokenizer.decode(c.token_ids), True
+            ids, text, finished = c.token_ids, c.text if c.text is not None else tokenizer.decode(c.token_ids), c.finished
         elif c.token_ids is not None:  # the toy trace: exactly max_tokens ids, cut like a truncated response
             ids, text, finished = c.token_ids, c.text or "", False
         else:

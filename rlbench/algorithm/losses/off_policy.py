@@ -14,10 +14,10 @@ from rlbench.algorithm.registry import POLICY_LOSSES
 MIN_SHAPING_GAMMA = 1.0e-4  # Guide's floor on the percentile gamma
 
 
-def shaping_gamma(ratio: torch.Tensor, off_mask: torch.Tensor, gamma: float | None, gamma_quantile: float | None) -> torch.Tensor:
-    """gamma of the shaping f(r) = r / (r + gamma): the fixed ``gamma`` (LUFFY), or the
-    ``gamma_quantile`` of the detached ratios over the off-policy tokens, at least 1e-4 (Guide's 90th
-    percentile). A batch without off-policy tokens gets gamma 1 (unused)."""
+def shaping_gamma(ratio: torch.Tensor, off_mask: torch.Tensor, gamma: float, gamma_quantile: float | None) -> torch.Tensor:
+    """gamma of the shaping f(r) = r / (r + gamma): the fixed ``gamma`` (LUFFY), or, when
+    ``gamma_quantile`` is set, that quantile of the detached ratios over the off-policy tokens, at
+    least 1e-4 (Guide's 90th percentile). A batch without off-policy tokens then gets gamma 1 (unused)."""
     if gamma_quantile is None:
         return torch.tensor(float(gamma), dtype=ratio.dtype, device=ratio.device)
     values = ratio.detach()[off_mask > 0]
@@ -35,7 +35,7 @@ def policy_shaping_loss(
     off_policy: torch.Tensor,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
-    gamma: float | None = 0.1,
+    gamma: float = 0.1,
     gamma_quantile: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Policy shaping of off-policy tokens, PPO-clip on the policy's own (LUFFY, Yan et al. 2025,
@@ -49,13 +49,11 @@ def policy_shaping_loss(
     LUFFY: the trace's behaviour log-prob is 0 (mu = 1), so r = pi_theta and f(pi) = pi / (pi + gamma)
     with gamma = 0.1; d l / d logp = -A gamma pi / (pi + gamma)^2, largest at pi = gamma, so the
     trace's low-probability tokens keep a gradient. Guide: old_logp is the hint-conditioned
-    log pi_old(y | x, h) and gamma the ``gamma_quantile`` (0.9) of the off-policy ratios
+    log pi_old(y | x, h) and gamma the ``gamma_quantile`` (0.9; it replaces ``gamma``) of the off-policy ratios
     (:func:`shaping_gamma`; here of the micro-batch). With no off-policy token this is ppo_clip.
     Metrics: ppo_clip's (clip_fraction over on-policy tokens only), off_policy_fraction,
     shaped_weight_mean (f over off-policy tokens), shaping_gamma.
     """
-    if gamma is None and gamma_quantile is None:
-        raise ValueError("policy_shaping needs gamma (a fixed value) or gamma_quantile (a percentile of the ratios)")
     if gamma_quantile is not None and not 0.0 < gamma_quantile <= 1.0:
         raise ValueError(f"gamma_quantile must lie in (0, 1], got {gamma_quantile}")
     if gamma_quantile is None and gamma <= 0:

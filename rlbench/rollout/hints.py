@@ -1,0 +1,209 @@
+"""Hints for prompts the policy does not solve: a group whose every response is wrong is re-rolled with
+a hint taken from the problem's guidance trace (``guidance=<source>``, rlbench/guidance/traces.py) added
+to the prompt. Two strategies, which differ in what the hinted responses are trained as:
+
+``rollout=hint_reroll`` (Guide; Nath et al. 2025, "Adaptive Guidance Accelerates Reinforcement Learning
+of Reasoning Models", arXiv:2506.13923): the all-wrong group is re-sampled (``rollout.n`` responses)
+with the hint; if one of them is right, the hinted group replaces the original. The hinted responses
+are trained for the prompt *without* the hint: each is off-policy in every token with behaviour
+log-prob log pi_old(y | x, h) (the engine's scores under the hinted prompt), so the ratio is
+pi_theta(y | x) / pi_old(y | x, h) (the loss ``policy_shaping`` shapes it, no clip).
+
+``rollout=scaf_hints`` (Scaf-GRPO; Zhang et al. 2025, "Scaf-GRPO: Scaffolded Group Relative Policy
+Optimization for Enhancing LLM Reasoning", arXiv:2510.19807): after a guidance-free exemption (the
+first ``exemption_fraction`` of the steps), the hint of an all-wrong group grows tier by tier
+(``tiers``: the share of the solution revealed) until a hinted response is right; that response
+replaces one failed response of the group. It is trained as the policy's own sample of the *hinted*
+prompt (the hint is prompt context, never trained), so it is on-policy.
+
+The hint is the first ``ceil(share * words)`` words of the trace's text (the reference solution); the
+hinted prompt is the problem statement followed by ``"\\n\\nHint: <hint>"`` in the dataset's template.
+Without a trace for the prompt, or without any all-wrong group, both strategies are ``rollout=iid``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any, Callable, Sequence
+
+from rlbench.dataset.base import Problem
+from rlbench.errors import ConfigError
+from rlbench.rollout.base import Completion, GenerationRequest
+from rlbench.rollout.groups import GradedGroups
+from rlbench.rollout.strategy import RolloutSetup, register_strategy
+
+HINT_SEPARATOR = "\n\nHint: "
+
+
+def hint_text(solution: str, share: float) -> str:
+    """The first ceil(share * words) words of ``solution`` (share in (0, 1])."""
+    words = solution.split()
+    return " ".join(words[: math.ceil(share * len(words))])
+
+
+def hinted_problem(problem: Problem, hint: str) -> Problem:
+    """The problem whose statement ends with the hint (the dataset's template then wraps it)."""
+    return replace(problem, prompt=problem.prompt + HINT_SEPARATOR + hint)
+
+
+def unsolved_groups(graded: GradedGroups) -> list[int]:
+    """Positions of the groups none of whose responses the grader marks correct."""
+    correct = graded.correct
+    index = graded.group_index
+    return [g for g in range(len(graded.groups)) if not bool(correct[index == g].any())]
+
+
+def first_trace_text(setup: RolloutSetup, problem: Problem) -> str:
+    library = setup.guidance
+    traces = library.for_problem(problem) if library is not None else []
+    return traces[0].text if traces else ""
+
+
+def replace_groups(base: GradedGroups, replacement: GradedGroups, positions: Sequence[int]) -> GradedGroups:
+    """``base`` with its groups at ``positions`` replaced by the groups of ``replacement`` (in order),
+    numbered 0..G-1."""
+    where = {g: len(base.groups) + i for i, g in enumerate(positions)}
+    merged = GradedGroups.concat([base, replacement])
+    return merged.select([where.get(g, g) for g in range(len(base.groups))]).with_group_ids(0)
+
+
+def retrained_without_hint(completion: Completion, prompt_ids: tuple[int, ...]) -> Completion:
+    """A response sampled under the hinted prompt, trained for ``prompt_ids`` (the prompt without the
+    hint): off-policy in every token, behaviour log-prob = its score under the hinted prompt."""
+    r = len(completion.response_ids)
+    return replace(
+        completion, prompt_ids=prompt_ids, behaviour="hint", off_policy=[1] * r,
+        behaviour_logprobs=list(completion.logprobs),
+    )
+
+
+def check_options(rollout_cfg: Any, name: str, allowed: set[str]) -> dict:
+    node = dict(rollout_cfg.get(name) or {})
+    unknown = set(node) - allowed
+    if unknown:
+        raise ConfigError(f"rollout.{name} has no key(s) {sorted(unknown)}; it takes {sorted(allowed)}")
+    return node
+
+
+@register_strategy("hint_reroll")
+class HintReroll:
+    """Guide: re-roll all-wrong groups with a hint; the hinted responses train the unhinted prompt."""
+
+    KEYS = {"hint_share"}
+
+    def __init__(self, setup: RolloutSetup, hint_share: float):
+        self.setup, self.hint_share = setup, hint_share
+
+    @classmethod
+    def options(cls, rollout_cfg: Any) -> float:
+        share = float(check_options(rollout_cfg, "hint_reroll", cls.KEYS).get("hint_share", 0.5))
+        if not 0.0 < share <= 1.0:
+            raise ConfigError(f"rollout.hint_reroll.hint_share must lie in (0, 1], got {share}")
+        return share
+
+    @classmethod
+    def from_config(cls, rollout_cfg: Any, setup: RolloutSetup) -> "HintReroll":
+        return cls(setup, cls.options(rollout_cfg))
+
+    @classmethod
+    def validate(cls, rollout_cfg: Any, advantage: str) -> None:
+        cls.options(rollout_cfg)
+
+    def rollout(
+        self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None = None
+    ) -> tuple[GradedGroups, dict[str, float]]:
+        setup, sampler = self.setup, self.setup.sampler
+        prompt_ids = sampler.encode(problems)
+        graded = sampler(problems, setup.n, setup.params, setup.generator, prompt_ids)
+        metrics = {"rollout_outcome_mean": float(graded.outcome.mean().item())}  # the policy without hints
+        unsolved = [g for g in unsolved_groups(graded) if first_trace_text(setup, problems[g])]
+        metrics["groups_unsolved_with_trace"] = float(len(unsolved))
+        kept: list[int] = []
+        if unsolved:
+            hinted = [hinted_problem(problems[g], hint_text(first_trace_text(setup, problems[g]), self.hint_share)) for g in unsolved]
+            requests = [GenerationRequest(prompt_ids=ids, n=setup.n) for ids in sampler.encode(hinted)]
+            groups = sampler.generate(requests, setup.params, setup.generator)
+            groups = [[retrained_without_hint(c, prompt_ids[g]) for c in group] for g, group in zip(unsolved, groups)]
+            rerolled = sampler.grade([problems[g] for g in unsolved], groups, setup.params)
+            solved = [i for i in range(len(unsolved)) if i not in unsolved_groups(rerolled)]
+            kept = [unsolved[i] for i in solved]
+            if kept:
+                graded = replace_groups(graded, rerolled.select(solved), kept)
+        metrics["groups_hinted"] = float(len(kept))
+        return graded, metrics
+
+
+@register_strategy("scaf_hints")
+class ScafHints:
+    """Scaf-GRPO: tiered hints after an exemption period; one failed response replaced by a hinted
+    success, trained on-policy for the hinted prompt."""
+
+    KEYS = {"tiers", "exemption_fraction", "total_steps"}
+
+    def __init__(self, setup: RolloutSetup, tiers: list[float], exempt_steps: int):
+        self.setup, self.tiers, self.exempt_steps = setup, tiers, exempt_steps
+        self.steps = 0
+
+    @classmethod
+    def options(cls, rollout_cfg: Any) -> tuple[list[float], int]:
+        node = check_options(rollout_cfg, "scaf_hints", cls.KEYS)
+        tiers = [float(t) for t in node.get("tiers", [0.25, 0.5, 1.0])]
+        if not tiers or any(not 0.0 < t <= 1.0 for t in tiers) or tiers != sorted(tiers):
+            raise ConfigError(f"rollout.scaf_hints.tiers must be increasing shares of the solution in (0, 1], got {tiers}")
+        fraction = float(node.get("exemption_fraction", 0.15))
+        if not 0.0 <= fraction < 1.0:
+            raise ConfigError(f"rollout.scaf_hints.exemption_fraction must lie in [0, 1), got {fraction}")
+        return tiers, int(fraction * int(node.get("total_steps", 0) or 0))
+
+    @classmethod
+    def from_config(cls, rollout_cfg: Any, setup: RolloutSetup) -> "ScafHints":
+        return cls(setup, *cls.options(rollout_cfg))
+
+    @classmethod
+    def validate(cls, rollout_cfg: Any, advantage: str) -> None:
+        cls.options(rollout_cfg)
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = int(state["steps"])
+
+    def rollout(
+        self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None = None
+    ) -> tuple[GradedGroups, dict[str, float]]:
+        setup, sampler = self.setup, self.setup.sampler
+        self.steps += 1
+        graded = setup.sample(problems)
+        metrics = {"rollout_outcome_mean": float(graded.outcome.mean().item()), "groups_scaffolded": 0.0}
+        if self.steps <= self.exempt_steps:
+            return graded, metrics
+        pending = [g for g in unsolved_groups(graded) if first_trace_text(setup, problems[g])]
+        rescued: dict[int, Completion] = {}
+        for share in self.tiers:
+            if not pending:
+                break
+            hinted = [hinted_problem(problems[g], hint_text(first_trace_text(setup, problems[g]), share)) for g in pending]
+            requests = [GenerationRequest(prompt_ids=ids, n=setup.n) for ids in sampler.encode(hinted)]
+            groups = sampler.generate(requests, setup.params, setup.generator)
+            tried = sampler.grade([problems[g] for g in pending], groups, setup.params)
+            index = tried.group_index
+            still = []
+            for i, g in enumerate(pending):
+                rows = (index == i).nonzero(as_tuple=True)[0].tolist()
+                right = [row for row in rows if tried.grades[row].correct]
+                if right:
+                    c = groups[i][rows.index(right[0])]
+                    rescued[g] = replace(c, behaviour="hint", off_policy=[0] * len(c.response_ids))
+                else:
+                    still.append(g)
+            pending = still
+        if rescued:
+            groups = [list(group) for group in graded.groups]
+            for g, c in rescued.items():
+                groups[g][0] = c  # every response of the group failed: replace the first
+            graded = sampler.grade(problems, groups, setup.params)
+        metrics["groups_scaffolded"] = float(len(rescued))
+        return graded, metrics
+
