@@ -379,3 +379,34 @@ def test_guided_prefix_groups_hold_k_guided_responses_whose_prefix_is_context():
     assert batch.response_mask[0].tolist() == [0, 0, 1] and not batch.has_off_policy
     trained = GuidedPrefix(setup, 1, 2, 3, train_prefix=True).label(guided, 2)
     assert trained.off_policy == [1, 1, 0] and trained.behaviour_logprobs == [-0.5, -0.5, -0.5] and trained.loss_mask == [0, 0, 1]
+
+
+# ----------------------------------------------------------------------------------------- off-policy correction pieces
+
+from rlbench.algorithm.sampling_correction import SamplingCorrection  # noqa: E402
+
+
+def test_masked_importance_sampling_and_token_rejection_in_closed_form():
+    old = torch.zeros(1, 4, dtype=torch.float64)
+    sampler = -torch.log(torch.tensor([[0.25, 0.8, 1.5, 3.0]], dtype=torch.float64))  # rho = 0.25, 0.8, 1.5, 3
+    mask = torch.ones(1, 4, dtype=torch.float64)
+    truncate = SamplingCorrection.from_config({"cap": 2.0})
+    assert torch.allclose(truncate.weights(old, sampler), torch.tensor([[0.25, 0.8, 1.5, 2.0]], dtype=torch.float64))
+    masked = SamplingCorrection.from_config({"cap": 2.0, "mode": "mask"})  # keeps rho in [1/2, 2]
+    assert torch.allclose(masked.weights(old, sampler), torch.tensor([[0.0, 0.8, 1.5, 0.0]], dtype=torch.float64))
+    rejected = SamplingCorrection.from_config({"cap": 2.0, "mode": "reject", "low": 0.1})  # keeps rho in [0.1, 2]
+    weights = rejected.weights(old, sampler)
+    assert weights.tolist() == [[1.0, 1.0, 1.0, 0.0]]
+    assert rejected.metrics(weights, mask) == {"sampling_rejected_fraction": 0.25}
+    with pytest.raises(ConfigError, match="mode='clip' is unknown"):
+        SamplingCorrection.from_config({"mode": "clip"})
+    with pytest.raises(ConfigError, match="low must lie in"):
+        SamplingCorrection.from_config({"cap": 2.0, "low": 3.0})
+
+
+def test_the_correction_never_reweights_a_trace_token():
+    trace = trace_completion(Trace("u", "", (2, 4), "teacher"), (1,))
+    batch = collate([[trace]], 0)
+    old = behaviour_old_logp(batch, torch.full((1, 2), -3.0))  # the trace's pi_old is its behaviour log-prob 0
+    for mode in ("truncate", "mask", "reject"):
+        assert SamplingCorrection(2.0, mode).weights(old, batch.sampling_logp).tolist() == [[1.0, 1.0]]

@@ -90,7 +90,11 @@ class TokenMaskConfig:
 class SamplingCorrectionConfig:
     """Truncated importance sampling between the rollout engine and the trainer (Yao et al. 2025, TIS)."""
 
-    cap: float = knob(2.0, "each token's loss weight is min(pi_old / pi_sampler, cap)")
+    cap: float = knob(2.0, "truncate: each token's loss weight is min(pi_old / pi_sampler, cap); mask / reject: the upper bound of the kept ratios")
+    mode: Literal["truncate", "mask", "reject"] = knob(
+        "truncate", "truncate (TIS) | mask: weight rho inside [low, cap], 0 outside | reject: weight 1 inside, 0 outside"
+    )
+    low: Optional[float] = knob(None, "mask / reject: the lower bound of the kept ratios; null: 1 / cap", ge=0)
 
 
 @dataclass
@@ -179,7 +183,7 @@ class AlgorithmConfig:
     entropy_adaptive: Optional[AdaptiveEntropyConfig] = node(AdaptiveEntropyConfig, "null: fixed entropy_coef; {target, ...}: adaptive")
     token_mask: TokenMaskConfig = node(TokenMaskConfig, "which tokens get a policy gradient")
     sampling_correction: Optional[SamplingCorrectionConfig] = node(
-        SamplingCorrectionConfig, "null: none; {cap}: truncated importance sampling between sampler and trainer"
+        SamplingCorrectionConfig, "null: none; {cap, mode, low}: truncated / masked importance sampling or per-token rejection between sampler and trainer"
     )
     update: UpdateConfig = node(UpdateConfig, "update schedule and its settings")
     critic: Optional[CriticConfig] = node(CriticConfig, "null: no value head; {coef, clip}: PPO's value head (advantage gae)")
