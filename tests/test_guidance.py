@@ -410,3 +410,52 @@ def test_the_correction_never_reweights_a_trace_token():
     old = behaviour_old_logp(batch, torch.full((1, 2), -3.0))  # the trace's pi_old is its behaviour log-prob 0
     for mode in ("truncate", "mask", "reject"):
         assert SamplingCorrection(2.0, mode).weights(old, batch.sampling_logp).tolist() == [[1.0, 1.0]]
+
+
+from rlbench.rollout.guided_prefix import DatasetReset  # noqa: E402
+
+
+def test_dataset_reset_starts_groups_from_a_uniform_cut_of_the_solution_as_context():
+    library = GuidanceLibrary()
+    library.add(Trace("0", "", (2, 4, 6, 0), "dataset"))  # body (2, 4, 6): depths 0..3
+    setup = hint_setup(library)
+    generator = torch.Generator().manual_seed(0)
+    setup = RolloutSetup(setup.sampler, 4, setup.params, generator, library)
+    strategy = make_strategy(OmegaConf.create({"strategy": "dataset_reset", "n": 4, "dataset_reset": {"p_reset": 1.0}}), setup)
+    assert isinstance(strategy, DatasetReset)
+    depths = [strategy.reset_depth((2, 4, 6)) for _ in range(4000)]
+    for h in range(4):  # uniform on 0..3
+        assert abs(depths.count(h) / 4000 - 0.25) < 0.03
+    graded, metrics = strategy.rollout([Problem("0", "q", "a")])
+    (prompt, n, prefix), = setup.sampler.engine.requests[-1]
+    assert n == 4 and prefix == (2, 4, 6)[: len(prefix)]
+    if prefix:
+        c = graded.groups[0][0]
+        assert c.behaviour == "reset" and c.loss_mask == [0] * len(prefix) + [1] and metrics["groups_reset"] == 1.0
+
+
+def test_dataset_reset_at_probability_zero_is_iid_and_draws_nothing():
+    library = GuidanceLibrary()
+    library.add(Trace("0", "", (2, 4, 0), "dataset"))
+    generator = torch.Generator().manual_seed(3)
+    base = hint_setup(library)
+    setup = RolloutSetup(base.sampler, 4, base.params, generator, library)
+    state = generator.get_state()
+    graded, metrics = DatasetReset(setup, 0.0).rollout([Problem("0", "q", "a")])
+    assert torch.equal(generator.get_state(), state) and setup.sampler.engine.requests == [[((0,), 4, ())]]
+    assert metrics["groups_reset"] == 0.0 and all(c.behaviour == "policy" for c in graded.groups[0])
+
+
+def test_hardest_problem_set_and_unbiased_pass_at_k():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from hardest_problems import hard_set, pass_at_k
+
+    assert pass_at_k(8, 0, 1) == 0.0 and pass_at_k(8, 8, 4) == 1.0
+    assert pass_at_k(8, 2, 1) == pytest.approx(0.25) and pass_at_k(4, 1, 2) == pytest.approx(0.5)
+    rows = [{"phase": "before", "benchmark": "b", "uid": f"u{i}", "n": "8", "correct": str(c)} for i, c in enumerate([0, 3, 0, 5])]
+    assert hard_set(rows) == {("b", "u0"), ("b", "u2")}  # never solved before training
+    solved = [dict(r, correct="1") for r in rows] + [{"phase": "before", "benchmark": "b", "uid": f"v{i}", "n": "8", "correct": "2"} for i in range(6)]
+    assert hard_set(solved) == {("b", "u0")}  # none unsolved: the decile with the fewest correct (1 of 10)

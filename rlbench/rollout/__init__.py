@@ -6,7 +6,7 @@ from rlbench.rollout.base import Completion, GenerationRequest, RolloutEngine, S
 from rlbench.rollout.hf_engine import HFGenerateEngine
 from rlbench.rollout.groups import GradedGroups, GroupSampler
 from rlbench.rollout.strategy import STRATEGIES, RolloutSetup, RolloutStrategy, make_strategy, validate_strategy
-from rlbench.rollout import dynamic_sampling, guided_prefix, hints, iid, mixed_traces  # noqa: F401  (register the strategies)
+from rlbench.rollout import dynamic_sampling, guided_prefix, hints, iid, mixed_traces  # noqa: F401  (register the strategies; guided_prefix also dataset_reset)
 
 __all__ = [
     "STRATEGIES",

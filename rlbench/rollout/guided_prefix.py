@@ -1,4 +1,7 @@
-"""A ground-truth reasoning prefix whose length adapts to the accuracy (``rollout=guided_prefix``;
+"""Rollouts that continue a prefix of the guidance trace: G²RPO-A's guided responses and DR-PO's
+dataset reset (:class:`DatasetReset`, ``rollout=dataset_reset``).
+
+A ground-truth reasoning prefix whose length adapts to the accuracy (``rollout=guided_prefix``;
 "G²RPO-A: Guided Group Relative Policy Optimization with Adaptive Guidance",
 arXiv:2508.13023): in each group of a prompt that has a guidance trace (``guidance=<source>``), the
 first ``guided_per_group`` of the ``rollout.n`` responses start with the first ``length`` tokens of the
@@ -24,11 +27,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
+import torch
+
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.base import GenerationRequest
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.strategy import RolloutSetup, register_strategy
+from rlbench.rollout.strategy import OptionStrategy, RolloutSetup, register_strategy, strategy_options
 
 KEYS = {"guided_per_group", "initial_length", "max_length", "train_prefix"}
 
@@ -67,10 +72,7 @@ class GuidanceLength:
 
 
 def options(rollout_cfg: Any) -> dict:
-    node = dict(rollout_cfg.get("guided_prefix") or {})
-    unknown = set(node) - KEYS
-    if unknown:
-        raise ConfigError(f"rollout.guided_prefix has no key(s) {sorted(unknown)}; it takes {sorted(KEYS)}")
+    node = strategy_options(rollout_cfg, "guided_prefix", KEYS)
     settings = {
         "guided_per_group": int(node.get("guided_per_group", 2)),
         "initial_length": int(node.get("initial_length", 64)),
@@ -89,18 +91,14 @@ def options(rollout_cfg: Any) -> dict:
 
 
 @register_strategy("guided_prefix")
-class GuidedPrefix:
+class GuidedPrefix(OptionStrategy):
     def __init__(self, setup: RolloutSetup, guided_per_group: int, initial_length: int, max_length: int, train_prefix: bool):
         self.setup, self.guided, self.train_prefix = setup, guided_per_group, train_prefix
         self.schedule = GuidanceLength(initial_length, max_length)
 
     @classmethod
-    def from_config(cls, rollout_cfg: Any, setup: RolloutSetup) -> "GuidedPrefix":
-        return cls(setup, **options(rollout_cfg))
-
-    @staticmethod
-    def validate(rollout_cfg: Any, advantage: str) -> None:
-        options(rollout_cfg)
+    def options(cls, rollout_cfg: Any) -> dict:
+        return options(rollout_cfg)
 
     def state_dict(self) -> dict:
         return self.schedule.state_dict()
@@ -110,13 +108,7 @@ class GuidedPrefix:
 
     def prefix(self, problem: Problem) -> tuple[int, ...]:
         """The first ``length`` tokens of the problem's trace (its EOS excluded), () without one."""
-        library = self.setup.guidance
-        traces = library.for_problem(problem) if library is not None else []
-        if not traces:
-            return ()
-        ids = traces[0].token_ids
-        body = ids[:-1] if traces[0].finished else ids
-        return tuple(body[: self.schedule.length])
+        return trace_body(self.setup, problem)[: self.schedule.length]
 
     def rollout(
         self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None = None
@@ -150,11 +142,80 @@ class GuidedPrefix:
         return graded, metrics
 
     def label(self, completion: Any, prefix_len: int) -> Any:
-        """A guided response: its prefix is context (loss_mask 0), or trained as off-policy tokens."""
-        r = len(completion.response_ids)
-        if self.train_prefix:
-            return replace(
-                completion, behaviour="prefix", off_policy=[1] * prefix_len + [0] * (r - prefix_len),
-                behaviour_logprobs=list(completion.logprobs),
-            )
-        return replace(completion, behaviour="prefix", loss_mask=[0] * prefix_len + [1] * (r - prefix_len))
+        return prefixed_response(completion, prefix_len, trained=self.train_prefix)
+
+
+def prefixed_response(completion: Any, prefix_len: int, trained: bool = False, behaviour: str = "prefix") -> Any:
+    """A response that continues a given prefix: the prefix is context (loss_mask 0), or, ``trained``,
+    off-policy tokens whose behaviour log-probs are the sampling policy's own scores of them."""
+    r = len(completion.response_ids)
+    if trained:
+        return replace(
+            completion, behaviour=behaviour, off_policy=[1] * prefix_len + [0] * (r - prefix_len),
+            behaviour_logprobs=list(completion.logprobs),
+        )
+    return replace(completion, behaviour=behaviour, loss_mask=[0] * prefix_len + [1] * (r - prefix_len))
+
+
+def trace_body(setup: RolloutSetup, problem: Problem) -> tuple[int, ...]:
+    """The token ids of the problem's first trace without its EOS, () without a trace."""
+    library = setup.guidance
+    traces = library.for_problem(problem) if library is not None else []
+    if not traces:
+        return ()
+    ids = traces[0].token_ids
+    return tuple(ids[:-1] if traces[0].finished else ids)
+
+
+@register_strategy("dataset_reset")
+class DatasetReset(OptionStrategy):
+    """DR-PO's dataset reset (Chang et al. 2024, "Dataset Reset Policy Optimization for RLHF",
+    arXiv:2404.08495, section 4), the RLVR form: with probability ``p_reset`` a prompt's group starts
+    from an intermediate state of its reference solution, the trace cut at h ~ U{0, ..., |trace|}
+    (the whole group shares the reset state, so its advantage compares continuations of one state);
+    the reset tokens are context (loss_mask 0), the continuations the policy's own samples. ``p_reset``
+    0 is ``rollout=iid`` exactly (no random draw is taken)."""
+
+    def __init__(self, setup: RolloutSetup, p_reset: float):
+        self.setup, self.p_reset = setup, p_reset
+
+    @classmethod
+    def options(cls, rollout_cfg: Any) -> dict:
+        p = float(strategy_options(rollout_cfg, "dataset_reset", {"p_reset"}).get("p_reset", 0.5))
+        if not 0.0 <= p <= 1.0:
+            raise ConfigError(f"rollout.dataset_reset.p_reset must lie in [0, 1], got {p}")
+        return {"p_reset": p}
+
+    def reset_depth(self, body: tuple[int, ...]) -> int:
+        """0 (no reset) with probability 1 - p_reset, else h uniform in 0..len(body), from the rollout stream."""
+        if not body or self.p_reset == 0.0:
+            return 0
+        draw = torch.rand((), generator=self.setup.generator).item()
+        if draw >= self.p_reset:
+            return 0
+        return int(torch.randint(0, len(body) + 1, (), generator=self.setup.generator).item())
+
+    def rollout(
+        self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None = None
+    ) -> tuple[GradedGroups, dict[str, float]]:
+        setup, sampler = self.setup, self.setup.sampler
+        prompt_ids = sampler.encode(problems)
+        prefixes = []
+        for problem in problems:
+            body = trace_body(setup, problem)
+            prefixes.append(body[: self.reset_depth(body)])
+        requests = [GenerationRequest(ids, n=setup.n, prefix_ids=prefix) for ids, prefix in zip(prompt_ids, prefixes)]
+        groups = [
+            [prefixed_response(c, len(prefix), behaviour="reset") for c in group] if prefix else list(group)
+            for group, prefix in zip(sampler.generate(requests, setup.params, setup.generator), prefixes)
+        ]
+        graded = sampler.grade(problems, groups, setup.params)
+        own = torch.tensor([c.behaviour == "policy" for group in groups for c in group])
+        reset = [len(p) for p in prefixes if p]
+        metrics = {
+            "groups_reset": float(len(reset)),
+            "reset_depth_mean": float(sum(reset) / len(reset)) if reset else 0.0,
+            # the groups sampled from the prompt alone (all of them when none was reset)
+            "rollout_outcome_mean": float((graded.outcome[own] if bool(own.any()) else graded.outcome).mean().item()),
+        }
+        return graded, metrics

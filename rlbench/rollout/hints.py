@@ -31,7 +31,7 @@ from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.base import Completion, GenerationRequest
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.strategy import RolloutSetup, register_strategy
+from rlbench.rollout.strategy import OptionStrategy, RolloutSetup, register_strategy, strategy_options
 
 HINT_SEPARATOR = "\n\nHint: "
 
@@ -78,37 +78,19 @@ def retrained_without_hint(completion: Completion, prompt_ids: tuple[int, ...]) 
     )
 
 
-def check_options(rollout_cfg: Any, name: str, allowed: set[str]) -> dict:
-    node = dict(rollout_cfg.get(name) or {})
-    unknown = set(node) - allowed
-    if unknown:
-        raise ConfigError(f"rollout.{name} has no key(s) {sorted(unknown)}; it takes {sorted(allowed)}")
-    return node
-
-
 @register_strategy("hint_reroll")
-class HintReroll:
+class HintReroll(OptionStrategy):
     """Guide: re-roll all-wrong groups with a hint; the hinted responses train the unhinted prompt."""
-
-    KEYS = {"hint_share"}
 
     def __init__(self, setup: RolloutSetup, hint_share: float):
         self.setup, self.hint_share = setup, hint_share
 
     @classmethod
-    def options(cls, rollout_cfg: Any) -> float:
-        share = float(check_options(rollout_cfg, "hint_reroll", cls.KEYS).get("hint_share", 0.5))
+    def options(cls, rollout_cfg: Any) -> dict:
+        share = float(strategy_options(rollout_cfg, "hint_reroll", {"hint_share"}).get("hint_share", 0.5))
         if not 0.0 < share <= 1.0:
             raise ConfigError(f"rollout.hint_reroll.hint_share must lie in (0, 1], got {share}")
-        return share
-
-    @classmethod
-    def from_config(cls, rollout_cfg: Any, setup: RolloutSetup) -> "HintReroll":
-        return cls(setup, cls.options(rollout_cfg))
-
-    @classmethod
-    def validate(cls, rollout_cfg: Any, advantage: str) -> None:
-        cls.options(rollout_cfg)
+        return {"hint_share": share}
 
     def rollout(
         self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None = None
@@ -135,34 +117,24 @@ class HintReroll:
 
 
 @register_strategy("scaf_hints")
-class ScafHints:
+class ScafHints(OptionStrategy):
     """Scaf-GRPO: tiered hints after an exemption period; one failed response replaced by a hinted
     success, trained on-policy for the hinted prompt."""
-
-    KEYS = {"tiers", "exemption_fraction", "total_steps"}
 
     def __init__(self, setup: RolloutSetup, tiers: list[float], exempt_steps: int):
         self.setup, self.tiers, self.exempt_steps = setup, tiers, exempt_steps
         self.steps = 0
 
     @classmethod
-    def options(cls, rollout_cfg: Any) -> tuple[list[float], int]:
-        node = check_options(rollout_cfg, "scaf_hints", cls.KEYS)
+    def options(cls, rollout_cfg: Any) -> dict:
+        node = strategy_options(rollout_cfg, "scaf_hints", {"tiers", "exemption_fraction", "total_steps"})
         tiers = [float(t) for t in node.get("tiers", [0.25, 0.5, 1.0])]
         if not tiers or any(not 0.0 < t <= 1.0 for t in tiers) or tiers != sorted(tiers):
             raise ConfigError(f"rollout.scaf_hints.tiers must be increasing shares of the solution in (0, 1], got {tiers}")
         fraction = float(node.get("exemption_fraction", 0.15))
         if not 0.0 <= fraction < 1.0:
             raise ConfigError(f"rollout.scaf_hints.exemption_fraction must lie in [0, 1), got {fraction}")
-        return tiers, int(fraction * int(node.get("total_steps", 0) or 0))
-
-    @classmethod
-    def from_config(cls, rollout_cfg: Any, setup: RolloutSetup) -> "ScafHints":
-        return cls(setup, *cls.options(rollout_cfg))
-
-    @classmethod
-    def validate(cls, rollout_cfg: Any, advantage: str) -> None:
-        cls.options(rollout_cfg)
+        return {"tiers": tiers, "exempt_steps": int(fraction * int(node.get("total_steps", 0) or 0))}
 
     def state_dict(self) -> dict:
         return {"steps": self.steps}

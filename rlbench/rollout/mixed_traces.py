@@ -29,17 +29,13 @@ from rlbench.errors import ConfigError
 from rlbench.guidance.traces import Trace, trace_completion
 from rlbench.rollout.base import GenerationRequest
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.strategy import RolloutSetup, register_strategy
+from rlbench.rollout.strategy import RolloutSetup, register_strategy, strategy_options
 
 OPTION_KEYS = {"traces_per_group"}
 
 
 def traces_per_group(rollout_cfg: Any) -> int:
-    node = rollout_cfg.get("mixed_traces") or {}
-    unknown = set(node) - OPTION_KEYS
-    if unknown:
-        raise ConfigError(f"rollout.mixed_traces has no key(s) {sorted(unknown)}; it takes {sorted(OPTION_KEYS)}")
-    return int(node.get("traces_per_group", 1))
+    return int(strategy_options(rollout_cfg, "mixed_traces", OPTION_KEYS).get("traces_per_group", 1))
 
 
 @register_strategy("mixed_traces")

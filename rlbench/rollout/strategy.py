@@ -108,3 +108,29 @@ def validate_strategy(rollout_cfg: Any, advantage: str) -> None:
 
 def make_strategy(rollout_cfg: Any, setup: RolloutSetup) -> RolloutStrategy:
     return strategy_class(rollout_cfg).from_config(rollout_cfg, setup)
+
+
+def strategy_options(rollout_cfg: Any, name: str, keys: set[str]) -> dict:
+    """The ``rollout.<name>`` settings block as a dict; ConfigError naming any key it does not take."""
+    node = dict(rollout_cfg.get(name) or {})
+    unknown = set(node) - keys
+    if unknown:
+        raise ConfigError(f"rollout.{name} has no key(s) {sorted(unknown)}; it takes {sorted(keys)}")
+    return node
+
+
+class OptionStrategy:
+    """Base of a strategy whose ``options(rollout_cfg)`` returns its constructor's keyword arguments
+    (checked there): ``from_config`` builds it from them, ``validate`` checks them before loading."""
+
+    @classmethod
+    def options(cls, rollout_cfg: Any) -> dict:
+        raise NotImplementedError
+
+    @classmethod
+    def from_config(cls, rollout_cfg: Any, setup: RolloutSetup) -> Any:
+        return cls(setup, **cls.options(rollout_cfg))
+
+    @classmethod
+    def validate(cls, rollout_cfg: Any, advantage: str) -> None:
+        cls.options(rollout_cfg)
