@@ -459,3 +459,36 @@ def test_hardest_problem_set_and_unbiased_pass_at_k():
     assert hard_set(rows) == {("b", "u0"), ("b", "u2")}  # never solved before training
     solved = [dict(r, correct="1") for r in rows] + [{"phase": "before", "benchmark": "b", "uid": f"v{i}", "n": "8", "correct": "2"} for i in range(6)]
     assert hard_set(solved) == {("b", "u0")}  # none unsolved: the decile with the fewest correct (1 of 10)
+
+
+from rlbench.rollout.hints import InContextExpert, expert_bonus  # noqa: E402
+
+
+def test_icpo_bonus_anneals_from_beta_to_zero():
+    assert [expert_bonus(t, 1.0, 400) for t in (0, 200, 400, 800)] == [1.0, 0.5, 0.0, 0.0]
+
+
+def test_icpo_expert_is_sampled_with_a_demonstration_trained_without_it_and_rejected_when_wrong():
+    library = library_of(**{"0": "w1", "1": "v1"})
+    base = hint_setup(library)  # a prompt with a demonstration ("Hint:"-free) is encoded as the plain prompt ...
+
+    class Sampler(type(base.sampler)):
+        def encode(self, problems):  # ... except that a demonstration makes the answer right for uid 0 only
+            return [((1000 if p.uid == "0" else 0) + int(p.uid),) if "Example problem" in p.prompt else (int(p.uid),) for p in problems]
+
+    sampler = Sampler(base.sampler.engine, base.sampler.grader, base.sampler.tokenizer, {}, lambda r, _: r)
+    setup = RolloutSetup(sampler, 4, base.params, torch.Generator().manual_seed(0), library)
+    strategy = make_strategy(OmegaConf.create({"strategy": "icl_expert", "n": 4, "icl_expert": {"beta": 1.0, "horizon": 2}}), setup)
+    assert isinstance(strategy, InContextExpert)
+    graded, metrics = strategy.rollout([Problem("0", "q", "a"), Problem("1", "q", "a")])
+    requests = sampler.engine.requests
+    assert requests[0] == [((0,), 3, ()), ((1,), 3, ())] and requests[1] == [((1000,), 1, ()), ((1,), 1, ())]
+    assert requests[2] == [((1,), 1, ())]  # the wrong expert of prompt 1 is replaced by a policy response
+    expert = graded.groups[0][-1]
+    assert expert.behaviour == "expert" and expert.prompt_ids == (0,) and expert.off_policy == [1, 1]
+    assert expert.behaviour_logprobs == [0.0, 0.0]  # mu = 1 (ICPO shapes pi_theta, as LUFFY)
+    assert [c.behaviour for c in graded.groups[1]] == ["policy"] * 4
+    assert graded.rewards.tolist() == [0.0, 0.0, 0.0, 2.0] + [0.0] * 4  # reward 1 + bonus 1 at step 0
+    assert metrics == {"expert_responses": 1.0, "experts_rejected": 1.0, "expert_bonus": 1.0, "rollout_outcome_mean": 0.0}
+    _, later = strategy.rollout([Problem("0", "q", "a"), Problem("1", "q", "a")])
+    assert later["expert_bonus"] == 0.5
