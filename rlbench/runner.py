@@ -28,6 +28,7 @@ import rlbench
 from rlbench import faults
 from rlbench.config import resolve_device, validate_config
 from rlbench.dataset import load_problems
+from rlbench.guidance import GuidanceOptions, load_guidance
 from rlbench.eval.evaluate import Benchmark, EvalResult, evaluate, usable_problems
 from rlbench.logger import RunLogger
 from rlbench.errors import ConfigError
@@ -54,6 +55,16 @@ def load_benchmarks(cfg: DictConfig) -> list[Benchmark]:
         grader = make_grader(cfg.reward, spec, cfg.get("sandbox"))
         benchmarks.append(Benchmark(name, spec, problems, grader, skipped=skipped))
     return benchmarks
+
+
+def load_run_guidance(cfg: DictConfig, train_problems: list, tokenizer: Any) -> Any:
+    """The checked guidance traces of the run (guidance=<source>), or None without a source; bad
+    traces are counted and logged, or refuse the run here, before training (guidance.on_bad)."""
+    options = GuidanceOptions.from_config(cfg.get("guidance"))
+    if options.source == "none":
+        return None
+    grader = make_grader(cfg.reward, cfg.dataset, cfg.get("sandbox"))
+    return load_guidance(options, train_problems, tokenizer, grader, int(cfg.rollout.max_new_tokens), cfg.dataset, cfg.seed)
 
 
 def git_commit() -> str:
@@ -159,6 +170,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     seed_everything(cfg.seed)
     device = resolve_device(str(cfg.device))
     training = cfg.mode == "train" and cfg.trainer.steps > 0
+    if cfg.mode == "generate":  # graded traces for the guided methods (rlbench/guidance/generate.py)
+        from rlbench.guidance.generate import write_traces
+
+        return write_traces(cfg, device)
 
     train_problems = load_problems(cfg.dataset, seed=cfg.seed, data_dir=cfg.data_dir, source=cfg.data_source) if training else []
     benchmarks = load_benchmarks(cfg)
@@ -182,6 +197,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             dtype = torch.float32  # bf16 enters through autocast on CUDA; master weights stay fp32
             model, tokenizer = load_policy(cfg.model, device=device, dtype=dtype, seed=cfg.seed, cache_dir=cfg.cache_dir)
             engine = make_engine(cfg.rollout, model, tokenizer, device)
+            guidance = load_run_guidance(cfg, train_problems, tokenizer) if training else None  # before any evaluation
             ev = cfg.eval
             eval_params = SamplingParams(ev.temperature, ev.top_p, ev.max_new_tokens)
             eval_seed = make_generator(cfg.seed, STREAM_EVAL).initial_seed()
@@ -205,7 +221,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 logger.log_tables(baseline.rows, baseline.problems)  # the phase's results, kept if the run stops
             training_summary = {}
             if training:
-                ctx = make_step_context(cfg, algorithm, model, tokenizer, engine, device)
+                ctx = make_step_context(cfg, algorithm, model, tokenizer, engine, device, guidance=guidance)
                 manifest = {"config": checkpoint.comparable_config(resolved), "config_key": config_key(resolved),
                             "overrides": command_line_overrides(), "rlbench_commit": git_commit()}
                 training_run = TrainingRun(cfg, ctx, train_problems, logger, manifest)
@@ -232,6 +248,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 "eval_seconds": {"before": baseline.seconds if baseline else None, "after": final.seconds},
                 "grader_errors": {"before": baseline.grader_errors if baseline else None, "after": final.grader_errors},
                 "skipped_records": final.skipped,
+                "guidance_traces": guidance.counts if guidance is not None else None,
                 **training_summary,
                 **({"resumed_from_step": resumed.step} if resumed else {}),
                 "wall_seconds": time.perf_counter() - started,

@@ -442,9 +442,7 @@ class Algorithm:
             if sampler_weights is not None:
                 loss_matrix = loss_matrix * sampler_weights
                 metrics["sampling_weight_mean"] = masked_mean(sampler_weights, mask).item()
-                metrics["sampling_weight_capped_fraction"] = masked_mean(
-                    (sampler_weights >= self.sampling_correction.cap).to(mask.dtype), mask
-                ).item()
+                metrics.update(self.sampling_correction.metrics(sampler_weights, mask))
         policy_loss = self.aggregate(loss_matrix, mask, norms)
         total = policy_loss
         metrics["policy_loss"] = policy_loss.item()

@@ -11,6 +11,17 @@ weighted by the truncated ratio
 (no gradient), and l_t <- w_t l_t before aggregation. C (``cap``, default 2 as in the paper's
 experiments) bounds the variance the correction adds.
 
+Two more modes (``mode``), for the same ratio rho_t = pi_old / pi_sampler:
+
+    mask    (masked importance sampling)  w_t = rho_t if low <= rho_t <= C else 0
+    reject  (per-token rejection)         w_t = 1     if low <= rho_t <= C else 0
+
+``low`` defaults to 1 / C. ``reject`` drops tokens whose sampler and trainer disagree too much and
+leaves the others' loss as it is, so it composes with any loss (verl's ``rollout_is`` mask mode and its
+token-level rejection sampling are the same two rules). On off-policy tokens (guidance traces, hinted
+responses) pi_old is the stored behaviour log-prob, which is also what the sampler's log-probs hold,
+so rho = 1 there: the correction never counts a trace twice.
+
 ``algorithm.sampling_correction: {cap: C}`` turns it on; absent (the default) it is off, and the
 presets leave it off. With it on, a batch without ``sampling_logp`` is left unchanged (no-op). The
 trainer passes ``sampling_logp`` = each Completion's ``logprobs`` (TrainBatch.sampling_logp). With
@@ -43,29 +54,64 @@ def truncated_importance_weights(old_logp: torch.Tensor, sampling_logp: torch.Te
         return torch.exp(log_ratio).clamp(max=cap)
 
 
+def bounded_importance_weights(
+    old_logp: torch.Tensor, sampling_logp: torch.Tensor, low: float, high: float, keep_ratio: bool
+) -> torch.Tensor:
+    """w_t = rho_t (``keep_ratio``, masked IS) or 1 (rejection) where low <= rho_t <= high, else 0;
+    rho_t = exp(old_logp_t - sampling_logp_t), log-ratio clamped to +-20. [B,T], no gradient."""
+    with torch.no_grad():
+        ratio = torch.exp((old_logp - sampling_logp).clamp(-SAMPLING_LOG_RATIO_LIMIT, SAMPLING_LOG_RATIO_LIMIT))
+        inside = ((ratio >= low) & (ratio <= high)).to(ratio.dtype)
+        return inside * ratio if keep_ratio else inside
+
+
+MODES = ("truncate", "mask", "reject")
+
+
 @dataclass(frozen=True)
 class SamplingCorrection:
-    """``algorithm.sampling_correction``: {cap} of :func:`truncated_importance_weights`."""
+    """``algorithm.sampling_correction``: {cap, mode, low}: :func:`truncated_importance_weights`
+    (mode truncate) or :func:`bounded_importance_weights` (mask, reject)."""
 
     cap: float = DEFAULT_TIS_CAP
+    mode: str = "truncate"
+    low: float | None = None
 
     @classmethod
     def from_config(cls, node: Any) -> "SamplingCorrection | None":
         if node is None:
             return None
         params = dict(node)
-        unknown = set(params) - {"cap"}
+        unknown = set(params) - {"cap", "mode", "low"}
         if unknown:
             raise ConfigError(
-                f"algorithm.sampling_correction takes only cap (Yao et al. 2025: 2.0); got {sorted(params)}"
+                f"algorithm.sampling_correction takes only cap (Yao et al. 2025: 2.0), mode and low; got {sorted(params)}"
             )
-        settings = cls(float(params.get("cap", DEFAULT_TIS_CAP)))
+        low = params.get("low")
+        settings = cls(float(params.get("cap", DEFAULT_TIS_CAP)), str(params.get("mode", "truncate")), None if low is None else float(low))
         if settings.cap <= 0:
             raise ConfigError(f"algorithm.sampling_correction.cap must be > 0, got {settings.cap}")
+        if settings.mode not in MODES:
+            raise ConfigError(f"algorithm.sampling_correction.mode={settings.mode!r} is unknown; choose one of {list(MODES)}")
+        if settings.low is not None and not 0 <= settings.low <= settings.cap:
+            raise ConfigError(f"algorithm.sampling_correction.low must lie in [0, cap], got {settings.low}")
         return settings
+
+    @property
+    def lower_bound(self) -> float:
+        """The lowest ratio kept by mask and reject: ``low``, else 1 / cap."""
+        return self.low if self.low is not None else 1.0 / self.cap
 
     def weights(self, old_logp: torch.Tensor, sampling_logp: torch.Tensor | None) -> torch.Tensor | None:
         """The per-token weights for this batch, or None when there is nothing to correct."""
         if sampling_logp is None:
             return None
-        return truncated_importance_weights(old_logp, sampling_logp, self.cap)
+        if self.mode == "truncate":
+            return truncated_importance_weights(old_logp, sampling_logp, self.cap)
+        return bounded_importance_weights(old_logp, sampling_logp, self.lower_bound, self.cap, keep_ratio=self.mode == "mask")
+
+    def metrics(self, weights: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+        """The share of trained tokens at the cap (truncate) or rejected (mask, reject)."""
+        hit = weights >= self.cap if self.mode == "truncate" else weights == 0
+        key = "sampling_weight_capped_fraction" if self.mode == "truncate" else "sampling_rejected_fraction"
+        return {key: float(((hit.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1)).item())}

@@ -20,6 +20,7 @@ from rlbench.config.origin import ValueOrigins, with_origins
 from rlbench.config.walk import check_against_schema
 from rlbench.dataset import validate_spec
 from rlbench.errors import ConfigError
+from rlbench.guidance import GuidanceOptions
 from rlbench.model import validate_model_config
 
 
@@ -167,6 +168,12 @@ def check_run(cfg: Any, origins: ValueOrigins) -> Algorithm:
         check_staleness(cfg, algorithm)
         algorithm.check_batch_size(trainer.prompts_per_step * rollout.n)
         validate_step_options(cfg, algorithm)
+        validate_spec(cfg.dataset, source=cfg.data_source, data_dir=cfg.data_dir)
+        check_reward_matches_dataset(cfg.reward.name, cfg.dataset)
+        GuidanceOptions.from_config(cfg.get("guidance"))
+    if cfg.mode == "generate":
+        if not cfg.get("out"):
+            raise ConfigError("mode=generate writes graded traces to a file: set out=<path>.jsonl")
         validate_spec(cfg.dataset, source=cfg.data_source, data_dir=cfg.data_dir)
         check_reward_matches_dataset(cfg.reward.name, cfg.dataset)
 

@@ -90,7 +90,11 @@ class TokenMaskConfig:
 class SamplingCorrectionConfig:
     """Truncated importance sampling between the rollout engine and the trainer (Yao et al. 2025, TIS)."""
 
-    cap: float = knob(2.0, "each token's loss weight is min(pi_old / pi_sampler, cap)")
+    cap: float = knob(2.0, "truncate: each token's loss weight is min(pi_old / pi_sampler, cap); mask / reject: the upper bound of the kept ratios")
+    mode: Literal["truncate", "mask", "reject"] = knob(
+        "truncate", "truncate (TIS) | mask: weight rho inside [low, cap], 0 outside | reject: weight 1 inside, 0 outside"
+    )
+    low: Optional[float] = knob(None, "mask / reject: the lower bound of the kept ratios; null: 1 / cap", ge=0)
 
 
 @dataclass
@@ -179,7 +183,7 @@ class AlgorithmConfig:
     entropy_adaptive: Optional[AdaptiveEntropyConfig] = node(AdaptiveEntropyConfig, "null: fixed entropy_coef; {target, ...}: adaptive")
     token_mask: TokenMaskConfig = node(TokenMaskConfig, "which tokens get a policy gradient")
     sampling_correction: Optional[SamplingCorrectionConfig] = node(
-        SamplingCorrectionConfig, "null: none; {cap}: truncated importance sampling between sampler and trainer"
+        SamplingCorrectionConfig, "null: none; {cap, mode, low}: truncated / masked importance sampling or per-token rejection between sampler and trainer"
     )
     update: UpdateConfig = node(UpdateConfig, "update schedule and its settings")
     critic: Optional[CriticConfig] = node(CriticConfig, "null: no value head; {coef, clip}: PPO's value head (advantage gae)")
@@ -399,11 +403,29 @@ class LoggerConfig:
 
 
 @dataclass
+class GuidanceConfig:
+    """``guidance``: traces the guided methods learn from (rlbench/guidance/traces.py; docs/guidance.md)."""
+
+    source: Literal["none", "dataset", "jsonl", "even_tokens"] = knob(
+        "none", "none | dataset (the dataset's worked solutions) | jsonl (a file of traces keyed by uid) | even_tokens (toy)"
+    )
+    path: Optional[str] = knob(None, "the JSONL file of traces (source jsonl)")
+    keep_incorrect: bool = knob(False, "keep traces the run's grader marks wrong (also: mode=generate writes them)")
+    on_bad: Literal["skip", "stop"] = knob(
+        "skip", "bad traces (unknown uid, empty, too long, tokenizer mismatch, wrong): skip = count, log, go on; stop = refuse before training"
+    )
+    max_tokens: Optional[int] = knob(None, "the longest trace in tokens; null: rollout.max_new_tokens", ge=1)
+
+
+@dataclass
 class RunConfig:
     """The whole composed config (conf/config.yaml and its groups)."""
 
     seed: int = knob(0, "seeds python, numpy, torch, the data order, the sampler and the eval sampler")
-    mode: Literal["train", "eval"] = knob("train", "train: eval, train, eval | eval: evaluation only")
+    mode: Literal["train", "eval", "generate"] = knob(
+        "train", "train: eval, train, eval | eval: evaluation only | generate: write graded traces of the dataset to `out`"
+    )
+    out: Optional[str] = knob(None, "mode=generate: the JSONL file of graded traces it writes")
     device: str = knob("auto", "auto (cuda if available, else cpu) | cpu | cuda[:i]")
     data_dir: Optional[str] = knob(None, "local JSONL folder; RLBENCH_DATA_DIR wins")
     data_source: Literal["auto", "local", "hub"] = knob("auto", "auto (local file, else Hub) | local | hub")
@@ -424,4 +446,5 @@ class RunConfig:
     eval: EvalConfig = node(EvalConfig, "the evaluation suite (eval=<option>)")
     logger: LoggerConfig = node(LoggerConfig, "where metrics go (logger=<option>)")
     trainer: TrainerConfig = node(TrainerConfig, "the optimisation loop (trainer=<option>)")
+    guidance: GuidanceConfig = node(GuidanceConfig, "traces the guided methods learn from (guidance=<source>)")
     paper: Optional[dict] = knob(None, "a paper's setting with its reference numbers and deviations (paper=<name>)", open=True)

@@ -54,6 +54,21 @@ def evaluate(numbers: list[int], ops: list[str]) -> int:
     return sum(s * t for s, t in zip(signs, terms))
 
 
+def derivation(expression: str) -> str:
+    """The worked solution of an arith expression, one operation per step with ``*`` first:
+    ``"2 + 3 * 4"`` -> ``"2 + 3 * 4 = 2 + 12 = 14"``; a single operation is ``"37 + 48 = 85"``.
+    Its last number is the answer (a guidance trace for the arith task, rlbench.guidance)."""
+    parts = expression.split()
+    numbers, ops = [int(p) for p in parts[::2]], parts[1::2]
+    steps = [expression]
+    while ops:
+        i = ops.index("*") if "*" in ops else 0
+        numbers[i : i + 2] = [evaluate(numbers[i : i + 2], [ops[i]])]
+        del ops[i]
+        steps.append(_format(numbers, ops))
+    return " = ".join(steps)
+
+
 def _format(numbers: list[int], ops: list[str]) -> str:
     """Render an expression as ``"a op b op c"`` with single spaces."""
     parts = [str(numbers[0])]

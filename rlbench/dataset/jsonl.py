@@ -173,6 +173,7 @@ def records_to_problems(
     skip_bad_answers: bool = False,
     tolerance_field: str | None = None,
     prompt_fields: Sequence[str] = (),
+    solution_field: str | None = None,
 ) -> ProblemList:
     """Convert ``(where, record)`` pairs into Problems.
 
@@ -186,7 +187,8 @@ def records_to_problems(
     record field (or path) with the problem's own relative tolerance (a number >= 0, or absent /
     null: the benchmark's), kept as ``meta["tolerance"]``. ``prompt_fields``: record fields the
     prompt template names (``{unit}``), kept in ``meta["prompt_fields"]``; a record without one is
-    a DataError.
+    a DataError. ``solution_field``: the record field with the worked solution (GSM8K's answer, MATH's
+    solution), kept as ``meta["solution"]`` when the record has it (a guidance trace, rlbench.guidance).
     """
     if answer_format not in ANSWER_FORMATS:
         raise ValueError(f"unknown answer_format {answer_format!r}; choose one of {list(ANSWER_FORMATS)}")
@@ -246,6 +248,8 @@ def records_to_problems(
                 meta[key] = record[key]
         if tolerance_field and field_value(record, tolerance_field) is not None:
             meta["tolerance"] = float(field_value(record, tolerance_field))
+        if solution_field and isinstance(field_value(record, solution_field), str):
+            meta["solution"] = field_value(record, solution_field)
         if prompt_fields:
             meta["prompt_fields"] = {key: field_value(record, key) for key in prompt_fields}
         uid = f"{name}/{split}/{rid if use_ids else index}"

@@ -51,7 +51,9 @@ DATA_DIR_ENV = "RLBENCH_DATA_DIR"
 LOADERS = ("jsonl", "arith")
 # graded by rlbench.reward.MathReward (the reference read as math, number, ...) / rlbench.reward.code.CodeReward
 ANSWER_TYPES = (*MATH_ANSWER_TYPES, "code")
-MATH_FIELDS = ("problem", "answer", "tolerance")  # the keys of ``fields`` of an answer benchmark
+# the keys of ``fields`` of an answer benchmark; solution: the worked solution, kept as meta["solution"]
+# (a guidance source for training on the dataset's own solutions, rlbench.guidance)
+MATH_FIELDS = ("problem", "answer", "tolerance", "solution")
 SOURCES = ("auto", "local", "hub")
 
 _HUB_OFFLINE_ENVS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
@@ -402,6 +404,7 @@ def _convert(
         limit=limit,
         skip_bad_answers=bool(spec.get("skip_bad_answers", False)),
         tolerance_field=fields.get("tolerance"),
+        solution_field=fields.get("solution"),
         prompt_fields=template_fields((spec.get("prompt") or {}).get("user")),
     )
 

@@ -6,9 +6,9 @@ from rlbench.rollout.base import Completion, GenerationRequest, RolloutEngine, S
 from rlbench.rollout.hf_engine import HFGenerateEngine
 from rlbench.rollout.groups import GradedGroups, GroupSampler
 from rlbench.rollout.strategy import STRATEGIES, RolloutSetup, RolloutStrategy, make_strategy, validate_strategy
-from rlbench.rollout import (  # noqa: F401  (register the strategies)
-    adaptive, dynamic_sampling, entropy_branch, equivalent_states, iid, lookahead, multiround, replay, rethink,
-    speculative, tree,
+from rlbench.rollout import (  # noqa: F401  (register the strategies; guided_prefix also dataset_reset)
+    adaptive, dynamic_sampling, entropy_branch, equivalent_states, guided_prefix, hints, iid, lookahead, mixed_traces,
+    multiround, replay, rethink, speculative, tree,
 )
 
 __all__ = [

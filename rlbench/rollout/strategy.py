@@ -59,14 +59,15 @@ DEFAULT_STRATEGY = "iid"
 @dataclass(frozen=True)
 class RolloutSetup:
     """What every strategy samples with: the sampler (engine, grader, reward shaping), the group size
-    ``n`` (rollout.n), the sampling parameters and the rollout's random stream; ``seed`` (the run's)
-    derives a strategy's own streams (rlbench.utils STREAM_*)."""
+    ``n`` (rollout.n), the sampling parameters, the rollout's random stream and the guidance traces;
+    ``seed`` (the run's) derives a strategy's own streams (rlbench.utils STREAM_*)."""
 
     sampler: GroupSampler
     n: int
     params: SamplingParams
     generator: torch.Generator | None
     seed: int = 0
+    guidance: Any = None  # rlbench.guidance.GuidanceLibrary: the run's checked traces (guidance=<source>), or None
 
     def sample(self, problems: list[Problem]) -> GradedGroups:
         """``n`` graded responses for each of ``problems``."""
@@ -138,3 +139,29 @@ def validate_strategy(rollout_cfg: Any, advantage: str) -> None:
 
 def make_strategy(rollout_cfg: Any, setup: RolloutSetup) -> RolloutStrategy:
     return strategy_class(rollout_cfg).from_config(rollout_cfg, setup)
+
+
+def strategy_options(rollout_cfg: Any, name: str, keys: set[str]) -> dict:
+    """The ``rollout.<name>`` settings block as a dict; ConfigError naming any key it does not take."""
+    node = dict(rollout_cfg.get(name) or {})
+    unknown = set(node) - keys
+    if unknown:
+        raise ConfigError(f"rollout.{name} has no key(s) {sorted(unknown)}; it takes {sorted(keys)}")
+    return node
+
+
+class OptionStrategy:
+    """Base of a strategy whose ``options(rollout_cfg)`` returns its constructor's keyword arguments
+    (checked there): ``from_config`` builds it from them, ``validate`` checks them before loading."""
+
+    @classmethod
+    def options(cls, rollout_cfg: Any) -> dict:
+        raise NotImplementedError
+
+    @classmethod
+    def from_config(cls, rollout_cfg: Any, setup: RolloutSetup) -> Any:
+        return cls(setup, **cls.options(rollout_cfg))
+
+    @classmethod
+    def validate(cls, rollout_cfg: Any, advantage: str) -> None:
+        cls.options(rollout_cfg)

@@ -104,8 +104,11 @@ class StepContext:
 
 
 def make_step_context(
-    cfg: Any, algorithm: Algorithm, model: torch.nn.Module, tokenizer: Any, engine: RolloutEngine, device: torch.device
+    cfg: Any, algorithm: Algorithm, model: torch.nn.Module, tokenizer: Any, engine: RolloutEngine, device: torch.device,
+    guidance: Any = None,
 ) -> StepContext:
+    """``guidance``: the run's checked traces (rlbench.guidance.load_guidance), for the strategies that
+    mix them into groups or take hints from them."""
     trainer, rollout = cfg.trainer, cfg.rollout
     update_state = make_update_state(algorithm, model)
     # The fused AdamW kernel (one pass over all parameters) is ~4x faster on CPU than the default.
@@ -119,7 +122,7 @@ def make_step_context(
     grader = make_grader(cfg.reward, cfg.dataset, cfg.get("sandbox"))
     sampler = GroupSampler(engine, grader, tokenizer, cfg.dataset.prompt, algorithm.shape_rewards)
     rollout_generator = make_generator(cfg.seed, STREAM_ROLLOUT)
-    setup = RolloutSetup(sampler, int(rollout.n), params, rollout_generator, int(cfg.seed))
+    setup = RolloutSetup(sampler, int(rollout.n), params, rollout_generator, int(cfg.seed), guidance)
     return StepContext(
         algorithm=algorithm,
         model=model,
