@@ -33,7 +33,7 @@ from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.base import GenerationRequest
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.strategy import OptionStrategy, RolloutSetup, register_strategy, strategy_options
+from rlbench.rollout.strategy import OptionStrategy, RolloutSetup, options_block, register_strategy
 
 KEYS = {"guided_per_group", "initial_length", "max_length", "train_prefix"}
 
@@ -72,7 +72,7 @@ class GuidanceLength:
 
 
 def options(rollout_cfg: Any) -> dict:
-    node = strategy_options(rollout_cfg, "guided_prefix", KEYS)
+    node = options_block(rollout_cfg, "guided_prefix", KEYS)
     settings = {
         "guided_per_group": int(node.get("guided_per_group", 2)),
         "initial_length": int(node.get("initial_length", 64)),
@@ -181,7 +181,7 @@ class DatasetReset(OptionStrategy):
 
     @classmethod
     def options(cls, rollout_cfg: Any) -> dict:
-        p = float(strategy_options(rollout_cfg, "dataset_reset", {"p_reset"}).get("p_reset", 0.5))
+        p = float(options_block(rollout_cfg, "dataset_reset", {"p_reset"}).get("p_reset", 0.5))
         if not 0.0 <= p <= 1.0:
             raise ConfigError(f"rollout.dataset_reset.p_reset must lie in [0, 1], got {p}")
         return {"p_reset": p}

@@ -33,7 +33,7 @@ from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.base import Completion, GenerationRequest
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.strategy import OptionStrategy, RolloutSetup, register_strategy, strategy_options
+from rlbench.rollout.strategy import OptionStrategy, RolloutSetup, options_block, register_strategy
 
 HINT_SEPARATOR = "\n\nHint: "
 
@@ -89,7 +89,7 @@ class HintReroll(OptionStrategy):
 
     @classmethod
     def options(cls, rollout_cfg: Any) -> dict:
-        share = float(strategy_options(rollout_cfg, "hint_reroll", {"hint_share"}).get("hint_share", 0.5))
+        share = float(options_block(rollout_cfg, "hint_reroll", {"hint_share"}).get("hint_share", 0.5))
         if not 0.0 < share <= 1.0:
             raise ConfigError(f"rollout.hint_reroll.hint_share must lie in (0, 1], got {share}")
         return {"hint_share": share}
@@ -129,7 +129,7 @@ class ScafHints(OptionStrategy):
 
     @classmethod
     def options(cls, rollout_cfg: Any) -> dict:
-        node = strategy_options(rollout_cfg, "scaf_hints", {"tiers", "exemption_fraction", "total_steps"})
+        node = options_block(rollout_cfg, "scaf_hints", {"tiers", "exemption_fraction", "total_steps"})
         tiers = [float(t) for t in node.get("tiers", [0.25, 0.5, 1.0])]
         if not tiers or any(not 0.0 < t <= 1.0 for t in tiers) or tiers != sorted(tiers):
             raise ConfigError(f"rollout.scaf_hints.tiers must be increasing shares of the solution in (0, 1], got {tiers}")
@@ -211,7 +211,7 @@ class InContextExpert(OptionStrategy):
 
     @classmethod
     def options(cls, rollout_cfg: Any) -> dict:
-        node = strategy_options(rollout_cfg, "icl_expert", {"beta", "horizon"})
+        node = options_block(rollout_cfg, "icl_expert", {"beta", "horizon"})
         beta, horizon = float(node.get("beta", 1.0)), int(node.get("horizon", 400))
         if beta < 0 or horizon < 1:
             raise ConfigError(f"rollout.icl_expert needs beta >= 0 and horizon >= 1, got {beta}, {horizon}")

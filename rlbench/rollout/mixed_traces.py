@@ -29,13 +29,13 @@ from rlbench.errors import ConfigError
 from rlbench.guidance.traces import Trace, trace_completion
 from rlbench.rollout.base import GenerationRequest
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.strategy import RolloutSetup, register_strategy, strategy_options
+from rlbench.rollout.strategy import RolloutSetup, options_block, register_strategy
 
 OPTION_KEYS = {"traces_per_group"}
 
 
 def traces_per_group(rollout_cfg: Any) -> int:
-    return int(strategy_options(rollout_cfg, "mixed_traces", OPTION_KEYS).get("traces_per_group", 1))
+    return int(options_block(rollout_cfg, "mixed_traces", OPTION_KEYS).get("traces_per_group", 1))
 
 
 @register_strategy("mixed_traces")

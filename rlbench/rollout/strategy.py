@@ -96,11 +96,11 @@ def register_strategy(name: str) -> Callable[[type], type]:
     return register
 
 
-def options_block(rollout_cfg: Any, name: str, keys: set[str]) -> Any:
-    """The strategy's own block ``rollout.<name>`` (empty when absent); ConfigError naming the keys it
-    takes when it holds others."""
-    node = rollout_cfg.get(name) or {}
-    unknown = set(node) - keys
+def options_block(rollout_cfg: Any, name: str, keys: set[str]) -> dict:
+    """The strategy's own block ``rollout.<name>`` as a dict (empty when absent); ConfigError naming
+    the keys it takes when it holds others."""
+    node = dict(rollout_cfg.get(name) or {})
+    unknown = set(node) - set(keys)
     if unknown:
         raise ConfigError(f"rollout.{name} has no key(s) {sorted(unknown)}; it takes {sorted(keys)}")
     return node
@@ -124,12 +124,7 @@ def strategy_class(rollout_cfg: Any) -> type:
 def strategy_options(rollout_cfg: Any, name: str, options_class: type) -> Any:
     """The ``rollout.<name>`` block as an instance of the dataclass ``options_class`` (its fields are
     the keys, with their defaults); an unknown key is a ConfigError naming the keys it takes."""
-    node = dict(rollout_cfg.get(name) or {})
-    keys = {f.name for f in dataclasses.fields(options_class)}
-    unknown = set(node) - keys
-    if unknown:
-        raise ConfigError(f"rollout.{name} has no key(s) {sorted(unknown)}; it takes {sorted(keys)}")
-    return options_class(**node)
+    return options_class(**options_block(rollout_cfg, name, {f.name for f in dataclasses.fields(options_class)}))
 
 
 def validate_strategy(rollout_cfg: Any, advantage: str) -> None:
@@ -139,15 +134,6 @@ def validate_strategy(rollout_cfg: Any, advantage: str) -> None:
 
 def make_strategy(rollout_cfg: Any, setup: RolloutSetup) -> RolloutStrategy:
     return strategy_class(rollout_cfg).from_config(rollout_cfg, setup)
-
-
-def strategy_options(rollout_cfg: Any, name: str, keys: set[str]) -> dict:
-    """The ``rollout.<name>`` settings block as a dict; ConfigError naming any key it does not take."""
-    node = dict(rollout_cfg.get(name) or {})
-    unknown = set(node) - keys
-    if unknown:
-        raise ConfigError(f"rollout.{name} has no key(s) {sorted(unknown)}; it takes {sorted(keys)}")
-    return node
 
 
 class OptionStrategy:
