@@ -26,12 +26,15 @@ import rlbench
 from rlbench.config import resolve_device, validate_config
 from rlbench.dataset import load_problems
 from rlbench.eval.evaluate import Benchmark, EvalResult, evaluate, usable_problems
-from rlbench.logger import RunLogger
+from rlbench.logger import RunLogger, SilentLogger
 from rlbench.logger.run_status import in_sweep
 from rlbench.model import load_policy
+from rlbench.model.lora import apply_lora, is_lora, save_lora
 from rlbench.reward.graders import make_grader
 from rlbench.rollout import make_engine
 from rlbench.rollout.base import SamplingParams
+from rlbench.training.distributed import SINGLE, World, close_world, full_model_state, init_world, rank_device
+from rlbench.training.forward import forward_precision
 from rlbench.training.loop import train
 from rlbench.training.step import make_step_context
 from rlbench.utils import STREAM_EVAL, make_generator, seed_everything
@@ -71,10 +74,18 @@ def versions() -> dict[str, str]:
     }
 
 
-def save_policy(model: torch.nn.Module, tokenizer: Any, target: Path) -> None:
-    """Save in Hugging Face format via a temporary folder, so a half-written checkpoint never appears."""
+def save_policy(model: torch.nn.Module, tokenizer: Any, target: Path, world: World = SINGLE, merge_lora: bool = False) -> None:
+    """Save in Hugging Face format via a temporary folder, so a half-written checkpoint never appears.
+    A LoRA policy saves its adapters (or, with ``merge_lora``, base + adapters merged). Every rank
+    calls it (FSDP gathers the full weights); rank 0 writes."""
+    state = full_model_state(model) if world.sharded else None
+    if not world.is_main:
+        return
     tmp = target.with_name(target.name + ".tmp")
-    model.save_pretrained(tmp)
+    if is_lora(model):
+        save_lora(model, tmp, merge=merge_lora)
+    else:
+        model.save_pretrained(tmp, **({"state_dict": state} if state is not None else {}))
     tokenizer.save_pretrained(tmp)
     if target.exists():
         import shutil
@@ -115,7 +126,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     started = time.perf_counter()
     algorithm = validate_config(cfg)  # every check before anything expensive
     seed_everything(cfg.seed)
-    device = resolve_device(str(cfg.device))
+    world = init_world(cfg.trainer.strategy, resolve_device(str(cfg.device)))
+    device = rank_device(resolve_device(str(cfg.device)))
     out_dir = Path(cfg.output_dir)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     training = cfg.mode == "train" and cfg.trainer.steps > 0
@@ -123,10 +135,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     train_problems = load_problems(cfg.dataset, seed=cfg.seed, data_dir=cfg.data_dir, source=cfg.data_source) if training else []
     benchmarks = load_benchmarks(cfg)
     logger = RunLogger(out_dir, resolved, OmegaConf.to_yaml(cfg, resolve=True), cfg.logger,
-                       job_type="train" if training else "eval", in_sweep=in_sweep())
+                       job_type="train" if training else "eval", in_sweep=in_sweep()) if world.is_main else SilentLogger()
     try:
         dtype = torch.float32  # bf16 enters through autocast on CUDA; master weights stay fp32
         model, tokenizer = load_policy(cfg.model, device=device, dtype=dtype, seed=cfg.seed, cache_dir=cfg.cache_dir)
+        if cfg.model.get("lora") is not None:
+            model = apply_lora(model, cfg.model.lora)
+        if cfg.trainer.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         engine = make_engine(cfg.rollout, model, tokenizer, device)
         ev = cfg.eval
         eval_params = SamplingParams(ev.temperature, ev.top_p, ev.max_new_tokens)
@@ -134,7 +150,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
         def run_eval(phase: str, step: int) -> EvalResult:
             log.info("evaluating (%s) on %s", phase, ", ".join(b.name for b in benchmarks))
-            result = evaluate(engine, tokenizer, benchmarks, n=ev.n, ks=list(ev.k), params=eval_params, seed=eval_seed)
+            result = evaluate(engine, tokenizer, benchmarks, n=ev.n, ks=list(ev.k), params=eval_params, seed=eval_seed, world=world)
             logger.log_evaluation(step, result.with_phase(phase).rows)
             return result
 
@@ -145,12 +161,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         baseline = run_eval("before", 0) if training and ev.before_training else None
         training_summary = {}
         if training:
-            ctx = make_step_context(cfg, algorithm, model, tokenizer, engine, device)
-            training_summary = train(cfg, ctx, train_problems, logger, after_step=periodic_eval)
+            ctx = make_step_context(cfg, algorithm, model, tokenizer, engine, device, world)
+            with forward_precision(cfg.trainer.precision):
+                training_summary = train(cfg, ctx, train_problems, logger, after_step=periodic_eval)
         final = run_eval("after" if training else "eval", int(cfg.trainer.steps) if training else 0)
 
         if training and cfg.trainer.save_model:
-            save_policy(model, tokenizer, out_dir / "policy")
+            save_policy(model, tokenizer, out_dir / "policy", world, merge_lora=bool(cfg.model.get("lora") and cfg.model.lora.merge_on_save))
         rows = (baseline.rows if baseline else []) + final.rows
         problem_rows = (baseline.problems if baseline else []) + final.problems
         summary = {
@@ -168,14 +185,19 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             **training_summary,
             "wall_seconds": time.perf_counter() - started,
             "device": str(device),
+            "strategy": world.strategy,
+            "world_size": world.size,
             "versions": versions(),
             "git_commit": git_commit(),
             "command": " ".join(sys.argv),
         }
         logger.log_eval(rows, problem_rows, final.samples, summary, step=int(cfg.trainer.steps) if training else 0)
-        print_table(final, baseline)
-        print(f"results: {out_dir}")
+        if world.is_main:
+            print_table(final, baseline)
+            print(f"results: {out_dir}")
     finally:
         logger.finish()
-    link_latest(out_dir)
+        close_world(world)
+    if world.is_main:
+        link_latest(out_dir)
     return summary

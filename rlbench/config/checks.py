@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from rlbench.training.advantage_inputs import validate_step_options
+from rlbench.training.distributed import check_strategy
 from rlbench.algorithm import Algorithm
 from rlbench.config.fit import check_fits_here
 from rlbench.config.origin import ValueOrigins, with_origins
@@ -125,6 +126,7 @@ def check_run(cfg: Any, origins: ValueOrigins) -> Algorithm:
         check_batch_arithmetic(trainer.prompts_per_step, rollout.n, trainer.micro_batch_size, algorithm.minibatches)
         algorithm.check_batch_size(trainer.prompts_per_step * rollout.n)
         validate_step_options(cfg, algorithm)
+        check_strategy(trainer.get("strategy", "single"), trainer.prompts_per_step, algorithm, rollout.get("strategy", "iid"))
         validate_spec(cfg.dataset, source=cfg.data_source, data_dir=cfg.data_dir)
         check_reward_matches_dataset(cfg.reward.name, cfg.dataset)
 

@@ -175,3 +175,20 @@ class RunLogger:
         if self.wandb_run is not None:
             self.wandb_run.finish()
             self.wandb_run = None
+
+
+class SilentLogger:
+    """The logger of ranks other than 0 under trainer.strategy=ddp|fsdp: only rank 0 writes result
+    files and logs to wandb."""
+
+    def log_step(self, step: int, metrics: Mapping[str, float]) -> None:
+        pass
+
+    def log_evaluation(self, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
+        pass
+
+    def log_eval(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass

@@ -160,6 +160,9 @@ class HFGenerateEngine:
         self.batch_size = int(batch_size)
         self._device = torch.device(device) if device is not None else None
         self.progress = progress
+        # FSDP: every forward is collective, so generate runs until every rank's sequences ended
+        # (transformers' synced_gpus); set by rlbench.training.step.make_step_context.
+        self.synced_gpus = False
         self.eos_ids = self._eos_ids(model, tokenizer)
         if not self.eos_ids:
             raise ValueError("neither the tokenizer nor the model's generation_config defines an EOS token")
@@ -239,6 +242,7 @@ class HFGenerateEngine:
                 attention_mask=mask,
                 generation_config=self._generation_config(params),
                 logits_processor=processors,
+                **({"synced_gpus": True} if self.synced_gpus else {}),
             )
         finally:
             self.model.generation_config = saved
@@ -308,7 +312,9 @@ class HFGenerateEngine:
         model.eval()
         fork_devices = [self.device] if self.device.type == "cuda" else []
         try:
-            with torch.inference_mode(), torch.random.fork_rng(devices=fork_devices):
+            # FSDP's all-gathered weights are reused by the training forwards: no inference tensors then
+            no_grad = torch.no_grad() if self.synced_gpus else torch.inference_mode()
+            with no_grad, torch.random.fork_rng(devices=fork_devices):
                 torch.manual_seed(seed)
                 sample_gen = torch.Generator(device=self.device)
                 sample_gen.manual_seed(seed)
