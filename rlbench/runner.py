@@ -36,6 +36,7 @@ from rlbench.rollout.base import SamplingParams
 from rlbench.training.distributed import SINGLE, World, close_world, full_model_state, init_world, rank_device
 from rlbench.training.forward import forward_precision
 from rlbench.training.loop import train
+from rlbench.training.memory import enable_activation_checkpointing
 from rlbench.training.step import make_step_context
 from rlbench.utils import STREAM_EVAL, make_generator, seed_everything
 
@@ -142,7 +143,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         if cfg.model.get("lora") is not None:
             model = apply_lora(model, cfg.model.lora)
         if cfg.trainer.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(model)
         engine = make_engine(cfg.rollout, model, tokenizer, device)
         ev = cfg.eval
         eval_params = SamplingParams(ev.temperature, ev.top_p, ev.max_new_tokens)

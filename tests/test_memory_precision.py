@@ -6,8 +6,8 @@ import resource
 import pytest
 import torch
 
-from rlbench.training.forward import autocast_context, forward_precision, token_outputs
-from rlbench.training.memory import PeakMemory
+from rlbench.training.forward import activation_checkpointing, autocast_context, forward_precision, token_outputs
+from rlbench.training.memory import PeakMemory, enable_activation_checkpointing
 from rlbench.training.update import standard_update
 
 from test_trainer import RecordingOptimizer, algo, prepared_batch, tiny_lm
@@ -23,7 +23,8 @@ def test_gradient_checkpointing_gives_the_same_gradient():
     algorithm = algo("token_mean")
     batch = prepared_batch(algorithm)
     plain, checkpointed = tiny_lm(0), tiny_lm(0)
-    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(checkpointed)
+    assert activation_checkpointing(checkpointed) and not activation_checkpointing(plain)
     recorded = [RecordingOptimizer(plain), RecordingOptimizer(checkpointed)]
     standard_update(plain, recorded[0], batch, algorithm, **UPDATE)
     standard_update(checkpointed, recorded[1], batch, algorithm, **UPDATE)

@@ -53,6 +53,13 @@ def innermost(model: torch.nn.Module) -> torch.nn.Module:
     return base() if base is not None else model
 
 
+def activation_checkpointing(model: torch.nn.Module) -> bool:
+    """Whether the model recomputes activations in backward (trainer.gradient_checkpointing)."""
+    inner = innermost(model)
+    flag = getattr(inner, "is_activation_checkpointing", None)  # transformers >= 5; older: is_gradient_checkpointing
+    return bool(flag if flag is not None else getattr(inner, "is_gradient_checkpointing", False))
+
+
 def _last_hidden(out: object, with_hidden: bool) -> torch.Tensor | None:
     """The final (post-norm) hidden states of a forward run with output_hidden_states."""
     return out.hidden_states[-1] if with_hidden else None
@@ -158,7 +165,7 @@ def token_outputs(
     # shared-prompt path runs one or two depending on the micro-batch: one forward per row there.
     # Gradient checkpointing turns the key/value cache off in training, which that path needs.
     shared = (
-        share_prompts and not several_ranks() and not getattr(innermost(model), "is_gradient_checkpointing", False)
+        share_prompts and not several_ranks() and not activation_checkpointing(model)
         and int(torch.unique(batch.group_index).numel()) < batch.size
     )
     forward = _logits_shared_prompts if shared else _logits_per_row

@@ -1,4 +1,5 @@
-"""Peak memory of a training step (metric ``peak_memory_mb``).
+"""Memory: peak memory of a training step (metric ``peak_memory_mb``) and activation (gradient)
+checkpointing (``trainer.gradient_checkpointing``).
 
 CUDA: ``torch.cuda.max_memory_allocated`` since the step began (the tensors' peak, reset at each
 step). CPU: the process's peak resident set size so far (``getrusage`` ``ru_maxrss``, KiB on
@@ -27,3 +28,13 @@ class PeakMemory:
             return torch.cuda.max_memory_allocated(self.device) / 2**20
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB on Linux
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer's activations in backward (Hugging Face's non-reentrant
+    checkpointing; transformers >= 5 names it activation checkpointing)."""
+    options = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
