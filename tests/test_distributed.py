@@ -195,3 +195,64 @@ def test_fsdp_refuses_a_model_too_small_to_shard():
     check_shardable(tiny_lm(0), 2)
     with pytest.raises(ConfigError, match="too small to shard over 4 ranks.*fewer than 4 rows"):
         check_shardable(torch.nn.Sequential(torch.nn.Linear(8, 3), torch.nn.Linear(3, 8)), 4)
+
+
+def before_rows(out):
+    """The evaluation before training (passk.csv rows and per-problem counts)."""
+    rows = [line for line in (out / "eval" / "passk.csv").read_text().splitlines() if line.endswith(",before")]
+    problems = [line for line in (out / "eval" / "problems.csv").read_text().splitlines() if "before" in line]
+    return rows, problems
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_write_one_run_with_the_evaluation_of_one_process(tmp_path):
+    """torchrun -m rlbench.cli with 2 ranks (gloo): rank 0 alone writes the run, and the sharded,
+    gathered evaluation before training is the one a single process computes (per-problem streams)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import ROOT, compose_config
+
+    from rlbench.runner import run
+
+    common = ["experiment=smoke", "logger=files", "trainer.steps=1", "trainer.save_model=false"]
+    two = tmp_path / "two"
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node", "2", "-m", "rlbench.cli", *common,
+         "trainer.strategy=ddp", f"hydra.run.dir={two}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((two / "summary.json").read_text())
+    assert (summary["strategy"], summary["world_size"]) == ("ddp", 2)
+    assert json.loads((two / "status.json").read_text())["status"] == "finished"
+    assert len((two / "metrics.jsonl").read_text().splitlines()) == 1  # one writer: one line per step
+    one = tmp_path / "one"
+    run(compose_config(common, one))
+    assert before_rows(two) == before_rows(one)
+    assert before_rows(one)[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fsdp_with_one_rank_on_cuda_gives_the_single_gpu_update():
+    """NCCL, one GPU: FSDP2's update equals the plain model's (a world of one rank, no torchrun)."""
+    from rlbench.training.distributed import close_world, init_world
+
+    world = init_world("fsdp", torch.device("cuda"))
+    try:
+        algorithm = algo("token_mean")
+        batch = collate(completions(0, groups=GROUPS, n=N), pad_token_id=0, device="cuda")
+        batch.rewards = rewards_of(GROUPS * N).cuda()
+        batch.advantages = algorithm.compute_advantages(batch.rewards, batch.group_index, batch.response_mask)
+        grads = []
+        for wrapped in (tiny_lm(0).cuda(), wrap_model(tiny_lm(0).cuda(), world)):
+            recorded = RecordingOptimizer(wrapped)
+            standard_update(wrapped, recorded, batch, algorithm, **UPDATE)
+            grads.append(full_gradient(recorded, None).cpu())
+        assert torch.allclose(grads[0], grads[1], atol=1e-4, rtol=1e-3)
+    finally:
+        close_world(world)
