@@ -33,7 +33,9 @@ from rlbench.model.lora import apply_lora, is_lora, save_lora
 from rlbench.reward.graders import make_grader
 from rlbench.rollout import make_engine
 from rlbench.rollout.base import SamplingParams
-from rlbench.training.distributed import SINGLE, World, close_world, full_model_state, init_world, rank_device
+from rlbench.training.distributed import (
+    SINGLE, World, check_shardable, close_world, full_model_state, init_world, rank_device,
+)
 from rlbench.training.forward import forward_precision
 from rlbench.training.loop import train
 from rlbench.training.memory import enable_activation_checkpointing
@@ -142,6 +144,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         model, tokenizer = load_policy(cfg.model, device=device, dtype=dtype, seed=cfg.seed, cache_dir=cfg.cache_dir)
         if cfg.model.get("lora") is not None:
             model = apply_lora(model, cfg.model.lora)
+        if world.sharded:  # before the evaluation: a model FSDP cannot shard is refused at once
+            check_shardable(model, world.size)
         if cfg.trainer.gradient_checkpointing:
             enable_activation_checkpointing(model)
         engine = make_engine(cfg.rollout, model, tokenizer, device)
