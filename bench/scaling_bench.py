@@ -3,13 +3,14 @@ full fine-tuning beside LoRA. Writes results/bench/distributed.md and results/be
 
     python bench/scaling_bench.py            # about 10 minutes on 2 CPU cores
 
-Each run is the default job (GRPO, 8 prompts x 4 responses, 16 new tokens) cut to a few steps with a
+Each run is the default job (GRPO) cut to 3 steps of 4 prompts x 4 responses of 8 new tokens with a
 tiny evaluation; the step time is the median over the steps after the first (which warms up)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -18,19 +19,23 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 4
-COMMON = [f"trainer.steps={STEPS}", "eval.before_training=false", "eval.limit=2", "eval.n=1", "eval.k=[1]",
-          "logger=files", "trainer.save_model=false"]
+STEPS = 3
+PROMPTS, RESPONSES, TOKENS = 4, 4, 8
+COMMON = [f"trainer.steps={STEPS}", f"trainer.prompts_per_step={PROMPTS}", f"rollout.n={RESPONSES}",
+          f"rollout.max_new_tokens={TOKENS}", "eval.before_training=false", "eval.limit=2", "eval.n=1", "eval.k=[1]",
+          f"eval.max_new_tokens={TOKENS}", "logger=files", "trainer.save_model=false"]
 PYTHON = sys.executable
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
 def run(name: str, launcher: list[str], overrides: list[str], out: Path, threads: str) -> dict:
-    folder = out / name
+    folder = out / re.sub(r"\W+", "_", name)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "OMP_NUM_THREADS": threads}
     command = [*launcher, "-m", "rlbench.cli", *COMMON, *overrides, f"hydra.run.dir={folder}"]
     started = time.perf_counter()
-    subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True)
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{name} failed: {done.stderr[-2000:]}")
     steps = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     later = steps[1:] or steps
     return {
@@ -59,8 +64,8 @@ def header(title: str) -> str:
     load = os.getloadavg()[0]
     return (f"# {title}\n\nSmolLM2-135M-Instruct on this project's 2-core CPU machine, {time.strftime('%Y-%m-%d')}, "
             f"commit {commit}, load average {load:.1f} when the runs ended (other jobs shared the cores: "
-            f"timings are indicative). {STEPS} steps of the default job (GRPO, 8 prompts x 4 responses, "
-            f"16 new tokens); medians over steps 2-{STEPS}. `python bench/scaling_bench.py` regenerates "
+            f"timings are indicative). {STEPS} steps of the default job (GRPO) with {PROMPTS} prompts x {RESPONSES} responses "
+            f"of {TOKENS} new tokens; medians over steps 2-{STEPS}. `python bench/scaling_bench.py` regenerates "
             "this page.\n\n")
 
 
@@ -69,11 +74,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         runs = Path(tmp)
         single = run("1 process", [PYTHON], [], runs, "2")
+        print(single, flush=True)
         ddp = run("2 processes (ddp)", [TORCHRUN, "--nproc_per_node", "2"], ["trainer.strategy=ddp"], runs, "1")
+        print(ddp, flush=True)
         lora = run("LoRA r=8 (q,k,v,o)", [PYTHON], ["model/lora=default", "trainer.lr=1e-4"], runs, "2")
     (out_dir / "distributed.md").write_text(
         header("One process beside two (torchrun, trainer.strategy=ddp)") + table([single, ddp])
-        + "\nEach of the two processes runs one torch thread and half of the batch (4 prompts); the single "
+        + "\nEach of the two processes runs one torch thread and half of the batch (2 prompts); the single "
         "process runs two threads on the whole batch. Peak memory is per process (resident set).\n"
     )
     (out_dir / "lora.md").write_text(
