@@ -73,15 +73,16 @@ def main() -> None:
     out_dir = ROOT / "results" / "bench"
     with tempfile.TemporaryDirectory() as tmp:
         runs = Path(tmp)
-        single = run("1 process", [PYTHON], [], runs, "2")
+        single = run("1 process", [PYTHON], [], runs, "1")
         print(single, flush=True)
         ddp = run("2 processes (ddp)", [TORCHRUN, "--nproc_per_node", "2"], ["trainer.strategy=ddp"], runs, "1")
         print(ddp, flush=True)
-        lora = run("LoRA r=8 (q,k,v,o)", [PYTHON], ["model/lora=default", "trainer.lr=1e-4"], runs, "2")
+        lora = run("LoRA r=8 (q,k,v,o)", [PYTHON], ["model/lora=default", "trainer.lr=1e-4"], runs, "1")
     (out_dir / "distributed.md").write_text(
         header("One process beside two (torchrun, trainer.strategy=ddp)") + table([single, ddp])
-        + "\nEach of the two processes runs one torch thread and half of the batch (2 prompts); the single "
-        "process runs two threads on the whole batch. Peak memory is per process (resident set).\n"
+        + "\nEvery process runs one torch thread (OMP_NUM_THREADS=1: on a loaded machine two threads per "
+        "process spin against each other); each of the two processes trains half of the batch (2 prompts). "
+        "Peak memory is per process (resident set).\n"
     )
     (out_dir / "lora.md").write_text(
         header("LoRA beside full fine-tuning") + table([single, lora])
