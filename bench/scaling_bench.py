@@ -40,7 +40,7 @@ def run(name: str, launcher: list[str], overrides: list[str], out: Path, threads
     later = steps[1:] or steps
     return {
         "name": name,
-        "command": " ".join(["OMP_NUM_THREADS=" + threads, *command[:-1]]).replace(str(ROOT) + "/", ""),
+        "command": " ".join(["OMP_NUM_THREADS=" + threads, *command[:-1]]).replace(str(ROOT) + "/", "").replace(str(Path(PYTHON).parent.parent) + "/", ".venv/"),
         "step_s": statistics.median(s["step_s"] for s in later),
         "generate_s": statistics.median(s["generate_s"] for s in later),
         "update_s": statistics.median(s["update_s"] for s in later),
