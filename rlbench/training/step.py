@@ -85,7 +85,8 @@ def make_step_context(
     if reference is not None and world.sharded and not isinstance(reference, AdaptersOff):
         reference = wrap_model(reference, world)
     trained = wrap_model(model, world)
-    engine.synced_gpus = world.sharded
+    if world.sharded:  # every forward is collective under FSDP: generate until every rank is done
+        engine.synced_gpus = True
     # The fused AdamW kernel (one pass over all parameters) is ~4x faster on CPU than the default.
     # Frozen parameters (the base weights under LoRA) are left out.
     optimizer = torch.optim.AdamW(
