@@ -9,6 +9,7 @@ skips points that already finished and reports what failed at the end.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 import traceback
@@ -20,13 +21,20 @@ from omegaconf.errors import MissingMandatoryValue
 
 from rlbench.errors import ConfigError, DataError, error_message
 from rlbench.logger.run_status import (
-    FAILED, FINISHED, INTERRUPTED, RUNNING, command_line_overrides, config_key, in_sweep, write_status,
+    FAILED, FINISHED, INTERRUPTED, RUNNING, command_line_overrides, config_key, in_sweep,
 )
+from rlbench.logger.run_status import write_status as write_run_status
 
 log = logging.getLogger("rlbench")
 
 # conf/ sits next to the package (the repository layout mirrors config groups and packages).
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+
+
+def write_status(*args, **kwargs) -> None:
+    """status.json of the run: written by rank 0 alone under torchrun (trainer.strategy=ddp|fsdp)."""
+    if os.environ.get("RANK", "0") == "0":
+        write_run_status(*args, **kwargs)
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")

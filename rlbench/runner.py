@@ -30,16 +30,22 @@ from rlbench.config import resolve_device, validate_config
 from rlbench.dataset import load_problems
 from rlbench.guidance import GuidanceOptions, load_guidance
 from rlbench.eval.evaluate import Benchmark, EvalResult, evaluate, usable_problems
-from rlbench.logger import RunLogger
+from rlbench.logger import RunLogger, SilentLogger
 from rlbench.errors import ConfigError
 from rlbench.logger.run_status import command_line_overrides, config_key, in_sweep
 from rlbench.model import load_policy
+from rlbench.model.lora import apply_lora, is_lora, save_lora
 from rlbench.reward.graders import make_grader
 from rlbench.rollout import make_engine
 from rlbench.rollout.base import SamplingParams
 from rlbench.training import checkpoint
+from rlbench.training.distributed import (
+    SINGLE, World, check_shardable, close_world, full_model_state, init_world, rank_device,
+)
+from rlbench.training.forward import forward_precision
 from rlbench.training.interrupt import Interrupted, StopSignals
 from rlbench.training.loop import TrainingRun
+from rlbench.training.memory import enable_activation_checkpointing
 from rlbench.training.step import make_step_context
 from rlbench.utils import STREAM_EVAL, atomic_write_text, make_generator, seed_everything
 
@@ -88,10 +94,18 @@ def versions() -> dict[str, str]:
     }
 
 
-def save_policy(model: torch.nn.Module, tokenizer: Any, target: Path) -> None:
-    """Save in Hugging Face format via a temporary folder, so a half-written checkpoint never appears."""
+def save_policy(model: torch.nn.Module, tokenizer: Any, target: Path, world: World = SINGLE, merge_lora: bool = False) -> None:
+    """Save in Hugging Face format via a temporary folder, so a half-written checkpoint never appears.
+    A LoRA policy saves its adapters (or, with ``merge_lora``, base + adapters merged). Every rank
+    calls it (FSDP gathers the full weights); rank 0 writes."""
+    state = full_model_state(model) if world.sharded else None
+    if not world.is_main:
+        return
     tmp = target.with_name(target.name + ".tmp")
-    model.save_pretrained(tmp)
+    if is_lora(model):
+        save_lora(model, tmp, merge=merge_lora)
+    else:
+        model.save_pretrained(tmp, **({"state_dict": state} if state is not None else {}))
     tokenizer.save_pretrained(tmp)
     if target.exists():
         import shutil
@@ -168,7 +182,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resumed = resume_point(cfg, resolved)
     seed_everything(cfg.seed)
-    device = resolve_device(str(cfg.device))
+    world = init_world(cfg.trainer.strategy, resolve_device(str(cfg.device)))
+    device = rank_device(resolve_device(str(cfg.device)))
     training = cfg.mode == "train" and cfg.trainer.steps > 0
     if cfg.mode == "generate":  # graded traces for the guided methods (rlbench/guidance/generate.py)
         from rlbench.guidance.generate import write_traces
@@ -179,7 +194,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     benchmarks = load_benchmarks(cfg)
     logger = RunLogger(out_dir, resolved, OmegaConf.to_yaml(cfg, resolve=True), cfg.logger,
                        job_type="train" if training else "eval", in_sweep=in_sweep(),
-                       resume_id=(resumed.manifest.get("run_id") or "") if resumed else None)
+                       resume_id=(resumed.manifest.get("run_id") or "") if resumed else None) if world.is_main else SilentLogger()
     baseline: EvalResult | None = None
     training_run: TrainingRun | None = None
 
@@ -196,6 +211,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         with StopSignals() as stop:
             dtype = torch.float32  # bf16 enters through autocast on CUDA; master weights stay fp32
             model, tokenizer = load_policy(cfg.model, device=device, dtype=dtype, seed=cfg.seed, cache_dir=cfg.cache_dir)
+            if cfg.model.get("lora") is not None:
+                model = apply_lora(model, cfg.model.lora)
+            if world.sharded:  # before the evaluation: a model FSDP cannot shard is refused at once
+                check_shardable(model, world.size)
+            if cfg.trainer.gradient_checkpointing:
+                enable_activation_checkpointing(model)
             engine = make_engine(cfg.rollout, model, tokenizer, device)
             guidance = load_run_guidance(cfg, train_problems, tokenizer) if training else None  # before any evaluation
             ev = cfg.eval
@@ -204,7 +225,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
             def run_eval(phase: str, step: int) -> EvalResult:
                 log.info("evaluating (%s) on %s", phase, ", ".join(b.name for b in benchmarks))
-                result = evaluate(engine, tokenizer, benchmarks, n=ev.n, ks=list(ev.k), params=eval_params, seed=eval_seed)
+                result = evaluate(engine, tokenizer, benchmarks, n=ev.n, ks=list(ev.k), params=eval_params, seed=eval_seed, world=world)
                 logger.log_evaluation(step, result.with_phase(phase).rows)
                 faults.kill_point("eval", step)
                 return result
@@ -217,21 +238,24 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 baseline = load_eval_result(out_dir / "eval" / BEFORE_EVAL_FILE) if resumed else None
                 if baseline is None:
                     baseline = run_eval("before", 0)
-                    save_eval_result(out_dir / "eval" / BEFORE_EVAL_FILE, baseline)
+                    if world.is_main:
+                        save_eval_result(out_dir / "eval" / BEFORE_EVAL_FILE, baseline)
                 logger.log_tables(baseline.rows, baseline.problems)  # the phase's results, kept if the run stops
             training_summary = {}
             if training:
-                ctx = make_step_context(cfg, algorithm, model, tokenizer, engine, device, guidance=guidance)
+                ctx = make_step_context(cfg, algorithm, model, tokenizer, engine, device, guidance=guidance, world=world)
                 manifest = {"config": checkpoint.comparable_config(resolved), "config_key": config_key(resolved),
                             "overrides": command_line_overrides(), "rlbench_commit": git_commit()}
                 training_run = TrainingRun(cfg, ctx, train_problems, logger, manifest)
                 if resumed is not None:
                     resumed = training_run.resume(resumed)
-                training_summary = training_run.train(stop, after_step=periodic_eval)
+                with forward_precision(cfg.trainer.precision):
+                    training_summary = training_run.train(stop, after_step=periodic_eval)
             final = run_eval("after" if training else "eval", int(cfg.trainer.steps) if training else 0)
 
             if training and cfg.trainer.save_model:
-                save_policy(model, tokenizer, out_dir / "policy")
+                save_policy(model, tokenizer, out_dir / "policy", world,
+                            merge_lora=bool(cfg.model.get("lora") and cfg.model.lora.merge_on_save))
             rows = (baseline.rows if baseline else []) + final.rows
             problem_rows = (baseline.problems if baseline else []) + final.problems
             summary = {
@@ -253,13 +277,16 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 **({"resumed_from_step": resumed.step} if resumed else {}),
                 "wall_seconds": time.perf_counter() - started,
                 "device": str(device),
+                "strategy": world.strategy,
+                "world_size": world.size,
                 "versions": versions(),
                 "git_commit": git_commit(),
                 "command": " ".join(sys.argv),
             }
             logger.log_eval(rows, problem_rows, final.samples, summary, step=int(cfg.trainer.steps) if training else 0)
-        print_table(final, baseline)
-        print(f"results: {out_dir}")
+        if world.is_main:
+            print_table(final, baseline)
+            print(f"results: {out_dir}")
     except Interrupted as stopped:
         saved = None
         if training_run is not None and training_run.resumable and training_run.unsaved and not stopped.mid_step:
@@ -277,5 +304,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         raise
     finally:
         logger.finish()
-    link_latest(out_dir)
+        close_world(world)
+    if world.is_main:
+        link_latest(out_dir)
     return summary

@@ -13,6 +13,7 @@ import torch
 
 from rlbench.training.advantage_inputs import validate_step_options
 from rlbench.training.curricula import parse_stages, sampler_options, stage_settings
+from rlbench.training.distributed import check_strategy
 from rlbench.algorithm import Algorithm
 from rlbench.algorithm.registry import ADVANTAGES
 from rlbench.config.fit import check_fits_here
@@ -69,6 +70,28 @@ def check_curriculum(cfg: Any, algorithm: Algorithm) -> None:
                                    cfg.trainer.micro_batch_size, algorithm.minibatches)
         except ConfigError as err:
             raise ConfigError(f"from trainer.stages at step {stage.at}: {err}") from None
+
+
+def check_sharded_run_features(cfg: Any) -> None:
+    """Features not carried to several processes yet, refused under trainer.strategy=ddp|fsdp:
+    checkpoints and resume (each rank would write its own), the asynchronous pipeline, prompt
+    samplers other than uniform and stages (their statistics are per rank)."""
+    strategy = cfg.trainer.get("strategy", "single")
+    if strategy == "single":
+        return
+    unsupported = []
+    if cfg.trainer.get("checkpoint_every") or cfg.get("resume"):
+        unsupported.append("checkpoints and resume (trainer.checkpoint_every, resume)")
+    if cfg.trainer.get("max_staleness") is not None:
+        unsupported.append("trainer.max_staleness")
+    sampler = cfg.trainer.get("sampler")
+    if sampler is not None and sampler.get("name", "uniform") != "uniform":
+        unsupported.append(f"sampler={sampler.get('name')}")
+    if cfg.trainer.get("stages"):
+        unsupported.append("trainer.stages")
+    if unsupported:
+        raise ConfigError(f"trainer.strategy={strategy} does not support {', '.join(unsupported)} yet; "
+                          "use trainer.strategy=single for them")
 
 
 def check_staleness(cfg: Any, algorithm: Algorithm) -> None:
@@ -168,6 +191,8 @@ def check_run(cfg: Any, origins: ValueOrigins) -> Algorithm:
         check_staleness(cfg, algorithm)
         algorithm.check_batch_size(trainer.prompts_per_step * rollout.n)
         validate_step_options(cfg, algorithm)
+        check_strategy(trainer.get("strategy", "single"), trainer.prompts_per_step, algorithm, rollout.get("strategy", "iid"))
+        check_sharded_run_features(cfg)
         validate_spec(cfg.dataset, source=cfg.data_source, data_dir=cfg.data_dir)
         check_reward_matches_dataset(cfg.reward.name, cfg.dataset)
         GuidanceOptions.from_config(cfg.get("guidance"))

@@ -247,6 +247,15 @@ class TrainerConfig:
         "version max(0, s-1-k) while the learner updates (0 = the synchronous result through the pipeline)", ge=0
     )
     generator_threads: Optional[int] = knob(None, "torch threads of the generator thread (max_staleness set); null: the process's", ge=1)
+    strategy: Literal["single", "ddp", "fsdp"] = knob(
+        "single", "single: one process | ddp: DistributedDataParallel | fsdp: FSDP2 fully_shard; ddp/fsdp "
+        "under torchrun (docs/scaling.md)"
+    )
+    gradient_checkpointing: bool = knob(False, "recompute activations in the backward pass (less memory, ~1/3 more compute)")
+    precision: Literal["auto", "fp32", "bf16"] = knob(
+        "auto", "forward precision: auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16 (autocast, also on CPU); "
+        "master weights stay fp32"
+    )
 
 
 @dataclass
@@ -360,6 +369,18 @@ class SandboxConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters through peft (arXiv:2106.09685): only the adapters train; the KL reference is the
+    base model with adapters off (model/lora=default selects it)."""
+
+    r: int = knob(8, "rank of the adapters", ge=1)
+    alpha: float = knob(16.0, "scale numerator: the update is (alpha / r) B A", gt=0)
+    dropout: float = knob(0.0, "dropout on the adapters' input", ge=0, le=0.99)
+    target_modules: list = knob(["q_proj", "k_proj", "v_proj", "o_proj"], "names of the linear layers that get adapters")
+    merge_on_save: bool = knob(False, "trainer.save_model writes base + adapters merged (a plain model); false: the adapters alone")
+
+
+@dataclass
 class ModelConfig:
     """``model``: where the policy comes from (rlbench/model)."""
 
@@ -372,6 +393,7 @@ class ModelConfig:
     revision: Optional[str] = knob(None, "Hub revision")
     trust_remote_code: bool = knob(False, "allow the checkpoint's own modelling code")
     tiny: Optional[dict] = knob(None, "LlamaConfig fields of the random tiny model (source tiny)", open=True)
+    lora: Optional[LoraConfig] = node(LoraConfig, "null: full fine-tuning | LoRA adapters (model/lora=default)")
     parameters: Optional[int] = knob(None, "about how many parameters (model card): a run whose model would not fit the device is refused before loading; null: not checked", ge=1)
 
 

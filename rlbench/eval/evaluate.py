@@ -80,6 +80,7 @@ def evaluate(
     params: SamplingParams,
     seed: int,
     chunk_prompts: int = 16,
+    world: Any = None,
 ) -> EvalResult:
     """Sample ``n`` completions per problem, grade them and summarise pass@k / maj@k / accuracy.
 
@@ -87,6 +88,11 @@ def evaluate(
     uid): the evaluation before and after training draws the same random numbers (a paired
     comparison), and a benchmark's samples do not depend on the other benchmarks of the suite. A
     benchmark without problems (allowed by its ``allow_empty``) gets rows marked ``empty``.
+
+    ``world`` (rlbench.training.distributed.World, trainer.strategy=ddp|fsdp): each rank samples
+    and grades its share of every benchmark's problems (``shard_padded``: the same number on every
+    rank), and the shares are gathered back into the problems' order before the summary, which
+    is therefore the one a single process computes.
     """
     start = time.perf_counter()
     results: list[ProblemResult] = []
@@ -94,8 +100,9 @@ def evaluate(
     total = sum(len(b.problems) for b in benchmarks)
     progress = Progress("eval", total)
     for bench in benchmarks:
-        for lo in range(0, len(bench.problems), chunk_prompts):
-            chunk = bench.problems[lo : lo + chunk_prompts]
+        own, real = world.shard_padded(bench.problems) if world is not None and bench.problems else (bench.problems, len(bench.problems))
+        for lo in range(0, len(own), chunk_prompts):
+            chunk = own[lo : lo + chunk_prompts]
             prompt_ids = encode_prompts(tokenizer, chunk, bench.spec["prompt"])
             requests = [
                 GenerationRequest(prompt_ids=ids, n=n, seed=problem_seed(seed, bench.name, p.uid))
@@ -106,7 +113,9 @@ def evaluate(
             all_grades = grade_completions(bench.grader, [p for p, g in zip(chunk, groups) for _ in g], flat)
             votable = bench.spec.get("answer_type", "math") != "code"  # programs cannot vote
             offset = 0
-            for problem, group in zip(chunk, groups):
+            for position, (problem, group) in enumerate(zip(chunk, groups), start=lo):
+                if position >= real:  # padding of this rank's share (scored by another rank)
+                    break
                 grades = all_grades[offset : offset + len(group)]
                 offset += len(group)
                 results.append(
@@ -135,6 +144,8 @@ def evaluate(
                         }
                     )
             progress.update(len(chunk), note=bench.name)
+    if world is not None:
+        results, samples = in_problem_order(benchmarks, world.gather(results), world.gather(samples))
     rows = summarize(results, ks, seed=seed) if results else []
     rows = _with_empty_rows(rows, benchmarks, n, ks)
     errors = {bench.name: sum(s["grader_error"] is not None for s in samples if s["benchmark"] == bench.name) for bench in benchmarks}
@@ -157,6 +168,17 @@ def evaluate(
         grader_errors=errors,
         skipped=skipped,
     )
+
+
+def in_problem_order(
+    benchmarks: Sequence[Benchmark], results: list[ProblemResult], samples: list[dict]
+) -> tuple[list[ProblemResult], list[dict]]:
+    """Results and samples gathered from the ranks, put back in the suite's order (benchmark, then
+    problem), as one process produces them."""
+    position = {(b.name, p.uid): (i, j) for i, b in enumerate(benchmarks) for j, p in enumerate(b.problems)}
+    results = sorted(results, key=lambda r: position[(r.benchmark, r.uid)])
+    samples = sorted(samples, key=lambda s: position[(s["benchmark"], s["prompt_id"])])  # stable: sample order kept
+    return results, samples
 
 
 def _with_empty_rows(rows: list[dict], benchmarks: Sequence[Benchmark], n: int, ks: Sequence[int]) -> list[dict]:

@@ -1,5 +1,5 @@
 """Run logging: local result files (always) and optionally Weights & Biases."""
 
-from rlbench.logger.run_logger import RunLogger
+from rlbench.logger.run_logger import RunLogger, SilentLogger
 
-__all__ = ["RunLogger"]
+__all__ = ["RunLogger", "SilentLogger"]

@@ -231,3 +231,34 @@ class RunLogger:
         if self.wandb_run is not None:
             self.wandb_run.finish(exit_code=exit_code)
             self.wandb_run = None
+
+
+class SilentLogger:
+    """The logger of ranks other than 0 under trainer.strategy=ddp|fsdp: only rank 0 writes result
+    files and logs to wandb; the other ranks call the same methods, which do nothing."""
+
+    run_id = None
+
+    def log_step(self, step: int, metrics: Mapping[str, float]) -> None:
+        pass
+
+    def log_evaluation(self, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
+        pass
+
+    def log_tables(self, rows: Sequence[Mapping[str, Any]], problems: Sequence[Mapping[str, Any]]) -> None:
+        pass
+
+    def log_summary(self, summary: Mapping[str, Any]) -> None:
+        pass
+
+    def log_eval(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        pass
+
+    def finish(self, exit_code: int = 0) -> None:
+        pass

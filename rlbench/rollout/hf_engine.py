@@ -155,6 +155,9 @@ class HFGenerateEngine:
         self._device = torch.device(device) if device is not None else None
         self.progress = progress
         self.share_prefill = share_prefill
+        # FSDP with several ranks: every forward is collective, so decoding runs the same number of
+        # steps on every rank (no early stop, no dropped rows); set by rlbench.training.step.make_step_context.
+        self.synced_gpus = False
         self.eos_ids = self._eos_ids(model, tokenizer)
         if not self.eos_ids:
             raise ValueError("neither the tokenizer nor the model's generation_config defines an EOS token")
@@ -256,6 +259,7 @@ class HFGenerateEngine:
         per_row_generators = isinstance(generator, (list, tuple))
         eos = torch.tensor(self.eos_ids, dtype=torch.long, device=scores.device)
         active = list(range(rows))  # batch rows still running, in cache order
+        ended: set[int] = set()  # rows that sampled EOS but keep decoding (synced_gpus only)
         cache_kw = _cache_argument(self.model)
         for step in range(params.max_new_tokens):
             logp = warped_logprobs(scores, warpers)
@@ -271,12 +275,17 @@ class HFGenerateEngine:
                 chosen = inverse_cdf_sample(logp, uniforms)
             chosen_lp = logp.gather(-1, chosen[:, None]).squeeze(-1)
             for r, t, lp in zip(active, chosen.tolist(), chosen_lp.tolist()):
-                tokens[r].append(t)
-                logprobs[r].append(lp)
+                if r not in ended:
+                    tokens[r].append(t)
+                    logprobs[r].append(lp)
             running = ~torch.isin(chosen, eos)
-            if step == params.max_new_tokens - 1 or not bool(running.any()):
+            if self.synced_gpus:  # every rank decodes max_new_tokens steps over all its rows
+                ended.update(r for r, go in zip(active, running.tolist()) if not go)
+                if step == params.max_new_tokens - 1:
+                    break
+            elif step == params.max_new_tokens - 1 or not bool(running.any()):
                 break
-            if not bool(running.all()):
+            elif not bool(running.all()):
                 still = running.nonzero(as_tuple=True)[0]
                 active = [active[i] for i in still.tolist()]
                 chosen, position = chosen[still], position[still]
@@ -324,7 +333,8 @@ class HFGenerateEngine:
         was_training = model.training
         model.eval()
         try:
-            with torch.inference_mode():
+            # FSDP's all-gathered weights are reused by the training forwards: no inference tensors then
+            with torch.no_grad() if self.synced_gpus else torch.inference_mode():
                 sample_gen = torch.Generator(device=self.device)
                 sample_gen.manual_seed(seed)
                 order = sorted(

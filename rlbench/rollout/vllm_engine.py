@@ -33,6 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from rlbench.rollout.base import Completion, GenerationRequest, SamplingParams, request_seeds, sample_seed
+from rlbench.model.lora import engine_weights
 from rlbench.rollout.hf_engine import HFGenerateEngine
 
 log = logging.getLogger(__name__)
@@ -275,9 +276,11 @@ class VLLMEngine:
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Load ``model``'s current weights into the vLLM model (``load_weights`` takes Hugging
-        Face parameter names) and drop the prefix cache computed with the old weights."""
+        Face parameter names) and drop the prefix cache computed with the old weights. The vLLM
+        model shares the GPU with the trainer (colocation: ``gpu_memory_utilization`` leaves the
+        rest to training) and receives the tensors in place, without a copy on disk."""
         self.scorer.sync_weights(model)
-        state = {k: v.detach() for k, v in model.state_dict().items()}
+        state = engine_weights(model)  # a LoRA policy: base + adapters merged, under the base names
 
         def _load(vllm_model):
             vllm_model.load_weights(weights=iter(state.items()))

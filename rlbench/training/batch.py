@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 
 from rlbench.rollout.base import Completion
+from rlbench.training.distributed import global_counts
 
 
 @dataclass
@@ -158,12 +159,11 @@ def micro_batches(rows: torch.Tensor, micro_batch_size: int) -> list[torch.Tenso
 
 
 def batch_norms(batch: TrainBatch, rows: torch.Tensor, norm_length: int) -> dict[str, int]:
-    """The optimizer batch's counts every aggregation normalises by (see rlbench.algorithm.aggregation)."""
-    return {
-        "batch_tokens": int(batch.response_mask[rows].sum().item()),
-        "batch_sequences": len(rows),
-        "norm_length": norm_length,
-    }
+    """The optimizer batch's counts every aggregation normalises by (see rlbench.algorithm.aggregation);
+    under trainer.strategy=ddp|fsdp summed over the ranks, so the loss is one function of the whole
+    batch (rlbench.training.distributed)."""
+    tokens, sequences = global_counts(int(batch.response_mask[rows].sum().item()), len(rows))
+    return {"batch_tokens": tokens, "batch_sequences": sequences, "norm_length": norm_length}
 
 
 def mask_truncated(batch: TrainBatch, finished: torch.Tensor) -> TrainBatch:

@@ -10,19 +10,54 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from contextvars import ContextVar
+from typing import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from rlbench.training.batch import TrainBatch, micro_batches
+from rlbench.training.distributed import several_ranks, unwrap
+
+
+# trainer.precision of the forwards inside :func:`forward_precision` (the runner sets it around training).
+PRECISION: ContextVar[str] = ContextVar("precision", default="auto")
+
+
+@contextlib.contextmanager
+def forward_precision(precision: str) -> Iterator[None]:
+    """Run the forwards inside at ``precision``: auto (bf16 autocast on CUDA, fp32 on CPU), fp32, or
+    bf16 (autocast on any device, CPU included). Master weights and the loss stay fp32."""
+    if precision not in ("auto", "fp32", "bf16"):
+        raise ValueError(f"precision must be auto, fp32 or bf16, got {precision!r}")
+    token = PRECISION.set(precision)
+    try:
+        yield
+    finally:
+        PRECISION.reset(token)
 
 
 def autocast_context(device: torch.device | str) -> contextlib.AbstractContextManager:
-    """bf16 autocast on CUDA; nothing on CPU (float32 there)."""
-    if torch.device(device).type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+    """bf16 autocast on CUDA and under precision bf16; nothing otherwise (float32)."""
+    device_type, precision = torch.device(device).type, PRECISION.get()
+    if precision == "bf16" or (precision == "auto" and device_type == "cuda"):
+        return torch.autocast(device_type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def innermost(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model inside a DDP wrapper and a peft (LoRA) wrapper: its forward's signature."""
+    model = unwrap(model)
+    base = getattr(model, "get_base_model", None)  # peft
+    return base() if base is not None else model
+
+
+def activation_checkpointing(model: torch.nn.Module) -> bool:
+    """Whether the model recomputes activations in backward (trainer.gradient_checkpointing)."""
+    inner = innermost(model)
+    flag = getattr(inner, "is_activation_checkpointing", None)  # transformers >= 5; older: is_gradient_checkpointing
+    return bool(flag if flag is not None else getattr(inner, "is_gradient_checkpointing", False))
 
 
 def _last_hidden(out: object, with_hidden: bool) -> torch.Tensor | None:
@@ -81,7 +116,7 @@ def _logits_shared_prompts(
     if T == 1:
         return first_logits, first_hidden
     # transformers >= 5.x names the cache `cache` (older releases: `past_key_values`)
-    cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache_name = "cache" if "cache" in inspect.signature(innermost(model).forward).parameters else "past_key_values"
     cache = getattr(prompt_out, cache_name)
     cache.reorder_cache(row_to_group)  # one cache row per response row
     full_mask = batch.attention_mask[:, : P + T - 1]
@@ -138,7 +173,13 @@ def token_outputs(
     ``share_prompts`` each distinct prompt runs once (see :func:`_logits_shared_prompts`); the
     result is the same."""
     T = batch.response_mask.shape[1]
-    shared = share_prompts and int(torch.unique(batch.group_index).numel()) < batch.size and groups_share_prompts(batch)
+    # Under DDP / FSDP every rank must run the same forwards (their collectives pair up), and the
+    # shared-prompt path runs one or two depending on the micro-batch: one forward per row there.
+    # Gradient checkpointing turns the key/value cache off in training, which that path needs.
+    shared = (
+        share_prompts and not several_ranks() and not activation_checkpointing(model)
+        and int(torch.unique(batch.group_index).numel()) < batch.size and groups_share_prompts(batch)
+    )
     forward = _logits_shared_prompts if shared else _logits_per_row
     with autocast_context(batch.input_ids.device):
         logits, hidden = forward(model, batch, with_hidden=value_head is not None)

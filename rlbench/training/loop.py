@@ -117,8 +117,8 @@ class TrainingRun:
     def resumable(self) -> bool:
         """Checkpoints can continue this run exactly: not with the asynchronous pipeline, whose
         generator thread runs ahead of the learner (its prompt order and random streams are past the
-        last trained step)."""
-        return self.cfg.trainer.get("max_staleness") is None
+        last trained step), nor under trainer.strategy=ddp|fsdp yet (every rank would write its own)."""
+        return self.cfg.trainer.get("max_staleness") is None and self.cfg.trainer.get("strategy", "single") == "single"
 
     @property
     def unsaved(self) -> bool:

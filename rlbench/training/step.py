@@ -28,6 +28,7 @@ from rlbench import faults
 from rlbench.algorithm import Algorithm
 from rlbench.algorithm.critic import value_targets
 from rlbench.dataset.base import Problem
+from rlbench.model.lora import AdaptersOff, reference_model
 from rlbench.reward.graders import make_grader
 from rlbench.rollout import GradedGroups, GroupSampler, RolloutSetup, RolloutStrategy, make_strategy
 from rlbench.rollout.base import RolloutEngine, SamplingParams
@@ -35,12 +36,14 @@ from rlbench.training.advantage_inputs import AdvantageInputSources
 from rlbench.training.batch import TrainBatch, collate, mask_truncated, trainable_tokens
 from rlbench.training.forward import batch_outputs
 from rlbench.training.update_schedules import UpdateState, apply_update_schedule, make_update_state
+from rlbench.training.distributed import SINGLE, World, rank_stream_seed, unwrap, wrap_model
+from rlbench.training.memory import PeakMemory
 from rlbench.utils import STREAM_MINIBATCH, STREAM_ROLLOUT, make_generator
 
 
-# Step metrics measured in wall-clock seconds (or derived from them): they differ between two runs of
-# one seed; every other metric is repeatable bit for bit on one machine.
-TIMING_METRICS = frozenset({"generate_s", "update_s", "step_s", "tokens_per_s", "engine_s", "queue_wait_s"})
+# Step metrics measured in wall-clock seconds (or derived from them) and the process's peak memory:
+# they differ between two runs of one seed; every other metric is repeatable bit for bit on one machine.
+TIMING_METRICS = frozenset({"generate_s", "update_s", "step_s", "tokens_per_s", "engine_s", "queue_wait_s", "peak_memory_mb"})
 
 
 @dataclass
@@ -64,6 +67,7 @@ class StepContext:
     minibatch_generator: torch.Generator
     reference: torch.nn.Module | None = None
     overlong_filter: bool = False
+    world: World = SINGLE  # trainer.strategy=ddp|fsdp: this rank's place (rlbench.training.distributed)
     policy_version: int = 0  # policy updates so far; stamps the responses sampled at this step
     rollout_generator: torch.Generator | None = None  # the strategy's random stream (RolloutSetup.generator)
 
@@ -106,26 +110,39 @@ class StepContext:
 def make_step_context(
     cfg: Any, algorithm: Algorithm, model: torch.nn.Module, tokenizer: Any, engine: RolloutEngine, device: torch.device,
     guidance: Any = None,
+    world: World = SINGLE,
 ) -> StepContext:
     """``guidance``: the run's checked traces (rlbench.guidance.load_guidance), for the strategies that
-    mix them into groups or take hints from them."""
+    mix them into groups or take hints from them. ``model`` is the plain (or LoRA) policy the engine
+    samples from; under ddp / fsdp it is wrapped here (the reference is taken before), and the update
+    runs the wrapped module."""
     trainer, rollout = cfg.trainer, cfg.rollout
     update_state = make_update_state(algorithm, model)
+    reference = reference_model(model) if algorithm.needs_reference else None
+    if reference is not None and world.sharded and not isinstance(reference, AdaptersOff):
+        reference = wrap_model(reference, world)
+    trained = wrap_model(model, world)
+    if world.sharded:  # every forward is collective under FSDP: generate until every rank is done
+        engine.synced_gpus = True
     # The fused AdamW kernel (one pass over all parameters) is ~4x faster on CPU than the default.
+    # Frozen parameters (the base weights under LoRA) are left out.
     optimizer = torch.optim.AdamW(
-        update_state.parameters(model), lr=trainer.lr, betas=tuple(trainer.betas), weight_decay=trainer.weight_decay, fused=True
+        [p for p in update_state.parameters(trained) if p.requires_grad], lr=trainer.lr, betas=tuple(trainer.betas),
+        weight_decay=trainer.weight_decay, fused=True,
     )
     warmup = max(int(trainer.warmup_steps), 0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
-    reference = copy.deepcopy(model).eval().requires_grad_(False) if algorithm.needs_reference else None
     params = SamplingParams(rollout.temperature, rollout.top_p, rollout.max_new_tokens)
     grader = make_grader(cfg.reward, cfg.dataset, cfg.get("sandbox"))
     sampler = GroupSampler(engine, grader, tokenizer, cfg.dataset.prompt, algorithm.shape_rewards)
-    rollout_generator = make_generator(cfg.seed, STREAM_ROLLOUT)
+    # rank 0 samples what one process samples; other ranks draw their own stream (docs/scaling.md)
+    rollout_generator = torch.Generator().manual_seed(
+        rank_stream_seed(make_generator(cfg.seed, STREAM_ROLLOUT).initial_seed(), world.rank)
+    )
     setup = RolloutSetup(sampler, int(rollout.n), params, rollout_generator, int(cfg.seed), guidance)
     return StepContext(
         algorithm=algorithm,
-        model=model,
+        model=trained,
         tokenizer=tokenizer,
         engine=engine,
         strategy=make_strategy(rollout, setup),
@@ -144,6 +161,7 @@ def make_step_context(
         reference=reference,
         overlong_filter=bool(cfg.algorithm.get("overlong_filter", False)),
         rollout_generator=rollout_generator,
+        world=world,
     )
 
 
@@ -161,6 +179,8 @@ def train_step(
     ``draw_prompts(k)`` gives k more prompts (for strategies that draw them: dynamic sampling);
     ``observe(groups)`` sees the graded groups (the curricula's per-prompt statistics)."""
     t0 = time.perf_counter()
+    peak = PeakMemory(ctx.device)
+    problems = ctx.world.shard(problems)  # whole groups per rank (all of them in one process)
     graded, rollout_metrics = ctx.strategy.rollout(problems, draw_prompts)  # rollout and reward
     t_generate = time.perf_counter() - t0
     faults.kill_point("generate")
@@ -195,7 +215,7 @@ def learn_step(
     t_update = time.perf_counter() - t1
     step_time = time.perf_counter() - started
     lengths = batch.response_mask.sum(-1)
-    return {
+    return ctx.world.mean_metrics({
         **step_metrics(graded, batch, response_kl),
         **coefficients,
         "lr": ctx.scheduler.get_last_lr()[0],
@@ -209,7 +229,8 @@ def learn_step(
         **behaviour_metrics(graded, batch),
         **input_metrics,
         **stats,
-    }
+        "peak_memory_mb": peak.megabytes(),
+    })
 
 
 def stamp_policy_version(graded: GradedGroups, version: int) -> None:
@@ -341,7 +362,7 @@ def update(
     )
     if algorithm.uses_optimizer:
         ctx.scheduler.step()
-    ctx.engine.sync_weights(ctx.model)
+    ctx.engine.sync_weights(unwrap(ctx.model))
     return stats
 
 

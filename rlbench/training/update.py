@@ -11,6 +11,7 @@ import torch
 
 from rlbench.algorithm import Algorithm
 from rlbench.training.batch import TrainBatch, batch_norms, micro_batches
+from rlbench.training.distributed import backward, gradient_norm, reshard
 from rlbench.training.forward import TokenOutputs, token_outputs
 
 ADDITIVE_METRICS = {"policy_loss", "kl", "value_loss"}
@@ -124,6 +125,7 @@ def standard_update(
     ``.model`` and ``.update(model)``) gives prox_logp and follows the weights after every step.
     """
     model.train()
+    reshard(model)
     device = batch.input_ids.device
     parameters = [*model.parameters(), *(value_head.parameters() if value_head is not None else ())]
     metrics_total = UpdateMetrics()
@@ -142,10 +144,10 @@ def standard_update(
                     model, sub, algorithm, norms, temperature, track_entropy=track_entropy, progress=progress,
                     value_head=value_head, proximal_model=proximal.model if proximal is not None else None,
                 )
-                loss.backward()
+                backward(loss)
                 metrics_total.add(metrics, float(sub.response_mask.sum().item()))
             clip = max_grad_norm if max_grad_norm is not None and max_grad_norm > 0 else math.inf
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(parameters, clip)))
+            grad_norms.append(gradient_norm(torch.nn.utils.clip_grad_norm_(parameters, clip)))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if proximal is not None:
