@@ -187,7 +187,7 @@ def train_step(
     stamp_policy_version(graded, ctx.policy_version)
     if observe is not None:
         observe(graded)
-    return learn_step(ctx, graded, rollout_metrics, progress, t_generate, started=t0)
+    return learn_step(ctx, graded, rollout_metrics, progress, t_generate, started=t0, peak=peak)
 
 
 def learn_step(
@@ -198,12 +198,15 @@ def learn_step(
     t_generate: float,
     started: float,
     generation_cost: dict[str, float] | None = None,
+    peak: PeakMemory | None = None,
 ) -> dict[str, float]:
     """Everything after the rollout: advantage inputs -> advantages -> update -> metrics, on groups
     whose responses are stamped with the policy version that sampled them (the synchronous step's
     own, or an older one when an asynchronous generator produced them: rlbench/training/async_pipeline.py).
     ``started``: when the step's clock started; ``generation_cost``: the generator's counts
-    (GenerationCost.take) when they were taken elsewhere, else the sampler's are taken here."""
+    (GenerationCost.take) when they were taken elsewhere, else the sampler's are taken here;
+    ``peak``: the step's peak-memory meter when it started with the rollout (else it starts here)."""
+    peak = peak if peak is not None else PeakMemory(ctx.device)
     batch = to_batch(ctx, graded)
     t1 = time.perf_counter()
     inputs, input_metrics = advantage_inputs(ctx, graded, batch)
