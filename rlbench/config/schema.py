@@ -220,7 +220,7 @@ class TrainerConfig:
 class RolloutConfig:
     """``rollout``: how prompts become graded groups (the strategy) and how responses are sampled."""
 
-    strategy: str = knob("iid", "rollout strategy (rollout=<strategy>, rlbench-list): iid | dynamic_sampling | tree | treerpo | ...")
+    strategy: str = knob("iid", "rollout strategy (rollout=<strategy>, rlbench-list): iid | dynamic_sampling | tree | treerpo | micro_groups | ...")
     engine: Literal["hf", "vllm"] = knob("hf", "generation engine: hf (any device) | vllm (CUDA)")
     n: int = knob(4, "responses per prompt (group size)", ge=1)
     temperature: float = knob(1.0, "sampling temperature", ge=0)
