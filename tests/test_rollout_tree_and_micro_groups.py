@@ -233,3 +233,37 @@ def test_micro_group_size_must_divide_n():
     with pytest.raises(ConfigError, match=r"must divide rollout.n=8.*\[1, 2, 4, 8\]"):
         validate_strategy(OmegaConf.create({"strategy": "micro_groups", "n": 8, "micro_groups": {"size": 3}}), "grpo")
     validate_strategy(OmegaConf.create({"strategy": "micro_groups", "n": 8, "micro_groups": {"size": 4}}), "grpo")
+
+
+def _has_vllm_gpu() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_vllm_gpu(), reason="needs CUDA and vLLM")
+@pytest.mark.parametrize("strategy", ["tree", "treerpo", "micro_groups"])
+def test_strategy_on_the_vllm_engine_gpu(strategy):
+    """Each strategy of this module through the vLLM engine (prefix caching serves the tree's paths):
+    every group has its n responses, tree leaves share their nodes' tokens."""
+    from rlbench.dataset.base import Problem
+    from rlbench.reward.toy import EvenTokenReward
+    from rlbench.rollout.vllm_engine import VLLMEngine
+
+    model, tokenizer = load_policy(OmegaConf.load(ROOT / "conf" / "model" / "smollm2_135m.yaml"), device="cuda")
+    engine = VLLMEngine(model, tokenizer, gpu_memory_utilization=0.2, enforce_eager=True)
+    sampler = GroupSampler(engine, EvenTokenReward(), tokenizer, {"system": None, "user": "{problem}"}, lambda r, i: r)
+    block = {"micro_groups": {"size": 2}} if strategy == "micro_groups" else {strategy: {"segment_tokens": 4}}
+    cfg = OmegaConf.create({"strategy": strategy, "n": 8, **block})
+    params = SamplingParams(temperature=1.0, max_new_tokens=16)
+    graded, _ = make_strategy(cfg, RolloutSetup(sampler, 8, params, torch.Generator().manual_seed(0))).rollout(
+        [Problem(uid="p0", prompt="1 + 2", answer="3"), Problem(uid="p1", prompt="3 + 4", answer="7")]
+    )
+    assert [len(g) for g in graded.groups] == [8, 8]
+    if strategy != "micro_groups":
+        _check_tree(graded.groups, 8, 16, tokenizer.eos_token_id)
