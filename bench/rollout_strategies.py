@@ -201,7 +201,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--strategies", default=None, help="comma-separated (default: every registered strategy)")
     parser.add_argument("--datasets", default="arith,gsm8k")
-    parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--seeds", default="0")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
     parser.add_argument("--n", type=int, default=8, help="responses (leaves) per prompt")

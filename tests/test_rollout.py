@@ -225,12 +225,13 @@ def test_prefill_once_per_input_and_finished_rows_leave(eos_model):
     hook = model.register_forward_pre_hook(lambda module, args, kwargs: rows_per_forward.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
     try:
         engine = HFGenerateEngine(model, tokenizer, batch_size=64)
-        requests = [GenerationRequest(_prompt(tokenizer, "hello there"), n=8), GenerationRequest(_prompt(tokenizer, "q"), n=8)]
+        hello = _prompt(tokenizer, "hello there")
+        requests = [GenerationRequest(hello, n=6), GenerationRequest(_prompt(tokenizer, "q"), n=8), GenerationRequest(hello, n=2)]
         out = engine.generate(requests, SamplingParams(max_new_tokens=16), torch.Generator().manual_seed(1))
     finally:
         hook.remove()
     lengths = [len(c.response_ids) for cs in out for c in cs]
-    assert rows_per_forward[0] == 2  # one prefill row per prompt, not 16
+    assert rows_per_forward[0] == 2  # one prefill row per distinct prompt (two requests share one), not 16
     # decoding step t (1-based) runs the rows whose response is longer than t tokens
     expected = [sum(length > t for length in lengths) for t in range(1, max(lengths))]
     assert rows_per_forward[1:] == expected

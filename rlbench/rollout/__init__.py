@@ -1,14 +1,14 @@
 """Rollout: engines turn generation requests into completions with sampling log-probs (base.py,
 hf_engine.py, vllm_engine.py); strategies turn a step's prompts into graded groups (strategy.py,
-the seam; iid.py, dynamic_sampling.py and tree.py, the strategies; groups.py, what they return)."""
+the seam; iid.py, dynamic_sampling.py, tree.py and micro_groups.py, the strategies; groups.py, what they return)."""
 
 from rlbench.rollout.base import Completion, GenerationRequest, RolloutEngine, SamplingParams
 from rlbench.rollout.hf_engine import HFGenerateEngine
 from rlbench.rollout.groups import GradedGroups, GroupSampler
 from rlbench.rollout.strategy import STRATEGIES, RolloutSetup, RolloutStrategy, make_strategy, validate_strategy
 from rlbench.rollout import (  # noqa: F401  (register the strategies; guided_prefix also dataset_reset)
-    adaptive, dynamic_sampling, entropy_branch, equivalent_states, guided_prefix, hints, iid, lookahead, mixed_traces,
-    multiround, replay, rethink, speculative, tree,
+    adaptive, dynamic_sampling, entropy_branch, equivalent_states, guided_prefix, hints, iid, lookahead, micro_groups,
+    mixed_traces, multiround, replay, rethink, speculative, tree,
 )
 
 __all__ = [

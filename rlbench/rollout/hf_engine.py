@@ -8,7 +8,8 @@ How it works:
   ``batch_size`` rows;
 * **shared prefill**: a batch runs the forward pass over each distinct input once (left padded) and
   copies its KV cache to the input's rows, so a group of ``n`` samples (or the branches of a tree
-  node, sent as one request with ``n`` > 1) pays for its prompt once. The same pass scores the
+  node, sent as one request with ``n`` > 1, or several requests with the same input) pays for its
+  prompt once. The same pass scores the
   prefix tokens (their log-probs are read off the prefill's logits);
 * **finished rows leave the batch**: a row that sampled EOS is dropped from the cache and from every
   later forward pass, so a step costs the rows still running, not the batch;
@@ -343,14 +344,18 @@ class HFGenerateEngine:
                 progress = Progress("rollout", len(order), min_interval=2.0, enabled=self.progress and len(order) > self.batch_size)
                 for start in range(0, len(order), self.batch_size):
                     batch = order[start : start + self.batch_size]
-                    # the distinct inputs of the batch: one per request (one per row unshared)
+                    # the distinct inputs of the batch (equal prompt + prefix, from any request; one per
+                    # row unshared) and how many of their last tokens to score
                     inputs, prefix_lens, row_input, seen = [], [], [], {}
                     for i, k in batch:
-                        key = i if self.share_prefill else (i, k)
+                        req = requests[i]
+                        text = tuple(req.prompt_ids) + tuple(req.prefix_ids)
+                        scored = len(req.prefix_ids) if req.score_prefix else 0
+                        key = (text, scored) if self.share_prefill else (i, k)
                         if key not in seen:
                             seen[key] = len(inputs)
-                            inputs.append(tuple(requests[i].prompt_ids) + tuple(requests[i].prefix_ids))
-                            prefix_lens.append(len(requests[i].prefix_ids) if requests[i].score_prefix else 0)
+                            inputs.append(text)
+                            prefix_lens.append(scored)
                         row_input.append(seen[key])
                     gens = (
                         [torch.Generator(device=self.device).manual_seed(sample_seed(requests[i].seed, k)) for i, k in batch]

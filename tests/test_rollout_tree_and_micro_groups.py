@@ -1,5 +1,6 @@
 """Tree rollouts (rlbench/rollout/tree.py) and their advantages (rlbench/algorithm/advantages/tree.py):
-closed forms on hand-built trees, the sampler on the tiny model, and the refusals before loading."""
+closed forms on hand-built trees, the sampler on the tiny model, and the refusals before loading; and
+micro-group sampling (rlbench/rollout/micro_groups.py): the same groups whatever the micro-group size."""
 
 from __future__ import annotations
 
@@ -133,7 +134,7 @@ def tiny():
     return load_policy(OmegaConf.load(ROOT / "conf" / "model" / "tiny.yaml"), seed=0)
 
 
-def _strategy(model, tokenizer, n=8, max_new_tokens=8, seed=0, **tree):
+def _strategy(model, tokenizer, n=8, max_new_tokens=8, seed=0, cfg=None, **tree):
     from rlbench.dataset.base import Problem
     from rlbench.reward.toy import EvenTokenReward
 
@@ -142,7 +143,7 @@ def _strategy(model, tokenizer, n=8, max_new_tokens=8, seed=0, **tree):
         {"system": None, "user": "{problem}"}, lambda rewards, inputs: rewards,
     )
     params = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens)
-    cfg = _rollout_cfg(**tree)
+    cfg = cfg if cfg is not None else _rollout_cfg(**tree)
     cfg.n = n
     strategy = make_strategy(cfg, RolloutSetup(sampler, n, params, torch.Generator().manual_seed(seed)))
     problems = [Problem(uid=f"p{i}", prompt=q, answer="0") for i, q in enumerate(["1 + 2", "3 + 4"])]
@@ -204,3 +205,65 @@ def test_fallback_fills_the_budget_when_branches_end_early(tiny):
     _check_tree(graded.groups, 8, 12, tokenizer.eos_token_id)
     assert metrics["tree_fallback_leaves"] > 0
     assert any(c.finished for g in graded.groups for c in g)
+
+
+def test_micro_groups_give_the_full_groups_statistics(tiny):
+    """Decoding each group in rounds of 2 responses per prompt gives exactly the responses, rewards and
+    group-relative advantages of decoding it whole (size = n)."""
+    model, tokenizer = tiny
+
+    def run(size):
+        cfg = OmegaConf.create({"strategy": "micro_groups", "micro_groups": {"size": size}})
+        strategy, sampler, problems = _strategy(model, tokenizer, n=8, seed=5, cfg=cfg)
+        graded, metrics = strategy.rollout(problems)
+        return graded, metrics, sampler.cost.take()
+
+    micro, micro_metrics, micro_cost = run(2)
+    whole, whole_metrics, _ = run(8)
+    assert micro_metrics["micro_group_rounds"] == 4 and whole_metrics["micro_group_rounds"] == 1
+    assert [[(c.response_ids, c.logprobs) for c in g] for g in micro.groups] == [[(c.response_ids, c.logprobs) for c in g] for g in whole.groups]
+    assert torch.equal(micro.rewards, whole.rewards)
+    mask = torch.ones(16, 1)
+    assert torch.equal(grpo_advantage(micro.rewards, micro.group_index, mask), grpo_advantage(whole.rewards, whole.group_index, mask))
+    assert len({tuple(c.response_ids) for c in micro.groups[0]}) > 1  # the responses of a group differ
+    assert micro_cost["generated_responses"] == 16
+
+
+def test_micro_group_size_must_divide_n():
+    with pytest.raises(ConfigError, match=r"must divide rollout.n=8.*\[1, 2, 4, 8\]"):
+        validate_strategy(OmegaConf.create({"strategy": "micro_groups", "n": 8, "micro_groups": {"size": 3}}), "grpo")
+    validate_strategy(OmegaConf.create({"strategy": "micro_groups", "n": 8, "micro_groups": {"size": 4}}), "grpo")
+
+
+def _has_vllm_gpu() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_vllm_gpu(), reason="needs CUDA and vLLM")
+@pytest.mark.parametrize("strategy", ["tree", "treerpo", "micro_groups"])
+def test_strategy_on_the_vllm_engine_gpu(strategy):
+    """Each strategy of this module through the vLLM engine (prefix caching serves the tree's paths):
+    every group has its n responses, tree leaves share their nodes' tokens."""
+    from rlbench.dataset.base import Problem
+    from rlbench.reward.toy import EvenTokenReward
+    from rlbench.rollout.vllm_engine import VLLMEngine
+
+    model, tokenizer = load_policy(OmegaConf.load(ROOT / "conf" / "model" / "smollm2_135m.yaml"), device="cuda")
+    engine = VLLMEngine(model, tokenizer, gpu_memory_utilization=0.2, enforce_eager=True)
+    sampler = GroupSampler(engine, EvenTokenReward(), tokenizer, {"system": None, "user": "{problem}"}, lambda r, i: r)
+    block = {"micro_groups": {"size": 2}} if strategy == "micro_groups" else {strategy: {"segment_tokens": 4}}
+    cfg = OmegaConf.create({"strategy": strategy, "n": 8, **block})
+    params = SamplingParams(temperature=1.0, max_new_tokens=16)
+    graded, _ = make_strategy(cfg, RolloutSetup(sampler, 8, params, torch.Generator().manual_seed(0))).rollout(
+        [Problem(uid="p0", prompt="1 + 2", answer="3"), Problem(uid="p1", prompt="3 + 4", answer="7")]
+    )
+    assert [len(g) for g in graded.groups] == [8, 8]
+    if strategy != "micro_groups":
+        _check_tree(graded.groups, 8, 16, tokenizer.eos_token_id)
