@@ -268,6 +268,8 @@ def test_resume_from_a_checkpoint_equals_the_uninterrupted_run(preset, tmp_path)
 def run_cli(args, run_dir, kill_at=None):
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env.pop("WANDB_API_KEY", None)
+    # this test process's own wandb service (started by an in-process test) would hold the killed run's id
+    env.pop("WANDB_SERVICE", None)
     env.pop(faults.KILL_ENV, None)
     if kill_at:
         env[faults.KILL_ENV] = kill_at

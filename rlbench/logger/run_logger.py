@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -99,26 +98,6 @@ def wandb_mode(requested: str) -> str:
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"
 
 
-WANDB_RESUME_WAIT_S = 120.0  # how long a resumed run waits for a killed process's wandb service to let go
-
-
-def resume_wandb_run(options: dict[str, Any], run_id: str) -> Any:
-    """``wandb.init`` continuing run ``run_id``. The wandb service of a process that was killed
-    holds the run ("run ID ... is in use") until it notices its parent is gone (seconds), so a run
-    resumed right after the kill retries for up to :data:`WANDB_RESUME_WAIT_S`."""
-    import wandb
-
-    deadline = time.monotonic() + WANDB_RESUME_WAIT_S
-    while True:
-        try:
-            return wandb.init(**options, id=run_id, resume="allow")
-        except Exception as err:
-            if "in use" not in str(err) or time.monotonic() > deadline:
-                raise
-            log.info("wandb run %s is still held by the stopped process's service; retrying", run_id)
-            time.sleep(2.0)
-
-
 class RunLogger:
     """``resume_id``: a resumed run's wandb run id (its metrics.jsonl and curve come back with
     :meth:`load_state_dict`); None starts a new run and empties metrics.jsonl."""
@@ -153,7 +132,8 @@ class RunLogger:
                     reinit="finish_previous",
                     settings=wandb.Settings(silent=True) if in_sweep else None,  # no footer per sweep job
                 )
-                self.wandb_run = wandb.init(**options) if not resume_id else resume_wandb_run(options, resume_id)
+                resumed = {"id": resume_id, "resume": "allow"} if resume_id else {}
+                self.wandb_run = wandb.init(**options, **resumed)
                 log.info("wandb run %s (%s mode)", self.wandb_run.id, mode)
 
     @property
