@@ -26,6 +26,16 @@ def shaping_gamma(ratio: torch.Tensor, off_mask: torch.Tensor, gamma: float, gam
     return torch.quantile(values.to(torch.float64), gamma_quantile).to(ratio.dtype).clamp(min=MIN_SHAPING_GAMMA)
 
 
+def shaped_off_policy_terms(
+    ratio: torch.Tensor, advantages: torch.Tensor, off: torch.Tensor, clip_low: float, clip_high: float, gamma
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The per-token loss of policy shaping: PPO-clip where ``off`` is False, -A f(r) with
+    f(r) = r / (r + gamma), never clipped, where it is True. Returns (loss, is_clipped, f(r))."""
+    on_loss, is_clipped = _ppo_terms(ratio, advantages, 1.0 - clip_low, 1.0 + clip_high)
+    shaped = ratio / (ratio + gamma)
+    return torch.where(off, -advantages * shaped, on_loss), is_clipped, shaped
+
+
 @POLICY_LOSSES.register("policy_shaping", paper_aggregation="token_mean")
 def policy_shaping_loss(
     logp: torch.Tensor,
@@ -62,10 +72,8 @@ def policy_shaping_loss(
     ratio = torch.exp(lr)
     mask = response_mask.to(ratio.dtype)
     off = (off_policy > 0) & (mask > 0)
-    on_loss, is_clipped = _ppo_terms(ratio, advantages, 1.0 - clip_low, 1.0 + clip_high)
     g = shaping_gamma(ratio, off.to(ratio.dtype), gamma, gamma_quantile)
-    shaped = ratio / (ratio + g)
-    loss = torch.where(off, -advantages * shaped, on_loss)
+    loss, is_clipped, shaped = shaped_off_policy_terms(ratio, advantages, off, clip_low, clip_high, g)
     on_mask = mask * (~off).to(mask.dtype)
     off_mask = off.to(mask.dtype)
     metrics = _ratio_metrics(lr, ratio, mask)

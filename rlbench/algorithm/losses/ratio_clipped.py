@@ -16,6 +16,7 @@ from rlbench.algorithm.losses.common import (
     log_ratio,
     masked_mean,
 )
+from rlbench.algorithm.losses.off_policy import shaped_off_policy_terms
 from rlbench.algorithm.registry import POLICY_LOSSES
 
 
@@ -421,10 +422,8 @@ def exgrpo_loss(
         raise ValueError(f"shaping_beta must be > 0, got {shaping_beta}")
     lr = log_ratio(logp, old_logp)
     ratio = torch.exp(lr)
-    clipped_loss, is_clipped = _ppo_terms(ratio, advantages, 1.0 - clip_low, 1.0 + clip_high)
     replayed = off_policy > 0
-    shaped = ratio / (ratio + shaping_beta)
-    loss = torch.where(replayed, -advantages * shaped, clipped_loss)
+    loss, is_clipped, shaped = shaped_off_policy_terms(ratio, advantages, replayed, clip_low, clip_high, shaping_beta)
     mask = response_mask.to(loss.dtype)
     on_mask = mask * (~replayed).to(mask.dtype)
     metrics = _ppo_metrics(lr, ratio, is_clipped & ~replayed, on_mask)
