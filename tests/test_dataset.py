@@ -157,6 +157,32 @@ def test_arith_rejects_bad_arguments():
         generate_arith(1, -1, 0, "train")
 
 
+def test_arith_mixed_levels_cycle_and_reduce_to_one_level():
+    from rlbench.dataset.arith import generate_arith_levels
+
+    mixed = generate_arith_levels([1, 2], 9, 3, "train")
+    assert [p.meta["level"] for p in mixed] == [1, 2, 1, 2, 1, 2, 1, 2, 1]
+    assert [p.uid for p in mixed] == [f"arith/train/{i}" for i in range(9)]
+    # Each level contributes the first problems of its own list, in order.
+    assert [p.prompt for p in mixed[0::2]] == [p.prompt for p in generate_arith(1, 5, 3, "train")]
+    assert [p.prompt for p in mixed[1::2]] == [p.prompt for p in generate_arith(2, 4, 3, "train")]
+    assert generate_arith_levels([2], 7, 3, "test") == generate_arith(2, 7, 3, "test")
+    assert generate_arith_levels(2, 7, 3, "test") == generate_arith(2, 7, 3, "test")
+    assert generate_arith_levels([1, 2], 0, 3, "train") == []
+    for bad in ([], [1, 1], [1, 9]):
+        with pytest.raises(ConfigError, match="level"):
+            generate_arith_levels(bad, 4, 0, "train")
+
+
+def test_arith_mixed_levels_from_config():
+    spec = load_conf("dataset", "arith", arith={"level": [1, 2], "train_size": 6})
+    problems = load_problems(spec, seed=1)
+    assert [p.meta["level"] for p in problems] == [1, 2, 1, 2, 1, 2]
+    for bad in ([], [1, 1], [0, 2], [True]):
+        with pytest.raises(ConfigError, match="arith.level"):
+            validate_spec(load_conf("dataset", "arith", arith={"level": bad}))
+
+
 def test_arith_configs_load_and_match():
     train = load_problems(load_conf("dataset", "arith"), seed=5)
     bench_cfg = load_conf("benchmark", "arith")

@@ -295,7 +295,7 @@ class PromptConfig:
 class ArithConfig:
     """The generated arithmetic task."""
 
-    level: Any = knob(None, "difficulty level")
+    level: Any = knob(None, "difficulty level 1..5, or a list of distinct levels ([1, 2]) cycled prompt by prompt")
     seed: Optional[int] = knob(None, "generator seed (null: the run's seed)")
     train_size: Any = knob(None, "problems in the train split")
     test_size: Any = knob(None, "problems in the test split")

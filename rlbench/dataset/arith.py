@@ -18,6 +18,10 @@ expressions once exhausted.
 
 Each list is a deterministic function of ``(seed, split, level, size)``: the generator is a
 local ``random.Random`` seeded with a string built from them, never the global RNG.
+
+Several levels (``arith.level=[1,2]``) give a mixed list whose difficulty varies from prompt to prompt:
+problem ``i`` comes from ``levels[i % len(levels)]``, and each level's problems are the first ones of
+that level's own list, so a one-level list equals the plain level.
 """
 
 from __future__ import annotations
@@ -156,3 +160,27 @@ def generate_arith(level: int, size: int, seed: int, split: str) -> list[Problem
             )
         )
     return problems
+
+
+def generate_arith_levels(levels: int | list[int], size: int, seed: int, split: str) -> list[Problem]:
+    """Generate ``size`` problems cycling over ``levels`` (an int is one level).
+
+    Problem ``i`` is drawn from ``levels[i % L]``; level ``levels[j]`` contributes the first
+    ``ceil((size - j) / L)`` problems of ``generate_arith(levels[j], ...)``, so ``[level]`` equals
+    ``level``. ``meta["level"]`` says which level each problem has. Raises ConfigError for an empty
+    list, a repeated level, or any error of :func:`generate_arith`.
+    """
+    if isinstance(levels, int) and not isinstance(levels, bool):
+        return generate_arith(levels, size, seed, split)
+    levels = list(levels)
+    if not levels or len(set(levels)) != len(levels):
+        raise ConfigError(f"arith.level must be a level or a list of distinct levels of {list(LEVELS)}, got {levels!r}")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ConfigError(f"arith {split}_size must be a non-negative integer, got {size!r}")
+    count = len(levels)
+    per_level = [generate_arith(level, -(-(size - j) // count) if size > j else 0, seed, split) for j, level in enumerate(levels)]
+    problems = [per_level[i % count][i // count] for i in range(size)]
+    return [
+        Problem(uid=f"arith/{split}/{i}", prompt=p.prompt, answer=p.answer, meta=dict(p.meta))
+        for i, p in enumerate(problems)
+    ]

@@ -39,7 +39,7 @@ from typing import Any
 
 from rlbench.dataset.arith import LEVELS as ARITH_LEVELS
 from rlbench.dataset.arith import SPLITS as ARITH_SPLITS
-from rlbench.dataset.arith import generate_arith
+from rlbench.dataset.arith import generate_arith_levels
 from rlbench.dataset.base import Problem, ProblemList
 from rlbench.dataset.code import records_to_code_problems, validate_code_spec
 from rlbench.dataset.jsonl import ANSWER_FORMATS, iter_jsonl, records_to_problems
@@ -300,8 +300,16 @@ def _validate_arith(spec: Mapping[str, Any], name: str, split: str) -> None:
     if split not in ARITH_SPLITS:
         raise ConfigError(f"dataset {name!r}: arith split must be one of {list(ARITH_SPLITS)}, got {split!r}")
     level = arith.get("level")
-    if isinstance(level, bool) or level not in ARITH_LEVELS:
-        raise ConfigError(f"dataset {name!r}: arith.level must be one of {list(ARITH_LEVELS)}, got {level!r}")
+    levels = list(level) if isinstance(level, (list, tuple)) else [level]
+    if (
+        not levels
+        or len(set(map(str, levels))) != len(levels)
+        or any(isinstance(x, bool) or x not in ARITH_LEVELS for x in levels)
+    ):
+        raise ConfigError(
+            f"dataset {name!r}: arith.level must be one of {list(ARITH_LEVELS)} or a list of distinct levels "
+            f"(e.g. [1, 2]: mixed difficulty), got {level!r}"
+        )
     size = arith.get(f"{split}_size")
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
         raise ConfigError(f"dataset {name!r}: arith.{split}_size must be a non-negative integer, got {size!r}")
@@ -336,7 +344,7 @@ def load_problems(
     if plain.get("loader", "jsonl") == "arith":
         arith = plain["arith"]
         arith_seed = arith.get("seed")
-        problems = generate_arith(
+        problems = generate_arith_levels(
             arith["level"], arith[f"{split}_size"], seed if arith_seed is None else arith_seed, split
         )
         if limit is not None:
