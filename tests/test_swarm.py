@@ -60,6 +60,24 @@ def test_the_draw_is_a_function_of_seed_and_step_without_replacement():
     assert any(draw_external(pool, 3, seed=s, step=1) != first for s in range(6, 10))
 
 
+def test_the_pool_gives_each_actor_the_others_lists_and_keeps_two_steps():
+    store = dist.HashStore()
+    pools = [SwarmPool(store, a, 3) for a in range(3)]
+    received = [[], [], []]
+
+    def steps(a):
+        for step in range(1, 5):
+            received[a].append(pools[a].exchange(step, [f"{a}@{step}"]))
+
+    threads = [threading.Thread(target=steps, args=(a,)) for a in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert received[1] == [[[f"0@{s}"], [f"2@{s}"]] for s in range(1, 5)]
+    assert store.num_keys() == 2 * 3  # steps 3 and 4 of each actor; 1 and 2 deleted once everyone read them
+
+
 def test_an_actor_has_its_own_seed_and_folder(make_cfg):
     cfg = make_cfg("experiment=smoke", "trainer.strategy=swarm")
     zero, one = actor_config(cfg, 0), actor_config(cfg, 1)

@@ -129,18 +129,27 @@ class KeyValueStore(Protocol):
 
     def get(self, key: str) -> bytes: ...
 
+    def delete_key(self, key: str) -> bool: ...
+
 
 class SwarmPool:
     """The shared pool: actor ``actor`` of ``actors`` publishes its groups of step ``step`` and reads
-    every other actor's (blocking until they are there)."""
+    every other actor's (blocking until they are there). The store keeps two steps per actor: once an
+    actor has read every other actor's step s - 1, they have all read its step s - 2, which it deletes."""
 
     def __init__(self, store: KeyValueStore, actor: int, actors: int):
         self.store, self.actor, self.actors = store, actor, actors
 
     def exchange(self, step: int, shared: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
         """Publish ``shared``; the other actors' lists for ``step``, in actor order."""
-        self.store.set(f"step{step}/actor{self.actor}", pickle.dumps(shared))
-        return [pickle.loads(self.store.get(f"step{step}/actor{a}")) for a in range(self.actors) if a != self.actor]
+        self.store.set(self.key(step, self.actor), pickle.dumps(shared))
+        if step > 2:
+            self.store.delete_key(self.key(step - 2, self.actor))
+        return [pickle.loads(self.store.get(self.key(step, a))) for a in range(self.actors) if a != self.actor]
+
+    @staticmethod
+    def key(step: int, actor: int) -> str:
+        return f"step{step}/actor{actor}"
 
 
 def join_swarm() -> SwarmPool:
