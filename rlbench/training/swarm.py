@@ -30,7 +30,6 @@ of different tokenizers would have to train on the re-tokenised text without a b
 
 from __future__ import annotations
 
-import os
 import pickle
 from dataclasses import dataclass
 from datetime import timedelta
@@ -43,7 +42,7 @@ from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.base import Completion
 from rlbench.rollout.groups import GradedGroups, GroupSampler
-from rlbench.training.distributed import launched_rank, launched_world_size, rank_stream_seed
+from rlbench.training.distributed import launched_world_size, rank_stream_seed
 from rlbench.utils import STREAM_SWARM
 
 SWARM_BEHAVIOUR = "swarm"  # behaviour label prefix of a shared response: "swarm:actor<a>"
@@ -93,33 +92,13 @@ def check_swarm(cfg: Any, algorithm: Any, actors: int | None = None) -> None:
 def actor_config(cfg: Any, actor: int) -> Any:
     """The configuration of actor ``actor``: its own seed (rank_stream_seed; actor 0 keeps ``seed``)
     and run folder ``<output_dir>/actor<r>``; everything else is the swarm's."""
-    from omegaconf import OmegaConf
+    from omegaconf import open_dict
 
     own = cfg.copy()
-    OmegaConf.set_readonly(own, False)
-    with _open(own):
+    with open_dict(own):
         own.seed = rank_stream_seed(int(cfg.seed), actor)
         own.output_dir = str(Path(cfg.output_dir) / f"actor{actor}")
     return own
-
-
-class _open:
-    """Assign keys of a struct config (Hydra's) for the duration of the block."""
-
-    def __init__(self, cfg: Any):
-        self.cfg = cfg
-
-    def __enter__(self) -> Any:
-        from omegaconf import OmegaConf
-
-        self.flag = OmegaConf.is_struct(self.cfg)
-        OmegaConf.set_struct(self.cfg, False)
-        return self.cfg
-
-    def __exit__(self, *exc: Any) -> None:
-        from omegaconf import OmegaConf
-
-        OmegaConf.set_struct(self.cfg, self.flag)
 
 
 class KeyValueStore(Protocol):
@@ -263,8 +242,3 @@ def swarm_rollout(ctx: Any, cfg: Any, pool: SwarmPool | None) -> SwarmRollout:
     """Wrap the step context's strategy (``ctx.strategy``) into the actor's swarm rollout."""
     return SwarmRollout(ctx.strategy, pool, external_groups(cfg), ctx.sampler, int(cfg.rollout.max_new_tokens),
                         int(cfg.seed), lambda: ctx.policy_version)
-
-
-def swarm_actor() -> int:
-    """This process's actor index (torchrun's RANK; 0 without torchrun)."""
-    return launched_rank() if "RANK" in os.environ else 0
