@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 
 PYTEST := HF_HUB_OFFLINE=1 WANDB_MODE=offline $(VENV)/bin/pytest
 
-.PHONY: run run-ddp test test-fast test-integration test-learning bench bench-eval bench-rollout setup sandbox-tools clean
+.PHONY: run run-ddp run-swarm test test-fast test-integration test-learning bench bench-eval bench-rollout setup sandbox-tools clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ run: $(STAMP)
 run-ddp: $(STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node 2 -m rlbench.cli experiment=smoke \
 	  trainer.strategy=ddp hydra.run.dir=results/runs/$(shell date +%Y-%m-%d_%H-%M-%S)_ddp-smoke $(ARGS)
+
+run-swarm: $(STAMP)
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node 2 -m rlbench.cli experiment=smoke \
+	  trainer.strategy=swarm trainer.swarm.external=1 hydra.run.dir=results/runs/$(shell date +%Y-%m-%d_%H-%M-%S)_swarm-smoke $(ARGS)
 
 # The three tiers (docs/testing.md): unit (unmarked), integration (marker slow), learning (tests/learning,
 # one torch thread per toy run: the tiny model's runs do not speed up with a second thread). `make test`

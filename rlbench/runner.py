@@ -40,13 +40,14 @@ from rlbench.rollout import make_engine
 from rlbench.rollout.base import SamplingParams
 from rlbench.training import checkpoint
 from rlbench.training.distributed import (
-    SINGLE, World, check_shardable, close_world, full_model_state, init_world, rank_device,
+    SINGLE, World, check_shardable, close_world, full_model_state, init_world, launched_rank, rank_device,
 )
 from rlbench.training.forward import forward_precision
 from rlbench.training.interrupt import Interrupted, StopSignals
 from rlbench.training.loop import TrainingRun
 from rlbench.training.memory import enable_activation_checkpointing
 from rlbench.training.step import make_step_context
+from rlbench.training.swarm import actor_config, external_groups, join_swarm, swarm_rollout
 from rlbench.utils import STREAM_EVAL, atomic_write_text, make_generator, seed_everything
 
 log = logging.getLogger(__name__)
@@ -178,6 +179,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     :class:`rlbench.training.interrupt.Interrupted` after writing an interrupted summary."""
     started = time.perf_counter()
     algorithm = validate_config(cfg)  # every check before anything expensive
+    swarm = cfg.trainer.get("strategy") == "swarm"
+    if swarm:  # SAPO's actor: a single-process run with its own seed and folder (rlbench/training/swarm.py)
+        cfg = actor_config(cfg, launched_rank())
     out_dir = Path(cfg.output_dir)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resumed = resume_point(cfg, resolved)
@@ -244,6 +248,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             training_summary = {}
             if training:
                 ctx = make_step_context(cfg, algorithm, model, tokenizer, engine, device, guidance=guidance, world=world)
+                if swarm:
+                    ctx.strategy = swarm_rollout(ctx, cfg, join_swarm() if external_groups(cfg) else None)
                 manifest = {"config": checkpoint.comparable_config(resolved), "config_key": config_key(resolved),
                             "overrides": command_line_overrides(), "rlbench_commit": git_commit()}
                 training_run = TrainingRun(cfg, ctx, train_problems, logger, manifest)

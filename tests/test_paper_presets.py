@@ -213,6 +213,8 @@ def test_paper_composes_and_validates(paper_cfg, name, monkeypatch):
         except DataError:
             pytest.skip("shared data directory not present (needed to validate jsonl datasets)")
     monkeypatch.setattr(fit, "device_memory_bytes", lambda device: 2**60)  # every model fits here
+    if cfg.trainer.strategy == "swarm":  # a swarm's actors are torchrun processes (paper=sapo_swarm: 8)
+        monkeypatch.setenv("WORLD_SIZE", "8")
     try:
         validate_config(cfg)
     except ConfigError as err:  # the only refusal left: too few new tokens for a reasoning task

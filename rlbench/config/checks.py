@@ -14,6 +14,7 @@ import torch
 from rlbench.training.advantage_inputs import validate_step_options
 from rlbench.training.curricula import parse_stages, sampler_options, stage_settings
 from rlbench.training.distributed import check_strategy
+from rlbench.training.swarm import check_swarm
 from rlbench.algorithm import Algorithm
 from rlbench.algorithm.registry import ADVANTAGES
 from rlbench.config.fit import check_fits_here
@@ -193,6 +194,7 @@ def check_run(cfg: Any, origins: ValueOrigins) -> Algorithm:
         validate_step_options(cfg, algorithm)
         check_strategy(trainer.get("strategy", "single"), trainer.prompts_per_step, algorithm, rollout.get("strategy", "iid"))
         check_sharded_run_features(cfg)
+        check_swarm(cfg, algorithm)
         validate_spec(cfg.dataset, source=cfg.data_source, data_dir=cfg.data_dir)
         check_reward_matches_dataset(cfg.reward.name, cfg.dataset)
         GuidanceOptions.from_config(cfg.get("guidance"))

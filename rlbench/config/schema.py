@@ -221,6 +221,15 @@ class SamplerConfig:
 
 
 @dataclass
+class SwarmConfig:
+    """``trainer.swarm``: SAPO's swarm (arXiv:2509.08721), with trainer.strategy=swarm (docs/scaling.md)."""
+
+    external: int = knob(
+        0, "J: groups per step taken from what the other actors published (their decoded text, off-policy with "
+        "the sender's log-probs); the actor samples I = prompts_per_step - J itself. 0: no sharing", ge=0)
+
+
+@dataclass
 class TrainerConfig:
     """``trainer``: the optimisation loop around the algorithm."""
 
@@ -247,10 +256,11 @@ class TrainerConfig:
         "version max(0, s-1-k) while the learner updates (0 = the synchronous result through the pipeline)", ge=0
     )
     generator_threads: Optional[int] = knob(None, "torch threads of the generator thread (max_staleness set); null: the process's", ge=1)
-    strategy: Literal["single", "ddp", "fsdp"] = knob(
-        "single", "single: one process | ddp: DistributedDataParallel | fsdp: FSDP2 fully_shard; ddp/fsdp "
-        "under torchrun (docs/scaling.md)"
+    strategy: Literal["single", "ddp", "fsdp", "swarm"] = knob(
+        "single", "single: one process | ddp: DistributedDataParallel | fsdp: FSDP2 fully_shard | swarm: SAPO's "
+        "independent actors sharing rollouts (trainer.swarm); ddp/fsdp/swarm under torchrun (docs/scaling.md)"
     )
+    swarm: SwarmConfig = node(SwarmConfig, "SAPO's swarm: shared groups per step (trainer.strategy=swarm)")
     gradient_checkpointing: bool = knob(False, "recompute activations in the backward pass (less memory, ~1/3 more compute)")
     precision: Literal["auto", "fp32", "bf16"] = knob(
         "auto", "forward precision: auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16 (autocast, also on CPU); "

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from rlbench.errors import ConfigError
 
-STRATEGIES = ("single", "ddp", "fsdp")
+STRATEGIES = ("single", "ddp", "fsdp", "swarm")  # swarm: independent actors (rlbench/training/swarm.py)
 
 # Rollout streams: rank r's generator seed is the single-process seed + r * RANK_STREAM_STRIDE, so
 # rank 0 samples exactly what a single-process run samples.
@@ -139,6 +139,8 @@ def check_strategy(strategy: str, prompts_per_step: int, algorithm: Any, rollout
                 "trainer.strategy=ddp or trainer.strategy=fsdp"
             )
         return
+    if strategy == "swarm":  # every actor is a single-process run; rlbench.training.swarm.check_swarm checks the rest
+        return
     if prompts_per_step % world_size:
         raise ConfigError(
             f"the world size {world_size} does not divide trainer.prompts_per_step={prompts_per_step}: every "
@@ -176,8 +178,9 @@ def _free_port() -> int:
 
 def init_world(strategy: str, device: torch.device) -> World:
     """Join the process group of a ``ddp`` / ``fsdp`` run (gloo on CPU, NCCL on CUDA); a world of one
-    rank when torchrun did not start this process. ``single``: no process group."""
-    if strategy == "single":
+    rank when torchrun did not start this process. ``single`` and ``swarm`` (each actor is a
+    single-process run, rlbench/training/swarm.py): no process group."""
+    if strategy in ("single", "swarm"):
         return SINGLE
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # not under torchrun: one rank, local rendezvous

@@ -1,0 +1,244 @@
+"""SAPO's swarm: several actors, each with its own policy, sharing rollouts (``trainer.strategy=swarm``).
+
+Swarm sAmpling Policy Optimization, Gensyn AI Team (Amico et al.) 2025, arXiv:2509.08721, section 3
+(Algorithm 1). Every actor is one torchrun process and a complete single-process run of its own:
+
+* its own policy, optimizer, run folder (``<output_dir>/actor<r>``) and seed: actor r runs with
+  ``seed + r * RANK_STREAM_STRIDE`` (rlbench.training.distributed.rank_stream_seed), so actor 0 is
+  exactly the single-process run of ``seed`` and the others are independent runs of their own seeds;
+  no gradient, weight or collective is shared (no torch.distributed process group is joined);
+* each step it samples I = ``trainer.prompts_per_step - trainer.swarm.external`` prompts and their
+  groups with its own policy and publishes them to the swarm's pool (a key-value store on torchrun's
+  rendezvous: decoded text, the token ids, the sampling log-probs, the problem and the actor's policy
+  version);
+* it trains on its I groups plus J = ``trainer.swarm.external`` groups drawn without replacement from
+  what the other actors published for the same step (a seeded draw: a function of the actor's seed and
+  the step), graded again by its own grader and reward shaping. I + J = prompts_per_step, so a swarm
+  step has the batch of a single run and the advantage's groups stay whole (one per prompt).
+
+The choice on the shared tokens (the paper recomputes the old log-probs under the receiver's policy,
+so that shared samples act as its own): here they stay off-policy samples of the SENDER, never
+treated as pi_old samples of the receiver. Each shared response is labelled ``behaviour =
+"swarm:actor<a>"``, off-policy in every token, with the sender's policy version and the sender's
+sampling log-probs as behaviour log-probs; the step then takes pi_old from those log-probs
+(rlbench.training.step.behaviour_old_logp), so the receiver's ratio is pi_receiver / mu_sender, the
+exact importance weight of a sample it did not draw. Every actor loads the same model (one config),
+so the sender's token ids are the receiver's tokenisation; the receiver still re-tokenises the decoded
+text and counts the responses whose re-tokenisation differs (``swarm_retokenise_mismatch``): a swarm
+of different tokenizers would have to train on the re-tokenised text without a behaviour log-prob.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
+
+from rlbench.dataset.base import Problem
+from rlbench.errors import ConfigError
+from rlbench.rollout.base import Completion
+from rlbench.rollout.groups import GradedGroups, GroupSampler
+from rlbench.training.distributed import launched_world_size, rank_stream_seed
+from rlbench.utils import STREAM_SWARM
+
+SWARM_BEHAVIOUR = "swarm"  # behaviour label prefix of a shared response: "swarm:actor<a>"
+STORE_PREFIX = "rlbench_swarm/"
+STORE_TIMEOUT = timedelta(hours=2)  # how long an actor waits for the others' rollouts of a step
+
+
+def external_groups(cfg: Any) -> int:
+    """J: ``trainer.swarm.external`` (0 without the block)."""
+    block = cfg.trainer.get("swarm")
+    return int(block.get("external", 0)) if block is not None else 0
+
+
+def check_swarm(cfg: Any, algorithm: Any, actors: int | None = None) -> None:
+    """Bad swarm settings, refused before anything loads: shared groups outside a swarm or with one
+    actor, I + J not the step's prompts (at least one local prompt), more shared groups than the
+    other actors publish, a rollout strategy other than iid, and pieces that need on-policy data."""
+    strategy = cfg.trainer.get("strategy", "single")
+    J = external_groups(cfg)
+    if strategy != "swarm":
+        if J:
+            raise ConfigError(f"trainer.swarm.external={J} shares rollouts between the actors of a swarm; "
+                              "set trainer.strategy=swarm (under torchrun) or trainer.swarm.external=0")
+        return
+    N = launched_world_size() if actors is None else actors
+    prompts = int(cfg.trainer.prompts_per_step)
+    I = prompts - J
+    if J and N == 1:
+        raise ConfigError(f"trainer.swarm.external={J} takes groups from other actors, but the swarm has one actor; "
+                          "start several with torchrun --nproc_per_node N, or set trainer.swarm.external=0")
+    if I < 1:
+        raise ConfigError(f"trainer.swarm.external={J} leaves no local prompt: a step trains on "
+                          f"I = trainer.prompts_per_step - J = {prompts} - {J} = {I} own groups plus J shared ones; "
+                          "use J < trainer.prompts_per_step")
+    if J > (N - 1) * I:
+        raise ConfigError(f"trainer.swarm.external={J}: the other {N - 1} actor(s) publish (N-1) * I = {(N - 1) * I} "
+                          f"groups per step (I = trainer.prompts_per_step - J = {I}); use J <= {(N - 1) * I}")
+    rollout = cfg.rollout.get("strategy", "iid")
+    if rollout != "iid":
+        raise ConfigError(f"trainer.strategy=swarm shares the groups of rollout=iid only (got rollout={rollout})")
+    if J and algorithm.on_policy_requirements:
+        raise ConfigError(f"trainer.swarm.external={J} trains on other actors' samples, but algorithm "
+                          f"'{algorithm.name}' needs on-policy data: " + "; ".join(algorithm.on_policy_requirements)
+                          + ". Use trainer.swarm.external=0")
+
+
+def actor_config(cfg: Any, actor: int) -> Any:
+    """The configuration of actor ``actor``: its own seed (rank_stream_seed; actor 0 keeps ``seed``)
+    and run folder ``<output_dir>/actor<r>``; everything else is the swarm's."""
+    from omegaconf import open_dict
+
+    own = cfg.copy()
+    with open_dict(own):
+        own.seed = rank_stream_seed(int(cfg.seed), actor)
+        own.output_dir = str(Path(cfg.output_dir) / f"actor{actor}")
+    return own
+
+
+class KeyValueStore(Protocol):
+    """What the pool needs of a store (torch.distributed.Store: TCPStore, PrefixStore, HashStore)."""
+
+    def set(self, key: str, value: bytes) -> None: ...
+
+    def get(self, key: str) -> bytes: ...
+
+    def delete_key(self, key: str) -> bool: ...
+
+
+class SwarmPool:
+    """The shared pool: actor ``actor`` of ``actors`` publishes its groups of step ``step`` and reads
+    every other actor's (blocking until they are there). The store keeps two steps per actor: once an
+    actor has read every other actor's step s - 1, they have all read its step s - 2, which it deletes."""
+
+    def __init__(self, store: KeyValueStore, actor: int, actors: int):
+        self.store, self.actor, self.actors = store, actor, actors
+
+    def exchange(self, step: int, shared: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+        """Publish ``shared``; the other actors' lists for ``step``, in actor order."""
+        self.store.set(self.key(step, self.actor), pickle.dumps(shared))
+        if step > 2:
+            self.store.delete_key(self.key(step - 2, self.actor))
+        return [pickle.loads(self.store.get(self.key(step, a))) for a in range(self.actors) if a != self.actor]
+
+    @staticmethod
+    def key(step: int, actor: int) -> str:
+        return f"step{step}/actor{actor}"
+
+
+def join_swarm() -> SwarmPool:
+    """The pool of this torchrun process (the key-value store of torchrun's rendezvous; no process group)."""
+    import torch.distributed as dist
+
+    store, rank, size = next(dist.rendezvous("env://", timeout=STORE_TIMEOUT))
+    return SwarmPool(dist.PrefixStore(STORE_PREFIX, store), int(rank), int(size))
+
+
+def shared_groups(graded: GradedGroups, actor: int, version: int) -> list[dict[str, Any]]:
+    """What an actor publishes of its graded groups: per group the problem and per response the decoded
+    text, token ids, sampling log-probs and whether it ended with EOS, with the actor and its policy
+    version. Rewards are not sent: the receiver grades with its own grader."""
+    return [
+        {
+            "problem": problem, "actor": actor, "version": version,
+            "responses": [{"text": c.text, "ids": list(c.response_ids), "logprobs": list(c.logprobs),
+                           "finished": bool(c.finished)} for c in group],
+        }
+        for problem, group in zip(graded.problems, graded.groups)
+    ]
+
+
+def draw_external(pool: Sequence[dict[str, Any]], count: int, seed: int, step: int) -> list[dict[str, Any]]:
+    """``count`` groups of ``pool`` without replacement: a function of (seed, step) alone."""
+    rng = np.random.default_rng([seed, STREAM_SWARM, step])
+    return [pool[i] for i in rng.choice(len(pool), size=count, replace=False).tolist()]
+
+
+def retokenised(tokenizer: Any, response: dict[str, Any]) -> list[int]:
+    """The receiver's tokens of a shared response: its decoded text, plus EOS when it ended there (the
+    text is decoded without special tokens)."""
+    ids = list(tokenizer(response["text"], add_special_tokens=False)["input_ids"])
+    eos = tokenizer.eos_token_id
+    if response["finished"] and response["ids"] and response["ids"][-1] == eos:
+        ids.append(eos)
+    return ids
+
+
+def external_completion(shared: dict[str, Any], response: dict[str, Any], prompt_ids: tuple[int, ...]) -> Completion:
+    """A shared response as the receiver's completion: off-policy in every token, pi_old = the sender's
+    sampling log-probs, labelled with the sender and its policy version."""
+    ids = list(response["ids"])
+    return Completion(
+        request_index=0, prompt_ids=prompt_ids, response_ids=ids, logprobs=list(response["logprobs"]),
+        finished=bool(response["finished"]), text=response["text"],
+        behaviour=f"{SWARM_BEHAVIOUR}:actor{shared['actor']}", off_policy=[1] * len(ids),
+        behaviour_logprobs=list(response["logprobs"]), policy_version=int(shared["version"]),
+    )
+
+
+@dataclass
+class SwarmRollout:
+    """The step's rollout of one actor: its strategy's groups for the first I prompts, published, plus
+    J groups drawn from the other actors' (``J = 0``: the strategy's groups alone, nothing exchanged,
+    so the actor is a single-process run)."""
+
+    inner: Any  # the run's rollout strategy (iid)
+    pool: SwarmPool | None  # None when J = 0
+    external: int  # J
+    sampler: GroupSampler
+    max_length: int  # rollout.max_new_tokens (reward shaping's budget)
+    seed: int  # the actor's seed
+    policy_version: Callable[[], int]
+    step: int = 0  # rollouts done (the pool's round)
+
+    def rollout(self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None) -> tuple[GradedGroups, dict[str, float]]:
+        local_count = len(problems) - self.external
+        local, metrics = self.inner.rollout(problems[:local_count], draw_prompts)
+        self.step += 1
+        if not self.external:
+            return local, metrics
+        version = self.policy_version()
+        for group in local.groups:
+            for completion in group:
+                completion.policy_version = version
+        others = self.pool.exchange(self.step, shared_groups(local, self.pool.actor, version))
+        chosen = draw_external([g for published in others for g in published], self.external, self.seed, self.step)
+        external, mismatch = self.receive(chosen)
+        graded = GradedGroups.concat([local.with_group_ids(0), external.with_group_ids(len(local.groups))])
+        return graded, {
+            **metrics,
+            "swarm_local_reward_mean": float(local.outcome.mean()),
+            "swarm_external_reward_mean": float(external.outcome.mean()),
+            "swarm_retokenise_mismatch": float(mismatch),
+        }
+
+    def receive(self, chosen: list[dict[str, Any]]) -> tuple[GradedGroups, int]:
+        """The chosen shared groups graded by this actor, and how many responses re-tokenise differently."""
+        problems = [shared["problem"] for shared in chosen]
+        prompt_ids = self.sampler.encode(problems)
+        tokenizer = self.sampler.tokenizer
+        groups, mismatch = [], 0
+        for shared, ids in zip(chosen, prompt_ids):
+            groups.append([external_completion(shared, response, ids) for response in shared["responses"]])
+            mismatch += sum(retokenised(tokenizer, r) != r["ids"] for r in shared["responses"])
+        return self.sampler.grade(problems, groups, self.max_length), mismatch
+
+    def state_dict(self) -> dict[str, Any]:
+        inner = getattr(self.inner, "state_dict", None)
+        return {"step": self.step, "inner": inner() if inner is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        if state["inner"] is not None:
+            self.inner.load_state_dict(state["inner"])
+
+
+def swarm_rollout(ctx: Any, cfg: Any, pool: SwarmPool | None) -> SwarmRollout:
+    """Wrap the step context's strategy (``ctx.strategy``) into the actor's swarm rollout."""
+    return SwarmRollout(ctx.strategy, pool, external_groups(cfg), ctx.sampler, int(cfg.rollout.max_new_tokens),
+                        int(cfg.seed), lambda: ctx.policy_version)
