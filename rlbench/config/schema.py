@@ -217,7 +217,7 @@ MOVED_KEYS = {
 class SamplerConfig:
     """``trainer.sampler`` (``sampler=<name>``): which prompts each step trains on (rlbench/training/curricula.py)."""
 
-    name: str = knob("uniform", "prompt sampler: uniform (shuffled passes) | weighted (by pass rate) | hard_focus (DRIVE)")
+    name: str = knob("uniform", "prompt sampler: uniform (shuffled passes) | weighted (by pass rate) | hard_focus (DRIVE) | lspo (length extremes)")
 
     @classmethod
     def extra_blocks(cls) -> dict[str, tuple[str, str]]:
