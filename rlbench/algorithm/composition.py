@@ -102,6 +102,7 @@ class Algorithm:
     proximal_decay: float | None = None  # beta of the EWMA proximal policy (ppo_ewma); None -> 0
     kl_placement: str = "loss"
     kl_adaptive: AdaptiveKL | None = None
+    kl_previous_weight: float = 0.0  # w of the convex KL (1 - w) KL(pi || pi_ref) + w KL(pi || pi_prev) (ReMix)
     entropy_adaptive: AdaptiveEntropy | None = None
     top_entropy_quantile: float | None = None
     sampling_correction: SamplingCorrection | None = None  # TIS weights between sampler and trainer
@@ -137,6 +138,7 @@ class Algorithm:
             reward_shaping=tuple(Piece.from_config(node, "reward_shaping") for node in cfg.get("reward_shaping") or ()),
             kl_placement=str(kl.get("placement", "loss")),
             kl_adaptive=AdaptiveKL.from_config(kl["adaptive"]) if kl.get("adaptive") is not None else None,
+            kl_previous_weight=float(kl.get("previous_weight", 0.0)),
             entropy_adaptive=(
                 AdaptiveEntropy.from_config(cfg["entropy_adaptive"]) if cfg.get("entropy_adaptive") is not None else None
             ),
@@ -181,6 +183,13 @@ class Algorithm:
     def _check_kl_and_entropy_settings(self) -> None:
         if self.kl_placement not in KL_PLACEMENTS:
             raise ConfigError(f"algorithm.kl.placement={self.kl_placement} is unknown; choose one of {KL_PLACEMENTS}")
+        if not 0 <= self.kl_previous_weight <= 1:
+            raise ConfigError(f"algorithm.kl.previous_weight must be in [0, 1], got {self.kl_previous_weight}")
+        if self.kl_previous_weight > 0 and not self.kl_in_loss:
+            raise ConfigError(
+                "algorithm.kl.previous_weight > 0 mixes the KL to the previous policy into the loss's KL term: it needs "
+                f"algorithm.kl.coef > 0 and placement=loss (got coef={self.kl_coef}, placement={self.kl_placement})"
+            )
         if self.kl_adaptive is not None and self.kl_coef == 0:
             raise ConfigError(
                 "algorithm.kl.adaptive multiplies the coefficient, which stays 0 from algorithm.kl.coef=0; "
@@ -289,6 +298,20 @@ class Algorithm:
         """The configured per-token KL estimate k(logp, ref_logp) [B,T] (unmasked)."""
         return KL_ESTIMATORS.call(self.kl_estimator, {"logp": logp, "ref_logp": ref_logp}, self.kl_estimator_params)
 
+    def loss_kl_matrix(self, logp: torch.Tensor, ref_logp: torch.Tensor, prev_logp: torch.Tensor | None) -> torch.Tensor:
+        """The loss's KL term per token: k(logp, ref_logp), or with ``kl.previous_weight`` w > 0 ReMix's
+        KL-Convex constraint (Liang et al. 2025, arXiv:2507.06892, section 3.2)
+
+            (1 - w) k(logp, ref_logp) + w k(logp, prev_logp)
+
+        where prev_logp are the log-probs of the policy before this step's update (the sampling pass)."""
+        w = self.kl_previous_weight
+        if w == 0:
+            return self.kl_matrix(logp, ref_logp)
+        if prev_logp is None:
+            raise ValueError("algorithm.kl.previous_weight > 0 needs the previous policy's log-probs (prev_logp)")
+        return (1 - w) * self.kl_matrix(logp, ref_logp) + w * self.kl_matrix(logp, prev_logp)
+
     @property
     def kl_coefficient(self) -> float:
         """beta now: algorithm.kl.coef, or where the adaptive controller has moved it."""
@@ -311,7 +334,7 @@ class Algorithm:
         """A no-grad pass over the sampled batch (old log-probs, entropies) before the advantage."""
         return any((
             self.advantage_inputs & {"entropy", "old_logp", "values"}, self.needs_old_logp, self.needs_sampling_entropy,
-            self.kl_in_reward, self.kl_adaptive is not None,
+            self.kl_in_reward, self.kl_adaptive is not None, self.kl_previous_weight > 0,
         ))
 
     @property
@@ -408,6 +431,7 @@ class Algorithm:
         prox_logp: torch.Tensor | None = None,
         sampling_logp: torch.Tensor | None = None,
         off_policy: torch.Tensor | None = None,
+        prev_logp: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """The scalar loss of one (micro-)batch and its metrics.
 
@@ -449,7 +473,7 @@ class Algorithm:
         if self.kl_in_loss:
             if ref_logp is None:
                 raise ValueError("the KL term needs reference log-probs")
-            kl_matrix = self.kl_matrix(logp, ref_logp) * mask
+            kl_matrix = self.loss_kl_matrix(logp, ref_logp, prev_logp) * mask
             kl_value = self.aggregate(kl_matrix, mask, norms)
             total = total + self.kl_coefficient * kl_value
             metrics["kl"] = kl_value.item()

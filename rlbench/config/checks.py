@@ -119,6 +119,18 @@ def check_staleness(cfg: Any, algorithm: Algorithm) -> None:
     if cfg.eval.get("every"):
         raise ConfigError(f"{where}; eval.every evaluates during training on the engine the generator thread "
                           "samples with: set eval.every=null (the evaluation after training still runs)")
+    if cfg.algorithm.get("reincarnate_at") is not None:
+        raise ConfigError(f"{where}; algorithm.reincarnate_at switches to on-policy data at a step the generator "
+                          "thread has already sampled ahead of: use it with trainer.max_staleness=null or 0")
+
+
+def check_reincarnation(cfg: Any) -> None:
+    """ReMix's policy reincarnation (algorithm.reincarnate_at) copies the policy into the KL reference:
+    not with a LoRA policy, whose reference is the adapter-free base (a view, no copy to overwrite)."""
+    at = cfg.algorithm.get("reincarnate_at")
+    if at is not None and cfg.model.get("lora") and cfg.algorithm.kl.coef > 0:
+        raise ConfigError(f"algorithm.reincarnate_at={at} makes the policy the new KL reference, but a LoRA policy's "
+                          "reference is its adapter-free base: drop model.lora, algorithm.kl.coef or reincarnate_at")
 
 
 def check_sandbox(sandbox: Any) -> None:
@@ -190,6 +202,7 @@ def check_run(cfg: Any, origins: ValueOrigins) -> Algorithm:
         check_batch_arithmetic(trainer.prompts_per_step, rollout.n, trainer.micro_batch_size, algorithm.minibatches)
         check_curriculum(cfg, algorithm)
         check_staleness(cfg, algorithm)
+        check_reincarnation(cfg)
         algorithm.check_batch_size(trainer.prompts_per_step * rollout.n)
         validate_step_options(cfg, algorithm)
         check_strategy(trainer.get("strategy", "single"), trainer.prompts_per_step, algorithm, rollout.get("strategy", "iid"))

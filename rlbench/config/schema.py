@@ -64,6 +64,10 @@ class KLConfig:
     adaptive: Optional[AdaptiveKLConfig] = node(
         AdaptiveKLConfig, "null: beta fixed; {target, horizon}: Ziegler et al.'s adaptive controller (needs coef > 0)"
     )
+    previous_weight: float = knob(
+        0.0, "w in [0, 1]: the loss's KL is (1 - w) KL(pi || pi_ref) + w KL(pi || pi_prev), pi_prev = the policy "
+        "before this step's update (ReMix's KL-Convex, lambda = 1 - w); 0: the reference only", ge=0
+    )
 
 
 @dataclass
@@ -189,6 +193,10 @@ class AlgorithmConfig:
     critic: Optional[CriticConfig] = node(CriticConfig, "null: no value head; {coef, clip}: PPO's value head (advantage gae)")
     overlong_filter: bool = knob(False, "mask responses truncated at rollout.max_new_tokens out of the loss (DAPO)")
     reward_shaping: list = knob([], "list of {name, parameters} reward-shaping functions, applied in order", piece="reward_shaping")
+    reincarnate_at: Optional[int] = knob(
+        None, "ReMix's policy reincarnation at this step: the KL reference becomes the policy as it is then and a replay "
+        "rollout stops replaying (on-policy from then on); null: never", ge=2
+    )
     rollout_n: Optional[int] = knob(None, "the group size the method prescribes; rollout.n follows it unless set", ge=1)
     baseline: Optional[BaselineConfig] = node(BaselineConfig, "baseline_rewards source (remax, pvpo)")
     tracker: Optional[TrackerConfig] = node(TrackerConfig, "SPO's tracker (advantage spo)")
@@ -209,7 +217,7 @@ MOVED_KEYS = {
 class SamplerConfig:
     """``trainer.sampler`` (``sampler=<name>``): which prompts each step trains on (rlbench/training/curricula.py)."""
 
-    name: str = knob("uniform", "prompt sampler: uniform (shuffled passes) | weighted (by pass rate) | hard_focus (DRIVE)")
+    name: str = knob("uniform", "prompt sampler: uniform (shuffled passes) | weighted (by pass rate) | hard_focus (DRIVE) | lspo (length extremes)")
 
     @classmethod
     def extra_blocks(cls) -> dict[str, tuple[str, str]]:

@@ -33,6 +33,9 @@ Configuration (conf/rollout/replay.yaml; ``algorithm=rlep`` and ``algorithm=exgr
       start_accuracy: 0.0     # replay starts (for good) at the first step whose fresh accuracy reaches this
       behaviour: stored       # stored: pi_old of a replayed token is its stored log-prob (ratio pi_theta / mu)
                               # recomputed: pi_old recomputed under the current policy (RLEP's and AR3PO's code)
+      keep: correct           # correct: verified successes | all: every response, so a buffer question comes
+                              # back as its whole past group (needs questions=buffer; ReMix)
+      window: null            # n: only responses of the last n policy versions stay (ReMix) | null: capacity only
 
 When the buffer holds fewer responses or questions than asked, the step uses what there is (fresh
 prompts take the place of missing buffer questions, a group gets fewer replayed responses); the
@@ -63,6 +66,7 @@ QUESTION_MODES = ("same", "buffer")
 WEIGHTINGS = ("uniform", "accuracy_gaussian")
 TRAJECTORY_CHOICES = ("random", "lowest_entropy")
 BEHAVIOURS = ("stored", "recomputed")
+KEEP_CHOICES = ("correct", "all")
 
 
 @dataclass
@@ -114,8 +118,10 @@ class ReplayBuffer:
     retirement (module docstring). Deterministic for a seed; ``state_dict`` holds everything."""
 
     def __init__(self, capacity: int, seed: int, weighting: str = "uniform", weight_mean: float = 0.5,
-                 weight_std: float = 1.0, trajectory: str = "random", retire_solved: bool = False):
+                 weight_std: float = 1.0, trajectory: str = "random", retire_solved: bool = False,
+                 keep: str = "correct", window: int | None = None):
         self.capacity, self.weighting, self.trajectory = int(capacity), weighting, trajectory
+        self.keep, self.window = keep, window
         self.weight_mean, self.weight_std, self.retire_solved = float(weight_mean), float(weight_std), bool(retire_solved)
         self.rng = np.random.default_rng([int(seed), STREAM_REPLAY])
         self.items: list[ReplayItem] = []  # oldest first
@@ -126,8 +132,10 @@ class ReplayBuffer:
     # -- insertion and retirement
 
     def observe(self, problem: Problem, completions: Sequence[Completion], correct: Sequence[bool]) -> None:
-        """Record a question's fresh responses: its accuracy, its correct responses (unless retired);
-        with ``retire_solved``, a question whose responses are all correct is retired."""
+        """Record a question's fresh responses: its accuracy, its correct responses (every response with
+        ``keep="all"``) unless retired; with ``retire_solved``, a question whose responses are all
+        correct is retired. With a ``window``, responses more than ``window`` policy versions older
+        than the newest one stored leave the buffer."""
         uid = problem.uid
         if uid in self.retired or not completions:
             return
@@ -136,12 +144,16 @@ class ReplayBuffer:
             self.retire(uid)
             return
         for completion, ok in zip(completions, correct):
-            if ok:
+            if ok or self.keep == "all":
                 self.items.append(ReplayItem.from_completion(uid, completion))
                 self.problems[uid] = problem
         excess = len(self.items) - self.capacity
         if excess > 0:
             del self.items[:excess]
+            self._forget_empty_questions()
+        if self.window is not None and self.items:
+            newest = max(item.policy_version for item in self.items)
+            self.items = [item for item in self.items if newest - item.policy_version < self.window]
             self._forget_empty_questions()
 
     def retire(self, uid: str) -> None:
@@ -238,6 +250,8 @@ class ReplayOptions:
     retire_solved: bool = False
     start_accuracy: float = 0.0
     behaviour: str = "stored"
+    keep: str = "correct"
+    window: int | None = None
 
     @classmethod
     def from_config(cls, rollout_cfg: Any) -> "ReplayOptions":
@@ -253,9 +267,14 @@ class ReplayOptions:
             (0 <= options.start_accuracy <= 1, f"rollout.replay.start_accuracy must be in [0, 1], got {options.start_accuracy}"),
             (options.weight_std > 0, f"rollout.replay.weight_std must be > 0, got {options.weight_std}"),
             (options.trajectory in TRAJECTORY_CHOICES, f"rollout.replay.trajectory={options.trajectory!r}: choose one of {TRAJECTORY_CHOICES}"),
-            (not options.replace_fresh or options.per_group < n,
+            (options.keep in KEEP_CHOICES, f"rollout.replay.keep={options.keep!r}: choose one of {KEEP_CHOICES}"),
+            (options.window is None or options.window >= 1, f"rollout.replay.window must be >= 1 or null, got {options.window}"),
+            (options.keep == "correct" or options.questions == "buffer",
+             "rollout.replay.keep=all replays whole past groups as buffer questions: it needs questions=buffer"),
+            (not options.replace_fresh or options.per_group < n or (options.keep == "all" and options.per_group == n),
              f"rollout.replay.replace_fresh keeps rollout.n={n} responses per group with per_group={options.per_group} "
-             "of them replayed: per_group must be < rollout.n (at least one fresh response)"),
+             "of them replayed: per_group must be < rollout.n (at least one fresh response), or = rollout.n with "
+             "keep=all (a whole past group)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -264,7 +283,7 @@ class ReplayOptions:
 
     def make_buffer(self, seed: int) -> ReplayBuffer:
         return ReplayBuffer(self.capacity, seed, self.weighting, self.weight_mean, self.weight_std,
-                            self.trajectory, self.retire_solved)
+                            self.trajectory, self.retire_solved, self.keep, self.window)
 
 
 class PendingInsertions:
@@ -315,6 +334,7 @@ class ReplaySampling:
         self.pending = PendingInsertions()
         self.shortfall_log = ShortfallLog("rollout=replay")
         self.started = options.start_accuracy <= 0
+        self.stopped = False  # stop_replay: on-policy from then on (ReMix's reincarnation)
 
     @classmethod
     def from_config(cls, rollout_cfg: Any, setup: RolloutSetup) -> "ReplaySampling":
@@ -331,7 +351,7 @@ class ReplaySampling:
         self.pending.flush(self.buffer)
         shortfall = 0
         prompts, drawn = list(problems), []
-        if not self.started:  # before the accuracy threshold: fresh groups only, the buffer still fills
+        if not self.started or self.stopped:  # before the accuracy threshold (the buffer fills) or after stop_replay
             return self._fresh_only(prompts)
         if o.questions == "buffer":
             wanted = max(1, round(o.buffer_share * len(problems)))
@@ -339,7 +359,9 @@ class ReplaySampling:
             shortfall += wanted - len(drawn)
             self.shortfall_log.note(wanted - len(drawn), f"{len(drawn)} of {wanted} buffer questions")
             prompts = prompts[: len(prompts) - len(drawn)] + drawn
-        replayed = [self.buffer.sample_trajectories(p.uid, o.per_group) for p in prompts]
+        # keep=all (whole past groups, ReMix): only the buffer questions are replayed; the fresh prompts stay fresh
+        replayed = [self.buffer.sample_trajectories(p.uid, o.per_group) if o.keep == "correct" or p in drawn else []
+                    for p in prompts]
         wanted_replays = o.per_group * (len(drawn) if o.questions == "buffer" else len(prompts))
         missing = max(0, wanted_replays - sum(len(r) for r in replayed))
         shortfall += missing
@@ -353,10 +375,15 @@ class ReplaySampling:
         self.pending.add_groups(prompts, graded, fresh_counts)
         return graded, self._metrics(sum(len(r) for r in replayed), shortfall)
 
+    def stop_replay(self) -> None:
+        """From the next rollout on, fresh groups only (ReMix's switch back to on-policy training:
+        rlbench.training.step.reincarnate)."""
+        self.stopped = True
+
     def _fresh_only(self, prompts: list[Problem]) -> tuple[GradedGroups, dict[str, float]]:
         graded = self.setup.sample(prompts)
         self.pending.add_groups(prompts, graded, [self.setup.n] * len(prompts))
-        self.started = float(graded.correct.mean().item()) >= self.options.start_accuracy
+        self.started = self.started or float(graded.correct.mean().item()) >= self.options.start_accuracy
         return graded, self._metrics(0, 0)
 
     def _metrics(self, replayed: int, shortfall: int) -> dict[str, float]:
@@ -371,9 +398,10 @@ class ReplaySampling:
 
     def state_dict(self) -> dict[str, Any]:
         self.pending.flush(self.buffer)  # after a step: every pending response is stamped
-        return {"buffer": self.buffer.state_dict(), "started": self.started}
+        return {"buffer": self.buffer.state_dict(), "started": self.started, "stopped": self.stopped}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.buffer.load_state_dict(state["buffer"])
         self.started = bool(state["started"])
+        self.stopped = bool(state.get("stopped", False))
         self.pending = PendingInsertions()

@@ -27,6 +27,7 @@ class TrainBatch:
     advantages: torch.Tensor | None = None  # [B, T]
     old_logp: torch.Tensor | None = None  # [B, T]
     ref_logp: torch.Tensor | None = None  # [B, T]
+    prev_logp: torch.Tensor | None = None  # [B, T] the policy before this step's update, every token (convex KL)
     token_weights: torch.Tensor | None = None  # [B, T] policy-loss token mask (e.g. top-entropy), None = all 1
     old_values: torch.Tensor | None = None  # [B, T] critic values of the sampling policy
     returns: torch.Tensor | None = None  # [B, T] critic regression targets
@@ -66,6 +67,7 @@ class TrainBatch:
             advantages=take(self.advantages, True),
             old_logp=take(self.old_logp, True),
             ref_logp=take(self.ref_logp, True),
+            prev_logp=take(self.prev_logp, True),
             token_weights=take(self.token_weights, True),
             old_values=take(self.old_values, True),
             returns=take(self.returns, True),

@@ -6,7 +6,8 @@
 * Prompt samplers (``sampler=<name>``, the node ``trainer.sampler``): ``uniform`` (the default:
   shuffled passes, rlbench.training.loop.PromptSampler, unchanged), ``weighted`` (draw by pass rate:
   a Gaussian around a target pass rate, or easy / medium / hard bucket weights) and ``hard_focus``
-  (DRIVE's stage-2 rule: after every phase, keep the hardest share of the pool). Each has
+  (DRIVE's stage-2 rule: after every phase, keep the hardest share of the pool), ``lspo`` (prompts whose
+  mean response length is at the extremes, LSPO). Each has
   ``next(count)``, ``state_dict()`` and ``load_state_dict()``; a new one is a class registered with
   :func:`register_prompt_sampler` and a YAML in conf/sampler/.
 * Stages (``trainer.stages``): ``[{at: 10, rollout.n: 16, rollout.max_new_tokens: 32}, ...]``: from
@@ -194,6 +195,50 @@ class WeightedPrompts:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.rng.bit_generator.state = state["rng"]
         self.stats.load_state_dict(state["stats"])
+
+
+@dataclass(frozen=True)
+class LengthExtremesOptions:
+    """``trainer.sampler.lspo``: the length quantiles of LSPO's filter (Chen, Koenig & Dilkina 2025,
+    arXiv:2510.01459: thresholds L_low, L_high, L_max over the batch's mean lengths; the default values
+    0.3 / 0.65 / 0.95 are not verified)."""
+
+    low: float = 0.3  # keep prompts whose mean response length is <= the low quantile ...
+    high: float = 0.65  # ... or between the high and the max quantile
+    max: float = 0.95  # (above it: near-truncated responses, left out)
+
+    def check(self) -> None:
+        if not 0 < self.low < self.high < self.max <= 1:
+            raise ConfigError(f"trainer.sampler.lspo: 0 < low < high < max <= 1 is required, got {self}")
+
+
+def length_extremes(lengths: Sequence[float], options: LengthExtremesOptions) -> np.ndarray:
+    """LSPO's filter on mean response lengths L (NaN: not seen yet): with Q the quantiles of the seen
+    lengths (linear interpolation), a prompt is kept when L <= Q(low) or Q(high) <= L <= Q(max); an
+    unseen prompt is kept (its length is not known yet). Returns the boolean mask."""
+    values = np.asarray(lengths, dtype=np.float64)
+    seen = ~np.isnan(values)
+    if not seen.any():
+        return np.ones(len(values), dtype=bool)
+    q_low, q_high, q_max = np.quantile(values[seen], [options.low, options.high, options.max])
+    with np.errstate(invalid="ignore"):
+        extreme = (values <= q_low) | ((values >= q_high) & (values <= q_max))
+    return ~seen | extreme
+
+
+@register_prompt_sampler("lspo")
+class LengthExtremesPrompts(WeightedPrompts):
+    """LSPO's length-aware sampling (arXiv:2510.01459): prompts drawn
+    uniformly among those whose mean response length so far is at the extremes of the seen prompts'
+    lengths (:func:`length_extremes`), from the statistics store. The paper filters the step's own
+    rollouts after generating them (over-sampling until the batch is full); this sampler decides from
+    the lengths of earlier steps, so no response is generated to be thrown away."""
+
+    Options = LengthExtremesOptions
+
+    def probabilities(self) -> np.ndarray:
+        kept = length_extremes([self.stats.get(p.uid).mean_length for p in self.problems], self.options)
+        return kept / kept.sum()
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,12 @@ class StepContext:
     world: World = SINGLE  # trainer.strategy=ddp|fsdp: this rank's place (rlbench.training.distributed)
     policy_version: int = 0  # policy updates so far; stamps the responses sampled at this step
     rollout_generator: torch.Generator | None = None  # the strategy's random stream (RolloutSetup.generator)
+    reincarnate_at: int | None = None  # algorithm.reincarnate_at: ReMix's policy reincarnation (:func:`reincarnate`)
+
+    @property
+    def reincarnated(self) -> bool:
+        """True once step ``reincarnate_at`` has started (policy_version counts the steps trained before)."""
+        return self.reincarnate_at is not None and self.policy_version + 1 > self.reincarnate_at
 
     @property
     def temperature(self) -> float:
@@ -91,6 +97,8 @@ class StepContext:
             "strategy": strategy() if strategy is not None else None,
             "inputs": self.inputs.state_dict(),
             "update_state": self.update_state.state_dict(),
+            # after a reincarnation the reference is no longer the initial policy: it is saved
+            "reference": self.reference.state_dict() if self.reincarnated and self.reference is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -105,6 +113,8 @@ class StepContext:
             self.strategy.load_state_dict(state["strategy"])
         self.inputs.load_state_dict(state["inputs"])
         self.update_state.load_state_dict(state["update_state"])
+        if state.get("reference") is not None:
+            self.reference.load_state_dict(state["reference"])
 
 
 def make_step_context(
@@ -162,6 +172,7 @@ def make_step_context(
         overlong_filter=bool(cfg.algorithm.get("overlong_filter", False)),
         rollout_generator=rollout_generator,
         world=world,
+        reincarnate_at=cfg.algorithm.get("reincarnate_at"),
     )
 
 
@@ -181,6 +192,8 @@ def train_step(
     t0 = time.perf_counter()
     peak = PeakMemory(ctx.device)
     problems = ctx.world.shard(problems)  # whole groups per rank (all of them in one process)
+    if ctx.reincarnate_at is not None and ctx.policy_version + 1 == ctx.reincarnate_at:
+        reincarnate(ctx)
     graded, rollout_metrics = ctx.strategy.rollout(problems, draw_prompts)  # rollout and reward
     t_generate = time.perf_counter() - t0
     faults.kill_point("generate")
@@ -234,6 +247,18 @@ def learn_step(
         **stats,
         "peak_memory_mb": peak.megabytes(),
     })
+
+
+def reincarnate(ctx: StepContext) -> None:
+    """ReMix's policy reincarnation (Liang et al. 2025, arXiv:2507.06892, section 3.3), before the rollout
+    of step ``algorithm.reincarnate_at``: the KL reference becomes the current policy (pi_base <- pi_theta)
+    and a replaying rollout strategy replays nothing from this step on (on-policy from then on). Checked before the model loads: not with a LoRA policy (its
+    reference is the adapter-free base) nor with an asynchronous generator (it runs ahead of the step)."""
+    if ctx.reference is not None:
+        ctx.reference.load_state_dict(unwrap(ctx.model).state_dict())
+    stop = getattr(ctx.strategy, "stop_replay", None)
+    if stop is not None:
+        stop()
 
 
 def stamp_policy_version(graded: GradedGroups, version: int) -> None:
@@ -304,6 +329,8 @@ def advantage_inputs(ctx: StepContext, graded: GradedGroups, batch: TrainBatch) 
             value_head=ctx.update_state.value_head,
         )
         old_logp = behaviour_old_logp(batch, before.logp)
+        if algorithm.kl_previous_weight > 0:  # pi_prev: the policy before this update, on every token
+            batch.prev_logp = before.logp
         inputs.update(old_logp=old_logp, entropy=before.entropy, values=before.values)
         if algorithm.needs_old_logp or batch.has_off_policy:
             batch.old_logp = old_logp

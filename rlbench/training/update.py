@@ -64,6 +64,7 @@ def micro_batch_loss(
         prox_logp=prox_logp,
         sampling_logp=sub.sampling_logp,
         off_policy=sub.off_policy,
+        prev_logp=sub.prev_logp,
     )
     if out.entropy is not None:
         tokens = float(sub.response_mask.sum().item())
