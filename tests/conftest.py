@@ -13,7 +13,7 @@ os.environ.setdefault("WANDB_SILENT", "true")
 
 # Freed memory stays in the process instead of going back to the kernel: glibc's malloc hands a block
 # over 128 KiB to the kernel on free (mmap/munmap, or a heap trim), so every toy step's logits over the
-# 49k-token vocabulary were fresh pages that the kernel zeroes again. That page zeroing was a quarter of
+# 49k-token vocabulary were fresh pages that the kernel zeroes again. That page zeroing was a sixth to a quarter of
 # a toy run's CPU time (grpo: 4.4 s of 17.7 s was system time in two runs; docs/testing.md). Memory
 # placement cannot change a result (torch aligns every tensor the same way), and the toy runs stay
 # bit-identical. The variables reach the processes the tests start (CLI runs, spawned ranks); mallopt
