@@ -29,9 +29,11 @@ def main(presets: list[str]) -> None:
 
     import torch
 
+    from conftest import keep_freed_memory
     from rlbench.utils import atomic_write_json
     from toy_check import all_presets, toy_run
 
+    keep_freed_memory()  # as in the test session (tests/conftest.py)
     torch.set_num_threads(1)
     logging.disable(logging.WARNING)
     presets = presets or all_presets()

@@ -11,6 +11,33 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
+# Freed memory stays in the process instead of going back to the kernel: glibc's malloc hands a block
+# over 128 KiB to the kernel on free (mmap/munmap, or a heap trim), so every toy step's logits over the
+# 49k-token vocabulary were fresh pages that the kernel zeroes again. That page zeroing was a sixth to a quarter of
+# a toy run's CPU time (grpo: 4.4 s of 17.7 s was system time in two runs; docs/testing.md). Memory
+# placement cannot change a result (torch aligns every tensor the same way), and the toy runs stay
+# bit-identical. The variables reach the processes the tests start (CLI runs, spawned ranks); mallopt
+# applies them to this process, which glibc has already set up. Without glibc (macOS) nothing changes.
+FREED_MEMORY_KEPT_BYTES = 1 << 30
+MALLOC_TUNING = {"MALLOC_MMAP_THRESHOLD_": FREED_MEMORY_KEPT_BYTES, "MALLOC_TRIM_THRESHOLD_": FREED_MEMORY_KEPT_BYTES}
+
+
+def keep_freed_memory() -> bool:
+    """Apply MALLOC_TUNING to this process and its children; False where the C library has no mallopt."""
+    import ctypes
+
+    for name, value in MALLOC_TUNING.items():
+        os.environ.setdefault(name, str(value))
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is None:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+    return bool(mallopt(m_trim_threshold, int(os.environ["MALLOC_TRIM_THRESHOLD_"]))
+                and mallopt(m_mmap_threshold, int(os.environ["MALLOC_MMAP_THRESHOLD_"])))
+
+
+keep_freed_memory()
+
 
 def _data_available() -> bool:
     from rlbench.dataset import resolve_data_dir
@@ -40,7 +67,10 @@ def make_cfg(tmp_path):
 # The learning tier (tests/learning) starts its most expensive checks first (longest-processing-time-first
 # order), so that pytest-xdist's two workers finish together instead of one waiting on TRPO. The CPU
 # seconds of one toy run per preset come from bench/learning_costs.py; a preset without a figure counts as
-# the most expensive. Ordering only: nothing here changes what a test checks, and other tests keep theirs.
+# the most expensive. After them come the integration tests (marker slow: seconds to minutes each), and
+# the unit tests last, so a long integration test never starts while the other worker has only the end
+# of the queue left. Ordering only: nothing here changes what a test checks; within each kind tests keep
+# their order.
 RUN_SECONDS = ROOT / "results" / "learning" / "run_seconds.json"
 
 
@@ -62,7 +92,12 @@ def pytest_collection_modifyitems(session, config, items):
     import json
 
     seconds = json.loads(RUN_SECONDS.read_text()) if RUN_SECONDS.exists() else {}
-    items.sort(key=lambda item: -learning_check_cost(item, seconds))  # stable: ties keep their order
+    items.sort(key=lambda item: schedule_key(item, seconds))  # stable: ties keep their order
+
+
+def schedule_key(item, seconds: dict) -> tuple[float, int]:
+    """Learning checks by decreasing cost, then integration tests, then unit tests."""
+    return -learning_check_cost(item, seconds), 0 if item.get_closest_marker("slow") else 1
 
 
 def smoke_cli_steps(out: Path, *overrides: str) -> list[dict]:
