@@ -73,15 +73,13 @@ def check_curriculum(cfg: Any, algorithm: Algorithm) -> None:
 
 
 def check_sharded_run_features(cfg: Any) -> None:
-    """Features not carried to several processes yet, refused under trainer.strategy=ddp|fsdp:
-    checkpoints and resume (each rank would write its own), the asynchronous pipeline, prompt
-    samplers other than uniform and stages (their statistics are per rank)."""
+    """Features not carried to several processes yet, refused under trainer.strategy=ddp|fsdp: the
+    asynchronous pipeline, prompt samplers other than uniform and stages (their statistics are per
+    rank)."""
     strategy = cfg.trainer.get("strategy", "single")
     if strategy == "single":
         return
     unsupported = []
-    if cfg.trainer.get("checkpoint_every") or cfg.get("resume"):
-        unsupported.append("checkpoints and resume (trainer.checkpoint_every, resume)")
     if cfg.trainer.get("max_staleness") is not None:
         unsupported.append("trainer.max_staleness")
     sampler = cfg.trainer.get("sampler")
