@@ -29,9 +29,11 @@ from rlbench.training.distributed import (
     wrap_model,
 )
 from rlbench.training.checkpoint import load_sharded, read_checkpoint, save_checkpoint, save_sharded, state_file
+from rlbench.training.curricula import PromptStatsStore
 from rlbench.training.interrupt import Interrupted, StopSignals
 from rlbench.training.update import standard_update
 
+from test_curricula import PROBLEMS, graded
 from test_trainer import RecordingOptimizer, algo, completions, tiny_lm
 
 AGGREGATION_MODES = sorted(AGGREGATIONS.names())
@@ -120,10 +122,20 @@ def rank_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> Non
         except Interrupted as interrupted:
             stopped = (interrupted.signum, interrupted.at_step_boundary)
         results["stopped"] = world.gather([stopped])
+        # prompt statistics: each rank observes its groups, every rank's store counts the whole step
+        store = PromptStatsStore()
+        store.observe(2, stats_groups(world.shard(list(range(GROUPS)))), world)
+        results["stats"] = world.gather([store.state_dict()])
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "rank0.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def stats_groups(indices):
+    """Graded groups of PROBLEMS[i] for i in ``indices``: i + 1 responses of length i + 2, i of them correct."""
+    return graded([PROBLEMS[i] for i in indices], [[i + 2] * (i + 1) for i in indices],
+                  [[1] * i + [0] for i in indices])
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +174,14 @@ def test_both_ranks_write_one_checkpoint_with_sharded_state_that_loads_back(two_
     for name, state in optimizer_state["state"].items():
         for key, value in state.items():
             assert torch.equal(torch.as_tensor(optimizer_back["state"][name][key]), torch.as_tensor(value)), (name, key)
+
+
+@pytest.mark.slow
+def test_every_rank_counts_the_whole_steps_prompt_statistics(two_ranks):
+    alone = PromptStatsStore()
+    alone.observe(2, stats_groups(range(GROUPS)))
+    assert two_ranks["stats"] == [alone.state_dict(), alone.state_dict()]
+    assert alone.get("3").attempts == 4 and alone.get("3").correct == 3
 
 
 @pytest.mark.slow
@@ -232,6 +252,20 @@ def test_bad_strategies_are_refused_before_loading(monkeypatch):
     with pytest.raises(ConfigError, match="unknown"):
         check_strategy("deepspeed", 9, grpo, "iid")
     check_strategy("ddp", 9, grpo, "iid")
+
+
+def test_samplers_and_stages_run_on_several_ranks_when_the_stages_batches_split(make_cfg, monkeypatch):
+    from rlbench.config import validate_config
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    common = ["experiment=smoke", "trainer.strategy=ddp", "trainer.steps=3", "sampler=hard_focus",
+              "trainer.checkpoint_every=1"]
+    validate_config(make_cfg(*common, "trainer.stages=[{at:2,trainer.prompts_per_step:4}]"))
+    with pytest.raises(ConfigError, match="from trainer.stages at step 3: the world size 2 does not divide "
+                                          "trainer.prompts_per_step=3"):
+        validate_config(make_cfg(*common, "trainer.stages=[{at:3,trainer.prompts_per_step:3}]"))
+    with pytest.raises(ConfigError, match="does not support trainer.max_staleness"):
+        validate_config(make_cfg("experiment=smoke", "trainer.strategy=fsdp", "trainer.max_staleness=1"))
 
 
 def test_fsdp_refuses_a_model_too_small_to_shard():

@@ -14,11 +14,14 @@ from test_resume import assert_same_results, metrics_without_timing, run_cli
 
 TWO_RANKS = ["experiment=smoke", "logger=files", "trainer.steps=3", "trainer.checkpoint_every=2",
              "trainer.save_model=false"]
+# ddp's runs also draw prompts by their statistics (gathered over the ranks) and enter a stage at step 3,
+# so the resumed run must restore the statistics and the stage as well
+EXTRA = {"ddp": ["sampler=weighted", "trainer.stages=[{at:3,rollout.n:4}]"], "fsdp": []}
 
 
 def run_two_ranks(run_dir, strategy=None, kill_at=None):
     """A new 2-rank run with ``strategy``, or (no strategy) the run in ``run_dir`` resumed on 2 ranks."""
-    args = [*TWO_RANKS, f"trainer.strategy={strategy}"] if strategy else [f"resume={run_dir}"]
+    args = [*TWO_RANKS, f"trainer.strategy={strategy}", *EXTRA[strategy]] if strategy else [f"resume={run_dir}"]
     return run_cli(args, run_dir, kill_at=kill_at, processes=2)
 
 

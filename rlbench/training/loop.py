@@ -198,7 +198,7 @@ class TrainingRun:
                 metrics = train_step(
                     self.ctx, self.curriculum.prompts(step, self.ctx), progress=(step - 1) / cfg.trainer.steps,
                     draw_prompts=self.curriculum.draw,
-                    observe=lambda graded, step=step: self.curriculum.observe(step, graded),
+                    observe=lambda graded, step=step: self.curriculum.observe(step, graded, self.ctx.world),
                 )
                 self.curriculum.end_step(step)
                 self.logger.log_step(step, self.untrained.observe(step, metrics))
