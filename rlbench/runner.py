@@ -40,7 +40,8 @@ from rlbench.rollout import make_engine
 from rlbench.rollout.base import SamplingParams
 from rlbench.training import checkpoint
 from rlbench.training.distributed import (
-    SINGLE, World, check_shardable, close_world, full_model_state, init_world, launched_rank, rank_device,
+    SINGLE, World, check_shardable, close_world, full_model_state, init_world, launched_rank,
+    launched_world_size, rank_device,
 )
 from rlbench.training.forward import forward_precision
 from rlbench.training.interrupt import Interrupted, StopSignals
@@ -150,6 +151,7 @@ def resume_point(cfg: DictConfig, resolved: dict[str, Any]) -> checkpoint.Checkp
         return None
     folder = Path(cfg.resume)
     saved = checkpoint.latest_checkpoint(folder)
+    checkpoint.check_resume_world(saved, cfg.trainer.strategy, launched_world_size())
     if folder.resolve() != Path(cfg.output_dir).resolve():
         raise ConfigError(f"resume={cfg.resume} continues that run in its own folder, but output_dir is {cfg.output_dir}")
     checkpoint.check_resume_config(saved.manifest["config"], resolved, cfg.get("resume_allow") or [], saved.path)
@@ -295,7 +297,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             print(f"results: {out_dir}")
     except Interrupted as stopped:
         saved = None
-        if training_run is not None and training_run.resumable and training_run.unsaved and not stopped.mid_step:
+        # several ranks write a checkpoint together only when they stopped after the same step
+        together = world.size == 1 or stopped.at_step_boundary
+        if training_run is not None and training_run.resumable and training_run.unsaved and not stopped.mid_step and together:
             saved = training_run.save()  # the steps completed so far; a second signal leaves the earlier checkpoints
         log.warning("run %s after %d steps; %s", stopped, training_run.step if training_run else 0,
                     f"resume it: rlbench resume={out_dir}" if saved or (training_run and training_run.saved_step)
@@ -303,6 +307,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         logger.log_summary(partial_summary("interrupted", stopped.exit_code, signal=stopped.signal_name,
                                            checkpoint=str(saved.path) if saved else None))
         logger.finish(stopped.exit_code)
+        if together:  # the other ranks wait for rank 0's summary: torchrun ends every rank once one has exited
+            world.barrier()
         raise
     except Exception as err:
         logger.log_summary(partial_summary("failed", 1, error=f"{type(err).__name__}: {err}"))

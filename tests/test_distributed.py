@@ -1,8 +1,10 @@
 """Multi-process training (rlbench/training/distributed.py): 2 ranks (gloo on CPU, spawned here)
 give the same update as one process on the whole batch, for every aggregation mode, under DDP and
-FSDP2; groups are never split across ranks; the checkpoint state helpers round-trip under FSDP."""
+FSDP2; groups are never split across ranks; the checkpoint state helpers round-trip under FSDP, and
+both ranks write one checkpoint (sharded under FSDP) and agree on a stop signal."""
 
 import os
+import signal
 import tempfile
 
 import pytest
@@ -26,8 +28,12 @@ from rlbench.training.distributed import (
     rank_stream_seed,
     wrap_model,
 )
+from rlbench.training.checkpoint import load_sharded, read_checkpoint, save_checkpoint, save_sharded, state_file
+from rlbench.training.curricula import PromptStatsStore
+from rlbench.training.interrupt import Interrupted, StopSignals
 from rlbench.training.update import standard_update
 
+from test_curricula import PROBLEMS, graded
 from test_trainer import RecordingOptimizer, algo, completions, tiny_lm
 
 AGGREGATION_MODES = sorted(AGGREGATIONS.names())
@@ -98,10 +104,38 @@ def rank_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> Non
         load_full_optimizer_state(fresh, fresh_optimizer, optimizer_state)
         results["state"] = (model_state, optimizer_state)
         results["reloaded"] = (full_model_state(fresh), full_optimizer_state(fresh, fresh_optimizer))
+        # a checkpoint written by both ranks: per-rank state files and sharded model + optimizer
+        saved = save_checkpoint(out_dir, 1, {state_file(rank): {"rank": rank}}, {"config": {}}, world=world,
+                                write_shards=lambda folder: save_sharded(model, optimizer, folder))
+        sharded = wrap_model(tiny_lm(1), world)
+        sharded_optimizer = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
+        load_sharded(sharded, sharded_optimizer, saved.path)
+        results["checkpoint"] = (read_checkpoint(saved.path).manifest, world.gather([saved.manifest]))
+        results["sharded_reloaded"] = (full_model_state(sharded), full_optimizer_state(sharded, sharded_optimizer))
+        results["rank1_state"] = torch.load(saved.path / state_file(1), weights_only=True)
+        # a stop signal that reached rank 1 only stops both ranks at the same step boundary
+        stop = StopSignals()
+        stop.signum = signal.SIGINT if rank == 1 else None
+        try:
+            stop.raise_if_requested(world)
+            stopped = None
+        except Interrupted as interrupted:
+            stopped = (interrupted.signum, interrupted.at_step_boundary)
+        results["stopped"] = world.gather([stopped])
+        # prompt statistics: each rank observes its groups, every rank's store counts the whole step
+        store = PromptStatsStore()
+        store.observe(2, stats_groups(world.shard(list(range(GROUPS)))), world)
+        results["stats"] = world.gather([store.state_dict()])
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "rank0.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def stats_groups(indices):
+    """Graded groups of PROBLEMS[i] for i in ``indices``: i + 1 responses of length i + 2, i of them correct."""
+    return graded([PROBLEMS[i] for i in indices], [[i + 2] * (i + 1) for i in indices],
+                  [[1] * i + [0] for i in indices])
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +158,35 @@ def test_two_ranks_give_the_one_process_update(two_ranks, strategy, aggregation)
     got = two_ranks[(strategy, aggregation)]
     assert expected.abs().max() > 1e-3  # a real gradient, not zeros on both sides
     assert torch.allclose(got, expected, atol=1e-6, rtol=1e-6), (got - expected).abs().max()
+
+
+@pytest.mark.slow
+def test_both_ranks_write_one_checkpoint_with_sharded_state_that_loads_back(two_ranks):
+    manifest, returned = two_ranks["checkpoint"]
+    assert returned == [manifest, manifest]  # every rank returns once the manifest is written
+    assert (manifest["strategy"], manifest["world_size"]) == ("fsdp", 2) and len(manifest["rank_write_seconds"]) == 2
+    assert {"state.pt", "state.rank1.pt", "sharded/.metadata", "sharded/__0_0.distcp", "sharded/__1_0.distcp"} == set(
+        manifest["files"])  # no rank wrote the whole model
+    assert two_ranks["rank1_state"] == {"rank": 1}
+    (model_state, optimizer_state), (model_back, optimizer_back) = two_ranks["state"], two_ranks["sharded_reloaded"]
+    for key, value in model_state.items():
+        assert torch.equal(model_back[key], value), key
+    for name, state in optimizer_state["state"].items():
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(optimizer_back["state"][name][key]), torch.as_tensor(value)), (name, key)
+
+
+@pytest.mark.slow
+def test_every_rank_counts_the_whole_steps_prompt_statistics(two_ranks):
+    alone = PromptStatsStore()
+    alone.observe(2, stats_groups(range(GROUPS)))
+    assert two_ranks["stats"] == [alone.state_dict(), alone.state_dict()]
+    assert alone.get("3").attempts == 4 and alone.get("3").correct == 3
+
+
+@pytest.mark.slow
+def test_a_signal_on_one_rank_stops_every_rank(two_ranks):
+    assert two_ranks["stopped"] == [(signal.SIGINT, True), (signal.SIGINT, True)]
 
 
 @pytest.mark.slow
@@ -189,6 +252,20 @@ def test_bad_strategies_are_refused_before_loading(monkeypatch):
     with pytest.raises(ConfigError, match="unknown"):
         check_strategy("deepspeed", 9, grpo, "iid")
     check_strategy("ddp", 9, grpo, "iid")
+
+
+def test_samplers_and_stages_run_on_several_ranks_when_the_stages_batches_split(make_cfg, monkeypatch):
+    from rlbench.config import validate_config
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    common = ["experiment=smoke", "trainer.strategy=ddp", "trainer.steps=3", "sampler=hard_focus",
+              "trainer.checkpoint_every=1"]
+    validate_config(make_cfg(*common, "trainer.stages=[{at:2,trainer.prompts_per_step:4}]"))
+    with pytest.raises(ConfigError, match="from trainer.stages at step 3: the world size 2 does not divide "
+                                          "trainer.prompts_per_step=3"):
+        validate_config(make_cfg(*common, "trainer.stages=[{at:3,trainer.prompts_per_step:3}]"))
+    with pytest.raises(ConfigError, match="does not support trainer.max_staleness"):
+        validate_config(make_cfg("experiment=smoke", "trainer.strategy=fsdp", "trainer.max_staleness=1"))
 
 
 def test_fsdp_refuses_a_model_too_small_to_shard():

@@ -153,6 +153,35 @@ def test_kill_points_do_nothing_without_the_variable(monkeypatch):
     assert os.environ[faults.KILL_ENV] == "update:4"
 
 
+def test_a_kill_point_for_one_rank_signals_that_rank_only(monkeypatch):
+    received = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: received.append(signum))
+    try:
+        faults.at_step(2)
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv(faults.KILL_ENV, "generate:2:USR1:1")
+        faults.kill_point("generate")  # rank 0: returns
+        assert received == [] and os.environ[faults.KILL_ENV] == "generate:2:USR1:1"
+        monkeypatch.setenv("RANK", "1")
+        faults.kill_point("generate")
+        assert received == [signal.SIGUSR1] and faults.KILL_ENV not in os.environ
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_a_checkpoint_resumes_only_on_its_strategy_and_world_size(tmp_path):
+    saved = checkpoint.save_checkpoint(tmp_path, 2, {}, {})  # a single process: strategy single, 1 rank
+    assert (saved.manifest["strategy"], saved.manifest["world_size"]) == ("single", 1)
+    checkpoint.check_resume_world(saved, "single", 1)
+    with pytest.raises(ConfigError, match=r"trainer.strategy=single by 1 process\(es\), but this run has trainer.strategy=ddp and 2"):
+        checkpoint.check_resume_world(saved, "ddp", 2)
+    two_ranks = checkpoint.Checkpoint(saved.path, {**saved.manifest, "strategy": "fsdp", "world_size": 2})
+    checkpoint.check_resume_world(two_ranks, "fsdp", 2)
+    for strategy, size in (("fsdp", 4), ("ddp", 2), ("fsdp", 1)):
+        with pytest.raises(ConfigError, match="torchrun --nproc_per_node 2"):
+            checkpoint.check_resume_world(two_ranks, strategy, size)
+
+
 def test_a_signal_inside_a_step_waits_for_its_end():
     before = signal.getsignal(signal.SIGINT)  # pytest's or, in an xdist worker, SIG_IGN
     with StopSignals() as stop:
@@ -266,7 +295,8 @@ def test_resume_from_a_checkpoint_equals_the_uninterrupted_run(preset, tmp_path)
     assert_same_results(reference, resumed)
 
 
-def run_cli(args, run_dir, kill_at=None):
+def run_cli(args, run_dir, kill_at=None, processes=None):
+    """``python -m rlbench.cli`` (or, with ``processes``, ``torchrun --nproc_per_node <processes>``)."""
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env.pop("WANDB_API_KEY", None)
     # this test process's own wandb service (started by an in-process test) would hold the killed run's id
@@ -274,7 +304,9 @@ def run_cli(args, run_dir, kill_at=None):
     env.pop(faults.KILL_ENV, None)
     if kill_at:
         env[faults.KILL_ENV] = kill_at
-    return subprocess.run([sys.executable, "-m", "rlbench.cli", *args, f"hydra.run.dir={run_dir}"],
+    launcher = [sys.executable] if processes is None else [
+        str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node", str(processes)]
+    return subprocess.run([*launcher, "-m", "rlbench.cli", *args, f"hydra.run.dir={run_dir}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
 
 

@@ -13,7 +13,7 @@ import torch
 
 from rlbench.training.advantage_inputs import validate_step_options
 from rlbench.training.curricula import parse_stages, sampler_options, stage_settings
-from rlbench.training.distributed import check_strategy
+from rlbench.training.distributed import check_strategy, launched_world_size
 from rlbench.training.swarm import check_swarm
 from rlbench.algorithm import Algorithm
 from rlbench.algorithm.registry import ADVANTAGES
@@ -74,25 +74,24 @@ def check_curriculum(cfg: Any, algorithm: Algorithm) -> None:
 
 
 def check_sharded_run_features(cfg: Any) -> None:
-    """Features not carried to several processes yet, refused under trainer.strategy=ddp|fsdp:
-    checkpoints and resume (each rank would write its own), the asynchronous pipeline, prompt
-    samplers other than uniform and stages (their statistics are per rank)."""
+    """Under trainer.strategy=ddp|fsdp: the asynchronous pipeline is not carried to several
+    processes yet (refused), and every stage's trainer.prompts_per_step must split into whole groups
+    per rank. (Prompt samplers work: the ranks gather their groups' statistics every step.)"""
     strategy = cfg.trainer.get("strategy", "single")
     if strategy == "single":
         return
-    unsupported = []
-    if cfg.trainer.get("checkpoint_every") or cfg.get("resume"):
-        unsupported.append("checkpoints and resume (trainer.checkpoint_every, resume)")
     if cfg.trainer.get("max_staleness") is not None:
-        unsupported.append("trainer.max_staleness")
-    sampler = cfg.trainer.get("sampler")
-    if sampler is not None and sampler.get("name", "uniform") != "uniform":
-        unsupported.append(f"sampler={sampler.get('name')}")
-    if cfg.trainer.get("stages"):
-        unsupported.append("trainer.stages")
-    if unsupported:
-        raise ConfigError(f"trainer.strategy={strategy} does not support {', '.join(unsupported)} yet; "
-                          "use trainer.strategy=single for them")
+        raise ConfigError(f"trainer.strategy={strategy} does not support trainer.max_staleness yet; "
+                          "use trainer.strategy=single for it")
+    world_size = launched_world_size()
+    stages = parse_stages(cfg.trainer.get("stages"), cfg.trainer.steps)
+    for stage, settings in zip(stages, stage_settings(cfg, stages)):
+        if settings["trainer.prompts_per_step"] % world_size:
+            raise ConfigError(
+                f"from trainer.stages at step {stage.at}: the world size {world_size} does not divide "
+                f"trainer.prompts_per_step={settings['trainer.prompts_per_step']}; every rank trains on the same "
+                "number of whole groups: use a multiple of the number of processes"
+            )
 
 
 def check_staleness(cfg: Any, algorithm: Algorithm) -> None:

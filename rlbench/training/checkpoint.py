@@ -1,7 +1,7 @@
 """Checkpoints of a training run and what resuming needs: save, find the latest valid one, load,
 and check that a resumed run has the configuration it was saved with.
 
-A run folder's checkpoints (``trainer.checkpoint_every``; docs/resume.md):
+A run folder's checkpoints (``trainer.checkpoint_every``; docs/resume.md, docs/scaling.md):
 
     <run>/checkpoints/step_000004/
         model.pt        the policy's weights           (model_state / load_model_state)
@@ -9,18 +9,20 @@ A run folder's checkpoints (``trainer.checkpoint_every``; docs/resume.md):
         state.pt        everything else: step, lr schedule, random streams, prompt order, adaptive
                         coefficients, advantage-input trackers and caches, update state, strategy
                         state, the logger's run id and the metrics so far (rlbench.training.loop)
-        manifest.json   step, file sizes, config key and resolved config, overrides, rlbench commit
+        state.rank1.pt  ... the same for rank 1, 2, ... of a ddp / fsdp run (its own random streams)
+        sharded/        fsdp instead of model.pt and optimizer.pt: every rank's shards of both
+                        (torch.distributed.checkpoint, one file per rank; save_sharded / load_sharded)
+        manifest.json   step, every file's size, strategy and world size, config key and resolved
+                        config, overrides, rlbench commit, each rank's write seconds
 
 A checkpoint is written into a hidden temporary folder next to the others (every file fsynced),
 which is renamed onto ``step_<N>`` only when complete, so a process killed while writing leaves the
-previous checkpoints valid (the leftover ``.step_<N>.tmp-<hex>`` is removed by the next save). A
-checkpoint is valid when its manifest reads and every file it lists has the size it records;
+previous checkpoints valid (the leftover ``.step_<N>.tmp-<hex>`` is removed by the next save). With
+several ranks, rank 0 makes the temporary folder, every rank writes its files into it, and rank 0
+writes the manifest and renames the folder only after every rank has finished. A checkpoint is
+valid when its manifest reads and every file it lists has the size it records;
 :func:`latest_checkpoint` falls back to the previous valid one and says why (and a resumed run
 whose checkpoint file cannot be loaded does the same: rlbench.training.loop.TrainingRun.resume).
-
-Model and optimizer state pass through :func:`model_state` / :func:`load_model_state` and
-:func:`optimizer_state` / :func:`load_optimizer_state`: plain ``state_dict()`` here; a sharded
-(FSDP) variant replaces these four functions and nothing else.
 """
 
 from __future__ import annotations
@@ -33,13 +35,14 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 import torch
 
 from rlbench import faults
 from rlbench.errors import ConfigError
+from rlbench.training.distributed import SINGLE, World, reshard, unwrap
 from rlbench.utils import atomic_write_json, temporary_sibling
 
 log = logging.getLogger(__name__)
@@ -47,6 +50,7 @@ log = logging.getLogger(__name__)
 CHECKPOINTS_DIR = "checkpoints"
 MANIFEST = "manifest.json"
 MODEL_FILE, OPTIMIZER_FILE, STATE_FILE = "model.pt", "optimizer.pt", "state.pt"
+SHARDED_DIR = "sharded"  # fsdp: the model's and the optimizer's shards (torch.distributed.checkpoint)
 FORMAT = 1
 # Top-level config keys that say how to resume, not what the run does: never compared.
 RESUME_KEYS = ("resume", "resume_allow", "output_dir", "hydra")
@@ -56,16 +60,21 @@ class CheckpointError(ConfigError):
     """No usable checkpoint (missing, incomplete or unreadable); the message names the folder."""
 
 
-# ------------------------------------------------------------------------------ the seam for model state
+# ------------------------------------------------------------------------------ model and optimizer state
+
+
+def state_file(rank: int) -> str:
+    """The file of a rank's own state: ``state.pt`` for rank 0 (and a single process), ``state.rank<r>.pt``."""
+    return STATE_FILE if rank == 0 else f"state.rank{rank}.pt"
 
 
 def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The policy's weights to save (one process: its ``state_dict``)."""
-    return model.state_dict()
+    """The policy's weights to save: the ``state_dict`` of the model (inside a DDP wrapper)."""
+    return unwrap(model).state_dict()
 
 
 def load_model_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-    model.load_state_dict(state, strict=True)
+    unwrap(model).load_state_dict(state, strict=True)
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -74,6 +83,45 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
     optimizer.load_state_dict(state)
+
+
+def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """FSDP: every rank writes its shards of the model and the optimizer state into
+    ``folder/sharded`` (torch.distributed.checkpoint: one file per rank, rank 0 adds the metadata);
+    collective, every rank calls it. No rank ever holds the whole state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    reshard(model)  # the registered parameters are the shards again after a generation
+    model_sd, optimizer_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optimizer": optimizer_sd}, checkpoint_id=folder / SHARDED_DIR)
+
+
+def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """Load :func:`save_sharded`'s files into every rank's shards (the same world size; collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    reshard(model)
+    model_sd, optimizer_sd = get_state_dict(model, optimizer)  # the layout to read into
+    state = {"model": model_sd, "optimizer": optimizer_sd}
+    try:
+        dcp.load(state, checkpoint_id=folder / SHARDED_DIR)
+    except Exception as err:
+        raise CheckpointError(f"checkpoint {folder}: {SHARDED_DIR}/ cannot be read ({type(err).__name__}: {err})") from err
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def check_resume_world(saved: "Checkpoint", strategy: str, world_size: int) -> None:
+    """A checkpoint continues on the strategy and the number of processes that wrote it: each rank
+    resumes its own random streams (and, under fsdp, its own shards)."""
+    written = (saved.manifest.get("strategy", "single"), int(saved.manifest.get("world_size", 1)))
+    if written != (strategy, world_size):
+        raise ConfigError(
+            f"resume: checkpoint {saved.path} was written with trainer.strategy={written[0]} by {written[1]} "
+            f"process(es), but this run has trainer.strategy={strategy} and {world_size} process(es); resume "
+            f"with the same strategy and world size (torchrun --nproc_per_node {written[1]} for ddp / fsdp)"
+        )
 
 
 # ------------------------------------------------------------------------------ random streams
@@ -207,35 +255,57 @@ class Checkpoint:
             raise CheckpointError(f"checkpoint {self.path}: {name} cannot be read ({type(err).__name__}: {err})") from err
 
 
+def _file_sizes(folder: Path) -> dict[str, int]:
+    """Every file below ``folder`` (relative path -> bytes), after fsyncing the subfolders."""
+    for sub in (p for p in folder.rglob("*") if p.is_dir()):
+        _fsync_dir(sub)
+    return {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
 def save_checkpoint(run_dir: str | Path, step: int, files: Mapping[str, Any], manifest: Mapping[str, Any],
-                    keep: int | None = None) -> Checkpoint:
+                    keep: int | None = None, world: World = SINGLE,
+                    write_shards: Callable[[Path], None] | None = None) -> Checkpoint:
     """Write ``files`` (name -> object for torch.save) and the manifest as checkpoint ``step`` of the
-    run, atomically; keep only the last ``keep`` checkpoints (None: all). Returns it."""
+    run, atomically; keep only the last ``keep`` checkpoints (None: all). Returns it. With several
+    ranks every rank calls it with its own ``files`` (and ``write_shards(folder)``, a collective
+    writer such as :func:`save_sharded`); the checkpoint appears when every rank is done."""
     root = Path(run_dir) / CHECKPOINTS_DIR
-    root.mkdir(parents=True, exist_ok=True)
-    for leftover in root.glob(".step_*.tmp-*"):  # a writer killed earlier
-        shutil.rmtree(leftover, ignore_errors=True)
     target = root / checkpoint_name(step)
-    tmp = temporary_sibling(target)
-    tmp.mkdir()
+    tmp = None
+    if world.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        for leftover in root.glob(".step_*.tmp-*"):  # a writer killed earlier
+            shutil.rmtree(leftover, ignore_errors=True)
+        tmp = temporary_sibling(target)
+        tmp.mkdir()
+    tmp = Path(world.broadcast(str(tmp) if tmp else None))
     try:
         started = time.perf_counter()
-        sizes = {}
         for name, obj in files.items():
-            sizes[name] = _save_file(obj, tmp / name)
+            _save_file(obj, tmp / name)
             faults.kill_point("checkpoint")  # fault injection: killed with the checkpoint half written
-        record = {**manifest, "format": FORMAT, "step": int(step), "files": sizes,
-                  "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "write_seconds": time.perf_counter() - started}
-        atomic_write_json(tmp / MANIFEST, record)
-        _fsync_dir(tmp)
-        if target.exists():  # the same step saved again (an interrupted run resumed and stopped at once)
-            shutil.rmtree(target)
-        os.rename(tmp, target)
-        _fsync_dir(root)
+        if write_shards is not None:
+            write_shards(tmp)
+            faults.kill_point("checkpoint")
+        seconds = world.gather([time.perf_counter() - started])  # every rank has written its files
+        record = None
+        if world.is_main:
+            record = {**manifest, "format": FORMAT, "step": int(step), "files": _file_sizes(tmp),
+                      "strategy": world.strategy, "world_size": world.size,
+                      "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "write_seconds": max(seconds),
+                      "rank_write_seconds": seconds}
+            atomic_write_json(tmp / MANIFEST, record)
+            _fsync_dir(tmp)
+            if target.exists():  # the same step saved again (an interrupted run resumed and stopped at once)
+                shutil.rmtree(target)
+            os.rename(tmp, target)
+            _fsync_dir(root)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if world.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if keep is not None:
+    record = world.broadcast(record)  # returns on every rank once the checkpoint is in place
+    if keep is not None and world.is_main:
         for old in checkpoint_dirs(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return Checkpoint(target, record)

@@ -27,6 +27,7 @@ import numpy as np
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.groups import GradedGroups
+from rlbench.training.distributed import SINGLE, World
 from rlbench.utils import STREAM_CURRICULUM
 
 
@@ -55,16 +56,22 @@ class PromptStatsStore:
     def __init__(self) -> None:
         self.stats: dict[str, PromptStats] = {}
 
-    def observe(self, step: int, graded: GradedGroups) -> None:
+    def observe(self, step: int, graded: GradedGroups, world: World = SINGLE) -> None:
+        """Count the step's groups. With several ranks (trainer.strategy=ddp|fsdp) every rank's
+        groups are gathered first, in rank order, so every rank counts the whole step as one process
+        does, and the ranks' samplers (a shared seed) keep drawing the same prompts."""
         correct = graded.correct.tolist()
+        counts = []  # per group: uid, attempts, correct, length_sum
         row = 0
         for problem, group in zip(graded.problems, graded.groups):
-            entry = self.stats.setdefault(problem.uid, PromptStats())
-            for completion in group:
-                entry.attempts += 1
-                entry.correct += int(correct[row] > 0)
-                entry.length_sum += len(completion.response_ids)
-                row += 1
+            right = sum(int(correct[row + k] > 0) for k in range(len(group)))
+            counts.append((problem.uid, len(group), right, sum(len(c.response_ids) for c in group)))
+            row += len(group)
+        for uid, attempts, right, length_sum in world.gather(counts):
+            entry = self.stats.setdefault(uid, PromptStats())
+            entry.attempts += attempts
+            entry.correct += right
+            entry.length_sum += length_sum
             entry.last_seen = step
 
     def get(self, uid: str) -> PromptStats:
@@ -339,8 +346,8 @@ class Curriculum:
         """More prompts within a step (dynamic sampling's later rounds)."""
         return self.sampler.next(count)
 
-    def observe(self, step: int, graded: GradedGroups) -> None:
-        self.stats.observe(step, graded)
+    def observe(self, step: int, graded: GradedGroups, world: World = SINGLE) -> None:
+        self.stats.observe(step, graded, world)
 
     def end_step(self, step: int) -> None:
         if hasattr(self.sampler, "end_step"):

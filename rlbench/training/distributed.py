@@ -88,6 +88,27 @@ class World:
         dist.all_gather_object(parts, values)
         return [v for part in parts for v in part]
 
+    def barrier(self) -> None:
+        """Returns when every rank has called it."""
+        if self.distributed and self.size > 1:
+            dist.barrier()
+
+    def broadcast(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank (a picklable object; returns only when every rank called it)."""
+        if not self.distributed or self.size == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def max_over_ranks(self, value: int) -> int:
+        """The largest of the ranks' ``value`` (every rank gets it): a flag one rank raised reaches all."""
+        if not self.distributed or self.size == 1:
+            return int(value)
+        total = torch.tensor([int(value)], dtype=torch.int64, device=_collective_device())
+        dist.all_reduce(total, op=dist.ReduceOp.MAX)
+        return int(total.item())
+
     def mean_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """Each metric averaged over ranks (every rank must report the same keys)."""
         if not self.distributed or self.size == 1:

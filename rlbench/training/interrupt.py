@@ -6,6 +6,11 @@ the first signal stops the run at once; nothing stateful is lost (an evaluation'
 written only when it ends). A second signal stops the run at once wherever it is, without a new
 checkpoint (the earlier ones stay valid). The exit code is 128 + the signal number (130 for
 SIGINT, 143 for SIGTERM), as a shell reports a process killed by that signal.
+
+Under torchrun (trainer.strategy=ddp|fsdp) the ranks agree at each step boundary: a signal that
+reached any rank stops every rank after the same step, and they write the checkpoint together.
+A signal outside a step stops a rank at once, as in one process, but writes no new checkpoint
+(the ranks are not at the same point; the earlier checkpoints stay valid).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
+from rlbench.training.distributed import SINGLE, World
+
 log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -25,9 +32,9 @@ class Interrupted(BaseException):
     """The run was stopped by a signal. ``mid_step``: it arrived inside a training step (a second
     signal), so the in-memory training state is not consistent and must not be checkpointed."""
 
-    def __init__(self, signum: int, mid_step: bool = False):
+    def __init__(self, signum: int, mid_step: bool = False, at_step_boundary: bool = False):
         super().__init__(f"stopped by {signal.Signals(signum).name}")
-        self.signum, self.mid_step = signum, mid_step
+        self.signum, self.mid_step, self.at_step_boundary = signum, mid_step, at_step_boundary
 
     @property
     def exit_code(self) -> int:
@@ -75,6 +82,10 @@ class StopSignals:
         finally:
             self.in_step = False
 
-    def raise_if_requested(self) -> None:
-        if self.signum is not None:
-            raise Interrupted(self.signum)
+    def raise_if_requested(self, world: World = SINGLE) -> None:
+        """At a step boundary: stop when a signal came. With several ranks every rank calls it after
+        the same step and they agree (an all-reduce): a signal that reached any rank stops them all
+        there, so that they can write the checkpoint together."""
+        signum = world.max_over_ranks(self.signum or 0)
+        if signum:
+            raise Interrupted(signum, at_step_boundary=True)

@@ -91,11 +91,18 @@ class TrainingRun:
         self.keep = cfg.trainer.get("keep_checkpoints")
 
     def files(self) -> dict[str, Any]:
-        """The checkpoint's files: name -> object for torch.save."""
-        return {
+        """This rank's files of the checkpoint: name -> object for torch.save. Every rank writes its
+        own state (its random streams differ); the model and the optimizer are written by rank 0
+        (single, ddp: every rank holds the same) or, under fsdp, by every rank as shards
+        (:func:`rlbench.training.checkpoint.save_sharded`)."""
+        world = self.ctx.world
+        policy = {} if world.sharded or not world.is_main else {
             checkpoint.MODEL_FILE: checkpoint.model_state(self.ctx.model),
             checkpoint.OPTIMIZER_FILE: checkpoint.optimizer_state(self.ctx.optimizer),
-            checkpoint.STATE_FILE: {
+        }
+        return {
+            **policy,
+            checkpoint.state_file(world.rank): {
                 "step": self.step,
                 "context": self.ctx.state_dict(),
                 "curriculum": self.curriculum.state_dict(),
@@ -107,8 +114,11 @@ class TrainingRun:
         }
 
     def save(self) -> checkpoint.Checkpoint:
+        world = self.ctx.world
+        shards = (lambda folder: checkpoint.save_sharded(self.ctx.model, self.ctx.optimizer, folder)) if world.sharded else None
         saved = checkpoint.save_checkpoint(self.cfg.output_dir, self.step, self.files(),
-                                           {**self.manifest, "run_id": self.logger.run_id}, keep=self.keep)
+                                           {**self.manifest, "run_id": self.logger.run_id}, keep=self.keep,
+                                           world=world, write_shards=shards)
         self.saved_step = self.step
         log.info("checkpoint %s (%.1f s)", saved.path, saved.manifest["write_seconds"])
         return saved
@@ -117,8 +127,8 @@ class TrainingRun:
     def resumable(self) -> bool:
         """Checkpoints can continue this run exactly: not with the asynchronous pipeline, whose
         generator thread runs ahead of the learner (its prompt order and random streams are past the
-        last trained step), nor under trainer.strategy=ddp|fsdp yet (every rank would write its own)."""
-        return self.cfg.trainer.get("max_staleness") is None and self.cfg.trainer.get("strategy", "single") == "single"
+        last trained step)."""
+        return self.cfg.trainer.get("max_staleness") is None
 
     @property
     def unsaved(self) -> bool:
@@ -129,10 +139,13 @@ class TrainingRun:
         """Continue from ``saved``. The loading order matters: the context's parts exist (built
         from the initial model, so the reference and EWMA copies start where the saved run's
         did), then weights, optimizer, the rest, and last the global random generators."""
-        device = self.ctx.device
-        checkpoint.load_model_state(self.ctx.model, saved.load(checkpoint.MODEL_FILE, device))
-        checkpoint.load_optimizer_state(self.ctx.optimizer, saved.load(checkpoint.OPTIMIZER_FILE, device))
-        state = saved.load(checkpoint.STATE_FILE, device)
+        device, world = self.ctx.device, self.ctx.world
+        if world.sharded:
+            checkpoint.load_sharded(self.ctx.model, self.ctx.optimizer, saved.path)
+        else:  # every rank loads the whole state (ddp: the same on every rank)
+            checkpoint.load_model_state(self.ctx.model, saved.load(checkpoint.MODEL_FILE, device))
+            checkpoint.load_optimizer_state(self.ctx.optimizer, saved.load(checkpoint.OPTIMIZER_FILE, device))
+        state = saved.load(checkpoint.state_file(world.rank), device)
         self.ctx.load_state_dict(state["context"])
         self.ctx.engine.sync_weights(self.ctx.model)
         self.step = self.saved_step = int(state["step"])
@@ -146,15 +159,21 @@ class TrainingRun:
     def resume(self, saved: checkpoint.Checkpoint) -> checkpoint.Checkpoint:
         """:meth:`restore` from ``saved``, or, when one of its files cannot be loaded, from the
         newest valid checkpoint before it (saying so; each restore overwrites every part). Returns
-        the checkpoint restored."""
+        the checkpoint restored. With several ranks they agree: when any rank cannot load its part,
+        every rank goes back to the previous checkpoint."""
+        world = self.ctx.world
         while True:
+            problem = None
             try:
                 self.restore(saved)
-                return saved
             except checkpoint.CheckpointError as err:
-                previous = checkpoint.latest_checkpoint(self.cfg.output_dir, before_step=saved.step)
-                log.warning("%s; resuming from the previous valid checkpoint %s", err, previous.path)
-                saved = previous
+                problem = err
+            if not world.max_over_ranks(problem is not None):
+                return saved
+            previous = checkpoint.latest_checkpoint(self.cfg.output_dir, before_step=saved.step)
+            log.warning("%s; resuming from the previous valid checkpoint %s",
+                        problem or f"another rank cannot load checkpoint {saved.path}", previous.path)
+            saved = previous
 
     def checkpoint_due(self, step: int) -> bool:
         return bool(self.every) and (step % self.every == 0 or step == self.cfg.trainer.steps)
@@ -179,7 +198,7 @@ class TrainingRun:
                 metrics = train_step(
                     self.ctx, self.curriculum.prompts(step, self.ctx), progress=(step - 1) / cfg.trainer.steps,
                     draw_prompts=self.curriculum.draw,
-                    observe=lambda graded, step=step: self.curriculum.observe(step, graded),
+                    observe=lambda graded, step=step: self.curriculum.observe(step, graded, self.ctx.world),
                 )
                 self.curriculum.end_step(step)
                 self.logger.log_step(step, self.untrained.observe(step, metrics))
@@ -187,7 +206,7 @@ class TrainingRun:
             progress.update(1, note=f"reward {metrics['reward_mean']:.3f} acc {metrics['accuracy']:.3f}")
             if self.checkpoint_due(step):
                 self.save()
-            stop.raise_if_requested()
+            stop.raise_if_requested(self.ctx.world)  # with several ranks: all stop after the same step
             if after_step is not None:
                 after_step(step)
             self.after_step_done = step
