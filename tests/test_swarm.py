@@ -40,6 +40,17 @@ def test_swarm_settings_are_refused_by_validation(make_cfg, overrides, message):
 
 
 @pytest.mark.parametrize("overrides, message", [
+    (["trainer.checkpoint_every=1"], "checkpoints and resume"),
+    (["sampler=weighted"], "sampler=weighted"),
+    (["trainer.stages=[{at: 2, rollout.n: 2}]"], "trainer.stages"),
+])
+def test_what_a_swarm_actor_cannot_do_yet_is_refused(make_cfg, overrides, message):
+    # ddp / fsdp carry these (tests/test_distributed_resume.py); a swarm's actors are separate runs.
+    with pytest.raises(ConfigError, match=f"trainer.strategy=swarm does not support .*{message}"):
+        validate_config(make_cfg("experiment=smoke", "trainer.strategy=swarm", *overrides))
+
+
+@pytest.mark.parametrize("overrides, message", [
     (["trainer.swarm.external=2"], r"leaves no local prompt: .* 2 - 2 = 0"),
     (["trainer.prompts_per_step=4", "trainer.swarm.external=3"], r"publish \(N-1\) \* I = 1 groups"),
     (["trainer.swarm.external=1", "rollout=dynamic_sampling"], "rollout=iid only"),
