@@ -28,7 +28,7 @@ from rlbench.rollout.adaptive_temperature import (
 )
 from rlbench.rollout.base import GenerationRequest, SamplingParams
 from rlbench.rollout.iid import IIDSampling
-from rlbench.rollout.masked import MaskedRollout, apply_mask, top_p_mask
+from rlbench.rollout.masked import MaskedRollout, MaskedSampling, apply_mask, top_p_mask
 from rlbench.training.batch import collate
 from rlbench.training.forward import token_outputs, training_logits_transform
 
@@ -258,6 +258,27 @@ def test_masked_samples_lie_in_the_mask_and_their_log_probs_are_renormalised_on_
     assert bool((out.logp[mask] >= plain[mask] - 1e-6).all()) and bool((out.logp[mask] > plain[mask] + 1e-3).any())
     assert torch.allclose(out.log_probs.exp().sum(-1)[mask], torch.ones(int(mask.sum())), atol=1e-5)
     assert bool(torch.isfinite(out.entropy).all())
+
+
+def test_the_masking_policys_own_cache_gives_the_masks_of_a_full_forward(tiny):
+    model, _ = tiny
+    vocab = model.config.vocab_size
+    cached = MaskedSampling(model, 0.5, pad_id=0)
+    contexts = [(5, 6, 7), (5, 6, 7), (8, 9)]
+    g = torch.Generator().manual_seed(0)
+    widths = []  # the input width of each forward of the masking policy
+    hook = model.register_forward_pre_hook(lambda m, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        for step in range(4):
+            logits = torch.zeros(len(contexts), vocab)
+            with_cache, full = cached(logits, contexts), MaskedSampling(model, 0.5, pad_id=0)(logits, contexts)
+            assert torch.equal(with_cache.isfinite(), full.isfinite())
+            contexts = [c + (int(torch.randint(vocab, (1,), generator=g)),) for c in contexts]
+            if step == 1:
+                contexts = contexts[1:]  # a row finished and left the batch
+    finally:
+        hook.remove()
+    assert widths[0::2] == [3, 1, 1, 1] and widths[1::2] == [3, 4, 5, 6]  # one token per step on its cache
 
 
 def test_top_p_one_samples_exactly_what_iid_samples(tiny):

@@ -28,9 +28,8 @@ never get probability 0.
 
 With ``top_p = 1`` the mask is every token and the strategy samples exactly what rollout=iid samples.
 
-Cost: the decoding transform runs pi_psi over each running row's whole context at every step (no KV
-cache of its own), i.e. quadratic in the response length; the training mask is one extra forward
-per micro-batch and pass. The copy holds a second set of weights. Only the HF engine runs it;
+Cost: the decoding transform runs pi_psi alongside the policy, one token per row and step on a KV cache
+of its own (:class:`MaskedSampling`); the training mask is one extra forward per micro-batch and pass. The copy holds a second set of weights. Only the HF engine runs it;
 rollout.engine=vllm is refused before the model loads.
 
 Configuration (conf/rollout/masked.yaml):
@@ -54,7 +53,7 @@ import torch
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.hf_engine import left_pad
+from rlbench.rollout.hf_engine import _cache_argument, _returned_cache, left_pad
 from rlbench.rollout.scoring import needs_hf_engine
 from rlbench.rollout.strategy import OptionStrategy, RolloutSetup, register_strategy, strategy_options
 
@@ -99,20 +98,50 @@ def apply_mask(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
 
 
 class MaskedSampling:
-    """The engine's logits transform: pi_psi's top-p set of each running row's context (one forward of
-    pi_psi over the left-padded contexts), everything else -inf. Counts the allowed tokens per step."""
+    """The engine's logits transform: pi_psi's top-p set of each running row's context, everything else
+    -inf. Counts the allowed tokens per step.
+
+    pi_psi keeps a KV cache of its own: when every context of a call is a context of the previous call
+    plus one token (the decoding loop's next step, rows that finished dropped), pi_psi runs on the new
+    tokens only, its cache rows gathered from the previous call's; otherwise (a new batch of the engine)
+    it runs over the left-padded contexts."""
 
     def __init__(self, masking_policy: torch.nn.Module, top_p: float, pad_id: int):
         self.masking_policy, self.top_p, self.pad_id = masking_policy, top_p, pad_id
         self.allowed_counts: list[torch.Tensor] = []
+        self._contexts: dict[tuple[int, ...], int] = {}  # the previous call's contexts -> their cache row
+        self._cache, self._mask, self._position = None, None, None
+
+    def _rows_continued(self, contexts: list[tuple[int, ...]]) -> list[int] | None:
+        """For each context, the previous call's row it continues by one token; None if one does not."""
+        rows = [self._contexts.get(c[:-1]) for c in contexts]
+        return None if any(r is None for r in rows) else rows  # type: ignore[return-value]
+
+    def _psi_logits(self, contexts: list[tuple[int, ...]], device) -> torch.Tensor:
+        policy, cache_kw = self.masking_policy, _cache_argument(self.masking_policy)
+        rows = self._rows_continued(contexts) if self._cache is not None else None
+        if rows is None:
+            input_ids, mask = left_pad(contexts, self.pad_id, device)
+            position = (mask.cumsum(-1) - 1).clamp(min=0)
+            out = policy(input_ids=input_ids, attention_mask=mask, position_ids=position, use_cache=True, logits_to_keep=1)
+            position = position[:, -1]
+        else:
+            index = torch.tensor(rows, dtype=torch.long, device=device)
+            self._cache.reorder_cache(index)
+            mask = torch.cat([self._mask.index_select(0, index), self._mask.new_ones((len(rows), 1))], dim=-1)
+            position = self._position.index_select(0, index) + 1
+            last = torch.tensor([c[-1] for c in contexts], dtype=torch.long, device=device)
+            out = policy(
+                input_ids=last[:, None], attention_mask=mask, position_ids=position[:, None], use_cache=True,
+                logits_to_keep=1, **{cache_kw: self._cache},
+            )
+        self._cache, self._mask, self._position = _returned_cache(out), mask, position
+        self._contexts = {c: i for i, c in enumerate(contexts)}
+        return out.logits[:, -1]
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, contexts: Sequence[Sequence[int]]) -> torch.Tensor:
-        input_ids, mask = left_pad(contexts, self.pad_id, logits.device)
-        psi_logits = self.masking_policy(
-            input_ids=input_ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), logits_to_keep=1,
-        ).logits[:, -1]
-        allowed = top_p_mask(psi_logits, self.top_p)
+        allowed = top_p_mask(self._psi_logits([tuple(c) for c in contexts], logits.device), self.top_p)
         self.allowed_counts.append(allowed.sum(-1).cpu())
         return apply_mask(logits, allowed)
 
