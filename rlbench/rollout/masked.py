@@ -206,11 +206,15 @@ class MaskedRollout(OptionStrategy):
         masking_policy, top_p = self.masking_policy, self.top_p
 
         def transform(logits: torch.Tensor, batch: Any) -> torch.Tensor:
-            from rlbench.training.forward import _logits_per_row
-
+            """``batch``: a rlbench.training.batch.TrainBatch (left-padded prompts, then the responses)."""
             T = logits.shape[1]
             with torch.no_grad():
-                allowed = top_p_mask(_logits_per_row(masking_policy, batch)[0], top_p)
+                mask = batch.attention_mask
+                psi_logits = masking_policy(
+                    input_ids=batch.input_ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                    logits_to_keep=T + 1, use_cache=False,
+                ).logits[:, -(T + 1) : -1]  # position t predicts response token t
+                allowed = top_p_mask(psi_logits, top_p)
                 targets = batch.input_ids[:, batch.prompt_width : batch.prompt_width + T]
                 allowed.scatter_(-1, targets.unsqueeze(-1), True)
             return apply_mask(logits, allowed)
