@@ -103,6 +103,13 @@ SOURCE_VALUES: dict[str, dict[str, Any]] = {
         "trainer.prompts_per_step": 512, "rollout.n": 16, "algorithm.update.minibatches": 16,
         "rollout.max_new_tokens": 10240, "algorithm.loss.dual_clip": 10.0, "algorithm.loss.entropy_pivot": 0.8,
         "algorithm.reward_shaping.0.cache_fraction": 4096 / 10240, "eval.temperature": 0.5, "eval.n": 8,
+        "rollout.strategy": "adaptive_temperature", "rollout.adaptive_temperature.tau": 0.05,
+        "rollout.adaptive_temperature.entropy_pivot": 0.8,
+    },
+    # allenai/RL4LMs scripts/training/task_configs/imdb_text_continuation/gpt2_nlpo.yml
+    "nlpo": {
+        "rollout.strategy": "masked", "rollout.masked.top_p": 0.9, "rollout.masked.update_interval": 5,
+        "trainer.lr": 1e-6, "algorithm.update.epochs": 5, "rollout.max_new_tokens": 48,
     },
     # modelscope/Trinity-RFT examples/rec_gsm8k/gsm8k.yaml
     "rec": {
@@ -309,6 +316,7 @@ FEATURES = {
     "overlong reward shaping": (r"overlong (?:reward )?shaping|overlong buffer|overlong punishment",
                                 lambda cfg: any(s.name == "dapo_overlong" for s in cfg.algorithm.reward_shaping)),
     "overlong filter": (r"overlong filter", lambda cfg: bool(cfg.algorithm.overlong_filter)),
+    "adaptive temperature": (r"adaptive temperature", lambda cfg: cfg.rollout.get("strategy") == "adaptive_temperature"),
 }
 SAYS_OFF = re.compile(r"\bnot (?:enabled|set|used|selected)\b|\bdisabled\b|\b(?:is|are) off\b", re.IGNORECASE)
 SAYS_ON = re.compile(r"\b(?:enabled|selected) by\b|\bis used\b|\bare used\b", re.IGNORECASE)

@@ -149,6 +149,22 @@ def check_reincarnation(cfg: Any) -> None:
                           "reference is its adapter-free base: drop model.lora, algorithm.kl.coef or reincarnate_at")
 
 
+def check_masked_rollout(cfg: Any, algorithm: Algorithm) -> None:
+    """rollout=masked changes every forward of the step to the masked distribution (rlbench/rollout/masked.py):
+    refused where a batch could be trained under another mask than it was sampled with, or where a term
+    reads the whole vocabulary's log-probs, -inf outside the mask."""
+    if cfg.rollout.get("strategy") != "masked":
+        return
+    k = cfg.trainer.get("max_staleness")
+    if k:
+        raise ConfigError(f"trainer.max_staleness={k}: rollout=masked trains a batch with the mask of the policy copy "
+                          "that sampled it, which the generator thread may have refreshed since: use "
+                          "trainer.max_staleness=null or 0")
+    if algorithm.schedule == "trpo":
+        raise ConfigError("rollout=masked gives the tokens outside the mask log-prob -inf, where the trpo schedule's KL "
+                          "over the whole vocabulary is undefined: use another update schedule")
+
+
 def check_sandbox(sandbox: Any) -> None:
     """The sandbox limits (checked by SandboxLimits itself) and the worker count."""
     from rlbench.sandbox import limits_from_config
@@ -219,6 +235,7 @@ def check_run(cfg: Any, origins: ValueOrigins) -> Algorithm:
         check_curriculum(cfg, algorithm)
         check_staleness(cfg, algorithm)
         check_reincarnation(cfg)
+        check_masked_rollout(cfg, algorithm)
         algorithm.check_batch_size(trainer.prompts_per_step * rollout.n)
         validate_step_options(cfg, algorithm)
         check_strategy(trainer.get("strategy", "single"), trainer.prompts_per_step, algorithm, rollout.get("strategy", "iid"))

@@ -20,13 +20,29 @@ from typing import Protocol, Sequence
 import torch
 
 
+class LogitsTransform(Protocol):
+    """A per-step change of the next-token logits inside the engine's decoding loop (the one sampling
+    hook; rollout=adaptive_temperature and rollout=masked use it).
+
+    Called at every decoding step with ``logits`` ``[rows, V]`` (float32, the model's raw logits of the
+    rows still running) and ``contexts`` (each row's tokens so far: prompt, prefix and the tokens
+    sampled before this step); returns the logits to sample from, ``[rows, V]``; ``-inf`` excludes a
+    token. The engine applies the temperature and top-p warpers after it and records the log-probs of
+    the resulting distribution, so a completion's ``logprobs`` are those of what was sampled."""
+
+    def __call__(self, logits: torch.Tensor, contexts: Sequence[Sequence[int]]) -> torch.Tensor: ...
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample. ``temperature == 0`` means greedy decoding."""
+    """How to sample. ``temperature == 0`` means greedy decoding. ``logits_transform``: an optional
+    :class:`LogitsTransform` applied before temperature and top-p at every decoding step (None: the
+    plain distribution)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 64
+    logits_transform: LogitsTransform | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,10 @@ How it works:
   (:func:`sample_from_logprobs`, about 10x faster on CPU than ``torch.multinomial`` for a 49k
   vocabulary); its log-prob is recorded, so the log-probs are exactly those of the distribution
   sampled from, with ``O(rows x vocab)`` memory per step;
+* ``params.logits_transform`` (a :class:`~rlbench.rollout.base.LogitsTransform`, the one sampling
+  hook) changes each step's raw logits before the warpers, given each running row's tokens so far;
+  without it the loop is the plain one. Prefix tokens are not passed through it (a request with a
+  scored prefix is refused);
 * greedy decoding (``temperature == 0``) reports ``log_softmax(logits)`` at temperature 1;
 * sampling is a function of the passed ``torch.Generator``: a seed is drawn from it and seeds the
   engine's own generator, so the global RNG state is left untouched and the same generator state
@@ -262,7 +266,10 @@ class HFGenerateEngine:
         active = list(range(rows))  # batch rows still running, in cache order
         ended: set[int] = set()  # rows that sampled EOS but keep decoding (synced_gpus only)
         cache_kw = _cache_argument(self.model)
+        transform = params.logits_transform
         for step in range(params.max_new_tokens):
+            if transform is not None:
+                scores = transform(scores.float(), [inputs[row_input[r]] + tuple(tokens[r]) for r in active])
             logp = warped_logprobs(scores, warpers)
             if params.temperature == 0:
                 chosen = logp.argmax(-1)
@@ -323,6 +330,11 @@ class HFGenerateEngine:
                 raise ValueError(f"request {i}: n must be >= 0, got {req.n}")
             if len(req.prompt_ids) == 0:
                 raise ValueError(f"request {i}: prompt_ids is empty")
+            if params.logits_transform is not None and req.prefix_ids and req.score_prefix:
+                raise ValueError(
+                    f"request {i}: a logits transform applies to sampled tokens only; it cannot score prefix_ids "
+                    "(send score_prefix=False)"
+                )
         rows = [(i, k) for i, req in enumerate(requests) for k in range(req.n)]
         results: list[list[Completion | None]] = [[None] * req.n for req in requests]
         if not rows:

@@ -231,6 +231,11 @@ class VLLMEngine:
         generator: torch.Generator | None = None,
     ) -> list[list[Completion]]:
         """Return, for each request, its ``n`` completions in order."""
+        if params.logits_transform is not None:
+            raise ValueError(
+                "the vLLM engine does not run a logits transform (rollout=adaptive_temperature, rollout=masked); "
+                "use rollout.engine=hf"
+            )
         prompts, rows = requests_to_vllm_inputs(requests)
         if not rows:
             return [[] for _ in requests]

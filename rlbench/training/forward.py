@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from contextvars import ContextVar
-from typing import Iterator
+from typing import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +23,26 @@ from rlbench.training.distributed import several_ranks, unwrap
 
 # trainer.precision of the forwards inside :func:`forward_precision` (the runner sets it around training).
 PRECISION: ContextVar[str] = ContextVar("precision", default="auto")
+
+# A change of the logits every forward inside :func:`training_logits_transform` applies before its
+# log-softmax: ``transform(logits [B, T, V], batch) -> logits`` (after the temperature). The rollout
+# strategy that samples from a changed distribution (rollout=masked) sets it around the step, so that
+# the ratio compares the distribution that was sampled from.
+LOGITS_TRANSFORM: ContextVar[Callable[[torch.Tensor, TrainBatch], torch.Tensor] | None] = ContextVar(
+    "logits_transform", default=None
+)
+
+
+@contextlib.contextmanager
+def training_logits_transform(
+    transform: Callable[[torch.Tensor, TrainBatch], torch.Tensor] | None,
+) -> Iterator[None]:
+    """Apply ``transform`` to the logits of every :func:`token_outputs` inside (None: no change)."""
+    token = LOGITS_TRANSFORM.set(transform)
+    try:
+        yield
+    finally:
+        LOGITS_TRANSFORM.reset(token)
 
 
 @contextlib.contextmanager
@@ -186,6 +206,9 @@ def token_outputs(
     logits = logits.float()
     if temperature and temperature > 0 and temperature != 1.0:
         logits = logits / temperature
+    transform = LOGITS_TRANSFORM.get()
+    if transform is not None:
+        logits = transform(logits, batch)
     log_probs = F.log_softmax(logits, dim=-1)
     targets = batch.input_ids[:, batch.prompt_width : batch.prompt_width + T]
     logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
@@ -194,7 +217,9 @@ def token_outputs(
         # Only an entropy bonus needs its gradient; for logging and entropy-aware pieces (which
         # detach it) skip the autograd graph over the [B, T, vocab] probabilities.
         with torch.set_grad_enabled(entropy_requires_grad and torch.is_grad_enabled()):
-            entropy = -(log_probs.exp() * log_probs).sum(-1)
+            # a transform's -inf logits (excluded tokens) contribute 0 * 0, not 0 * -inf
+            finite_logp = log_probs if transform is None else torch.where(log_probs.isfinite(), log_probs, 0.0)
+            entropy = -(log_probs.exp() * finite_logp).sum(-1)
     values = value_head(hidden) if value_head is not None else None
     return TokenOutputs(logp, entropy, values, log_probs if with_log_probs else None)
 

@@ -34,7 +34,7 @@ from rlbench.rollout import GradedGroups, GroupSampler, RolloutSetup, RolloutStr
 from rlbench.rollout.base import RolloutEngine, SamplingParams
 from rlbench.training.advantage_inputs import AdvantageInputSources
 from rlbench.training.batch import TrainBatch, collate, mask_truncated, trainable_tokens
-from rlbench.training.forward import batch_outputs
+from rlbench.training.forward import batch_outputs, training_logits_transform
 from rlbench.training.update_schedules import UpdateState, apply_update_schedule, make_update_state
 from rlbench.training.distributed import SINGLE, World, rank_stream_seed, unwrap, wrap_model
 from rlbench.training.memory import PeakMemory
@@ -222,10 +222,13 @@ def learn_step(
     peak = peak if peak is not None else PeakMemory(ctx.device)
     batch = to_batch(ctx, graded)
     t1 = time.perf_counter()
-    inputs, input_metrics = advantage_inputs(ctx, graded, batch)
-    response_kl = compute_advantages(ctx, batch, inputs)
-    coefficients = {"kl_coef": ctx.algorithm.kl_coefficient, "entropy_coef": ctx.algorithm.entropy_coefficient}
-    stats = update(ctx, batch, graded.finished.to(ctx.device), progress, response_kl)
+    # a strategy that samples from a changed distribution (rollout=masked) changes the step's forwards alike
+    changed_logits = getattr(ctx.strategy, "training_logits_transform", None)
+    with training_logits_transform(changed_logits() if changed_logits is not None else None):
+        inputs, input_metrics = advantage_inputs(ctx, graded, batch)
+        response_kl = compute_advantages(ctx, batch, inputs)
+        coefficients = {"kl_coef": ctx.algorithm.kl_coefficient, "entropy_coef": ctx.algorithm.entropy_coefficient}
+        stats = update(ctx, batch, graded.finished.to(ctx.device), progress, response_kl)
     input_metrics.update(ctx.inputs.after_update(graded))
     ctx.policy_version += 1
     t_update = time.perf_counter() - t1

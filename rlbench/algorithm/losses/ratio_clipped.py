@@ -5,6 +5,8 @@ the unclipped IS surrogate, and the variants that change the clip range or what 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from rlbench.algorithm.losses.common import (
@@ -160,27 +162,53 @@ def ce_gppo_loss(
     return loss * mask, _ppo_metrics(lr, torch.exp(lr), is_clipped, mask)
 
 
-def normalized_entropy(entropy: torch.Tensor, mask: torch.Tensor, pivot: float) -> torch.Tensor:
-    """HAPO's in-batch normalised token entropy h in [-1, 1] (arXiv:2509.16591).
+@dataclass(frozen=True)
+class EntropyScale:
+    """HAPO's token-entropy normaliser (arXiv:2509.16591), fitted on one batch and applicable to any
+    entropies (the adaptive temperature applies the previous batch's to the next rollout):
 
-        x_t = log max(H_t, 1e-6),   q = quantile_pivot(x over valid tokens)
-        h_t = (x_t - q) / max_{x>q}(x - q)  if x_t > q,   (x_t - q) / |min_{x<q}(x - q)|  if x_t < q
-    The paper also divides by std(x - q) first; that factor cancels in the rescaling. One valid
-    token attains +1 and one -1 (when both sides are non-empty); padding gets 0."""
-    with torch.no_grad():
+        x = log max(H, 1e-6),   q = quantile_pivot(x over the fitted tokens)
+        h = (x - q) / above  if x > q,   (x - q) / below  if x <= q,   clamped to [-1, 1]
+    with ``above = max(x - q)`` and ``below = |min(x - q)|`` over the fitted tokens (1 when that side is
+    empty). The paper also divides by std(x - q) first; that factor cancels in the rescaling."""
+
+    pivot: float  # q
+    above: float
+    below: float
+
+    @staticmethod
+    def log_entropy(entropy: torch.Tensor) -> torch.Tensor:
+        return torch.log(entropy.detach().clamp(min=1e-6))
+
+    @classmethod
+    def fit(cls, entropy: torch.Tensor, mask: torch.Tensor, pivot: float) -> "EntropyScale | None":
+        """The scale of the tokens where ``mask > 0`` (None when there is none)."""
         valid = mask > 0
-        h = torch.zeros_like(entropy)
         if not valid.any():
-            return h
-        x = torch.log(entropy.detach().clamp(min=1e-6))
-        centred = x - torch.quantile(x[valid].double(), pivot).to(x.dtype)
-        positive = valid & (centred > 0)
-        negative = valid & (centred < 0)
-        if positive.any():
-            h = torch.where(positive, centred / centred[positive].max(), h)
-        if negative.any():
-            h = torch.where(negative, centred / centred[negative].min().abs(), h)
-        return h
+            return None
+        x = cls.log_entropy(entropy)[valid]
+        q = torch.quantile(x.double(), pivot).to(x.dtype)
+        centred = x - q
+        above, below = centred[centred > 0], centred[centred < 0]
+        return cls(
+            float(q), float(above.max()) if above.numel() else 1.0, float(below.min().abs()) if below.numel() else 1.0
+        )
+
+    def __call__(self, entropy: torch.Tensor) -> torch.Tensor:
+        """h in [-1, 1] for each entry of ``entropy`` (nats)."""
+        centred = self.log_entropy(entropy) - self.pivot
+        return torch.where(centred > 0, centred / self.above, centred / self.below).clamp(-1.0, 1.0)
+
+
+def normalized_entropy(entropy: torch.Tensor, mask: torch.Tensor, pivot: float) -> torch.Tensor:
+    """HAPO's in-batch normalised token entropy h in [-1, 1] (:class:`EntropyScale` fitted on the
+    valid tokens and applied to them): one valid token attains +1 and one -1 (when both sides of the
+    pivot are non-empty); padding gets 0."""
+    with torch.no_grad():
+        scale = EntropyScale.fit(entropy, mask, pivot)
+        if scale is None:
+            return torch.zeros_like(entropy)
+        return torch.where(mask > 0, scale(entropy), torch.zeros_like(entropy))
 
 
 @POLICY_LOSSES.register("aepo")
