@@ -47,6 +47,10 @@ def test_vine_advantage_by_hand():
     # gamma V^(s_{t+1}) - V^(s_t): 0.375 - 0.5, 0.125 - 0.75; the last step is not discounted
     assert torch.allclose(discounted[0], torch.tensor([-0.125, -0.125, -0.625, -0.625, -0.625, 0.75]))
     assert torch.equal(discounted[1], adv[1])
+    whitened = vine_advantage(REWARDS, MASK, STEP_INDEX, STEP_VALUES, whiten=True)
+    valid = expected[MASK > 0].double()
+    assert torch.allclose(whitened[MASK > 0].double(), (valid - valid.mean()) / (valid.std() + 1e-8), atol=1e-6)
+    assert torch.equal(whitened[MASK == 0], torch.zeros(3))
 
 
 def test_vine_advantages_telescope_to_the_outcome_advantage():
@@ -268,7 +272,8 @@ def test_mcts_prefix_stages_reveal_the_best_search_leaf(tiny):
         if expected_depth:
             assert metrics["mcts_prefix_tokens_mean"] == 2 * expected_depth and cost["reused_tokens"] > 0
         else:
-            assert "mcts_search_reward_mean" not in metrics and cost["generated_tokens"] == 2 * 4 * 8
+            assert metrics["rollout_outcome_mean"] == pytest.approx(float(graded.outcome.mean()))
+            assert cost["generated_tokens"] == 2 * 4 * 8  # no search
     assert depths == [2, 1, 0, 0]
     assert strategy.state_dict() == {"step": 4}
     strategy.load_state_dict({"step": 1})

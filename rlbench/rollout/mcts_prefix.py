@@ -22,7 +22,9 @@ last token) are the prefix. Then one request per prompt: ``rollout.n`` completio
 included) at most ``rollout.max_new_tokens`` long (rlbench.rollout.continuation).
 The prefix is context (``loss_mask`` 0, behaviour "prefix"): only the completions are trained, and a
 group compares completions of one state, so any group advantage (grpo, ...) applies. The search's
-leaves are not trained. At depth 0 the step is ``rollout=iid`` (no search is grown).
+leaves are not trained. At depth 0 the step is ``rollout=iid`` (no search is grown). The metric
+``rollout_outcome_mean`` is the mean outcome of the responses sampled from the prompt alone (the
+search's leaves; at depth 0 the groups), which a revealed prefix does not inflate.
 
 Simplifications against the paper (docs/rollout.md): the tree is grown online by the current policy
 (the paper reveals prefixes of a teacher's offline MCTS), in one expansion pass with leaf rewards as
@@ -114,7 +116,8 @@ class MCTSPrefix(OptionStrategy):
                 best = group[rewards.index(max(rewards))]
                 prefixes[p] = tuple(best.response_ids[: revealed_length(len(best.response_ids), depth, self.search.segment_tokens)])
             metrics.update(tree_metrics)
-            metrics["mcts_search_reward_mean"] = float(searched.rewards.mean().item())
+            # the policy's own responses to the prompt alone: what the learning is judged on
+            metrics["rollout_outcome_mean"] = float(searched.outcome.mean().item())
         max_new = setup.params.max_new_tokens
         requests = [(GenerationRequest(ids, n=setup.n, prefix_ids=prefix), max_new - len(prefix)) for ids, prefix in zip(prompt_ids, prefixes)]
         groups = [
@@ -122,5 +125,7 @@ class MCTSPrefix(OptionStrategy):
             for group, prefix in zip(continue_with_budgets(sampler, requests, setup.params, setup.generator), prefixes)
         ]
         graded = sampler.grade(problems, groups, max_new)
+        if depth == 0:
+            metrics["rollout_outcome_mean"] = float(graded.outcome.mean().item())
         metrics["mcts_prefix_tokens_mean"] = float(sum(len(p) for p in prefixes) / max(len(prefixes), 1))
         return graded, metrics

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from rlbench.algorithm.advantages.common import _tokens, _valid
+from rlbench.algorithm.advantages.common import _tokens, _valid, _whiten
 from rlbench.algorithm.registry import ADVANTAGES
 from rlbench.errors import ConfigError
 
@@ -39,6 +39,8 @@ def vine_advantage(
     step_index: torch.Tensor,
     step_values: torch.Tensor,
     gamma: float = 1.0,
+    whiten: bool = False,
+    epsilon: float = 1e-8,
 ) -> torch.Tensor:
     """VinePPO's advantage (Kazemnejad et al. 2024, "VinePPO: Unlocking RL Potential For LLM Reasoning
     Through Refined Credit Assignment", arXiv:2410.01679, section 4): the response is cut into steps
@@ -51,7 +53,8 @@ def vine_advantage(
     and V^(terminal) = 0:  A_{L-1} = R - V^(s_{L-1}). With gamma = 1 the advantages telescope:
     sum_t A_t = R - V^(s_0). A response of one step gets R - V^(s_0), the outcome advantage with the
     prompt's value as its baseline (Dr.GRPO's advantage when V^(s_0) is the group's mean reward).
-    No whitening (the paper feeds these advantages to PPO as they are).
+    ``whiten``: then whitened over the valid tokens of the batch, (A - mean) / (std + epsilon), as the
+    authors' PPO trainer does (``whiten_advantages: true`` in McGill-NLP/VinePPO configs/trainers/ppo_MATH.jsonnet).
     """
     if not 0.0 <= float(gamma) <= 1.0:
         raise ConfigError(f"algorithm.advantage.gamma must lie in [0, 1], got {gamma}")
@@ -65,4 +68,6 @@ def vine_advantage(
         for k, (_, positions) in enumerate(runs):
             following = float(gamma) * starts[k + 1] if k + 1 < len(runs) else float(outcome[row])
             out[row, positions] = following - starts[k]
+    if whiten:
+        out = _whiten(out, _valid(response_mask), epsilon)
     return _tokens(out, response_mask)
