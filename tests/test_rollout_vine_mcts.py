@@ -305,6 +305,40 @@ def test_mcts_prefix_is_the_best_leafs_prefix(tiny):
         assert any(leaf.response_ids[:6] == prefix and even_share(leaf.response_ids) == best for leaf in leaves)
 
 
+def _has_vllm_gpu() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_vllm_gpu(), reason="needs CUDA and vLLM")
+@pytest.mark.parametrize("strategy", ["vine", "mcts_prefix"])
+def test_strategy_on_the_vllm_engine_gpu(strategy):
+    """Each strategy of this module through the vLLM engine (prefix caching serves the continuations):
+    every group has its n responses within the budget; vine's values are rewards' means, in [0, 1]."""
+    from rlbench.rollout.vllm_engine import VLLMEngine
+
+    model, tokenizer = load_policy(OmegaConf.load(ROOT / "conf" / "model" / "smollm2_135m.yaml"), device="cuda")
+    engine = VLLMEngine(model, tokenizer, gpu_memory_utilization=0.2, enforce_eager=True)
+    sampler = GroupSampler(engine, EvenTokenReward(), tokenizer, {"system": None, "user": "{problem}"}, lambda r, i: r)
+    cfg = _vine_cfg() if strategy == "vine" else _mcts_cfg()
+    cfg.max_new_tokens = 16
+    params = SamplingParams(temperature=1.0, max_new_tokens=16)
+    graded, _ = make_strategy(cfg, RolloutSetup(sampler, 4, params, torch.Generator().manual_seed(0))).rollout(
+        [Problem(uid="p0", prompt="1 + 2", answer="3"), Problem(uid="p1", prompt="3 + 4", answer="7")]
+    )
+    assert [len(g) for g in graded.groups] == [4, 4]
+    for c in (c for g in graded.groups for c in g):
+        assert len(c.response_ids) <= 16
+        if strategy == "vine":
+            assert c.step_values[0][0] == 0 and all(0.0 <= v <= 1.0 for _, v in c.step_values)
+
+
 # ------------------------------------------------------------------ the command line
 
 
