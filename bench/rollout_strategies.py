@@ -6,7 +6,7 @@ that has a ``conf/rollout/<name>.yaml`` (discovered: a strategy merged later is 
 this file), the same short GRPO run of SmolLM2-135M-Instruct (``model=smollm2_135m``) through the real
 runner, on the same seeds: ``rollout.n`` leaves (responses) per prompt, the same prompts per step, the same
 sampling parameters. A strategy that needs more than ``algorithm=grpo`` (the tree strategies read the tree
-in their advantage) gets it from :data:`COMPANIONS`; one that the run's validation still refuses is listed
+in their advantage, vine reads its Monte-Carlo values) gets it from :data:`COMPANIONS`; one that the run's validation still refuses is listed
 with the refusal, not measured.
 
 Per run it reads the runner's own metrics (``metrics.jsonl``) and evaluation (``eval/``):
@@ -54,6 +54,7 @@ RESULTS_DIR = ROOT / "results" / "bench"
 COMPANIONS = {
     "tree": ["algorithm/advantage=tree"],
     "treerpo": ["algorithm/advantage=treerpo"],
+    "vine": ["algorithm/advantage=vine"],
 }
 # Per dataset: the response budget and a segment length that lets a tree of 8 leaves branch three times
 # (2 -> 4 -> 8) within it, then finish in one last segment.
@@ -79,6 +80,8 @@ def compose(overrides: list[str], output_dir: Path):
 def run_overrides(strategy: str, dataset: str, seed: int, args: argparse.Namespace) -> list[str]:
     spec = DATASETS[dataset]
     segment = [f"rollout.{strategy}.segment_tokens={spec['segment']}"] if strategy in ("tree", "treerpo") else []
+    if strategy == "mcts_prefix":  # the search tree branches like rollout=tree's
+        segment = [f"rollout.mcts_prefix.search.segment_tokens={spec['segment']}"]
     return [
         "model=smollm2_135m",
         "algorithm=grpo",

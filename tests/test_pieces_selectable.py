@@ -32,6 +32,7 @@ COMPANIONS = {
     ("loss", "degrpo"): ["algorithm/aggregation=seq_mean_token_sum"],
     ("advantage", "tree"): ["rollout=tree"],  # reads the tree of a tree rollout
     ("advantage", "treerpo"): ["rollout=treerpo"],
+    ("advantage", "vine"): ["rollout=vine"],  # reads the Monte-Carlo step values of rollout=vine
 }
 PRESET_MARK = re.compile(r"#\s*preset:")
 

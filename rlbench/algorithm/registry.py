@@ -170,6 +170,7 @@ class Registry:
 ADVANTAGES = Registry("advantage estimator", inputs=frozenset({
     "rewards", "group_index", "response_mask", "entropy", "old_logp", "values", "baseline_rewards",
     "token_rewards", "tracker_baseline", "answer_keys", "diversity", "correct", "max_length",
+    "step_index", "step_values",
 }))
 POLICY_LOSSES = Registry("policy loss", inputs=frozenset({
     "logp", "old_logp", "advantages", "response_mask", "entropy", "ref_logp", "progress", "sampling_logp",

@@ -114,6 +114,12 @@ class Completion:
     tree_nodes:         per token of ``response_ids``: the id of the tree node (a run of tokens sampled
                         once and shared by every response below it) the token belongs to; ids are
                         unique within a training step. None: not part of a tree.
+
+    Monte-Carlo step values (rlbench/rollout/vine.py):
+
+    step_values:        per step of the response, (index of its first token, V^ of the state before it:
+                        the mean reward of continuations sampled from there); the first step starts at
+                        token 0 (the prompt's state). None: no step values were estimated.
     """
 
     request_index: int
@@ -129,6 +135,7 @@ class Completion:
     loss_mask: list[int] | None = None
     policy_version: int | None = None
     tree_nodes: list[int] | None = None
+    step_values: list[tuple[int, float]] | None = None
 
 
 class RolloutEngine(Protocol):

@@ -48,6 +48,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from rlbench.algorithm.registry import ADVANTAGES
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.base import SamplingParams
@@ -111,6 +112,16 @@ def needs_groups(strategy: str, rollout_cfg: Any, reason: str) -> None:
     n = int(rollout_cfg.n)
     if n < 2:
         raise ConfigError(f"rollout={strategy} {reason}, which needs rollout.n >= 2 (got {n}); use rollout=iid")
+
+
+def require_advantage_input(advantage: str, input_name: str, refusal: str) -> None:
+    """ConfigError unless advantage ``advantage`` reads ``input_name`` (an input only the strategy
+    provides); ``refusal`` is the message, formatted with ``advantage`` and ``readers`` (the registered
+    advantages that read the input)."""
+    if input_name in ADVANTAGES.accepted_inputs(advantage):
+        return
+    readers = sorted(name for name in ADVANTAGES.names() if input_name in ADVANTAGES.accepted_inputs(name))
+    raise ConfigError(refusal.format(advantage=advantage, readers=readers))
 
 
 def strategy_class(rollout_cfg: Any) -> type:

@@ -41,12 +41,11 @@ from typing import Any, Callable
 
 import torch
 
-from rlbench.algorithm.registry import ADVANTAGES
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.base import Completion, GenerationRequest
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.strategy import RolloutSetup, register_strategy
+from rlbench.rollout.strategy import RolloutSetup, register_strategy, require_advantage_input
 
 OPTION_KEYS = {"segment_tokens", "root_branching", "branching"}
 TREE_INPUT = "tree_nodes"
@@ -130,13 +129,12 @@ class TreeSampling:
     def validate(rollout_cfg: Any, advantage: str) -> None:
         """The options, and an advantage that reads the tree."""
         TreeOptions.from_config(rollout_cfg)
-        if TREE_INPUT not in ADVANTAGES.accepted_inputs(advantage):
-            readers = sorted(name for name in ADVANTAGES.names() if TREE_INPUT in ADVANTAGES.accepted_inputs(name))
-            raise ConfigError(
-                f"rollout={rollout_cfg.get('strategy')} samples each group as a tree, and advantage '{advantage}' does not "
-                f"read the tree (it would treat shared prefixes as independent samples). Add algorithm/advantage=<one of "
-                f"{readers}> (tree: TreePO's subtree baselines; treerpo: TreeRPO's sibling groups), or use rollout=iid"
-            )
+        require_advantage_input(
+            advantage, TREE_INPUT,
+            f"rollout={rollout_cfg.get('strategy')} samples each group as a tree, and advantage '{{advantage}}' does not "
+            "read the tree (it would treat shared prefixes as independent samples). Add algorithm/advantage=<one of "
+            "{readers}> (tree: TreePO's subtree baselines; treerpo: TreeRPO's sibling groups), or use rollout=iid",
+        )
 
     # ------------------------------------------------------------------ sampling
 

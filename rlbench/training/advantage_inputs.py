@@ -20,6 +20,9 @@ built in :meth:`AdvantageInputSources.from_config`), and check its options in
                             diversity_from=diversity)
     tree_nodes        [B,T] the tree node of every response token, -1 on padding (Completion.tree_nodes
                             of a tree rollout: tree, treerpo)
+    step_index        [B,T] the step (0, 1, ...) of every response token, -1 on padding, and
+    step_values       [B,T] V^ of the state where the token's step starts (Completion.step_values of
+                            rollout=vine: Monte-Carlo values at step boundaries)
 
 Configuration (under ``algorithm``):
 
@@ -59,7 +62,7 @@ from rlbench.utils import STREAM_GREEDY, STREAM_REFERENCE, make_generator
 log = logging.getLogger(__name__)
 
 # The inputs this module provides (composition.PROVIDED_ADVANTAGE_INPUTS lists them too).
-RUNNER_INPUTS = {"baseline_rewards", "tracker_baseline", "answer_keys", "diversity", "tree_nodes"}
+RUNNER_INPUTS = {"baseline_rewards", "tracker_baseline", "answer_keys", "diversity", "tree_nodes", "step_index", "step_values"}
 BASELINE_SOURCES = ("greedy", "reference")
 DEFAULT_BASELINE_SOURCE = {"remax": "greedy", "pvpo": "reference"}
 BASELINE_KEYS = {"source", "samples", "refresh_every"}
@@ -176,6 +179,22 @@ def token_tree_nodes(graded: GradedGroups, width: int) -> torch.Tensor:
     return out
 
 
+def token_steps(graded: GradedGroups, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, width] long step of every response token, -1 on padding; [B, width] float64 V^ of the state
+    where the token's step starts) from Completion.step_values."""
+    flat = [c for group in graded.groups for c in group]
+    index = torch.full((len(flat), width), -1, dtype=torch.long)
+    values = torch.zeros((len(flat), width), dtype=torch.float64)
+    for row, completion in enumerate(flat):
+        if completion.step_values is None:
+            raise ValueError("a response without step_values reached an advantage that reads them (rollout=vine sets them)")
+        ends = [start for start, _ in completion.step_values[1:]] + [len(completion.response_ids)]
+        for step, ((start, value), end) in enumerate(zip(completion.step_values, ends)):
+            index[row, start:end] = step
+            values[row, start:end] = value
+    return index, values
+
+
 def advantage_param(algorithm: Algorithm, name: str) -> Any:
     """The estimator's parameter ``name``: from the config, else the function's default."""
     if name in algorithm.advantage.params:
@@ -221,6 +240,11 @@ def validate_step_options(cfg: Any, algorithm: Algorithm) -> None:
         raise ConfigError(
             f"advantage '{name}' reads the tree of a tree rollout (tree_nodes), and rollout={cfg.rollout.get('strategy', 'iid')} "
             "samples independent responses. Select rollout=tree (TreePO) or rollout=treerpo (TreeRPO)"
+        )
+    if needed_inputs(algorithm) & {"step_index", "step_values"} and not getattr(strategy_class(cfg.rollout), "estimates_step_values", False):
+        raise ConfigError(
+            f"advantage '{name}' reads Monte-Carlo step values (step_values), and rollout={cfg.rollout.get('strategy', 'iid')} "
+            "does not estimate them. Select rollout=vine (VinePPO), or another advantage"
         )
     if not isinstance(cfg.algorithm.get("overlong_filter", False), bool):
         raise ConfigError(f"algorithm.overlong_filter must be true or false, got {cfg.algorithm.get('overlong_filter')!r}")
@@ -472,6 +496,9 @@ class AdvantageInputSources:
             inputs["diversity"] = token_jaccard_distance(responses).to(device)
         if "tree_nodes" in self.needs:
             inputs["tree_nodes"] = token_tree_nodes(graded, batch.response_mask.shape[1]).to(device)
+        if self.needs & {"step_index", "step_values"}:
+            index, values = token_steps(graded, batch.response_mask.shape[1])
+            inputs["step_index"], inputs["step_values"] = index.to(device), values.to(device)
         return inputs, metrics
 
     def state_dict(self) -> dict[str, Any]:
