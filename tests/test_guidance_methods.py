@@ -57,6 +57,9 @@ def test_the_first_wrong_sentence_is_replaced_by_the_aligned_reference_step_and_
     # a response whose every step checks out keeps them all and gets the reference's steps after them
     partial = edited_response(sampled("He has 3 + 4 = 7 apples.\n"), reference_trace(), PROBLEM, "numbers", TOK, 200)
     assert partial.text == REFERENCE and partial.off_policy.count(0) == len("He has 3 + 4 = 7 apples.\n")
+    # ... and a response that ended (EOS) keeps its steps but not its EOS
+    ended = Completion(0, (1,), TOK.encode("He has 3 + 4 = 7 apples.\n") + [0], [-0.5] * 26, True)
+    assert edited_response(ended, reference_trace(), PROBLEM, "numbers", TOK, 200).response_ids == list(reference_trace().token_ids)
     # a budget cuts the edit (the response is then unfinished)
     cut = edited_response(sampled(response), reference_trace(), PROBLEM, "numbers", TOK, len(kept) + 4)
     assert cut.text == kept + "Then" and not cut.finished and sum(cut.off_policy) == 4

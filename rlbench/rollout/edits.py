@@ -95,13 +95,15 @@ def edited_response(
     trace's remainder after it (module docstring): the kept tokens on-policy with their sampling
     log-probs, the trace's off-policy with behaviour log-prob 0, labelled ``edited``."""
     ids, reference = list(completion.response_ids), list(trace.token_ids)
+    if ids and ids[-1] == getattr(tokenizer, "eos_token_id", None):  # the steps are the text before the EOS
+        ids = ids[:-1]
     spans = step_spans(ids, checker, tokenizer)
     ref_spans = step_spans(reference, checker, tokenizer)
     allowed = numbers_in(problem.prompt) | numbers_in(tokenizer.decode(reference)) if checker == "numbers" else set()
     k = first_wrong_step(ids, spans, checker, tokenizer, allowed)
     if k < len(spans):  # replace step k by the aligned reference step, then the reference's remainder
         keep, tail_start = spans[k][0], ref_spans[min(k, len(ref_spans) - 1)][0]
-    else:  # no wrong step: keep them all, then the reference's steps after the aligned one
+    else:  # no wrong step: keep them all (not the EOS), then the reference's steps after the aligned one
         keep, tail_start = len(ids), ref_spans[min(k, len(ref_spans)) - 1][1] if k else 0
     remainder = reference[tail_start:]
     tail = remainder[: max(max_tokens - keep, 0)]
@@ -110,7 +112,7 @@ def edited_response(
         completion,
         response_ids=response,
         logprobs=own + [0.0] * len(tail),
-        finished=(trace.finished and len(tail) == len(remainder)) if tail else completion.finished and keep == len(ids),
+        finished=(trace.finished and len(tail) == len(remainder)) if tail else False,
         text=tokenizer.decode(response),
         prefix_len=0,
         behaviour="edited",
