@@ -57,6 +57,7 @@ PROVIDED_LOSS_INPUTS = {
     "logp", "old_logp", "advantages", "response_mask", "entropy", "progress", "prox_logp",
     "sampling_logp",  # TrainBatch.sampling_logp, the rollout engine's log-probs (Completion.logprobs)
     "off_policy",  # TrainBatch.off_policy: 1 on tokens pi_old did not sample (traces, replay, stale data)
+    "log_probs", "response_ids",  # the full-vocabulary log-probs [B,T,V] and the response token ids (otr)
 }
 
 
@@ -349,6 +350,11 @@ class Algorithm:
         return self.epochs > 1 or self.minibatches > 1 or self.schedule != "standard"
 
     @property
+    def needs_vocabulary_log_probs(self) -> bool:
+        """The forward keeps the full-vocabulary log-probs only for a loss that reads them (otr)."""
+        return "log_probs" in POLICY_LOSSES.accepted_inputs(self.loss.name)
+
+    @property
     def needs_proximal_policy(self) -> bool:
         """An EWMA copy of the weights is kept only for a loss that reads prox_logp (ppo_ewma)."""
         return "prox_logp" in POLICY_LOSSES.accepted_inputs(self.loss.name)
@@ -433,6 +439,8 @@ class Algorithm:
         sampling_logp: torch.Tensor | None = None,
         off_policy: torch.Tensor | None = None,
         prev_logp: torch.Tensor | None = None,
+        log_probs: torch.Tensor | None = None,
+        response_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """The scalar loss of one (micro-)batch and its metrics.
 
@@ -458,6 +466,8 @@ class Algorithm:
             inputs["sampling_logp"] = sampling_logp
         # The off-policy mask, zeros when every token is on-policy, so a piece reading it needs no branch.
         inputs["off_policy"] = off_policy if off_policy is not None else torch.zeros_like(mask)
+        if log_probs is not None:  # [B,T,V] with gradient, and the token ids they score (otr)
+            inputs.update(log_probs=log_probs, response_ids=response_ids)
         loss_matrix, metrics = POLICY_LOSSES.call(self.loss.name, inputs, self.loss.params)
         if token_weights is not None:
             loss_matrix = loss_matrix * token_weights

@@ -174,7 +174,7 @@ ADVANTAGES = Registry("advantage estimator", inputs=frozenset({
 }))
 POLICY_LOSSES = Registry("policy loss", inputs=frozenset({
     "logp", "old_logp", "advantages", "response_mask", "entropy", "ref_logp", "progress", "sampling_logp",
-    "prox_logp", "control_mask", "generator", "off_policy",
+    "prox_logp", "control_mask", "generator", "off_policy", "log_probs", "response_ids",
 }))
 AGGREGATIONS = Registry("loss aggregation", inputs=frozenset({
     "loss_matrix", "response_mask", "batch_tokens", "batch_sequences", "norm_length",

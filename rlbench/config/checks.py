@@ -243,7 +243,12 @@ def check_run(cfg: Any, origins: ValueOrigins) -> Algorithm:
         check_swarm(cfg, algorithm)
         validate_spec(cfg.dataset, source=cfg.data_source, data_dir=cfg.data_dir)
         check_reward_matches_dataset(cfg.reward.name, cfg.dataset)
-        GuidanceOptions.from_config(cfg.get("guidance"))
+        guidance = GuidanceOptions.from_config(cfg.get("guidance"))
+        if rollout.get("strategy") == "references" and guidance.source == "none":
+            raise ConfigError(
+                "rollout=references (algorithm=otr) trains on guidance references only and guidance=none gives "
+                "none; choose guidance=dataset or guidance=jsonl guidance.path=<file>"
+            )
     if cfg.mode == "generate":
         if not cfg.get("out"):
             raise ConfigError("mode=generate writes graded traces to a file: set out=<path>.jsonl")

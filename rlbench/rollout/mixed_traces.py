@@ -12,6 +12,11 @@ Configuration (conf/rollout/mixed_traces.yaml; ``algorithm=luffy`` selects it):
     strategy: mixed_traces
     mixed_traces:
       traces_per_group: 1   # traces per group (the paper: 1 of 8)
+      when: always          # always (LUFFY) | unsolved (DaGRPO's anchors, below)
+
+``when: unsolved`` (DaGRPO's off-policy anchors, Xie et al. 2025, arXiv:2512.06337, ``rollout=anchors``):
+every prompt gets ``rollout.n`` policy samples, and a group none of whose responses is correct gets
+``traces_per_group`` traces added (a group of n + k), graded with it; solved groups are left alone.
 
 With an empty library (``guidance=none``) the requests are exactly ``rollout=iid``'s, so the groups,
 and the run, are the iid ones. A prompt with several traces uses them in turn over the steps it is
@@ -25,33 +30,44 @@ from typing import Any, Callable
 import torch
 
 from rlbench.dataset.base import Problem
-from rlbench.errors import ConfigError
+from rlbench.errors import ConfigError, DataError
 from rlbench.guidance.traces import Trace, trace_completion
 from rlbench.rollout.base import GenerationRequest
 from rlbench.rollout.groups import GradedGroups
 from rlbench.rollout.strategy import RolloutSetup, options_block, register_strategy
 
-OPTION_KEYS = {"traces_per_group"}
+OPTION_KEYS = {"traces_per_group", "when"}
+WHEN = ("always", "unsolved")
 
 
 def traces_per_group(rollout_cfg: Any) -> int:
     return int(options_block(rollout_cfg, "mixed_traces", OPTION_KEYS).get("traces_per_group", 1))
 
 
+def traces_when(rollout_cfg: Any) -> str:
+    when = str(options_block(rollout_cfg, "mixed_traces", OPTION_KEYS).get("when", "always"))
+    if when not in WHEN:
+        raise ConfigError(f"rollout.mixed_traces.when={when!r} is unknown; choose always (LUFFY) or unsolved (DaGRPO's anchors)")
+    return when
+
+
 @register_strategy("mixed_traces")
 class MixedTraces:
-    def __init__(self, setup: RolloutSetup, per_group: int):
-        self.setup, self.per_group = setup, per_group
+    def __init__(self, setup: RolloutSetup, per_group: int, when: str = "always"):
+        self.setup, self.per_group, self.when = setup, per_group, when
         self.uses: dict[str, int] = {}  # uid -> traces of it used so far
 
     @classmethod
     def from_config(cls, rollout_cfg: Any, setup: RolloutSetup) -> "MixedTraces":
-        return cls(setup, traces_per_group(rollout_cfg))
+        return cls(setup, traces_per_group(rollout_cfg), traces_when(rollout_cfg))
 
     @staticmethod
     def validate(rollout_cfg: Any, advantage: str) -> None:
         k, n = traces_per_group(rollout_cfg), int(rollout_cfg.n)
-        if not 1 <= k < n:
+        if traces_when(rollout_cfg) == "unsolved":  # anchors join a full group of the policy's samples
+            if k < 1:
+                raise ConfigError(f"rollout.mixed_traces.traces_per_group={k} must be at least 1")
+        elif not 1 <= k < n:
             raise ConfigError(
                 f"rollout.mixed_traces.traces_per_group={k} must be at least 1 and below rollout.n={n}: "
                 "the group needs responses of the policy beside its traces"
@@ -76,6 +92,8 @@ class MixedTraces:
     def rollout(
         self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None = None
     ) -> tuple[GradedGroups, dict[str, float]]:
+        if self.when == "unsolved":
+            return self.anchor_rollout(problems)
         setup = self.setup
         sampler = setup.sampler
         prompt_ids = sampler.encode(problems)
@@ -92,3 +110,69 @@ class MixedTraces:
             "rollout_outcome_mean": float(graded.outcome[own].mean().item()),
         }
         return graded, metrics
+
+    def anchor_rollout(self, problems: list[Problem]) -> tuple[GradedGroups, dict[str, float]]:
+        """``when: unsolved``: n policy samples per prompt; traces join the groups with no correct response."""
+        setup = self.setup
+        graded = setup.sample(problems)
+        metrics = {"rollout_outcome_mean": float(graded.outcome.mean().item())}  # the policy's own samples
+        correct = graded.correct
+        index = graded.group_index
+        groups, anchored = [], 0
+        for g, (problem, group) in enumerate(zip(problems, graded.groups)):
+            traces = self.pick_traces(problem) if not bool(correct[index == g].any()) else []
+            groups.append(list(group) + [trace_completion(t, group[0].prompt_ids, group[0].request_index) for t in traces])
+            anchored += bool(traces)
+        metrics["groups_anchored"] = float(anchored)
+        if anchored:
+            graded = setup.sampler.grade(problems, groups, setup.params.max_new_tokens)
+        return graded, metrics
+
+
+@register_strategy("references")
+class References(MixedTraces):
+    """The references alone (``rollout=references``; OTR, arXiv:2509.26313, whose loss samples its own
+    one-token rollouts): each prompt's group is one trace of the guidance source (in turn over the steps),
+    no response is generated for training, and prompts without a trace are left out of the step
+    (DataError when none of them has one: the source is empty). ``monitor_n`` > 0 samples that many free
+    responses per prompt only to measure the policy (their mean outcome is ``rollout_outcome_mean``; they
+    are never trained on); 0 (the default) generates nothing."""
+
+    def __init__(self, setup: RolloutSetup, monitor_n: int):
+        super().__init__(setup, 1)
+        self.monitor_n = monitor_n
+
+    @classmethod
+    def from_config(cls, rollout_cfg: Any, setup: RolloutSetup) -> "References":
+        return cls(setup, reference_monitor_n(rollout_cfg))
+
+    @staticmethod
+    def validate(rollout_cfg: Any, advantage: str) -> None:
+        reference_monitor_n(rollout_cfg)
+
+    def rollout(
+        self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None = None
+    ) -> tuple[GradedGroups, dict[str, float]]:
+        setup = self.setup
+        metrics = {}
+        if self.monitor_n:
+            metrics["rollout_outcome_mean"] = float(setup.sampler(problems, self.monitor_n, setup.params, setup.generator).outcome.mean().item())
+        chosen = [(problem, self.pick_traces(problem)) for problem in problems]
+        kept = [(problem, traces) for problem, traces in chosen if traces]
+        if not kept:
+            raise DataError(
+                f"rollout=references: none of the step's {len(problems)} prompts has a guidance trace; "
+                "choose a source with traces (guidance=dataset or guidance=jsonl guidance.path=...)"
+            )
+        prompt_ids = setup.sampler.encode([p for p, _ in kept])
+        groups = [[trace_completion(t, ids, request_index=i) for t in traces] for i, ((_, traces), ids) in enumerate(zip(kept, prompt_ids))]
+        graded = setup.sampler.grade([p for p, _ in kept], groups, setup.params.max_new_tokens)
+        metrics["groups_with_trace"] = float(len(kept))
+        return graded, metrics
+
+
+def reference_monitor_n(rollout_cfg: Any) -> int:
+    n = int(options_block(rollout_cfg, "references", {"monitor_n"}).get("monitor_n", 0))
+    if n < 0:
+        raise ConfigError(f"rollout.references.monitor_n must be >= 0, got {n}")
+    return n

@@ -39,7 +39,8 @@ def micro_batch_loss(
         raise ValueError("off-policy tokens need stored old log-probs (training.step.behaviour_old_logp), not ratio 1")
     out = token_outputs(
         model, sub, temperature, with_entropy=track_entropy or algorithm.uses_entropy_bonus,
-        entropy_requires_grad=algorithm.uses_entropy_bonus, value_head=value_head, with_log_probs=with_log_probs,
+        entropy_requires_grad=algorithm.uses_entropy_bonus, value_head=value_head,
+        with_log_probs=with_log_probs or algorithm.needs_vocabulary_log_probs,
     )
     prox_logp = None
     if proximal_model is not None:
@@ -65,6 +66,8 @@ def micro_batch_loss(
         sampling_logp=sub.sampling_logp,
         off_policy=sub.off_policy,
         prev_logp=sub.prev_logp,
+        log_probs=out.log_probs if algorithm.needs_vocabulary_log_probs else None,
+        response_ids=sub.input_ids[:, sub.prompt_width : sub.prompt_width + sub.response_mask.shape[1]],
     )
     if out.entropy is not None:
         tokens = float(sub.response_mask.sum().item())

@@ -1,5 +1,5 @@
 """Estimators that compare the responses of one prompt with each other: GRPO, Dr.GRPO, Lite-PPO's
-batch std, RLOO, OPO, GPG, pass@k, NGRPO, DRPO and polychromic (set-diversity) advantages.
+batch std, RLOO, OPO, GPG, pass@k, NGRPO, DRPO, polychromic (set-diversity) and DaGRPO's distinct-pair advantages.
 """
 
 from __future__ import annotations
@@ -50,6 +50,41 @@ def dr_grpo_advantage(rewards: torch.Tensor, group_index: torch.Tensor, response
     (question-level difficulty bias). Singleton groups get A = 0.
     """
     return grpo_advantage(rewards, group_index, response_mask, scale_by_std=False)
+
+
+def distinct_pair_mask(scores: torch.Tensor, group_index: torch.Tensor, delta: float) -> torch.Tensor:
+    """[B, B] bool: the pairs (i, j), i != j, of one group whose scores differ by at least ``delta``
+    (DaGRPO's distinct pairs; symmetric)."""
+    s = scores.to(torch.float64)
+    same_group = group_index[:, None] == group_index[None, :]
+    apart = (s[:, None] - s[None, :]).abs() >= delta - 1e-12
+    not_self = ~torch.eye(s.shape[0], dtype=torch.bool, device=s.device)
+    return same_group & apart & not_self
+
+
+@ADVANTAGES.register("distinct_pairs")
+def distinct_pairs_advantage(
+    rewards: torch.Tensor, group_index: torch.Tensor, response_mask: torch.Tensor, delta: float = 0.1, epsilon: float = 1e-6
+) -> torch.Tensor:
+    """Distinctiveness-aware pairwise advantage (DaGRPO, Xie et al. 2025, arXiv:2512.06337: "mask sample
+    pairs with low distinctiveness"; the paper's formula was not available, this is the design of
+    docs/guidance.md built to match the abstract). With s_i the response's score (its reward, which a
+    partial-credit reward makes fine-grained) and P_i = {j != i in the group : |s_i - s_j| >= delta}:
+
+        A_i = (1 / |P_i|) sum_{j in P_i} (s_i - s_j) / (std_g(s) + epsilon),     A_i = 0 when P_i is empty
+
+    Pairs closer than ``delta`` give no gradient to either member (with delta -> 0 and binary rewards A_i
+    is +-1 / std for the two sides of a mixed group). std is GRPO's unbiased group std.
+    """
+    if delta < 0:
+        raise ConfigError(f"algorithm.advantage.delta must be >= 0, got {delta}")
+    scores = rewards.to(torch.float64)
+    pairs = distinct_pair_mask(scores, group_index, delta).to(torch.float64)
+    _, std, _ = group_mean_std(scores, group_index)
+    count = pairs.sum(1)
+    gaps = (pairs * (scores[:, None] - scores[None, :])).sum(1)
+    advantage = torch.where(count > 0, gaps / count.clamp(min=1) / (std + epsilon), torch.zeros_like(scores))
+    return _broadcast(advantage.float(), response_mask)
 
 
 def _sequence_grpo(

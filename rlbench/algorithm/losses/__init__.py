@@ -11,6 +11,9 @@ else):
     ref_logp       [B,T]  log pi_ref, only when a reference model is loaded
     progress       float  fraction of training done, in [0, 1] (annealed schedules)
     sampling_logp  [B,T]  log-probs under the rollout engine (train/inference-mismatch corrections)
+    log_probs      [B,T,V] full-vocabulary log pi_theta(. | q, o_<t), with gradient; computed only for a
+                          loss that declares it (otr)
+    response_ids   [B,T]  the response token ids o_t (with log_probs)
   Introduced by this module (optional unless a loss's signature has no default for them):
     prox_logp      [B,T]  log-probs under the *proximal* policy of decoupled PPO (ppo_ewma; no
                           gradient). Provided by the trainer: an EWMA copy of the weights, or the
