@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from rlbench.training.advantage_inputs import validate_step_options
+from rlbench.training.reference_soup import validate_reference_soup
 from rlbench.training.curricula import parse_stages, sampler_options, stage_settings
 from rlbench.training.distributed import check_strategy
 from rlbench.algorithm import Algorithm
@@ -191,6 +192,7 @@ def check_run(cfg: Any, origins: ValueOrigins) -> Algorithm:
         check_staleness(cfg, algorithm)
         algorithm.check_batch_size(trainer.prompts_per_step * rollout.n)
         validate_step_options(cfg, algorithm)
+        validate_reference_soup(cfg, algorithm.kl_coef)
         check_strategy(trainer.get("strategy", "single"), trainer.prompts_per_step, algorithm, rollout.get("strategy", "iid"))
         check_sharded_run_features(cfg)
         validate_spec(cfg.dataset, source=cfg.data_source, data_dir=cfg.data_dir)

@@ -29,6 +29,7 @@ from rlbench.algorithm import Algorithm
 from rlbench.algorithm.critic import value_targets
 from rlbench.dataset.base import Problem
 from rlbench.model.lora import AdaptersOff, reference_model
+from rlbench.training.reference_soup import ReferenceSoup
 from rlbench.reward.graders import make_grader
 from rlbench.rollout import GradedGroups, GroupSampler, RolloutSetup, RolloutStrategy, make_strategy
 from rlbench.rollout.base import RolloutEngine, SamplingParams
@@ -70,6 +71,7 @@ class StepContext:
     world: World = SINGLE  # trainer.strategy=ddp|fsdp: this rank's place (rlbench.training.distributed)
     policy_version: int = 0  # policy updates so far; stamps the responses sampled at this step
     rollout_generator: torch.Generator | None = None  # the strategy's random stream (RolloutSetup.generator)
+    reference_soup: ReferenceSoup | None = None  # algorithm.reference_soup: the reference as a weight soup (SALSA)
 
     @property
     def temperature(self) -> float:
@@ -91,6 +93,7 @@ class StepContext:
             "strategy": strategy() if strategy is not None else None,
             "inputs": self.inputs.state_dict(),
             "update_state": self.update_state.state_dict(),
+            "reference_soup": None if self.reference_soup is None else self.reference_soup.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -105,6 +108,8 @@ class StepContext:
             self.strategy.load_state_dict(state["strategy"])
         self.inputs.load_state_dict(state["inputs"])
         self.update_state.load_state_dict(state["update_state"])
+        if self.reference_soup is not None:
+            self.reference_soup.load_state_dict(state["reference_soup"])
 
 
 def make_step_context(
@@ -162,6 +167,7 @@ def make_step_context(
         overlong_filter=bool(cfg.algorithm.get("overlong_filter", False)),
         rollout_generator=rollout_generator,
         world=world,
+        reference_soup=ReferenceSoup.from_config(cfg.algorithm.get("reference_soup"), reference),
     )
 
 
@@ -215,6 +221,8 @@ def learn_step(
     stats = update(ctx, batch, graded.finished.to(ctx.device), progress, response_kl)
     input_metrics.update(ctx.inputs.after_update(graded))
     ctx.policy_version += 1
+    if ctx.reference_soup is not None:
+        input_metrics.update(ctx.reference_soup.after_update(ctx.model, ctx.policy_version))
     t_update = time.perf_counter() - t1
     step_time = time.perf_counter() - started
     lengths = batch.response_mask.sum(-1)
