@@ -130,8 +130,8 @@ class ReferenceSoupConfig:
 class UpdateConfig:
     """How one rollout batch's loss becomes parameter changes (rlbench/algorithm/schedules.py)."""
 
-    schedule: Literal["standard", "sfpo", "trpo"] = knob(
-        "standard", "standard: epochs x minibatches optimizer steps; sfpo: slow-fast; trpo: one natural-gradient step"
+    schedule: Literal["standard", "sfpo", "trpo", "none"] = knob(
+        "standard", "standard: epochs x minibatches optimizer steps; sfpo: slow-fast; trpo: one natural-gradient step; none: no parameter update (training_free_grpo)"
     )
     epochs: int = knob(1, "passes over each rollout batch", ge=1)
     minibatches: int = knob(1, "optimizer steps per pass; > 1 (or epochs > 1) stores old log-probs", ge=1)

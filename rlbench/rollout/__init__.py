@@ -7,8 +7,8 @@ from rlbench.rollout.hf_engine import HFGenerateEngine
 from rlbench.rollout.groups import GradedGroups, GroupSampler
 from rlbench.rollout.strategy import STRATEGIES, RolloutSetup, RolloutStrategy, make_strategy, validate_strategy
 from rlbench.rollout import (  # noqa: F401  (register the strategies; guided_prefix also dataset_reset)
-    adaptive, dynamic_sampling, entropy_branch, equivalent_states, guided_prefix, hints, iid, lookahead, micro_groups,
-    mixed_traces, multiround, replay, rethink, speculative, tree,
+    adaptive, dynamic_sampling, entropy_branch, equivalent_states, experience_library, guided_prefix, hints, iid, lookahead,
+    micro_groups, mixed_traces, multiround, replay, rethink, speculative, tree,
 )
 
 __all__ = [

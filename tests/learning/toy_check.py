@@ -137,6 +137,8 @@ def control_overrides(preset: str, scratch: Path) -> list[str]:
     from rlbench.algorithm import Algorithm
 
     cfg = compose([f"experiment=toy_learning/{preset}"], scratch)
+    if cfg.algorithm.update.get("schedule") == "none":  # Training-Free GRPO changes the prompt, not the weights
+        return ["rollout.experience_library.max_items=0"]
     if Algorithm.from_config(cfg.algorithm).uses_optimizer:
         return ["trainer.lr=1e-12"]
     return ["algorithm.update.trpo.max_kl=1e-12", "algorithm.update.trpo.cg_iters=1",
