@@ -116,6 +116,15 @@ def save_policy(model: torch.nn.Module, tokenizer: Any, target: Path, world: Wor
     tmp.rename(target)
 
 
+def in_strategy_context(benchmarks: list[Benchmark], strategy: Any) -> list[Benchmark]:
+    """The benchmarks as the trained policy is asked them: a strategy that puts context in every prompt
+    (``in_context``: Training-Free GRPO's experience library) puts it in the evaluation's prompts too."""
+    in_context = getattr(strategy, "in_context", None)
+    if in_context is None:
+        return benchmarks
+    return [dataclasses.replace(b, problems=[in_context(p) for p in b.problems]) for b in benchmarks]
+
+
 def link_latest(out_dir: Path) -> None:
     """results/latest -> this run's folder (best effort)."""
     try:
@@ -231,7 +240,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
             def run_eval(phase: str, step: int) -> EvalResult:
                 log.info("evaluating (%s) on %s", phase, ", ".join(b.name for b in benchmarks))
-                result = evaluate(engine, tokenizer, benchmarks, n=ev.n, ks=list(ev.k), params=eval_params, seed=eval_seed, world=world)
+                shown = benchmarks if training_run is None else in_strategy_context(benchmarks, training_run.ctx.strategy)
+                result = evaluate(engine, tokenizer, shown, n=ev.n, ks=list(ev.k), params=eval_params, seed=eval_seed, world=world)
                 logger.log_evaluation(step, result.with_phase(phase).rows)
                 faults.kill_point("eval", step)
                 return result

@@ -275,6 +275,9 @@ STATEFUL_PRESETS = {
     "pvpo": ["algorithm=pvpo"],
     "adaptive": ["algorithm=grpo", "algorithm.kl.coef=0.05", "algorithm.kl.adaptive={target:0.001,horizon:10}",
                  "algorithm.entropy_adaptive={target:5.0,delta:0.01}"],
+    # SALSA's soup takes its snapshots at updates 1 and 2, before the checkpoint; the experience library
+    "salsa": ["algorithm=salsa", "algorithm.reference_soup.every=1", "algorithm.reference_soup.models=3"],
+    "training_free_grpo": ["algorithm=training_free_grpo"],
 }
 
 

@@ -274,9 +274,9 @@ class Algorithm:
 
     @property
     def uses_optimizer(self) -> bool:
-        """False under trpo, which sets the parameters by its own line search: the optimizer and its
-        learning-rate schedule play no part."""
-        return self.schedule != "trpo"
+        """False under trpo, which sets the parameters by its own line search, and under none, which
+        changes no parameter: the optimizer and its learning-rate schedule play no part."""
+        return self.schedule not in ("trpo", "none")
 
     @property
     def needs_reference(self) -> bool:

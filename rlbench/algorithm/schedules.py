@@ -24,7 +24,7 @@ import torch
 
 from rlbench.errors import ConfigError
 
-SCHEDULES = ("standard", "sfpo", "trpo")
+SCHEDULES = ("standard", "sfpo", "trpo", "none")  # none: no parameter update (training_free_grpo)
 
 
 @dataclass(frozen=True)

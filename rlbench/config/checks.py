@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from rlbench.training.advantage_inputs import validate_step_options
+from rlbench.training.reference_soup import validate_reference_soup
 from rlbench.training.curricula import parse_stages, sampler_options, stage_settings
 from rlbench.training.distributed import check_strategy, launched_world_size
 from rlbench.training.swarm import check_swarm
@@ -144,6 +145,9 @@ def check_reincarnation(cfg: Any) -> None:
     """ReMix's policy reincarnation (algorithm.reincarnate_at) copies the policy into the KL reference:
     not with a LoRA policy, whose reference is the adapter-free base (a view, no copy to overwrite)."""
     at = cfg.algorithm.get("reincarnate_at")
+    if at is not None and cfg.algorithm.get("reference_soup"):
+        raise ConfigError(f"algorithm.reincarnate_at={at} and algorithm.reference_soup both set the KL reference "
+                          "(ReMix's reincarnated policy, SALSA's weight soup): choose one")
     if at is not None and cfg.model.get("lora") and cfg.algorithm.kl.coef > 0:
         raise ConfigError(f"algorithm.reincarnate_at={at} makes the policy the new KL reference, but a LoRA policy's "
                           "reference is its adapter-free base: drop model.lora, algorithm.kl.coef or reincarnate_at")
@@ -238,6 +242,7 @@ def check_run(cfg: Any, origins: ValueOrigins) -> Algorithm:
         check_masked_rollout(cfg, algorithm)
         algorithm.check_batch_size(trainer.prompts_per_step * rollout.n)
         validate_step_options(cfg, algorithm)
+        validate_reference_soup(cfg, algorithm.kl_coef)
         check_strategy(trainer.get("strategy", "single"), trainer.prompts_per_step, algorithm, rollout.get("strategy", "iid"))
         check_sharded_run_features(cfg)
         check_swarm(cfg, algorithm)

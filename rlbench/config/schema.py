@@ -123,11 +123,19 @@ class TRPOConfig:
 
 
 @dataclass
+class ReferenceSoupConfig:
+    """SALSA (arXiv:2411.01798): the KL reference is a weight soup of policy snapshots (rlbench/training/reference_soup.py)."""
+
+    models: int = knob(2, "ingredients of the soup: the initial policy and models - 1 snapshots of the policy (1: the plain reference)", ge=1)
+    every: int = knob(1, "policy updates between two snapshots added to the soup", ge=1)
+
+
+@dataclass
 class UpdateConfig:
     """How one rollout batch's loss becomes parameter changes (rlbench/algorithm/schedules.py)."""
 
-    schedule: Literal["standard", "sfpo", "trpo"] = knob(
-        "standard", "standard: epochs x minibatches optimizer steps; sfpo: slow-fast; trpo: one natural-gradient step"
+    schedule: Literal["standard", "sfpo", "trpo", "none"] = knob(
+        "standard", "standard: epochs x minibatches optimizer steps; sfpo: slow-fast; trpo: one natural-gradient step; none: no parameter update (training_free_grpo)"
     )
     epochs: int = knob(1, "passes over each rollout batch", ge=1)
     minibatches: int = knob(1, "optimizer steps per pass; > 1 (or epochs > 1) stores old log-probs", ge=1)
@@ -183,6 +191,9 @@ class AlgorithmConfig:
     loss: Any = knob(None, "policy loss {name, parameters} (algorithm/loss=<option>)", piece="loss")
     aggregation: Any = knob(None, "loss aggregation {name} (algorithm/aggregation=<option>)", piece="aggregation")
     kl: KLConfig = node(KLConfig, "KL to a reference model")
+    reference_soup: Optional[ReferenceSoupConfig] = node(
+        ReferenceSoupConfig, "null: the reference is the initial policy; {models, every}: a weight soup of policy snapshots (SALSA)"
+    )
     entropy_coef: float = knob(0.0, "entropy-bonus coefficient (the start value when entropy_adaptive is set)", ge=0)
     entropy_adaptive: Optional[AdaptiveEntropyConfig] = node(AdaptiveEntropyConfig, "null: fixed entropy_coef; {target, ...}: adaptive")
     token_mask: TokenMaskConfig = node(TokenMaskConfig, "which tokens get a policy gradient")

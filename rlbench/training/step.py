@@ -29,6 +29,7 @@ from rlbench.algorithm import Algorithm
 from rlbench.algorithm.critic import value_targets
 from rlbench.dataset.base import Problem
 from rlbench.model.lora import AdaptersOff, reference_model
+from rlbench.training.reference_soup import ReferenceSoup
 from rlbench.reward.graders import make_grader
 from rlbench.rollout import GradedGroups, GroupSampler, RolloutSetup, RolloutStrategy, make_strategy
 from rlbench.rollout.base import RolloutEngine, SamplingParams
@@ -71,6 +72,7 @@ class StepContext:
     policy_version: int = 0  # policy updates so far; stamps the responses sampled at this step
     rollout_generator: torch.Generator | None = None  # the strategy's random stream (RolloutSetup.generator)
     reincarnate_at: int | None = None  # algorithm.reincarnate_at: ReMix's policy reincarnation (:func:`reincarnate`)
+    reference_soup: ReferenceSoup | None = None  # algorithm.reference_soup: the reference as a weight soup (SALSA)
 
     @property
     def reincarnated(self) -> bool:
@@ -99,6 +101,7 @@ class StepContext:
             "update_state": self.update_state.state_dict(),
             # after a reincarnation the reference is no longer the initial policy: it is saved
             "reference": self.reference.state_dict() if self.reincarnated and self.reference is not None else None,
+            "reference_soup": None if self.reference_soup is None else self.reference_soup.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -115,6 +118,8 @@ class StepContext:
         self.update_state.load_state_dict(state["update_state"])
         if state.get("reference") is not None:
             self.reference.load_state_dict(state["reference"])
+        if self.reference_soup is not None:
+            self.reference_soup.load_state_dict(state["reference_soup"])
 
 
 def make_step_context(
@@ -173,6 +178,7 @@ def make_step_context(
         rollout_generator=rollout_generator,
         world=world,
         reincarnate_at=cfg.algorithm.get("reincarnate_at"),
+        reference_soup=ReferenceSoup.from_config(cfg.algorithm.get("reference_soup"), reference),
     )
 
 
@@ -231,6 +237,8 @@ def learn_step(
         stats = update(ctx, batch, graded.finished.to(ctx.device), progress, response_kl)
     input_metrics.update(ctx.inputs.after_update(graded))
     ctx.policy_version += 1
+    if ctx.reference_soup is not None:
+        input_metrics.update(ctx.reference_soup.after_update(ctx.model, ctx.policy_version))
     t_update = time.perf_counter() - t1
     step_time = time.perf_counter() - started
     lengths = batch.response_mask.sum(-1)

@@ -103,6 +103,8 @@ def apply_update_schedule(
 ) -> dict[str, float]:
     """One batch's update under ``algorithm.schedule``. ``options`` are standard_update's keyword
     arguments (micro_batch_size, max_grad_norm, temperature, norm_length, generator, progress)."""
+    if algorithm.schedule == "none":  # Training-Free GRPO: no gradient, no optimizer step
+        return {"optimizer_steps": 0.0}
     if algorithm.schedule == "trpo":
         return trpo_update(model, batch, algorithm, algorithm.schedule_settings, **options)
     options = {**options, "value_head": state.value_head, "proximal": state.proximal}

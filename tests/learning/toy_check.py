@@ -84,11 +84,20 @@ ROLLOUT_STRATEGIES_WITHOUT_TOY_CHECK = {
     # seeds 0-3 (8 continuations, 4 prompts x 8), and 3 seeds x 16 steps gave median peak rise +0.022 against
     # the control's +0.035.
     "multiround": "the toy's later rounds do not depend on the first round",
+    # training_free_grpo's rollout; see ALGORITHM_PRESETS_WITHOUT_TOY_CHECK
+    "experience_library": "the toy's random model does not follow in-context examples",
 }
 
 
 # Algorithm presets the toy cannot judge, with the measurement that says why (docs/testing.md).
 ALGORITHM_PRESETS_WITHOUT_TOY_CHECK = {
+    # Training-Free GRPO changes no weight: it learns only if the policy follows in-context examples. The
+    # toy's random tiny model does not: with the library holding the 4 best responses (max_items 4,
+    # max_chars 120), 3 seeds x 16 steps gave median peak rise -0.005 (seeds 0,1,2: -0.005, -0.004, -0.021)
+    # and end rise -0.047 against the empty library's peak rise +0.044 (measured 2026-12-02,
+    # OMP_NUM_THREADS=1; about 12 CPU-s per run). tests/test_training_free_grpo.py checks the library's
+    # update rule and that the prompts change with it on a policy that copies its examples.
+    "training_free_grpo": "the toy's random model does not follow in-context examples",
     # OTR's expected gradient is pi(y*) grad log pi(y*): it needs the policy to sample the reference token.
     # The toy's references are random even ids of the 49152-token vocabulary: pi(y*) measured 2e-10..4e-8
     # (initializer_range 1.0) and 2.0e-5 (0.02, near uniform) on seed 0, so K = 8 samples never matched
@@ -106,7 +115,8 @@ def rollout_presets() -> list[str]:
 
 
 def all_presets() -> list[str]:
-    """Every learning check: the algorithm presets (conf/algorithm) and :func:`rollout_presets`."""
+    """Every learning check: the algorithm presets (conf/algorithm) but ALGORITHM_PRESETS_WITHOUT_TOY_CHECK,
+    and :func:`rollout_presets`."""
     algorithms = [p.stem for p in (ROOT / "conf" / "algorithm").glob("*.yaml") if p.stem not in ALGORITHM_PRESETS_WITHOUT_TOY_CHECK]
     return sorted(algorithms + rollout_presets())
 

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -38,6 +40,22 @@ def group_mean_std(values: torch.Tensor, group_index: torch.Tensor) -> tuple[tor
     var = sq_total / (count - 1).clamp(min=1)
     std = var.sqrt()[group_index]
     return mean, std, count[group_index]
+
+
+def group_softmax(logits: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """softmax of ``logits`` within each group, gathered back to shape [B] (float64). The group's
+    maximum is subtracted before exp (small temperatures do not overflow); a -inf logit gets weight 0,
+    and a group whose logits are all -inf gets 0 everywhere."""
+    index = group_index.long()
+    num_groups = int(index.max().item()) + 1 if index.numel() else 0
+    logits = logits.to(torch.float64)
+    peak = torch.full((num_groups,), -math.inf, dtype=torch.float64, device=logits.device).scatter_reduce(
+        0, index, logits, reduce="amax"
+    )
+    finite = logits > -math.inf
+    shifted = torch.where(finite, torch.exp(logits - peak[index]), 0.0)
+    total = torch.zeros(num_groups, dtype=torch.float64, device=logits.device).index_add_(0, index, shifted)
+    return torch.where(finite, shifted / total[index].clamp(min=1e-300), 0.0)
 
 
 def _broadcast(sequence_advantage: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

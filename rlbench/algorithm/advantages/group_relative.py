@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from rlbench.algorithm.advantages.common import _broadcast, _valid, group_mean_std
+from rlbench.algorithm.advantages.common import _broadcast, _valid, group_mean_std, group_softmax
 from rlbench.algorithm.registry import ADVANTAGES
 from rlbench.errors import ConfigError
 
@@ -372,16 +372,9 @@ def drpo_length_weights(
     the closed-form optimum of max_w sum_i w_i r_L(y_i) - lambda KL(w || uniform over P_g). Each
     group's weights sum to 1 over its correct responses (0 for a group without any). Float64 [B].
     """
-    index = group_index.long()
     positive = correct.bool()
-    num_groups = int(index.max().item()) + 1 if index.numel() else 0
     logits = torch.where(positive, -response_lengths.to(torch.float64) / (max_length * temperature), -math.inf)
-    group_max = torch.full((num_groups,), -math.inf, dtype=torch.float64, device=logits.device).scatter_reduce(
-        0, index, logits, reduce="amax"
-    )
-    shifted = torch.where(positive, torch.exp(logits - group_max[index]), 0.0)
-    total = torch.zeros(num_groups, dtype=torch.float64, device=logits.device).index_add_(0, index, shifted)
-    return torch.where(positive, shifted / total[index].clamp(min=1e-300), 0.0)
+    return group_softmax(logits, group_index)
 
 
 @ADVANTAGES.register("drpo")
@@ -416,4 +409,38 @@ def drpo_advantage(
     positive = correct.bool()
     count = torch.zeros_like(weights).index_add_(0, group_index.long(), positive.to(torch.float64))[group_index.long()]
     advantage = torch.where(positive, count * weights, -float(negative_advantage))
+    return _broadcast(advantage.float(), response_mask)
+
+
+@ADVANTAGES.register("dmpo")
+def dmpo_advantage(
+    rewards: torch.Tensor,
+    group_index: torch.Tensor,
+    response_mask: torch.Tensor,
+    alpha: float = 0.1,
+    baseline: bool = True,
+) -> torch.Tensor:
+    """The weights of DMPO's distribution-matching objective (Zhu et al. 2025, "Enhancing Reasoning
+    for Diffusion LLMs via Distribution Matching Policy Optimization", arXiv:2510.08233), in the
+    model-agnostic form for an autoregressive policy.
+
+    DMPO minimises the cross-entropy from the reward-tilted policy pi*(y|x) ∝ pi_old(y|x) exp(R(y)/alpha)
+    to pi_theta. With the G responses of a prompt sampled from pi_old, the self-normalised importance
+    weights of pi* are w_i = softmax_i(R_i / alpha), and the loss of one prompt is
+
+        L = - sum_i (w_i - b) log pi_theta(y_i | x),     b = 1/G  (the weight baseline; baseline=False: b = 0)
+
+    Returned per response: A_i = G (w_i - b), so that with ``loss=reinforce`` (l_t = -A_t logp_t) and
+    ``aggregation=seq_mean_token_sum`` the batch loss is L averaged over prompts exactly (G / B = 1 / prompts);
+    ``seq_mean_token_mean`` divides each log-likelihood by the response length (the paper's
+    length-normalised variant). Special cases: rewards all equal in a group -> A = 0 (no gradient, the
+    baseline's purpose); alpha -> inf -> A -> 0; alpha -> 0 with a unique best response and
+    baseline=False -> A = G on it and 0 elsewhere (cross-entropy on the best response, i.e. SFT).
+    The weights of a group sum to 1, so sum_i A_i = 0 with the baseline.
+    """
+    if alpha <= 0:
+        raise ConfigError(f"dmpo's alpha (reward temperature) must be > 0, got {alpha}")
+    _, _, count = group_mean_std(rewards, group_index)
+    weights = group_softmax(rewards.to(torch.float64) / alpha, group_index)
+    advantage = count * weights - (1.0 if baseline else 0.0)
     return _broadcast(advantage.float(), response_mask)

@@ -1,0 +1,155 @@
+"""Training-Free GRPO (arXiv:2510.08191): the experience library's update rule (a pure function), the
+library in the prompts of the rollout and of the evaluation, zero-variance groups skipped, state across
+steps, no optimizer step, the empty library as rollout=iid exactly, and the preset from the command line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import CharTokenizer, smoke_cli_steps
+from rlbench.algorithm import Algorithm
+from rlbench.dataset.base import Problem
+from rlbench.errors import ConfigError
+from rlbench.eval.evaluate import Benchmark
+from rlbench.reward.math import Grade
+from rlbench.rollout import GroupSampler, RolloutSetup, validate_strategy
+from rlbench.rollout.base import Completion, SamplingParams
+from rlbench.rollout.experience_library import (
+    LIBRARY_HEADER, Experience, ExperienceLibrary, ExperienceLibraryOptions, ExperienceLibraryRollout, lesson_request,
+    render_library,
+)
+from rlbench.rollout.iid import IIDSampling
+from rlbench.runner import in_strategy_context
+from rlbench.training.update_schedules import apply_update_schedule
+
+
+def test_update_rule_adds_modifies_deletes_and_keeps_with_stable_ids():
+    library, update = ExperienceLibrary().updated([("a", 0.5), ("b", 0.2), (" ", 9.0)], max_items=3)
+    assert library.items == (Experience(0, "a", 0.5), Experience(1, "b", 0.2)) and library.next_id == 2
+    assert update.added == (0, 1) and update.deleted == () and update.rejected == 0  # an empty lesson is dropped
+    # same text modifies (the higher score wins); new text is added; over capacity the lowest score goes
+    library, update = library.updated([("a ", 0.9), ("c", 0.3), ("d", 0.1)], max_items=3)
+    assert [(i.id, i.text, i.score) for i in library.items] == [(0, "a", 0.9), (1, "b", 0.2), (2, "c", 0.3)]
+    assert update.modified == (0,) and update.added == (2,) and update.rejected == 1  # "d" (0.1) never enters
+    assert update.deleted == () and update.kept == (1,)
+    # a lower score does not modify; on a tie the oldest is deleted; ids are never reused
+    library, update = library.updated([("a", 0.1), ("e", 0.2)], max_items=3)
+    assert [i.id for i in library.items] == [0, 2, 4] and library.next_id == 5
+    assert update.modified == () and update.deleted == (1,) and update.added == (4,) and update.kept == (0, 2)
+    # capacity 0: nothing is kept
+    empty, update = library.updated([("f", 5.0)], max_items=0)
+    assert empty.items == () and update.deleted == (0, 2, 4) and update.rejected == 1
+    assert ExperienceLibrary.from_state(library.state_dict()) == library
+
+
+def test_library_is_rendered_best_first():
+    library = ExperienceLibrary((Experience(0, "low", 0.1), Experience(3, "high", 0.7)), 4)
+    assert render_library(library) == f"{LIBRARY_HEADER}\n[3] high\n[0] low"
+
+
+class CopyingEngine:
+    """Answers "y" to a prompt that shows a "y" lesson; otherwise the i-th response of a group is "y" when
+    i is even for problem "mixed", never for problem "flat" (a zero-variance group)."""
+
+    def __init__(self):
+        self.prompts = []
+
+    def generate(self, requests, params, generator=None):
+        out = []
+        for r in requests:
+            text = "".join(chr(t) for t in r.prompt_ids)
+            self.prompts.append(text)
+            answers = ["y" if "] y" in text or ("mixed" in text and i % 2 == 0) else "n" for i in range(r.n)]
+            out.append([Completion(0, r.prompt_ids, [ord(a)], [-0.5], True, text=a) for a in answers])
+        return out
+
+
+class Grader:
+    def __call__(self, text, answer, response_ids):
+        return Grade(correct=text == "y", extracted=text, reward=float(text == "y"), format_ok=True)
+
+
+def library_rollout(max_items=4, engine=None):
+    sampler = GroupSampler(engine or CopyingEngine(), Grader(), CharTokenizer(), {"user": "Q: {problem}"}, lambda r, _: r)
+    setup = RolloutSetup(sampler, 4, SamplingParams(1.0, 1.0, 4), None)
+    return ExperienceLibraryRollout(setup, ExperienceLibraryOptions(max_items=max_items)), sampler
+
+
+def test_lessons_come_from_contrasting_groups_and_change_the_next_prompts():
+    strategy, sampler = library_rollout()
+    problems = [Problem("1", "mixed", "y"), Problem("2", "flat", "y")]
+    graded, metrics = strategy.rollout(problems)
+    assert sampler.engine.prompts == ["Q: mixed", "Q: flat"]  # the first step: an empty library
+    assert metrics["groups_summarised"] == 1.0  # the flat group (all 0) is skipped
+    assert strategy.library.items == (Experience(0, "y", 0.5),)  # best response, r_best - mean = 1 - 0.5
+    graded, metrics = strategy.rollout(problems)
+    assert sampler.engine.prompts[2:] == [f"Q: {LIBRARY_HEADER}\n[0] y\n\nProblem: mixed", f"Q: {LIBRARY_HEADER}\n[0] y\n\nProblem: flat"]
+    assert graded.rewards.tolist() == [1.0] * 8 and metrics["rollout_outcome_mean"] == 1.0
+    assert graded.uids == ["1"] * 4 + ["2"] * 4
+    assert metrics["groups_summarised"] == 0.0 and metrics["library_size"] == 1.0
+    # the state carries the library to a new strategy (a resumed run)
+    fresh, _ = library_rollout()
+    fresh.load_state_dict(strategy.state_dict())
+    assert fresh.library == strategy.library
+    # the evaluation asks the same prompts
+    bench = Benchmark("arith", {}, [Problem("t", "mixed", "y")], Grader())
+    assert in_strategy_context([bench], fresh)[0].problems[0].prompt == f"{LIBRARY_HEADER}\n[0] y\n\nProblem: mixed"
+    assert in_strategy_context([bench], object())[0] is bench
+
+
+def test_an_empty_library_is_iid_exactly():
+    problems = [Problem("1", "mixed", "y"), Problem("2", "flat", "y")]
+    strategy, sampler = library_rollout(max_items=0)
+    for _ in range(2):
+        graded, metrics = strategy.rollout(problems)
+    iid_engine = CopyingEngine()
+    iid_sampler = GroupSampler(iid_engine, Grader(), CharTokenizer(), {"user": "Q: {problem}"}, lambda r, _: r)
+    iid = IIDSampling(RolloutSetup(iid_sampler, 4, SamplingParams(1.0, 1.0, 4), None))
+    for _ in range(2):
+        expected, _ = iid.rollout(problems)
+    assert sampler.engine.prompts == iid_engine.prompts
+    assert torch.equal(graded.rewards, expected.rewards) and metrics["library_size"] == 0.0
+
+
+def test_the_policy_summariser_asks_for_the_lesson():
+    prompt = lesson_request(Problem("1", "2+2", "4"), Completion(0, (), [], [], True, text="4"),
+                            Completion(0, (), [], [], True, text="5")).prompt
+    assert prompt.startswith("Problem: 2+2\n\nA better answer: 4\n\nA worse answer: 5")
+    engine = CopyingEngine()
+    sampler = GroupSampler(engine, Grader(), CharTokenizer(), {"user": "{problem}"}, lambda r, _: r)
+    setup = RolloutSetup(sampler, 4, SamplingParams(1.0, 1.0, 4), None)
+    strategy = ExperienceLibraryRollout(setup, ExperienceLibraryOptions(summariser="policy", summary_tokens=2))
+    strategy.rollout([Problem("1", "mixed", "y")])
+    assert engine.prompts[-1].startswith("Problem: mixed\n\nA better answer: y\n\nA worse answer: n")
+    assert strategy.library.items[0].text == "y"  # the policy's answer to the lesson prompt ("mixed" in it: "y")
+
+
+def test_settings_are_checked_before_the_model_loads():
+    base = {"strategy": "experience_library", "n": 2}
+    with pytest.raises(ConfigError, match="summariser"):
+        validate_strategy(OmegaConf.create({**base, "experience_library": {"summariser": "oracle"}}), "grpo")
+    with pytest.raises(ConfigError, match="max_items"):
+        validate_strategy(OmegaConf.create({**base, "experience_library": {"max_items": -1}}), "grpo")
+    with pytest.raises(ConfigError, match="it takes"):
+        validate_strategy(OmegaConf.create({**base, "experience_library": {"library": 3}}), "grpo")
+
+
+def test_schedule_none_never_steps_the_optimizer(make_cfg):
+    cfg = make_cfg("algorithm=training_free_grpo")
+    algorithm = Algorithm.from_config(cfg.algorithm)
+    assert algorithm.schedule == "none" and not algorithm.uses_optimizer
+    model = torch.nn.Linear(2, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    optimizer.step = lambda *a, **k: pytest.fail("the optimizer was stepped")
+    assert apply_update_schedule(model, optimizer, None, algorithm, None) == {"optimizer_steps": 0.0}
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.slow
+def test_training_free_grpo_runs_from_the_command_line(tmp_path):
+    steps = smoke_cli_steps(tmp_path / "run", "algorithm=training_free_grpo", "trainer.steps=2")
+    assert [s["optimizer_steps"] for s in steps] == [0.0, 0.0] and all("grad_norm" not in s for s in steps)
+    assert all("library_size" in s for s in steps) and "outcome_mean" in steps[0]
