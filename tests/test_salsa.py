@@ -90,6 +90,8 @@ def test_bad_soup_options_are_refused_before_the_model_loads(tmp_path):
         validate_config(compose_config(["algorithm=salsa", "experiment=smoke", "model/lora=default"], tmp_path / "b"))
     with pytest.raises(ConfigError, match="every"):
         validate_config(compose_config(["algorithm=salsa", "experiment=smoke", "algorithm.reference_soup.every=0"], tmp_path / "c"))
+    with pytest.raises(ConfigError, match="both set the KL reference"):  # ReMix's reincarnation replaces it too
+        validate_config(compose_config(["algorithm=salsa", "experiment=smoke", "+algorithm.reincarnate_at=2"], tmp_path / "e"))
     # any algorithm with a KL term takes the soup
     validate_config(compose_config(["algorithm=grpo", "experiment=smoke", "algorithm.kl.coef=0.1",
                                     "+algorithm.reference_soup={models: 3, every: 2}"], tmp_path / "d"))
