@@ -1,7 +1,10 @@
 """SAPO's swarm (trainer.strategy=swarm, rlbench/training/swarm.py): actors with their own policies
 sharing rollouts. Shared groups keep their origin and are off-policy samples of their sender (pi_old =
 the sender's sampling log-probs, never the receiver's); the draw is a function of the seed; with J = 0
-an actor is the single-process run of its seed; bad settings are refused before anything loads."""
+an actor is the single-process run of its seed; bad settings are refused before anything loads. The
+actors agree through the pool on stops and on the step a resume continues from, an actor's prompt
+sampler counts its own groups only, and a swarm stopped by a signal on one actor and resumed equals
+the uninterrupted swarm (docs/scaling.md)."""
 
 import json
 import re
