@@ -123,13 +123,14 @@ def resume_arguments(args: list[str]) -> list[str]:
     if not given:
         return args
     from rlbench.training.checkpoint import CheckpointError, find_latest_run, latest_checkpoint
+    from rlbench.training.swarm import checkpoint_home
 
     if any(arg in ("-m", "--multirun") for arg in args):
         fail("resume= continues one run; a sweep (-m) relaunched skips its finished runs and reruns the others")
     value = given[-1].split("=", 1)[1]
     try:
         folder = (find_latest_run(RUNS_ROOT) if value == "auto" else Path(value)).resolve()
-        saved = latest_checkpoint(folder).manifest.get("overrides", [])
+        saved = latest_checkpoint(checkpoint_home(folder)).manifest.get("overrides", [])  # a swarm: actor 0's
     except CheckpointError as err:
         fail(str(err))
     others = [arg for arg in args if override_key(arg) not in ("resume", "hydra.run.dir")]

@@ -48,7 +48,10 @@ from rlbench.training.interrupt import Interrupted, StopSignals
 from rlbench.training.loop import TrainingRun
 from rlbench.training.memory import enable_activation_checkpointing
 from rlbench.training.step import make_step_context
-from rlbench.training.swarm import actor_config, external_groups, join_swarm, swarm_rollout
+from rlbench.training.swarm import (
+    SwarmPool, actor_config, agreed_resume_step, check_resume_swarm, external_groups, join_swarm, swarm_manifest,
+    swarm_rollout, valid_checkpoint_steps,
+)
 from rlbench.utils import STREAM_EVAL, atomic_write_text, make_generator, seed_everything
 
 log = logging.getLogger(__name__)
@@ -152,15 +155,26 @@ def print_table(result: EvalResult, baseline: EvalResult | None) -> None:
     print()
 
 
-def resume_point(cfg: DictConfig, resolved: dict[str, Any]) -> checkpoint.Checkpoint | None:
+def resume_point(cfg: DictConfig, resolved: dict[str, Any], pool: SwarmPool | None = None) -> checkpoint.Checkpoint | None:
     """``resume=<run folder>``: its latest valid checkpoint, after checking that this run writes into
     that folder and has the configuration the checkpoint was saved with (``resume_allow`` lists the
-    keys that may differ). None for a new run. Runs before anything is loaded."""
+    keys that may differ). None for a new run. Runs before anything is loaded. A swarm's actor
+    (``pool``: the actors sharing groups) resumes from the newest step every actor has a checkpoint of."""
     if not cfg.get("resume"):
         return None
     folder = Path(cfg.resume)
-    saved = checkpoint.latest_checkpoint(folder)
-    checkpoint.check_resume_world(saved, cfg.trainer.strategy, launched_world_size())
+    if pool is not None:  # every actor continues from the same step (the shared groups are then the same)
+        own = valid_checkpoint_steps(folder)
+        step = agreed_resume_step(pool.gather([own]))
+        saved = checkpoint.latest_checkpoint(folder, before_step=step + 1)
+        if step != own[-1]:
+            log.warning("resume: the swarm's newest common checkpoint is at step %d: resuming %s", step, saved.path)
+    else:
+        saved = checkpoint.latest_checkpoint(folder)
+    if cfg.trainer.strategy == "swarm":
+        check_resume_swarm(saved.manifest, saved.path, launched_world_size(), external_groups(cfg))
+    else:
+        checkpoint.check_resume_world(saved, cfg.trainer.strategy, launched_world_size())
     if folder.resolve() != Path(cfg.output_dir).resolve():
         raise ConfigError(f"resume={cfg.resume} continues that run in its own folder, but output_dir is {cfg.output_dir}")
     checkpoint.check_resume_config(saved.manifest["config"], resolved, cfg.get("resume_allow") or [], saved.path)
@@ -191,13 +205,16 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     started = time.perf_counter()
     algorithm = validate_config(cfg)  # every check before anything expensive
     swarm = cfg.trainer.get("strategy") == "swarm"
+    pool = None  # a swarm's actors sharing groups (J > 0) agree on stops and on the resume step through it
     if swarm:  # SAPO's actor: a single-process run with its own seed and folder (rlbench/training/swarm.py)
         cfg = actor_config(cfg, launched_rank())
+        pool = join_swarm() if external_groups(cfg) else None
     out_dir = Path(cfg.output_dir)
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    resumed = resume_point(cfg, resolved)
+    resumed = resume_point(cfg, resolved, pool)
     seed_everything(cfg.seed)
     world = init_world(cfg.trainer.strategy, resolve_device(str(cfg.device)))
+    peers = pool or world  # who stops after the same step and writes the checkpoint together
     device = rank_device(resolve_device(str(cfg.device)))
     training = cfg.mode == "train" and cfg.trainer.steps > 0
     if cfg.mode == "generate":  # graded traces for the guided methods (rlbench/guidance/generate.py)
@@ -261,10 +278,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             if training:
                 ctx = make_step_context(cfg, algorithm, model, tokenizer, engine, device, guidance=guidance, world=world)
                 if swarm:
-                    ctx.strategy = swarm_rollout(ctx, cfg, join_swarm() if external_groups(cfg) else None)
+                    ctx.strategy = swarm_rollout(ctx, cfg, pool)
                 manifest = {"config": checkpoint.comparable_config(resolved), "config_key": config_key(resolved),
-                            "overrides": command_line_overrides(), "rlbench_commit": git_commit()}
-                training_run = TrainingRun(cfg, ctx, train_problems, logger, manifest)
+                            "overrides": command_line_overrides(), "rlbench_commit": git_commit(),
+                            **(swarm_manifest(launched_world_size(), external_groups(cfg)) if swarm else {})}
+                training_run = TrainingRun(cfg, ctx, train_problems, logger, manifest, peers=peers)
                 if resumed is not None:
                     resumed = training_run.resume(resumed)
                 with forward_precision(cfg.trainer.precision):
@@ -307,18 +325,18 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             print(f"results: {out_dir}")
     except Interrupted as stopped:
         saved = None
-        # several ranks write a checkpoint together only when they stopped after the same step
-        together = world.size == 1 or stopped.at_step_boundary
+        # several ranks (or swarm actors) write a checkpoint together only when they stopped after the same step
+        together = peers.size == 1 or stopped.at_step_boundary
         if training_run is not None and training_run.resumable and training_run.unsaved and not stopped.mid_step and together:
             saved = training_run.save()  # the steps completed so far; a second signal leaves the earlier checkpoints
         log.warning("run %s after %d steps; %s", stopped, training_run.step if training_run else 0,
-                    f"resume it: rlbench resume={out_dir}" if saved or (training_run and training_run.saved_step)
+                    f"resume it: rlbench resume={out_dir.parent if swarm else out_dir}" if saved or (training_run and training_run.saved_step)
                     else "no checkpoint to resume from")
         logger.log_summary(partial_summary("interrupted", stopped.exit_code, signal=stopped.signal_name,
                                            checkpoint=str(saved.path) if saved else None))
         logger.finish(stopped.exit_code)
-        if together:  # the other ranks wait for rank 0's summary: torchrun ends every rank once one has exited
-            world.barrier()
+        if together:  # the others wait for rank 0's summary (and every actor's checkpoint): torchrun ends
+            peers.barrier()  # every process once one has exited
         raise
     except Exception as err:
         logger.log_summary(partial_summary("failed", 1, error=f"{type(err).__name__}: {err}"))

@@ -1,12 +1,14 @@
 """SAPO's swarm (trainer.strategy=swarm, rlbench/training/swarm.py): actors with their own policies
 sharing rollouts. Shared groups keep their origin and are off-policy samples of their sender (pi_old =
 the sender's sampling log-probs, never the receiver's); the draw is a function of the seed; with J = 0
-an actor is the single-process run of its seed; bad settings are refused before anything loads."""
+an actor is the single-process run of its seed; bad settings are refused before anything loads. The
+actors agree through the pool on stops and on the step a resume continues from, an actor's prompt
+sampler counts its own groups only, and a swarm stopped by a signal on one actor and resumed equals
+the uninterrupted swarm (docs/scaling.md)."""
 
 import json
-import os
-import subprocess
-import sys
+import re
+import shutil
 import threading
 from pathlib import Path
 
@@ -14,17 +16,21 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import ROOT, compose_config
+from conftest import compose_config
 
 from rlbench.algorithm import Algorithm
 from rlbench.config import validate_config
 from rlbench.errors import ConfigError
 from rlbench.model import load_policy
 from rlbench.rollout import make_engine
+from rlbench.training import checkpoint
 from rlbench.training.batch import collate
 from rlbench.training.distributed import rank_stream_seed
 from rlbench.training.step import TIMING_METRICS, behaviour_old_logp, make_step_context
-from rlbench.training.swarm import SwarmPool, actor_config, check_swarm, draw_external, swarm_rollout
+from rlbench.training.swarm import (
+    SwarmPool, actor_config, actor_folder, agreed_resume_step, check_resume_swarm, check_swarm, checkpoint_home,
+    draw_external, own_groups, swarm_manifest, swarm_rollout,
+)
 
 SMOKE = ["experiment=smoke", "trainer.steps=2", "eval.before_training=false", "logger=files", "trainer.save_model=false"]
 
@@ -39,15 +45,13 @@ def test_swarm_settings_are_refused_by_validation(make_cfg, overrides, message):
     validate_config(make_cfg("experiment=smoke", "trainer.strategy=swarm"))  # J = 0: one actor is a plain run
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["trainer.checkpoint_every=1"], "checkpoints and resume"),
-    (["sampler=weighted"], "sampler=weighted"),
-    (["trainer.stages=[{at: 2, rollout.n: 2}]"], "trainer.stages"),
-])
-def test_what_a_swarm_actor_cannot_do_yet_is_refused(make_cfg, overrides, message):
-    # ddp / fsdp carry these (tests/test_distributed_resume.py); a swarm's actors are separate runs.
-    with pytest.raises(ConfigError, match=f"trainer.strategy=swarm does not support .*{message}"):
-        validate_config(make_cfg("experiment=smoke", "trainer.strategy=swarm", *overrides))
+def test_a_swarm_actor_checkpoints_and_takes_samplers_and_stages_but_not_staleness(make_cfg):
+    # every actor is a whole run: its own checkpoints, prompt sampler and stages (tests below and
+    # test_torchrun_swarm_stopped_killed_and_resumed_gives_the_uninterrupted_run)
+    validate_config(make_cfg("experiment=smoke", "trainer.strategy=swarm", "trainer.checkpoint_every=1", "sampler=weighted",
+                             "trainer.stages=[{at: 2, rollout.n: 4}]"))
+    with pytest.raises(ConfigError, match="trainer.strategy=swarm does not support trainer.max_staleness"):
+        validate_config(make_cfg("experiment=smoke", "trainer.strategy=swarm", "trainer.max_staleness=0"))
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -55,6 +59,11 @@ def test_what_a_swarm_actor_cannot_do_yet_is_refused(make_cfg, overrides, messag
     (["trainer.prompts_per_step=4", "trainer.swarm.external=3"], r"publish \(N-1\) \* I = 1 groups"),
     (["trainer.swarm.external=1", "rollout=dynamic_sampling"], "rollout=iid only"),
     (["trainer.swarm.external=1", "algorithm=gpg"], "needs on-policy data: loss 'reinforce'"),
+    # every stage's batch is checked too: a stage that shrinks the step leaves no own prompt, or too few shared
+    (["trainer.swarm.external=1", "trainer.stages=[{at: 2, trainer.prompts_per_step: 1}]"],
+     r"from trainer.stages at step 2: trainer.swarm.external=1 leaves no local prompt"),
+    (["trainer.prompts_per_step=4", "trainer.swarm.external=2", "trainer.stages=[{at: 2, trainer.prompts_per_step: 3}]"],
+     r"from trainer.stages at step 2: .* publish \(N-1\) \* I = 1 groups"),
 ])
 def test_group_arithmetic_and_what_cannot_be_shared_are_refused(make_cfg, overrides, message):
     cfg = make_cfg("experiment=smoke", "trainer.strategy=swarm", *overrides)
@@ -71,22 +80,120 @@ def test_the_draw_is_a_function_of_seed_and_step_without_replacement():
     assert any(draw_external(pool, 3, seed=s, step=1) != first for s in range(6, 10))
 
 
-def test_the_pool_gives_each_actor_the_others_lists_and_keeps_two_steps():
-    store = dist.HashStore()
-    pools = [SwarmPool(store, a, 3) for a in range(3)]
-    received = [[], [], []]
+def together(*calls, timeout=300):
+    """Run ``calls`` at once, each in its own thread (the pool blocks until every actor is there);
+    their results in order (an exception raised is the result)."""
+    results = [None] * len(calls)
 
-    def steps(a):
-        for step in range(1, 5):
-            received[a].append(pools[a].exchange(step, [f"{a}@{step}"]))
+    def call(i):
+        try:
+            results[i] = calls[i]()
+        except Exception as err:  # noqa: BLE001 - the test looks at it
+            results[i] = err
 
-    threads = [threading.Thread(target=steps, args=(a,)) for a in range(3)]
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(calls))]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=60)
+        t.join(timeout=timeout)
+    return results
+
+
+def test_the_pool_gives_each_actor_the_others_lists_and_keeps_two_steps():
+    store = dist.HashStore()
+    pools = [SwarmPool(store, a, 3) for a in range(3)]
+    received = together(*[lambda a=a: [pools[a].exchange(step, [f"{a}@{step}"]) for step in range(1, 5)] for a in range(3)],
+                        timeout=60)
     assert received[1] == [[[f"0@{s}"], [f"2@{s}"]] for s in range(1, 5)]
     assert store.num_keys() == 2 * 3  # steps 3 and 4 of each actor; 1 and 2 deleted once everyone read them
+
+
+def test_the_actors_agree_through_the_pool_on_a_stop_signal_and_gather_in_actor_order():
+    store = dist.HashStore()
+    pools = [SwarmPool(store, a, 3) for a in range(3)]
+
+    def rounds(a):  # what the loop does after each step: a stop signal (SIGINT = 2) reached actor 1 after step 3
+        stops = [pools[a].max_over_ranks(2 if (a, step) == (1, 3) else 0) for step in range(1, 5)]
+        gathered = pools[a].gather([f"{a}"])
+        pools[a].barrier()
+        return stops, gathered
+
+    for stops, gathered in together(*[lambda a=a: rounds(a) for a in range(3)], timeout=60):
+        assert stops == [0, 0, 2, 0] and gathered == ["0", "1", "2"]
+    assert store.num_keys() == 2 * 3  # each actor's last two rounds
+
+
+def test_a_swarm_resumes_from_the_newest_step_every_actor_has_a_checkpoint_of(tmp_path, monkeypatch):
+    """Actor 1 was killed while writing step 4's checkpoint: the swarm resumes both actors at step 2;
+    with no step in common every actor refuses, naming each one's steps."""
+    from omegaconf import OmegaConf
+
+    from rlbench.runner import resume_point
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    swarm = compose_config([*SMOKE, "trainer.steps=4", "trainer.strategy=swarm", "trainer.swarm.external=1",
+                            f"resume={tmp_path}"], tmp_path)
+    actors = [actor_config(swarm, a) for a in range(2)]
+    resolved = [OmegaConf.to_container(cfg, resolve=True) for cfg in actors]
+    for a, steps in ((0, (2, 4)), (1, (1, 2))):
+        for step in steps:
+            checkpoint.save_checkpoint(actors[a].output_dir, step, {"state.pt": {"step": step}},
+                                       {"config": checkpoint.comparable_config(resolved[a]), **swarm_manifest(2, 1)})
+
+    def resume_all():
+        store = dist.HashStore()
+        return together(*[lambda a=a: resume_point(actors[a], resolved[a], SwarmPool(store, a, 2)) for a in range(2)])
+
+    assert [saved.step for saved in resume_all()] == [2, 2]
+    shutil.rmtree(Path(actors[1].output_dir) / "checkpoints" / "step_000002")
+    for refused in resume_all():
+        assert isinstance(refused, ConfigError)
+        assert "no checkpoint at a common step (actor 0: [2, 4]; actor 1: [1])" in str(refused)
+    assert agreed_resume_step([[1, 2, 3], [2, 3], [3, 4]]) == 3
+
+
+@pytest.mark.parametrize("actors, external, message", [
+    (3, 1, "written by a swarm of 2 actors sharing trainer.swarm.external=1 groups, but this run has 3 actors"),
+    (2, 0, "--nproc_per_node 2 and trainer.swarm.external=1"),
+])
+def test_a_swarm_resumes_only_with_the_actors_and_shared_groups_that_wrote_it(actors, external, message):
+    check_resume_swarm(swarm_manifest(2, 1), Path("ckpt"), 2, 1)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_resume_swarm(swarm_manifest(2, 1), Path("ckpt"), actors, external)
+    with pytest.raises(ConfigError, match="not written by a swarm actor"):
+        check_resume_swarm({"strategy": "ddp", "world_size": 2}, Path("ckpt"), 2, 1)
+
+
+def test_resume_of_a_swarm_folder_reads_actor_zeros_overrides(tmp_path):
+    from rlbench.cli import resume_arguments
+
+    checkpoint.save_checkpoint(actor_folder(tmp_path, 0), 2, {"state.pt": {}}, {"overrides": ["trainer.strategy=swarm"]})
+    assert checkpoint_home(tmp_path) == actor_folder(tmp_path, 0)
+    assert resume_arguments([f"resume={tmp_path}"]) == ["trainer.strategy=swarm", f"resume={tmp_path.resolve()}",
+                                                        f"hydra.run.dir={tmp_path.resolve()}"]
+
+
+def test_an_actors_prompt_statistics_count_its_own_groups_only(make_cfg):
+    """A shared group answers another actor's problem (arith generates each actor's set from its seed,
+    so the same uid is another problem) with another policy: the sampler's statistics leave it out."""
+    from rlbench.dataset.base import Problem
+    from rlbench.reward.math import Grade
+    from rlbench.rollout.base import Completion
+    from rlbench.rollout.groups import GradedGroups
+    from rlbench.training.curricula import Curriculum
+
+    mine, theirs = Problem("arith/train/0", "1 + 1", "2"), Problem("arith/train/0", "5 + 7", "12")
+    own = [Completion(0, (1,), [5, 6], [0.0, 0.0], True) for _ in range(2)]
+    shared = [Completion(0, (1,), [5], [0.0], True, behaviour="swarm:actor1", off_policy=[1]) for _ in range(2)]
+    grades = [Grade(reward=float(c), correct=bool(c), format_ok=True, extracted=None) for c in (1, 0, 1, 1)]
+    outcome = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    graded = GradedGroups([mine, theirs], [own, shared], grades, outcome, outcome, torch.ones(4, dtype=torch.bool), [0, 1])
+    curriculum = Curriculum(make_cfg("experiment=smoke", "trainer.strategy=swarm", "sampler=weighted"), [mine])
+    curriculum.observe(1, graded)
+    stats = curriculum.stats.get("arith/train/0")
+    assert (stats.attempts, stats.correct, stats.mean_length) == (2, 1, 2.0)  # actor 1's 2 correct 1-token ones left out
+    only = graded.select([0])
+    assert own_groups(graded).problems == [mine] and own_groups(only) is only  # nothing shared: unchanged
 
 
 def test_an_actor_has_its_own_seed_and_folder(make_cfg):
@@ -111,17 +218,7 @@ def actor(tmp_path, index: int, store, external: int = 1):
 
 def exchange(actors, problems):
     """One step of both actors, each in its own thread (the pool blocks until the other published)."""
-    results = [None, None]
-
-    def step(i):
-        results[i] = actors[i][1].rollout(problems[i], None)
-
-    threads = [threading.Thread(target=step, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    return results
+    return together(*[lambda i=i: actors[i][1].rollout(problems[i], None) for i in range(2)])
 
 
 def test_shared_groups_carry_their_origin_and_are_never_pi_old_samples_of_the_receiver(tmp_path):
@@ -193,25 +290,56 @@ def test_without_shared_groups_an_actor_is_the_single_run_of_its_seed(tmp_path, 
     assert swarm["pass_at_1_after"] == single["pass_at_1_after"]
 
 
+SWARM = [*SMOKE, "trainer.steps=3", "trainer.checkpoint_every=2", "eval.before_training=true", "eval.n=1", "eval.k=[1]",
+         "eval.limit=1", "trainer.strategy=swarm", "trainer.swarm.external=1",
+         # each actor draws prompts by its own groups' statistics and enters a stage at step 3 (group size 4)
+         "sampler=weighted", "trainer.stages=[{at:3,rollout.n:4}]"]
+
+
+@pytest.fixture(scope="module")
+def swarm_run(tmp_path_factory):
+    """The folder of an uninterrupted 2-actor swarm run of SWARM from the command line (made once)."""
+    from test_resume import run_cli
+
+    out = tmp_path_factory.mktemp("swarm") / "uninterrupted"
+    proc = run_cli(SWARM, out, processes=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
 @pytest.mark.slow
-def test_torchrun_two_actors_share_rollouts_from_the_command_line(tmp_path):
+def test_torchrun_two_actors_share_rollouts_from_the_command_line(swarm_run):
     """torchrun -m rlbench.cli with 2 actors, I = J = 1: each actor writes its run folder and trains on
     one own group and one of the other actor's (half of its tokens off-policy)."""
-    out = tmp_path / "swarm"
-    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node", "2", "-m", "rlbench.cli", *SMOKE,
-         "eval.n=1", "eval.k=[1]", "eval.limit=1", "trainer.strategy=swarm", "trainer.swarm.external=1",
-         f"hydra.run.dir={out}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads((out / "status.json").read_text())["status"] == "finished"
+    assert json.loads((swarm_run / "status.json").read_text())["status"] == "finished"
     for me, other in ((0, 1), (1, 0)):
-        rows = actor_metrics(out / f"actor{me}")
-        assert len(rows) == 2
+        rows = actor_metrics(swarm_run / f"actor{me}")
+        assert [(row[f"responses_swarm:actor{other}"], row["responses_policy"]) for row in rows] == [(2, 2), (2, 2), (4, 4)]
         for row in rows:
-            assert row[f"responses_swarm:actor{other}"] == 2.0 and row["responses_policy"] == 2.0
             assert row["off_policy_token_fraction"] == 0.5  # every smoke response has max_new_tokens tokens
-        summary = json.loads((out / f"actor{me}" / "summary.json").read_text())
+        summary = json.loads((swarm_run / f"actor{me}" / "summary.json").read_text())
         assert summary["seed"] == rank_stream_seed(0, me)
+        assert [p.name for p in checkpoint.checkpoint_dirs(swarm_run / f"actor{me}")] == ["step_000002", "step_000003"]
+
+
+@pytest.mark.slow
+def test_torchrun_swarm_stopped_by_a_signal_on_one_actor_and_resumed_gives_the_uninterrupted_run(swarm_run, tmp_path):
+    """2 actors sharing J = 1 group per step: a SIGINT that reached actor 1 alone in step 1 stops both
+    after step 1 (they agree through the pool), both checkpoint step 1; resumed, every actor's metrics
+    (timings aside) and evaluation files equal the uninterrupted swarm's."""
+    from test_resume import assert_same_results, run_cli
+
+    run_dir = tmp_path / "run"
+    stopped = run_cli(SWARM, run_dir, kill_at="generate:1:INT:1", processes=2)
+    assert stopped.returncode != 0
+    assert f"resume with: rlbench resume={run_dir}" in stopped.stderr
+    for a in range(2):
+        summary = json.loads((run_dir / f"actor{a}" / "summary.json").read_text())
+        assert (summary["status"], summary["signal"], summary["steps_completed"]) == ("interrupted", "SIGINT", 1)
+        assert summary["checkpoint"].endswith("step_000001") and len(actor_metrics(run_dir / f"actor{a}")) == 1
+    resumed = run_cli([f"resume={run_dir}"], run_dir, processes=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for a in range(2):
+        summary = json.loads((run_dir / f"actor{a}" / "summary.json").read_text())
+        assert (summary["status"], summary["resumed_from_step"]) == ("finished", 1)
+        assert_same_results(swarm_run / f"actor{a}", run_dir / f"actor{a}")

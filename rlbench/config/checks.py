@@ -75,32 +75,19 @@ def check_curriculum(cfg: Any, algorithm: Algorithm) -> None:
 
 
 def check_sharded_run_features(cfg: Any) -> None:
-    """Under trainer.strategy=ddp|fsdp: the asynchronous pipeline is not carried to several
-    processes yet (refused), and every stage's trainer.prompts_per_step must split into whole groups
-    per rank. (Prompt samplers work: the ranks gather their groups' statistics every step.) Under
-    trainer.strategy=swarm (independent actors): checkpoints, resume, the asynchronous pipeline,
-    samplers other than uniform and stages are refused."""
+    """Under trainer.strategy=ddp|fsdp|swarm the asynchronous pipeline is not carried to several
+    processes yet (refused). Under ddp|fsdp every stage's trainer.prompts_per_step must split into
+    whole groups per rank. (Prompt samplers work: the ranks gather their groups' statistics every step;
+    a swarm's actors are whole runs, each with its own sampler, checkpoints and stages, and
+    rlbench.training.swarm.check_swarm checks every stage's shared groups.)"""
     strategy = cfg.trainer.get("strategy", "single")
     if strategy == "single":
-        return
-    if strategy == "swarm":  # every actor is a whole run of its own: nothing is split over the ranks
-        unsupported = []
-        if cfg.trainer.get("checkpoint_every") or cfg.get("resume"):
-            unsupported.append("checkpoints and resume (trainer.checkpoint_every, resume)")
-        if cfg.trainer.get("max_staleness") is not None:
-            unsupported.append("trainer.max_staleness")
-        sampler = cfg.trainer.get("sampler")
-        if sampler is not None and sampler.get("name", "uniform") != "uniform":
-            unsupported.append(f"sampler={sampler.get('name')}")
-        if cfg.trainer.get("stages"):
-            unsupported.append("trainer.stages")
-        if unsupported:
-            raise ConfigError(f"trainer.strategy=swarm does not support {', '.join(unsupported)} yet; "
-                              "use trainer.strategy=single or ddp for them")
         return
     if cfg.trainer.get("max_staleness") is not None:
         raise ConfigError(f"trainer.strategy={strategy} does not support trainer.max_staleness yet; "
                           "use trainer.strategy=single for it")
+    if strategy == "swarm":  # every actor is a whole run of its own: nothing is split over the ranks
+        return
     world_size = launched_world_size()
     stages = parse_stages(cfg.trainer.get("stages"), cfg.trainer.steps)
     for stage, settings in zip(stages, stage_settings(cfg, stages)):

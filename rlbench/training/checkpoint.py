@@ -354,11 +354,13 @@ def latest_checkpoint(run_dir: str | Path, before_step: int | None = None) -> Ch
 
 def find_latest_run(root: str | Path) -> Path:
     """``resume=auto``: the run folder directly below ``root`` whose newest valid checkpoint was
-    written last (by the checkpoint folder's modification time)."""
+    written last (by the checkpoint folder's modification time; a swarm's folder by its actor 0's)."""
+    from rlbench.training.swarm import checkpoint_home  # swarm.py reads checkpoints with this module
+
     best: tuple[float, Path] | None = None
     root = Path(root)
     for run_dir in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
-        for path in reversed(checkpoint_dirs(run_dir)):
+        for path in reversed(checkpoint_dirs(checkpoint_home(run_dir))):
             try:
                 read_checkpoint(path)
             except CheckpointError:

@@ -28,6 +28,7 @@ from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.groups import GradedGroups
 from rlbench.training.distributed import SINGLE, World
+from rlbench.training.swarm import own_groups
 from rlbench.utils import STREAM_CURRICULUM
 
 
@@ -347,7 +348,9 @@ class Curriculum:
         return self.sampler.next(count)
 
     def observe(self, step: int, graded: GradedGroups, world: World = SINGLE) -> None:
-        self.stats.observe(step, graded, world)
+        """Count the step's groups in the statistics: the run's own prompts only (a swarm actor leaves
+        out the groups other actors shared, rlbench.training.swarm.own_groups)."""
+        self.stats.observe(step, own_groups(graded), world)
 
     def end_step(self, step: int) -> None:
         if hasattr(self.sampler, "end_step"):

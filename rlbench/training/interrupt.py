@@ -8,7 +8,9 @@ checkpoint (the earlier ones stay valid). The exit code is 128 + the signal numb
 SIGINT, 143 for SIGTERM), as a shell reports a process killed by that signal.
 
 Under torchrun (trainer.strategy=ddp|fsdp) the ranks agree at each step boundary: a signal that
-reached any rank stops every rank after the same step, and they write the checkpoint together.
+reached any rank stops every rank after the same step, and they write the checkpoint together. A
+swarm's actors (trainer.strategy=swarm sharing groups) agree the same way through their pool
+(rlbench.training.swarm.SwarmPool), each writing its own checkpoint of that step.
 A signal outside a step stops a rank at once, as in one process, but writes no new checkpoint
 (the ranks are not at the same point; the earlier checkpoints stay valid).
 """
@@ -84,8 +86,8 @@ class StopSignals:
 
     def raise_if_requested(self, world: World = SINGLE) -> None:
         """At a step boundary: stop when a signal came. With several ranks every rank calls it after
-        the same step and they agree (an all-reduce): a signal that reached any rank stops them all
-        there, so that they can write the checkpoint together."""
+        the same step and they agree (an all-reduce; a swarm's pool in place of ``world``): a signal
+        that reached any rank stops them all there, so that they can write the checkpoint together."""
         signum = world.max_over_ranks(self.signum or 0)
         if signum:
             raise Interrupted(signum, at_step_boundary=True)

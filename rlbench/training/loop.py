@@ -76,11 +76,15 @@ class TrainingRun:
     metrics so far). With ``trainer.max_staleness`` set the steps run through the asynchronous
     pipeline (rlbench.training.async_pipeline), which checkpoints nothing mid-run (validation refuses
     checkpoint_every and resume with it). ``manifest``: what the checkpoints' manifest
-    records besides the step (config, overrides, commit)."""
+    records besides the step (config, overrides, commit). ``peers``: the processes that stop and
+    resume together, agreeing after every step on a stop signal and on the checkpoint resumed: the
+    ranks of ``ctx.world`` (the default), or a swarm's actors (rlbench.training.swarm.SwarmPool),
+    each a single-process run of its own."""
 
     def __init__(self, cfg: Any, ctx: StepContext, problems: list[Problem], logger: Any,
-                 manifest: dict[str, Any] | None = None):
+                 manifest: dict[str, Any] | None = None, peers: Any = None):
         self.cfg, self.ctx, self.logger = cfg, ctx, logger
+        self.peers = ctx.world if peers is None else peers
         self.curriculum = Curriculum(cfg, problems)
         self.untrained = UntrainedSteps()
         self.step = 0  # steps completed
@@ -159,16 +163,20 @@ class TrainingRun:
     def resume(self, saved: checkpoint.Checkpoint) -> checkpoint.Checkpoint:
         """:meth:`restore` from ``saved``, or, when one of its files cannot be loaded, from the
         newest valid checkpoint before it (saying so; each restore overwrites every part). Returns
-        the checkpoint restored. With several ranks they agree: when any rank cannot load its part,
-        every rank goes back to the previous checkpoint."""
-        world = self.ctx.world
+        the checkpoint restored. With several ranks (or swarm actors: ``peers``) they agree: when any
+        cannot load its part, every one goes back to its previous checkpoint, and they must then be at
+        the same step (CheckpointError otherwise)."""
         while True:
             problem = None
             try:
                 self.restore(saved)
             except checkpoint.CheckpointError as err:
                 problem = err
-            if not world.max_over_ranks(problem is not None):
+            if not self.peers.max_over_ranks(problem is not None):
+                steps = self.peers.gather([saved.step])
+                if len(set(steps)) > 1:
+                    raise checkpoint.CheckpointError(f"resume: the processes went back to checkpoints of different steps "
+                                                     f"{steps} (in rank / actor order); start the run again")
                 return saved
             previous = checkpoint.latest_checkpoint(self.cfg.output_dir, before_step=saved.step)
             log.warning("%s; resuming from the previous valid checkpoint %s",
@@ -206,7 +214,7 @@ class TrainingRun:
             progress.update(1, note=f"reward {metrics['reward_mean']:.3f} acc {metrics['accuracy']:.3f}")
             if self.checkpoint_due(step):
                 self.save()
-            stop.raise_if_requested(self.ctx.world)  # with several ranks: all stop after the same step
+            stop.raise_if_requested(self.peers)  # with several ranks or actors: all stop after the same step
             if after_step is not None:
                 after_step(step)
             self.after_step_done = step

@@ -26,6 +26,17 @@ exact importance weight of a sample it did not draw. Every actor loads the same 
 so the sender's token ids are the receiver's tokenisation; the receiver still re-tokenises the decoded
 text and counts the responses whose re-tokenisation differs (``swarm_retokenise_mismatch``): a swarm
 of different tokenizers would have to train on the re-tokenised text without a behaviour log-prob.
+
+Checkpoints and resume: each actor checkpoints its own run folder (a single-process run's files; the
+manifest records the swarm's N and J, :func:`swarm_manifest`). With J > 0 what must be consistent is
+the exchange: the actors agree through the pool (:meth:`SwarmPool.max_over_ranks`, like ddp / fsdp
+ranks through an all-reduce) on a stop signal after every step, so they checkpoint after the same step,
+and a resumed swarm continues from the newest step every actor has a valid checkpoint of
+(:func:`agreed_resume_step`); the shared groups are then the uninterrupted run's, since each actor's
+samples and its draw (a function of its seed and the step) continue exactly. A resume with another N
+or J is refused (:func:`check_resume_swarm`). Prompt samplers and stages work per actor: an actor's
+sampler reads the statistics of its own prompts only (:func:`own_groups`); every actor enters a stage
+at the same step (one config).
 """
 
 from __future__ import annotations
@@ -40,6 +51,7 @@ import numpy as np
 
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
+from rlbench.training.checkpoint import CheckpointError, checkpoint_dirs, read_checkpoint
 from rlbench.rollout.base import Completion
 from rlbench.rollout.groups import GradedGroups, GroupSampler
 from rlbench.training.distributed import launched_world_size, rank_stream_seed
@@ -68,18 +80,24 @@ def check_swarm(cfg: Any, algorithm: Any, actors: int | None = None) -> None:
                               "set trainer.strategy=swarm (under torchrun) or trainer.swarm.external=0")
         return
     N = launched_world_size() if actors is None else actors
-    prompts = int(cfg.trainer.prompts_per_step)
-    I = prompts - J
     if J and N == 1:
         raise ConfigError(f"trainer.swarm.external={J} takes groups from other actors, but the swarm has one actor; "
                           "start several with torchrun --nproc_per_node N, or set trainer.swarm.external=0")
-    if I < 1:
-        raise ConfigError(f"trainer.swarm.external={J} leaves no local prompt: a step trains on "
-                          f"I = trainer.prompts_per_step - J = {prompts} - {J} = {I} own groups plus J shared ones; "
-                          "use J < trainer.prompts_per_step")
-    if J > (N - 1) * I:
-        raise ConfigError(f"trainer.swarm.external={J}: the other {N - 1} actor(s) publish (N-1) * I = {(N - 1) * I} "
-                          f"groups per step (I = trainer.prompts_per_step - J = {I}); use J <= {(N - 1) * I}")
+    from rlbench.training.curricula import parse_stages, stage_settings  # curricula reads own_groups (below)
+
+    stages = parse_stages(cfg.trainer.get("stages"), cfg.trainer.steps)
+    for stage, settings in [(None, {"trainer.prompts_per_step": cfg.trainer.prompts_per_step}),
+                            *zip(stages, stage_settings(cfg, stages))]:
+        where = "" if stage is None else f"from trainer.stages at step {stage.at}: "
+        prompts = int(settings["trainer.prompts_per_step"])
+        I = prompts - J
+        if I < 1:
+            raise ConfigError(f"{where}trainer.swarm.external={J} leaves no local prompt: a step trains on "
+                              f"I = trainer.prompts_per_step - J = {prompts} - {J} = {I} own groups plus J shared ones; "
+                              "use J < trainer.prompts_per_step")
+        if J > (N - 1) * I:
+            raise ConfigError(f"{where}trainer.swarm.external={J}: the other {N - 1} actor(s) publish (N-1) * I = "
+                              f"{(N - 1) * I} groups per step (I = trainer.prompts_per_step - J = {I}); use J <= {(N - 1) * I}")
     rollout = cfg.rollout.get("strategy", "iid")
     if rollout != "iid":
         raise ConfigError(f"trainer.strategy=swarm shares the groups of rollout=iid only (got rollout={rollout})")
@@ -97,8 +115,71 @@ def actor_config(cfg: Any, actor: int) -> Any:
     own = cfg.copy()
     with open_dict(own):
         own.seed = rank_stream_seed(int(cfg.seed), actor)
-        own.output_dir = str(Path(cfg.output_dir) / f"actor{actor}")
+        own.output_dir = str(actor_folder(cfg.output_dir, actor))
+        if cfg.get("resume"):  # resume=<the swarm's folder>: each actor continues its own folder
+            own.resume = str(actor_folder(cfg.resume, actor))
     return own
+
+
+def actor_folder(swarm_folder: str | Path, actor: int) -> Path:
+    """The run folder of actor ``actor`` in the swarm's folder."""
+    return Path(swarm_folder) / f"actor{actor}"
+
+
+def checkpoint_home(run_folder: str | Path) -> Path:
+    """The folder holding a run's checkpoints: the run folder, or, for a swarm's folder (whose actors
+    checkpoint their own folders at the same steps), its actor 0's (what ``resume=`` reads the
+    overrides from)."""
+    run_folder = Path(run_folder)
+    swarm = actor_folder(run_folder, 0)
+    return swarm if not checkpoint_dirs(run_folder) and checkpoint_dirs(swarm) else run_folder
+
+
+# ------------------------------------------------------------------------------ checkpoints and resume
+
+
+def swarm_manifest(actors: int, external: int) -> dict[str, Any]:
+    """What an actor's checkpoint manifest records of the swarm."""
+    return {"swarm": {"actors": int(actors), "external": int(external)}}
+
+
+def check_resume_swarm(manifest: dict[str, Any], path: Path, actors: int, external: int) -> None:
+    """A swarm resumes with the N actors and the J shared groups that wrote its checkpoints (each
+    actor's stream and the exchange depend on both); ``resume_allow`` cannot change them."""
+    written = manifest.get("swarm")
+    if written is None:
+        raise ConfigError(f"resume: checkpoint {path} was not written by a swarm actor (trainer.strategy=swarm); "
+                          f"resume it with the strategy that wrote it ({manifest.get('strategy', 'single')})")
+    if (int(written["actors"]), int(written["external"])) != (actors, external):
+        raise ConfigError(
+            f"resume: checkpoint {path} was written by a swarm of {written['actors']} actors sharing "
+            f"trainer.swarm.external={written['external']} groups, but this run has {actors} actors and "
+            f"trainer.swarm.external={external}; resume with torchrun --nproc_per_node {written['actors']} "
+            f"and trainer.swarm.external={written['external']}")
+
+
+def valid_checkpoint_steps(run_folder: str | Path) -> list[int]:
+    """The steps of the run's valid checkpoints (read_checkpoint: manifest and file sizes), oldest first."""
+    steps = []
+    for path in checkpoint_dirs(run_folder):
+        try:
+            steps.append(read_checkpoint(path).step)
+        except CheckpointError:
+            continue
+    return steps
+
+
+def agreed_resume_step(steps_by_actor: Sequence[Sequence[int]]) -> int:
+    """The step a swarm resumes from: the newest step of which every actor has a valid checkpoint (an
+    actor killed while writing its checkpoint of step s leaves the swarm at the previous common step).
+    ConfigError when the actors have no step in common."""
+    common = set(steps_by_actor[0]).intersection(*map(set, steps_by_actor[1:]))
+    if not common:
+        listing = "; ".join(f"actor {a}: {list(steps) or 'none'}" for a, steps in enumerate(steps_by_actor))
+        raise ConfigError(f"resume: the swarm's actors have no checkpoint at a common step ({listing}); every actor "
+                          "must continue from the same step for the shared groups to be the uninterrupted run's: "
+                          "start the run again (or keep more checkpoints: trainer.keep_checkpoints)")
+    return max(common)
 
 
 class KeyValueStore(Protocol):
@@ -114,10 +195,36 @@ class KeyValueStore(Protocol):
 class SwarmPool:
     """The shared pool: actor ``actor`` of ``actors`` publishes its groups of step ``step`` and reads
     every other actor's (blocking until they are there). The store keeps two steps per actor: once an
-    actor has read every other actor's step s - 1, they have all read its step s - 2, which it deletes."""
+    actor has read every other actor's step s - 1, they have all read its step s - 2, which it deletes.
+
+    The actors' agreements (a stop signal after a step, the resume step) go through the same store
+    as rounds every actor takes in the same order (:meth:`gather`, :meth:`max_over_ranks`,
+    :meth:`barrier`: the calls of rlbench.training.distributed.World that the training loop and the
+    runner make, without a process group)."""
 
     def __init__(self, store: KeyValueStore, actor: int, actors: int):
         self.store, self.actor, self.actors = store, actor, actors
+        self.rounds = 0  # agreement rounds taken
+
+    @property
+    def size(self) -> int:
+        return self.actors
+
+    def gather(self, values: list[Any]) -> list[Any]:
+        """Every actor's ``values`` concatenated in actor order (on every actor)."""
+        self.rounds += 1
+        self.store.set(f"round{self.rounds}/actor{self.actor}", pickle.dumps(list(values)))
+        if self.rounds > 2:  # every actor has read this actor's round - 2 before publishing round - 1
+            self.store.delete_key(f"round{self.rounds - 2}/actor{self.actor}")
+        return [v for a in range(self.actors) for v in pickle.loads(self.store.get(f"round{self.rounds}/actor{a}"))]
+
+    def max_over_ranks(self, value: int) -> int:
+        """The largest of the actors' ``value``: a stop signal that reached one actor stops them all."""
+        return max(int(v) for v in self.gather([int(value)]))
+
+    def barrier(self) -> None:
+        """Returns when every actor has called it."""
+        self.gather([])
 
     def exchange(self, step: int, shared: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
         """Publish ``shared``; the other actors' lists for ``step``, in actor order."""
@@ -191,10 +298,18 @@ class SwarmRollout:
     pool: SwarmPool | None  # None when J = 0
     external: int  # J
     sampler: GroupSampler
-    max_length: int  # rollout.max_new_tokens (reward shaping's budget)
     seed: int  # the actor's seed
     policy_version: Callable[[], int]
     step: int = 0  # rollouts done (the pool's round)
+
+    @property
+    def setup(self) -> Any:
+        """The inner strategy's RolloutSetup (group size, sampling settings), which a stage changes."""
+        return self.inner.setup
+
+    @setup.setter
+    def setup(self, value: Any) -> None:
+        self.inner.setup = value
 
     def rollout(self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None) -> tuple[GradedGroups, dict[str, float]]:
         local_count = len(problems) - self.external
@@ -226,7 +341,7 @@ class SwarmRollout:
         for shared, ids in zip(chosen, prompt_ids):
             groups.append([external_completion(shared, response, ids) for response in shared["responses"]])
             mismatch += sum(retokenised(tokenizer, r) != r["ids"] for r in shared["responses"])
-        return self.sampler.grade(problems, groups, self.max_length), mismatch
+        return self.sampler.grade(problems, groups, self.setup.params.max_new_tokens), mismatch
 
     def state_dict(self) -> dict[str, Any]:
         inner = getattr(self.inner, "state_dict", None)
@@ -240,5 +355,16 @@ class SwarmRollout:
 
 def swarm_rollout(ctx: Any, cfg: Any, pool: SwarmPool | None) -> SwarmRollout:
     """Wrap the step context's strategy (``ctx.strategy``) into the actor's swarm rollout."""
-    return SwarmRollout(ctx.strategy, pool, external_groups(cfg), ctx.sampler, int(cfg.rollout.max_new_tokens),
-                        int(cfg.seed), lambda: ctx.policy_version)
+    return SwarmRollout(ctx.strategy, pool, external_groups(cfg), ctx.sampler, int(cfg.seed), lambda: ctx.policy_version)
+
+
+def own_groups(graded: GradedGroups) -> GradedGroups:
+    """The groups an actor sampled itself: ``graded`` without the groups received from other actors
+    (labelled ``swarm:actor<a>``). A prompt sampler's statistics count these only: a shared group
+    answers another actor's problem (its own data order, and under the same uid another problem when
+    the dataset is generated from the seed, e.g. arith) with another policy's responses."""
+    shared = [g for g, group in enumerate(graded.groups)
+              if group and all(c.behaviour.startswith(SWARM_BEHAVIOUR + ":") for c in group)]
+    if not shared:
+        return graded
+    return graded.select([g for g in range(len(graded.groups)) if g not in shared])
