@@ -21,6 +21,7 @@ whose fresh responses are all wrong gets up to m stored correct responses of the
 :class:`rlbench.rollout.replay.ReplayBuffer` (the same injection as AR3PO's response reuse,
 :func:`rlbench.rollout.replay.inject_successes`); correct fresh responses enter the buffer after the
 step. ``inject_behaviour``: stored (pi_old = the stored log-probs, ratio pi_theta / mu) or recomputed.
+A step that injects grades its groups a second time (reward shaping sees each whole group).
 
 Why a rollout strategy and not a prompt sampler: a sampler (``trainer.sampler``) decides which prompts a
 step trains on; how many responses each prompt gets and how long they may be are the rollout's
