@@ -18,6 +18,8 @@ from rlbench.training.distributed import check_strategy, launched_world_size
 from rlbench.training.swarm import check_swarm
 from rlbench.algorithm import Algorithm
 from rlbench.algorithm.registry import ADVANTAGES
+from rlbench.algorithm.shaping import REWARD_SHAPING
+from rlbench.rollout.difficulty_adaptive import DifficultyOptions
 from rlbench.config.fit import check_fits_here
 from rlbench.config.origin import ValueOrigins, with_origins
 from rlbench.config.walk import check_against_schema
@@ -108,6 +110,16 @@ def check_staleness(cfg: Any, algorithm: Algorithm) -> None:
         raise ConfigError(f"trainer.max_staleness={k} runs the asynchronous pipeline, which writes no checkpoint "
                           "(its generator runs ahead of the learner): drop trainer.checkpoint_every and resume, "
                           "or use trainer.max_staleness=null")
+    j = int(cfg.trainer.get("weight_sync_every") or 1)
+    if j > 1 and k is None:
+        raise ConfigError(f"trainer.weight_sync_every={j} syncs the generator thread's weights every {j} versions, "
+                          "but trainer.max_staleness=null runs no generator thread: set trainer.max_staleness >= "
+                          f"{j - 1} or weight_sync_every=1")
+    if k is not None and j > k + 1:
+        raise ConfigError(f"trainer.weight_sync_every={j} with trainer.max_staleness={k}: batch s must be sampled by a "
+                          f"synced version (a multiple of {j}) at most {k} versions behind the learner, and {k + 1} "
+                          f"consecutive versions hold a multiple of {j} only if weight_sync_every <= max_staleness + 1: "
+                          f"set trainer.max_staleness >= {j - 1} or trainer.weight_sync_every <= {k + 1}")
     if k is None or k == 0:
         return
     where = f"trainer.max_staleness={k} trains on data up to {k} policy versions old"
@@ -154,6 +166,38 @@ def check_masked_rollout(cfg: Any, algorithm: Algorithm) -> None:
     if algorithm.schedule == "trpo":
         raise ConfigError("rollout=masked gives the tokens outside the mask log-prob -inf, where the trpo schedule's KL "
                           "over the whole vocabulary is undefined: use another update schedule")
+
+
+def check_difficulty_rollout(cfg: Any, algorithm: Algorithm) -> None:
+    """rollout=difficulty_adaptive (rlbench/rollout/difficulty_adaptive.py) at every stage's group size,
+    the smallest batch it can form (every prompt easy: prompts_per_step * n_min responses) against the
+    mini-batches, and response budgets that vary against reward shaping that reads the budget."""
+    if cfg.rollout.get("strategy") != "difficulty_adaptive":
+        return
+    options = DifficultyOptions.from_config(cfg.rollout)
+    stages = parse_stages(cfg.trainer.get("stages"), cfg.trainer.steps)
+    settings = [{"rollout.n": cfg.rollout.n, "trainer.prompts_per_step": cfg.trainer.prompts_per_step}]
+    for stage, setting in zip(stages, stage_settings(cfg, stages)):
+        try:
+            options.check(int(setting["rollout.n"]))
+        except ConfigError as err:
+            raise ConfigError(f"from trainer.stages at step {stage.at}: {err}") from None
+        settings.append(setting)
+    for setting in settings:
+        smallest = int(setting["trainer.prompts_per_step"]) * options.n_min
+        if smallest < algorithm.minibatches:
+            raise ConfigError(
+                f"rollout=difficulty_adaptive: with every prompt easy a step has trainer.prompts_per_step * n_min = "
+                f"{setting['trainer.prompts_per_step']} * {options.n_min} = {smallest} responses, fewer than "
+                f"algorithm.update.minibatches={algorithm.minibatches}: raise n_min or prompts_per_step, or lower minibatches"
+            )
+    budget_readers = sorted(s.name for s in algorithm.reward_shaping if "max_length" in REWARD_SHAPING.accepted_inputs(s.name))
+    if budget_readers and (options.hard_length_scale != 1 or options.easy_length_scale != 1):
+        raise ConfigError(
+            f"rollout=difficulty_adaptive gives prompts different response budgets, but reward shaping {budget_readers} "
+            "reads one budget (max_length) for the whole step: set rollout.difficulty_adaptive.hard_length_scale=1 "
+            "and easy_length_scale=1, or drop that shaping"
+        )
 
 
 def check_sandbox(sandbox: Any) -> None:
@@ -227,6 +271,7 @@ def check_run(cfg: Any, origins: ValueOrigins) -> Algorithm:
         check_staleness(cfg, algorithm)
         check_reincarnation(cfg)
         check_masked_rollout(cfg, algorithm)
+        check_difficulty_rollout(cfg, algorithm)
         algorithm.check_batch_size(trainer.prompts_per_step * rollout.n)
         validate_step_options(cfg, algorithm)
         validate_reference_soup(cfg, algorithm.kl_coef)

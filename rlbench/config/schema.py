@@ -274,6 +274,10 @@ class TrainerConfig:
         None, "null: synchronous (generate, then update); k >= 0: a generator thread samples batch s with policy "
         "version max(0, s-1-k) while the learner updates (0 = the synchronous result through the pipeline)", ge=0
     )
+    weight_sync_every: int = knob(
+        1, "j: the generator syncs its weights every j policy versions (batch s sampled by g(s) rounded up to a "
+        "multiple of j; needs max_staleness >= j - 1); 1: every version", ge=1
+    )
     generator_threads: Optional[int] = knob(None, "torch threads of the generator thread (max_staleness set); null: the process's", ge=1)
     strategy: Literal["single", "ddp", "fsdp", "swarm"] = knob(
         "single", "single: one process | ddp: DistributedDataParallel | fsdp: FSDP2 fully_shard | swarm: SAPO's "

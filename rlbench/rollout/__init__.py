@@ -7,9 +7,9 @@ from rlbench.rollout.hf_engine import HFGenerateEngine
 from rlbench.rollout.groups import GradedGroups, GroupSampler
 from rlbench.rollout.strategy import STRATEGIES, RolloutSetup, RolloutStrategy, make_strategy, validate_strategy
 from rlbench.rollout import (  # noqa: F401  (register the strategies; guided_prefix also dataset_reset)
-    adaptive, adaptive_temperature, dynamic_sampling, edits, entropy_branch, equivalent_states, experience_library,
-    guided_prefix, hints, iid, lookahead, masked, mcts_prefix, micro_groups, mixed_traces, multiround, replay, rethink,
-    speculative, tree, vine,
+    adaptive, adaptive_temperature, difficulty_adaptive, dynamic_sampling, edits, entropy_branch, equivalent_states,
+    experience_library, guided_prefix, hints, iid, lookahead, masked, mcts_prefix, micro_groups, mixed_traces,
+    multiround, replay, rethink, speculative, tree, vine,
 )
 
 __all__ = [

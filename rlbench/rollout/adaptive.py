@@ -35,7 +35,7 @@ from typing import Any, Callable
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.replay import BEHAVIOURS, PendingInsertions, ReplayBuffer
+from rlbench.rollout.replay import BEHAVIOURS, StoredSuccesses, inject_successes
 from rlbench.rollout.strategy import RolloutSetup, register_strategy, strategy_options
 
 
@@ -64,13 +64,12 @@ class AdaptiveOptions:
 
 
 @register_strategy("adaptive")
-class AdaptiveRollout:
+class AdaptiveRollout(StoredSuccesses):
     """Staged sampling that stops at the first correct response, plus reuse of a stored success."""
 
     def __init__(self, setup: RolloutSetup, options: AdaptiveOptions):
         self.setup, self.options = setup, options
-        self.buffer = ReplayBuffer(options.capacity, setup.seed, trajectory="random")
-        self.pending = PendingInsertions()
+        self.keep_successes(options.capacity, setup.seed)
 
     @classmethod
     def from_config(cls, rollout_cfg: Any, setup: RolloutSetup) -> "AdaptiveRollout":
@@ -101,11 +100,8 @@ class AdaptiveRollout:
         fresh_counts = [len(group) for group in groups]
         reused = 0
         if self.options.reuse:
-            recompute = self.options.reuse_behaviour == "recomputed"
-            for i, problem in enumerate(problems):
-                stored = [] if resolved[i] else self.buffer.sample_trajectories(problem.uid, 1)
-                groups[i].extend(item.completion(i, recompute) for item in stored)
-                reused += len(stored)
+            reused = inject_successes(self.buffer, problems, groups, [0 if done else 1 for done in resolved],
+                                      self.options.reuse_behaviour == "recomputed")
         graded = self.setup.sampler.grade(problems, groups, self.setup.params.max_new_tokens)
         self.pending.add_groups(problems, graded, fresh_counts)
         return graded, {
@@ -115,11 +111,3 @@ class AdaptiveRollout:
             "replay_responses": float(reused),
             "replay_buffer_size": float(len(self.buffer)),
         }
-
-    def state_dict(self) -> dict[str, Any]:
-        self.pending.flush(self.buffer)
-        return {"buffer": self.buffer.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.buffer.load_state_dict(state["buffer"])
-        self.pending = PendingInsertions()

@@ -286,6 +286,38 @@ class ReplayOptions:
                             self.trajectory, self.retire_solved, self.keep, self.window)
 
 
+class StoredSuccesses:
+    """Base of a strategy that stores its correct fresh responses and injects them into groups without
+    a success (AR3PO's reuse, DART's injection): ``self.buffer`` and ``self.pending``, saved with
+    checkpoints."""
+
+    def keep_successes(self, capacity: int, seed: int) -> None:
+        self.buffer = ReplayBuffer(capacity, seed, trajectory="random")
+        self.pending = PendingInsertions()
+
+    def state_dict(self) -> dict[str, Any]:
+        self.pending.flush(self.buffer)
+        return {"buffer": self.buffer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.buffer.load_state_dict(state["buffer"])
+        self.pending = PendingInsertions()
+
+
+def inject_successes(buffer: ReplayBuffer, problems: Sequence[Problem], groups: list[list[Completion]],
+                     wanted: Sequence[int], recompute: bool) -> int:
+    """Append to ``groups[i]`` up to ``wanted[i]`` stored responses of ``problems[i]``'s question
+    (:meth:`ReplayBuffer.sample_trajectories`, in prompt order; none drawn where ``wanted[i]`` is 0)
+    as Completions (:meth:`ReplayItem.completion` with ``recompute``). Returns how many were added.
+    AR3PO's response reuse and DART's success injection: a group without a correct response gets one."""
+    added = 0
+    for i, (problem, count) in enumerate(zip(problems, wanted)):
+        stored = buffer.sample_trajectories(problem.uid, count) if count > 0 else []
+        groups[i].extend(item.completion(i, recompute) for item in stored)
+        added += len(stored)
+    return added
+
+
 class PendingInsertions:
     """Fresh responses wait here until the step that sampled them has stamped their policy version;
     the next rollout moves them into the buffer (so a step never replays its own responses)."""

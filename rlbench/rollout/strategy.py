@@ -69,6 +69,7 @@ class RolloutSetup:
     generator: torch.Generator | None
     seed: int = 0
     guidance: Any = None  # rlbench.guidance.GuidanceLibrary: the run's checked traces (guidance=<source>), or None
+    prompt_stats: Any = None  # rlbench.training.curricula.PromptStatsStore: the run's per-prompt statistics, or None
 
     def sample(self, problems: list[Problem]) -> GradedGroups:
         """``n`` graded responses for each of ``problems``."""

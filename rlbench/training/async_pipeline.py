@@ -22,8 +22,18 @@ recomputed: off-policy corrections (M2PO's second-moment mask, truncated IS, ...
 Threads on CPU: the generator thread sets its own torch thread count (``trainer.generator_threads``;
 null: the process's count), the learner keeps the process's. On GPU with vLLM the same design holds:
 the generator thread calls ``engine.sync_weights`` with the snapshot it loaded, so the inference
-engine's weights are refreshed once per version; syncing every j versions is the same rule with
-g(s) rounded down to a multiple of j (not implemented: every version is synced).
+engine's weights are refreshed once per version.
+
+Syncing every j versions (``trainer.weight_sync_every=j``, DART's per-worker model synchronisation,
+arXiv:2509.23866 section 3; 1 = every version, the rule above): only the versions 0, j, 2j, ... are
+published to the generator, and batch s is sampled by the first synced version at or after g(s),
+
+    g_j(s) = j * ceil(g(s) / j)        (g_1 = g)
+
+Rounding g(s) up, not down, keeps every batch within the bound: staleness (s - 1) - g_j(s) <= k.
+Rounding down would leave batches up to k + j - 1 versions old, which the gate drops. g_j(s) must
+also exist when batch s is due, g_j(s) <= s - 1: every run of k + 1 consecutive versions must hold a
+multiple of j, i.e. j <= k + 1 (validation refuses a larger j, rlbench.config.checks.check_staleness).
 
 Refused with k >= 1 (before the model loads, rlbench.config.checks): a piece that needs on-policy data
 (registry.Needs.on_policy, e.g. loss ``reinforce``), advantage inputs that sample at the learner
@@ -48,9 +58,13 @@ from rlbench.training.curricula import Curriculum
 from rlbench.training.step import StepContext, learn_step, stamp_policy_version
 
 
-def generator_version(step: int, max_staleness: int) -> int:
-    """g(s): the policy version that samples batch ``step`` (1-based)."""
-    return max(0, step - 1 - max_staleness)
+def generator_version(step: int, max_staleness: int, sync_every: int = 1) -> int:
+    """g_j(s): the policy version that samples batch ``step`` (1-based): g(s) = max(0, s - 1 - k)
+    rounded up to a multiple of j = ``sync_every`` (module docstring)."""
+    if sync_every < 1 or sync_every > max_staleness + 1:
+        raise ValueError(f"sync_every must be in 1..max_staleness + 1 = {max_staleness + 1}, got {sync_every}")
+    version = max(0, step - 1 - max_staleness)
+    return -(-version // sync_every) * sync_every
 
 
 @dataclass
@@ -143,10 +157,12 @@ class AsyncPipeline:
     """The generator thread and the learner's side of the queue (module docstring)."""
 
     def __init__(self, ctx: StepContext, curriculum: Curriculum, steps: int, max_staleness: int,
-                 generator_threads: int | None = None):
+                 generator_threads: int | None = None, sync_every: int = 1):
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        generator_version(1, max_staleness, sync_every)  # refuses a sync_every the bound cannot hold
         self.ctx, self.curriculum, self.steps_total, self.max_staleness = ctx, curriculum, steps, max_staleness
+        self.sync_every = sync_every
         self.generator_threads = generator_threads
         self.engine = ctx.engine
         self.generator_model = copy.deepcopy(ctx.model).eval().requires_grad_(False)
@@ -165,7 +181,7 @@ class AsyncPipeline:
                 torch.set_num_threads(int(self.generator_threads))
             ctx, curriculum = self.ctx, self.curriculum
             for step in range(1, self.steps_total + 1):
-                version = generator_version(step, self.max_staleness)
+                version = generator_version(step, self.max_staleness, self.sync_every)
                 weights = self.snapshots.take(version)
                 if weights is None:
                     return
@@ -187,7 +203,7 @@ class AsyncPipeline:
         """Train on the batches in order, yielding (step, metrics); the generator runs meanwhile."""
         ctx = self.ctx
         start = time.perf_counter()
-        self.ctx.engine = _PublishingEngine(self.snapshots, ctx.policy_version)
+        self.ctx.engine = _PublishingEngine(self.snapshots, ctx.policy_version, self.sync_every)
         self.snapshots.publish(ctx.policy_version, ctx.model)
         thread = threading.Thread(target=self._generate, name="rlbench-generator", daemon=True)
         thread.start()
@@ -218,20 +234,23 @@ class AsyncPipeline:
 
     def summary(self) -> dict[str, Any]:
         """What the run's summary reports: the bound, batches dropped, and the overlap of the two threads."""
-        return {"max_staleness": self.max_staleness, "async_dropped_batches": self.gate.dropped,
+        return {"max_staleness": self.max_staleness, "weight_sync_every": self.sync_every,
+                "async_weight_syncs": len(set(self.versions)), "async_dropped_batches": self.gate.dropped,
                 **self.clock.summary(self.wall)}
 
 
 class _PublishingEngine:
     """Stands in for the engine at the learner: ``sync_weights`` after an update publishes the new
-    version's snapshot for the generator instead of pointing the engine at the live model."""
+    version's snapshot for the generator instead of pointing the engine at the live model; only the
+    versions the generator syncs to (multiples of ``sync_every``) are copied."""
 
-    def __init__(self, snapshots: WeightSnapshots, version: int):
-        self.snapshots, self.version = snapshots, version
+    def __init__(self, snapshots: WeightSnapshots, version: int, sync_every: int = 1):
+        self.snapshots, self.version, self.sync_every = snapshots, version, sync_every
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         self.version += 1
-        self.snapshots.publish(self.version, model)
+        if self.version % self.sync_every == 0:
+            self.snapshots.publish(self.version, model)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("with trainer.max_staleness set, only the generator thread samples")

@@ -1,7 +1,8 @@
 """Curricula: which prompts a step trains on, and stages that change the run's settings at given steps.
 
 * :class:`PromptStatsStore`: per prompt uid, the responses graded so far (attempts), how many were
-  correct (pass rate), their mean length and the last step that saw the prompt. The training loop
+  correct (pass rate), their mean length, the last step that saw the prompt and that step's own
+  attempts and correct ones (the recent pass rate). The training loop
   feeds it every step's graded groups; prompt samplers read it.
 * Prompt samplers (``sampler=<name>``, the node ``trainer.sampler``): ``uniform`` (the default:
   shuffled passes, rlbench.training.loop.PromptSampler, unchanged), ``weighted`` (draw by pass rate:
@@ -41,10 +42,17 @@ class PromptStats:
     correct: int = 0
     length_sum: int = 0
     last_seen: int = 0
+    recent_attempts: int = 0  # the responses of the last step that saw the prompt
+    recent_correct: int = 0
 
     @property
     def pass_rate(self) -> float:
         return self.correct / self.attempts if self.attempts else math.nan
+
+    @property
+    def recent_pass_rate(self) -> float:
+        """The pass rate of the last step that saw the prompt (NaN before any)."""
+        return self.recent_correct / self.recent_attempts if self.recent_attempts else math.nan
 
     @property
     def mean_length(self) -> float:
@@ -70,6 +78,10 @@ class PromptStatsStore:
             row += len(group)
         for uid, attempts, right, length_sum in world.gather(counts):
             entry = self.stats.setdefault(uid, PromptStats())
+            if entry.last_seen != step:  # a prompt drawn twice in one step: its groups add up
+                entry.recent_attempts = entry.recent_correct = 0
+            entry.recent_attempts += attempts
+            entry.recent_correct += right
             entry.attempts += attempts
             entry.correct += right
             entry.length_sum += length_sum
@@ -330,8 +342,8 @@ class Curriculum:
     stages. Per step: :meth:`prompts` (entering a stage first), the rollout, :meth:`observe`, :meth:`end_step`.
     The synchronous loop calls them between updates, the asynchronous generator in its own thread."""
 
-    def __init__(self, cfg: Any, problems: list[Problem]):
-        self.stats = PromptStatsStore()
+    def __init__(self, cfg: Any, problems: list[Problem], stats: PromptStatsStore | None = None):
+        self.stats = PromptStatsStore() if stats is None else stats  # the step context's (strategies read it too)
         self.sampler = make_prompt_sampler(cfg.trainer.get("sampler"), problems, cfg.seed, self.stats)
         self.stages = {stage.at: stage for stage in parse_stages(cfg.trainer.get("stages"), cfg.trainer.steps)}
         self.prompts_per_step = int(cfg.trainer.prompts_per_step)

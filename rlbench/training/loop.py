@@ -85,7 +85,7 @@ class TrainingRun:
                  manifest: dict[str, Any] | None = None, peers: Any = None):
         self.cfg, self.ctx, self.logger = cfg, ctx, logger
         self.peers = ctx.world if peers is None else peers
-        self.curriculum = Curriculum(cfg, problems)
+        self.curriculum = Curriculum(cfg, problems, ctx.prompt_stats)
         self.untrained = UntrainedSteps()
         self.step = 0  # steps completed
         self.after_step_done = 0  # the last step whose after_step (periodic evaluation) ran
@@ -225,7 +225,7 @@ class TrainingRun:
         steps overlaps the update; no checkpoint is written mid-run."""
         cfg = self.cfg
         pipeline = AsyncPipeline(self.ctx, self.curriculum, cfg.trainer.steps, int(cfg.trainer.max_staleness),
-                                 cfg.trainer.get("generator_threads"))
+                                 cfg.trainer.get("generator_threads"), int(cfg.trainer.get("weight_sync_every") or 1))
         for step, metrics in pipeline.steps():
             self.logger.log_step(step, self.untrained.observe(step, metrics))
             self.step = step

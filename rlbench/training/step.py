@@ -35,6 +35,7 @@ from rlbench.rollout import GradedGroups, GroupSampler, RolloutSetup, RolloutStr
 from rlbench.rollout.base import RolloutEngine, SamplingParams
 from rlbench.training.advantage_inputs import AdvantageInputSources
 from rlbench.training.batch import TrainBatch, collate, mask_truncated, trainable_tokens
+from rlbench.training.curricula import PromptStatsStore
 from rlbench.training.forward import batch_outputs, training_logits_transform
 from rlbench.training.update_schedules import UpdateState, apply_update_schedule, make_update_state
 from rlbench.training.distributed import SINGLE, World, rank_stream_seed, unwrap, wrap_model
@@ -73,6 +74,7 @@ class StepContext:
     rollout_generator: torch.Generator | None = None  # the strategy's random stream (RolloutSetup.generator)
     reincarnate_at: int | None = None  # algorithm.reincarnate_at: ReMix's policy reincarnation (:func:`reincarnate`)
     reference_soup: ReferenceSoup | None = None  # algorithm.reference_soup: the reference as a weight soup (SALSA)
+    prompt_stats: PromptStatsStore | None = None  # the run's per-prompt statistics (the curriculum's, read by strategies)
 
     @property
     def reincarnated(self) -> bool:
@@ -154,7 +156,8 @@ def make_step_context(
     rollout_generator = torch.Generator().manual_seed(
         rank_stream_seed(make_generator(cfg.seed, STREAM_ROLLOUT).initial_seed(), world.rank)
     )
-    setup = RolloutSetup(sampler, int(rollout.n), params, rollout_generator, int(cfg.seed), guidance)
+    prompt_stats = PromptStatsStore()  # fed by the curriculum (rlbench.training.loop), read by samplers and strategies
+    setup = RolloutSetup(sampler, int(rollout.n), params, rollout_generator, int(cfg.seed), guidance, prompt_stats)
     return StepContext(
         algorithm=algorithm,
         model=trained,
@@ -179,6 +182,7 @@ def make_step_context(
         world=world,
         reincarnate_at=cfg.algorithm.get("reincarnate_at"),
         reference_soup=ReferenceSoup.from_config(cfg.algorithm.get("reference_soup"), reference),
+        prompt_stats=prompt_stats,
     )
 
 
