@@ -58,7 +58,6 @@ from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.base import Completion, GenerationRequest, SamplingParams
 from rlbench.rollout.continuation import continue_with_budgets
-from rlbench.rollout.scoring import needs_hf_engine
 from rlbench.rollout.groups import GradedGroups
 from rlbench.rollout.strategy import RolloutSetup, options_block, register_strategy
 
@@ -136,7 +135,6 @@ class SpeculativeRollout:
     @staticmethod
     def validate(rollout_cfg: Any, advantage: str) -> None:
         SpeculativeOptions.from_config(rollout_cfg)
-        needs_hf_engine("speculative", rollout_cfg, "verifies drafts with the engine's score_prefixes")
 
     # ------------------------------------------------------------------ state
 
