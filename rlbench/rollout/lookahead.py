@@ -30,6 +30,9 @@ not an i.i.d. sample of the policy: that is the method's point (diversity). Bran
 
 State: the number of steps taken, for the schedule (:meth:`LookaheadRollout.state_dict`).
 
+Engines: both; the statistics are the engine's ``position_stats`` (rlbench/rollout/base.py), which the vLLM
+engine computes on the HF policy model it keeps in step.
+
 Configuration (conf/rollout/lookahead.yaml):
 
     strategy: lookahead
