@@ -126,3 +126,16 @@ class CharTokenizer:
 
     def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(i) for i in ids)
+
+
+def has_vllm_gpu() -> bool:
+    """CUDA and an importable vLLM (the tests of rollout.engine=vllm need both)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -25,6 +25,8 @@ from rlbench.rollout.vllm_engine import (
     vllm_sampling_kwargs,
 )
 
+from conftest import has_vllm_gpu
+
 ROOT = Path(__file__).resolve().parents[1]
 EOS_BIAS = 8.0  # makes EOS ~6% likely per step under the random tiny model
 
@@ -463,18 +465,8 @@ def test_vllm_engine_with_stand_in_llm(tiny):
 # ------------------------------------------------------------------ vLLM on GPU
 
 
-def _has_vllm_gpu() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _has_vllm_gpu(), reason="needs CUDA and vLLM")
+@pytest.mark.skipif(not has_vllm_gpu(), reason="needs CUDA and vLLM")
 def test_vllm_engine_gpu(tmp_path):
     """vLLM samples from the converted SmolLM2 with log-probs that match the HF model, and
     sync_weights changes what it samples."""

@@ -14,8 +14,7 @@ from rlbench.errors import ConfigError
 from rlbench.model import load_policy
 from rlbench.reward.toy import EvenTokenReward
 from rlbench.rollout import GroupSampler, HFGenerateEngine, RolloutSetup, make_strategy, validate_strategy
-from rlbench.rollout import entropy_branch as module
-from rlbench.rollout.base import Completion, SamplingParams
+from rlbench.rollout.base import Completion, PositionStats, SamplingParams
 from rlbench.rollout.entropy_branch import (
     EntropyBranchOptions,
     EntropyBranchRollout,
@@ -23,7 +22,6 @@ from rlbench.rollout.entropy_branch import (
     global_samples,
     segment_entropies,
 )
-from rlbench.rollout.scoring import PositionStats
 
 from conftest import smoke_cli_steps
 
@@ -90,7 +88,7 @@ def entropy_stats(per_token):
 
 def test_budget_split_and_branches_from_segment_boundaries(monkeypatch):
     # segments of 2 tokens over 8: H = [0.2, 0.9, 0.9, 0.9] per segment; H_root 0.2 < H_step 0.9
-    monkeypatch.setattr(module, "position_stats", lambda engine, items, params: [
+    monkeypatch.setattr(ScriptedEngine, "position_stats", raising=False, value=lambda engine, items, params: [
         entropy_stats([0.2, 0.2, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9]) for _ in items])
     setup = scripted_setup(n=4)
     options = EntropyBranchOptions(segment_tokens=2, beta=0.5, entropy_weight=1.0, branch_threshold=0.5, penalty=0.05)
@@ -108,7 +106,7 @@ def test_budget_split_and_branches_from_segment_boundaries(monkeypatch):
 
 
 def test_no_branch_leaves_global_samples_only(monkeypatch):
-    monkeypatch.setattr(module, "position_stats", lambda engine, items, params: [
+    monkeypatch.setattr(ScriptedEngine, "position_stats", raising=False, value=lambda engine, items, params: [
         entropy_stats([0.9, 0.9, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]) for _ in items])
     setup = scripted_setup(n=4)
     options = EntropyBranchOptions(segment_tokens=2, entropy_weight=10.0)  # entropy falls: u - 8 < 0.5 always
@@ -142,8 +140,7 @@ def test_settings_are_checked_before_the_model_loads(make_cfg):
         validate_strategy(OmegaConf.create({**base, "entropy_branch": {"segment_tokens": 8}}), "grpo")
     with pytest.raises(ConfigError, match="rollout.n >= 2"):
         validate_strategy(OmegaConf.create({**base, "n": 1}), "grpo")
-    with pytest.raises(ConfigError, match="rollout.engine=hf"):
-        validate_strategy(OmegaConf.create({**base, "engine": "vllm"}), "grpo")
+    validate_strategy(OmegaConf.create({**base, "engine": "vllm"}), "grpo")  # the engine interface serves both
     with pytest.raises(ConfigError, match=r"no key\(s\) \['alpha'\]"):
         validate_strategy(OmegaConf.create({**base, "entropy_branch": {"alpha": 1}}), "grpo")
 

@@ -13,10 +13,8 @@ from rlbench.errors import ConfigError
 from rlbench.model import load_policy
 from rlbench.reward.toy import EvenTokenReward
 from rlbench.rollout import GroupSampler, HFGenerateEngine, RolloutSetup, make_strategy, validate_strategy
-from rlbench.rollout import lookahead as lookahead_module
-from rlbench.rollout.base import Completion, SamplingParams
+from rlbench.rollout.base import Completion, PositionStats, SamplingParams
 from rlbench.rollout.lookahead import LookaheadOptions, LookaheadRollout, branch_points, rouge_l_f1, too_similar
-from rlbench.rollout.scoring import PositionStats, position_stats
 
 from conftest import smoke_cli_steps
 
@@ -84,7 +82,7 @@ def scripted_setup(tails, n=3, budget=6):
 
 def test_branches_look_ahead_from_the_trunk_and_similar_ones_are_pruned(monkeypatch):
     # trunk [10..15]; branch points at t=1 (token 21) and t=3 (token 23) and t=4 (token 24)
-    monkeypatch.setattr(lookahead_module, "position_stats", lambda engine, items, params: [
+    monkeypatch.setattr(ScriptedEngine, "position_stats", raising=False, value=lambda engine, items, params: [
         stats([(10, 0.9, 20, 0.05), (11, 0.4, 21, 0.35), (12, 0.9, 22, 0.05), (13, 0.4, 23, 0.3), (14, 0.4, 24, 0.3),
                (15, 0.9, 25, 0.05)])])
     # after 21 the branch rejoins the trunk (12, 13: too similar); after 23 and 24 it differs
@@ -106,7 +104,7 @@ def test_branches_look_ahead_from_the_trunk_and_similar_ones_are_pruned(monkeypa
 
 
 def test_no_branch_point_gives_plain_sampling(monkeypatch):
-    monkeypatch.setattr(lookahead_module, "position_stats",
+    monkeypatch.setattr(ScriptedEngine, "position_stats", raising=False, value=
                         lambda engine, items, params: [stats([(10, 0.99, 20, 0.01)] * 6) for _ in items])
     setup = scripted_setup({}, n=4)
     groups, metrics = LookaheadRollout(setup, LookaheadOptions()).rollout([Problem("1", "q", "a"), Problem("2", "q", "a")])
@@ -116,7 +114,7 @@ def test_no_branch_point_gives_plain_sampling(monkeypatch):
 
 
 def test_prompts_beyond_the_share_are_sampled_iid_and_the_step_count_is_state(monkeypatch):
-    monkeypatch.setattr(lookahead_module, "position_stats",
+    monkeypatch.setattr(ScriptedEngine, "position_stats", raising=False, value=
                         lambda engine, items, params: [stats([(10, 0.99, 20, 0.01)] * 6) for _ in items])
     setup = scripted_setup({}, n=2)
     strategy = LookaheadRollout(setup, LookaheadOptions(mix_schedule=((0, 1.0), (1, 0.5))))
@@ -144,7 +142,7 @@ def test_on_the_tiny_model_branches_share_the_trunk_up_to_their_branch_token(tin
     trunk, *branches = groups.groups[0]
     assert metrics["lookahead_branches"] == 3 and len(branches) == 3
     prompt = trunk.prompt_ids
-    top = position_stats(engine, [(prompt, tuple(trunk.response_ids))], params)[0].top_tokens
+    top = engine.position_stats([(prompt, tuple(trunk.response_ids))], params)[0].top_tokens
     for t, branch in enumerate(branches):  # the earliest branch points: t = 0, 1, 2
         assert branch.response_ids[:t] == trunk.response_ids[:t]
         expected = int(top[t, 1]) if trunk.response_ids[t] == int(top[t, 0]) else int(top[t, 0])
@@ -163,8 +161,7 @@ def test_settings_are_checked_before_the_model_loads(make_cfg):
         validate_strategy(OmegaConf.create({**base, "lookahead": {"checkpoints": [2, 8]}}), "grpo")
     with pytest.raises(ConfigError, match="rollout.n >= 2"):
         validate_strategy(OmegaConf.create({**base, "n": 1}), "grpo")
-    with pytest.raises(ConfigError, match="rollout.engine=hf"):
-        validate_strategy(OmegaConf.create({**base, "engine": "vllm"}), "grpo")
+    validate_strategy(OmegaConf.create({**base, "engine": "vllm"}), "grpo")  # the engine interface serves both
     with pytest.raises(ConfigError, match="mix_schedule must be"):
         validate_strategy(OmegaConf.create({**base, "lookahead": {"mix_schedule": [[5, 1.0]]}}), "grpo")
     with pytest.raises(ConfigError, match="abs_threshold must be in"):

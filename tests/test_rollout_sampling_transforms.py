@@ -7,8 +7,11 @@ masked log-probs against the sampling ones."""
 
 from __future__ import annotations
 
+import enum
 import math
+import sys
 from pathlib import Path
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
@@ -26,6 +29,7 @@ from rlbench.rollout.adaptive_temperature import (
     entropy_at,
     temperature_factors,
 )
+from rlbench.rollout import vllm_logits
 from rlbench.rollout.base import GenerationRequest, SamplingParams
 from rlbench.rollout.iid import IIDSampling
 from rlbench.rollout.masked import MaskedRollout, MaskedSampling, apply_mask, top_p_mask
@@ -143,17 +147,23 @@ def test_adaptive_samples_log_probs_are_those_of_the_per_token_temperature(tiny)
     assert (scale.pivot, scale.above, scale.below) == pytest.approx((expected.pivot, expected.above, expected.below), abs=1e-4)
     second, metrics = strategy.rollout(problems("1", "2"))
     assert T * (1 - tau) - 1e-6 <= metrics["adaptive_temperature_min"] < metrics["adaptive_temperature_max"] <= T * (1 + tau) + 1e-6
-    # (the factor depends on the entropy, which a full forward and the decoding step's cached one round
-    # differently: hence a tolerance of 1e-2, far below the 0.1+ nats the adaptation moves a log-prob)
+    assert adaptive_log_probs_match(model, second, scale, T, tau) > 0.1
+
+
+def adaptive_log_probs_match(model, graded, scale, T, tau) -> float:
+    """Assert that every recorded log-prob is that of T (1 + tau h) per token, recomputed from the model's
+    logits; returns the largest gap to the plain temperature T's log-prob (how far the adaptation moved).
+    The factor depends on the entropy, which a full forward and a decoding step's forward round
+    differently: hence a tolerance of 1e-2, far below the 0.1+ nats the adaptation moves a log-prob."""
     moved = 0.0
-    for c in (c for g in second.groups for c in g):
+    for c in (c for g in graded.groups for c in g):
         logits, targets = position_logits(model, c), torch.tensor(c.response_ids)[:, None]
         factors = temperature_factors(entropy_at(logits, T), scale, tau)
         logp = torch.log_softmax(logits / (T * factors[:, None]), dim=-1).gather(-1, targets).squeeze(-1)
         assert c.logprobs == pytest.approx(logp.tolist(), abs=1e-2)
         fixed = torch.log_softmax(logits / T, dim=-1).gather(-1, targets).squeeze(-1)
         moved = max(moved, float((fixed - torch.tensor(c.logprobs)).abs().max()))
-    assert moved > 0.1
+    return moved
 
 
 def test_adaptive_state_round_trip_gives_the_same_rollout(tiny):
@@ -185,8 +195,7 @@ def test_adaptive_settings_are_checked_before_the_model_loads(make_cfg):
         validate_strategy(cfg(entropy_pivot=1.5), "grpo")
     with pytest.raises(ConfigError, match="rollout.temperature > 0"):
         validate_strategy(cfg(temperature=0.0), "grpo")
-    with pytest.raises(ConfigError, match="rollout.engine=hf"):
-        validate_strategy(cfg(engine="vllm"), "grpo")
+    validate_strategy(cfg(engine="vllm"), "grpo")  # the vLLM engine runs the transform as a logits processor
     with pytest.raises(ConfigError, match=r"has no key\(s\) \['beta'\]"):
         validate_strategy(cfg(beta=1), "grpo")
 
@@ -343,11 +352,136 @@ def test_masked_is_refused_with_stale_batches_and_with_trpo(make_cfg):
         validate_config(make_cfg("rollout=masked", "algorithm=trpo"))
 
 
-def test_the_vllm_engine_refuses_a_transform_before_generating():
+# ---------------------------------------------------------------- the transform inside vLLM (rlbench/rollout/vllm_logits.py)
+
+
+class _Direction(enum.Enum):
+    UNIDIRECTIONAL = 1
+    SWAP = 2
+
+
+def _update(removed=(), added=(), moved=(), size=0):
+    return SimpleNamespace(batch_size=size, removed=list(removed), added=list(added), moved=list(moved))
+
+
+def _tagged(key):
+    return SimpleNamespace(extra_args={vllm_logits.EXTRA_ARG: key})
+
+
+def test_transform_rows_follow_the_batch_and_apply_the_hf_transform_per_row():
+    """The pure part of the vLLM logits processor: the rows tagged with a registered transform get exactly
+    what the HF engine's hook returns for the same logits; untagged rows are untouched; removals, one-way
+    moves and swaps of vLLM's persistent batch carry each row's transform and context along."""
+    torch.manual_seed(0)
+    logits = torch.randn(5, 11) * 3
+    scale = EntropyScale(pivot=0.5, above=0.7, below=1.3)
+    seen = []
+
+    def recording(rows, contexts):
+        seen.append([tuple(c) for c in contexts])
+        return AdaptiveTemperatureTransform(scale, 0.5, 0.8)(rows, contexts)
+
+    rows = vllm_logits.TransformRows({7: recording}.__getitem__)
+    outputs = [[] for _ in range(5)]
+    # rows 0, 1, 3, 4 tagged (row 3 through a vLLM that passes no prompt ids), row 2 not
+    rows.update(_update(added=[(0, _tagged(7), [1, 2], outputs[0]), (1, _tagged(7), [3], outputs[1]),
+                               (2, SimpleNamespace(), [4], outputs[2]), (3, _tagged(7), outputs[3]),
+                               (4, _tagged(7), [5], outputs[4])], size=5))
+    outputs[0].append(9)  # the live output list: the context grows with it
+    out = rows.apply(logits.clone())
+    hf = AdaptiveTemperatureTransform(scale, 0.5, 0.8)(logits[[0, 1, 3, 4]], [])
+    assert torch.equal(out[[0, 1, 3, 4]], hf) and torch.equal(out[2], logits[2])
+    assert seen[-1] == [(1, 2, 9), (3,), (), (5,)]
+    # row 1 leaves, row 4 moves into its place, rows 0 and 2 swap; an untagged request replaces row 3
+    rows.update(_update(removed=[1], moved=[(4, 1, _Direction.UNIDIRECTIONAL), (0, 2, _Direction.SWAP)], size=4))
+    rows.update(_update(added=[(3, SimpleNamespace(extra_args=None), [6], [])], size=4))
+    out = rows.apply(logits[:4].clone())
+    hf = AdaptiveTemperatureTransform(scale, 0.5, 0.8)(logits[[1, 2]], [])
+    assert torch.equal(out[[1, 2]], hf) and torch.equal(out[[0, 3]], logits[[0, 3]])
+    assert seen[-1] == [(5,), (1, 2, 9)]
+    with pytest.raises(RuntimeError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0"):
+        vllm_logits.registered_transform(-1)
+
+
+class _FakeVLLMSampler:
+    """A stand-in ``vllm.LLM`` whose ``generate`` decodes on the HF model the way vLLM's V1 sampler does:
+    the registered logits processor (built from a fake ``vllm.v1.sample.logits_processor``) follows the
+    batch and transforms the raw float32 logits, then temperature, then the processed log-probs. After
+    the first step the first row finishes and vLLM's condense moves the last row into its slot."""
+
+    def __init__(self, model, processor_cls):
+        self.model, self.processor = model, processor_cls(None, torch.device("cpu"), False)
+
+    def generate(self, prompts, sps, use_tqdm=False):
+        outputs = [[] for _ in prompts]
+        logprobs = [[] for _ in prompts]
+        self.processor.update_state(_update(added=[(j, sp, p["prompt_token_ids"], outputs[j]) for j, (p, sp) in enumerate(zip(prompts, sps))], size=len(prompts)))
+        generators = [torch.Generator().manual_seed(sp.seed) for sp in sps]
+        slots = list(range(len(prompts)))
+        for step in range(sps[0].max_tokens):
+            if step == 1 and len(slots) > 2:
+                last = len(slots) - 1
+                self.processor.update_state(_update(removed=[0], moved=[(last, 0, _Direction.UNIDIRECTIONAL)], size=last))
+                slots = [slots[last]] + slots[1:last]
+            with torch.no_grad():
+                logits = torch.stack([self.model(input_ids=torch.tensor([prompts[j]["prompt_token_ids"] + outputs[j]])).logits[0, -1].float() for j in slots])
+            logits = self.processor.apply(logits)
+            logp = torch.log_softmax(logits / torch.tensor([[sps[j].temperature] for j in slots]), dim=-1)
+            for row, j in enumerate(slots):
+                token = int(torch.multinomial(logp[row].exp(), 1, generator=generators[j]))
+                outputs[j].append(token)
+                logprobs[j].append({token: SimpleNamespace(logprob=float(logp[row, token]))})
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=o, logprobs=lp, finish_reason="length", text="")])
+                for o, lp in zip(outputs, logprobs)]
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """``vllm.v1.sample.logits_processor`` with the base class the engine's processor subclasses."""
+    module = ModuleType("vllm.v1.sample.logits_processor")
+    module.LogitsProcessor = type("LogitsProcessor", (), {})
+    for name in ("vllm", "vllm.v1", "vllm.v1.sample"):
+        monkeypatch.setitem(sys.modules, name, ModuleType(name))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setattr(vllm_logits, "_PROCESSOR", None)
+    yield vllm_logits.processor_class()
+
+
+def test_adaptive_temperature_through_the_vllm_logits_processor(tiny, fake_vllm):
+    """rollout=adaptive_temperature on the vLLM engine (the sampler a stand-in that decodes like vLLM's):
+    the log-probs of the sampled tokens are those of T (1 + tau h) per token, recomputed here from the
+    model's logits, and the entropies recorded for the next step's scale are the sampled steps'."""
     from rlbench.rollout.vllm_engine import VLLMEngine
 
-    engine = VLLMEngine.__new__(VLLMEngine)  # no model: the refusal comes first
-    with pytest.raises(ValueError, match="use rollout.engine=hf"):
+    model, tokenizer = tiny
+    processor = fake_vllm
+    assert not processor(None, "cpu", False).is_argmax_invariant()  # raw logits, before temperature
+    T, tau = 0.8, 0.5
+    llm = _FakeVLLMSampler(model, processor)
+    engine = VLLMEngine(model, tokenizer, llm=llm, sampling_params_factory=SimpleNamespace, logits_transforms=True)
+    sampler = GroupSampler(engine, EvenTokenReward(), tokenizer, {"user": "{problem}"}, lambda r, _: r)
+    setup = RolloutSetup(sampler, 3, SamplingParams(T, 1.0, 4), torch.Generator().manual_seed(0))
+    strategy = AdaptiveTemperatureRollout(setup, tau=tau, entropy_pivot=0.8)
+    first, metrics = strategy.rollout(problems("1", "2"))
+    assert metrics == {"adaptive_temperature_active": 0.0}
+    entropies = torch.cat([entropy_at(position_logits(model, c), T) for g in first.groups for c in g])
+    expected = EntropyScale.fit(entropies, torch.ones_like(entropies), 0.8)
+    scale = strategy.scale
+    assert (scale.pivot, scale.above, scale.below) == pytest.approx((expected.pivot, expected.above, expected.below), abs=1e-4)
+    second, metrics = strategy.rollout(problems("1", "2"))
+    assert metrics["adaptive_temperature_min"] < metrics["adaptive_temperature_max"]
+    assert adaptive_log_probs_match(model, second, scale, T, tau) > 0.05
+    assert vllm_logits._TRANSFORMS == {}  # released after each call
+    with pytest.raises(ValueError, match="cannot score prefix_ids"):
+        engine.generate([GenerationRequest((1, 2), prefix_ids=(3,))], SamplingParams(logits_transform=lambda lg, ctx: lg))
+
+
+def test_a_vllm_engine_without_the_processor_refuses_a_transform(tiny):
+    from rlbench.rollout.vllm_engine import VLLMEngine
+
+    model, tokenizer = tiny
+    engine = VLLMEngine(model, tokenizer, llm=object(), sampling_params_factory=dict)
+    with pytest.raises(ValueError, match="use vLLM >= 0.10.2 or rollout.engine=hf"):
         engine.generate([GenerationRequest((1,))], SamplingParams(logits_transform=lambda logits, contexts: logits))
 
 

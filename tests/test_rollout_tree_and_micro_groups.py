@@ -21,6 +21,8 @@ from rlbench.model import build_tiny_model, load_policy
 from rlbench.rollout import GroupSampler, HFGenerateEngine, RolloutSetup, SamplingParams, make_strategy, validate_strategy
 from rlbench.rollout.tree import TreeOptions, split_budget
 
+from conftest import has_vllm_gpu
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # One prompt, 4 leaves of 4 tokens: the prompt -> node 1 (2 tokens) -> leaves' own nodes 3, 4 (2 tokens
@@ -235,18 +237,8 @@ def test_micro_group_size_must_divide_n():
     validate_strategy(OmegaConf.create({"strategy": "micro_groups", "n": 8, "micro_groups": {"size": 4}}), "grpo")
 
 
-def _has_vllm_gpu() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _has_vllm_gpu(), reason="needs CUDA and vLLM")
+@pytest.mark.skipif(not has_vllm_gpu(), reason="needs CUDA and vLLM")
 @pytest.mark.parametrize("strategy", ["tree", "treerpo", "micro_groups"])
 def test_strategy_on_the_vllm_engine_gpu(strategy):
     """Each strategy of this module through the vLLM engine (prefix caching serves the tree's paths):

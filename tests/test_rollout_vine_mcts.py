@@ -14,7 +14,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import smoke_cli_steps
+from conftest import has_vllm_gpu, smoke_cli_steps
 from rlbench.algorithm.advantages import dr_grpo_advantage
 from rlbench.algorithm.advantages.vine import step_runs, vine_advantage
 from rlbench.dataset.base import Problem
@@ -305,18 +305,8 @@ def test_mcts_prefix_is_the_best_leafs_prefix(tiny):
         assert any(leaf.response_ids[:6] == prefix and even_share(leaf.response_ids) == best for leaf in leaves)
 
 
-def _has_vllm_gpu() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _has_vllm_gpu(), reason="needs CUDA and vLLM")
+@pytest.mark.skipif(not has_vllm_gpu(), reason="needs CUDA and vLLM")
 @pytest.mark.parametrize("strategy", ["vine", "mcts_prefix"])
 def test_strategy_on_the_vllm_engine_gpu(strategy):
     """Each strategy of this module through the vLLM engine (prefix caching serves the continuations):

@@ -19,8 +19,12 @@ changes how the rollout explores, not the policy being trained), as the authors'
 top-p, the adaptation is a sampling-side warp whose ratio is taken at ``T``.
 
 With ``tau = 0`` the strategy samples exactly what ``rollout=iid`` samples (same seed, same tokens).
-Only the HF engine runs it (the logits transform of rlbench/rollout/base.py); rollout.engine=vllm is
-refused before the model loads.
+
+Engines: the transform is the engine's logits transform (rlbench/rollout/base.py), so both engines run
+it: the HF engine in its decoding loop, the vLLM engine as a V1 logits processor on the same raw
+logits before temperature and top-p (rlbench/rollout/vllm_logits.py). On vLLM the recorded entropies
+may include a few prompt positions of chunked prefills (that module's docstring); the per-row
+temperature of every sampled token is the same rule.
 
 Configuration (conf/rollout/adaptive_temperature.yaml):
 
@@ -43,7 +47,6 @@ from rlbench.algorithm.losses.ratio_clipped import EntropyScale
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.scoring import needs_hf_engine
 from rlbench.rollout.strategy import OptionStrategy, RolloutSetup, register_strategy, strategy_options
 
 
@@ -112,7 +115,6 @@ class AdaptiveTemperatureRollout(OptionStrategy):
                 "rollout=adaptive_temperature adapts the sampling temperature; greedy decoding (rollout.temperature=0) "
                 "has none: set rollout.temperature > 0"
             )
-        needs_hf_engine("adaptive_temperature", rollout_cfg, "changes the temperature inside the decoding loop")
         return {"tau": tau, "entropy_pivot": pivot}
 
     def rollout(

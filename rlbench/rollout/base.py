@@ -8,8 +8,13 @@ It is shaped for the strategies rlbench composes:
   responses); the prefix is part of the returned response and its log-probs are scored too;
 * many requests may share a prompt with different prefixes (tree / segment sampling).
 
+Besides generating, an engine reads the policy's sampling distribution along given responses
+(:meth:`RolloutEngine.score_prefixes`, :meth:`RolloutEngine.position_stats`): the strategies that
+verify drafts or decide where to branch (speculative, lookahead, entropy_branch) use only these, so
+they run on either engine.
+
 The Hugging Face ``generate`` engine implements it on CPU and GPU; a vLLM engine implements
-the same interface on GPU.
+the same interface on GPU (its scoring runs on the Hugging Face policy model it keeps in step).
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ import torch
 
 class LogitsTransform(Protocol):
     """A per-step change of the next-token logits inside the engine's decoding loop (the one sampling
-    hook; rollout=adaptive_temperature and rollout=masked use it).
+    hook; rollout=adaptive_temperature and rollout=masked use it). The vLLM engine runs it as a vLLM
+    logits processor (rlbench/rollout/vllm_logits.py), on the same raw logits at the same place.
 
     Called at every decoding step with ``logits`` ``[rows, V]`` (float32, the model's raw logits of the
     rows still running) and ``contexts`` (each row's tokens so far: prompt, prefix and the tokens
@@ -43,6 +49,34 @@ class SamplingParams:
     top_p: float = 1.0
     max_new_tokens: int = 64
     logits_transform: LogitsTransform | None = field(default=None, compare=False)
+
+
+def check_transform_requests(requests: Sequence["GenerationRequest"], params: SamplingParams) -> None:
+    """ValueError when ``params`` carries a logits transform and a request asks for its prefix to be
+    scored: the transform applies to sampled tokens only, so a scored prefix would not be scored
+    under the distribution its continuation is sampled from."""
+    if params.logits_transform is None:
+        return
+    for i, req in enumerate(requests):
+        if req.prefix_ids and req.score_prefix:
+            raise ValueError(
+                f"request {i}: a logits transform applies to sampled tokens only; it cannot score prefix_ids "
+                "(send score_prefix=False)"
+            )
+
+
+@dataclass
+class PositionStats:
+    """For each position t of a response: the distribution that sampled token t (given the prompt
+    and tokens < t), under the run's sampling distribution (temperature and top-p). ``top_tokens`` /
+    ``top_probs`` [L, 2]: the most and second most likely tokens and their probabilities; ``entropy``
+    [L] in nats; ``vocab_size``: the distribution's support (``entropy / log(vocab_size)`` is the
+    normalised entropy in [0, 1])."""
+
+    top_tokens: torch.Tensor
+    top_probs: torch.Tensor
+    entropy: torch.Tensor
+    vocab_size: int
 
 
 @dataclass(frozen=True)
@@ -148,6 +182,21 @@ class RolloutEngine(Protocol):
         """Return, for each request, its ``n`` completions in order."""
         ...
 
+    def score_prefixes(
+        self, items: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], params: SamplingParams
+    ) -> list[list[float]]:
+        """Log-probs of each response given its prompt (``items`` = ``(prompt, response)`` pairs) under
+        the current policy's sampling distribution of ``params`` (temperature and top-p; temperature 0
+        scores at temperature 1). The logits transform, if any, is not applied."""
+        ...
+
+    def position_stats(
+        self, items: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], params: SamplingParams
+    ) -> list[PositionStats]:
+        """:class:`PositionStats` of each response given its prompt, under the same distribution as
+        :meth:`score_prefixes`."""
+        ...
+
     def sync_weights(self, model: torch.nn.Module) -> None:
-        """Make the engine sample from ``model``'s current weights."""
+        """Make the engine sample (and score) from ``model``'s current weights."""
         ...

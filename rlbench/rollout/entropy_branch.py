@@ -7,7 +7,7 @@ penalised when it happens at consecutive steps.
 AEPO branches at tool calls; single-turn responses have none, so here a *step* is a segment of
 ``segment_tokens`` tokens and the branch points are the segment boundaries. The step entropy is the
 mean normalised token entropy (entropy / log |V|, under the sampling distribution) over the segment
-(:func:`rlbench.rollout.scoring.position_stats`).
+(the engine's ``position_stats``).
 
 Per prompt:
 
@@ -36,6 +36,9 @@ The rule's constants (beta 0.5, the floor + 1, the penalty 0.05 per consecutive 
 threshold 0.5) follow a public implementation of the AEPO rollout; the paper's own values are not
 verified here (docs/rollout.md). No state between steps.
 
+Engines: both; the statistics are the engine's ``position_stats`` (rlbench/rollout/base.py), which the vLLM
+engine computes on the HF policy model it keeps in step.
+
 Configuration (conf/rollout/entropy_branch.yaml):
 
     strategy: entropy_branch
@@ -57,10 +60,9 @@ import torch
 
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
-from rlbench.rollout.base import Completion, GenerationRequest
+from rlbench.rollout.base import Completion, GenerationRequest, PositionStats
 from rlbench.rollout.continuation import continue_with_budgets
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.scoring import PositionStats, needs_hf_engine, position_stats
 from rlbench.rollout.strategy import RolloutSetup, needs_groups, options_block, register_strategy
 
 OPTION_KEYS = {"segment_tokens", "beta", "entropy_weight", "branch_threshold", "penalty"}
@@ -127,7 +129,6 @@ class EntropyBranchRollout:
     @staticmethod
     def validate(rollout_cfg: Any, advantage: str) -> None:
         options = EntropyBranchOptions.from_config(rollout_cfg)
-        needs_hf_engine("entropy_branch", rollout_cfg, "reads token entropies along sampled responses through the HF engine's model")
         needs_groups("entropy_branch", rollout_cfg, "splits a group between global samples and branches")
         budget = int(rollout_cfg.max_new_tokens)
         if options.segment_tokens >= budget:
@@ -138,7 +139,7 @@ class EntropyBranchRollout:
 
     def _entropies(self, prompts: list[tuple[int, ...]], samples: list[tuple[int, Completion]]) -> list[list[float]]:
         params = self.setup.params
-        stats = position_stats(self.setup.sampler.engine, [(prompts[i], tuple(c.response_ids)) for i, c in samples], params)
+        stats = self.setup.sampler.engine.position_stats([(prompts[i], tuple(c.response_ids)) for i, c in samples], params)
         return [segment_entropies(s, self.options.segment_tokens) for s in stats]
 
     def rollout(

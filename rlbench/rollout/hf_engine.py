@@ -39,14 +39,18 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 import torch
 
 from rlbench.utils import Progress
-from rlbench.rollout.base import Completion, GenerationRequest, SamplingParams, request_seeds, sample_seed
+from rlbench.rollout.base import (
+    Completion, GenerationRequest, PositionStats, SamplingParams, check_transform_requests, request_seeds, sample_seed,
+)
+from rlbench.rollout.scoring import distribution_stats
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def inverse_cdf_sample(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -205,33 +209,62 @@ class HFGenerateEngine:
         return out.logits[:, -keep:], _returned_cache(out), (mask if padded else None), position_ids[:, -1]
 
     @staticmethod
-    def _prefix_logprobs(logits: torch.Tensor, prefix: Sequence[int], warpers: Sequence) -> list[float]:
+    def _response_logprobs(logits: torch.Tensor, length: int, warpers: Sequence) -> torch.Tensor:
+        """``[length, V]`` warped log-probs of the distributions that sampled the last ``length`` tokens
+        of a row's input, from the row's kept logits (``[keep, V]``): position j's logits predict token
+        j + 1."""
+        width = logits.shape[0]
+        return warped_logprobs(logits[width - length - 1 : width - 1], warpers)
+
+    @classmethod
+    def _prefix_logprobs(cls, logits: torch.Tensor, prefix: Sequence[int], warpers: Sequence) -> list[float]:
         """Log-probs of ``prefix`` from the kept logits of one row (``[keep, V]``, the input ending
-        with ``prefix``): position j's logits predict token j + 1."""
+        with ``prefix``)."""
         if not prefix:
             return []
-        width = logits.shape[0]
         targets = torch.tensor(list(prefix), dtype=torch.long, device=logits.device)
-        lp = warped_logprobs(logits[width - len(prefix) - 1 : width - 1], warpers)
+        lp = cls._response_logprobs(logits, len(prefix), warpers)
         return lp.gather(-1, targets[:, None]).squeeze(-1).cpu().tolist()
+
+    def _score(
+        self, items: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], read: Callable[[torch.Tensor, Sequence[int]], T]
+    ) -> list[T]:
+        """``read(kept logits [keep, V], response)`` for each ``(prompt, response)`` pair, one
+        forward pass per batch of ``batch_size`` rows, the model in eval mode without autograd."""
+        if any(len(p) == 0 for p, _ in items):
+            raise ValueError("prefix scoring needs a non-empty prompt")
+        results: list[T] = []
+        model = self.model
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.inference_mode():
+                for start in range(0, len(items), self.batch_size):
+                    chunk = items[start : start + self.batch_size]
+                    keep = max(len(x) for _, x in chunk) + 1
+                    logits = self._prefill([tuple(p) + tuple(x) for p, x in chunk], keep)[0]
+                    results.extend(read(logits[row], response) for row, (_, response) in enumerate(chunk))
+        finally:
+            model.train(was_training)
+        return results
 
     def score_prefixes(
         self, items: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], params: SamplingParams
     ) -> list[list[float]]:
         """Log-probs of each ``prefix`` given its ``prompt`` (``items`` = ``(prompt, prefix)``
         pairs) under the sampling distribution of ``params`` (temperature and top-p warping;
-        temperature 0 scores at temperature 1). One forward pass per batch (the vLLM engine scores
-        prefixes with it; this engine scores them in its prefill)."""
-        if any(len(p) == 0 for p, _ in items):
-            raise ValueError("prefix scoring needs a non-empty prompt")
+        temperature 0 scores at temperature 1). One forward pass per batch (generation scores the
+        prefixes of its requests in its prefill instead)."""
         warpers = _warpers(params)
-        results: list[list[float]] = []
-        for start in range(0, len(items), self.batch_size):
-            chunk = items[start : start + self.batch_size]
-            keep = max(len(x) for _, x in chunk) + 1
-            logits = self._prefill([tuple(p) + tuple(x) for p, x in chunk], keep)[0]
-            results.extend(self._prefix_logprobs(logits[row], prefix, warpers) for row, (_, prefix) in enumerate(chunk))
-        return results
+        return self._score(items, lambda logits, prefix: self._prefix_logprobs(logits, prefix, warpers))
+
+    def position_stats(
+        self, items: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], params: SamplingParams
+    ) -> list[PositionStats]:
+        """:class:`~rlbench.rollout.base.PositionStats` of each ``(prompt, response)`` pair under the
+        sampling distribution of ``params`` (as :meth:`score_prefixes`)."""
+        warpers = _warpers(params)
+        return self._score(items, lambda logits, response: distribution_stats(self._response_logprobs(logits, len(response), warpers)))
 
     def _decode_batch(
         self,
@@ -330,11 +363,7 @@ class HFGenerateEngine:
                 raise ValueError(f"request {i}: n must be >= 0, got {req.n}")
             if len(req.prompt_ids) == 0:
                 raise ValueError(f"request {i}: prompt_ids is empty")
-            if params.logits_transform is not None and req.prefix_ids and req.score_prefix:
-                raise ValueError(
-                    f"request {i}: a logits transform applies to sampled tokens only; it cannot score prefix_ids "
-                    "(send score_prefix=False)"
-                )
+        check_transform_requests(requests, params)
         rows = [(i, k) for i, req in enumerate(requests) for k in range(req.n)]
         results: list[list[Completion | None]] = [[None] * req.n for req in requests]
         if not rows:

@@ -7,7 +7,7 @@ that differ beyond one token.
 Per prompt that uses LATR this step (a decaying share of the prompts, ``mix_schedule``):
 
 1. one response, the trunk, is sampled;
-2. the trunk is scored (:func:`rlbench.rollout.scoring.position_stats`): position t is a branch point
+2. the trunk is scored (the engine's ``position_stats``): position t is a branch point
    when the runner-up token is likely and close to the top one,
    ``p(a2) > abs_threshold and p(a1) - p(a2) < rel_threshold``; the branch takes the top-two token the
    trunk did not take;
@@ -30,6 +30,9 @@ not an i.i.d. sample of the policy: that is the method's point (diversity). Bran
 
 State: the number of steps taken, for the schedule (:meth:`LookaheadRollout.state_dict`).
 
+Engines: both; the statistics are the engine's ``position_stats`` (rlbench/rollout/base.py), which the vLLM
+engine computes on the HF policy model it keeps in step.
+
 Configuration (conf/rollout/lookahead.yaml):
 
     strategy: lookahead
@@ -51,10 +54,9 @@ import torch
 
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
-from rlbench.rollout.base import Completion, GenerationRequest
+from rlbench.rollout.base import Completion, GenerationRequest, PositionStats
 from rlbench.rollout.continuation import continue_with_budgets
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.scoring import PositionStats, needs_hf_engine, position_stats
 from rlbench.rollout.strategy import RolloutSetup, needs_groups, options_block, register_strategy
 
 log = logging.getLogger(__name__)
@@ -153,7 +155,6 @@ class LookaheadRollout:
     @staticmethod
     def validate(rollout_cfg: Any, advantage: str) -> None:
         options = LookaheadOptions.from_config(rollout_cfg)
-        needs_hf_engine("lookahead", rollout_cfg, "reads the top-two token probabilities along the trunk through the HF engine's model")
         needs_groups("lookahead", rollout_cfg, "branches within a group")
         budget = int(rollout_cfg.max_new_tokens)
         if options.checkpoints[-1] >= budget:
@@ -185,7 +186,7 @@ class LookaheadRollout:
         groups: list[list[Completion]] = [list(g) for g in first]
         trunks = [groups[i][0] for i in range(latr)]
         # 2. branch points along each trunk
-        stats = position_stats(sampler.engine, [(prompts[i], tuple(c.response_ids)) for i, c in enumerate(trunks)], params)
+        stats = sampler.engine.position_stats([(prompts[i], tuple(c.response_ids)) for i, c in enumerate(trunks)], params)
         candidates = []  # (prompt i, t, branch token)
         for i, (trunk, s) in enumerate(zip(trunks, stats)):
             points = [(t, a) for t, a in branch_points(s, trunk.response_ids, options.abs_threshold, options.rel_threshold)

@@ -29,8 +29,14 @@ never get probability 0.
 With ``top_p = 1`` the mask is every token and the strategy samples exactly what rollout=iid samples.
 
 Cost: the decoding transform runs pi_psi alongside the policy, one token per row and step on a KV cache
-of its own (:class:`MaskedSampling`); the training mask is one extra forward per micro-batch and pass. The copy holds a second set of weights. Only the HF engine runs it;
-rollout.engine=vllm is refused before the model loads.
+of its own (:class:`MaskedSampling`); the training mask is one extra forward per micro-batch and pass. The copy holds a second set of weights.
+
+Engines: only the HF engine runs it; rollout.engine=vllm is refused before the model loads. vLLM's
+logits processors (rlbench/rollout/vllm_logits.py) would call :class:`MaskedSampling` at each step, but
+pi_psi's forward would then run inside vLLM's sampler on an HF KV cache that continues only when every
+row of a call extends the previous call's rows by one token; vLLM's batch gains and loses requests at
+most steps (continuous batching, chunked prefills), so pi_psi would re-prefill every running context
+at those steps. What it would take is in docs/rollout.md ("NLPO on vLLM").
 
 Configuration (conf/rollout/masked.yaml):
 
@@ -168,7 +174,12 @@ class MaskedRollout(OptionStrategy):
                 f"rollout.masked.update_interval (mu, rollouts between copies of the policy into the masking policy) "
                 f"must be an integer >= 1, got {interval!r}"
             )
-        needs_hf_engine("masked", rollout_cfg, "masks the vocabulary inside the decoding loop")
+        needs_hf_engine(
+            "masked", rollout_cfg,
+            "needs the masking policy pi_psi's logits at every decoding step: on rollout.engine=vllm that is a second "
+            "model's forward pass inside vLLM's sampler, whose own KV cache vLLM's continuously changing batch would "
+            "force to re-prefill every row at most steps (docs/rollout.md, 'NLPO on vLLM'), so only the HF engine runs it",
+        )
         return {"top_p": top_p, "update_interval": int(interval)}
 
     @property

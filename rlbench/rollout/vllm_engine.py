@@ -13,10 +13,18 @@ Version assumption: vLLM >= 0.10.2 (V1 engine), for
 * ``generation_config="vllm"`` so the checkpoint's ``generation_config.json`` defaults (top-k,
   repetition penalty) do not alter sampling.
 
+* ``LLM(logits_processors=[...])`` (V1 custom logits processors) for ``SamplingParams.logits_transform``
+  (rlbench/rollout/vllm_logits.py); a vLLM without them refuses a transform at generation.
+
 Each request is expanded into ``n`` vLLM requests with ``n=1`` and their own seed drawn from the
 passed ``torch.Generator`` (reproducible, and no reliance on how vLLM seeds ``n > 1`` fan-out);
-prefix caching makes the shared prompts cheap. Prefix tokens (``prefix_ids``) are scored on the
-Hugging Face policy model (the same scoring as :class:`HFGenerateEngine`), not by vLLM.
+prefix caching makes the shared prompts cheap.
+
+Scoring (:meth:`VLLMEngine.score_prefixes`, :meth:`VLLMEngine.position_stats`, and the prefix tokens
+of requests with ``prefix_ids``) runs on the Hugging Face policy model, the same code as
+:class:`HFGenerateEngine` (``sync_weights`` keeps it in step: it is the trained model itself). Its
+numerics are the trainer's, not vLLM's kernels': a token vLLM sampled is scored by the HF model
+within bf16 noise of vLLM's own log-prob (rollout=speculative compares the two; docs/rollout.md).
 
 The pure conversion logic (:func:`requests_to_vllm_inputs`, :func:`vllm_sampling_kwargs`,
 :func:`vllm_outputs_to_completions`) has no vLLM dependency and is tested on CPU.
@@ -32,9 +40,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from rlbench.rollout.base import Completion, GenerationRequest, SamplingParams, request_seeds, sample_seed
+from rlbench.rollout.base import (
+    Completion, GenerationRequest, PositionStats, SamplingParams, check_transform_requests, request_seeds, sample_seed,
+)
 from rlbench.model.lora import engine_weights
 from rlbench.rollout.hf_engine import HFGenerateEngine
+from rlbench.rollout import vllm_logits
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +67,12 @@ def requests_to_vllm_inputs(requests: Sequence[GenerationRequest]) -> tuple[list
     return prompts, rows
 
 
-def vllm_sampling_kwargs(params: SamplingParams, seed: int | None) -> dict[str, Any]:
+def vllm_sampling_kwargs(params: SamplingParams, seed: int | None, transform_key: int | None = None) -> dict[str, Any]:
     """Keyword arguments for ``vllm.SamplingParams`` of one completion: ``n=1``, temperature,
     top-p, ``max_tokens``, the sampled token's log-prob (``logprobs=0``) and a seed; every other
-    sampling modifier is explicitly neutral."""
+    sampling modifier is explicitly neutral. ``transform_key``: the registered logits transform the
+    request's rows go through (rlbench/rollout/vllm_logits.py)."""
+    extra = {} if transform_key is None else {"extra_args": {vllm_logits.EXTRA_ARG: int(transform_key)}}
     return {
         "n": 1,
         "temperature": float(params.temperature),
@@ -73,6 +86,7 @@ def vllm_sampling_kwargs(params: SamplingParams, seed: int | None) -> dict[str, 
         "logprobs": 0,
         "seed": seed,
         "skip_special_tokens": True,
+        **extra,
     }
 
 
@@ -147,7 +161,8 @@ class VLLMEngine:
     ``model`` is the Hugging Face policy (kept for weight sync and prefix scoring);
     ``model_path`` is the checkpoint vLLM starts from (default: the model's own directory when
     it has one, else the model and tokenizer are saved to a temp dir). ``llm`` and
-    ``sampling_params_factory`` inject stand-ins (tests); other keyword arguments go to
+    ``sampling_params_factory`` inject stand-ins (tests; ``logits_transforms`` says whether the
+    stand-in runs rlbench/rollout/vllm_logits.py's processor); other keyword arguments go to
     ``vllm.LLM``.
     """
 
@@ -165,12 +180,14 @@ class VLLMEngine:
         batch_size: int = 64,
         llm: Any = None,
         sampling_params_factory: Callable[..., Any] | None = None,
+        logits_transforms: bool = False,
         **llm_kwargs: Any,
     ):
         self.tokenizer = tokenizer
         self.scorer = HFGenerateEngine(model, tokenizer, batch_size=batch_size, progress=False)
         self.eos_ids = list(self.scorer.eos_ids)
         self._tmpdir: tempfile.TemporaryDirectory | None = None
+        self.logits_transforms = logits_transforms
         if llm is None:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             try:
@@ -193,11 +210,16 @@ class VLLMEngine:
             )
             if max_model_len is not None:
                 kwargs["max_model_len"] = max_model_len
+            try:
+                kwargs["logits_processors"] = [vllm_logits.processor_class()]
+            except ImportError:  # a vLLM without V1 custom logits processors: transforms are refused
+                log.warning("this vLLM (%s) has no V1 custom logits processors: rollout strategies with a logits "
+                            "transform (adaptive_temperature) cannot run on it", getattr(vllm, "__version__", "?"))
             kwargs.update(llm_kwargs)
             try:
                 llm = vllm.LLM(**kwargs)
             except TypeError as err:  # older vLLM without logprobs_mode / generation_config
-                if "logprobs_mode" not in str(err) and "generation_config" not in str(err):
+                if not any(k in str(err) for k in ("logprobs_mode", "generation_config", "logits_processors")):
                     raise
                 log.warning(
                     "this vLLM (%s) lacks logprobs_mode; logprobs will be the raw model "
@@ -206,8 +228,11 @@ class VLLMEngine:
                 )
                 kwargs.pop("logprobs_mode", None)
                 kwargs.pop("generation_config", None)
+                kwargs.pop("logits_processors", None)
                 llm = vllm.LLM(**kwargs)
             sampling_params_factory = sampling_params_factory or vllm.SamplingParams
+            ours = vllm_logits.loaded_processor()
+            self.logits_transforms = ours is not None and ours in (kwargs.get("logits_processors") or [])
         if sampling_params_factory is None:
             raise ValueError("an injected llm needs sampling_params_factory")
         self.llm = llm
@@ -230,11 +255,14 @@ class VLLMEngine:
         params: SamplingParams,
         generator: torch.Generator | None = None,
     ) -> list[list[Completion]]:
-        """Return, for each request, its ``n`` completions in order."""
-        if params.logits_transform is not None:
+        """Return, for each request, its ``n`` completions in order. A logits transform runs inside
+        vLLM's sampler (rlbench/rollout/vllm_logits.py)."""
+        check_transform_requests(requests, params)
+        if params.logits_transform is not None and not self.logits_transforms:
             raise ValueError(
-                "the vLLM engine does not run a logits transform (rollout=adaptive_temperature, rollout=masked); "
-                "use rollout.engine=hf"
+                "this vLLM engine was started without rlbench's logits processor (a vLLM without V1 custom logits "
+                "processors, or logits_processors overridden): it cannot run a logits transform; use vLLM >= 0.10.2 "
+                "or rollout.engine=hf"
             )
         prompts, rows = requests_to_vllm_inputs(requests)
         if not rows:
@@ -254,22 +282,18 @@ class VLLMEngine:
             i: [float("nan")] * len(r.prefix_ids) for i, r in enumerate(requests) if not r.score_prefix
         }
         if with_prefix:
-            model = self.scorer.model
-            was_training = model.training
-            model.eval()
-            try:
-                with torch.inference_mode():
-                    scored = self.scorer.score_prefixes(
-                        [(tuple(requests[i].prompt_ids), tuple(requests[i].prefix_ids)) for i in with_prefix], params
-                    )
-            finally:
-                model.train(was_training)
+            scored = self.score_prefixes([(tuple(requests[i].prompt_ids), tuple(requests[i].prefix_ids)) for i in with_prefix], params)
             prefix_lp.update(zip(with_prefix, scored))
         if params.max_new_tokens == 0:
             outputs = [_EmptyOutput() for _ in rows]
         else:
-            sps = [self._make_sp(**vllm_sampling_kwargs(params, s)) for s in seeds]
-            outputs = self.llm.generate(prompts, sps, use_tqdm=len(rows) > 256)
+            key = None if params.logits_transform is None else vllm_logits.register_transform(params.logits_transform)
+            try:
+                sps = [self._make_sp(**vllm_sampling_kwargs(params, s, key)) for s in seeds]
+                outputs = self.llm.generate(prompts, sps, use_tqdm=len(rows) > 256)
+            finally:
+                if key is not None:
+                    vllm_logits.release_transform(key)
         return vllm_outputs_to_completions(
             requests,
             outputs,
@@ -278,6 +302,18 @@ class VLLMEngine:
             decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
             eos_ids=self.eos_ids,
         )
+
+    def score_prefixes(
+        self, items: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], params: SamplingParams
+    ) -> list[list[float]]:
+        """The HF scorer's :meth:`HFGenerateEngine.score_prefixes` (module docstring)."""
+        return self.scorer.score_prefixes(items, params)
+
+    def position_stats(
+        self, items: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], params: SamplingParams
+    ) -> list[PositionStats]:
+        """The HF scorer's :meth:`HFGenerateEngine.position_stats` (module docstring)."""
+        return self.scorer.position_stats(items, params)
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Load ``model``'s current weights into the vLLM model (``load_weights`` takes Hugging
