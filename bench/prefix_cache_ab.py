@@ -30,7 +30,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["What is 7 + 8?", "What is 17 + 25?", "What is 4 + 6?", "What is 36 + 19?"]
-SETTINGS = [(16, 4), (48, 12)]  # (max_new_tokens, segment tokens)
+SEGMENTS = {16: 4, 48: 12}  # max_new_tokens -> segment tokens
 
 
 def strategy_config(strategy: str, n: int, segment: int) -> dict:
@@ -45,6 +45,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=4)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--budget-mb", type=float, default=256.0)
+    parser.add_argument("--max-new-tokens", default="16,48", help=f"comma-separated, of {sorted(SEGMENTS)}")
     parser.add_argument("--write", action="store_true", help="write results/bench/prefix_cache.md")
     args = parser.parse_args()
     import torch
@@ -61,7 +62,8 @@ def main() -> None:
     problems = [Problem(uid=f"p{i}", prompt=q, answer="0") for i, q in enumerate(PROMPTS)]
     rows = []
     for strategy in args.strategies.split(","):
-        for max_new_tokens, segment in SETTINGS:
+        for max_new_tokens in map(int, args.max_new_tokens.split(",")):
+            segment = SEGMENTS[max_new_tokens]
             engines = {arm: HFGenerateEngine(model, tokenizer, progress=False, prefix_cache_mb=mb) for arm, mb in (("off", 0.0), ("on", args.budget_mb))}
             seconds: dict[str, list[float]] = {arm: [] for arm in engines}
             reused, same_leaves, all_leaves, lp_diff = 0, 0, 0, 0.0

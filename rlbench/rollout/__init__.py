@@ -1,5 +1,5 @@
 """Rollout: engines turn generation requests into completions with sampling log-probs (base.py,
-hf_engine.py, vllm_engine.py); strategies turn a step's prompts into graded groups (strategy.py,
+hf_engine.py, vllm_engine.py; prefix_cache.py, the HF engine's KV kept across calls); strategies turn a step's prompts into graded groups (strategy.py,
 the seam; iid.py, dynamic_sampling.py, tree.py and micro_groups.py, the strategies; groups.py, what they return)."""
 
 from rlbench.rollout.base import Completion, GenerationRequest, RolloutEngine, SamplingParams

@@ -24,9 +24,11 @@ How it works:
   keys and values of rows still running at ``max_new_tokens`` are kept in a byte-bounded LRU, and
   a later input that extends a kept sequence prefills only its new tokens (the kept KV left padded
   in front of them, the gap masked, positions continuing the kept ones). Emptied by
-  :meth:`HFGenerateEngine.sync_weights` and when the parameters changed in place. Same samples; the
-  log-probs equal the uncached ones up to float rounding (a forward over fewer tokens, differently
-  padded);
+  :meth:`HFGenerateEngine.sync_weights` and when the parameters changed in place. The random stream
+  is untouched; the log-probs equal the uncached ones up to float rounding (the kept KV came from
+  one-token decoding steps, the uncached prefill computes it in one pass: about 1e-6 on the tiny
+  model, 2e-5 on SmolLM2-135M), so a draw differs only where its uniform falls within that rounding
+  of a CDF boundary (docs/rollout.md);
 * ``params.logits_transform`` (a :class:`~rlbench.rollout.base.LogitsTransform`, the one sampling
   hook) changes each step's raw logits before the warpers, given each running row's tokens so far;
   without it the loop is the plain one. Prefix tokens are not passed through it (a request with a
