@@ -98,6 +98,7 @@ def test_override_keys(override, key):
     (["trainer.lr=abc"], "trainer.lr must be a finite number, got 'abc'"),
     (["rollout.n=0"], "rollout.n must be >= 1, got 0"),
     (["rollout.top_p=1.5"], "rollout.top_p must be > 0 and <= 1, got 1.5"),
+    (["rollout.prefix_cache_mb=-1"], "rollout.prefix_cache_mb must be >= 0, got -1"),
     (["trainer.steps=1.5"], "trainer.steps must be an integer, got 1.5"),
     (["trainer.save_model=yes"], "trainer.save_model must be true or false, got 'yes'"),
     (["algorithm.loss.clip_high=-0.1"], "algorithm.loss.clip_high must be >= 0, got -0.1"),

@@ -136,12 +136,12 @@ def tiny():
     return load_policy(OmegaConf.load(ROOT / "conf" / "model" / "tiny.yaml"), seed=0)
 
 
-def _strategy(model, tokenizer, n=8, max_new_tokens=8, seed=0, cfg=None, **tree):
+def _strategy(model, tokenizer, n=8, max_new_tokens=8, seed=0, cfg=None, prefix_cache_mb=0, **tree):
     from rlbench.dataset.base import Problem
     from rlbench.reward.toy import EvenTokenReward
 
     sampler = GroupSampler(
-        HFGenerateEngine(model, tokenizer, progress=False), EvenTokenReward(), tokenizer,
+        HFGenerateEngine(model, tokenizer, progress=False, prefix_cache_mb=prefix_cache_mb), EvenTokenReward(), tokenizer,
         {"system": None, "user": "{problem}"}, lambda rewards, inputs: rewards,
     )
     params = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens)
@@ -207,6 +207,28 @@ def test_fallback_fills_the_budget_when_branches_end_early(tiny):
     _check_tree(graded.groups, 8, 12, tokenizer.eos_token_id)
     assert metrics["tree_fallback_leaves"] > 0
     assert any(c.finished for g in graded.groups for c in g)
+
+
+@pytest.mark.parametrize("eos_bias", [0.0, 9.0])
+def test_tree_with_kept_kv_grows_the_same_tree(tiny, eos_bias):
+    """rollout.prefix_cache_mb > 0: each round extends the KV of the last round's rows instead of
+    prefilling the path again; the same leaves (tokens, nodes, ends) and log-probs up to float rounding,
+    with and without early ends and fallbacks."""
+    _, tokenizer = tiny
+    model = build_tiny_model(tokenizer, None, seed=1)
+    bias = torch.zeros(len(tokenizer))
+    bias[tokenizer.eos_token_id] = eos_bias
+    model.lm_head.register_forward_hook(lambda module, args, out: out + bias)
+    runs = []
+    for budget in (0, 8):
+        strategy, sampler, problems = _strategy(model, tokenizer, n=8, max_new_tokens=12, seed=3, prefix_cache_mb=budget)
+        graded, metrics = strategy.rollout(problems)
+        runs.append(([[(c.response_ids, c.tree_nodes, c.finished) for c in g] for g in graded.groups],
+                     torch.tensor([lp for g in graded.groups for c in g for lp in c.logprobs]), metrics, sampler.engine))
+    (leaves, logprobs, metrics, _), (cached_leaves, cached_logprobs, cached_metrics, engine) = runs
+    assert cached_leaves == leaves and cached_metrics == metrics
+    assert torch.allclose(cached_logprobs, logprobs, rtol=0, atol=1e-5)
+    assert engine.prefix_cache.stats.hits >= metrics["tree_rounds"] - 1  # every round after the first reused KV
 
 
 def test_micro_groups_give_the_full_groups_statistics(tiny):

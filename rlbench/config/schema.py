@@ -302,6 +302,10 @@ class RolloutConfig:
     top_p: float = knob(1.0, "nucleus sampling mass, in (0, 1]", gt=0, le=1)
     max_new_tokens: int = knob(16, "longest response in tokens", ge=1)
     batch_size: int = knob(64, "sequences per generate call", ge=1)
+    prefix_cache_mb: float = knob(
+        0.0, "hf engine: MiB of KV kept across generate calls, so a request extending a kept sequence prefills only its "
+        "new tokens (tree rounds; docs/rollout.md); 0: off; emptied when the weights change", ge=0
+    )
     dynamic_sampling: Optional[DynamicSamplingConfig] = node(
         DynamicSamplingConfig, "settings of rollout=dynamic_sampling (only with it)", only_with=("strategy", "dynamic_sampling")
     )

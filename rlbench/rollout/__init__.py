@@ -1,5 +1,5 @@
 """Rollout: engines turn generation requests into completions with sampling log-probs (base.py,
-hf_engine.py, vllm_engine.py); strategies turn a step's prompts into graded groups (strategy.py,
+hf_engine.py, vllm_engine.py; prefix_cache.py, the HF engine's KV kept across calls); strategies turn a step's prompts into graded groups (strategy.py,
 the seam; iid.py, dynamic_sampling.py, tree.py and micro_groups.py, the strategies; groups.py, what they return)."""
 
 from rlbench.rollout.base import Completion, GenerationRequest, RolloutEngine, SamplingParams
@@ -32,12 +32,16 @@ __all__ = [
 def make_engine(rollout_cfg, model, tokenizer, device=None) -> RolloutEngine:
     """Build the engine named by ``rollout_cfg.engine`` (``hf`` | ``vllm``) from a
     ``conf/rollout/*.yaml`` node (a DictConfig or a dict); ``rollout_cfg.vllm`` holds extra
-    keyword arguments for the vLLM engine."""
+    keyword arguments for the vLLM engine; ``rollout_cfg.prefix_cache_mb`` is the HF engine's KV
+    budget across calls (vLLM keeps its own prefix cache)."""
     from rlbench.errors import ConfigError
 
     engine = rollout_cfg.get("engine", "hf")
     if engine == "hf":
-        return HFGenerateEngine(model, tokenizer, batch_size=int(rollout_cfg.get("batch_size", 64)), device=device)
+        return HFGenerateEngine(
+            model, tokenizer, batch_size=int(rollout_cfg.get("batch_size", 64)), device=device,
+            prefix_cache_mb=float(rollout_cfg.get("prefix_cache_mb", 0) or 0),
+        )
     if engine == "vllm":
         from rlbench.rollout.vllm_engine import VLLMEngine
 
