@@ -11,7 +11,8 @@ below are the whole objective, read top to bottom:
                + critic.coef * aggregate(value_loss(V, V_old, R))            (value head only)
 
 kl_coef and entropy_coef are fixed, or adapted after every step (kl.adaptive, entropy_adaptive);
-the token mask is 1, or the top-entropy-quantile mask (token_mask.top_entropy_quantile); w is 1,
+the token mask is 1, or the top-entropy-quantile mask (token_mask.top_entropy_quantile), or D3S's
+|A| H mask on the responses D3S keeps (algorithm.downsampling, downsampling.py); w is 1,
 or the truncated importance weight between the sampling engine and the trainer
 (sampling_correction, sampling_correction.py). ``kl`` is the estimator ``kl.estimator`` (with
 ``kl.clamp`` for k3 / k3+, kl.py). ``algorithm.update.schedule`` (standard | sfpo | trpo, see
@@ -35,6 +36,7 @@ from rlbench.algorithm.kl import KL_PLACEMENTS, AdaptiveKL, kl_penalised_rewards
 from rlbench.algorithm import losses as _losses  # noqa: F401
 from rlbench.algorithm.advantages import value_loss
 from rlbench.algorithm.critic import CRITIC_ADVANTAGE, CriticSettings
+from rlbench.algorithm.downsampling import DownSampling
 from rlbench.algorithm.losses import masked_mean
 from rlbench.algorithm.sampling_correction import SamplingCorrection
 from rlbench.algorithm.schedules import SFPOSettings, TRPOSettings, schedule_from_config
@@ -108,6 +110,7 @@ class Algorithm:
     entropy_adaptive: AdaptiveEntropy | None = None
     top_entropy_quantile: float | None = None
     sampling_correction: SamplingCorrection | None = None  # TIS weights between sampler and trainer
+    downsampling: DownSampling | None = None  # D3S: the responses and tokens a step trains on
     # Mutable run state inside the frozen composition: each from_config starts a fresh one.
     coefficients: Coefficients | None = field(default=None, compare=False, repr=False)
 
@@ -146,6 +149,7 @@ class Algorithm:
             ),
             top_entropy_quantile=None if quantile is None else float(quantile),
             sampling_correction=SamplingCorrection.from_config(cfg.get("sampling_correction")),
+            downsampling=DownSampling.from_config(cfg.get("downsampling")),
             critic=CriticSettings.from_config(cfg.get("critic")),
             schedule=schedule,
             schedule_settings=schedule_settings,
@@ -179,6 +183,7 @@ class Algorithm:
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise ConfigError("algorithm.kl.coef and algorithm.entropy_coef must be >= 0")
         self._check_kl_and_entropy_settings()
+        self._check_downsampling()
         if self.epochs < 1 or self.minibatches < 1:
             raise ConfigError("algorithm.update.epochs and algorithm.update.minibatches must be >= 1")
 
@@ -207,6 +212,36 @@ class Algorithm:
         """Checks that need the number of responses per batch (called by the config validator)."""
         if self.kl_adaptive is not None:
             self.kl_adaptive.check_batch(responses)
+
+    def check_group_size(self, group_size: int, responses: int) -> None:
+        """Checks that need the responses per prompt and per batch (called by the config validator for
+        the run's batch and every stage's): D3S's first kept subset."""
+        if self.downsampling is not None:
+            self.downsampling.check_sizes(group_size, responses)
+
+    def _check_downsampling(self) -> None:
+        """D3S's sample level ranks responses within their group (scope=group): it needs a group-relative
+        advantage; its token level multiplies the token loss matrix: it needs a loss with a ratio per
+        token, and it replaces the top-entropy mask rather than stacking on it."""
+        settings = self.downsampling
+        if settings is None:
+            return
+        if settings.scope == "group" and not self.group_relative:
+            raise ConfigError(
+                f"algorithm.downsampling.scope=group keeps a subset of each prompt's group, but advantage "
+                f"'{self.advantage.name}' is not group-relative; use algorithm.downsampling.scope=batch (cross-group)"
+            )
+        if self.top_entropy_quantile is not None:
+            raise ConfigError(
+                "algorithm.downsampling (D3S) masks tokens by |A| H and algorithm.token_mask.top_entropy_quantile by H; "
+                "set one of them (algorithm.token_mask.top_entropy_quantile=null)"
+            )
+        if settings.masks_tokens and POLICY_LOSSES.needs(self.loss.name).ratio_level == "sequence":
+            raise ConfigError(
+                f"loss '{self.loss.name}' forms one importance ratio per response, so a token mask cannot select "
+                f"tokens of its policy gradient; D3S's token level (algorithm.downsampling.tokens={settings.tokens}) needs "
+                "a token-level loss (e.g. algorithm/loss=gspo_token), or set algorithm.downsampling.tokens=1.0"
+            )
 
     def _check_critic_and_schedule(self) -> None:
         """Refuse a value head without an estimator that reads values (and the reverse), and update
@@ -341,7 +376,8 @@ class Algorithm:
 
     @property
     def needs_sampling_entropy(self) -> bool:
-        return "entropy" in self.advantage_inputs or self.top_entropy_quantile is not None
+        return any(("entropy" in self.advantage_inputs, self.top_entropy_quantile is not None,
+                    self.downsampling is not None and self.downsampling.masks_tokens))
 
     @property
     def needs_old_logp(self) -> bool:

@@ -1,5 +1,5 @@
 """Entropy pieces outside the policy loss: the adaptive entropy-bonus coefficient and the
-top-entropy-quantile token mask.
+top-entropy-quantile token mask (a top-score token mask, shared with D3S's |A| H mask).
 
 Both read the per-token entropy H_t = -sum_v pi(v | q, o_<t) log pi(v | q, o_<t) (detached).
 """
@@ -91,17 +91,27 @@ def top_entropy_token_mask(entropy: torch.Tensor, response_mask: torch.Tensor, f
         J = E[ (1 / sum_i |o_i|) sum_i sum_t 1[H_{i,t} >= tau_rho] min(rho_t A_t, clip(rho_t) A_t) ]
 
     with tau_rho the entropy of the k-th highest-entropy token of the batch, k = ceil(rho N) over
-    the N valid tokens (the paper's rho = 0.2). Tokens tied with tau_rho are kept too, so an
-    all-equal batch keeps every token. The normaliser is unchanged: the mask multiplies the token
-    loss matrix before aggregation. Returns the mask [B,T] (response_mask's dtype), 0 on padding;
-    a batch without valid tokens gives all zeros.
+    the N valid tokens (the paper's rho = 0.2): :func:`top_score_token_mask` with score H. The
+    normaliser is unchanged: the mask multiplies the token loss matrix before aggregation.
     """
     if not 0 < fraction <= 1:
         raise ValueError(f"top_entropy_quantile must be in (0, 1], got {fraction}")
+    return top_score_token_mask(entropy, response_mask, fraction)
+
+
+def top_score_token_mask(score: torch.Tensor, response_mask: torch.Tensor, fraction: float) -> torch.Tensor:
+    """1 on the top ``fraction`` of the valid tokens (response_mask > 0) by ``score`` [B,T] (detached),
+    0 elsewhere: the k = ceil(fraction N) highest of the N valid scores are kept, and tokens tied with the
+    k-th are kept too (an all-equal batch keeps every token). Returns the mask [B,T] (response_mask's
+    dtype), 0 on padding; a batch without valid tokens gives all zeros. The token masks of the
+    top-entropy quantile (score H) and of D3S (score |A| H, rlbench.algorithm.downsampling) are this.
+    """
+    if not 0 < fraction <= 1:
+        raise ValueError(f"the kept token fraction must be in (0, 1], got {fraction}")
     valid = response_mask > 0
-    values = entropy.detach()[valid]
+    values = score.detach()[valid]
     if values.numel() == 0:
         return torch.zeros_like(response_mask)
     k = max(1, math.ceil(round(fraction * values.numel(), 9)))  # 0.3 * 10 is 3.0000000000000004
     threshold = torch.topk(values, k).values[-1]
-    return (valid & (entropy.detach() >= threshold)).to(response_mask.dtype)
+    return (valid & (score.detach() >= threshold)).to(response_mask.dtype)

@@ -7,6 +7,9 @@
 The proximal policy of decoupled PPO (the ``ppo_ewma`` loss) is an EWMA of the weights, updated after
 every optimizer step of any schedule except trpo.
 
+Also here: :func:`ramp`, a value that rises with the training progress to 1 (D3S's down-sampling
+fractions, rlbench/algorithm/downsampling.py).
+
 ``algorithm.update`` holds ``schedule`` plus a block of settings named after it
 (``algorithm.update.sfpo`` / ``algorithm.update.trpo``). This module holds the settings and the pure
 math: conjugate gradient, the trust-region step size, interpolation, the debiased EWMA and SFPO's
@@ -25,6 +28,7 @@ import torch
 from rlbench.errors import ConfigError
 
 SCHEDULES = ("standard", "sfpo", "trpo", "none")  # none: no parameter update (training_free_grpo)
+RAMP_SHAPES = ("linear", "cosine")
 
 
 @dataclass(frozen=True)
@@ -91,15 +95,20 @@ def schedule_from_config(update: Mapping[str, Any]) -> tuple[str, SFPOSettings |
             )
     if name not in SCHEDULE_SETTINGS:
         return name, None
-    cls = SCHEDULE_SETTINGS[name]
-    node = dict(update.get(name) or {})
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = set(node) - set(known)
+    return name, settings_from_block(SCHEDULE_SETTINGS[name], update.get(name), f"algorithm.update.{name}")
+
+
+def settings_from_block(cls: type, node: Mapping[str, Any] | None, key: str) -> Any:
+    """A frozen settings dataclass with a ``check()`` built from the config block ``key``: a key the
+    class has no field for is a ConfigError naming the ones it takes; then the settings check themselves."""
+    node = dict(node or {})
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(node) - known
     if unknown:
-        raise ConfigError(f"algorithm.update.{name} has no key(s) {sorted(unknown)}; it takes {sorted(known)}")
+        raise ConfigError(f"{key} has no key(s) {sorted(unknown)}; it takes {sorted(known)}")
     settings = cls(**node)
     settings.check()
-    return name, settings
+    return settings
 
 
 # --------------------------------------------------------------------------------------------------
@@ -218,3 +227,29 @@ def ewma_update_(
     for avg, now in zip(average, current):
         avg.mul_(keep).add_(now, alpha=1.0 / new_total)
     return new_total
+
+
+# --------------------------------------------------------------------------------------------------
+# values that change with the training progress
+# --------------------------------------------------------------------------------------------------
+
+
+def ramp(progress: float, start: float, horizon: float, shape: str = "linear") -> float:
+    """A value that rises from ``start`` at progress 0 to exactly 1 at progress >= ``horizon``:
+
+        x = min(progress / horizon, 1)
+        linear: start + (1 - start) x
+        cosine: start + (1 - start) (1 - cos(pi x)) / 2
+
+    ``progress`` is the fraction of training done before the step (0 at the first step,
+    (S - 1) / S at the last of S steps, rlbench.training.loop), so ``horizon`` < 1 leaves the last
+    steps at 1."""
+    if shape not in RAMP_SHAPES:
+        raise ValueError(f"ramp shape must be one of {RAMP_SHAPES}, got {shape!r}")
+    if not horizon > 0:
+        raise ValueError(f"ramp horizon must be > 0, got {horizon}")
+    x = min(max(float(progress) / horizon, 0.0), 1.0)
+    if x >= 1.0:
+        return 1.0
+    rise = x if shape == "linear" else 0.5 * (1.0 - math.cos(math.pi * x))
+    return start + (1.0 - start) * rise

@@ -72,6 +72,7 @@ def check_curriculum(cfg: Any, algorithm: Algorithm) -> None:
         try:
             check_batch_arithmetic(settings["trainer.prompts_per_step"], settings["rollout.n"],
                                    cfg.trainer.micro_batch_size, algorithm.minibatches)
+            algorithm.check_group_size(settings["rollout.n"], settings["trainer.prompts_per_step"] * settings["rollout.n"])
         except ConfigError as err:
             raise ConfigError(f"from trainer.stages at step {stage.at}: {err}") from None
 
@@ -273,6 +274,7 @@ def check_run(cfg: Any, origins: ValueOrigins) -> Algorithm:
         check_masked_rollout(cfg, algorithm)
         check_difficulty_rollout(cfg, algorithm)
         algorithm.check_batch_size(trainer.prompts_per_step * rollout.n)
+        algorithm.check_group_size(rollout.n, trainer.prompts_per_step * rollout.n)
         validate_step_options(cfg, algorithm)
         validate_reference_soup(cfg, algorithm.kl_coef)
         check_strategy(trainer.get("strategy", "single"), trainer.prompts_per_step, algorithm, rollout.get("strategy", "iid"))

@@ -102,6 +102,17 @@ class SamplingCorrectionConfig:
 
 
 @dataclass
+class DownSamplingConfig:
+    """D3S, dynamic dual-level down-sampling (Wang et al. 2025, arXiv:2509.22115; rlbench/algorithm/downsampling.py)."""
+
+    samples: float = knob(0.5, "f_0 in (0, 1]: keep ceil(f_t n) responses per group, the extremes of the advantages (max Var(A))", gt=0, le=1)
+    tokens: float = knob(0.5, "q_0 in (0, 1]: of the kept responses' tokens, train the top q_t fraction by |A| H", gt=0, le=1)
+    schedule: Literal["linear", "cosine"] = knob("linear", "how f_t and q_t rise with the training progress to 1")
+    horizon: float = knob(1.0, "the progress in (0, 1] at which f_t = q_t = 1 (the base algorithm from then on)", gt=0, le=1)
+    scope: Literal["group", "batch"] = knob("group", "group: a subset of each prompt's group (intra-group); batch: of the whole batch (cross-group)")
+
+
+@dataclass
 class SFPOConfig:
     """Slow-Fast Policy Optimization settings (arXiv:2510.04072); used with schedule=sfpo."""
 
@@ -199,6 +210,9 @@ class AlgorithmConfig:
     token_mask: TokenMaskConfig = node(TokenMaskConfig, "which tokens get a policy gradient")
     sampling_correction: Optional[SamplingCorrectionConfig] = node(
         SamplingCorrectionConfig, "null: none; {cap, mode, low}: truncated / masked importance sampling or per-token rejection between sampler and trainer"
+    )
+    downsampling: Optional[DownSamplingConfig] = node(
+        DownSamplingConfig, "null: off; {samples, tokens, schedule, horizon, scope}: D3S's annealed sample and token down-sampling"
     )
     update: UpdateConfig = node(UpdateConfig, "update schedule and its settings")
     critic: Optional[CriticConfig] = node(CriticConfig, "null: no value head; {coef, clip}: PPO's value head (advantage gae)")

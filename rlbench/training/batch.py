@@ -29,6 +29,7 @@ class TrainBatch:
     ref_logp: torch.Tensor | None = None  # [B, T]
     prev_logp: torch.Tensor | None = None  # [B, T] the policy before this step's update, every token (convex KL)
     token_weights: torch.Tensor | None = None  # [B, T] policy-loss token mask (e.g. top-entropy), None = all 1
+    sample_keep: torch.Tensor | None = None  # [B] bool, the responses the update trains on (D3S), None = all
     old_values: torch.Tensor | None = None  # [B, T] critic values of the sampling policy
     returns: torch.Tensor | None = None  # [B, T] critic regression targets
     sampling_logp: torch.Tensor | None = None  # [B, T] the rollout engine's log-probs (Completion.logprobs)
@@ -69,6 +70,7 @@ class TrainBatch:
             ref_logp=take(self.ref_logp, True),
             prev_logp=take(self.prev_logp, True),
             token_weights=take(self.token_weights, True),
+            sample_keep=take(self.sample_keep, False),
             old_values=take(self.old_values, True),
             returns=take(self.returns, True),
             sampling_logp=take(self.sampling_logp, True),
@@ -179,6 +181,15 @@ def mask_truncated(batch: TrainBatch, finished: torch.Tensor) -> TrainBatch:
     keep = finished.to(batch.response_mask.device, batch.response_mask.dtype)[:, None]
     advantages = None if batch.advantages is None else batch.advantages * keep
     return replace(batch, response_mask=batch.response_mask * keep, advantages=advantages)
+
+
+def kept_responses(batch: TrainBatch) -> TrainBatch:
+    """The sub-batch of the responses ``sample_keep`` selects (D3S's sample level,
+    rlbench.algorithm.downsampling): the others contribute no token and no sequence to any term of
+    the loss, and cost no forward. The batch itself when every response is kept (or no selection)."""
+    if batch.sample_keep is None or bool(batch.sample_keep.all()):
+        return batch
+    return batch.select(batch.sample_keep.nonzero().squeeze(-1))
 
 
 def trainable_tokens(batch: TrainBatch) -> int:

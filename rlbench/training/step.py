@@ -34,7 +34,7 @@ from rlbench.reward.graders import make_grader
 from rlbench.rollout import GradedGroups, GroupSampler, RolloutSetup, RolloutStrategy, make_strategy
 from rlbench.rollout.base import RolloutEngine, SamplingParams
 from rlbench.training.advantage_inputs import AdvantageInputSources
-from rlbench.training.batch import TrainBatch, collate, mask_truncated, trainable_tokens
+from rlbench.training.batch import TrainBatch, collate, kept_responses, mask_truncated, trainable_tokens
 from rlbench.training.curricula import PromptStatsStore
 from rlbench.training.forward import batch_outputs, training_logits_transform
 from rlbench.training.update_schedules import UpdateState, apply_update_schedule, make_update_state
@@ -236,7 +236,7 @@ def learn_step(
     changed_logits = getattr(ctx.strategy, "training_logits_transform", None)
     with training_logits_transform(changed_logits() if changed_logits is not None else None):
         inputs, input_metrics = advantage_inputs(ctx, graded, batch)
-        response_kl = compute_advantages(ctx, batch, inputs)
+        response_kl = compute_advantages(ctx, batch, inputs, progress)
         coefficients = {"kl_coef": ctx.algorithm.kl_coefficient, "entropy_coef": ctx.algorithm.entropy_coefficient}
         stats = update(ctx, batch, graded.finished.to(ctx.device), progress, response_kl)
     input_metrics.update(ctx.inputs.after_update(graded))
@@ -357,9 +357,13 @@ def advantage_inputs(ctx: StepContext, graded: GradedGroups, batch: TrainBatch) 
     return inputs, metrics
 
 
-def compute_advantages(ctx: StepContext, batch: TrainBatch, inputs: dict[str, Any]) -> torch.Tensor | None:
-    """Sets the batch's token mask, advantages and (with a critic) value targets; returns the
-    per-response KL to the reference when the KL is placed in the reward or controlled adaptively."""
+def compute_advantages(
+    ctx: StepContext, batch: TrainBatch, inputs: dict[str, Any], progress: float = 0.0
+) -> torch.Tensor | None:
+    """Sets the batch's token mask, advantages and (with a critic) value targets, then, with
+    algorithm.downsampling (D3S), the responses and tokens the update trains on, chosen from the
+    advantages of the full groups; returns the per-response KL to the reference when the KL is placed
+    in the reward or controlled adaptively."""
     algorithm = ctx.algorithm
     rewards, response_kl = batch.rewards, None
     if algorithm.kl_in_reward or algorithm.kl_adaptive is not None:
@@ -373,17 +377,21 @@ def compute_advantages(ctx: StepContext, batch: TrainBatch, inputs: dict[str, An
     )
     if ctx.update_state.value_head is not None:  # the critic's targets: GAE lambda-returns of the same values
         batch.returns = value_targets(algorithm.advantage.params, rewards, batch.old_values, batch.response_mask)
+    if algorithm.downsampling is not None:
+        batch.sample_keep, batch.token_weights = algorithm.downsampling.apply(
+            batch.advantages, batch.group_index, batch.response_mask, inputs.get("entropy"), progress
+        )
     return response_kl
 
 
 def update(
     ctx: StepContext, batch: TrainBatch, finished: torch.Tensor, progress: float, response_kl: torch.Tensor | None
 ) -> dict[str, float]:
-    """The update schedule on the batch (DAPO's overlong filter masks truncated responses first),
-    then the adaptive coefficients, the lr schedule and the engine's weights. Adds
+    """The update schedule on the batch (DAPO's overlong filter masks truncated responses first; D3S
+    keeps the responses it selected), then the adaptive coefficients, the lr schedule and the engine's weights. Adds
     ``trainable_tokens``: the tokens the loss could move (0: this step learned nothing)."""
     algorithm = ctx.algorithm
-    trained = mask_truncated(batch, finished) if ctx.overlong_filter else batch
+    trained = kept_responses(mask_truncated(batch, finished) if ctx.overlong_filter else batch)
     stats = apply_update_schedule(
         ctx.model,
         ctx.optimizer,
@@ -433,5 +441,7 @@ def step_metrics(graded: GradedGroups, batch: TrainBatch, response_kl: torch.Ten
         **({"kl_sequence": response_kl.mean().item()} if response_kl is not None else {}),
         **({"token_mask_kept": (batch.token_weights.sum() / lengths.sum().clamp(min=1)).item()}
            if batch.token_weights is not None else {}),
+        # the effective batch: the responses the update trained on (D3S keeps a subset)
+        **({"trained_responses": float(batch.sample_keep.sum().item())} if batch.sample_keep is not None else {}),
         "grader_errors": float(sum(g.error is not None for g in grades)),
     }
