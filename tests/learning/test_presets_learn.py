@@ -49,7 +49,7 @@ def test_every_preset_has_its_toy_budget_and_no_other():
 
 # The toy's lr per batch (trainer.lr x optimizer steps per batch): 1e-2, or a stated higher value for a
 # preset measured to learn slowly at 1e-2 (its toy file gives both measurements).
-TOY_LR_PER_BATCH = (1e-2, 2e-2, 3e-2, 4e-2)  # 3e-2: remix (conf/experiment/toy_learning/remix.yaml says why)
+TOY_LR_PER_BATCH = (1e-2, 2e-2, 3e-2, 4e-2)  # e.g. 3e-2: remix, 4e-2: salsa (their toy files say why)
 
 
 @pytest.mark.parametrize("preset", all_presets())
