@@ -170,10 +170,12 @@ def test_compositions_d3s_cannot_take_are_refused():
 
 
 def test_refusals_come_before_the_model_loads(make_cfg):
-    # smoke: rollout.n = 2, so samples = 0.5 keeps one response: no variance to maximise
+    # rollout.n = 2: samples = 0.5 keeps one response, no variance to maximise (the preset's rollout_n is 4,
+    # so experiment=smoke, whose n is a preset's rollout_n, runs it)
     with pytest.raises(ConfigError, match=r"keeps k = ceil\(0.5 \* 2\) = 1"):
-        validate_config(make_cfg("experiment=smoke", "algorithm=d3s"))
-    validate_config(make_cfg("experiment=smoke", "algorithm=d3s", "rollout.n=4"))
+        validate_config(make_cfg("experiment=smoke", "algorithm=d3s", "rollout.n=2"))
+    assert make_cfg("experiment=smoke", "algorithm=d3s").rollout.n == 4
+    validate_config(make_cfg("experiment=smoke", "algorithm=d3s"))
     with pytest.raises(ConfigError, match=r"from trainer.stages at step 3: .*keeps k = ceil\(0.5 \* 2\) = 1"):
         validate_config(make_cfg("experiment=smoke", "algorithm=d3s", "rollout.n=4", "algorithm.downsampling.samples=0.5",
                                  "trainer.steps=4", "trainer.stages=[{at:3,rollout.n:2}]"))

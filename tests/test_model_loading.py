@@ -236,3 +236,52 @@ def test_atomic_build_leaves_nothing_on_failure(tmp_path):
     _atomic_build(target, lambda tmp: calls.append("again"))
     assert (target / "ok").read_text() == "1" and len(calls) == 1
     assert not (tmp_path / ".ckpt.tmp-stale").exists()
+
+
+def test_vocab_size_cuts_the_tokenizer_to_its_first_ids(tmp_path):
+    """model.tiny.vocab_size=N keeps the tokenizer's first N ids: every text still encodes (into ids < N)
+    and decodes back to itself, the chat template and special tokens are unchanged, and the model's
+    embedding and output layer have N rows (the learning tier's toy: experiment=toy_learning)."""
+    cfg = _cfg("tiny")
+    cfg.tiny.vocab_size = 512
+    model, cut = load_policy(cfg, seed=0, cache_dir=tmp_path)
+    _, full = load_policy(_cfg("tiny"), seed=0, cache_dir=tmp_path)
+    assert len(cut) == 512 and model.get_input_embeddings().weight.shape[0] == 512
+    assert model.get_output_embeddings().weight.shape[0] == 512
+    assert (cut.eos_token_id, cut.pad_token_id, cut.bos_token_id) == (full.eos_token_id, full.pad_token_id, full.bos_token_id)
+    for text in ["What is 17 * 23? Answer: 391", "Ünïcødé 漢字 🙂 \t\n  spaces", "<|im_start|>user\nhi<|im_end|>"]:
+        ids = cut(text).input_ids
+        assert max(ids) < 512 and cut.decode(ids) == text
+        assert len(ids) >= len(full(text).input_ids)  # fewer merges: at least as many tokens
+    messages = [{"role": "user", "content": "1+1?"}]
+    assert cut.decode(_chat_ids(cut, messages)) == full.decode(_chat_ids(full, messages))
+    # the first ids are the full tokenizer's: a text of kept tokens encodes alike ("or" is id 270 in SmolLM2)
+    for text in ["or", "is", "ing", "or is"]:
+        assert max(full(text).input_ids) < 512 and cut(text).input_ids == full(text).input_ids
+
+
+def test_vocab_size_below_the_byte_tokens_is_refused(tmp_path):
+    cfg = _cfg("tiny")
+    cfg.tiny.vocab_size = 100
+    with pytest.raises(ConfigError, match=r"model.tiny.vocab_size=100 would drop special or byte tokens.*use at least \d+"):
+        load_policy(cfg, seed=0, cache_dir=tmp_path)
+    cfg.tiny.vocab_size = "many"
+    with pytest.raises(ConfigError, match="model.tiny.vocab_size='many' must be a positive integer"):
+        validate_model_config(cfg)
+
+
+def test_truncation_keeps_only_merges_of_kept_tokens():
+    """Closed form on a hand-made byte-level BPE: ids 0-1 special, 2-5 bytes, 6 = "ab", 7 = "abc"."""
+    tokenizer_json = {
+        "added_tokens": [{"id": 0, "content": "<s>"}, {"id": 1, "content": "</s>"}],
+        "pre_tokenizer": {"type": "ByteLevel"},
+        "model": {"type": "BPE", "vocab": {"<s>": 0, "</s>": 1, "a": 2, "b": 3, "c": 4, "d": 5, "ab": 6, "abc": 7},
+                  "merges": ["a b", ["ab", "c"]]},
+    }
+    cut = loading.truncate_bpe_vocabulary(tokenizer_json, 7)
+    assert cut["model"]["vocab"] == {"<s>": 0, "</s>": 1, "a": 2, "b": 3, "c": 4, "d": 5, "ab": 6}
+    assert cut["model"]["merges"] == ["a b"]
+    assert tokenizer_json["model"]["merges"] == ["a b", ["ab", "c"]]  # the input is left alone
+    assert loading.truncate_bpe_vocabulary(tokenizer_json, 8)["model"]["merges"] == ["a b", ["ab", "c"]]
+    with pytest.raises(ConfigError, match="use at least 6"):
+        loading.truncate_bpe_vocabulary(tokenizer_json, 5)

@@ -308,6 +308,55 @@ def _gguf_tokenizer_dir(gguf_package: str, gguf_file: str | None, cache_dir: str
     return _atomic_build(target, build)
 
 
+def truncate_bpe_vocabulary(tokenizer_json: dict, size: int) -> dict:
+    """A byte-level BPE tokenizer (``tokenizer.json`` as a dict) cut to its first ``size`` ids.
+
+    Kept: every token with id < size (special tokens, the 256 byte tokens, the first merges' tokens),
+    and every merge whose two parts and result are kept. Any text still encodes, into more tokens,
+    every id < size, and decodes back to itself (the vocabulary's one-character tokens are its bytes). A
+    size that would drop a special token or a byte token is refused (ConfigError), with the smallest size that keeps them."""
+    model = tokenizer_json.get("model", {})
+    if model.get("type") != "BPE":
+        raise ConfigError(f"model.tiny.vocab_size needs a BPE tokenizer; this one is {model.get('type')!r}.")
+    if (tokenizer_json.get("pre_tokenizer") or {}).get("type") != "ByteLevel":
+        raise ConfigError("model.tiny.vocab_size needs a byte-level BPE tokenizer (text as bytes, one token per byte).")
+    vocab: dict[str, int] = model["vocab"]
+    specials = [t["id"] for t in tokenizer_json.get("added_tokens", [])]
+    byte_tokens = [i for token, i in vocab.items() if len(token) == 1]  # the bytes of valid UTF-8 (SmolLM2: 235)
+    smallest = 1 + max(byte_tokens + specials)
+    if size < smallest:
+        raise ConfigError(
+            f"model.tiny.vocab_size={size} would drop special or byte tokens of the tokenizer (its {len(specials)} "
+            f"special tokens and {len(byte_tokens)} byte tokens end at id {smallest - 1}); use at least {smallest}."
+        )
+    kept = {token: i for token, i in vocab.items() if i < size}
+
+    def parts(merge) -> tuple[str, str]:
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        return left, right
+
+    merges = [m for m in model["merges"] if (lambda a, b: a in kept and b in kept and a + b in kept)(*parts(m))]
+    out = json.loads(json.dumps(tokenizer_json))
+    out["model"]["vocab"], out["model"]["merges"] = kept, merges
+    out["added_tokens"] = [t for t in out.get("added_tokens", []) if t["id"] < size]
+    return out
+
+
+def _truncated_tokenizer_dir(tokenizer_dir: Path, size: int) -> Path:
+    """A copy of the tokenizer in ``tokenizer_dir`` cut to its first ``size`` ids
+    (:func:`truncate_bpe_vocabulary`), built once beside it."""
+    target = tokenizer_dir.parent / f"{tokenizer_dir.name}-vocab{size}"
+
+    def build(tmp: Path) -> None:
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+            if (tokenizer_dir / name).is_file():
+                shutil.copy2(tokenizer_dir / name, tmp / name)
+        cut = truncate_bpe_vocabulary(json.loads((tokenizer_dir / "tokenizer.json").read_text()), size)
+        (tmp / "tokenizer.json").write_text(json.dumps(cut, ensure_ascii=False))
+
+    return _atomic_build(target, build)
+
+
 # --------------------------------------------------------------------------------------------
 # public API
 # --------------------------------------------------------------------------------------------
@@ -345,7 +394,8 @@ def validate_model_config(model_cfg: Any) -> None:
         tiny = _to_plain_dict(_get(model_cfg, "tiny"))
         for key, value in tiny.items():
             if key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                       "intermediate_size", "max_position_embeddings") and (not isinstance(value, int) or value <= 0):
+                       "intermediate_size", "max_position_embeddings", "vocab_size") and value is not None and (
+                           not isinstance(value, int) or value <= 0):
                 raise ConfigError(f"model.tiny.{key}={value!r} must be a positive integer.")
     elif source == "hub":
         if not _get(model_cfg, "hub_id"):
@@ -361,6 +411,10 @@ def build_tiny_model(tokenizer, tiny_cfg: Any = None, *, seed: int = 0, dtype: t
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     sizes = {**TINY_DEFAULTS, **_to_plain_dict(tiny_cfg)}
+    vocab_size = sizes.pop("vocab_size", None)  # the tokenizer's, cut by load_policy (model.tiny.vocab_size)
+    if vocab_size is not None and vocab_size != len(tokenizer):
+        raise ValueError(f"tiny vocab_size={vocab_size} but the tokenizer has {len(tokenizer)} ids; cut it first "
+                         "(load_policy does, with model.tiny.vocab_size)")
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
@@ -420,6 +474,9 @@ def load_policy(
         tok_dir = _gguf_tokenizer_dir(
             str(_get(model_cfg, "gguf_package", DEFAULT_TOKENIZER_PACKAGE)), _get(model_cfg, "gguf_file"), cache_dir
         )
+        vocab_size = _to_plain_dict(_get(model_cfg, "tiny")).get("vocab_size")
+        if vocab_size is not None:
+            tok_dir = _truncated_tokenizer_dir(tok_dir, int(vocab_size))
         tokenizer = _load_tokenizer(tok_dir)
         model = build_tiny_model(tokenizer, _get(model_cfg, "tiny"), seed=seed, dtype=dtype)
     elif source == "path":
