@@ -99,11 +99,12 @@ ALGORITHM_PRESETS_WITHOUT_TOY_CHECK = {
     # update rule and that the prompts change with it on a policy that copies its examples.
     "training_free_grpo": "the toy's random model does not follow in-context examples",
     # OTR's expected gradient is pi(y*) grad log pi(y*): it needs the policy to sample the reference token.
-    # The toy's references are random even ids of the 49152-token vocabulary: pi(y*) measured 2e-10..4e-8
+    # On the earlier toy the references were random even ids of the 49152-token vocabulary: pi(y*) measured 2e-10..4e-8
     # (initializer_range 1.0) and 2.0e-5 (0.02, near uniform) on seed 0, so K = 8 samples never matched
     # (loss and gradient exactly 0 over 16 steps) and K = 2048 matched 1.5e-5 of the time (peak monitored
     # outcome within noise: 0.418..0.582, no trend). `rlbench experiment=toy_learning/grpo algorithm=otr
-    # guidance=even_tokens rollout.references.monitor_n=8` repeats it.
+    # guidance=even_tokens rollout.references.monitor_n=8` repeats it. On the 512-id toy (2026-12-02) it does
+    # not learn either: seeds 0-2 peak rise +0.132 / +0.061 / +0.042 (median +0.061) against the control's +0.040.
     "otr": "the toy's reference tokens have probability ~1/vocab under the policy, so one-token rollouts never match",
 }
 
