@@ -285,3 +285,12 @@ def test_truncation_keeps_only_merges_of_kept_tokens():
     assert loading.truncate_bpe_vocabulary(tokenizer_json, 8)["model"]["merges"] == ["a b", ["ab", "c"]]
     with pytest.raises(ConfigError, match="use at least 6"):
         loading.truncate_bpe_vocabulary(tokenizer_json, 5)
+
+
+def test_null_is_refused_for_every_tiny_size_but_vocab_size():
+    cfg = _cfg("tiny")
+    cfg.tiny.vocab_size = None
+    validate_model_config(cfg)  # null vocab_size: the tokenizer's whole vocabulary
+    cfg.tiny.hidden_size = None
+    with pytest.raises(ConfigError, match="model.tiny.hidden_size=None must be a positive integer"):
+        validate_model_config(cfg)

@@ -23,6 +23,7 @@ The cache directory for converted checkpoints is the ``cache_dir`` argument, els
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 import json
 import logging
@@ -311,7 +312,7 @@ def _gguf_tokenizer_dir(gguf_package: str, gguf_file: str | None, cache_dir: str
 def truncate_bpe_vocabulary(tokenizer_json: dict, size: int) -> dict:
     """A byte-level BPE tokenizer (``tokenizer.json`` as a dict) cut to its first ``size`` ids.
 
-    Kept: every token with id < size (special tokens, the 256 byte tokens, the first merges' tokens),
+    Kept: every token with id < size (special tokens, the byte tokens, the first merges' tokens),
     and every merge whose two parts and result are kept. Any text still encodes, into more tokens,
     every id < size, and decodes back to itself (the vocabulary's one-character tokens are its bytes). A
     size that would drop a special token or a byte token is refused (ConfigError), with the smallest size that keeps them."""
@@ -331,13 +332,12 @@ def truncate_bpe_vocabulary(tokenizer_json: dict, size: int) -> dict:
         )
     kept = {token: i for token, i in vocab.items() if i < size}
 
-    def parts(merge) -> tuple[str, str]:
+    def merge_is_kept(merge) -> bool:  # "left right" (older tokenizer.json) or [left, right]
         left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
-        return left, right
+        return left in kept and right in kept and left + right in kept
 
-    merges = [m for m in model["merges"] if (lambda a, b: a in kept and b in kept and a + b in kept)(*parts(m))]
-    out = json.loads(json.dumps(tokenizer_json))
-    out["model"]["vocab"], out["model"]["merges"] = kept, merges
+    out = copy.deepcopy(tokenizer_json)
+    out["model"]["vocab"], out["model"]["merges"] = kept, [m for m in model["merges"] if merge_is_kept(m)]
     out["added_tokens"] = [t for t in out.get("added_tokens", []) if t["id"] < size]
     return out
 
@@ -348,6 +348,7 @@ def _truncated_tokenizer_dir(tokenizer_dir: Path, size: int) -> Path:
     target = tokenizer_dir.parent / f"{tokenizer_dir.name}-vocab{size}"
 
     def build(tmp: Path) -> None:
+        # the tokenizer's files only: tokenizer_dir may be a whole converted checkpoint
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
             if (tokenizer_dir / name).is_file():
                 shutil.copy2(tokenizer_dir / name, tmp / name)
@@ -393,9 +394,10 @@ def validate_model_config(model_cfg: Any) -> None:
         find_gguf_file(str(package), _get(model_cfg, "gguf_file"))
         tiny = _to_plain_dict(_get(model_cfg, "tiny"))
         for key, value in tiny.items():
+            if key == "vocab_size" and value is None:  # null: the tokenizer's whole vocabulary
+                continue
             if key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                       "intermediate_size", "max_position_embeddings", "vocab_size") and value is not None and (
-                           not isinstance(value, int) or value <= 0):
+                       "intermediate_size", "max_position_embeddings", "vocab_size") and (not isinstance(value, int) or value <= 0):
                 raise ConfigError(f"model.tiny.{key}={value!r} must be a positive integer.")
     elif source == "hub":
         if not _get(model_cfg, "hub_id"):
