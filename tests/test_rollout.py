@@ -224,6 +224,51 @@ def test_shared_prefill_equals_unshared(eos_model, temperature, top_p):
     assert any(done for cs in shared for _, _, done in cs)  # rows left the batch early
 
 
+def test_onednn_output_layer_gives_the_default_kernels_samples(eos_model, monkeypatch):
+    """The output layer through oneDNN (rlbench/rollout/onednn_linear.py; it applies to the tiny
+    model's 49,152-id float32 layer on CPU) gives the default kernel's tokens, and log-probs to float
+    rounding; the layer's own forward is back after each call."""
+    import rlbench.rollout.onednn_linear as onednn
+
+    model, tokenizer = eos_model
+    if onednn.output_layer_for_onednn(model) is None:
+        pytest.skip("this PyTorch build has no oneDNN")
+    calls = []
+    real = onednn.onednn_linear
+    monkeypatch.setattr(onednn, "onednn_linear", lambda *args: calls.append(1) or real(*args))
+    requests = [GenerationRequest(_prompt(tokenizer, "The quick brown fox"), n=4), GenerationRequest(_prompt(tokenizer, "hi"), n=3)]
+    params = SamplingParams(temperature=0.9, max_new_tokens=10)
+
+    def run(use_onednn):
+        calls.clear()
+        out = HFGenerateEngine(model, tokenizer, onednn=use_onednn).generate(requests, params, torch.Generator().manual_seed(3))
+        assert "forward" not in vars(model.get_output_embeddings())
+        return [(c.response_ids, c.logprobs) for cs in out for c in cs], len(calls)
+
+    (fast, fast_calls), (default, default_calls) = run(True), run(False)
+    assert fast_calls > 0 and default_calls == 0
+    assert [ids for ids, _ in fast] == [ids for ids, _ in default]
+    for (_, lp), (_, dlp) in zip(fast, default):
+        assert lp == pytest.approx(dlp, abs=1e-5)
+
+
+def test_onednn_output_layer_only_for_large_float32_layers():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlbench.rollout.onednn_linear import ONEDNN_MIN_VOCAB, output_layer_for_onednn
+
+    def llama(vocab):
+        config = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1)
+        return LlamaForCausalLM(config)
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this PyTorch build has no oneDNN")
+    assert output_layer_for_onednn(llama(ONEDNN_MIN_VOCAB)) is not None
+    assert output_layer_for_onednn(llama(512)) is None  # the learning tier's toy keeps the default kernel
+    assert output_layer_for_onednn(llama(ONEDNN_MIN_VOCAB).to(torch.bfloat16)) is None
+
+
 def test_prefill_once_per_input_and_finished_rows_leave(eos_model):
     """The prefill runs one row per distinct input; a row that sampled EOS is in no later forward
     pass (each decoding step's batch is the rows still running)."""

@@ -159,6 +159,63 @@ def test_shared_prompt_forward_with_scattered_group_rows():
     assert torch.allclose(a * sub.response_mask, b * sub.response_mask, atol=1e-5)
 
 
+def _brute_force_bucket_cost(lengths, pass_tokens):
+    """Least sum of (rows x longest + pass_tokens) over every split of the rows sorted by length."""
+    ordered = sorted(lengths, reverse=True)
+    n = len(ordered)
+    best = math.inf
+    for cuts in range(2 ** (n - 1)):
+        bounds = [0] + [i + 1 for i in range(n - 1) if cuts >> i & 1] + [n]
+        best = min(best, sum((b - a) * ordered[a] + pass_tokens for a, b in zip(bounds, bounds[1:])))
+    return best
+
+
+def test_length_buckets_closed_form_and_least_cost():
+    from rlbench.training.forward import length_buckets
+
+    assert length_buckets([5, 5, 5, 5], 0) == [[0, 1, 2, 3]]  # one length: one bucket at any pass cost
+    # [10, 10, 1, 1]: one pass 4*10 + c, two passes 2*10 + 2*1 + 2c: split when c < 18
+    assert length_buckets([1, 10, 1, 10], 5) == [[1, 3], [0, 2]]
+    assert length_buckets([1, 10, 1, 10], 20) == [[1, 3, 0, 2]]
+    g = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        lengths = torch.randint(1, 49, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+        pass_tokens = [0, 8, 64, 1000][trial % 4]
+        buckets = length_buckets(lengths, pass_tokens)
+        assert sorted(r for b in buckets for r in b) == list(range(len(lengths)))
+        cost = sum(len(b) * max(lengths[r] for r in b) + pass_tokens for b in buckets)
+        assert cost == _brute_force_bucket_cost(lengths, pass_tokens)
+
+
+def test_bucketed_response_passes_give_the_per_row_logprobs_entropies_and_gradients(monkeypatch):
+    """Rows split into several length buckets (pass cost 0: one bucket per length) give the per-row
+    forward's log-probs, entropies and gradients on every response token, and zeros past a row's end."""
+    import rlbench.training.forward as forward
+
+    monkeypatch.setattr(forward, "BUCKET_PASS_TOKENS", 0)
+    seen = []
+    real = forward.length_buckets
+    monkeypatch.setattr(forward, "length_buckets", lambda lengths, *a: seen.append(real(lengths, *a)) or seen[-1])
+    batch = collate(completions(8, groups=3, n=4), pad_token_id=0)
+    results = []
+    for share in (False, True):
+        model = tiny_lm(seed=4)
+        out = token_outputs(model, batch, temperature=0.7, with_entropy=True, share_prompts=share)
+        ((out.logp * batch.response_mask).sum() + (out.entropy * batch.response_mask).sum()).backward()
+        results.append((out, [p.grad.clone() for p in model.parameters()]))
+    assert len(seen) == 1 and len(seen[0]) >= 3  # the shared forward ran several response passes
+    (per_row, grads_a), (bucketed, grads_b) = results
+    mask = batch.response_mask
+    assert torch.allclose(per_row.logp * mask, bucketed.logp * mask, atol=1e-5)
+    assert torch.allclose(per_row.entropy * mask, bucketed.entropy * mask, atol=1e-5)
+    for a, b in zip(grads_a, grads_b):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+    lengths = batch.attention_mask[:, batch.prompt_width :].sum(-1).clamp(min=1)
+    past_end = torch.arange(mask.shape[1])[None, :] >= lengths[:, None]
+    past_end &= (lengths < lengths.max())[:, None]  # rows of a shorter bucket
+    assert past_end.any() and torch.all(bucketed.logp[past_end] == 0)
+
+
 def test_groups_that_pool_several_prompts_run_each_row_with_its_own_prompt():
     """rollout=equivalent_states pools responses to different prompts in one group: the shared-prompt
     forward would give them the first row's prompt; the check sends such batches down the per-row path."""

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 from contextvars import ContextVar
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -104,16 +105,60 @@ def _logits_per_row(
     return out.logits[:, -(T + 1) : -1, :], None if hidden is None else hidden[:, -(T + 1) : -1, :]
 
 
+# One response pass costs about as much as this many extra padded positions (the layers' fixed
+# cost per pass); rows are split into length buckets only where that saves more (docs/performance.md).
+BUCKET_PASS_TOKENS = 64
+
+
+def length_buckets(lengths: Sequence[int], pass_tokens: float | None = None) -> list[list[int]]:
+    """Rows grouped by response length for the response passes: the split of the rows, taken in order of
+    decreasing length, that minimises ``sum over buckets (rows x longest length + pass_tokens)``, the
+    positions computed plus each pass's fixed cost (exact dynamic programme, O(rows^2)). Rows of one
+    length always form one bucket. Returns row indices, longest bucket first, each in decreasing
+    length (ties in row order). ``pass_tokens`` defaults to :data:`BUCKET_PASS_TOKENS`."""
+    pass_tokens = BUCKET_PASS_TOKENS if pass_tokens is None else pass_tokens
+    n = len(lengths)
+    order = sorted(range(n), key=lambda r: (-lengths[r], r))
+    best = [0.0] + [math.inf] * n  # best[j]: least cost of the first j rows of ``order``
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):  # the last bucket is order[i:j]; its longest row is order[i]
+            cost = best[i] + (j - i) * lengths[order[i]] + pass_tokens
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    buckets: list[list[int]] = []
+    j = n
+    while j > 0:
+        buckets.append(order[cut[j] : j])
+        j = cut[j]
+    return buckets[::-1]
+
+
+def _cache_rows(cache, index: torch.Tensor):
+    """A new KV cache holding ``cache``'s rows ``index`` (differentiably), or None when the cache is not
+    one whose layers hold every position (``DynamicLayer``; sliding-window caches keep a suffix)."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    if not layers or not all(type(layer) is DynamicLayer for layer in layers):
+        return None
+    return DynamicCache(ddp_cache_data=[(layer.keys.index_select(0, index), layer.values.index_select(0, index)) for layer in layers])
+
+
 def _logits_shared_prompts(
-    model: torch.nn.Module, batch: TrainBatch, with_hidden: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Same logits (and hidden states) as :func:`_logits_per_row`, running each distinct prompt only once.
+    model: torch.nn.Module, batch: TrainBatch, with_hidden: bool = False, bucket: bool = True
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """Same logits (and hidden states) as :func:`_logits_per_row`, running each distinct prompt only
+    once and skipping most of the responses' right padding: ``(rows, logits [b, T_b, V], hidden)``
+    chunks, where ``T_b`` is the longest response among ``rows`` (positions beyond a row's response are
+    padding, beyond ``T_b`` they are not computed).
 
     Responses of one group share their prompt (same tokens, same left padding). The prompt pass runs
-    on one row per group and keeps its key/value cache, which is gathered to the group's rows
-    (differentiably, so gradients flow back into the shared prompt pass); the response pass then
-    runs on the response tokens alone. The logit that predicts response token 0 is the prompt
-    pass's last position.
+    on one row per group and keeps its key/value cache, which is gathered to the response rows
+    (differentiably, so gradients flow back into the shared prompt pass); the response passes then
+    run on the response tokens alone, one per bucket of rows of similar length
+    (:func:`length_buckets`; ``bucket=False``: one pass over all rows). The logit that predicts
+    response token 0 is the prompt pass's last position.
     """
     P, T = batch.prompt_width, batch.response_mask.shape[1]
     groups, row_to_group = torch.unique(batch.group_index, return_inverse=True)
@@ -134,23 +179,39 @@ def _logits_shared_prompts(
     prompt_hidden = _last_hidden(prompt_out, with_hidden)
     first_hidden = None if prompt_hidden is None else prompt_hidden[row_to_group, -1:, :]  # [B, 1, H]
     if T == 1:
-        return first_logits, first_hidden
+        return [(rows, first_logits, first_hidden)]
     # transformers >= 5.x names the cache `cache` (older releases: `past_key_values`)
     cache_name = "cache" if "cache" in inspect.signature(innermost(model).forward).parameters else "past_key_values"
     cache = getattr(prompt_out, cache_name)
-    cache.reorder_cache(row_to_group)  # one cache row per response row
-    full_mask = batch.attention_mask[:, : P + T - 1]
-    response_out = model(
-        input_ids=batch.input_ids[:, P : P + T - 1],
-        attention_mask=full_mask,
-        position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0)[:, P:],
-        use_cache=True,
-        output_hidden_states=with_hidden,
-        **{cache_name: cache},
-    )
-    logits = torch.cat([first_logits, response_out.logits], dim=1)
-    response_hidden = _last_hidden(response_out, with_hidden)
-    return logits, None if response_hidden is None else torch.cat([first_hidden, response_hidden], dim=1)
+    lengths = batch.attention_mask[:, P : P + T].sum(-1).clamp(min=1, max=T).tolist()
+    buckets = length_buckets(lengths) if bucket else [rows.tolist()]
+    if len(buckets) > 1 and _cache_rows(cache, row_to_group[:1]) is None:
+        buckets = [rows.tolist()]
+    chunks = []
+    for bucket_rows in buckets:
+        index = torch.tensor(bucket_rows, device=rows.device) if len(buckets) > 1 else rows
+        width = max(lengths[r] for r in bucket_rows) if len(buckets) > 1 else T
+        logits, hidden = first_logits[index], None if first_hidden is None else first_hidden[index]
+        if width > 1:
+            if len(buckets) > 1:
+                bucket_cache = _cache_rows(cache, row_to_group[index])
+            else:
+                bucket_cache = cache
+                bucket_cache.reorder_cache(row_to_group)  # one cache row per response row
+            mask = batch.attention_mask[index, : P + width - 1]
+            response_out = model(
+                input_ids=batch.input_ids[index, P : P + width - 1],
+                attention_mask=mask,
+                position_ids=(mask.cumsum(-1) - 1).clamp(min=0)[:, P:],
+                use_cache=True,
+                output_hidden_states=with_hidden,
+                **{cache_name: bucket_cache},
+            )
+            logits = torch.cat([logits, response_out.logits], dim=1)
+            response_hidden = _last_hidden(response_out, with_hidden)
+            hidden = None if response_hidden is None else torch.cat([hidden, response_hidden], dim=1)
+        chunks.append((index, logits, hidden))
+    return chunks
 
 
 @dataclass
@@ -200,27 +261,49 @@ def token_outputs(
         share_prompts and not several_ranks() and not activation_checkpointing(model)
         and int(torch.unique(batch.group_index).numel()) < batch.size and groups_share_prompts(batch)
     )
-    forward = _logits_shared_prompts if shared else _logits_per_row
-    with autocast_context(batch.input_ids.device):
-        logits, hidden = forward(model, batch, with_hidden=value_head is not None)
-    logits = logits.float()
-    if temperature and temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
     transform = LOGITS_TRANSFORM.get()
-    if transform is not None:
-        logits = transform(logits, batch)
-    log_probs = F.log_softmax(logits, dim=-1)
+    with autocast_context(batch.input_ids.device):
+        if shared:
+            # a logits transform and the full distribution take the whole [B, T, V] block: one response pass
+            chunks = _logits_shared_prompts(model, batch, value_head is not None, bucket=transform is None and not with_log_probs)
+        else:
+            rows = torch.arange(batch.size, device=batch.input_ids.device)
+            chunks = [(rows, *_logits_per_row(model, batch, with_hidden=value_head is not None))]
     targets = batch.input_ids[:, batch.prompt_width : batch.prompt_width + T]
-    logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = None
-    if with_entropy:
-        # Only an entropy bonus needs its gradient; for logging and entropy-aware pieces (which
-        # detach it) skip the autograd graph over the [B, T, vocab] probabilities.
-        with torch.set_grad_enabled(entropy_requires_grad and torch.is_grad_enabled()):
-            # a transform's -inf logits (excluded tokens) contribute 0 * 0, not 0 * -inf
-            finite_logp = log_probs if transform is None else torch.where(log_probs.isfinite(), log_probs, 0.0)
-            entropy = -(log_probs.exp() * finite_logp).sum(-1)
-    values = value_head(hidden) if value_head is not None else None
+    parts: dict[str, list[torch.Tensor]] = {"logp": [], "entropy": [], "values": []}
+    log_probs = None
+    for rows, logits, hidden in chunks:
+        logits = logits.float()
+        if temperature and temperature > 0 and temperature != 1.0:
+            logits = logits / temperature
+        if transform is not None:
+            logits = transform(logits, batch)
+        log_probs = F.log_softmax(logits, dim=-1)
+        width = logits.shape[1]
+        parts["logp"].append(log_probs.gather(-1, targets[rows, :width].unsqueeze(-1)).squeeze(-1))
+        if with_entropy:
+            # Only an entropy bonus needs its gradient; for logging and entropy-aware pieces (which
+            # detach it) skip the autograd graph over the [B, T, vocab] probabilities.
+            with torch.set_grad_enabled(entropy_requires_grad and torch.is_grad_enabled()):
+                # a transform's -inf logits (excluded tokens) contribute 0 * 0, not 0 * -inf
+                finite_logp = log_probs if transform is None else torch.where(log_probs.isfinite(), log_probs, 0.0)
+                parts["entropy"].append(-(log_probs.exp() * finite_logp).sum(-1))
+        if value_head is not None:
+            parts["values"].append(value_head(hidden))
+    # chunks of several row buckets: back to [B, T] in row order, zero beyond each bucket's width
+    order = torch.cat([rows for rows, _, _ in chunks])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(len(order), device=order.device)
+
+    def assemble(name: str) -> torch.Tensor | None:
+        pieces = parts[name]
+        if not pieces:
+            return None
+        if len(pieces) == 1:
+            return pieces[0]
+        return torch.cat([F.pad(x, (0, T - x.shape[1])) for x in pieces])[inverse]
+
+    logp, entropy, values = assemble("logp"), assemble("entropy"), assemble("values")
     return TokenOutputs(logp, entropy, values, log_probs if with_log_probs else None)
 
 
