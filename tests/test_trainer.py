@@ -189,7 +189,8 @@ def test_length_buckets_closed_form_and_least_cost():
 
 def test_bucketed_response_passes_give_the_per_row_logprobs_entropies_and_gradients(monkeypatch):
     """Rows split into several length buckets (pass cost 0: one bucket per length) give the per-row
-    forward's log-probs, entropies and gradients on every response token, and zeros past a row's end."""
+    forward's log-probs, entropies, critic values and gradients on every response token, and zeros past
+    a row's end."""
     import rlbench.training.forward as forward
 
     monkeypatch.setattr(forward, "BUCKET_PASS_TOKENS", 0)
@@ -200,7 +201,10 @@ def test_bucketed_response_passes_give_the_per_row_logprobs_entropies_and_gradie
     results = []
     for share in (False, True):
         model = tiny_lm(seed=4)
-        out = token_outputs(model, batch, temperature=0.7, with_entropy=True, share_prompts=share)
+        torch.manual_seed(1)
+        value_head = torch.nn.Linear(16, 1)  # a critic on the final hidden states ([B, T] values)
+        out = token_outputs(model, batch, temperature=0.7, with_entropy=True, share_prompts=share,
+                            value_head=lambda h: value_head(h).squeeze(-1))
         ((out.logp * batch.response_mask).sum() + (out.entropy * batch.response_mask).sum()).backward()
         results.append((out, [p.grad.clone() for p in model.parameters()]))
     assert len(seen) == 1 and len(seen[0]) >= 3  # the shared forward ran several response passes
@@ -208,6 +212,7 @@ def test_bucketed_response_passes_give_the_per_row_logprobs_entropies_and_gradie
     mask = batch.response_mask
     assert torch.allclose(per_row.logp * mask, bucketed.logp * mask, atol=1e-5)
     assert torch.allclose(per_row.entropy * mask, bucketed.entropy * mask, atol=1e-5)
+    assert torch.allclose(per_row.values * mask, bucketed.values * mask, atol=1e-5)
     for a, b in zip(grads_a, grads_b):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
     lengths = batch.attention_mask[:, batch.prompt_width :].sum(-1).clamp(min=1)
