@@ -163,7 +163,7 @@ def weights_version(model) -> tuple[int, int]:
     return id(model), sum(p._version for p in model.parameters())
 
 
-def _plain_layers(cache) -> list | None:
+def plain_kv_layers(cache) -> list | None:
     """The layers of a KV cache that holds every position of every row (``DynamicLayer``), else None."""
     from transformers.cache_utils import DynamicLayer
 
@@ -287,7 +287,7 @@ class HFGenerateEngine:
     def _keep_rows(self, cache, mask: torch.Tensor | None, rows: Sequence[tuple[int, tuple[int, ...]]]) -> None:
         """Store ``(cache row, tokens)`` pairs: the row's keys and values at its unmasked positions,
         which hold exactly ``tokens``."""
-        layers = _plain_layers(cache)
+        layers = plain_kv_layers(cache)
         if layers is None:  # sliding-window or other partial caches: nothing to reuse
             return
         for row, tokens in rows:

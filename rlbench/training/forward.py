@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rlbench.rollout.hf_engine import plain_kv_layers
 from rlbench.training.batch import TrainBatch, micro_batches
 from rlbench.training.distributed import several_ranks, unwrap
 
@@ -134,17 +135,6 @@ def length_buckets(lengths: Sequence[int], pass_tokens: float | None = None) -> 
     return buckets[::-1]
 
 
-def _cache_rows(cache, index: torch.Tensor):
-    """A new KV cache holding ``cache``'s rows ``index`` (differentiably), or None when the cache is not
-    one whose layers hold every position (``DynamicLayer``; sliding-window caches keep a suffix)."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer
-
-    layers = getattr(cache, "layers", None)
-    if not layers or not all(type(layer) is DynamicLayer for layer in layers):
-        return None
-    return DynamicCache(ddp_cache_data=[(layer.keys.index_select(0, index), layer.values.index_select(0, index)) for layer in layers])
-
-
 def _logits_shared_prompts(
     model: torch.nn.Module, batch: TrainBatch, with_hidden: bool = False, bucket: bool = True
 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
@@ -184,33 +174,40 @@ def _logits_shared_prompts(
     cache_name = "cache" if "cache" in inspect.signature(innermost(model).forward).parameters else "past_key_values"
     cache = getattr(prompt_out, cache_name)
     lengths = batch.attention_mask[:, P : P + T].sum(-1).clamp(min=1, max=T).tolist()
-    buckets = length_buckets(lengths) if bucket else [rows.tolist()]
-    if len(buckets) > 1 and _cache_rows(cache, row_to_group[:1]) is None:
-        buckets = [rows.tolist()]
+    layers = plain_kv_layers(cache)  # None: a cache that cannot be split by rows (sliding window)
+    buckets = length_buckets(lengths) if bucket and layers is not None else [rows.tolist()]
+
+    def response_pass(index: torch.Tensor, width: int, rows_cache):
+        logits, hidden = first_logits[index], None if first_hidden is None else first_hidden[index]
+        if width == 1:
+            return index, logits, hidden
+        mask = batch.attention_mask[index, : P + width - 1]
+        out = model(
+            input_ids=batch.input_ids[index, P : P + width - 1],
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0)[:, P:],
+            use_cache=True,
+            output_hidden_states=with_hidden,
+            **{cache_name: rows_cache},
+        )
+        response_hidden = _last_hidden(out, with_hidden)
+        return (
+            index,
+            torch.cat([logits, out.logits], dim=1),
+            None if response_hidden is None else torch.cat([hidden, response_hidden], dim=1),
+        )
+
+    if len(buckets) == 1:  # one pass over every row: the prompt cache itself, one row per response row
+        cache.reorder_cache(row_to_group)
+        return [response_pass(rows, T, cache)]
+    from transformers.cache_utils import DynamicCache
+
     chunks = []
     for bucket_rows in buckets:
-        index = torch.tensor(bucket_rows, device=rows.device) if len(buckets) > 1 else rows
-        width = max(lengths[r] for r in bucket_rows) if len(buckets) > 1 else T
-        logits, hidden = first_logits[index], None if first_hidden is None else first_hidden[index]
-        if width > 1:
-            if len(buckets) > 1:
-                bucket_cache = _cache_rows(cache, row_to_group[index])
-            else:
-                bucket_cache = cache
-                bucket_cache.reorder_cache(row_to_group)  # one cache row per response row
-            mask = batch.attention_mask[index, : P + width - 1]
-            response_out = model(
-                input_ids=batch.input_ids[index, P : P + width - 1],
-                attention_mask=mask,
-                position_ids=(mask.cumsum(-1) - 1).clamp(min=0)[:, P:],
-                use_cache=True,
-                output_hidden_states=with_hidden,
-                **{cache_name: bucket_cache},
-            )
-            logits = torch.cat([logits, response_out.logits], dim=1)
-            response_hidden = _last_hidden(response_out, with_hidden)
-            hidden = None if response_hidden is None else torch.cat([hidden, response_hidden], dim=1)
-        chunks.append((index, logits, hidden))
+        index = torch.tensor(bucket_rows, device=rows.device)
+        source = row_to_group[index]
+        rows_cache = DynamicCache(ddp_cache_data=[(x.keys.index_select(0, source), x.values.index_select(0, source)) for x in layers])
+        chunks.append(response_pass(index, max(lengths[r] for r in bucket_rows), rows_cache))
     return chunks
 
 
