@@ -25,13 +25,17 @@ clipping and the optimizer step. The split into generation and update is measure
 by wrapping ``_generate`` and ``_generate_and_score_completions`` on the trainer instance).
 
 Sampling is stochastic, so the two sides do not produce completions of the same length: the mean
-completion length is reported next to the times, together with a per-token ratio.
+completion length is reported next to the times, together with a per-token ratio. With one seed every run
+draws the same samples on each side (at seed 0 ours average 33.5 tokens, TRL's 26.1, in every run), so a
+length gap by chance persists across runs; ``--seeds`` runs one session per seed and pools the timed steps.
+``bench/sampling_lengths.py`` checks that the two samplers' lengths agree in distribution.
 
 Usage::
 
     HF_HUB_OFFLINE=1 python bench/compare_trl.py            # 1 warm-up + 3 timed steps per side
     HF_HUB_OFFLINE=1 python bench/compare_trl.py --quick    # 1 warm-up + 1 timed step (smoke check)
     HF_HUB_OFFLINE=1 python bench/compare_trl.py --profile  # also profile one extra step of ours
+    HF_HUB_OFFLINE=1 python bench/compare_trl.py --steps 5 --seeds 0,1,2  # 3 sessions, timed steps pooled
     HF_HUB_OFFLINE=1 python bench/compare_trl.py --threads 1 --out results/bench/compare_trl_threads1.json
 
 Writes ``results/bench/compare_trl.json`` and ``results/bench/compare_trl.md`` (atomically).
@@ -82,8 +86,8 @@ CLIP_EPSILON = 0.2
 SEED = 0
 
 
-def overrides(tmp_dir: str) -> list[str]:
-    """Hydra overrides that give our side the benchmark configuration."""
+def overrides(tmp_dir: str, seed: int = SEED) -> list[str]:
+    """Hydra overrides that give our side the benchmark configuration (``seed``: sampling, model, order)."""
     return [
         f"model={MODEL}",
         "dataset=arith",
@@ -110,16 +114,16 @@ def overrides(tmp_dir: str) -> list[str]:
         f"algorithm.loss.clip_high={CLIP_EPSILON}",
         "logger=files",
         "device=cpu",
-        f"seed={SEED}",
+        f"seed={seed}",
         f"output_dir={tmp_dir}",
     ]
 
 
-def compose_config(tmp_dir: str) -> DictConfig:
+def compose_config(tmp_dir: str, seed: int = SEED) -> DictConfig:
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose(config_name="config", overrides=overrides(tmp_dir))
+        cfg = compose(config_name="config", overrides=overrides(tmp_dir, seed))
     return cfg
 
 
@@ -411,11 +415,14 @@ def report_step(name: str, index: int, warmup: int, rec: dict[str, float]) -> No
 # ------------------------------------------------------------------------------------- reporting
 
 
-def finish_side(records: list[dict[str, float]], warmup: int) -> dict[str, Any]:
-    timed = records[warmup:]
+def finish_side(records: list[dict[str, float]], warmup: int, sessions: int = 1) -> dict[str, Any]:
+    """Summary of ``sessions`` consecutive sessions' records, each ``warmup`` warm-up steps then timed ones."""
+    per = len(records) // sessions
+    chunks = [records[i * per : (i + 1) * per] for i in range(sessions)]
+    timed = [r for chunk in chunks for r in chunk[warmup:]]
     keys = ("step_s", "cpu_s", "generate_s", "update_s", "other_s", "completion_tokens")
     out: dict[str, Any] = {
-        "warmup_steps": records[:warmup],
+        "warmup_steps": [r for chunk in chunks for r in chunk[:warmup]],
         "timed_steps": timed,
         "summary": {k: summarize([r[k] for r in timed]) for k in keys},
     }
@@ -488,7 +495,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"transformers {result['versions']['transformers']}, trl {result['versions']['trl']}).",
         f"Configuration: {MODEL}, {NUM_PROMPTS} prompts x {NUM_GENERATIONS} completions, "
         f"max {MAX_NEW_TOKENS} new tokens, float32 CPU, {result['config']['warmup']} warm-up + "
-        f"{result['config']['steps']} timed steps per side, schedule {result['config']['schedule']}.",
+        f"{result['config']['steps']} timed steps per side and seed, seeds {result['config']['seeds']}, "
+        f"schedule {result['config']['schedule']}.",
         "",
         "| " + " | ".join(HEADER) + " |",
         "|" + "|".join("---" for _ in HEADER) + "|",
@@ -511,13 +519,13 @@ def markdown(result: dict[str, Any]) -> str:
         out.append("")
     out.append("Per timed step (wall s/step, process CPU s, generate s, update s, completion tokens, 1-min load average):")
     out.append("")
-    out.append("| side | step | s/step | CPU s | generate s | update s | completion tokens | load |")
-    out.append("|---|---|---|---|---|---|---|---|")
+    out.append("| side | seed | step | s/step | CPU s | generate s | update s | completion tokens | load |")
+    out.append("|---|---|---|---|---|---|---|---|---|")
     for n in ("ours", "trl"):
         for i, r in enumerate(result["sides"].get(n, {}).get("timed_steps", []), 1):
             out.append(
-                f"| {n} | {i} | {r['step_s']:.2f} | {r['cpu_s']:.2f} | {r['generate_s']:.2f} | {r['update_s']:.2f} | "
-                f"{r['completion_tokens']:.1f} | {r.get('load_average_1m')} |"
+                f"| {n} | {r.get('seed', '')} | {i} | {r['step_s']:.2f} | {r['cpu_s']:.2f} | {r['generate_s']:.2f} | "
+                f"{r['update_s']:.2f} | {r['completion_tokens']:.1f} | {r.get('load_average_1m')} |"
             )
     out.append("")
     if result.get("contention_warning"):
@@ -527,6 +535,41 @@ def markdown(result: dict[str, Any]) -> str:
                "clipping and optimizer step; the rest of a step is reward, padding and advantages.")
     out.append("The machine may be shared with other jobs: compare figures from the same run only.")
     return "\n".join(out) + "\n"
+
+
+def run_session(cfg: DictConfig, problems: list, sides: list[str], args: argparse.Namespace, threads: int, tmp_dir: str,
+                keep_last: bool) -> dict[str, Any]:
+    """One seed's warm-up + timed steps per side; returns the runners (their ``records``). ``keep_last``: the
+    last side of a sequential schedule stays open (for ``--profile``)."""
+    steps_total = args.warmup + args.steps
+    if args.schedule == "interleaved" and len(sides) == 2:
+        # Both models live side by side; TRL's training loop drives, our steps run in its callback
+        # hooks (outside TRL's timed region) in the order O T | T O | O T | ... so that load changes
+        # on a shared machine hit both sides alike.
+        log(f"interleaved: {args.warmup} warm-up + {args.steps} timed steps per side")
+        ours = OursSide(cfg, problems, args.warmup)
+        trl_side = TRLSide(cfg, problems, args.warmup, args.steps, threads, args.trl_optim, tmp_dir)
+        trl_side.before_step = lambda i: ours.step() if i % 2 == 1 else None
+        trl_side.after_step = lambda i: ours.step() if i % 2 == 0 else None
+        trl_side.run()
+        while len(ours.records) < steps_total:  # TRL stopped early (should not happen)
+            ours.step()
+        return {"ours": ours, "trl": trl_side}
+    runners: dict[str, Any] = {}
+    for side in sides:
+        torch.set_num_threads(threads)
+        log(f"running {side}: {args.warmup} warm-up + {args.steps} timed steps")
+        if side == "ours":
+            runner = OursSide(cfg, problems, args.warmup)
+            for _ in range(steps_total):
+                runner.step()
+        else:
+            runner = TRLSide(cfg, problems, args.warmup, args.steps, threads, args.trl_optim, tmp_dir)
+            runner.run()
+        runners[side] = runner
+        if side != sides[-1] or not keep_last:
+            runner.close()
+    return runners
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -548,6 +591,12 @@ def main(argv: list[str] | None = None) -> int:
         "--profile", action="store_true",
         help="profile one extra step of ours (torch.profiler); the table goes to <out stem>_profile.txt",
     )
+    parser.add_argument(
+        "--seeds", default=str(SEED),
+        help="comma-separated seeds (default 0); each seed is one session of warm-up + timed steps per side, the "
+        "timed steps are pooled. The sides draw different samples, so one seed's completion lengths can favour a "
+        "side by chance; several seeds average that out",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "compare_trl.json", help="JSON output path")
     args = parser.parse_args(argv)
     if args.quick:
@@ -557,6 +606,12 @@ def main(argv: list[str] | None = None) -> int:
     sides = [s.strip().lower() for s in args.sides.split(",") if s.strip()]
     if not sides or any(s not in ("ours", "trl") for s in sides):
         parser.error("--sides takes a comma-separated list of 'ours' and 'trl'")
+    try:
+        seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"--seeds takes comma-separated integers, got {args.seeds!r}")
+    if not seeds:
+        parser.error("--seeds needs at least one seed")
 
     cpu_count = os.cpu_count() or 1
     threads = args.threads or cpu_count
@@ -591,7 +646,8 @@ def main(argv: list[str] | None = None) -> int:
             "micro_batch_size": NUM_PROMPTS * NUM_GENERATIONS,
             "dtype": "float32",
             "device": "cpu",
-            "seed": SEED,
+            "seeds": seeds,
+            "problems_seed": SEED,
             "warmup": args.warmup,
             "steps": args.steps,
             "sides_order": sides,
@@ -611,38 +667,21 @@ def main(argv: list[str] | None = None) -> int:
     # seed_everything's deterministic flag is process-global: set it up front so both sides run under it.
     torch.use_deterministic_algorithms(True, warn_only=True)
 
-    steps_total = args.warmup + args.steps
-    if args.schedule == "interleaved" and len(sides) == 2:
-        # Both models live side by side; TRL's training loop drives, our steps run in its callback
-        # hooks (outside TRL's timed region) in the order O T | T O | O T | ... so that load changes
-        # on a shared machine hit both sides alike.
-        log(f"interleaved: {args.warmup} warm-up + {args.steps} timed steps per side")
-        ours = OursSide(cfg, problems, args.warmup)
-        trl_side = TRLSide(cfg, problems, args.warmup, args.steps, threads, args.trl_optim, tmp_dir)
-        trl_side.before_step = lambda i: ours.step() if i % 2 == 1 else None
-        trl_side.after_step = lambda i: ours.step() if i % 2 == 0 else None
-        trl_side.run()
-        while len(ours.records) < steps_total:  # TRL stopped early (should not happen)
-            ours.step()
-        runners = {"ours": ours, "trl": trl_side}
-    else:
-        runners = {}
-        for side in sides:
-            torch.set_num_threads(threads)
-            log(f"running {side}: {args.warmup} warm-up + {args.steps} timed steps")
-            if side == "ours":
-                runner = OursSide(cfg, problems, args.warmup)
-                for _ in range(steps_total):
-                    runner.step()
-            else:
-                runner = TRLSide(cfg, problems, args.warmup, args.steps, threads, args.trl_optim, tmp_dir)
-                runner.run()
-            runners[side] = runner
-            if side != sides[-1]:
-                runner.close()
+    records: dict[str, list[dict[str, float]]] = {name: [] for name in sides}  # warm-up steps included, per seed
+    runners: dict[str, Any] = {}
+    for index, seed in enumerate(seeds):
+        last = index == len(seeds) - 1
+        cfg = compose_config(tmp_dir, seed)
+        if len(seeds) > 1:
+            log(f"seed {seed} ({index + 1} of {len(seeds)})")
+        runners = run_session(cfg, problems, sides, args, threads, tmp_dir, keep_last=last)
+        for name in sides:
+            records[name] += [dict(r, seed=seed) for r in runners[name].records]
+            if not last:
+                runners[name].close()
     for name in sides:
         runner = runners[name]
-        side_result = finish_side(runner.records, args.warmup)
+        side_result = finish_side(records[name], args.warmup, len(seeds))
         side_result["prompt_ids"] = runner.prompt_ids
         if name == "trl":
             side_result["trainer_build_s"] = runner.build_s

@@ -11,32 +11,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
-# Freed memory stays in the process instead of going back to the kernel: glibc's malloc hands a block
-# over 128 KiB to the kernel on free (mmap/munmap, or a heap trim), so every toy step's logits over the
-# 49k-token vocabulary were fresh pages that the kernel zeroes again. That page zeroing was a sixth to a quarter of
-# a toy run's CPU time (grpo: 4.4 s of 17.7 s was system time in two runs; docs/testing.md). Memory
-# placement cannot change a result (torch aligns every tensor the same way), and the toy runs stay
-# bit-identical. The variables reach the processes the tests start (CLI runs, spawned ranks); mallopt
-# applies them to this process, which glibc has already set up. Without glibc (macOS) nothing changes.
-FREED_MEMORY_KEPT_BYTES = 1 << 30
-MALLOC_TUNING = {"MALLOC_MMAP_THRESHOLD_": FREED_MEMORY_KEPT_BYTES, "MALLOC_TRIM_THRESHOLD_": FREED_MEMORY_KEPT_BYTES}
+from rlbench.training.memory import keep_freed_memory  # noqa: E402  (after the environment above)
 
-
-def keep_freed_memory() -> bool:
-    """Apply MALLOC_TUNING to this process and its children; False where the C library has no mallopt."""
-    import ctypes
-
-    for name, value in MALLOC_TUNING.items():
-        os.environ.setdefault(name, str(value))
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    if mallopt is None:
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
-    return bool(mallopt(m_trim_threshold, int(os.environ["MALLOC_TRIM_THRESHOLD_"]))
-                and mallopt(m_mmap_threshold, int(os.environ["MALLOC_MMAP_THRESHOLD_"])))
-
-
-keep_freed_memory()
+# Freed memory stays in the process instead of going back to the kernel (rlbench.training.memory.
+# keep_freed_memory, which CPU training also applies): every toy step's logits over the 49k-token vocabulary
+# were fresh pages that the kernel zeroes again, a sixth to a quarter of a toy run's CPU time (grpo: 4.4 s of
+# 17.7 s was system time in two runs; docs/testing.md). The toy runs stay bit-identical. The environment
+# variables reach the processes the tests start (CLI runs, spawned ranks). Without glibc nothing changes.
+keep_freed_memory(children=True)
 
 
 def _data_available() -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -224,25 +225,91 @@ def test_shared_prefill_equals_unshared(eos_model, temperature, top_p):
     assert any(done for cs in shared for _, _, done in cs)  # rows left the batch early
 
 
-def test_onednn_output_layer_gives_the_default_kernels_samples(eos_model, monkeypatch):
-    """The output layer through oneDNN (rlbench/rollout/onednn_linear.py; it applies to the tiny
-    model's 49,152-id float32 layer on CPU) gives the default kernel's tokens, and log-probs to float
-    rounding; the layer's own forward is back after each call."""
-    import rlbench.rollout.onednn_linear as onednn
+def _kernel_or_skip():
+    from rlbench.rollout.cpu_linear import few_rows_kernel, few_rows_kernel_unavailable
+
+    reason = few_rows_kernel_unavailable()
+    if reason is not None:
+        pytest.skip(f"few-rows CPU kernel unavailable here: {reason}")
+    kernel = few_rows_kernel()
+    assert kernel is not None, "an AVX2 machine with a compiler and ninja must build the few-rows kernel (see the log)"
+    return kernel
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 64])
+@pytest.mark.parametrize("outputs,features,with_bias", [(1, 8, False), (6, 16, True), (13, 64, True), (192, 576, False)])
+def test_few_rows_kernel_is_linear_and_row_and_thread_invariant(rows, outputs, features, with_bias):
+    """The few-rows kernel (rlbench/rollout/cpu_linear_kernel.cpp) computes x @ W.T + b (to float
+    rounding, against float64); each output row is bit for bit the same computed alone, in any batch,
+    and with 1 or 2 threads (one dot product in a fixed order per output)."""
+    kernel = _kernel_or_skip()
+    g = torch.Generator().manual_seed(rows * 1000 + outputs)
+    x = torch.randn(rows, features, generator=g)
+    w = torch.randn(outputs, features, generator=g)
+    b = torch.randn(outputs, generator=g) if with_bias else None
+    y = kernel.few_rows_linear(x, w, b)
+    exact = x.double() @ w.double().T + (b.double() if with_bias else 0)
+    assert y.shape == (rows, outputs) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), exact, rtol=0, atol=1e-5 * features**0.5)
+    for m in {0, rows // 2, rows - 1}:
+        assert torch.equal(kernel.few_rows_linear(x[m : m + 1].contiguous(), w, b), y[m : m + 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = kernel.few_rows_linear(x, w, b)
+        torch.set_num_threads(2)
+        double = kernel.few_rows_linear(x, w, b)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single, y) and torch.equal(double, y)
+
+
+def test_cpu_linear_routes_by_shape_and_falls_back(monkeypatch):
+    """cpu_linear: the few-rows kernel for 1-64 rows whose width is a multiple of 8, oneDNN or
+    PyTorch's kernel otherwise, and never the kernels when autograd records (they have no backward)."""
+    import rlbench.rollout.cpu_linear as cpu
+
+    kernel = _kernel_or_skip()
+    calls = []
+    monkeypatch.setattr(cpu, "few_rows_kernel", lambda: types.SimpleNamespace(few_rows_linear=lambda *a: calls.append(a[0].shape) or kernel.few_rows_linear(*a)))
+    w, b = torch.randn(24, 16), torch.randn(24)
+    for shape, used in [((3, 16), True), ((2, 5, 16), True), ((cpu.FEW_ROWS_MAX, 16), True), ((cpu.FEW_ROWS_MAX + 1, 16), False)]:
+        calls.clear()
+        x = torch.randn(*shape)
+        y = cpu.cpu_linear(x, w, b, output_layer=False)
+        torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b))
+        assert bool(calls) == used, shape
+    calls.clear()
+    x, w12 = torch.randn(3, 12), torch.randn(5, 12)
+    assert torch.equal(cpu.cpu_linear(x, w12, None, output_layer=False), torch.nn.functional.linear(x, w12))
+    assert not calls  # width 12 is not a multiple of 8
+    weight = torch.randn(24, 16, requires_grad=True)
+    y = cpu.cpu_linear(torch.randn(3, 16), weight, None, output_layer=False)
+    y.sum().backward()
+    assert not calls and weight.grad is not None
+
+
+def test_cpu_kernels_give_the_default_kernels_samples(eos_model, monkeypatch):
+    """The engine's linear layers through the CPU kernels (rlbench/rollout/cpu_linear.py; they apply
+    to the tiny model's 49,152-id float32 model on CPU) give the default kernels' tokens, and
+    log-probs to float rounding; every layer's own forward is back after each call."""
+    import rlbench.rollout.cpu_linear as cpu
 
     model, tokenizer = eos_model
-    if onednn.output_layer_for_onednn(model) is None:
-        pytest.skip("this PyTorch build has no oneDNN")
+    kernel = _kernel_or_skip()
+    layers = cpu.layers_for_cpu_kernels(model)
+    assert layers[0] is model.get_output_embeddings() and len(layers) == 1 + sum(
+        type(m) is torch.nn.Linear for m in model.modules() if m is not layers[0]
+    )
     calls = []
-    real = onednn.onednn_linear
-    monkeypatch.setattr(onednn, "onednn_linear", lambda *args: calls.append(1) or real(*args))
+    monkeypatch.setattr(cpu, "few_rows_kernel", lambda: types.SimpleNamespace(few_rows_linear=lambda *a: calls.append(1) or kernel.few_rows_linear(*a)))
     requests = [GenerationRequest(_prompt(tokenizer, "The quick brown fox"), n=4), GenerationRequest(_prompt(tokenizer, "hi"), n=3)]
     params = SamplingParams(temperature=0.9, max_new_tokens=10)
 
-    def run(use_onednn):
+    def run(fast):
         calls.clear()
-        out = HFGenerateEngine(model, tokenizer, onednn=use_onednn).generate(requests, params, torch.Generator().manual_seed(3))
-        assert "forward" not in vars(model.get_output_embeddings())
+        out = HFGenerateEngine(model, tokenizer, cpu_kernels=fast).generate(requests, params, torch.Generator().manual_seed(3))
+        assert not any("forward" in vars(layer) for layer in layers)
         return [(c.response_ids, c.logprobs) for cs in out for c in cs], len(calls)
 
     (fast, fast_calls), (default, default_calls) = run(True), run(False)
@@ -252,21 +319,19 @@ def test_onednn_output_layer_gives_the_default_kernels_samples(eos_model, monkey
         assert lp == pytest.approx(dlp, abs=1e-5)
 
 
-def test_onednn_output_layer_only_for_large_float32_layers():
+def test_cpu_kernels_only_for_large_float32_models():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rlbench.rollout.onednn_linear import ONEDNN_MIN_VOCAB, output_layer_for_onednn
+    from rlbench.rollout.cpu_linear import LARGE_VOCAB, layers_for_cpu_kernels
 
     def llama(vocab):
         config = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                              num_attention_heads=2, num_key_value_heads=1)
         return LlamaForCausalLM(config)
 
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("this PyTorch build has no oneDNN")
-    assert output_layer_for_onednn(llama(ONEDNN_MIN_VOCAB)) is not None
-    assert output_layer_for_onednn(llama(512)) is None  # the learning tier's toy keeps the default kernel
-    assert output_layer_for_onednn(llama(ONEDNN_MIN_VOCAB).to(torch.bfloat16)) is None
+    assert len(layers_for_cpu_kernels(llama(LARGE_VOCAB))) == 8  # output layer, q k v o, gate up down
+    assert layers_for_cpu_kernels(llama(512)) == []  # the learning tier's toy keeps the default kernels
+    assert layers_for_cpu_kernels(llama(LARGE_VOCAB).to(torch.bfloat16)) == []
 
 
 def test_prefill_once_per_input_and_finished_rows_leave(eos_model):

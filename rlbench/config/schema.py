@@ -299,6 +299,10 @@ class TrainerConfig:
     )
     swarm: SwarmConfig = node(SwarmConfig, "SAPO's swarm: shared groups per step (trainer.strategy=swarm)")
     gradient_checkpointing: bool = knob(False, "recompute activations in the backward pass (less memory, ~1/3 more compute)")
+    reuse_freed_memory: bool = knob(
+        True, "CPU training: keep freed memory in the process heap (glibc mallopt) instead of unmapping it: large "
+        "tensors skip a page fault per 4 KiB (SmolLM2 update -20%); resident memory stays at its peak"
+    )
     precision: Literal["auto", "fp32", "bf16"] = knob(
         "auto", "forward precision: auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16 (autocast, also on CPU); "
         "master weights stay fp32"

@@ -57,7 +57,7 @@ from rlbench.rollout.base import (
     Completion, GenerationRequest, PositionStats, SamplingParams, check_transform_requests, request_seeds, sample_seed,
 )
 from rlbench.rollout.scoring import distribution_stats
-from rlbench.rollout.onednn_linear import onednn_output_layer
+from rlbench.rollout.cpu_linear import fast_cpu_linears
 from rlbench.rollout.prefix_cache import KV, PrefixKVCache
 
 log = logging.getLogger(__name__)
@@ -178,13 +178,14 @@ class HFGenerateEngine:
     model object it holds; :meth:`sync_weights` swaps that object. ``share_prefill=False`` runs
     the prefill once per row instead of once per distinct input (the reference the shared path is
     tested against; same samples and log-probs). ``prefix_cache_mb`` is the byte budget (MiB) of
-    the KV kept across calls (module docstring; 0: off). ``onednn`` runs a large output layer through
-    oneDNN on CPU (rlbench/rollout/onednn_linear.py; False: PyTorch's default kernel, for comparison).
+    the KV kept across calls (module docstring; 0: off). ``cpu_kernels`` runs a large float32 model's linear
+    layers on CPU through faster kernels (rlbench/rollout/cpu_linear.py; False: PyTorch's default
+    kernels, for comparison).
     """
 
     def __init__(
         self, model, tokenizer, *, batch_size: int = 64, device=None, progress: bool = True, share_prefill: bool = True,
-        prefix_cache_mb: float = 0.0, onednn: bool = True,
+        prefix_cache_mb: float = 0.0, cpu_kernels: bool = True,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -194,7 +195,7 @@ class HFGenerateEngine:
         self._device = torch.device(device) if device is not None else None
         self.progress = progress
         self.share_prefill = share_prefill
-        self.onednn = onednn
+        self.cpu_kernels = cpu_kernels
         # FSDP with several ranks: every forward is collective, so decoding runs the same number of
         # steps on every rank (no early stop, no dropped rows); set by rlbench.training.step.make_step_context.
         self.synced_gpus = False
@@ -327,7 +328,7 @@ class HFGenerateEngine:
         was_training = model.training
         model.eval()
         try:
-            with torch.inference_mode(), onednn_output_layer(model, self.onednn):
+            with torch.inference_mode(), fast_cpu_linears(model, self.cpu_kernels):
                 for start in range(0, len(items), self.batch_size):
                     chunk = items[start : start + self.batch_size]
                     keep = max(len(x) for _, x in chunk) + 1
@@ -473,7 +474,7 @@ class HFGenerateEngine:
         model.eval()
         try:
             # FSDP's all-gathered weights are reused by the training forwards: no inference tensors then
-            with torch.no_grad() if self.synced_gpus else torch.inference_mode(), onednn_output_layer(model, self.onednn and not self.synced_gpus):
+            with torch.no_grad() if self.synced_gpus else torch.inference_mode(), fast_cpu_linears(model, self.cpu_kernels and not self.synced_gpus):
                 sample_gen = torch.Generator(device=self.device)
                 sample_gen.manual_seed(seed)
                 order = sorted(

@@ -39,7 +39,7 @@ from rlbench.training.curricula import PromptStatsStore
 from rlbench.training.forward import batch_outputs, training_logits_transform
 from rlbench.training.update_schedules import UpdateState, apply_update_schedule, make_update_state
 from rlbench.training.distributed import SINGLE, World, rank_stream_seed, unwrap, wrap_model
-from rlbench.training.memory import PeakMemory
+from rlbench.training.memory import PeakMemory, keep_freed_memory
 from rlbench.utils import STREAM_MINIBATCH, STREAM_ROLLOUT, make_generator
 
 
@@ -134,6 +134,8 @@ def make_step_context(
     samples from; under ddp / fsdp it is wrapped here (the reference is taken before), and the update
     runs the wrapped module."""
     trainer, rollout = cfg.trainer, cfg.rollout
+    if torch.device(device).type == "cpu" and trainer.get("reuse_freed_memory", True):
+        keep_freed_memory()  # process-wide: large CPU tensors reuse freed pages (rlbench/training/memory.py)
     update_state = make_update_state(algorithm, model)
     reference = reference_model(model) if algorithm.needs_reference else None
     if reference is not None and world.sharded and not isinstance(reference, AdaptersOff):
