@@ -231,7 +231,8 @@ class OursSide:
         return {"file": str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path), "step_s": metrics["step_s"], "top_self_cpu": top}
 
     def close(self) -> None:
-        del self.ctx, self.engine, self.model
+        for name in ("ctx", "engine", "model"):
+            self.__dict__.pop(name, None)
         gc.collect()
 
 
@@ -400,7 +401,8 @@ class TRLSide:
         self.trainer.train()
 
     def close(self) -> None:
-        del self.trainer, self.model
+        for name in ("trainer", "model"):
+            self.__dict__.pop(name, None)
         gc.collect()
 
 
@@ -537,10 +539,10 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
-def run_session(cfg: DictConfig, problems: list, sides: list[str], args: argparse.Namespace, threads: int, tmp_dir: str,
-                keep_last: bool) -> dict[str, Any]:
-    """One seed's warm-up + timed steps per side; returns the runners (their ``records``). ``keep_last``: the
-    last side of a sequential schedule stays open (for ``--profile``)."""
+def run_session(cfg: DictConfig, problems: list, sides: list[str], args: argparse.Namespace, threads: int,
+                tmp_dir: str) -> dict[str, Any]:
+    """One seed's warm-up + timed steps per side; returns the runners (their ``records``). The last side
+    run stays open (for ``--profile``); closing a runner twice is harmless."""
     steps_total = args.warmup + args.steps
     if args.schedule == "interleaved" and len(sides) == 2:
         # Both models live side by side; TRL's training loop drives, our steps run in its callback
@@ -567,7 +569,7 @@ def run_session(cfg: DictConfig, problems: list, sides: list[str], args: argpars
             runner = TRLSide(cfg, problems, args.warmup, args.steps, threads, args.trl_optim, tmp_dir)
             runner.run()
         runners[side] = runner
-        if side != sides[-1] or not keep_last:
+        if side != sides[-1]:
             runner.close()
     return runners
 
@@ -674,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = compose_config(tmp_dir, seed)
         if len(seeds) > 1:
             log(f"seed {seed} ({index + 1} of {len(seeds)})")
-        runners = run_session(cfg, problems, sides, args, threads, tmp_dir, keep_last=last)
+        runners = run_session(cfg, problems, sides, args, threads, tmp_dir)
         for name in sides:
             records[name] += [dict(r, seed=seed) for r in runners[name].records]
             if not last:

@@ -128,12 +128,11 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """``x @ weight.T + bias`` (float32, CPU, no autograd) through the fastest kernel for its shape:
     the few-rows kernel for at most :data:`FEW_ROWS_MAX` rows, oneDNN for an output layer, else
     ``torch.nn.functional.linear`` (module docstring)."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):  # the kernels have no backward
+        return torch.nn.functional.linear(x, weight, bias)
     features = x.shape[-1]
     rows = x.numel() // features if features else 0
     kernel = few_rows_kernel()
-    tracked = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # the kernels have no backward
-    if tracked:
-        return torch.nn.functional.linear(x, weight, bias)
     if kernel is not None and 0 < rows <= FEW_ROWS_MAX and features % 8 == 0 and weight.is_contiguous():
         y = kernel.few_rows_linear(x.reshape(rows, features).contiguous(), weight, bias)
         return y.view(*x.shape[:-1], weight.shape[0])

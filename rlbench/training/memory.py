@@ -43,7 +43,6 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
 
 
-
 # Freed memory kept in the process for reuse (:func:`keep_freed_memory`): blocks below this size come from
 # the heap and stay there when freed. As environment variables, they reach processes started from here.
 FREED_MEMORY_KEPT_BYTES = 1 << 30
