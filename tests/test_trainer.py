@@ -159,44 +159,38 @@ def test_shared_prompt_forward_with_scattered_group_rows():
     assert torch.allclose(a * sub.response_mask, b * sub.response_mask, atol=1e-5)
 
 
-def _brute_force_bucket_cost(lengths, pass_tokens):
-    """Least sum of (rows x longest + pass_tokens) over every split of the rows sorted by length."""
-    ordered = sorted(lengths, reverse=True)
-    n = len(ordered)
-    best = math.inf
-    for cuts in range(2 ** (n - 1)):
-        bounds = [0] + [i + 1 for i in range(n - 1) if cuts >> i & 1] + [n]
-        best = min(best, sum((b - a) * ordered[a] + pass_tokens for a, b in zip(bounds, bounds[1:])))
-    return best
+def test_pack_groups_lays_out_each_prompt_once_and_every_response_without_padding():
+    """Closed form on two groups: prompt 11 12 13 (row 0, 1) and 21 22 left-padded (row 2); responses
+    of 2, 1 and 3 tokens, right-padded to 3."""
+    from rlbench.training.packing import pack_groups
+
+    ids = torch.tensor([[11, 12, 13, 1, 2, 0], [11, 12, 13, 3, 0, 0], [0, 21, 22, 4, 5, 6]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1]])
+    layout = pack_groups(ids, mask, 3, 3, row_to_group=torch.tensor([0, 0, 1]), first_row=torch.tensor([0, 2]))
+    # prompts without their last token, then each row: last prompt token + response but its last token
+    assert layout.input_ids.tolist() == [[11, 12, 21, 13, 1, 13, 22, 4, 5]]
+    assert layout.position_ids.tolist() == [[0, 1, 0, 2, 3, 2, 1, 2, 3]]
+    assert layout.prompt_tokens == 3 and layout.prompts == [(0, 2), (2, 3)]
+    assert layout.index.tolist() == [[0, 1, -1], [2, -1, -1], [3, 4, 5]]
+    (a, b) = layout.blocks  # one block per group here
+    assert (a.start, a.end, a.prompt, b.start, b.end, b.prompt) == (3, 6, (0, 2), 6, 9, (2, 3))
+    assert a.mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 0, 0, 1]]  # prompt | own segment, causal
+    assert b.mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
+    split = pack_groups(ids, mask, 3, 3, torch.tensor([0, 0, 1]), torch.tensor([0, 2]), block_tokens=2)
+    assert [(x.start, x.end) for x in split.blocks] == [(3, 5), (5, 6), (6, 9)]  # a row longer than a block: alone
 
 
-def test_length_buckets_closed_form_and_least_cost():
-    from rlbench.training.forward import length_buckets
-
-    assert length_buckets([5, 5, 5, 5], 0) == [[0, 1, 2, 3]]  # one length: one bucket at any pass cost
-    # [10, 10, 1, 1]: one pass 4*10 + c, two passes 2*10 + 2*1 + 2c: split when c < 18
-    assert length_buckets([1, 10, 1, 10], 5) == [[1, 3], [0, 2]]
-    assert length_buckets([1, 10, 1, 10], 20) == [[1, 3, 0, 2]]
-    g = torch.Generator().manual_seed(0)
-    for trial in range(40):
-        lengths = torch.randint(1, 49, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
-        pass_tokens = [0, 8, 64, 1000][trial % 4]
-        buckets = length_buckets(lengths, pass_tokens)
-        assert sorted(r for b in buckets for r in b) == list(range(len(lengths)))
-        cost = sum(len(b) * max(lengths[r] for r in b) + pass_tokens for b in buckets)
-        assert cost == _brute_force_bucket_cost(lengths, pass_tokens)
-
-
-def test_bucketed_response_passes_give_the_per_row_logprobs_entropies_and_gradients(monkeypatch):
-    """Rows split into several length buckets (pass cost 0: one bucket per length) give the per-row
+def test_packed_forward_gives_the_per_row_logprobs_entropies_values_and_gradients(monkeypatch):
+    """The packed forward (response blocks of at most 8 tokens: several per group) gives the per-row
     forward's log-probs, entropies, critic values and gradients on every response token, and zeros past
     a row's end."""
     import rlbench.training.forward as forward
+    import rlbench.training.packing as packing
 
-    monkeypatch.setattr(forward, "BUCKET_PASS_TOKENS", 0)
+    monkeypatch.setattr(packing, "BLOCK_TOKENS", 8)
     seen = []
-    real = forward.length_buckets
-    monkeypatch.setattr(forward, "length_buckets", lambda lengths, *a: seen.append(real(lengths, *a)) or seen[-1])
+    real = forward.pack_groups
+    monkeypatch.setattr(forward, "pack_groups", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
     batch = collate(completions(8, groups=3, n=4), pad_token_id=0)
     results = []
     for share in (False, True):
@@ -205,20 +199,53 @@ def test_bucketed_response_passes_give_the_per_row_logprobs_entropies_and_gradie
         value_head = torch.nn.Linear(16, 1)  # a critic on the final hidden states ([B, T] values)
         out = token_outputs(model, batch, temperature=0.7, with_entropy=True, share_prompts=share,
                             value_head=lambda h: value_head(h).squeeze(-1))
-        ((out.logp * batch.response_mask).sum() + (out.entropy * batch.response_mask).sum()).backward()
-        results.append((out, [p.grad.clone() for p in model.parameters()]))
-    assert len(seen) == 1 and len(seen[0]) >= 3  # the shared forward ran several response passes
-    (per_row, grads_a), (bucketed, grads_b) = results
+        ((out.logp * batch.response_mask).sum() + (out.entropy * batch.response_mask).sum()
+         + (out.values * batch.response_mask).sum()).backward()
+        results.append((out, [p.grad.clone() for p in [*model.parameters(), *value_head.parameters()]]))
+    assert len(seen) == 1 and len(seen[0].blocks) > 3  # the packed forward ran, several blocks per group
+    (per_row, grads_a), (packed, grads_b) = results
     mask = batch.response_mask
-    assert torch.allclose(per_row.logp * mask, bucketed.logp * mask, atol=1e-5)
-    assert torch.allclose(per_row.entropy * mask, bucketed.entropy * mask, atol=1e-5)
-    assert torch.allclose(per_row.values * mask, bucketed.values * mask, atol=1e-5)
+    assert torch.allclose(per_row.logp * mask, packed.logp * mask, atol=1e-5)
+    assert torch.allclose(per_row.entropy * mask, packed.entropy * mask, atol=1e-5)
+    assert torch.allclose(per_row.values * mask, packed.values * mask, atol=1e-5)
     for a, b in zip(grads_a, grads_b):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
     lengths = batch.attention_mask[:, batch.prompt_width :].sum(-1).clamp(min=1)
     past_end = torch.arange(mask.shape[1])[None, :] >= lengths[:, None]
-    past_end &= (lengths < lengths.max())[:, None]  # rows of a shorter bucket
-    assert past_end.any() and torch.all(bucketed.logp[past_end] == 0)
+    assert past_end.any() and torch.all(packed.logp[past_end] == 0) and torch.all(packed.values[past_end] == 0)
+
+
+def test_full_distribution_from_the_packed_forward_equals_the_per_row_one():
+    """with_log_probs (the [B, T, V] distribution) gathers the packed positions back to rows."""
+    batch = collate(completions(9, groups=2, n=3), pad_token_id=0)
+    model = tiny_lm(seed=6)
+    a = token_outputs(model, batch, with_log_probs=True, share_prompts=False)
+    b = token_outputs(model, batch, with_log_probs=True, share_prompts=True)
+    mask = batch.response_mask.bool()
+    assert torch.allclose(a.log_probs[mask], b.log_probs[mask], atol=1e-5)
+    assert torch.allclose(a.logp * mask, b.logp * mask, atol=1e-5)
+
+
+def test_models_the_packed_attention_cannot_serve_run_one_forward_per_row(monkeypatch):
+    """Eager attention, or a sliding window shorter than a row: the per-row forward, same log-probs; and
+    a forward outside the packed scope while the packed attention is selected gets plain sdpa."""
+    import rlbench.training.forward as forward
+    from rlbench.training.packing import PACKED_ATTENTION, packing_supported
+
+    batch = collate(completions(3, groups=3, n=4), pad_token_id=0)
+    model = tiny_lm(seed=2)
+    reference = token_outputs(model, batch, share_prompts=False).logp
+    longest = int(batch.attention_mask.sum(-1).max())
+    assert packing_supported(model, longest)
+    model.config.sliding_window = longest - 1
+    assert not packing_supported(model, longest)
+    model.config.sliding_window = None
+    model.config._attn_implementation = "eager"
+    assert not packing_supported(model, longest)
+    monkeypatch.setattr(forward, "pack_groups", lambda *a, **k: pytest.fail("packed on eager attention"))
+    assert torch.allclose(token_outputs(model, batch).logp, reference, atol=1e-6)
+    model.config._attn_implementation = PACKED_ATTENTION  # selected, but no layout: the standard attention
+    assert torch.allclose(token_outputs(model, batch, share_prompts=False).logp, reference, atol=1e-6)
 
 
 def test_groups_that_pool_several_prompts_run_each_row_with_its_own_prompt():
