@@ -215,6 +215,29 @@ def test_packed_forward_gives_the_per_row_logprobs_entropies_values_and_gradient
     assert past_end.any() and torch.all(packed.logp[past_end] == 0) and torch.all(packed.values[past_end] == 0)
 
 
+def test_packed_forward_with_one_token_prompts_and_rows_longer_than_a_block(monkeypatch):
+    """A one-token prompt (an empty prompt span: the token opens each response segment) and rows longer
+    than a response block (each its own block) give the per-row log-probs and gradients."""
+    import rlbench.training.packing as packing
+
+    monkeypatch.setattr(packing, "BLOCK_TOKENS", 3)
+    groups = [
+        [Completion(0, (7,), list(resp), [0.0] * len(resp), finished=True) for resp in ([5, 6, 7, 8, 9], [], [4])],
+        [Completion(1, (9, 3, 11), list(resp), [0.0] * len(resp), finished=True) for resp in ([12, 4, 4, 4], [8, 8])],
+    ]
+    batch = collate(groups, pad_token_id=0)
+    results = []
+    for share in (False, True):
+        model = tiny_lm(seed=7)
+        out = token_outputs(model, batch, temperature=0.9, with_entropy=True, share_prompts=share)
+        ((out.logp * batch.response_mask).sum() + (out.entropy * batch.response_mask).sum()).backward()
+        results.append((out.logp * batch.response_mask, [p.grad.clone() for p in model.parameters()]))
+    (logp_a, grads_a), (logp_b, grads_b) = results
+    assert torch.allclose(logp_a, logp_b, atol=1e-5)
+    for a, b in zip(grads_a, grads_b):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
 def test_full_distribution_from_the_packed_forward_equals_the_per_row_one():
     """with_log_probs (the [B, T, V] distribution) gathers the packed positions back to rows."""
     batch = collate(completions(9, groups=2, n=3), pad_token_id=0)
@@ -240,12 +263,35 @@ def test_models_the_packed_attention_cannot_serve_run_one_forward_per_row(monkey
     model.config.sliding_window = longest - 1
     assert not packing_supported(model, longest)
     model.config.sliding_window = None
+    model.config.layer_types = ["full_attention", "linear_attention"]  # a hybrid model would mix the packed rows
+    assert not packing_supported(model, longest)
+    model.config.layer_types = ["full_attention", "sliding_attention"]
+    assert packing_supported(model, longest)
     model.config._attn_implementation = "eager"
     assert not packing_supported(model, longest)
     monkeypatch.setattr(forward, "pack_groups", lambda *a, **k: pytest.fail("packed on eager attention"))
     assert torch.allclose(token_outputs(model, batch).logp, reference, atol=1e-6)
     model.config._attn_implementation = PACKED_ATTENTION  # selected, but no layout: the standard attention
     assert torch.allclose(token_outputs(model, batch, share_prompts=False).logp, reference, atol=1e-6)
+
+
+def test_a_model_whose_attention_bypasses_the_packed_one_is_refused(monkeypatch):
+    """Every layer's attention must come through the packed attention function; a model that ran fewer
+    calls (attention picked elsewhere) would have attended across rows, and the forward says so."""
+    import rlbench.training.packing as packing
+
+    batch = collate(completions(3, groups=3, n=4), pad_token_id=0)
+    model = tiny_lm(seed=2)
+    calls = []
+    real = packing.check_attention_calls
+    monkeypatch.setattr(packing, "check_attention_calls", lambda m, c: calls.append(len(c)) or real(m, c))
+    import rlbench.training.forward as forward
+
+    monkeypatch.setattr(forward, "check_attention_calls", packing.check_attention_calls)
+    token_outputs(model, batch)
+    assert calls == [model.config.num_hidden_layers]
+    with pytest.raises(RuntimeError, match="attention calls for 2 layers"):
+        real(model, [1])
 
 
 def test_groups_that_pool_several_prompts_run_each_row_with_its_own_prompt():

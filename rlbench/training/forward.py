@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from rlbench.training.batch import TrainBatch, micro_batches
 from rlbench.training.distributed import several_ranks, unwrap
-from rlbench.training.packing import pack_groups, packed_attention, packing_supported
+from rlbench.training.packing import check_attention_calls, pack_groups, packed_attention, packing_supported
 from rlbench.training.token_log_probs import token_log_probs
 
 
@@ -119,7 +119,7 @@ def _logits_packed(
         0, row_to_group, rows, reduce="amin"
     )
     layout = pack_groups(batch.input_ids, batch.attention_mask, P, T, row_to_group, first_row)
-    with packed_attention(innermost(model), layout):
+    with packed_attention(innermost(model), layout) as attention_calls:
         out = model(
             input_ids=layout.input_ids,
             attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=rows.device),  # 4-D: no mask is built
@@ -128,8 +128,10 @@ def _logits_packed(
             use_cache=False,
             output_hidden_states=with_hidden,
         )
+    check_attention_calls(innermost(model), attention_calls)
     hidden = _last_hidden(out, with_hidden)
-    return out.logits, None if hidden is None else hidden[:, layout.prompt_tokens :], layout.index
+    response = layout.response_tokens
+    return out.logits[:, -response:], None if hidden is None else hidden[:, -response:], layout.index
 
 
 @dataclass
@@ -139,7 +141,7 @@ class TokenOutputs:
     logp: torch.Tensor  # [B, T] log pi(o_t | q, o_<t)
     entropy: torch.Tensor | None = None  # [B, T] entropy of pi(. | q, o_<t)
     values: torch.Tensor | None = None  # [B, T] critic values V(q, o_<t) (value head on the same state)
-    log_probs: torch.Tensor | None = None  # [B, T, V] the whole distribution (trust-region KL)
+    log_probs: torch.Tensor | None = None  # [B, T, V] the whole distribution (trust-region KL); past a row's end: not meaningful
 
 
 def groups_share_prompts(batch: TrainBatch) -> bool:

@@ -85,6 +85,8 @@ def pack_groups(
     positions: list[torch.Tensor] = []
     prompts: list[tuple[int, int]] = []
     offset = 0
+    if min(prompt_lengths, default=1) < 1:
+        raise ValueError("every row needs a prompt token to pack (its last token opens the response segment)")
     for g, row in enumerate(first_row.tolist()):
         p = prompt_lengths[g] - 1  # the last prompt token opens each response segment
         pieces.append(input_ids[row, P - 1 - p : P - 1])
@@ -134,20 +136,32 @@ def _block_mask(prompt: int, segments: list[int], device) -> torch.Tensor:
     return torch.cat([torch.ones(n, prompt, dtype=torch.bool, device=device), own], dim=1)
 
 
-_LAYOUT: ContextVar[PackedLayout | None] = ContextVar("packed_layout", default=None)
+# The layout of the forward running in this thread, and a count of its attention calls (one per layer).
+_LAYOUT: ContextVar[tuple[PackedLayout | None, list[int]]] = ContextVar("packed_layout", default=(None, []))
+
+
+_SDPA_GROUPS = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")  # torch >= 2.5
 
 
 def _sdpa(query, key, value, *, mask=None, causal=False, dropout=0.0, scaling=None):
-    grouped = query.shape[1] != key.shape[1]
+    groups = query.shape[1] // key.shape[1]
+    options = {}
+    if groups > 1:
+        # CPU: sdpa shares the key/value heads itself. CUDA's masked kernels (and torch < 2.5) need them
+        # repeated, else a masked call falls back to the math kernel (as transformers' own sdpa path does).
+        if query.device.type == "cpu" and _SDPA_GROUPS:
+            options["enable_gqa"] = True
+        else:
+            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=scaling, enable_gqa=grouped
+        query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=scaling, **options
     )
 
 
 def _packed_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
     """The attention of a packed forward (module docstring); query [1, heads, N, d], key and value
     [1, kv heads, N, d]. Returns [1, N, heads, d], as Hugging Face's attention functions do."""
-    layout = _LAYOUT.get()
+    layout, calls = _LAYOUT.get()
     if layout is None:  # a forward outside packed_attention: the attention the model was loaded with
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -156,6 +170,7 @@ def _packed_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0
     unsupported = [name for name in ("softcap", "s_aux", "position_bias") if kwargs.get(name) is not None]
     if unsupported:
         raise ValueError(f"the packed training forward does not support attention with {unsupported}")
+    calls.append(1)
     outputs = []
     for start, end in layout.prompts:
         if end > start:
@@ -183,28 +198,64 @@ def _register() -> bool:
 _REGISTERED = _register()
 
 
+ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
 def packing_supported(model: torch.nn.Module, longest_row: int) -> bool:
     """Whether :func:`packed_attention` can run ``model`` (a Hugging Face model, unwrapped): attention
-    through sdpa, no logit soft-capping, and no sliding window shorter than ``longest_row`` tokens."""
+    through sdpa in every layer (no linear-attention, state-space or convolution layers, which would
+    mix the packed rows), no logit soft-capping, and no sliding window shorter than ``longest_row`` tokens.
+    A model whose attention bypasses the registered function is caught after its first packed forward
+    (:func:`check_attention_calls`)."""
     config = getattr(model, "config", None)
     if not _REGISTERED or config is None or getattr(config, "_attn_implementation", None) != "sdpa":
         return False
     if getattr(config, "attn_logit_softcapping", None) is not None:
+        return False
+    if not set(getattr(config, "layer_types", None) or ()) <= ATTENTION_LAYER_TYPES:
         return False
     window = getattr(config, "sliding_window", None)
     return not (window and getattr(config, "use_sliding_window", True) and window < longest_row)
 
 
 @contextlib.contextmanager
-def packed_attention(model: torch.nn.Module, layout: PackedLayout) -> Iterator[None]:
+def packed_attention(model: torch.nn.Module, layout: PackedLayout) -> Iterator[list[int]]:
     """Inside, ``model``'s attention follows ``layout`` (``model``: the unwrapped Hugging Face model;
-    :func:`packing_supported` must hold). Its attention implementation is restored on exit."""
+    :func:`packing_supported` must hold); yields the list its attention calls are counted in. The
+    attention implementation of the config and its sub-configs is restored on exit."""
     config = model.config
-    implementation = config._attn_implementation
-    token = _LAYOUT.set(layout)
-    config._attn_implementation = PACKED_ATTENTION
+    saved = [(c, c._attn_implementation) for c in _configs(config)]
+    calls: list[int] = []
+    token = None
     try:
-        yield
+        token = _LAYOUT.set((layout, calls))
+        config._attn_implementation = PACKED_ATTENTION
+        yield calls
     finally:
-        config._attn_implementation = implementation
-        _LAYOUT.reset(token)
+        for c, implementation in saved:  # outer configs first: each setter also sets its sub-configs
+            c._attn_implementation = implementation
+        if token is not None:
+            _LAYOUT.reset(token)
+
+
+def _configs(config) -> list:
+    """A config and its sub-configs, recursively (composite models carry one per part)."""
+    found = [config]
+    for name in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, name, None)
+        if sub is not None and hasattr(sub, "_attn_implementation"):
+            found.extend(_configs(sub))
+    return found
+
+
+def check_attention_calls(model: torch.nn.Module, calls: list[int]) -> None:
+    """After a packed forward: every attention layer went through the packed attention. A model that picks
+    its attention elsewhere (remote code, a class fixed at load) would have run full attention across the
+    packed rows; refuse it rather than train on wrong log-probs."""
+    layers = getattr(model.config, "num_hidden_layers", None)
+    if layers is not None and len(calls) != layers:
+        raise RuntimeError(
+            f"the packed training forward saw {len(calls)} attention calls for {layers} layers: this model's "
+            "attention does not go through transformers' attention functions, so it cannot run packed; "
+            "rlbench.training.packing.packing_supported must exclude it (please report the model)"
+        )

@@ -23,7 +23,13 @@ from __future__ import annotations
 
 import torch
 
-SLICE_ELEMENTS = 1 << 19  # logits per slice (2 MiB of float32): fits in a core's share of the cache
+SLICE_ELEMENTS = 1 << 19  # logits per slice on CPU (2 MiB of float32): fits in a core's share of the cache
+DEVICE_SLICE_ELEMENTS = 1 << 28  # on an accelerator: slices only bound the temporaries (1 GiB), not the launches
+
+
+def _rows_per_slice(logits: torch.Tensor) -> int:
+    elements = SLICE_ELEMENTS if logits.device.type == "cpu" else DEVICE_SLICE_ELEMENTS
+    return max(1, elements // logits.shape[-1])
 
 
 class _TokenLogProbs(torch.autograd.Function):
@@ -35,7 +41,7 @@ class _TokenLogProbs(torch.autograd.Function):
         lse = flat.new_empty(n)
         logp = flat.new_empty(n)
         entropy = flat.new_empty(n) if with_entropy else None
-        step = max(1, SLICE_ELEMENTS // vocab)
+        step = _rows_per_slice(flat)
         for start in range(0, n, step):
             rows = slice(start, start + step)
             z = flat[rows] if temperature == 1.0 else flat[rows] / temperature
@@ -64,7 +70,7 @@ class _TokenLogProbs(torch.autograd.Function):
         g_logp = None if grad_logp is None else grad_logp.reshape(-1, 1)
         g_entropy = None if grad_entropy is None else grad_entropy.reshape(-1, 1)
         grad = torch.empty_like(flat)
-        step = max(1, SLICE_ELEMENTS // vocab)
+        step = _rows_per_slice(flat)
         for start in range(0, n, step):
             rows = slice(start, start + step)
             out = grad[rows]
