@@ -136,13 +136,17 @@ def test_one_update_needs_no_old_logprob_pass_and_has_ratio_one():
 def test_shared_prompt_forward_gives_the_same_logprobs_and_gradients():
     batch = collate(completions(3, groups=3, n=4), pad_token_id=0)
     batch.select(torch.arange(batch.size))  # select keeps the layout
+    assert_packed_equals_per_row(batch, model_seed=2, temperature=0.8)
+
+
+def assert_packed_equals_per_row(batch, model_seed: int, temperature: float) -> None:
+    """Log-probs and the gradients of (log-probs + entropies) agree between the per-row and the packed forward."""
     results = []
     for share in (False, True):
-        model = tiny_lm(seed=2)
-        out = token_outputs(model, batch, temperature=0.8, with_entropy=True, share_prompts=share)
-        logp, entropy = out.logp, out.entropy
-        ((logp * batch.response_mask).sum() + (entropy * batch.response_mask).sum()).backward()
-        results.append((logp * batch.response_mask, [p.grad.clone() for p in model.parameters()]))
+        model = tiny_lm(seed=model_seed)
+        out = token_outputs(model, batch, temperature=temperature, with_entropy=True, share_prompts=share)
+        ((out.logp * batch.response_mask).sum() + (out.entropy * batch.response_mask).sum()).backward()
+        results.append((out.logp * batch.response_mask, [p.grad.clone() for p in model.parameters()]))
     (logp_a, grads_a), (logp_b, grads_b) = results
     assert torch.allclose(logp_a, logp_b, atol=1e-5)
     for a, b in zip(grads_a, grads_b):
@@ -225,17 +229,7 @@ def test_packed_forward_with_one_token_prompts_and_rows_longer_than_a_block(monk
         [Completion(0, (7,), list(resp), [0.0] * len(resp), finished=True) for resp in ([5, 6, 7, 8, 9], [], [4])],
         [Completion(1, (9, 3, 11), list(resp), [0.0] * len(resp), finished=True) for resp in ([12, 4, 4, 4], [8, 8])],
     ]
-    batch = collate(groups, pad_token_id=0)
-    results = []
-    for share in (False, True):
-        model = tiny_lm(seed=7)
-        out = token_outputs(model, batch, temperature=0.9, with_entropy=True, share_prompts=share)
-        ((out.logp * batch.response_mask).sum() + (out.entropy * batch.response_mask).sum()).backward()
-        results.append((out.logp * batch.response_mask, [p.grad.clone() for p in model.parameters()]))
-    (logp_a, grads_a), (logp_b, grads_b) = results
-    assert torch.allclose(logp_a, logp_b, atol=1e-5)
-    for a, b in zip(grads_a, grads_b):
-        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+    assert_packed_equals_per_row(collate(groups, pad_token_id=0), model_seed=7, temperature=0.9)
 
 
 def test_full_distribution_from_the_packed_forward_equals_the_per_row_one():
