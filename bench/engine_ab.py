@@ -1,7 +1,8 @@
 """Generation time of the HF engine against an earlier commit's, interleaved in one process (A/B).
 
 Both engines sample from the same SmolLM2-135M-Instruct object with the compare_trl.py configuration: 4 arith
-prompts x 4 completions, at most 48 new tokens, temperature 1.0, one torch thread. Repetition r gives both
+prompts x 4 completions, at most 48 new tokens, temperature 1.0, one torch thread (``--threads``).
+Repetition r gives both
 engines the generator seed r (same samples: the engines draw the same tokens), and the order alternates
 (old-new, new-old, ...) so that a change of load on a shared machine hits both alike. The base engine is
 read with ``git show <base>:rlbench/rollout/hf_engine.py``.
@@ -44,6 +45,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", default="013c0e8", help="the commit whose engine is A")
     parser.add_argument("--reps", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (compare_trl.py uses 2)")
     args = parser.parse_args()
     import torch
     from omegaconf import OmegaConf
@@ -52,7 +54,7 @@ def main() -> None:
     from rlbench.model import load_policy
     from rlbench.rollout import GenerationRequest, HFGenerateEngine, SamplingParams
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     model, tokenizer = load_policy(OmegaConf.load(ROOT / "conf" / "model" / "smollm2_135m.yaml"), seed=0)
     prompts = [tuple(tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, return_dict=False))
                for t in PROMPTS]

@@ -1,5 +1,6 @@
 """Rollout: engines turn generation requests into completions with sampling log-probs (base.py,
-hf_engine.py, vllm_engine.py; prefix_cache.py, the HF engine's KV kept across calls); strategies turn a step's prompts into graded groups (strategy.py,
+hf_engine.py, vllm_engine.py; the HF engine's CPU paths: cpu_linear.py, its products, lean_decode.py, its
+decoding steps, prefix_cache.py, its KV kept across calls); strategies turn a step's prompts into graded groups (strategy.py,
 the seam; iid.py, dynamic_sampling.py, tree.py and micro_groups.py, the strategies; groups.py, what they return)."""
 
 from rlbench.rollout.base import Completion, GenerationRequest, RolloutEngine, SamplingParams

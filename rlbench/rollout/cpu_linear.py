@@ -141,7 +141,7 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return torch.nn.functional.linear(x, weight, bias)
 
 
-def _plain_float32_cpu(layer: torch.nn.Module) -> bool:
+def plain_float32_cpu_linear(layer: torch.nn.Module) -> bool:
     """An ``nn.Linear`` (not a subclass) whose forward is its own and whose weight is a plain float32
     CPU tensor (not FSDP's, not a quantized model's)."""
     if type(layer) is not torch.nn.Linear or "forward" in vars(layer):
@@ -155,9 +155,9 @@ def layers_for_cpu_kernels(model: torch.nn.Module) -> list[torch.nn.Linear]:
     empty when the model's output layer is not a plain float32 CPU layer of at least
     :data:`LARGE_VOCAB` rows."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is None or not _plain_float32_cpu(head) or head.weight.shape[0] < LARGE_VOCAB:
+    if head is None or not plain_float32_cpu_linear(head) or head.weight.shape[0] < LARGE_VOCAB:
         return []
-    return [head] + [m for m in model.modules() if m is not head and _plain_float32_cpu(m)]
+    return [head] + [m for m in model.modules() if m is not head and plain_float32_cpu_linear(m)]
 
 
 def _output_layer_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:

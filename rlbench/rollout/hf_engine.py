@@ -13,6 +13,10 @@ How it works:
   prefix tokens (their log-probs are read off the prefill's logits);
 * **finished rows leave the batch**: a row that sampled EOS is dropped from the cache and from every
   later forward pass, so a step costs the rows still running, not the batch;
+* **lean decoding steps** (rlbench/rollout/lean_decode.py): on CPU, a Llama, Qwen2 or Qwen3 model in
+  the CPU kernels' domain decodes through :class:`~rlbench.rollout.lean_decode.LeanDecoder` (the same
+  operations without transformers' module wrappers, fused products, preallocated keys and values;
+  the same logits bit for bit here); other models through their forward (:class:`ModelSteps`);
 * the sampling distribution is defined by ``temperature`` and ``top_p`` alone (transformers'
   ``TemperatureLogitsWarper`` and ``TopPLogitsWarper``); nothing from the model's
   ``generation_config`` (a checkpoint's ``top_k``, repetition penalty, ...) applies;
@@ -58,6 +62,7 @@ from rlbench.rollout.base import (
 )
 from rlbench.rollout.scoring import distribution_stats
 from rlbench.rollout.cpu_linear import fast_cpu_linears
+from rlbench.rollout.lean_decode import LeanDecoder, LeanSteps, lean_decode_unsupported
 from rlbench.rollout.prefix_cache import KV, PrefixKVCache
 
 log = logging.getLogger(__name__)
@@ -171,6 +176,50 @@ def plain_kv_layers(cache) -> list | None:
     return list(layers) if layers and all(type(layer) is DynamicLayer for layer in layers) else None
 
 
+class ModelSteps:
+    """Decoding steps through the model's own forward with transformers' KV cache: the prefill's
+    ``cache`` and attention ``mask`` (None: no padding) over its ``inputs`` distinct inputs, expanded to
+    the decoded rows ``rows`` (indices into the prefill's batch)."""
+
+    def __init__(self, model, cache, mask: torch.Tensor | None, rows: torch.Tensor, inputs: int):
+        self.model = model
+        self.cache = cache
+        if inputs != len(rows) or not torch.equal(rows, torch.arange(len(rows), device=rows.device)):
+            cache.reorder_cache(rows)
+        self.mask = mask.index_select(0, rows) if mask is not None else None
+        self.cache_argument = _cache_argument(model)
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep the rows ``index`` (in that order)."""
+        self.cache.reorder_cache(index)
+        if self.mask is not None:
+            self.mask = self.mask[index]
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Feed ``tokens`` ``[rows]`` at ``positions`` ``[rows]``; returns the next-token logits ``[rows, vocab]``."""
+        if self.mask is not None:
+            self.mask = torch.cat([self.mask, self.mask.new_ones((self.mask.shape[0], 1))], dim=-1)
+        out = self.model(
+            input_ids=tokens[:, None],
+            attention_mask=self.mask,
+            position_ids=positions[:, None],
+            use_cache=True,
+            logits_to_keep=1,
+            **{self.cache_argument: self.cache},
+        )
+        self.cache = _returned_cache(out)
+        return out.logits[:, -1]
+
+    def row_kv(self, row: int) -> KV | None:
+        """The row's keys and values at its unmasked positions, or None for a cache that does not hold
+        every position (sliding window)."""
+        layers = plain_kv_layers(self.cache)
+        if layers is None:
+            return None
+        valid = self.mask[row].bool() if self.mask is not None else slice(None)
+        return tuple((layer.keys[row][:, valid].clone(), layer.values[row][:, valid].clone()) for layer in layers)
+
+
 class HFGenerateEngine:
     """:class:`~rlbench.rollout.base.RolloutEngine` on a Hugging Face causal LM (module docstring).
 
@@ -180,12 +229,14 @@ class HFGenerateEngine:
     tested against; same samples and log-probs). ``prefix_cache_mb`` is the byte budget (MiB) of
     the KV kept across calls (module docstring; 0: off). ``cpu_kernels`` runs a large float32 model's linear
     layers on CPU through faster kernels (rlbench/rollout/cpu_linear.py; False: PyTorch's default
-    kernels, for comparison).
+    kernels, for comparison). ``lean_decode`` runs the decoding steps of a Llama, Qwen2 or Qwen3 model
+    on CPU without transformers' module wrappers (rlbench/rollout/lean_decode.py; False: through the
+    model's forward, for comparison).
     """
 
     def __init__(
         self, model, tokenizer, *, batch_size: int = 64, device=None, progress: bool = True, share_prefill: bool = True,
-        prefix_cache_mb: float = 0.0, cpu_kernels: bool = True,
+        prefix_cache_mb: float = 0.0, cpu_kernels: bool = True, lean_decode: bool = True,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -196,6 +247,7 @@ class HFGenerateEngine:
         self.progress = progress
         self.share_prefill = share_prefill
         self.cpu_kernels = cpu_kernels
+        self.lean_decode = lean_decode
         # FSDP with several ranks: every forward is collective, so decoding runs the same number of
         # steps on every rank (no early stop, no dropped rows); set by rlbench.training.step.make_step_context.
         self.synced_gpus = False
@@ -206,6 +258,7 @@ class HFGenerateEngine:
         self.pad_id = int(pad) if pad is not None else self.eos_ids[0]
         self.prefix_cache = PrefixKVCache(int(prefix_cache_mb * 2**20))
         self._cached_weights: tuple[int, int] | None = None  # weights_version when the entries were stored
+        self._lean_refused = None  # the model whose refusal of lean decoding was logged
 
     @property
     def reuses_kv(self) -> bool:
@@ -285,15 +338,13 @@ class HFGenerateEngine:
         )
         return out.logits[:, -keep:], _returned_cache(out), (None if bool(mask.all()) else mask), position_ids[:, -1]
 
-    def _keep_rows(self, cache, mask: torch.Tensor | None, rows: Sequence[tuple[int, tuple[int, ...]]]) -> None:
-        """Store ``(cache row, tokens)`` pairs: the row's keys and values at its unmasked positions,
+    def _keep_rows(self, decoding: "ModelSteps | LeanSteps", rows: Sequence[tuple[int, tuple[int, ...]]]) -> None:
+        """Store ``(decoding row, tokens)`` pairs: the row's keys and values at its unmasked positions,
         which hold exactly ``tokens``."""
-        layers = plain_kv_layers(cache)
-        if layers is None:  # sliding-window or other partial caches: nothing to reuse
-            return
         for row, tokens in rows:
-            valid = mask[row].bool() if mask is not None else slice(None)
-            kv: KV = tuple((layer.keys[row][:, valid].clone(), layer.values[row][:, valid].clone()) for layer in layers)
+            kv = decoding.row_kv(row)
+            if kv is None:  # sliding-window or other partial caches: nothing to reuse
+                return
             if kv[0][0].shape[1] != len(tokens):
                 raise RuntimeError(f"KV of {kv[0][0].shape[1]} positions for a sequence of {len(tokens)} tokens")
             self.prefix_cache.put(tokens, kv)
@@ -363,11 +414,13 @@ class HFGenerateEngine:
         row_input: Sequence[int],
         params: SamplingParams,
         generator: torch.Generator | Sequence[torch.Generator] | None,
+        lean: tuple[LeanDecoder, list] | None = None,
     ) -> tuple[list[list[int]], list[list[float]], list[list[float]]]:
         """Decode one batch: ``inputs`` are the distinct inputs (``prompt + prefix``, the last
         ``prefix_lens[u]`` tokens a prefix to score), ``row_input[r]`` the input of row r. Returns
         per row its new tokens and their log-probs (up to and including EOS) and per input its
-        prefix log-probs."""
+        prefix log-probs. ``lean``: a decoder and its fused weights for the decoding steps (else the
+        model's forward)."""
         warpers = _warpers(params)
         keep = max(prefix_lens) + 1
         logits, cache, mask, last_pos = self._prefill_reusing(inputs, prefix_lens, keep)
@@ -379,16 +432,15 @@ class HFGenerateEngine:
             return tokens, logprobs, prefix_lp
         index = torch.tensor(list(row_input), dtype=torch.long, device=logits.device)
         scores = logits[:, -1].index_select(0, index)
-        if len(inputs) != rows or not torch.equal(index, torch.arange(rows, device=index.device)):
-            cache.reorder_cache(index)
-        if mask is not None:
-            mask = mask.index_select(0, index)
+        if lean is not None:
+            decoding = lean[0].steps(lean[1], cache, mask, index, params.max_new_tokens)
+        else:
+            decoding = ModelSteps(self.model, cache, mask, index, len(inputs))
         position = last_pos.index_select(0, index)
         per_row_generators = isinstance(generator, (list, tuple))
         eos = torch.tensor(self.eos_ids, dtype=torch.long, device=scores.device)
         active = list(range(rows))  # batch rows still running, in cache order
         ended: set[int] = set()  # rows that sampled EOS but keep decoding (synced_gpus only)
-        cache_kw = _cache_argument(self.model)
         transform = params.logits_transform
         for step in range(params.max_new_tokens):
             if transform is not None:
@@ -417,7 +469,7 @@ class HFGenerateEngine:
             elif step == params.max_new_tokens - 1:
                 if self.reuses_kv:  # rows cut by the length limit are the ones a caller may extend
                     kept = [(a, inputs[row_input[r]] + tuple(tokens[r][:-1])) for a, (r, go) in enumerate(zip(active, running.tolist())) if go]
-                    self._keep_rows(cache, mask, kept)
+                    self._keep_rows(decoding, kept)
                 break
             elif not bool(running.any()):
                 break
@@ -425,22 +477,9 @@ class HFGenerateEngine:
                 still = running.nonzero(as_tuple=True)[0]
                 active = [active[i] for i in still.tolist()]
                 chosen, position = chosen[still], position[still]
-                cache.reorder_cache(still)
-                if mask is not None:
-                    mask = mask[still]
+                decoding.select_rows(still)
             position = position + 1
-            if mask is not None:
-                mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
-            out = self.model(
-                input_ids=chosen[:, None],
-                attention_mask=mask,
-                position_ids=position[:, None],
-                use_cache=True,
-                logits_to_keep=1,
-                **{cache_kw: cache},
-            )
-            cache = _returned_cache(out)
-            scores = out.logits[:, -1]
+            scores = decoding.step(chosen, position)
         return tokens, logprobs, prefix_lp
 
     # ---------------------------------------------------------------- RolloutEngine
@@ -472,9 +511,11 @@ class HFGenerateEngine:
         model = self.model
         was_training = model.training
         model.eval()
+        decoder = self._lean_decoder()
         try:
             # FSDP's all-gathered weights are reused by the training forwards: no inference tensors then
             with torch.no_grad() if self.synced_gpus else torch.inference_mode(), fast_cpu_linears(model, self.cpu_kernels and not self.synced_gpus):
+                lean = (decoder, decoder.fuse()) if decoder is not None else None  # the weights as they are now
                 sample_gen = torch.Generator(device=self.device)
                 sample_gen.manual_seed(seed)
                 order = sorted(
@@ -501,13 +542,27 @@ class HFGenerateEngine:
                         if own_seeds
                         else sample_gen
                     )
-                    new, lps, prefix_lp = self._decode_batch(inputs, prefix_lens, row_input, params, gens)
+                    new, lps, prefix_lp = self._decode_batch(inputs, prefix_lens, row_input, params, gens, lean)
                     for row, (i, k) in enumerate(batch):
                         results[i][k] = self._make_completion(i, requests[i], new[row], lps[row], prefix_lp[row_input[row]])
                     progress.update(len(batch))
         finally:
             model.train(was_training)
         return results  # type: ignore[return-value]
+
+    def _lean_decoder(self) -> LeanDecoder | None:
+        """A :class:`~rlbench.rollout.lean_decode.LeanDecoder` for the model; None when it or the CPU
+        kernels are off, under FSDP, or the model is not supported (the reason logged once per model)."""
+        if not (self.lean_decode and self.cpu_kernels) or self.synced_gpus:
+            return None
+        model = self.model
+        reason = lean_decode_unsupported(model)
+        if reason is not None:
+            if self._lean_refused is not model:
+                log.info("decoding through the model's forward (lean decoding: %s)", reason)
+                self._lean_refused = model
+            return None
+        return LeanDecoder(model)
 
     def _make_completion(self, index, req, tokens: list[int], logprobs: list[float], prefix_lp) -> Completion:
         finished = bool(tokens) and tokens[-1] in self.eos_ids
