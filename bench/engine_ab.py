@@ -2,10 +2,9 @@
 
 Both engines sample from the same SmolLM2-135M-Instruct object with the compare_trl.py configuration: 4 arith
 prompts x 4 completions, at most 48 new tokens, temperature 1.0, one torch thread (``--threads``).
-Repetition r gives both
-engines the generator seed r (same samples: the engines draw the same tokens), and the order alternates
-(old-new, new-old, ...) so that a change of load on a shared machine hits both alike. The base engine is
-read with ``git show <base>:rlbench/rollout/hf_engine.py``.
+Repetition r gives both engines the generator seed r (same samples: the engines draw the same tokens),
+and the order alternates (old-new, new-old, ...) so that a change of load on a shared machine hits both
+alike. The base engine is read with ``git show <base>:rlbench/rollout/hf_engine.py``.
 
     HF_HUB_OFFLINE=1 python bench/engine_ab.py --base 013c0e8 --reps 6
 

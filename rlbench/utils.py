@@ -15,6 +15,10 @@ import numpy as np
 import torch
 
 
+# torch >= 2.5: sdpa reads each key/value head once for its group of query heads (``enable_gqa``)
+SDPA_GROUPED_HEADS = "enable_gqa" in (torch.nn.functional.scaled_dot_product_attention.__doc__ or "")
+
+
 def seed_everything(seed: int) -> None:
     """Seed Python, NumPy and torch (CPU and CUDA) and ask torch for deterministic kernels."""
     random.seed(seed)

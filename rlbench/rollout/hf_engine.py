@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Protocol, Sequence, TypeVar
 
 import torch
 
@@ -61,9 +61,9 @@ from rlbench.rollout.base import (
     Completion, GenerationRequest, PositionStats, SamplingParams, check_transform_requests, request_seeds, sample_seed,
 )
 from rlbench.rollout.scoring import distribution_stats
-from rlbench.rollout.cpu_linear import fast_cpu_linears
-from rlbench.rollout.lean_decode import LeanDecoder, LeanSteps, lean_decode_unsupported
-from rlbench.rollout.prefix_cache import KV, PrefixKVCache
+from rlbench.rollout.cpu_linear import fast_cpu_linears, layers_for_cpu_kernels
+from rlbench.rollout.lean_decode import LeanDecoder, lean_decode_unsupported
+from rlbench.rollout.prefix_cache import KV, PrefixKVCache, weights_version
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -162,12 +162,6 @@ def _returned_cache(output):
     return cache if cache is not None else output.get("past_key_values")
 
 
-def weights_version(model) -> tuple[int, int]:
-    """Changes when ``model`` is swapped or any of its parameters is written in place (an optimizer
-    step, ``load_state_dict``): the object's id and the sum of the parameters' version counters."""
-    return id(model), sum(p._version for p in model.parameters())
-
-
 def plain_kv_layers(cache) -> list | None:
     """The layers of a KV cache that holds every position of every row (``DynamicLayer``), else None."""
     from transformers.cache_utils import DynamicLayer
@@ -176,8 +170,21 @@ def plain_kv_layers(cache) -> list | None:
     return list(layers) if layers and all(type(layer) is DynamicLayer for layer in layers) else None
 
 
+class DecodingSteps(Protocol):
+    """The rows being decoded after a prefill, and their next-token logits."""
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep the rows ``index`` (in that order)."""
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Feed ``tokens`` ``[rows]`` at ``positions`` ``[rows]``; returns the next-token logits ``[rows, vocab]``."""
+
+    def row_kv(self, row: int) -> KV | None:
+        """The row's keys and values at the positions it attends to (None: not kept whole)."""
+
+
 class ModelSteps:
-    """Decoding steps through the model's own forward with transformers' KV cache: the prefill's
+    """:class:`DecodingSteps` through the model's own forward with transformers' KV cache: the prefill's
     ``cache`` and attention ``mask`` (None: no padding) over its ``inputs`` distinct inputs, expanded to
     the decoded rows ``rows`` (indices into the prefill's batch)."""
 
@@ -258,7 +265,8 @@ class HFGenerateEngine:
         self.pad_id = int(pad) if pad is not None else self.eos_ids[0]
         self.prefix_cache = PrefixKVCache(int(prefix_cache_mb * 2**20))
         self._cached_weights: tuple[int, int] | None = None  # weights_version when the entries were stored
-        self._lean_refused = None  # the model whose refusal of lean decoding was logged
+        self._lean: LeanDecoder | None = None  # the decoder of the current weights (rlbench/rollout/lean_decode.py)
+        self._lean_refused: int | None = None  # id of the model whose refusal of lean decoding was logged
 
     @property
     def reuses_kv(self) -> bool:
@@ -338,7 +346,7 @@ class HFGenerateEngine:
         )
         return out.logits[:, -keep:], _returned_cache(out), (None if bool(mask.all()) else mask), position_ids[:, -1]
 
-    def _keep_rows(self, decoding: "ModelSteps | LeanSteps", rows: Sequence[tuple[int, tuple[int, ...]]]) -> None:
+    def _keep_rows(self, decoding: DecodingSteps, rows: Sequence[tuple[int, tuple[int, ...]]]) -> None:
         """Store ``(decoding row, tokens)`` pairs: the row's keys and values at its unmasked positions,
         which hold exactly ``tokens``."""
         for row, tokens in rows:
@@ -414,13 +422,12 @@ class HFGenerateEngine:
         row_input: Sequence[int],
         params: SamplingParams,
         generator: torch.Generator | Sequence[torch.Generator] | None,
-        lean: tuple[LeanDecoder, list] | None = None,
+        lean: LeanDecoder | None = None,
     ) -> tuple[list[list[int]], list[list[float]], list[list[float]]]:
         """Decode one batch: ``inputs`` are the distinct inputs (``prompt + prefix``, the last
         ``prefix_lens[u]`` tokens a prefix to score), ``row_input[r]`` the input of row r. Returns
         per row its new tokens and their log-probs (up to and including EOS) and per input its
-        prefix log-probs. ``lean``: a decoder and its fused weights for the decoding steps (else the
-        model's forward)."""
+        prefix log-probs. ``lean``: the decoder of the decoding steps (None: the model's forward)."""
         warpers = _warpers(params)
         keep = max(prefix_lens) + 1
         logits, cache, mask, last_pos = self._prefill_reusing(inputs, prefix_lens, keep)
@@ -432,10 +439,12 @@ class HFGenerateEngine:
             return tokens, logprobs, prefix_lp
         index = torch.tensor(list(row_input), dtype=torch.long, device=logits.device)
         scores = logits[:, -1].index_select(0, index)
+        decoding: DecodingSteps
         if lean is not None:
-            decoding = lean[0].steps(lean[1], cache, mask, index, params.max_new_tokens)
+            decoding = lean.steps(cache, mask, index, params.max_new_tokens)
         else:
             decoding = ModelSteps(self.model, cache, mask, index, len(inputs))
+        del cache  # the decoding state holds what it needs (the lean steps a copy)
         position = last_pos.index_select(0, index)
         per_row_generators = isinstance(generator, (list, tuple))
         eos = torch.tensor(self.eos_ids, dtype=torch.long, device=scores.device)
@@ -509,13 +518,12 @@ class HFGenerateEngine:
             self._cached_weights = weights_version(self.model)
 
         model = self.model
+        lean = self._lean_decoder()
         was_training = model.training
         model.eval()
-        decoder = self._lean_decoder()
         try:
             # FSDP's all-gathered weights are reused by the training forwards: no inference tensors then
             with torch.no_grad() if self.synced_gpus else torch.inference_mode(), fast_cpu_linears(model, self.cpu_kernels and not self.synced_gpus):
-                lean = (decoder, decoder.fuse()) if decoder is not None else None  # the weights as they are now
                 sample_gen = torch.Generator(device=self.device)
                 sample_gen.manual_seed(seed)
                 order = sorted(
@@ -551,18 +559,23 @@ class HFGenerateEngine:
         return results  # type: ignore[return-value]
 
     def _lean_decoder(self) -> LeanDecoder | None:
-        """A :class:`~rlbench.rollout.lean_decode.LeanDecoder` for the model; None when it or the CPU
-        kernels are off, under FSDP, or the model is not supported (the reason logged once per model)."""
+        """The :class:`~rlbench.rollout.lean_decode.LeanDecoder` of the model's current weights (kept
+        while they do not change); None when it or the CPU kernels are off, under FSDP, or the model is
+        not supported (the reason logged once per model, where the CPU kernels apply at all)."""
         if not (self.lean_decode and self.cpu_kernels) or self.synced_gpus:
             return None
         model = self.model
         reason = lean_decode_unsupported(model)
         if reason is not None:
-            if self._lean_refused is not model:
+            self._lean = None
+            if self._lean_refused != id(model) and layers_for_cpu_kernels(model):
                 log.info("decoding through the model's forward (lean decoding: %s)", reason)
-                self._lean_refused = model
+                self._lean_refused = id(model)
             return None
-        return LeanDecoder(model)
+        if self._lean is None or self._lean.model is not model or not self._lean.current(model):
+            self._lean = None  # the old copy goes before the new one is made
+            self._lean = LeanDecoder(model)
+        return self._lean
 
     def _make_completion(self, index, req, tokens: list[int], logprobs: list[float], prefix_lp) -> Completion:
         finished = bool(tokens) and tokens[-1] in self.eos_ids
@@ -581,7 +594,9 @@ class HFGenerateEngine:
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Sample from ``model`` from now on (the engine holds the object itself, no copy); the KV
-        kept across calls is dropped (it belongs to the old weights)."""
+        kept across calls and the lean decoder's concatenated weights are dropped (they belong to the
+        old weights)."""
         self.model = model
         self.prefix_cache.clear()
         self._cached_weights = None
+        self._lean = None

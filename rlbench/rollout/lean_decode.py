@@ -9,77 +9,103 @@ step as the model's own forward, layer by layer (Touvron et al. 2023, arXiv:2302
 pre-normalisation with RMSNorm, rotary positions, SwiGLU), with fewer operations:
 
 * per layer, with ``x`` the residual stream of the new token and ``n(.)`` RMSNorm,
-  ``[q | k | v] = n(x) W_qkv (+ b_qkv)`` as **one** product (the three weights concatenated once per
-  :meth:`LeanDecoder.steps` call), Qwen3's per-head ``q, k = n(q), n(k)``, the rotary rotation
-  ``q cos + rotate_half(q) sin`` (Su et al. 2021, arXiv:2104.09864, section 3.4.2), attention of the
-  token over its row's cached keys and values, ``x += o W_o``; then ``[g | u] = n(x) W_gate_up`` as
-  one product and ``x += (silu(g) * u) W_down``; after the last layer ``logits = n(x) W_head``;
+  ``[q | k | v] = n(x) W_qkv (+ b_qkv)`` as **one** product (the three weights concatenated when the
+  decoder is built, once per weights version), Qwen3's per-head ``q, k = n(q), n(k)``, the rotary
+  rotation ``q cos + rotate_half(q) sin`` (Su et al. 2021, arXiv:2104.09864, section 3.4.2), attention
+  of the token over its row's cached keys and values, ``x += o W_o``; then ``[g | u] = n(x) W_gate_up``
+  as one product and ``x += (silu(g) * u) W_down``; after the last layer ``logits = n(x) W_head``;
 * the keys and values live in buffers allocated once for the prompt plus ``max_new_tokens``
   positions (:class:`LeanSteps`); a step writes its position in place;
 * attention reads each key/value head once for its group of query heads (sdpa's ``enable_gqa``, no
   repeated keys), with the padding mask of the prompts as a boolean view of one buffer.
 
-The embedding, the rotary tables and the norms' weights are the model's own modules and parameters,
-so every weight is current at each call. The operations are those of transformers' Llama, Qwen2 and
-Qwen3 layers in the same order; with the few-rows kernel (each output one dot product in a fixed order,
-so a fused product equals the separate ones) the logits equal the model's forward bit for bit on this
-project's machine; elsewhere they may differ by float rounding (the tests compare to 1e-5).
+The embedding, the rotary tables (every rope type the model's own ``rotary_emb`` computes) and the
+norms' weights are the model's own modules and parameters. The concatenated weights are a copy (for
+SmolLM2-135M 70 M floats, 280 MB): :meth:`LeanDecoder.current` says whether they still match the
+model. The operations are those of transformers' Llama, Qwen2 and Qwen3 layers in the same order; with
+the few-rows kernel (each output one dot product in a fixed order, so a fused product equals the separate
+ones) the logits equal the model's forward bit for bit on this project's machine (SmolLM2-135M, 48
+steps of 16 rows); the tests compare to 1e-5.
 
 **Where it applies** (:func:`lean_decode_unsupported` says why not): where the CPU kernels apply (a
 float32 model on CPU with a large output layer: the learning tier's 512-id toy keeps the model's
-forward, so its calibrated trajectories do not change), to a model whose decoder layers are ``LlamaDecoderLayer``, ``Qwen2DecoderLayer`` or ``Qwen3DecoderLayer`` with full
-attention (no sliding window), sdpa attention, SiLU gating, plain ``nn.Linear`` projections (a LoRA
-or quantized layer is not one) and no forward hooks. Everything else, and decoding under FSDP (whose
-forwards are collective), goes through the model's forward. Measured in ``docs/performance.md``.
+forward, so its calibrated trajectories do not change), to transformers' own ``LlamaForCausalLM``,
+``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM`` (exact classes: a subclass or a remote-code model may
+change the forward) with full attention in every layer, sdpa attention, SiLU gating, plain
+``nn.Linear`` projections (a LoRA or quantized layer is not one) and no forward hooks, on a
+transformers whose cache holds per-layer keys and values (``DynamicLayer``, 4.56 and later). Everything
+else, and decoding under FSDP (whose forwards are collective), goes through the model's forward.
+Measured in ``docs/performance.md``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from rlbench.rollout.cpu_linear import cpu_linear, layers_for_cpu_kernels, plain_float32_cpu_linear
-from rlbench.rollout.prefix_cache import KV
+from rlbench.rollout.prefix_cache import KV, weights_version
+from rlbench.utils import SDPA_GROUPED_HEADS
 
-SUPPORTED_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
-SUPPORTED_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
-SDPA_GROUPED_HEADS = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")  # torch >= 2.5
+FAMILIES = ("llama", "qwen2", "qwen3")  # transformers.models.<family>: <Family>ForCausalLM, <Family>Model, ...
+
+
+def _family_classes() -> dict[type, tuple[type, type, type]]:
+    """``{causal LM class: (base model class, decoder layer class, RMSNorm class)}`` of the supported
+    families, from the installed transformers."""
+    import importlib
+
+    classes = {}
+    for family in FAMILIES:
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+        classes[getattr(module, f"{prefix}ForCausalLM")] = (
+            getattr(module, f"{prefix}Model"), getattr(module, f"{prefix}DecoderLayer"), getattr(module, f"{prefix}RMSNorm"),
+        )
+    return classes
 
 
 def lean_decode_unsupported(model) -> str | None:
     """Why :class:`LeanDecoder` cannot run ``model`` (module docstring), or None when it can.
     Called outside :func:`~rlbench.rollout.cpu_linear.fast_cpu_linears` (which replaces the linear
     layers' forwards)."""
-    base = getattr(model, "model", None)
-    layers = getattr(base, "layers", None)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if layers is None or head is None or not all(hasattr(base, a) for a in ("embed_tokens", "norm", "rotary_emb")):
-        return f"{type(model).__name__} is not a decoder with model.layers, embed_tokens, norm, rotary_emb and an output layer"
+    if not layers_for_cpu_kernels(model):
+        return "not a float32 CPU model with a large plain output layer (where the CPU kernels apply)"
     if not SDPA_GROUPED_HEADS:
         return f"torch {torch.__version__} has no grouped key/value heads in sdpa (needs 2.5)"
-    config = model.config
+    try:
+        from transformers.cache_utils import DynamicLayer  # noqa: F401  (per-layer keys and values)
+        families = _family_classes()
+    except (ImportError, AttributeError) as exc:
+        return f"this transformers has no per-layer KV cache or lacks a supported family ({exc})"
+    if type(model) not in families:
+        return f"{type(model).__name__} is not transformers' own " + ", ".join(c.__name__ for c in families)
+    base_class, layer_class, norm_class = families[type(model)]
+    config, base = model.config, model.model
+    if type(base) is not base_class or type(base.norm) is not norm_class or type(base.embed_tokens) is not torch.nn.Embedding:
+        return f"{type(model).__name__} holds a {type(base).__name__} with {type(base.norm).__name__}, not {base_class.__name__}"
     if getattr(config, "_attn_implementation", None) != "sdpa":
         return f"attention implementation {getattr(config, '_attn_implementation', None)!r} (needs sdpa)"
     if getattr(config, "hidden_act", None) not in ("silu", "swish"):
         return f"activation {getattr(config, 'hidden_act', None)!r} (needs silu)"
-    if not layers_for_cpu_kernels(model) or type(base.embed_tokens) is not torch.nn.Embedding:
-        return "not a float32 CPU model with a large plain output layer (where the CPU kernels apply) and a plain embedding"
-    if type(base.norm).__name__ not in SUPPORTED_NORMS:
-        return f"final norm {type(base.norm).__name__}"
-    for i, layer in enumerate(layers):
-        name = type(layer).__name__
-        if name not in SUPPORTED_LAYERS:
-            return f"layer {i} is a {name} (supported: {', '.join(SUPPORTED_LAYERS)})"
+    if set(getattr(config, "layer_types", None) or ["full_attention"]) != {"full_attention"} or getattr(config, "use_sliding_window", False):
+        return "a layer attends over a sliding window"
+    if len(base.layers) != config.num_hidden_layers:
+        return f"{len(base.layers)} layers for num_hidden_layers={config.num_hidden_layers}"
+    for i, layer in enumerate(base.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        if getattr(attn, "sliding_window", None) is not None:
-            return f"layer {i} attends over a sliding window"
+        if type(layer) is not layer_class:
+            return f"layer {i} is a {type(layer).__name__}, not {layer_class.__name__}"
+        if getattr(attn, "sliding_window", None) is not None or not hasattr(attn, "scaling"):
+            return f"layer {i} attends over a sliding window or has no attention scaling"
         linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
         if not all(plain_float32_cpu_linear(m) for m in linears):
             return f"layer {i} has a projection that is not a plain float32 CPU nn.Linear (LoRA, quantized, another device)"
         norms = [layer.input_layernorm, layer.post_attention_layernorm] + [getattr(attn, n) for n in ("q_norm", "k_norm") if hasattr(attn, n)]
-        if any(type(n).__name__ not in SUPPORTED_NORMS for n in norms):
-            return f"layer {i} has a norm that is not RMSNorm"
+        if any(type(n) is not norm_class for n in norms):
+            return f"layer {i} has a norm that is not {norm_class.__name__}"
     if any(m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m) for m in model.modules()):
         return "a module has forward hooks or a replaced forward (they would be bypassed)"
     return None
@@ -95,6 +121,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """``[x1, x2] -> [-x2, x1]`` over the last dimension's halves (the rotary embedding's pairing)."""
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A hidden layer's product through the CPU kernels (:func:`~rlbench.rollout.cpu_linear.cpu_linear`)."""
+    return cpu_linear(x, weight, bias, output_layer=False)
 
 
 @dataclass
@@ -114,38 +145,34 @@ def _cat_bias(*linears) -> torch.Tensor | None:
     return torch.cat([b if b is not None else m.weight.new_zeros(m.weight.shape[0]) for b, m in zip(biases, linears)])
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """A hidden layer's product through the CPU kernels (:func:`~rlbench.rollout.cpu_linear.cpu_linear`)."""
-    return cpu_linear(x, weight, bias, output_layer=False)
-
-
 class LeanDecoder:
-    """Decoding steps of a supported model (module docstring), its products through the CPU kernels."""
+    """Decoding steps of a supported model (module docstring), its products through the CPU kernels;
+    holds the layers' concatenated weights as they were when it was built."""
 
     def __init__(self, model):
         reason = lean_decode_unsupported(model)
         if reason is not None:
             raise ValueError(f"lean decoding cannot run this model: {reason}")
         self.model = model
-        config = model.config
+        self.version = weights_version(model)
         attn = model.model.layers[0].self_attn
         self.head_dim = attn.head_dim
-        self.query_heads = config.num_attention_heads
-        self.kv_heads = config.num_key_value_heads
-        self.intermediate = model.model.layers[0].mlp.gate_proj.weight.shape[0]
+        self.query_heads = model.config.num_attention_heads
+        self.kv_heads = model.config.num_key_value_heads
+        with torch.no_grad():
+            self.fused = [
+                FusedLayer(
+                    torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), _cat_bias(a.q_proj, a.k_proj, a.v_proj),
+                    torch.cat([m.gate_proj.weight, m.up_proj.weight]), _cat_bias(m.gate_proj, m.up_proj),
+                )
+                for a, m in ((layer.self_attn, layer.mlp) for layer in model.model.layers)
+            ]
 
-    def fuse(self) -> list[FusedLayer]:
-        """The layers' concatenated weights as they are now (call again after the weights change)."""
-        fused = []
-        for layer in self.model.model.layers:
-            a, m = layer.self_attn, layer.mlp
-            fused.append(FusedLayer(
-                torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), _cat_bias(a.q_proj, a.k_proj, a.v_proj),
-                torch.cat([m.gate_proj.weight, m.up_proj.weight]), _cat_bias(m.gate_proj, m.up_proj),
-            ))
-        return fused
+    def current(self, model) -> bool:
+        """Whether this decoder's weights are ``model``'s as they are now."""
+        return weights_version(model) == self.version
 
-    def steps(self, fused: list[FusedLayer], cache, mask: torch.Tensor | None, rows: torch.Tensor, new_tokens: int) -> "LeanSteps":
+    def steps(self, cache, mask: torch.Tensor | None, rows: torch.Tensor, new_tokens: int) -> "LeanSteps":
         """Decoding state for the rows ``rows`` (indices into the prefill's batch) of a prefill's
         transformers cache (``cache.layers[i].keys``: ``[inputs, kv_heads, length, head_dim]``) and
         its attention mask (None: no padding), with room for ``new_tokens`` more positions."""
@@ -164,7 +191,7 @@ class LeanDecoder:
         if mask is not None:
             valid = torch.ones((len(rows), capacity), dtype=torch.bool, device=first.device)
             valid[:, :length] = mask.index_select(0, rows).bool()
-        return LeanSteps(self, fused, keys, values, valid, length)
+        return LeanSteps(self, keys, values, valid, length)
 
 
 class LeanSteps:
@@ -172,9 +199,8 @@ class LeanSteps:
     head_dim]`` per layer, ``length`` positions filled, ``valid`` the positions a row attends to, None
     without padding) and :meth:`step`, which feeds one token per row."""
 
-    def __init__(self, decoder: LeanDecoder, fused: list[FusedLayer], keys, values, valid: torch.Tensor | None, length: int):
+    def __init__(self, decoder: LeanDecoder, keys: list[torch.Tensor], values: list[torch.Tensor], valid: torch.Tensor | None, length: int):
         self.decoder = decoder
-        self.fused = fused
         self.keys = keys
         self.values = values
         self.valid = valid
@@ -204,7 +230,7 @@ class LeanSteps:
         cos, sin = cos[:, None], sin[:, None]  # [rows, 1, 1, head_dim], broadcast over heads
         mask = self.valid[:, None, None, : at + 1] if self.valid is not None else None
         splits = [d.query_heads * dim, d.kv_heads * dim, d.kv_heads * dim]
-        for layer, fused, keys, values in zip(model.layers, self.fused, self.keys, self.values):
+        for layer, fused, keys, values in zip(model.layers, d.fused, self.keys, self.values):
             attn, mlp = layer.self_attn, layer.mlp
             q, k, v = linear(rms_norm(x, layer.input_layernorm), fused.qkv, fused.qkv_bias).split(splits, dim=-1)
             q, k = q.view(rows, 1, d.query_heads, dim), k.view(rows, 1, d.kv_heads, dim)
@@ -215,11 +241,10 @@ class LeanSteps:
             keys[:, :, at : at + 1] = k * cos + rotate_half(k) * sin
             values[:, :, at : at + 1] = v
             o = F.scaled_dot_product_attention(
-                q, keys[:, :, : at + 1], values[:, :, : at + 1],
-                attn_mask=mask, scale=attn.scaling, enable_gqa=True,
+                q, keys[:, :, : at + 1], values[:, :, : at + 1], attn_mask=mask, scale=attn.scaling, enable_gqa=True,
             )
             x = x + linear(o.transpose(1, 2).reshape(rows, 1, d.query_heads * dim), attn.o_proj.weight, attn.o_proj.bias)
-            gate, up = linear(rms_norm(x, layer.post_attention_layernorm), fused.gate_up, fused.gate_up_bias).split(d.intermediate, dim=-1)
+            gate, up = linear(rms_norm(x, layer.post_attention_layernorm), fused.gate_up, fused.gate_up_bias).chunk(2, dim=-1)
             x = x + linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
         self.length = at + 1
         head = d.model.get_output_embeddings()

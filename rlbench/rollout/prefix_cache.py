@@ -31,6 +31,12 @@ import torch
 KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (keys, values), each [heads, length, head_dim]
 
 
+def weights_version(model) -> tuple[int, int]:
+    """Changes when ``model`` is swapped or any of its parameters is written in place (an optimizer
+    step, ``load_state_dict``): the object's id and the sum of the parameters' version counters."""
+    return id(model), sum(p._version for p in model.parameters())
+
+
 @dataclass
 class PrefixCacheStats:
     """Counts since the engine was built (lookups that found an entry, tokens not prefilled again,

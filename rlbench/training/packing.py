@@ -31,6 +31,8 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
+from rlbench.utils import SDPA_GROUPED_HEADS
+
 PACKED_ATTENTION = "rlbench_packed"
 BLOCK_TOKENS = 1024  # response tokens per attention call: a larger group's rows are split into several blocks
 
@@ -140,16 +142,13 @@ def _block_mask(prompt: int, segments: list[int], device) -> torch.Tensor:
 _LAYOUT: ContextVar[tuple[PackedLayout | None, list[int]]] = ContextVar("packed_layout", default=(None, []))
 
 
-_SDPA_GROUPS = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")  # torch >= 2.5
-
-
 def _sdpa(query, key, value, *, mask=None, causal=False, dropout=0.0, scaling=None):
     groups = query.shape[1] // key.shape[1]
     options = {}
     if groups > 1:
         # CPU: sdpa shares the key/value heads itself. CUDA's masked kernels (and torch < 2.5) need them
         # repeated, else a masked call falls back to the math kernel (as transformers' own sdpa path does).
-        if query.device.type == "cpu" and _SDPA_GROUPS:
+        if query.device.type == "cpu" and SDPA_GROUPED_HEADS:
             options["enable_gqa"] = True
         else:
             key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
