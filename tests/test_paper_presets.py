@@ -345,6 +345,7 @@ def test_deviations_agree_with_the_composed_algorithm(paper_cfg, name):
                 assert active(cfg), f"{name}: '{clause}' says {feature} is used, but the composed config lacks it"
 
 
+@needs_data  # composing a paper preset resolves its dataset's files
 def test_a_preset_that_cannot_run_here_says_so_before_loading(paper_cfg, tmp_path):
     """paper=dapo trains a 32B model: about 16 bytes per parameter, refused on a 24 GiB device with
     the numbers; with experiment=smoke the same preset runs the tiny model and validates."""

@@ -33,7 +33,7 @@ forward, so its calibrated trajectories do not change), to transformers' own ``L
 ``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM`` (exact classes: a subclass or a remote-code model may
 change the forward) with full attention in every layer, sdpa attention, SiLU gating, plain
 ``nn.Linear`` projections (a LoRA or quantized layer is not one) and no forward hooks, on a
-transformers whose cache holds per-layer keys and values (``DynamicLayer``, 4.56 and later). Everything
+transformers whose cache holds per-layer keys and values (``transformers.cache_utils.DynamicLayer``). Everything
 else, and decoding under FSDP (whose forwards are collective), goes through the model's forward.
 Measured in ``docs/performance.md``.
 """
