@@ -40,6 +40,7 @@ Measured in ``docs/performance.md``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -49,18 +50,19 @@ from rlbench.rollout.cpu_linear import cpu_linear, layers_for_cpu_kernels, plain
 from rlbench.rollout.prefix_cache import KV, weights_version
 from rlbench.utils import SDPA_GROUPED_HEADS
 
-FAMILIES = ("llama", "qwen2", "qwen3")  # transformers.models.<family>: <Family>ForCausalLM, <Family>Model, ...
+# transformers.models.<family>.modeling_<family>: <Prefix>ForCausalLM, <Prefix>Model, <Prefix>DecoderLayer, <Prefix>RMSNorm
+FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 
 
+@functools.lru_cache(maxsize=None)
 def _family_classes() -> dict[type, tuple[type, type, type]]:
     """``{causal LM class: (base model class, decoder layer class, RMSNorm class)}`` of the supported
-    families, from the installed transformers."""
+    families, from the installed transformers (looked up once)."""
     import importlib
 
     classes = {}
-    for family in FAMILIES:
+    for family, prefix in FAMILIES.items():
         module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-        prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
         classes[getattr(module, f"{prefix}ForCausalLM")] = (
             getattr(module, f"{prefix}Model"), getattr(module, f"{prefix}DecoderLayer"), getattr(module, f"{prefix}RMSNorm"),
         )
