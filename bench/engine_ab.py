@@ -4,7 +4,7 @@ Both engines sample from the same SmolLM2-135M-Instruct object with the compare_
 prompts x 4 completions, at most 48 new tokens, temperature 1.0, one torch thread (``--threads``).
 Repetition r gives both engines the generator seed r (same samples: the engines draw the same tokens),
 and the order alternates (old-new, new-old, ...) so that a change of load on a shared machine hits both
-alike. The base engine is read with ``git show <base>:rlbench/rollout/hf_engine.py``.
+alike. The base engine is read with ``git show <base>:rlbench/rollout/engines/hf.py``.
 
     HF_HUB_OFFLINE=1 python bench/engine_ab.py --base 013c0e8 --reps 6
 
@@ -30,7 +30,7 @@ PROMPTS = ["What is 7 + 8?", "What is 7 + 0?", "What is 4 + 6?", "What is 6 + 1?
 
 
 def base_engine_class(commit: str):
-    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{commit}:rlbench/rollout/hf_engine.py"],
+    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{commit}:rlbench/rollout/engines/hf.py"],
                             check=True, capture_output=True, text=True).stdout
     path = Path(tempfile.mkdtemp()) / "base_hf_engine.py"
     path.write_text(source)

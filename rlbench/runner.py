@@ -37,7 +37,7 @@ from rlbench.model import load_policy
 from rlbench.model.lora import apply_lora, is_lora, save_lora
 from rlbench.reward.graders import make_grader
 from rlbench.rollout import make_engine
-from rlbench.rollout.base import SamplingParams
+from rlbench.rollout.engines.base import SamplingParams
 from rlbench.training import checkpoint
 from rlbench.training.distributed import (
     SINGLE, World, check_shardable, close_world, full_model_state, init_world, launched_rank,
@@ -122,10 +122,7 @@ def save_policy(model: torch.nn.Module, tokenizer: Any, target: Path, world: Wor
 def in_strategy_context(benchmarks: list[Benchmark], strategy: Any) -> list[Benchmark]:
     """The benchmarks as the trained policy is asked them: a strategy that puts context in every prompt
     (``in_context``: Training-Free GRPO's experience library) puts it in the evaluation's prompts too."""
-    in_context = getattr(strategy, "in_context", None)
-    if in_context is None:
-        return benchmarks
-    return [dataclasses.replace(b, problems=[in_context(p) for p in b.problems]) for b in benchmarks]
+    return [dataclasses.replace(b, problems=[strategy.in_context(p) for p in b.problems]) for b in benchmarks]
 
 
 def link_latest(out_dir: Path) -> None:

@@ -30,7 +30,7 @@ def seed_everything(seed: int) -> None:
 # Independent random streams derived from the run seed, one per purpose (make_generator).
 STREAM_DATA_ORDER, STREAM_ROLLOUT, STREAM_EVAL, STREAM_MINIBATCH = 1, 2, 3, 4
 STREAM_GREEDY, STREAM_REFERENCE = 11, 12  # extra rollouts of advantage inputs (ReMax, PVPO)
-STREAM_REPLAY, STREAM_CURRICULUM = 21, 22  # replay-buffer draws (rollout/replay.py), curriculum samplers (training/curricula.py)
+STREAM_REPLAY, STREAM_CURRICULUM = 21, 22  # replay-buffer draws (rollout/guided/replay.py), curriculum samplers (training/curricula.py)
 STREAM_SWARM = 31  # a swarm actor's draw of shared groups (training/swarm.py)
 
 

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from rlbench.rollout.base import Completion
+from rlbench.rollout.engines.base import Completion
 from rlbench.training.batch import collate, last_trained_position
 from rlbench.training.step import behaviour_old_logp
 from rlbench.training.update import micro_batch_loss

@@ -75,7 +75,7 @@ class ScriptedEngine:
         self.replies = replies
 
     def generate(self, requests, params, generator=None):
-        from rlbench.rollout.base import Completion
+        from rlbench.rollout.engines.base import Completion
 
         groups = []
         for index, request in enumerate(requests):
@@ -95,7 +95,7 @@ def test_evaluation_grades_real_programs_into_pass_at_k(make_cfg):
     (right, crash). pass@1 must be 3/4 and 1/4, pass@2 1 and 1/2."""
     from rlbench.eval.evaluate import evaluate
     from rlbench.model import load_policy
-    from rlbench.rollout.base import SamplingParams
+    from rlbench.rollout.engines.base import SamplingParams
     from rlbench.runner import load_benchmarks
 
     cfg = make_cfg("mode=eval", "eval=code", "eval.limit=2", "eval.n=2", "eval.k=[1,2]", "model=tiny")

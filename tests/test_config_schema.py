@@ -181,7 +181,7 @@ def test_schema_blocks_match_the_settings_the_code_reads(schema, runtime):
 
 
 def test_schema_blocks_have_the_keys_the_rollout_options_read():
-    from rlbench.rollout.dynamic_sampling import FILTER_METRICS, OPTION_KEYS as DYNAMIC_SAMPLING_KEYS
+    from rlbench.rollout.strategies.dynamic_sampling import FILTER_METRICS, OPTION_KEYS as DYNAMIC_SAMPLING_KEYS
     from rlbench.training.advantage_inputs import BASELINE_KEYS, TRACKER_KEYS
 
     def keys(schema):

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.reward.math import Grade
-from rlbench.rollout.base import Completion
+from rlbench.rollout.engines.base import Completion
 from rlbench.rollout.groups import GradedGroups
 from rlbench.training.curricula import (
     HardFocusOptions, PromptStats, PromptStatsStore, WeightedOptions, hardest, make_prompt_sampler, parse_stages,

@@ -526,7 +526,7 @@ def _load_example(tmp_path, records, spec):
 def test_docs_worked_examples_load_and_grade(tmp_path):
     from rlbench.reward import grade_completions
     from rlbench.reward.graders import make_grader
-    from rlbench.rollout.base import Completion
+    from rlbench.rollout.engines.base import Completion
 
     examples = _doc_examples()
     assert len(examples) == 2

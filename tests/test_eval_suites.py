@@ -16,8 +16,8 @@ from rlbench.errors import DataError
 from rlbench.eval.evaluate import Benchmark, evaluate, problem_seed, usable_problems
 from rlbench.model import load_policy
 from rlbench.reward import MathReward
-from rlbench.rollout.base import GenerationRequest, SamplingParams
-from rlbench.rollout.hf_engine import HFGenerateEngine
+from rlbench.rollout.engines.base import GenerationRequest, SamplingParams
+from rlbench.rollout.engines.hf import HFGenerateEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 PARAMS = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=6)

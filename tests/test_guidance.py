@@ -17,8 +17,8 @@ from rlbench.guidance.traces import even_token_ids, solution_trace_text
 from rlbench.reward import MathReward
 from rlbench.reward.toy import EvenTokenReward
 from rlbench.rollout import GroupSampler, RolloutSetup, make_strategy, validate_strategy
-from rlbench.rollout.base import Completion, SamplingParams
-from rlbench.rollout.mixed_traces import MixedTraces
+from rlbench.rollout.engines.base import Completion, SamplingParams
+from rlbench.rollout.guided.mixed_traces import MixedTraces
 from rlbench.training.batch import collate
 from rlbench.training.step import behaviour_old_logp
 
@@ -252,8 +252,10 @@ def test_traces_per_group_must_leave_room_for_the_policy():
 
 # ----------------------------------------------------------------------------------------- hints and prefixes
 
-from rlbench.rollout.guided_prefix import GuidanceLength, GuidedPrefix  # noqa: E402
-from rlbench.rollout.hints import HINT_SEPARATOR, HintReroll, ScafHints, hint_text  # noqa: E402
+from rlbench.rollout.guided.guided_prefix import GuidanceLength, GuidedPrefix  # noqa: E402
+from rlbench.rollout.guided.hint_reroll import HintReroll  # noqa: E402
+from rlbench.rollout.guided.hints import HINT_SEPARATOR, hint_text  # noqa: E402
+from rlbench.rollout.guided.scaf_hints import ScafHints  # noqa: E402
 
 
 class HintEngine:
@@ -412,7 +414,7 @@ def test_the_correction_never_reweights_a_trace_token():
         assert SamplingCorrection(2.0, mode).weights(old, batch.sampling_logp).tolist() == [[1.0, 1.0]]
 
 
-from rlbench.rollout.guided_prefix import DatasetReset  # noqa: E402
+from rlbench.rollout.guided.dataset_reset import DatasetReset  # noqa: E402
 
 
 def test_dataset_reset_starts_groups_from_a_uniform_cut_of_the_solution_as_context():
@@ -461,7 +463,7 @@ def test_hardest_problem_set_and_unbiased_pass_at_k():
     assert hard_set(solved) == {("b", "u0")}  # none unsolved: the decile with the fewest correct (1 of 10)
 
 
-from rlbench.rollout.hints import InContextExpert, expert_bonus  # noqa: E402
+from rlbench.rollout.guided.icl_expert import InContextExpert, expert_bonus  # noqa: E402
 
 
 def test_icpo_bonus_anneals_from_beta_to_zero():

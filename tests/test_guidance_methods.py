@@ -16,8 +16,8 @@ from rlbench.guidance import GuidanceLibrary, Trace  # noqa: E402
 from rlbench.reward import MathReward  # noqa: E402
 from rlbench.reward.toy import EvenTokenReward  # noqa: E402
 from rlbench.rollout import GroupSampler, RolloutSetup, make_strategy, validate_strategy  # noqa: E402
-from rlbench.rollout.base import Completion, SamplingParams  # noqa: E402
-from rlbench.rollout.edits import edited_response, numbers_in, sentence_spans  # noqa: E402
+from rlbench.rollout.engines.base import Completion, SamplingParams  # noqa: E402
+from rlbench.rollout.guided.edit_injection import edited_response, numbers_in, sentence_spans  # noqa: E402
 
 TOK = CharTokenizer()
 REFERENCE = "He has 3 + 4 = 7 apples.\nThen 7 * 2 = 14.\nThe final answer is \\boxed{14}."

@@ -41,3 +41,16 @@ def test_the_step_lives_in_the_training_package():
     """rlbench/*.py holds entry points and small shared modules; the training step is not among them."""
     top_level = {path.stem for path in PACKAGE.glob("*.py")}
     assert not top_level & {"trainer", "update", "group_sampling", "advantage_inputs"}
+
+
+def test_every_strategy_lives_in_the_module_named_after_it():
+    """rollout=<name> is rlbench/rollout/strategies/<name>.py or rlbench/rollout/guided/<name>.py, a subclass
+    of the base class that declares every hook (so no hook is looked up with getattr)."""
+    from rlbench.rollout import STRATEGIES
+    from rlbench.rollout.strategy import RolloutStrategy
+
+    misplaced = {name: cls.__module__ for name, cls in STRATEGIES.items()
+                 if cls.__module__ not in (f"rlbench.rollout.strategies.{name}", f"rlbench.rollout.guided.{name}")}
+    assert not misplaced, misplaced
+    assert all(issubclass(cls, RolloutStrategy) for cls in STRATEGIES.values())
+    assert {p.stem for p in (PACKAGE / "rollout").glob("*/*.py")} >= set(STRATEGIES)

@@ -1,4 +1,4 @@
-"""The HF engine's lean decoding steps (rlbench/rollout/lean_decode.py) against the model's own forward:
+"""The HF engine's lean decoding steps (rlbench/rollout/engines/lean_decode.py) against the model's own forward:
 Llama (also with every projection biased), Qwen2 (query/key/value biases) and Qwen3 (per-head query/key
 norms, a head size other than hidden / heads), padded prompts, rows leaving the batch, the KV kept across
 calls, weights changed between calls; and the models it must leave to the model's forward."""
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from rlbench.rollout import GenerationRequest, HFGenerateEngine, SamplingParams
-from rlbench.rollout.cpu_linear import LARGE_VOCAB, fast_cpu_linears
-from rlbench.rollout.hf_engine import ModelSteps
-from rlbench.rollout.lean_decode import LeanDecoder, LeanSteps, lean_decode_unsupported
+from rlbench.rollout.engines.cpu_linear import LARGE_VOCAB, fast_cpu_linears
+from rlbench.rollout.engines.hf import ModelSteps
+from rlbench.rollout.engines.lean_decode import LeanDecoder, LeanSteps, lean_decode_unsupported
 
 from test_rollout import tiny  # noqa: F401  (fixture: the tiny model and the SmolLM2 tokenizer)
 
@@ -258,7 +258,7 @@ def test_models_lean_decoding_cannot_run_use_the_forward(change, reason, caplog)
     with pytest.raises(ValueError, match="lean decoding cannot run"):
         LeanDecoder(model)
     engine = HFGenerateEngine(model, Tokenizer(), progress=False)
-    with caplog.at_level(logging.INFO, logger="rlbench.rollout.hf_engine"):
+    with caplog.at_level(logging.INFO, logger="rlbench.rollout.engines.hf"):
         for seed in range(2):
             out = engine.generate([GenerationRequest((5, 17, 300, 9), n=2)], SamplingParams(max_new_tokens=3), torch.Generator().manual_seed(seed))
             assert all(len(c.response_ids) >= 1 for c in out[0])

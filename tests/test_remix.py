@@ -15,7 +15,7 @@ from rlbench.algorithm import Algorithm
 from rlbench.config import validate_config
 from rlbench.errors import ConfigError
 from rlbench.rollout import validate_strategy
-from rlbench.rollout.replay import ReplayBuffer
+from rlbench.rollout.guided.replay import ReplayBuffer
 from rlbench.training.batch import collate
 from rlbench.training.step import behaviour_old_logp, reincarnate, stamp_policy_version
 

@@ -1,4 +1,4 @@
-"""Experience replay (rlbench/rollout/replay.py) and AR3PO's adaptive rollout (rlbench/rollout/adaptive.py):
+"""Experience replay (rlbench/rollout/guided/replay.py) and AR3PO's adaptive rollout (rlbench/rollout/guided/adaptive.py):
 buffer invariants (capacity, bucket weights, retirement, trajectory choice, determinism, checkpoint round
 trip), the strategies' groups, and the pi_old their replayed tokens get."""
 
@@ -14,8 +14,8 @@ from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.reward.toy import EvenTokenReward
 from rlbench.rollout import GroupSampler, RolloutSetup, make_strategy, validate_strategy
-from rlbench.rollout.base import Completion, SamplingParams
-from rlbench.rollout.replay import ReplayBuffer, bucket_weight
+from rlbench.rollout.engines.base import Completion, SamplingParams
+from rlbench.rollout.guided.replay import ReplayBuffer, bucket_weight
 from rlbench.training.batch import collate
 from rlbench.training.step import behaviour_old_logp, stamp_policy_version
 

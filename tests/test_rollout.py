@@ -17,9 +17,9 @@ from omegaconf import OmegaConf
 from rlbench.errors import ConfigError
 from rlbench.model import build_tiny_model, load_policy
 from rlbench.rollout import GenerationRequest, HFGenerateEngine, SamplingParams, make_engine
-from rlbench.rollout.hf_engine import sample_from_logprobs
+from rlbench.rollout.engines.hf import sample_from_logprobs
 from rlbench.utils import Progress
-from rlbench.rollout.vllm_engine import (
+from rlbench.rollout.engines.vllm import (
     VLLMEngine,
     requests_to_vllm_inputs,
     vllm_outputs_to_completions,
@@ -226,7 +226,7 @@ def test_shared_prefill_equals_unshared(eos_model, temperature, top_p):
 
 
 def _kernel_or_skip():
-    from rlbench.rollout.cpu_linear import few_rows_kernel, few_rows_kernel_unavailable
+    from rlbench.rollout.engines.cpu_linear import few_rows_kernel, few_rows_kernel_unavailable
 
     reason = few_rows_kernel_unavailable()
     if reason is not None:
@@ -239,7 +239,7 @@ def _kernel_or_skip():
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 64])
 @pytest.mark.parametrize("outputs,features,with_bias", [(1, 8, False), (6, 16, True), (13, 64, True), (192, 576, False)])
 def test_few_rows_kernel_is_linear_and_row_and_thread_invariant(rows, outputs, features, with_bias):
-    """The few-rows kernel (rlbench/rollout/cpu_linear_kernel.cpp) computes x @ W.T + b (to float
+    """The few-rows kernel (rlbench/rollout/engines/cpu_linear_kernel.cpp) computes x @ W.T + b (to float
     rounding, against float64); each output row is bit for bit the same computed alone, in any batch,
     and with 1 or 2 threads (one dot product in a fixed order per output)."""
     kernel = _kernel_or_skip()
@@ -267,7 +267,7 @@ def test_few_rows_kernel_is_linear_and_row_and_thread_invariant(rows, outputs, f
 def test_cpu_linear_routes_by_shape_and_falls_back(monkeypatch):
     """cpu_linear: the few-rows kernel for 1-64 rows whose width is a multiple of 8, oneDNN or
     PyTorch's kernel otherwise, and never the kernels when autograd records (they have no backward)."""
-    import rlbench.rollout.cpu_linear as cpu
+    import rlbench.rollout.engines.cpu_linear as cpu
 
     kernel = _kernel_or_skip()
     calls = []
@@ -290,10 +290,10 @@ def test_cpu_linear_routes_by_shape_and_falls_back(monkeypatch):
 
 
 def test_cpu_kernels_give_the_default_kernels_samples(eos_model, monkeypatch):
-    """The engine's linear layers through the CPU kernels (rlbench/rollout/cpu_linear.py; they apply
+    """The engine's linear layers through the CPU kernels (rlbench/rollout/engines/cpu_linear.py; they apply
     to the tiny model's 49,152-id float32 model on CPU) give the default kernels' tokens, and
     log-probs to float rounding; every layer's own forward is back after each call."""
-    import rlbench.rollout.cpu_linear as cpu
+    import rlbench.rollout.engines.cpu_linear as cpu
 
     model, tokenizer = eos_model
     kernel = _kernel_or_skip()
@@ -322,7 +322,7 @@ def test_cpu_kernels_give_the_default_kernels_samples(eos_model, monkeypatch):
 def test_cpu_kernels_only_for_large_float32_models():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rlbench.rollout.cpu_linear import LARGE_VOCAB, layers_for_cpu_kernels
+    from rlbench.rollout.engines.cpu_linear import LARGE_VOCAB, layers_for_cpu_kernels
 
     def llama(vocab):
         config = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

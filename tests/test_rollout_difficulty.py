@@ -1,4 +1,4 @@
-"""DART's difficulty-adaptive rollout (rlbench/rollout/difficulty_adaptive.py): the (n, budget) table on
+"""DART's difficulty-adaptive rollout (rlbench/rollout/guided/difficulty_adaptive.py): the (n, budget) table on
 a hand-made statistics store, the engine calls it makes, success injection, equivalence with iid when
 every prompt is in the default tier, variable group sizes through the advantage, and the refusals."""
 
@@ -14,8 +14,8 @@ from rlbench.config import validate_config
 from rlbench.errors import ConfigError
 from rlbench.reward.toy import EvenTokenReward
 from rlbench.rollout import GroupSampler, RolloutSetup, make_strategy, validate_strategy
-from rlbench.rollout.base import Completion, SamplingParams
-from rlbench.rollout.difficulty_adaptive import DifficultyOptions, difficulty_tier, rollout_plan
+from rlbench.rollout.engines.base import Completion, SamplingParams
+from rlbench.rollout.guided.difficulty_adaptive import DifficultyOptions, difficulty_tier, rollout_plan
 from rlbench.training.curricula import PromptStats, PromptStatsStore
 from rlbench.training.step import TIMING_METRICS, stamp_policy_version
 from test_curricula import PROBLEMS, graded

@@ -1,4 +1,4 @@
-"""AEPO's entropy-balanced rollout (rlbench/rollout/entropy_branch.py, arXiv:2510.14545)."""
+"""AEPO's entropy-balanced rollout (rlbench/rollout/strategies/entropy_branch.py, arXiv:2510.14545)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from rlbench.errors import ConfigError
 from rlbench.model import load_policy
 from rlbench.reward.toy import EvenTokenReward
 from rlbench.rollout import GroupSampler, HFGenerateEngine, RolloutSetup, make_strategy, validate_strategy
-from rlbench.rollout.base import Completion, PositionStats, SamplingParams
-from rlbench.rollout.entropy_branch import (
+from rlbench.rollout.engines.base import Completion, PositionStats, SamplingParams
+from rlbench.rollout.strategies.entropy_branch import (
     EntropyBranchOptions,
     EntropyBranchRollout,
     branch_probability,

@@ -1,4 +1,4 @@
-"""EIS-GRPO equivalent states pooled in one group (rlbench/rollout/equivalent_states.py, arXiv:2505.13346)."""
+"""EIS-GRPO equivalent states pooled in one group (rlbench/rollout/strategies/equivalent_states.py, arXiv:2505.13346)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.reward.toy import EvenTokenReward
 from rlbench.rollout import GroupSampler, RolloutSetup, make_strategy, validate_strategy
-from rlbench.rollout.base import Completion, SamplingParams
-from rlbench.rollout.equivalent_states import EquivalentStatesRollout, state_prompt_spec
+from rlbench.rollout.engines.base import Completion, SamplingParams
+from rlbench.rollout.strategies.equivalent_states import EquivalentStatesRollout, state_prompt_spec
 from rlbench.training.batch import collate
 
 from conftest import CharTokenizer, smoke_cli_steps

@@ -1,4 +1,4 @@
-"""LATR lookahead rollouts (rlbench/rollout/lookahead.py, arXiv:2510.24302)."""
+"""LATR lookahead rollouts (rlbench/rollout/strategies/lookahead.py, arXiv:2510.24302)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from rlbench.errors import ConfigError
 from rlbench.model import load_policy
 from rlbench.reward.toy import EvenTokenReward
 from rlbench.rollout import GroupSampler, HFGenerateEngine, RolloutSetup, make_strategy, validate_strategy
-from rlbench.rollout.base import Completion, PositionStats, SamplingParams
-from rlbench.rollout.lookahead import LookaheadOptions, LookaheadRollout, branch_points, rouge_l_f1, too_similar
+from rlbench.rollout.engines.base import Completion, PositionStats, SamplingParams
+from rlbench.rollout.strategies.lookahead import LookaheadOptions, LookaheadRollout, branch_points, rouge_l_f1, too_similar
 
 from conftest import smoke_cli_steps
 

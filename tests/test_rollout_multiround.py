@@ -1,4 +1,4 @@
-"""MOTIF multi-round rollouts (rlbench/rollout/multiround.py, arXiv:2507.02851)."""
+"""MOTIF multi-round rollouts (rlbench/rollout/strategies/multiround.py, arXiv:2507.02851)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.reward.math import Grade
 from rlbench.rollout import GroupSampler, RolloutSetup, make_strategy, validate_strategy
-from rlbench.rollout.base import Completion, SamplingParams
-from rlbench.rollout.multiround import FINAL_ROUND_NOTE, MultiroundOptions, MultiroundRollout, motif_reward, round_problem
+from rlbench.rollout.engines.base import Completion, SamplingParams
+from rlbench.rollout.strategies.multiround import FINAL_ROUND_NOTE, MultiroundOptions, MultiroundRollout, motif_reward, round_problem
 
 
 def test_the_reward_is_twice_the_expected_final_round_accuracy():

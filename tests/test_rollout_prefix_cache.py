@@ -1,4 +1,4 @@
-"""The HF engine's KV cache across calls (rlbench/rollout/prefix_cache.py, ``rollout.prefix_cache_mb``):
+"""The HF engine's KV cache across calls (rlbench/rollout/engines/prefix_cache.py, ``rollout.prefix_cache_mb``):
 the LRU itself, and the engine with it against the engine without it at the same seed."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from rlbench.model import build_tiny_model
 from rlbench.rollout import GenerationRequest, HFGenerateEngine, SamplingParams, make_engine
-from rlbench.rollout.prefix_cache import PrefixKVCache, kv_bytes
+from rlbench.rollout.engines.prefix_cache import PrefixKVCache, kv_bytes
 
 from test_rollout import _prompt, eos_model, tiny  # noqa: F401  (fixtures: the tiny model, and one that ends at EOS often)
 

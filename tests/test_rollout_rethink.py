@@ -1,4 +1,4 @@
-"""Cog-Rethinker re-rollouts (rlbench/rollout/rethink.py, arXiv:2510.15979)."""
+"""Cog-Rethinker re-rollouts (rlbench/rollout/strategies/rethink.py, arXiv:2510.15979)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.reward.math import Grade
 from rlbench.rollout import GroupSampler, RolloutSetup, make_strategy, validate_strategy
-from rlbench.rollout.base import Completion, SamplingParams
-from rlbench.rollout.rethink import RethinkOptions, RethinkRollout, stage_problem
+from rlbench.rollout.engines.base import Completion, SamplingParams
+from rlbench.rollout.strategies.rethink import RethinkOptions, RethinkRollout, stage_problem
 from rlbench.training.batch import collate
 from rlbench.training.step import behaviour_old_logp
 

@@ -1,4 +1,4 @@
-"""The engine's sampling hook (rlbench.rollout.base.LogitsTransform) and the two strategies built on it:
+"""The engine's sampling hook (rlbench.rollout.engines.base.LogitsTransform) and the two strategies built on it:
 rollout=adaptive_temperature (HAPO, arXiv:2509.16591) and rollout=masked (NLPO, arXiv:2210.01241).
 
 Closed forms on hand-made entropies and distributions; on the tiny model, the sampled tokens and their
@@ -23,16 +23,16 @@ from rlbench.errors import ConfigError
 from rlbench.model import load_policy
 from rlbench.reward.toy import EvenTokenReward
 from rlbench.rollout import GroupSampler, HFGenerateEngine, RolloutSetup, make_strategy, validate_strategy
-from rlbench.rollout.adaptive_temperature import (
+from rlbench.rollout.strategies.adaptive_temperature import (
     AdaptiveTemperatureRollout,
     AdaptiveTemperatureTransform,
     entropy_at,
     temperature_factors,
 )
-from rlbench.rollout import vllm_logits
-from rlbench.rollout.base import GenerationRequest, SamplingParams
-from rlbench.rollout.iid import IIDSampling
-from rlbench.rollout.masked import MaskedRollout, MaskedSampling, apply_mask, top_p_mask
+from rlbench.rollout.engines import vllm_logits
+from rlbench.rollout.engines.base import GenerationRequest, SamplingParams
+from rlbench.rollout.strategies.iid import IIDSampling
+from rlbench.rollout.strategies.masked import MaskedRollout, MaskedSampling, apply_mask, top_p_mask
 from rlbench.training.batch import collate
 from rlbench.training.forward import token_outputs, training_logits_transform
 
@@ -352,7 +352,7 @@ def test_masked_is_refused_with_stale_batches_and_with_trpo(make_cfg):
         validate_config(make_cfg("rollout=masked", "algorithm=trpo"))
 
 
-# ---------------------------------------------------------------- the transform inside vLLM (rlbench/rollout/vllm_logits.py)
+# ---------------------------------------------------------------- the transform inside vLLM (rlbench/rollout/engines/vllm_logits.py)
 
 
 class _Direction(enum.Enum):
@@ -451,7 +451,7 @@ def test_adaptive_temperature_through_the_vllm_logits_processor(tiny, fake_vllm)
     """rollout=adaptive_temperature on the vLLM engine (the sampler a stand-in that decodes like vLLM's):
     the log-probs of the sampled tokens are those of T (1 + tau h) per token, recomputed here from the
     model's logits, and the entropies recorded for the next step's scale are the sampled steps'."""
-    from rlbench.rollout.vllm_engine import VLLMEngine
+    from rlbench.rollout.engines.vllm import VLLMEngine
 
     model, tokenizer = tiny
     processor = fake_vllm
@@ -477,7 +477,7 @@ def test_adaptive_temperature_through_the_vllm_logits_processor(tiny, fake_vllm)
 
 
 def test_a_vllm_engine_without_the_processor_refuses_a_transform(tiny):
-    from rlbench.rollout.vllm_engine import VLLMEngine
+    from rlbench.rollout.engines.vllm import VLLMEngine
 
     model, tokenizer = tiny
     engine = VLLMEngine(model, tokenizer, llm=object(), sampling_params_factory=dict)

@@ -1,4 +1,4 @@
-"""SPEC-RL speculative rollouts (rlbench/rollout/speculative.py, arXiv:2509.23232).
+"""SPEC-RL speculative rollouts (rlbench/rollout/strategies/speculative.py, arXiv:2509.23232).
 
 The law of the accept / regenerate procedure is computed exactly by enumerating every short sequence
 of a tiny model with a 3-token vocabulary (no sampling), and compared with the closed form of the
@@ -20,8 +20,8 @@ from rlbench.errors import ConfigError
 from rlbench.model import load_policy
 from rlbench.reward.toy import EvenTokenReward
 from rlbench.rollout import GroupSampler, HFGenerateEngine, RolloutSetup, make_strategy, validate_strategy
-from rlbench.rollout.base import Completion, SamplingParams
-from rlbench.rollout.speculative import (
+from rlbench.rollout.engines.base import Completion, SamplingParams
+from rlbench.rollout.strategies.speculative import (
     Draft,
     SpeculativeOptions,
     SpeculativeRollout,
@@ -191,7 +191,7 @@ def hf_setup(tiny, n=3, max_new_tokens=6, seed=0):
 def test_first_epoch_falls_back_to_sampling_and_says_so(tiny, caplog):
     setup = hf_setup(tiny)
     strategy = SpeculativeRollout(setup, SpeculativeOptions(0.0))
-    with caplog.at_level(logging.INFO, logger="rlbench.rollout.speculative"):
+    with caplog.at_level(logging.INFO, logger="rlbench.rollout.strategies.speculative"):
         groups, metrics = strategy.rollout(problems("a", "b"))
     assert "2 of 2 prompts have no draft yet" in caplog.text
     assert metrics["speculative_fallback_prompts"] == 2 and metrics["speculative_draft_tokens"] == 0

@@ -9,10 +9,10 @@ from rlbench.errors import ConfigError
 from rlbench.reward.math import Grade
 from rlbench.reward.toy import EvenTokenReward
 from rlbench.rollout import STRATEGIES, GroupSampler, RolloutSetup, make_strategy, validate_strategy
-from rlbench.rollout.base import Completion, SamplingParams
-from rlbench.rollout.dynamic_sampling import DynamicSampling, DynamicSamplingOptions, sample_informative_groups
+from rlbench.rollout.engines.base import Completion, SamplingParams
+from rlbench.rollout.strategies.dynamic_sampling import DynamicSampling, DynamicSamplingOptions, sample_informative_groups
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.iid import IIDSampling
+from rlbench.rollout.strategies.iid import IIDSampling
 
 
 class ScriptedEngine:

@@ -1,6 +1,6 @@
-"""Tree rollouts (rlbench/rollout/tree.py) and their advantages (rlbench/algorithm/advantages/tree.py):
+"""Tree rollouts (rlbench/rollout/strategies/tree.py) and their advantages (rlbench/algorithm/advantages/tree.py):
 closed forms on hand-built trees, the sampler on the tiny model, and the refusals before loading; and
-micro-group sampling (rlbench/rollout/micro_groups.py): the same groups whatever the micro-group size."""
+micro-group sampling (rlbench/rollout/strategies/micro_groups.py): the same groups whatever the micro-group size."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from rlbench.algorithm.advantages.tree import leaf_paths, tree_advantage, treerp
 from rlbench.errors import ConfigError
 from rlbench.model import build_tiny_model, load_policy
 from rlbench.rollout import GroupSampler, HFGenerateEngine, RolloutSetup, SamplingParams, make_strategy, validate_strategy
-from rlbench.rollout.tree import TreeOptions, split_budget
+from rlbench.rollout.strategies.tree import TreeOptions, split_budget
 
 from conftest import has_vllm_gpu
 
@@ -267,7 +267,7 @@ def test_strategy_on_the_vllm_engine_gpu(strategy):
     every group has its n responses, tree leaves share their nodes' tokens."""
     from rlbench.dataset.base import Problem
     from rlbench.reward.toy import EvenTokenReward
-    from rlbench.rollout.vllm_engine import VLLMEngine
+    from rlbench.rollout.engines.vllm import VLLMEngine
 
     model, tokenizer = load_policy(OmegaConf.load(ROOT / "conf" / "model" / "smollm2_135m.yaml"), device="cuda")
     engine = VLLMEngine(model, tokenizer, gpu_memory_utilization=0.2, enforce_eager=True)

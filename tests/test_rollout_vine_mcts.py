@@ -1,6 +1,6 @@
-"""VinePPO's Monte-Carlo step values (rlbench/rollout/vine.py) and their advantage
+"""VinePPO's Monte-Carlo step values (rlbench/rollout/strategies/vine.py) and their advantage
 (rlbench/algorithm/advantages/vine.py), and staged GRPO on tree-search prefixes
-(rlbench/rollout/mcts_prefix.py): closed forms on hand-built steps, the strategies on the tiny model,
+(rlbench/rollout/strategies/mcts_prefix.py): closed forms on hand-built steps, the strategies on the tiny model,
 the refusals before loading, and a CLI run of each."""
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from rlbench.errors import ConfigError
 from rlbench.model import load_policy
 from rlbench.reward.toy import EvenTokenReward
 from rlbench.rollout import GroupSampler, HFGenerateEngine, RolloutSetup, SamplingParams, make_strategy, validate_strategy
-from rlbench.rollout.base import Completion
+from rlbench.rollout.engines.base import Completion
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.mcts_prefix import revealed_length
-from rlbench.rollout.vine import VineOptions, step_starts
+from rlbench.rollout.strategies.mcts_prefix import revealed_length
+from rlbench.rollout.strategies.vine import VineOptions, step_starts
 from rlbench.training.advantage_inputs import token_steps
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -282,7 +282,7 @@ def test_mcts_prefix_stages_reveal_the_best_search_leaf(tiny):
 
 def test_mcts_prefix_is_the_best_leafs_prefix(tiny):
     """The revealed prefix is the start of a search leaf with the highest reward of its prompt."""
-    from rlbench.rollout.tree import TreeSampling
+    from rlbench.rollout.strategies.tree import TreeSampling
 
     cfg = _mcts_cfg(stage_depths=[3], steps_per_stage=1)
     strategy, sampler, problems = _strategy(tiny, cfg, seed=4)
@@ -311,7 +311,7 @@ def test_mcts_prefix_is_the_best_leafs_prefix(tiny):
 def test_strategy_on_the_vllm_engine_gpu(strategy):
     """Each strategy of this module through the vLLM engine (prefix caching serves the continuations):
     every group has its n responses within the budget; vine's values are rewards' means, in [0, 1]."""
-    from rlbench.rollout.vllm_engine import VLLMEngine
+    from rlbench.rollout.engines.vllm import VLLMEngine
 
     model, tokenizer = load_policy(OmegaConf.load(ROOT / "conf" / "model" / "smollm2_135m.yaml"), device="cuda")
     engine = VLLMEngine(model, tokenizer, gpu_memory_utilization=0.2, enforce_eager=True)

@@ -15,10 +15,10 @@ from rlbench.dataset.base import Problem
 from rlbench.model import load_policy
 from rlbench.reward.toy import EvenTokenReward
 from rlbench.rollout import GroupSampler, HFGenerateEngine, RolloutSetup, SamplingParams
-from rlbench.rollout.adaptive_temperature import AdaptiveTemperatureRollout, entropy_at, temperature_factors
-from rlbench.rollout.entropy_branch import EntropyBranchOptions, EntropyBranchRollout
-from rlbench.rollout.lookahead import LookaheadOptions, LookaheadRollout
-from rlbench.rollout.speculative import SpeculativeOptions, SpeculativeRollout
+from rlbench.rollout.strategies.adaptive_temperature import AdaptiveTemperatureRollout, entropy_at, temperature_factors
+from rlbench.rollout.strategies.entropy_branch import EntropyBranchOptions, EntropyBranchRollout
+from rlbench.rollout.strategies.lookahead import LookaheadOptions, LookaheadRollout
+from rlbench.rollout.strategies.speculative import SpeculativeOptions, SpeculativeRollout
 
 from conftest import has_vllm_gpu
 
@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not has_vllm_gpu(), reason="ne
 @pytest.fixture(scope="module")
 def engines():
     """``{"hf": ..., "vllm": ...}`` on one SmolLM2 policy (the vLLM engine scores on that same model)."""
-    from rlbench.rollout.vllm_engine import VLLMEngine
+    from rlbench.rollout.engines.vllm import VLLMEngine
 
     model, tokenizer = load_policy(OmegaConf.load(ROOT / "conf" / "model" / "smollm2_135m.yaml"), device="cuda")
     vllm_engine = VLLMEngine(model, tokenizer, gpu_memory_utilization=0.2, enforce_eager=True)

@@ -178,7 +178,7 @@ def test_an_actors_prompt_statistics_count_its_own_groups_only(make_cfg):
     so the same uid is another problem) with another policy: the sampler's statistics leave it out."""
     from rlbench.dataset.base import Problem
     from rlbench.reward.math import Grade
-    from rlbench.rollout.base import Completion
+    from rlbench.rollout.engines.base import Completion
     from rlbench.rollout.groups import GradedGroups
     from rlbench.training.curricula import Curriculum
 

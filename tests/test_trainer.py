@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlbench.algorithm import Algorithm
-from rlbench.rollout.base import Completion
+from rlbench.rollout.engines.base import Completion
 from rlbench.training.batch import collate, mask_truncated, trainable_tokens
 from rlbench.training.forward import batch_outputs, groups_share_prompts, token_outputs
 from rlbench.training.loop import UntrainedSteps

@@ -15,12 +15,13 @@ from rlbench.errors import ConfigError
 from rlbench.eval.evaluate import Benchmark
 from rlbench.reward.math import Grade
 from rlbench.rollout import GroupSampler, RolloutSetup, validate_strategy
-from rlbench.rollout.base import Completion, SamplingParams
-from rlbench.rollout.experience_library import (
+from rlbench.rollout.engines.base import Completion, SamplingParams
+from rlbench.rollout.guided.experience_library import (
     LIBRARY_HEADER, Experience, ExperienceLibrary, ExperienceLibraryOptions, ExperienceLibraryRollout, lesson_request,
     render_library,
 )
-from rlbench.rollout.iid import IIDSampling
+from rlbench.rollout.strategies.iid import IIDSampling
+from rlbench.rollout.strategy import RolloutStrategy
 from rlbench.runner import in_strategy_context
 from rlbench.training.update_schedules import apply_update_schedule
 
@@ -96,7 +97,7 @@ def test_lessons_come_from_contrasting_groups_and_change_the_next_prompts():
     # the evaluation asks the same prompts
     bench = Benchmark("arith", {}, [Problem("t", "mixed", "y")], Grader())
     assert in_strategy_context([bench], fresh)[0].problems[0].prompt == f"{LIBRARY_HEADER}\n[0] y\n\nProblem: mixed"
-    assert in_strategy_context([bench], object())[0] is bench
+    assert in_strategy_context([bench], RolloutStrategy(setup=None))[0].problems == bench.problems  # the base hook: unchanged
 
 
 def test_an_empty_library_is_iid_exactly():

@@ -253,7 +253,7 @@ def test_new_estimators_are_selectable(estimator):
 
 
 def test_the_trainer_batch_carries_the_sampler_logprobs():
-    from rlbench.rollout.base import Completion
+    from rlbench.rollout.engines.base import Completion
     from rlbench.training.batch import collate
 
     batch = collate([[Completion(0, (1, 2), [3, 4, 5], [-0.5, -1.0, -1.5], True), Completion(0, (1,), [6], [-2.0], True)]], 0)

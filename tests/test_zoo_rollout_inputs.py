@@ -25,8 +25,8 @@ from rlbench.algorithm.advantages import SPOTracker
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.reward.math import Grade
-from rlbench.rollout.base import Completion, SamplingParams
-from rlbench.rollout.dynamic_sampling import DynamicSamplingOptions, informative_groups, sample_informative_groups
+from rlbench.rollout.engines.base import Completion, SamplingParams
+from rlbench.rollout.strategies.dynamic_sampling import DynamicSamplingOptions, informative_groups, sample_informative_groups
 from rlbench.rollout.groups import GradedGroups
 from rlbench.training.batch import collate, mask_truncated
 

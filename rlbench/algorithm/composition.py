@@ -52,8 +52,8 @@ from rlbench.errors import ConfigError
 PROVIDED_ADVANTAGE_INPUTS = {
     "rewards", "group_index", "response_mask", "entropy", "old_logp", "correct", "max_length",
     "baseline_rewards", "tracker_baseline", "answer_keys", "diversity",  # rlbench.training.advantage_inputs
-    "tree_nodes",  # rlbench.training.advantage_inputs, from a tree rollout (rlbench/rollout/tree.py)
-    "step_index", "step_values",  # rlbench.training.advantage_inputs, from rollout=vine (rlbench/rollout/vine.py)
+    "tree_nodes",  # rlbench.training.advantage_inputs, from a tree rollout (rlbench/rollout/strategies/tree.py)
+    "step_index", "step_values",  # rlbench.training.advantage_inputs, from rollout=vine (rlbench/rollout/strategies/vine.py)
 }
 PROVIDED_LOSS_INPUTS = {
     "logp", "old_logp", "advantages", "response_mask", "entropy", "progress", "prox_logp",

@@ -19,7 +19,7 @@ from rlbench.training.swarm import check_swarm
 from rlbench.algorithm import Algorithm
 from rlbench.algorithm.registry import ADVANTAGES
 from rlbench.algorithm.shaping import REWARD_SHAPING
-from rlbench.rollout.difficulty_adaptive import DifficultyOptions
+from rlbench.rollout.guided.difficulty_adaptive import DifficultyOptions
 from rlbench.config.fit import check_fits_here
 from rlbench.config.origin import ValueOrigins, with_origins
 from rlbench.config.walk import check_against_schema
@@ -154,7 +154,7 @@ def check_reincarnation(cfg: Any) -> None:
 
 
 def check_masked_rollout(cfg: Any, algorithm: Algorithm) -> None:
-    """rollout=masked changes every forward of the step to the masked distribution (rlbench/rollout/masked.py):
+    """rollout=masked changes every forward of the step to the masked distribution (rlbench/rollout/strategies/masked.py):
     refused where a batch could be trained under another mask than it was sampled with, or where a term
     reads the whole vocabulary's log-probs, -inf outside the mask."""
     if cfg.rollout.get("strategy") != "masked":
@@ -170,7 +170,7 @@ def check_masked_rollout(cfg: Any, algorithm: Algorithm) -> None:
 
 
 def check_difficulty_rollout(cfg: Any, algorithm: Algorithm) -> None:
-    """rollout=difficulty_adaptive (rlbench/rollout/difficulty_adaptive.py) at every stage's group size,
+    """rollout=difficulty_adaptive (rlbench/rollout/guided/difficulty_adaptive.py) at every stage's group size,
     the smallest batch it can form (every prompt easy: prompts_per_step * n_min responses) against the
     mini-batches, and response budgets that vary against reward shaping that reads the budget."""
     if cfg.rollout.get("strategy") != "difficulty_adaptive":

@@ -14,7 +14,7 @@ from rlbench.errors import DataError
 from rlbench.eval.metrics import METRIC_COLUMNS, ProblemResult, summarize
 from rlbench.prompting import encode_prompts
 from rlbench.reward import canonical_answer, grade_completions
-from rlbench.rollout.base import GenerationRequest, RolloutEngine, SamplingParams
+from rlbench.rollout.engines.base import GenerationRequest, RolloutEngine, SamplingParams
 from rlbench.utils import Progress
 
 log = logging.getLogger(__name__)

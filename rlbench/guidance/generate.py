@@ -32,7 +32,7 @@ from rlbench.prompting import encode_prompts
 from rlbench.reward import grade_completions
 from rlbench.reward.graders import make_grader
 from rlbench.rollout import make_engine
-from rlbench.rollout.base import GenerationRequest, SamplingParams
+from rlbench.rollout.engines.base import GenerationRequest, SamplingParams
 from rlbench.utils import atomic_write_text
 
 log = logging.getLogger(__name__)

@@ -158,10 +158,10 @@ def even_token_ids(tokenizer: Any, length: int, uid: str, seed: int) -> tuple[in
 
 
 def trace_completion(trace: Trace, prompt_ids: Sequence[int], request_index: int = 0) -> Any:
-    """The trace as a response in a group (a rlbench.rollout.base.Completion): every token off-policy,
+    """The trace as a response in a group (a rlbench.rollout.engines.base.Completion): every token off-policy,
     behaviour log-prob 0 (mu = 1, LUFFY's assumption for a teacher whose probabilities are unknown,
     arXiv:2504.14945, section 3.2)."""
-    from rlbench.rollout.base import Completion  # here: the rollout strategies import this module
+    from rlbench.rollout.engines.base import Completion  # here: the rollout strategies import this module
 
     r = len(trace.token_ids)
     return Completion(

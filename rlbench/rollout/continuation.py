@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import torch
 
-from rlbench.rollout.base import Completion, GenerationRequest, SamplingParams
+from rlbench.rollout.engines.base import Completion, GenerationRequest, SamplingParams
 
 
 def budget_bucket(remaining: int, max_new_tokens: int) -> int:

@@ -20,7 +20,7 @@ from rlbench.dataset.base import Problem
 from rlbench.prompting import encode_prompts
 from rlbench.reward import grade_completions
 from rlbench.reward.math import Grade
-from rlbench.rollout.base import Completion, GenerationRequest, RolloutEngine, SamplingParams
+from rlbench.rollout.engines.base import Completion, GenerationRequest, RolloutEngine, SamplingParams
 
 
 @dataclass

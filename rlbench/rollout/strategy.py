@@ -9,49 +9,36 @@ and trains on ``groups`` (:class:`rlbench.rollout.groups.GradedGroups`: response
 prompt, graded, reward-shaped, each group with an explicit id). ``draw_prompts(k)`` gives k more
 training problems for strategies that sample beyond the step's own prompts.
 
-Adding a strategy is one module and one YAML: a class registered with :func:`register_strategy`,
-with ``from_config(rollout_cfg, setup)`` (build from the ``rollout`` node and the shared
-:class:`RolloutSetup`), ``validate(rollout_cfg, advantage)`` (refuse impossible settings before the
-model loads; ``advantage`` is the estimator's name) and ``rollout(problems, draw_prompts)``; and
-``conf/rollout/<name>.yaml`` with ``defaults: [iid, _self_]``, ``strategy: <name>`` and the
-strategy's own block. Import the module in rlbench/rollout/__init__.py so that it registers.
-
-State across steps: a strategy that keeps anything between steps (a replay buffer, stored drafts,
-per-prompt statistics) implements ``state_dict() -> dict`` and ``load_state_dict(state)`` (plain
-Python values and tensors), so checkpoints save it and a resumed run continues exactly.
+Adding a strategy is one module and one YAML: ``rlbench/rollout/strategies/<name>.py`` (or ``guided/``
+when its groups hold responses the policy did not sample for the prompt as it stands), a subclass of
+:class:`RolloutStrategy` registered with :func:`register_strategy` under the module's name, and
+``conf/rollout/<name>.yaml`` with ``defaults: [iid, _self_]``, ``strategy: <name>`` and the strategy's
+own block. Every module of those packages is imported, so nothing else is edited. The base class
+declares every hook the run calls, with its default; a strategy overrides what it needs.
 
 Off-policy responses: a strategy that returns tokens the current policy did not sample (a trace, a
 replayed or stale response, a draft, a hint) labels them on the Completion (``behaviour``,
-``off_policy``, ``behaviour_logprobs``, ``loss_mask``, ``policy_version``; rlbench/rollout/base.py);
+``off_policy``, ``behaviour_logprobs``, ``loss_mask``, ``policy_version``; rlbench/rollout/engines/base.py);
 the trainer then takes pi_old from the stored behaviour log-probs on those tokens, never ratio 1
 (rlbench.training.step.behaviour_old_logp), and the loss pieces read the ``off_policy`` mask.
 
-Shaped for what comes next (not implemented yet):
-
-* tree / segment strategies (TreeRL, segment rollouts) branch from shared prefixes: they send the
-  engine requests with ``prefix_ids`` (the prefix is returned and scored as part of the response) and
-  a per-request ``n``; the responses sharing a root prompt form one group, whatever request produced
-  them, which is why groups carry ids rather than being positions in a request list;
-* multi-turn tool use (code-interpreter turns): a strategy alternates generation and tool calls and
-  returns the tool's output tokens inside the response; they must not be trained on, so such a
-  group carries a per-token loss mask (1 for policy tokens, 0 for tool output) that the batch
-  multiplies into its response mask (as DAPO's overlong filter does per response);
-* pairwise / preference objectives over the responses of a group read the group as it is: its
-  responses, rewards and id, from which the loss forms pairs inside each group.
+A strategy whose completions carry what an advantage reads (a tree's nodes, Monte-Carlo step values)
+names those step inputs in ``provides``; the validation refuses an advantage that reads such an input
+under a strategy that does not provide it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, ClassVar
 
 import torch
 
 from rlbench.algorithm.registry import ADVANTAGES
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
-from rlbench.rollout.base import SamplingParams
+from rlbench.rollout.engines.base import SamplingParams
 from rlbench.rollout.groups import GradedGroups, GroupSampler
 
 DEFAULT_STRATEGY = "iid"
@@ -76,13 +63,64 @@ class RolloutSetup:
         return self.sampler(problems, self.n, self.params, self.generator)
 
 
-class RolloutStrategy(Protocol):
+class RolloutStrategy:
+    """Base class of every rollout strategy: each hook the run calls, with its default.
+
+    Built by :meth:`from_config` from the ``rollout`` node: :meth:`options` reads and checks the
+    strategy's own block (``rollout.<name>``) into the constructor's keyword arguments, and
+    :meth:`validate` runs the same checks before the model loads. A strategy keeps its
+    :class:`RolloutSetup` as ``setup`` (``trainer.stages`` changes its group size and length there).
+    """
+
+    #: Step inputs this strategy's completions carry (rlbench.training.step_inputs), e.g. a tree's nodes.
+    provides: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, setup: RolloutSetup):
+        self.setup = setup
+
+    @classmethod
+    def config_options(cls, rollout_cfg: Any) -> dict[str, Any]:
+        """The constructor's keyword arguments besides ``setup``, read from ``rollout_cfg`` and checked
+        (ConfigError); a strategy without options takes none."""
+        return {}
+
+    @classmethod
+    def from_config(cls, rollout_cfg: Any, setup: RolloutSetup) -> "RolloutStrategy":
+        return cls(setup, **cls.config_options(rollout_cfg))
+
+    @classmethod
+    def validate(cls, rollout_cfg: Any, advantage: str) -> None:
+        """Refuse impossible settings before the model loads (ConfigError); ``advantage`` is the
+        estimator's name. By default: the checks of :meth:`options`."""
+        cls.config_options(rollout_cfg)
+
     def rollout(
-        self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None
+        self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None = None
     ) -> tuple[GradedGroups, dict[str, float]]:
         """The step's graded groups (one per prompt of ``problems`` unless the strategy says otherwise)
         and the strategy's metrics."""
-        ...
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """What the strategy keeps between steps (a replay buffer, drafts, per-prompt statistics) as plain
+        values and tensors, so that a resumed run continues exactly; None: nothing."""
+        return None
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Restore :meth:`state_dict`'s value."""
+
+    def training_logits_transform(self) -> Callable[[torch.Tensor, Any], torch.Tensor] | None:
+        """The change a strategy makes to the sampling distribution (rollout=masked's top-p mask), applied
+        to the step's forwards alike; None: the plain distribution."""
+        return None
+
+    def stop_replay(self) -> None:
+        """From now on replay nothing (ReMix's reincarnation); a strategy that replays nothing ignores it."""
+
+    def in_context(self, problem: Problem) -> Problem:
+        """The problem as the trained policy is asked it, here and at evaluation (Training-Free GRPO puts
+        its experience library in every prompt); by default the problem itself."""
+        return problem
 
 
 STRATEGIES: dict[str, type] = {}
@@ -146,20 +184,3 @@ def validate_strategy(rollout_cfg: Any, advantage: str) -> None:
 
 def make_strategy(rollout_cfg: Any, setup: RolloutSetup) -> RolloutStrategy:
     return strategy_class(rollout_cfg).from_config(rollout_cfg, setup)
-
-
-class OptionStrategy:
-    """Base of a strategy whose ``options(rollout_cfg)`` returns its constructor's keyword arguments
-    (checked there): ``from_config`` builds it from them, ``validate`` checks them before loading."""
-
-    @classmethod
-    def options(cls, rollout_cfg: Any) -> dict:
-        raise NotImplementedError
-
-    @classmethod
-    def from_config(cls, rollout_cfg: Any, setup: RolloutSetup) -> Any:
-        return cls(setup, **cls.options(rollout_cfg))
-
-    @classmethod
-    def validate(cls, rollout_cfg: Any, advantage: str) -> None:
-        cls.options(rollout_cfg)

@@ -54,7 +54,7 @@ from rlbench.errors import ConfigError
 from rlbench.reward.math import canonical_answer
 from rlbench.rollout import GradedGroups, GroupSampler, validate_strategy
 from rlbench.rollout.strategy import strategy_class
-from rlbench.rollout.base import Completion, RolloutEngine, SamplingParams
+from rlbench.rollout.engines.base import Completion, RolloutEngine, SamplingParams
 from rlbench.training.batch import TrainBatch, collate
 from rlbench.training.forward import batch_outputs
 from rlbench.utils import STREAM_GREEDY, STREAM_REFERENCE, make_generator
@@ -236,12 +236,12 @@ def validate_step_options(cfg: Any, algorithm: Algorithm) -> None:
             "rollout.dynamic_sampling.max_rounds / .metric (algorithm=dapo selects it; rollout=iid turns it off)"
         )
     validate_strategy(cfg.rollout, name)
-    if "tree_nodes" in needed_inputs(algorithm) and not getattr(strategy_class(cfg.rollout), "grows_trees", False):
+    if "tree_nodes" in needed_inputs(algorithm) and "tree_nodes" not in strategy_class(cfg.rollout).provides:
         raise ConfigError(
             f"advantage '{name}' reads the tree of a tree rollout (tree_nodes), and rollout={cfg.rollout.get('strategy', 'iid')} "
             "samples independent responses. Select rollout=tree (TreePO) or rollout=treerpo (TreeRPO)"
         )
-    if needed_inputs(algorithm) & {"step_index", "step_values"} and not getattr(strategy_class(cfg.rollout), "estimates_step_values", False):
+    if needed_inputs(algorithm) & {"step_index", "step_values"} and not {"step_index", "step_values"} <= strategy_class(cfg.rollout).provides:
         raise ConfigError(
             f"advantage '{name}' reads Monte-Carlo step values (step_values), and rollout={cfg.rollout.get('strategy', 'iid')} "
             "does not estimate them. Select rollout=vine (VinePPO), or another advantage"

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from rlbench.rollout.base import Completion
+from rlbench.rollout.engines.base import Completion
 from rlbench.training.distributed import global_counts
 
 
@@ -88,7 +88,7 @@ def collate(
 ) -> TrainBatch:
     """Stack completions (grouped per prompt) into a left/right padded batch.
 
-    The behaviour bookkeeping of each completion (rlbench.rollout.base.Completion) becomes
+    The behaviour bookkeeping of each completion (rlbench.rollout.engines.base.Completion) becomes
     ``off_policy`` and ``behaviour_logp``: a token is off-policy where its completion says so, or,
     when it does not, every token of a completion sampled by a policy version older than
     ``current_version``. ``loss_mask`` zeros are taken out of the response mask (context tokens are

@@ -440,10 +440,7 @@ def apply_stage(ctx: Any, stage: Stage) -> None:
         max_new_tokens=int(changes.get("rollout.max_new_tokens", ctx.params.max_new_tokens)),
         temperature=float(changes.get("rollout.temperature", ctx.params.temperature)),
     )
-    setup = getattr(ctx.strategy, "setup", None)
-    if setup is None:
-        raise TypeError(f"{type(ctx.strategy).__name__} keeps no .setup: trainer.stages cannot change its group size or length")
-    ctx.strategy.setup = dataclasses.replace(setup, n=int(changes.get("rollout.n", setup.n)), params=ctx.params)
+    ctx.strategy.setup = dataclasses.replace(ctx.strategy.setup, n=int(changes.get("rollout.n", setup.n)), params=ctx.params)
 
 
 def stage_settings(cfg: Any, stages: list[Stage]) -> list[dict[str, Any]]:

@@ -14,7 +14,6 @@ the steps of one run share and is built once, complete, by :func:`make_step_cont
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import time
@@ -32,7 +31,7 @@ from rlbench.model.lora import AdaptersOff, reference_model
 from rlbench.training.reference_soup import ReferenceSoup
 from rlbench.reward.graders import make_grader
 from rlbench.rollout import GradedGroups, GroupSampler, RolloutSetup, RolloutStrategy, make_strategy
-from rlbench.rollout.base import RolloutEngine, SamplingParams
+from rlbench.rollout.engines.base import RolloutEngine, SamplingParams
 from rlbench.training.advantage_inputs import AdvantageInputSources
 from rlbench.training.batch import TrainBatch, collate, kept_responses, mask_truncated, trainable_tokens
 from rlbench.training.curricula import PromptStatsStore
@@ -91,14 +90,13 @@ class StepContext:
         (rlbench.training.checkpoint saves those): the lr schedule, the random streams, the adaptive
         coefficients, the policy version and the state of the strategy, the advantage inputs and the
         update (each part's own ``state_dict``)."""
-        strategy = getattr(self.strategy, "state_dict", None)
         return {
             "policy_version": self.policy_version,
             "coefficients": dataclasses.asdict(self.algorithm.coefficients),
             "scheduler": self.scheduler.state_dict(),
             "rollout_generator": None if self.rollout_generator is None else self.rollout_generator.get_state(),
             "minibatch_generator": self.minibatch_generator.get_state(),
-            "strategy": strategy() if strategy is not None else None,
+            "strategy": self.strategy.state_dict(),
             "inputs": self.inputs.state_dict(),
             "update_state": self.update_state.state_dict(),
             # after a reincarnation the reference is no longer the initial policy: it is saved
@@ -235,8 +233,7 @@ def learn_step(
     batch = to_batch(ctx, graded)
     t1 = time.perf_counter()
     # a strategy that samples from a changed distribution (rollout=masked) changes the step's forwards alike
-    changed_logits = getattr(ctx.strategy, "training_logits_transform", None)
-    with training_logits_transform(changed_logits() if changed_logits is not None else None):
+    with training_logits_transform(ctx.strategy.training_logits_transform()):
         inputs, input_metrics = advantage_inputs(ctx, graded, batch)
         response_kl = compute_advantages(ctx, batch, inputs, progress)
         coefficients = {"kl_coef": ctx.algorithm.kl_coefficient, "entropy_coef": ctx.algorithm.entropy_coefficient}
@@ -273,9 +270,7 @@ def reincarnate(ctx: StepContext) -> None:
     reference is the adapter-free base) nor with an asynchronous generator (it runs ahead of the step)."""
     if ctx.reference is not None:
         ctx.reference.load_state_dict(unwrap(ctx.model).state_dict())
-    stop = getattr(ctx.strategy, "stop_replay", None)
-    if stop is not None:
-        stop()
+    ctx.strategy.stop_replay()
 
 
 def stamp_policy_version(graded: GradedGroups, version: int) -> None:
@@ -317,7 +312,7 @@ def behaviour_old_logp(batch: TrainBatch, recomputed: torch.Tensor) -> torch.Ten
     behaviour policy's stored log-probs on off-policy tokens (never recomputed: a stale or replayed
     token's ratio is pi_theta / mu, not a silent 1). A trained off-policy token whose behaviour
     log-prob is unknown (NaN) is refused: its algorithm must supply pi_old for it first
-    (rlbench.rollout.base.Completion.behaviour_logprobs)."""
+    (rlbench.rollout.engines.base.Completion.behaviour_logprobs)."""
     if not batch.has_off_policy:
         return recomputed
     off = (batch.off_policy > 0) & (batch.response_mask > 0)

@@ -52,7 +52,7 @@ import numpy as np
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.training.checkpoint import CheckpointError, checkpoint_dirs, read_checkpoint
-from rlbench.rollout.base import Completion
+from rlbench.rollout.engines.base import Completion
 from rlbench.rollout.groups import GradedGroups, GroupSampler
 from rlbench.training.distributed import launched_world_size, rank_stream_seed
 from rlbench.utils import STREAM_SWARM

@@ -1,4 +1,4 @@
-"""Advantages of tree rollouts (rlbench/rollout/tree.py): TreePO's subtree baselines and TreeRPO's
+"""Advantages of tree rollouts (rlbench/rollout/strategies/tree.py): TreePO's subtree baselines and TreeRPO's
 sibling groups.
 
 Both read ``tree_nodes`` [B, T] (long): the tree node of every response token, -1 on padding. A node

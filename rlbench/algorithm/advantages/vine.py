@@ -1,4 +1,4 @@
-"""VinePPO's step advantage from Monte-Carlo values (rollout=vine, rlbench/rollout/vine.py).
+"""VinePPO's step advantage from Monte-Carlo values (rollout=vine, rlbench/rollout/strategies/vine.py).
 
 Reads, per response token, the step it belongs to and the value estimate of the state where that
 step starts (Completion.step_values, laid out by rlbench.training.advantage_inputs):

@@ -1,0 +1,435 @@
+"""Experience replay: a buffer of verified successes and the ``rollout=replay`` strategy that mixes them
+into the step's groups.
+
+:class:`ReplayBuffer` keeps correct responses per question (capacity in responses, the oldest leaves
+first), each with the policy version that sampled it and its sampling log-probs (the behaviour policy
+mu), the latest fresh accuracy of every question it holds, and the questions retired as solved. It
+draws questions (uniformly, or weighted by accuracy bucket) and trajectories (at random, or the lowest
+entropy first) from its own random stream, and saves all of it with ``state_dict``.
+
+By default (``behaviour: stored``) a replayed response enters its group as off-policy in every token
+(``behaviour="replay"``, its stored ``policy_version`` is older than the step's): the trainer takes
+pi_old from its stored log-probs, so its ratio is pi_theta / mu (rlbench.training.step.behaviour_old_logp),
+never a silent 1. ``behaviour: recomputed`` is the rule of RLEP's released code and of AR3PO (which
+rlbench/rollout/guided/adaptive.py follows): the replayed tokens are declared on-policy (``off_policy`` all 0,
+label ``replay_recomputed``), so pi_old is the current policy's log-prob and the first update's ratio
+is 1; the stored version is kept, so the step's ``max_staleness`` metric still shows its age.
+
+Configuration (conf/rollout/replay.yaml; ``algorithm=rlep`` and ``algorithm=exgrpo`` select it):
+
+    strategy: replay
+    replay:
+      capacity: 4096          # responses kept; the oldest inserted leaves first
+      per_group: 2            # replayed responses per group
+      questions: same         # same: the step's own prompts get their stored successes (RLEP)
+                              # buffer: a share of the step's groups are questions drawn from the buffer (ExGRPO)
+      buffer_share: 0.5       # with questions=buffer: the share of the step's groups
+      replace_fresh: false    # false: n fresh + per_group replayed; true: n - per_group fresh + per_group replayed
+      weighting: uniform      # how buffer questions are drawn: uniform | accuracy_gaussian (ExGRPO's buckets)
+      weight_mean: 0.5        # accuracy_gaussian: the bucket weight is N(accuracy; weight_mean, weight_std)
+      weight_std: 1.0
+      trajectory: random      # which stored responses: random | lowest_entropy (mean -log mu per token)
+      retire_solved: false    # a question whose fresh responses are all correct leaves the buffer for good
+      start_accuracy: 0.0     # replay starts (for good) at the first step whose fresh accuracy reaches this
+      behaviour: stored       # stored: pi_old of a replayed token is its stored log-prob (ratio pi_theta / mu)
+                              # recomputed: pi_old recomputed under the current policy (RLEP's and AR3PO's code)
+      keep: correct           # correct: verified successes | all: every response, so a buffer question comes
+                              # back as its whole past group (needs questions=buffer; ReMix)
+      window: null            # n: only responses of the last n policy versions stay (ReMix) | null: capacity only
+
+When the buffer holds fewer responses or questions than asked, the step uses what there is (fresh
+prompts take the place of missing buffer questions, a group gets fewer replayed responses); the
+shortfall is logged once and counted in the metric ``replay_shortfall``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from rlbench.dataset.base import Problem
+from rlbench.errors import ConfigError
+from rlbench.rollout.engines.base import Completion
+from rlbench.rollout.groups import GradedGroups
+from rlbench.rollout.strategy import RolloutStrategy, RolloutSetup, register_strategy, strategy_options
+from rlbench.utils import STREAM_REPLAY
+
+log = logging.getLogger(__name__)
+
+QUESTION_MODES = ("same", "buffer")
+WEIGHTINGS = ("uniform", "accuracy_gaussian")
+TRAJECTORY_CHOICES = ("random", "lowest_entropy")
+BEHAVIOURS = ("stored", "recomputed")
+KEEP_CHOICES = ("correct", "all")
+
+
+@dataclass
+class ReplayItem:
+    """One stored response: its question, tokens, the behaviour policy's log-probs and version."""
+
+    uid: str
+    prompt_ids: tuple[int, ...]
+    response_ids: list[int]
+    logprobs: list[float]
+    finished: bool
+    text: str
+    policy_version: int
+
+    @property
+    def entropy(self) -> float:
+        """Mean -log mu over the response's tokens: a one-sample estimate of the behaviour policy's
+        per-token entropy along this trajectory."""
+        return -sum(self.logprobs) / max(len(self.logprobs), 1)
+
+    @staticmethod
+    def from_completion(uid: str, completion: Completion) -> "ReplayItem":
+        if completion.policy_version is None:
+            raise ValueError("a response enters the replay buffer only after the step stamped its policy version")
+        behaviour = completion.logprobs if completion.behaviour_logprobs is None else completion.behaviour_logprobs
+        return ReplayItem(uid, tuple(completion.prompt_ids), list(completion.response_ids), list(behaviour),
+                          bool(completion.finished), completion.text, int(completion.policy_version))
+
+    def completion(self, request_index: int, recompute: bool = False) -> Completion:
+        """The stored response as a Completion for a group. ``recompute``: its tokens are declared
+        on-policy (off_policy all 0, label ``replay_recomputed``), so pi_old is recomputed under the
+        current policy (RLEP's and AR3PO's rule); otherwise (label ``replay``) the stored version makes
+        every token off-policy with pi_old = mu."""
+        return Completion(
+            request_index, self.prompt_ids, list(self.response_ids), list(self.logprobs), self.finished,
+            text=self.text, behaviour="replay_recomputed" if recompute else "replay", policy_version=self.policy_version,
+            off_policy=[0] * len(self.response_ids) if recompute else None,
+        )
+
+
+def bucket_weight(accuracy: float, mean: float, std: float) -> float:
+    """ExGRPO's bucket weight (Zhan et al. 2025, arXiv:2510.02245, section 3.2): the Gaussian density
+    N(accuracy; mean, std) up to its constant, so mid-accuracy questions are replayed most."""
+    return math.exp(-0.5 * ((accuracy - mean) / std) ** 2)
+
+
+class ReplayBuffer:
+    """Correct responses per question, with capacity, question weighting, trajectory choice and
+    retirement (module docstring). Deterministic for a seed; ``state_dict`` holds everything."""
+
+    def __init__(self, capacity: int, seed: int, weighting: str = "uniform", weight_mean: float = 0.5,
+                 weight_std: float = 1.0, trajectory: str = "random", retire_solved: bool = False,
+                 keep: str = "correct", window: int | None = None):
+        self.capacity, self.weighting, self.trajectory = int(capacity), weighting, trajectory
+        self.keep, self.window = keep, window
+        self.weight_mean, self.weight_std, self.retire_solved = float(weight_mean), float(weight_std), bool(retire_solved)
+        self.rng = np.random.default_rng([int(seed), STREAM_REPLAY])
+        self.items: list[ReplayItem] = []  # oldest first
+        self.accuracy: dict[str, float] = {}  # latest fresh accuracy of each question seen
+        self.problems: "OrderedDict[str, Problem]" = OrderedDict()
+        self.retired: set[str] = set()
+
+    # -- insertion and retirement
+
+    def observe(self, problem: Problem, completions: Sequence[Completion], correct: Sequence[bool]) -> None:
+        """Record a question's fresh responses: its accuracy, its correct responses (every response with
+        ``keep="all"``) unless retired; with ``retire_solved``, a question whose responses are all
+        correct is retired. With a ``window``, responses more than ``window`` policy versions older
+        than the newest one stored leave the buffer."""
+        uid = problem.uid
+        if uid in self.retired or not completions:
+            return
+        self.accuracy[uid] = sum(bool(c) for c in correct) / len(correct)
+        if self.retire_solved and all(correct):
+            self.retire(uid)
+            return
+        for completion, ok in zip(completions, correct):
+            if ok or self.keep == "all":
+                self.items.append(ReplayItem.from_completion(uid, completion))
+                self.problems[uid] = problem
+        excess = len(self.items) - self.capacity
+        if excess > 0:
+            del self.items[:excess]
+            self._forget_empty_questions()
+        if self.window is not None and self.items:
+            newest = max(item.policy_version for item in self.items)
+            self.items = [item for item in self.items if newest - item.policy_version < self.window]
+            self._forget_empty_questions()
+
+    def retire(self, uid: str) -> None:
+        self.retired.add(uid)
+        self.items = [item for item in self.items if item.uid != uid]
+        self._forget_empty_questions()
+
+    def _forget_empty_questions(self) -> None:
+        held = {item.uid for item in self.items}
+        for uid in [u for u in self.problems if u not in held]:
+            del self.problems[uid]
+
+    # -- sampling
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def stored(self, uid: str) -> list[ReplayItem]:
+        return [item for item in self.items if item.uid == uid]
+
+    def question_probabilities(self, exclude: Iterable[str] = ()) -> dict[str, float]:
+        """The probability of each held question (not in ``exclude``) on one draw. uniform: equal;
+        accuracy_gaussian: a bucket (questions of equal latest accuracy) is drawn with probability
+        proportional to :func:`bucket_weight` of its accuracy among the non-empty buckets, then a
+        question uniformly inside it."""
+        excluded = set(exclude)
+        uids = [uid for uid in self.problems if uid not in excluded]
+        if not uids:
+            return {}
+        if self.weighting == "uniform":
+            return {uid: 1.0 / len(uids) for uid in uids}
+        buckets: dict[float, list[str]] = {}
+        for uid in uids:
+            buckets.setdefault(self.accuracy[uid], []).append(uid)
+        weights = {acc: bucket_weight(acc, self.weight_mean, self.weight_std) for acc in buckets}
+        total = sum(weights.values())
+        return {uid: weights[acc] / total / len(members) for acc, members in buckets.items() for uid in members}
+
+    def sample_questions(self, count: int, exclude: Iterable[str] = ()) -> list[Problem]:
+        """Up to ``count`` distinct held questions, drawn without replacement by
+        :meth:`question_probabilities` (fewer when the buffer holds fewer)."""
+        probs = self.question_probabilities(exclude)
+        take = min(count, len(probs))
+        if take <= 0:
+            return []
+        uids = list(probs)
+        p = np.array([probs[u] for u in uids], dtype=np.float64)
+        chosen = self.rng.choice(len(uids), size=take, replace=False, p=p / p.sum())
+        return [self.problems[uids[i]] for i in chosen]
+
+    def sample_trajectories(self, uid: str, count: int) -> list[ReplayItem]:
+        """Up to ``count`` stored responses of question ``uid``: the lowest :attr:`ReplayItem.entropy`
+        first (ties: the older first), or a random subset."""
+        stored = self.stored(uid)
+        take = min(count, len(stored))
+        if take <= 0:
+            return []
+        if self.trajectory == "lowest_entropy":
+            return sorted(stored, key=lambda item: item.entropy)[:take]
+        return [stored[i] for i in sorted(self.rng.choice(len(stored), size=take, replace=False).tolist())]
+
+    # -- checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "items": [dataclasses.asdict(item) for item in self.items],
+            "accuracy": dict(self.accuracy),
+            "problems": [dataclasses.asdict(problem) for problem in self.problems.values()],
+            "retired": sorted(self.retired),
+            "rng": self.rng.bit_generator.state,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.items = [ReplayItem(**{**item, "prompt_ids": tuple(item["prompt_ids"])}) for item in state["items"]]
+        self.accuracy = dict(state["accuracy"])
+        self.problems = OrderedDict((p["uid"], Problem(**p)) for p in state["problems"])
+        self.retired = set(state["retired"])
+        self.rng.bit_generator.state = state["rng"]
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """The ``rollout.replay`` block (module docstring)."""
+
+    capacity: int = 4096
+    per_group: int = 2
+    questions: str = "same"
+    buffer_share: float = 0.5
+    replace_fresh: bool = False
+    weighting: str = "uniform"
+    weight_mean: float = 0.5
+    weight_std: float = 1.0
+    trajectory: str = "random"
+    retire_solved: bool = False
+    start_accuracy: float = 0.0
+    behaviour: str = "stored"
+    keep: str = "correct"
+    window: int | None = None
+
+    @classmethod
+    def from_config(cls, rollout_cfg: Any) -> "ReplayOptions":
+        options = strategy_options(rollout_cfg, "replay", cls)
+        n = int(rollout_cfg.n)
+        checks = [
+            (options.capacity >= 1, f"rollout.replay.capacity must be >= 1, got {options.capacity}"),
+            (options.per_group >= 1, f"rollout.replay.per_group must be >= 1, got {options.per_group}"),
+            (options.questions in QUESTION_MODES, f"rollout.replay.questions={options.questions!r}: choose one of {QUESTION_MODES}"),
+            (0 < options.buffer_share <= 1, f"rollout.replay.buffer_share must be in (0, 1], got {options.buffer_share}"),
+            (options.weighting in WEIGHTINGS, f"rollout.replay.weighting={options.weighting!r}: choose one of {WEIGHTINGS}"),
+            (options.behaviour in BEHAVIOURS, f"rollout.replay.behaviour={options.behaviour!r}: choose one of {BEHAVIOURS}"),
+            (0 <= options.start_accuracy <= 1, f"rollout.replay.start_accuracy must be in [0, 1], got {options.start_accuracy}"),
+            (options.weight_std > 0, f"rollout.replay.weight_std must be > 0, got {options.weight_std}"),
+            (options.trajectory in TRAJECTORY_CHOICES, f"rollout.replay.trajectory={options.trajectory!r}: choose one of {TRAJECTORY_CHOICES}"),
+            (options.keep in KEEP_CHOICES, f"rollout.replay.keep={options.keep!r}: choose one of {KEEP_CHOICES}"),
+            (options.window is None or options.window >= 1, f"rollout.replay.window must be >= 1 or null, got {options.window}"),
+            (options.keep == "correct" or options.questions == "buffer",
+             "rollout.replay.keep=all replays whole past groups as buffer questions: it needs questions=buffer"),
+            (not options.replace_fresh or options.per_group < n or (options.keep == "all" and options.per_group == n),
+             f"rollout.replay.replace_fresh keeps rollout.n={n} responses per group with per_group={options.per_group} "
+             "of them replayed: per_group must be < rollout.n (at least one fresh response), or = rollout.n with "
+             "keep=all (a whole past group)"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+        return options
+
+    def make_buffer(self, seed: int) -> ReplayBuffer:
+        return ReplayBuffer(self.capacity, seed, self.weighting, self.weight_mean, self.weight_std,
+                            self.trajectory, self.retire_solved, self.keep, self.window)
+
+
+class StoredSuccesses(RolloutStrategy):
+    """Base of a strategy that stores its correct fresh responses and injects them into groups without
+    a success (AR3PO's reuse, DART's injection): ``self.buffer`` and ``self.pending``, saved with
+    checkpoints."""
+
+    def keep_successes(self, capacity: int, seed: int) -> None:
+        self.buffer = ReplayBuffer(capacity, seed, trajectory="random")
+        self.pending = PendingInsertions()
+
+    def state_dict(self) -> dict[str, Any]:
+        self.pending.flush(self.buffer)
+        return {"buffer": self.buffer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.buffer.load_state_dict(state["buffer"])
+        self.pending = PendingInsertions()
+
+
+def inject_successes(buffer: ReplayBuffer, problems: Sequence[Problem], groups: list[list[Completion]],
+                     wanted: Sequence[int], recompute: bool) -> int:
+    """Append to ``groups[i]`` up to ``wanted[i]`` stored responses of ``problems[i]``'s question
+    (:meth:`ReplayBuffer.sample_trajectories`, in prompt order; none drawn where ``wanted[i]`` is 0)
+    as Completions (:meth:`ReplayItem.completion` with ``recompute``). Returns how many were added.
+    AR3PO's response reuse and DART's success injection: a group without a correct response gets one."""
+    added = 0
+    for i, (problem, count) in enumerate(zip(problems, wanted)):
+        stored = buffer.sample_trajectories(problem.uid, count) if count > 0 else []
+        groups[i].extend(item.completion(i, recompute) for item in stored)
+        added += len(stored)
+    return added
+
+
+class PendingInsertions:
+    """Fresh responses wait here until the step that sampled them has stamped their policy version;
+    the next rollout moves them into the buffer (so a step never replays its own responses)."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[Problem, list[Completion], list[bool]]] = []
+
+    def add_groups(self, problems: Sequence[Problem], graded: GradedGroups, fresh_counts: Sequence[int]) -> None:
+        """Queue the fresh responses of each group (the first ``fresh_counts[g]`` of group g; replayed
+        ones follow them and are not stored again) with their correctness."""
+        correct = graded.correct.tolist()
+        start = 0
+        for problem, group, count in zip(problems, graded.groups, fresh_counts):
+            self.entries.append((problem, group[:count], [c > 0 for c in correct[start : start + count]]))
+            start += len(group)
+
+    def flush(self, buffer: ReplayBuffer) -> None:
+        for problem, completions, correct in self.entries:
+            buffer.observe(problem, completions, correct)
+        self.entries = []
+
+
+class ShortfallLog:
+    """Warns once per run when the buffer serves less than asked."""
+
+    def __init__(self, what: str) -> None:
+        self.what, self.warned = what, False
+
+    def note(self, missing: int, detail: str) -> None:
+        if missing > 0 and not self.warned:
+            self.warned = True
+            log.warning("%s: the buffer served %d fewer than asked (%s); using what it holds "
+                        "(counted in the metric replay_shortfall)", self.what, missing, detail)
+
+
+@register_strategy("replay")
+class ReplaySampling(RolloutStrategy):
+    """RLEP (Zhang et al. 2025, arXiv:2507.07451, section 2: fresh rollouts plus replayed verified
+    successes of the same question in one group) and ExGRPO's experience mix (Zhan et al. 2025,
+    arXiv:2510.02245, section 3.2: a share of the batch are buffer questions drawn by accuracy bucket,
+    each with its lowest-entropy stored success beside fresh responses; solved questions retired)."""
+
+    def __init__(self, setup: RolloutSetup, options: ReplayOptions):
+        self.setup, self.options = setup, options
+        self.buffer = options.make_buffer(setup.seed)
+        self.pending = PendingInsertions()
+        self.shortfall_log = ShortfallLog("rollout=replay")
+        self.started = options.start_accuracy <= 0
+        self.stopped = False  # stop_replay: on-policy from then on (ReMix's reincarnation)
+
+    @classmethod
+    def config_options(cls, rollout_cfg: Any) -> dict[str, Any]:
+        return {"options": ReplayOptions.from_config(rollout_cfg)}
+
+    def rollout(
+        self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None = None
+    ) -> tuple[GradedGroups, dict[str, float]]:
+        o, n = self.options, self.setup.n
+        self.pending.flush(self.buffer)
+        shortfall = 0
+        prompts, drawn = list(problems), []
+        if not self.started or self.stopped:  # before the accuracy threshold (the buffer fills) or after stop_replay
+            return self._fresh_only(prompts)
+        if o.questions == "buffer":
+            wanted = max(1, round(o.buffer_share * len(problems)))
+            drawn = self.buffer.sample_questions(wanted, exclude={p.uid for p in problems})
+            shortfall += wanted - len(drawn)
+            self.shortfall_log.note(wanted - len(drawn), f"{len(drawn)} of {wanted} buffer questions")
+            prompts = prompts[: len(prompts) - len(drawn)] + drawn
+        # keep=all (whole past groups, ReMix): only the buffer questions are replayed; the fresh prompts stay fresh
+        replayed = [self.buffer.sample_trajectories(p.uid, o.per_group) if o.keep == "correct" or p in drawn else []
+                    for p in prompts]
+        wanted_replays = o.per_group * (len(drawn) if o.questions == "buffer" else len(prompts))
+        missing = max(0, wanted_replays - sum(len(r) for r in replayed))
+        shortfall += missing
+        self.shortfall_log.note(missing, f"{wanted_replays - missing} of {wanted_replays} replayed responses")
+        fresh_counts = [n - len(r) if o.replace_fresh else n for r in replayed]
+        fresh = self.setup.sampler.sample(prompts, fresh_counts, self.setup.params, self.setup.generator)
+        recompute = o.behaviour == "recomputed"
+        groups = [group + [item.completion(i, recompute) for item in items]
+                  for i, (group, items) in enumerate(zip(fresh, replayed))]
+        graded = self.setup.sampler.grade(prompts, groups, self.setup.params.max_new_tokens)
+        self.pending.add_groups(prompts, graded, fresh_counts)
+        return graded, self._metrics(sum(len(r) for r in replayed), shortfall)
+
+    def stop_replay(self) -> None:
+        """From the next rollout on, fresh groups only (ReMix's switch back to on-policy training:
+        rlbench.training.step.reincarnate)."""
+        self.stopped = True
+
+    def _fresh_only(self, prompts: list[Problem]) -> tuple[GradedGroups, dict[str, float]]:
+        graded = self.setup.sample(prompts)
+        self.pending.add_groups(prompts, graded, [self.setup.n] * len(prompts))
+        self.started = self.started or float(graded.correct.mean().item()) >= self.options.start_accuracy
+        return graded, self._metrics(0, 0)
+
+    def _metrics(self, replayed: int, shortfall: int) -> dict[str, float]:
+        return {
+            "replay_responses": float(replayed),
+            "replay_shortfall": float(shortfall),
+            "replay_buffer_size": float(len(self.buffer)),
+            "replay_buffer_questions": float(len(self.buffer.problems)),
+            "replay_retired_questions": float(len(self.buffer.retired)),
+            "replay_started": float(self.started),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        self.pending.flush(self.buffer)  # after a step: every pending response is stamped
+        return {"buffer": self.buffer.state_dict(), "started": self.started, "stopped": self.stopped}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.buffer.load_state_dict(state["buffer"])
+        self.started = bool(state["started"])
+        self.stopped = bool(state.get("stopped", False))
+        self.pending = PendingInsertions()

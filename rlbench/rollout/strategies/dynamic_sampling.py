@@ -1,0 +1,152 @@
+"""DAPO's dynamic sampling (``rollout=dynamic_sampling``; Yu et al. 2025, arXiv:2503.14476, section
+3.2): keep only groups whose responses differ, drawing more prompts until the batch is full.
+
+Configuration (conf/rollout/dynamic_sampling.yaml; ``algorithm=dapo`` selects it):
+
+    strategy: dynamic_sampling
+    dynamic_sampling:
+      max_rounds: 16      # generation rounds per step at most (verl: max_num_gen_batches)
+      metric: correct     # correct: 0 < #correct < G (the paper) | reward: the rewards differ
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from rlbench.dataset.base import Problem
+from rlbench.errors import ConfigError
+from rlbench.rollout.groups import GradedGroups
+from rlbench.rollout.strategy import RolloutStrategy, RolloutSetup, needs_groups, options_block, register_strategy
+
+log = logging.getLogger(__name__)
+
+FILTER_METRICS = ("correct", "reward")
+OPTION_KEYS = {"max_rounds", "metric"}
+
+
+def informative_groups(values: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """[G] bool: True for the groups whose ``values`` are not all equal (DAPO's dynamic-sampling
+    filter, Yu et al. 2025, arXiv:2503.14476, eq. 11: keep 0 < |{o_i : is_equivalent(a, o_i)}| < G).
+
+    With values = correctness this is the paper's 0 < #correct < G; a group of one response is never
+    informative. A group-relative advantage is 0 on every response of the groups this drops.
+    """
+    index = group_index.long()
+    num_groups = int(index.max().item()) + 1 if index.numel() else 0
+    values = values.to(torch.float64)
+    high = torch.full((num_groups,), -torch.inf, dtype=torch.float64).scatter_reduce(0, index, values, reduce="amax")
+    low = torch.full((num_groups,), torch.inf, dtype=torch.float64).scatter_reduce(0, index, values, reduce="amin")
+    return high > low
+
+
+@dataclass(frozen=True)
+class DynamicSamplingOptions:
+    """The ``rollout.dynamic_sampling`` block."""
+
+    max_rounds: int = 16
+    metric: str = "correct"
+
+    @classmethod
+    def from_config(cls, rollout_cfg: Any) -> "DynamicSamplingOptions":
+        node = options_block(rollout_cfg, "dynamic_sampling", OPTION_KEYS)
+        options = cls(int(node.get("max_rounds", 16)), str(node.get("metric", "correct")))
+        if options.max_rounds < 1:
+            raise ConfigError(f"rollout.dynamic_sampling.max_rounds must be >= 1, got {options.max_rounds}")
+        if options.metric not in FILTER_METRICS:
+            raise ConfigError(f"rollout.dynamic_sampling.metric={options.metric!r} is unknown; choose one of {FILTER_METRICS}")
+        return options
+
+    def filter_values(self, graded: GradedGroups) -> torch.Tensor:
+        return graded.correct if self.metric == "correct" else graded.rewards
+
+
+def sample_informative_groups(
+    sample: Callable[[list[Problem]], GradedGroups],
+    draw_prompts: Callable[[int], list[Problem]],
+    first_prompts: list[Problem],
+    options: DynamicSamplingOptions,
+) -> tuple[GradedGroups, dict[str, float]]:
+    """Dynamic sampling: generate rounds of ``len(first_prompts)`` prompts (the first round on
+    ``first_prompts``, later ones on ``draw_prompts``) and keep the informative groups
+    (:func:`informative_groups`) until there are ``len(first_prompts)`` of them, for at most
+    ``options.max_rounds`` rounds. The batch is the first ``len(first_prompts)`` kept groups. Group
+    ids count the groups generated this step (round 2's first group has id ``len(first_prompts)``).
+
+    If the rounds run out first, the batch is filled with the earliest dropped groups (logged; verl
+    stops the run with an error instead). Metrics: rounds, groups dropped, groups used to fill, and
+    the mean reward of every response generated (the batch's own reward_mean is biased by the selection).
+    """
+    target = len(first_prompts)
+    kept: list[GradedGroups] = []
+    dropped: list[GradedGroups] = []
+    kept_count = dropped_count = rounds = generated = 0
+    sampled_rewards: list[torch.Tensor] = []
+    sampled_outcomes: list[torch.Tensor] = []
+    prompts = first_prompts
+    while rounds < options.max_rounds and kept_count < target:
+        rounds += 1
+        graded = sample(prompts).with_group_ids(generated)
+        generated += len(graded.groups)
+        sampled_rewards.append(graded.rewards)
+        sampled_outcomes.append(graded.outcome)
+        informative = informative_groups(options.filter_values(graded), graded.group_index)
+        kept.append(graded.select(informative.nonzero(as_tuple=True)[0].tolist()))
+        dropped.append(graded.select((~informative).nonzero(as_tuple=True)[0].tolist()))
+        kept_count += int(informative.sum().item())
+        dropped_count += int((~informative).sum().item())
+        if kept_count < target and rounds < options.max_rounds:
+            prompts = draw_prompts(target)
+    batch = GradedGroups.concat(kept)
+    filled = max(0, target - kept_count)
+    if filled:
+        log.warning(
+            "dynamic sampling: %d of %d groups informative after max_rounds=%d rounds; filling the batch with "
+            "%d groups whose %s values are all equal (raise rollout.dynamic_sampling.max_rounds)",
+            kept_count, target, options.max_rounds, filled, options.metric,
+        )
+        batch = GradedGroups.concat([batch, GradedGroups.concat(dropped).select(list(range(filled)))])
+    else:
+        batch = batch.select(list(range(target)))
+    metrics = {
+        "dynamic_sampling_rounds": float(rounds),
+        "dynamic_sampling_dropped_groups": float(dropped_count),
+        "dynamic_sampling_filled_groups": float(filled),
+        # the policy's reward on all responses generated this step, before the selection
+        "rollout_reward_mean": float(torch.cat(sampled_rewards).mean().item()),
+        "rollout_outcome_mean": float(torch.cat(sampled_outcomes).mean().item()),  # the same, before shaping
+    }
+    return batch, metrics
+
+
+@register_strategy("dynamic_sampling")
+class DynamicSampling(RolloutStrategy):
+    """The strategy: rounds of i.i.d. groups filtered by :func:`informative_groups` (see
+    :func:`sample_informative_groups`)."""
+
+    def __init__(self, setup: RolloutSetup, options: DynamicSamplingOptions):
+        self.setup, self.options = setup, options
+
+    @classmethod
+    def config_options(cls, rollout_cfg: Any) -> dict[str, Any]:
+        return {"options": DynamicSamplingOptions.from_config(rollout_cfg)}
+
+    @classmethod
+    def validate(cls, rollout_cfg: Any, advantage: str) -> None:
+        super().validate(rollout_cfg, advantage)
+        needs_groups("dynamic_sampling", rollout_cfg, "keeps groups whose responses differ")
+        if advantage == "spo":
+            raise ConfigError(
+                "advantage 'spo' does not combine with rollout=dynamic_sampling: the tracker baseline already gives "
+                "all-equal groups a signal (SPO, arXiv:2509.13232); use rollout=iid"
+            )
+
+    def rollout(
+        self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None
+    ) -> tuple[GradedGroups, dict[str, float]]:
+        if draw_prompts is None:
+            raise ValueError("dynamic sampling draws more prompts: pass train_step(..., draw_prompts=sampler.next)")
+        return sample_informative_groups(self.setup.sample, draw_prompts, problems, self.options)

@@ -1,0 +1,99 @@
+"""EIS-GRPO, equivalent initial states pooled in one group (``rollout=equivalent_states``; Xu et al.
+2025, "J4R: Learning to Judge with Equivalent Initial State Group Relative Policy Optimization",
+arXiv:2505.13346): a problem is posed in several equivalent forms (states), each sampled n / S times,
+and all n responses form one group, so the group-relative advantage rewards answers that do not
+depend on the form (the paper's states are the two orders of a pairwise judgement; position bias is
+what it removes).
+
+rlbench's datasets have no pairwise judgements, so the states here are generic: the dataset's own
+prompt preceded by each of ``prefixes`` (the first is usually "", the prompt as it is), an instruction
+that leaves the problem and its answer unchanged. The answer is the same in every state (no label
+mapping is needed, unlike the judge's swapped order).
+
+Every response is the policy's sample under the prompt it was generated with; it keeps that prompt
+(``Completion.prompt_ids``), so the loss scores it under that prompt, and only the advantage is
+pooled. A group of responses to different prompts cannot share one prompt pass in the forward, so
+such batches run each row's own prompt (rlbench.training.forward.groups_share_prompts).
+
+Metric ``equivalent_states_reward_gap``: the mean over prompts of the spread (max − min) of the
+states' mean rewards, the sensitivity to the form that the method trains away. No state between steps.
+
+Configuration (conf/rollout/equivalent_states.yaml):
+
+    strategy: equivalent_states
+    equivalent_states:
+      prefixes: ["", "Read the problem carefully before answering.\\n\\n"]   # rollout.n must be a multiple of their number
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+
+from rlbench.dataset.base import Problem
+from rlbench.dataset.prompts import DEFAULT_USER_TEMPLATE, _prompt_section
+from rlbench.errors import ConfigError
+from rlbench.prompting import encode_prompts
+from rlbench.rollout.engines.base import GenerationRequest
+from rlbench.rollout.groups import GradedGroups
+from rlbench.rollout.strategy import RolloutStrategy, RolloutSetup, options_block, register_strategy
+
+OPTION_KEYS = {"prefixes"}
+
+
+def state_prefixes(rollout_cfg: Any) -> list[str]:
+    """The ``rollout.equivalent_states.prefixes``, checked: at least two, distinct, without braces."""
+    node = options_block(rollout_cfg, "equivalent_states", OPTION_KEYS)
+    prefixes = [str(p) for p in node.get("prefixes") or []]
+    if len(prefixes) < 2 or len(set(prefixes)) < len(prefixes):
+        raise ConfigError(f"rollout.equivalent_states.prefixes must list at least two distinct prefixes, got {prefixes}")
+    if any("{" in p or "}" in p for p in prefixes):
+        raise ConfigError("rollout.equivalent_states.prefixes must not contain braces (they precede the prompt template)")
+    return prefixes
+
+
+def state_prompt_spec(prompt_spec: Any, prefix: str) -> dict:
+    """The dataset's prompt with ``prefix`` before its user message."""
+    section = _prompt_section(prompt_spec)
+    return {"system": section.get("system"), "user": prefix + str(section.get("user") or DEFAULT_USER_TEMPLATE)}
+
+
+@register_strategy("equivalent_states")
+class EquivalentStatesRollout(RolloutStrategy):
+    """EIS-GRPO (arXiv:2505.13346): each problem in S equivalent forms, n / S samples each, pooled in
+    one group."""
+
+    def __init__(self, setup: RolloutSetup, prefixes: list[str]):
+        self.setup, self.prefixes = setup, prefixes
+
+    @classmethod
+    def config_options(cls, rollout_cfg: Any) -> dict[str, Any]:
+        return {"prefixes": state_prefixes(rollout_cfg)}
+
+    @classmethod
+    def validate(cls, rollout_cfg: Any, advantage: str) -> None:
+        states, n = len(state_prefixes(rollout_cfg)), int(rollout_cfg.n)
+        if n % states:
+            raise ConfigError(
+                f"rollout.n={n} is not a multiple of the {states} equivalent states (rollout.equivalent_states.prefixes): "
+                f"each state gets rollout.n / {states} samples; set rollout.n to a multiple of {states}"
+            )
+
+    def rollout(
+        self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None = None
+    ) -> tuple[GradedGroups, dict[str, float]]:
+        setup, sampler = self.setup, self.setup.sampler
+        per_state = setup.n // len(self.prefixes)
+        encoded = [encode_prompts(sampler.tokenizer, problems, state_prompt_spec(sampler.prompt_spec, p)) for p in self.prefixes]
+        requests = [GenerationRequest(ids, n=per_state) for state in encoded for ids in state]
+        outputs = sampler.generate(requests, setup.params, setup.generator)
+        count = len(problems)
+        groups = [[c for s in range(len(self.prefixes)) for c in outputs[s * count + i]] for i in range(count)]
+        for i, group in enumerate(groups):
+            for c in group:
+                c.request_index = i
+        graded = sampler.grade(problems, groups, setup.params.max_new_tokens)
+        # rewards per (prompt, state): responses are ordered state after state within each group
+        state_means = graded.rewards.view(count, len(self.prefixes), per_state).mean(-1)
+        gap = (state_means.max(-1).values - state_means.min(-1).values).mean()
+        return graded, {"equivalent_states_reward_gap": float(gap)}

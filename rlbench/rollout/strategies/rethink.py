@@ -1,0 +1,137 @@
+"""Cog-Rethinker re-rollouts of zero-accuracy problems (``rollout=rethink``; Sun et al. 2025,
+"Cog-Rethinker: Hierarchical Metacognitive Reinforcement Learning for LLM Reasoning", arXiv:2510.15979).
+
+After the direct rollout (n responses per prompt), the problems none of whose responses is correct go
+through two stages: **decompose** (the problem inside ``decompose_template``, which asks for
+subproblems first; ``samples`` responses) and, for those still unsolved, **refine** (the problem with up
+to ``shown_attempts`` of its wrong direct responses inside ``refine_template``). Both stages keep the
+dataset's template around the rewritten problem, so the answer format is unchanged.
+
+Training on the successes (the choice): the paper trains them with supervised fine-tuning under the
+direct template. rlbench keeps the loss unchanged and puts one success back into its problem's group in
+place of a wrong direct response, re-attached to the **direct** prompt (train-test consistency, as in
+the paper) and labelled off-policy: ``behaviour="rethink"``, ``off_policy`` 1 on every token and
+``behaviour_logprobs`` = its sampling log-probs under the stage's prompt, so the ratio is
+pi_theta(y | direct prompt) / pi_old(y | stage prompt), never a silent 1
+(rlbench.training.step.behaviour_old_logp). The group then has a correct response and a non-zero
+group-relative advantage. The SFT term of the paper is not implemented (docs/rollout.md).
+
+No state between steps. Configuration (conf/rollout/rethink.yaml):
+
+    strategy: rethink
+    rethink:
+      samples: 4               # responses per stage for each unsolved problem
+      shown_attempts: 2        # wrong direct responses shown in the refine prompt
+      decompose_template: "..." # must contain {problem}
+      refine_template: "..."    # must contain {problem} and {attempts}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from rlbench.dataset.base import Problem
+from rlbench.errors import ConfigError
+from rlbench.rollout.engines.base import Completion
+from rlbench.rollout.groups import GradedGroups
+from rlbench.rollout.strategy import RolloutStrategy, RolloutSetup, options_block, register_strategy
+
+OPTION_KEYS = {"samples", "shown_attempts", "decompose_template", "refine_template"}
+DECOMPOSE_TEMPLATE = (
+    "Break the following problem into smaller subproblems, solve them one by one, then give the final answer.\n\n"
+    "{problem}"
+)
+REFINE_TEMPLATE = "{problem}\n\nThese attempts are wrong:\n{attempts}\n\nFind the mistakes and solve the problem correctly."
+
+
+@dataclasses.dataclass(frozen=True)
+class RethinkOptions:
+    """The ``rollout.rethink`` block."""
+
+    samples: int = 4
+    shown_attempts: int = 2
+    decompose_template: str = DECOMPOSE_TEMPLATE
+    refine_template: str = REFINE_TEMPLATE
+
+    @classmethod
+    def from_config(cls, rollout_cfg: Any) -> "RethinkOptions":
+        node = options_block(rollout_cfg, "rethink", OPTION_KEYS)
+        options = cls(
+            samples=int(node.get("samples", cls.samples)),
+            shown_attempts=int(node.get("shown_attempts", cls.shown_attempts)),
+            decompose_template=str(node.get("decompose_template", DECOMPOSE_TEMPLATE)),
+            refine_template=str(node.get("refine_template", REFINE_TEMPLATE)),
+        )
+        if options.samples < 1 or options.shown_attempts < 1:
+            raise ConfigError(f"rollout.rethink.samples and .shown_attempts must be >= 1, got {options.samples}, "
+                              f"{options.shown_attempts}")
+        if "{problem}" not in options.decompose_template:
+            raise ConfigError("rollout.rethink.decompose_template must contain {problem}")
+        if "{problem}" not in options.refine_template or "{attempts}" not in options.refine_template:
+            raise ConfigError("rollout.rethink.refine_template must contain {problem} and {attempts}")
+        return options
+
+
+def stage_problem(problem: Problem, template: str, attempts: str = "") -> Problem:
+    """The problem rewritten by a stage's template (plain substitution: the texts may hold braces)."""
+    return dataclasses.replace(problem, prompt=template.replace("{problem}", problem.prompt).replace("{attempts}", attempts))
+
+
+def as_direct_response(success: Completion, direct_prompt: tuple[int, ...], index: int) -> Completion:
+    """A stage's correct response re-attached to the direct prompt, off-policy with its stage log-probs."""
+    return dataclasses.replace(
+        success, request_index=index, prompt_ids=direct_prompt, prefix_len=0, behaviour="rethink",
+        off_policy=[1] * len(success.response_ids), behaviour_logprobs=list(success.logprobs), policy_version=None,
+    )
+
+
+@register_strategy("rethink")
+class RethinkRollout(RolloutStrategy):
+    """Cog-Rethinker (arXiv:2510.15979): zero-accuracy problems re-rolled with a decompose and a refine
+    prompt; a success joins its group off-policy under the direct prompt."""
+
+    def __init__(self, setup: RolloutSetup, options: RethinkOptions):
+        self.setup, self.options = setup, options
+
+    @classmethod
+    def config_options(cls, rollout_cfg: Any) -> dict[str, Any]:
+        return {"options": RethinkOptions.from_config(rollout_cfg)}
+
+    def _first_successes(self, stage: list[Problem], positions: list[int]) -> dict[int, Completion]:
+        """Sample ``samples`` responses to each stage problem; the first correct one per problem."""
+        if not stage:
+            return {}
+        graded = self.setup.sampler(stage, self.options.samples, self.setup.params, self.setup.generator)
+        found: dict[int, Completion] = {}
+        for g, (i, group) in enumerate(zip(positions, graded.groups)):
+            verdicts = graded.correct[graded.group_index == g].tolist()
+            correct = [c for c, ok in zip(group, verdicts) if ok]
+            if correct:
+                found[i] = correct[0]
+        return found
+
+    def rollout(
+        self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None = None
+    ) -> tuple[GradedGroups, dict[str, float]]:
+        setup, sampler, options = self.setup, self.setup.sampler, self.options
+        direct = setup.sample(problems)
+        correct = direct.correct.view(len(problems), -1)
+        zero = [i for i in range(len(problems)) if not bool(correct[i].any())]
+        decomposed = self._first_successes([stage_problem(problems[i], options.decompose_template) for i in zero], zero)
+        unsolved = [i for i in zero if i not in decomposed]
+        refine = [
+            stage_problem(problems[i], options.refine_template,
+                          "\n".join(f"- {c.text}" for c in direct.groups[i][: options.shown_attempts]))
+            for i in unsolved
+        ]
+        refined = self._first_successes(refine, unsolved)
+        groups = [list(g) for g in direct.groups]
+        for i, success in {**decomposed, **refined}.items():
+            groups[i][-1] = as_direct_response(success, groups[i][0].prompt_ids, i)
+        graded = sampler.grade(problems, groups, setup.params.max_new_tokens) if decomposed or refined else direct
+        return graded, {
+            "rethink_zero_accuracy_prompts": float(len(zero)),
+            "rethink_decompose_solved": float(len(decomposed)),
+            "rethink_refine_solved": float(len(refined)),
+        }

@@ -1,0 +1,154 @@
+"""VinePPO's rollouts (``rollout=vine``; Kazemnejad et al. 2024, arXiv:2410.01679, section 4): each
+response is cut into steps and the value of the state before every step is a Monte-Carlo estimate,
+the mean reward of K continuations sampled by the current policy from that state (a language
+environment can be reset to any prefix). The values feed the ``vine`` advantage piece
+(rlbench/algorithm/advantages/vine.py): A_t = r_t + gamma V^(s_{t+1}) - V^(s_t).
+
+Configuration (``rollout.vine``; conf/rollout/vine.yaml):
+
+    k: 9                # continuations per state (the paper: K = 9)
+    boundary: newline   # newline: a step ends after every token whose text holds a newline;
+                        # tokens: a step every ``step_tokens`` tokens
+    step_tokens: 4      # tokens per step (boundary=tokens)
+    max_steps: 8        # at most this many steps per response: more boundaries are thinned to
+                        # max_steps - 1 spread evenly over the response (the cost is K per boundary)
+    root_value: rollouts  # V^(s_0) of the prompt: K continuations from the prompt (rollouts, the
+                          # paper), or the mean reward of the prompt's own rollout.n responses (group)
+
+One step: ``rollout.n`` responses per prompt (one engine call), then one request of K continuations
+per distinct state (prompt + response prefix; identical prefixes of one prompt share their
+estimate) through ``GroupSampler.generate`` via rlbench.rollout.continuation (the prefix is counted as
+reused tokens, only the continuation as generated). Continuations are graded and reward-shaped as the
+responses are; they are never trained on. Each response gets ``Completion.step_values``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from rlbench.dataset.base import Problem
+from rlbench.errors import ConfigError
+from rlbench.rollout.engines.base import GenerationRequest
+from rlbench.rollout.continuation import continue_with_budgets
+from rlbench.rollout.groups import GradedGroups
+from rlbench.rollout.strategy import RolloutSetup, RolloutStrategy, needs_groups, register_strategy, require_advantage_input, strategy_options
+
+BOUNDARIES = ("newline", "tokens")
+ROOT_VALUES = ("rollouts", "group")
+STEP_INPUT = "step_values"
+
+
+@dataclass(frozen=True)
+class VineOptions:
+    """The ``rollout.vine`` block (module docstring)."""
+
+    k: int = 9
+    boundary: str = "newline"
+    step_tokens: int = 4
+    max_steps: int = 8
+    root_value: str = "rollouts"
+
+    @classmethod
+    def from_config(cls, rollout_cfg: Any) -> "VineOptions":
+        options = strategy_options(rollout_cfg, "vine", cls)
+        for key in ("k", "step_tokens", "max_steps"):
+            if int(getattr(options, key)) < 1:
+                raise ConfigError(
+                    f"rollout.vine.{key} must be >= 1, got {getattr(options, key)}"
+                    + (" (K Monte-Carlo continuations per state; the paper uses 9)" if key == "k" else "")
+                )
+        if options.boundary not in BOUNDARIES:
+            raise ConfigError(f"rollout.vine.boundary must be one of {BOUNDARIES}, got {options.boundary!r}")
+        if options.root_value not in ROOT_VALUES:
+            raise ConfigError(f"rollout.vine.root_value must be one of {ROOT_VALUES}, got {options.root_value!r}")
+        if options.root_value == "group":
+            needs_groups("vine", rollout_cfg, "with root_value=group estimates the prompt's value from its group")
+        return options
+
+
+def step_starts(response_ids: list[int], options: VineOptions, tokenizer: Any) -> list[int]:
+    """The first token of every step of a response: 0, then each boundary before the response's end,
+    thinned to ``max_steps`` steps (0 and max_steps - 1 boundaries spread evenly) when there are more."""
+    length = len(response_ids)
+    if options.boundary == "tokens":
+        inner = list(range(options.step_tokens, length, options.step_tokens))
+    else:
+        inner = [t + 1 for t in range(length - 1) if "\n" in tokenizer.decode([response_ids[t]])]
+    wanted = options.max_steps - 1
+    if len(inner) > wanted:
+        inner = [inner[(k * len(inner)) // wanted] for k in range(wanted)]
+    return [0] + inner
+
+
+@register_strategy("vine")
+class VineSampling(RolloutStrategy):
+    """``rollout=vine`` (module docstring)."""
+
+    provides = frozenset({"step_index", "step_values"})
+
+    def __init__(self, setup: RolloutSetup, options: VineOptions):
+        self.setup, self.options = setup, options
+
+    @classmethod
+    def config_options(cls, rollout_cfg: Any) -> dict[str, Any]:
+        return {"options": VineOptions.from_config(rollout_cfg)}
+
+    @classmethod
+    def validate(cls, rollout_cfg: Any, advantage: str) -> None:
+        """The options, and an advantage that reads the step values."""
+        VineOptions.from_config(rollout_cfg)
+        require_advantage_input(
+            advantage, STEP_INPUT,
+            "rollout=vine estimates Monte-Carlo values at step boundaries, and advantage '{advantage}' does not read "
+            "them (the continuations would be generated for nothing). Add algorithm/advantage=<one of {readers}>, "
+            "or use rollout=iid",
+        )
+
+    def rollout(
+        self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None = None
+    ) -> tuple[GradedGroups, dict[str, float]]:
+        setup, sampler, options = self.setup, self.setup.sampler, self.options
+        max_new = setup.params.max_new_tokens
+        prompt_ids = sampler.encode(problems)
+        graded = sampler(problems, setup.n, setup.params, setup.generator, prompt_ids)
+        # the distinct states to estimate: (prompt, response prefix) -> position in the request list
+        states: dict[tuple[int, tuple[int, ...]], int] = {}
+        starts_of: list[list[int]] = []
+        for p, group in enumerate(graded.groups):
+            for completion in group:
+                starts = step_starts(completion.response_ids, options, sampler.tokenizer)
+                starts_of.append(starts)
+                for start in starts:
+                    if start or options.root_value == "rollouts":
+                        states.setdefault((p, tuple(completion.response_ids[:start])), len(states))
+        requests = [
+            (GenerationRequest(prompt_ids[p], n=options.k, prefix_ids=prefix, score_prefix=False), max_new - len(prefix))
+            for p, prefix in states
+        ]
+        continuations = continue_with_budgets(sampler, requests, setup.params, setup.generator)
+        owners = [problems[p] for p, _ in states]
+        values = torch.zeros(len(states), dtype=torch.float64)
+        if states:
+            scored = sampler.grade(owners, continuations, max_new)
+            values = torch.zeros(len(states), dtype=torch.float64).index_add_(
+                0, scored.group_index, scored.rewards.to(torch.float64)
+            ) / options.k
+        group_means = [float(graded.rewards[graded.group_index == p].to(torch.float64).mean()) for p in range(len(problems))]
+        row = 0
+        for p, group in enumerate(graded.groups):
+            for completion in group:
+                completion.step_values = [
+                    (start, group_means[p] if not start and options.root_value == "group"
+                     else float(values[states[(p, tuple(completion.response_ids[:start]))]]))
+                    for start in starts_of[row]
+                ]
+                row += 1
+        metrics = {
+            "vine_states": float(len(states)),
+            "vine_continuations": float(len(states) * options.k),
+            "vine_steps_mean": float(sum(len(s) for s in starts_of) / max(len(starts_of), 1)),
+        }
+        return graded, metrics
