@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 
 PYTEST := HF_HUB_OFFLINE=1 WANDB_MODE=offline $(VENV)/bin/pytest
 
-.PHONY: run run-ddp run-swarm test test-fast test-integration test-learning bench bench-eval bench-rollout setup sandbox-tools clean
+.PHONY: run run-ddp run-swarm test test-fast test-integration test-learning bench bench-eval bench-rollout gpu-wheels setup sandbox-tools clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -69,6 +69,13 @@ bench-rollout: $(STAMP)
 
 bench-eval: $(STAMP) sandbox-tools
 	HF_HUB_OFFLINE=1 $(PY) bench/eval_throughput.py
+
+# The GPU check's bundle for the device tool's machine (no package index there; docs/scaling.md#gpu-check):
+# the wheels rlbench needs beyond its image (CPython 3.12, manylinux x86-64; the list: WHEELS in
+# bench/gpu_check.py) and the tiny model as a checkpoint, into .gpu/ (git-ignored), with their size against
+# the 64 MiB that travel. Then: bash bench/gpu_check.sh --device there, with carry [".gpu"].
+gpu-wheels: $(STAMP)
+	$(PY) bench/gpu_check.py bundle --dest .gpu
 
 clean:
 	rm -rf $(VENV) .pytest_cache

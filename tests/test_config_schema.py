@@ -236,3 +236,6 @@ def test_a_plain_override_of_a_missing_key_names_the_first_missing_segment_and_i
         cfg, "algorithm.kl.placment", "algorithm.kl.placment=reward")
     assert unknown_override_message(cfg, "trainer.lr", "trainer.lr=2") is None  # an existing key
     assert unknown_override_message(cfg, "algorithm.kl.adaptive.target", "x") is None  # below a null node: Hydra's call
+    required = OmegaConf.create({"model": {"source": "path", "path": "???"}})  # model=checkpoint
+    assert unknown_override_message(required, "model.path", "model.path=results/latest/policy") is None
+    assert "model has no 'pth'" in unknown_override_message(required, "model.pth", "model.pth=x")

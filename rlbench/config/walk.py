@@ -215,7 +215,7 @@ def unknown_override_message(cfg: DictConfig, key_path: str, override: str) -> s
     for depth, part in enumerate(parts):
         if not isinstance(node, DictConfig):
             return None
-        if part not in node:
+        if part not in node.keys():  # not `part in node`: False for a required value (???) an override sets
             parent = ".".join(parts[:depth])
             valid = sorted(str(k) for k in node.keys())
             suggestion = nearest(part, valid)
@@ -223,5 +223,7 @@ def unknown_override_message(cfg: DictConfig, key_path: str, override: str) -> s
             where = parent or "the top level of the config"
             return (f"unknown key '{_join(parent, part)}': {where} has no '{part}'; {hint}valid keys: "
                     f"{', '.join(valid)} (set by the command-line override '{override}')")
+        if OmegaConf.is_missing(node, part):
+            return None  # model=checkpoint's path: ??? until the override sets it
         node = node[part]
     return None
