@@ -302,7 +302,7 @@ def synthetic_batch(vocab_size: int, device: str):
     import torch
 
     from rlbench.algorithm import Algorithm
-    from rlbench.rollout.base import Completion
+    from rlbench.rollout.engines.base import Completion
     from rlbench.training.batch import collate
 
     g = torch.Generator().manual_seed(0)
