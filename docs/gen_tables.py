@@ -1,5 +1,6 @@
-"""Regenerate the tables in docs/ from conf/: the algorithm presets (docs/algorithms.md, from
-conf/algorithm/*.yaml) and the paper presets (docs/papers.md, from conf/paper/*.yaml).
+"""Regenerate the tables in docs/ from conf/ and the registries: the algorithm presets (docs/algorithms.md,
+from conf/algorithm/*.yaml), the paper presets (docs/papers.md, from conf/paper/*.yaml) and the rollout
+strategies (docs/rollout.md, from the strategy registry).
 
 Each table sits between two marker lines in its page, ``<!-- BEGIN GENERATED: <name> -->`` and
 ``<!-- END GENERATED: <name> -->``; the prose around it is written by hand. Compose only: no model
@@ -26,6 +27,7 @@ DOCS_DIR = ROOT / "docs"
 
 ALGORITHMS_HEADER = "| name | advantage | loss | aggregation | KL | update | paper | run |"
 PAPERS_HEADER = "| paper | preset | verified numbers | run |"
+STRATEGIES_HEADER = "| strategy | module | provides | what it does |"
 FIRST_ROWS = ["grpo", "dr_grpo"]  # the baselines lead the algorithm table; the rest is alphabetical
 
 
@@ -101,6 +103,34 @@ def papers_table(cfgs: dict[str, DictConfig]) -> str:
     return "\n".join(rows) + "\n"
 
 
+def first_sentence(text: str | None) -> str:
+    """The first sentence of a docstring, on one line (abbreviations such as "et al." do not end it)."""
+    flat = " ".join((text or "").split())
+    match = re.search(r"(?<!\bal)(?<!\be\.g)(?<!\bi\.i\.d)(?<!\bvs)\.(\s|$)", flat)
+    return flat if match is None else flat[: match.start() + 1]
+
+
+def strategies_table() -> str:
+    """The Markdown table of docs/rollout.md: one row per registered rollout strategy, in the order of its
+    room (strategies/, then guided/) and name."""
+    import inspect
+    import sys
+
+    from rlbench.rollout import STRATEGIES
+
+    def room(name: str) -> str:
+        return STRATEGIES[name].__module__.rsplit(".", 2)[-2]
+
+    rows = [STRATEGIES_HEADER, "|---|---|---|---|"]
+    for name in sorted(STRATEGIES, key=lambda n: (room(n) != "strategies", n)):
+        cls = STRATEGIES[name]
+        path = Path(inspect.getfile(cls)).relative_to(ROOT)
+        summary = first_sentence(sys.modules[cls.__module__].__doc__)
+        provides = ", ".join(f"`{i}`" for i in sorted(cls.provides)) or "-"
+        rows.append(_cells_row([f"`rollout={name}`", f"`{path}`", provides, summary]))
+    return "\n".join(rows) + "\n"
+
+
 def compose_all(output_dir: Path) -> tuple[dict[str, DictConfig], dict[str, DictConfig]]:
     """(algorithm preset -> config composed with the smoke experiment, paper -> ``paper=<name>`` config)."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -121,6 +151,7 @@ def generated_tables(output_dir: Path) -> dict[Path, dict[str, str]]:
     return {
         DOCS_DIR / "algorithms.md": {"algorithms": algorithms_table(presets)},
         DOCS_DIR / "papers.md": {"papers": papers_table(papers)},
+        DOCS_DIR / "rollout.md": {"strategies": strategies_table()},
     }
 
 

@@ -32,7 +32,7 @@ How it works:
   is untouched; the log-probs equal the uncached ones up to float rounding (the kept KV came from
   one-token decoding steps, the uncached prefill computes it in one pass: about 1e-6 on the tiny
   model, 2e-5 on SmolLM2-135M), so a draw differs only where its uniform falls within that rounding
-  of a CDF boundary (docs/rollout.md);
+  of a CDF boundary (docs/engines.md);
 * ``params.logits_transform`` (a :class:`~rlbench.rollout.engines.base.LogitsTransform`, the one sampling
   hook) changes each step's raw logits before the warpers, given each running row's tokens so far;
   without it the loop is the plain one. Prefix tokens are not passed through it (a request with a

@@ -24,7 +24,7 @@ Scoring (:meth:`VLLMEngine.score_prefixes`, :meth:`VLLMEngine.position_stats`, a
 of requests with ``prefix_ids``) runs on the Hugging Face policy model, the same code as
 :class:`HFGenerateEngine` (``sync_weights`` keeps it in step: it is the trained model itself). Its
 numerics are the trainer's, not vLLM's kernels': a token vLLM sampled is scored by the HF model
-within bf16 noise of vLLM's own log-prob (rollout=speculative compares the two; docs/rollout.md).
+within bf16 noise of vLLM's own log-prob (rollout=speculative compares the two; docs/engines.md).
 
 The pure conversion logic (:func:`requests_to_vllm_inputs`, :func:`vllm_sampling_kwargs`,
 :func:`vllm_outputs_to_completions`) has no vLLM dependency and is tested on CPU.

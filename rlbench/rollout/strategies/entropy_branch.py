@@ -34,7 +34,7 @@ trained as such (``off_policy`` 0) and labelled ``behaviour="branch"``.
 
 The rule's constants (beta 0.5, the floor + 1, the penalty 0.05 per consecutive branch, the
 threshold 0.5) follow a public implementation of the AEPO rollout; the paper's own values are not
-verified here (docs/rollout.md). No state between steps.
+verified here (docs/rollout-trees.md). No state between steps.
 
 Engines: both; the statistics are the engine's ``position_stats`` (rlbench/rollout/engines/base.py), which the vLLM
 engine computes on the HF policy model it keeps in step.

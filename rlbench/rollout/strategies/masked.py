@@ -36,7 +36,7 @@ logits processors (rlbench/rollout/engines/vllm_logits.py) would call :class:`Ma
 pi_psi's forward would then run inside vLLM's sampler on an HF KV cache that continues only when every
 row of a call extends the previous call's rows by one token; vLLM's batch gains and loses requests at
 most steps (continuous batching, chunked prefills), so pi_psi would re-prefill every running context
-at those steps. What it would take is in docs/rollout.md ("NLPO on vLLM").
+at those steps. What it would take is in docs/rollout-sampling.md ("NLPO on vLLM").
 
 Configuration (conf/rollout/masked.yaml):
 
@@ -178,7 +178,7 @@ class MaskedRollout(RolloutStrategy):
             "masked", rollout_cfg,
             "needs the masking policy pi_psi's logits at every decoding step: on rollout.engine=vllm that is a second "
             "model's forward pass inside vLLM's sampler, whose own KV cache vLLM's continuously changing batch would "
-            "force to re-prefill every row at most steps (docs/rollout.md, 'NLPO on vLLM'), so only the HF engine runs it",
+            "force to re-prefill every row at most steps (docs/rollout-sampling.md, 'NLPO on vLLM'), so only the HF engine runs it",
         )
         return {"top_p": top_p, "update_interval": int(interval)}
 

@@ -26,7 +26,7 @@ leaves are not trained. At depth 0 the step is ``rollout=iid`` (no search is gro
 ``rollout_outcome_mean`` is the mean outcome of the responses sampled from the prompt alone (the
 search's leaves; at depth 0 the groups), which a revealed prefix does not inflate.
 
-Simplifications against the paper (docs/rollout.md): the tree is grown online by the current policy
+Simplifications against the paper (docs/rollout-trees.md): the tree is grown online by the current policy
 (the paper reveals prefixes of a teacher's offline MCTS), in one expansion pass with leaf rewards as
 the evaluation (no UCT selection rounds), one prefix per prompt and step (the paper pools groups of
 several stages with its staged advantage estimation, SAE).

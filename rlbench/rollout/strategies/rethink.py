@@ -14,7 +14,7 @@ the paper) and labelled off-policy: ``behaviour="rethink"``, ``off_policy`` 1 on
 ``behaviour_logprobs`` = its sampling log-probs under the stage's prompt, so the ratio is
 pi_theta(y | direct prompt) / pi_old(y | stage prompt), never a silent 1
 (rlbench.training.step.behaviour_old_logp). The group then has a correct response and a non-zero
-group-relative advantage. The SFT term of the paper is not implemented (docs/rollout.md).
+group-relative advantage. The SFT term of the paper is not implemented (docs/rollout-sampling.md).
 
 No state between steps. Configuration (conf/rollout/rethink.yaml):
 

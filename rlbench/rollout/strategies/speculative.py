@@ -40,7 +40,7 @@ State: the drafts per prompt uid (:meth:`SpeculativeRollout.state_dict`).
 Engines: both; the drafts are verified with the engine's ``score_prefixes`` (rlbench/rollout/engines/base.py). On
 the vLLM engine that is the HF policy model it keeps, so p_new (HF kernels) and the draft's p_old (vLLM's
 sampling log-probs) differ by bf16 noise even at unchanged weights, far below the default lenience
-(docs/rollout.md).
+(docs/rollout-sampling.md).
 
 Configuration (conf/rollout/speculative.yaml):
 

@@ -28,7 +28,7 @@ log-probs recorded when sampled) with ``tree_nodes``: the node of every token, w
 advantages read (rlbench/algorithm/advantages/tree.py). A tree strategy therefore needs an
 advantage that reads ``tree_nodes`` (``algorithm/advantage=tree`` or ``treerpo``).
 
-Simplifications against the papers (docs/rollout.md): fixed divergence (no probability- or
+Simplifications against the papers (docs/rollout-trees.md): fixed divergence (no probability- or
 quality-driven branching), no repetition-based early stop, no answer-based stop before EOS.
 """
 
