@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import rlbench
 from rlbench import faults
-from rlbench.config import resolve_device, validate_config
+from rlbench.config import notice_inactive_terms, resolve_device, validate_config
 from rlbench.dataset import load_problems
 from rlbench.guidance import GuidanceOptions, load_guidance
 from rlbench.eval.evaluate import Benchmark, EvalResult, evaluate, usable_problems
@@ -201,6 +201,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     :class:`rlbench.training.interrupt.Interrupted` after writing an interrupted summary."""
     started = time.perf_counter()
     algorithm = validate_config(cfg)  # every check before anything expensive
+    notice_inactive_terms(cfg, algorithm)  # one line when the loss's distinguishing term cannot act in this run
     swarm = cfg.trainer.get("strategy") == "swarm"
     pool = None  # a swarm's actors sharing groups (J > 0) agree on stops and on the resume step through it
     if swarm:  # SAPO's actor: a single-process run with its own seed and folder (rlbench/training/swarm.py)

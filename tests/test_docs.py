@@ -139,7 +139,49 @@ def _relative_links(text: str) -> list[str]:
 @pytest.mark.parametrize("page", DOC_PAGES, ids=lambda page: page.name)
 def test_relative_links_resolve(page):
     broken = [target for target in _relative_links(page.read_text()) if not (page.parent / target).exists()]
-    # docs/architecture.md is written in the same issue by the layout change; until it exists the
-    # link to it is the only one allowed to dangle.
-    broken = [target for target in broken if not target.endswith("architecture.md")]
     assert not broken, f"{page.name}: links to missing files {broken}"
+
+
+# A repository file named in prose: a top-level folder, then path characters, then a file suffix. Not
+# preceded by a path character (owner/repo/docs/x.md cites another repository's file; write it that way)
+# or a placeholder's bracket, and not followed by one (conf/paper/<name>.yaml, conf/paper/*.yaml and run
+# outputs such as eval/passk.csv are not repository files, and do not match).
+_NOT_BEFORE, _NOT_AFTER = r"(?<![\w/.<>*{}-])", r"(?![\w/*<>-])"
+REPOSITORY_PATH = re.compile(
+    _NOT_BEFORE + r"(?:rlbench|conf|docs|tests|bench|results|hydra_plugins)/[\w/.-]*\.(?:py|yaml|md|json|jsonl|sh|csv|cpp)"
+    + _NOT_AFTER
+)
+# A module named from inside the package (algorithm/advantages.py): a subpackage of rlbench, then .py.
+PACKAGE_MODULE = re.compile(
+    _NOT_BEFORE + "(?:" + "|".join(sorted(p.name for p in (ROOT / "rlbench").iterdir() if (p / "__init__.py").is_file()))
+    + r")/[\w/.-]*\.py" + _NOT_AFTER
+)
+
+
+def named_paths_missing(text: str) -> list[str]:
+    """The repository paths named in ``text`` (REPOSITORY_PATH from the root, PACKAGE_MODULE from rlbench/)
+    that do not exist."""
+    missing = [path for path in REPOSITORY_PATH.findall(text) if not (ROOT / path).exists()]
+    return missing + [path for path in PACKAGE_MODULE.findall(text) if not (ROOT / "rlbench" / path).exists()]
+
+
+@pytest.mark.parametrize("text, missing", [
+    ("see rlbench/training/step.py.", []),
+    ("(rlbench/update.py trpo_update)", ["rlbench/update.py"]),
+    ("`algorithm/advantages.py`", ["algorithm/advantages.py"]),
+    ("`tests/test_tree_rollout.py` checks both", ["tests/test_tree_rollout.py"]),
+    ("conf/paper/<name>.yaml, conf/paper/*.yaml, docs/", []),
+    ("mirrored in volcengine/verl/docs/algo/entropy.md", []),
+    ("a pass@k curve: eval/curve.csv", []),
+])
+def test_named_paths_missing(text, missing):
+    assert named_paths_missing(text) == missing
+
+
+def test_every_repository_path_named_in_docs_conf_and_code_exists():
+    """Every file path that docs/ (and the README), conf/ and the docstrings and comments of rlbench/ name
+    exists; a stale one sends a reader to a file that moved or never was."""
+    files = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "conf").rglob("*.yaml"),
+             *(ROOT / "rlbench").rglob("*.py")]
+    stale = [f"{path.relative_to(ROOT)}: {name}" for path in sorted(files) for name in named_paths_missing(path.read_text())]
+    assert not stale, "paths to files that do not exist:\n" + "\n".join(stale)

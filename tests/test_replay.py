@@ -209,6 +209,27 @@ def test_exgrpo_mix_draws_buffer_questions_with_n_minus_one_fresh_responses():
     assert graded.groups[1][-1].behaviour == "replay" and metrics["replay_responses"] == 1
 
 
+def test_exgrpo_mix_replays_only_into_buffer_questions_when_the_step_prompts_are_in_the_buffer():
+    """ExGRPO's mix (arXiv:2510.02245, section 3.2): a buffer question gets 1 replayed + n - 1 fresh
+    responses, a fresh question n fresh ones, even when the buffer holds successes of the fresh question
+    (keep=correct). Before the fix every prompt with stored successes got a replayed response: 2 of 2 groups."""
+    script = {0: [2, 4], 1: [2, 2], 2: [4, 4], 3: [2, 6]}  # every answer correct: all four enter the buffer
+    rollout = {"strategy": "replay", "replay": {"per_group": 1, "questions": "buffer", "buffer_share": 0.5,
+                                                 "replace_fresh": True, "keep": "correct"}}
+    strategy, engine = strategy_for(script, rollout, n=4)
+    (_, _), (graded, metrics) = run_steps(strategy, ["0", "1", "2", "3"], 2)  # the first step fills the buffer
+    replayed = [sum(c.behaviour == "replay" for c in group) for group in graded.groups]
+    # half of the 4 groups are buffer questions, drawn from the buffer's questions other than the step's own
+    # prompts; with every held question among them the buffer has none to give: all 4 groups stay fresh
+    assert replayed == [0, 0, 0, 0] and metrics["replay_shortfall"] == 2
+    graded, metrics = strategy.rollout([problem("0"), problem("1")])
+    replayed = [sum(c.behaviour == "replay" for c in group) for group in graded.groups]
+    assert [p.uid for p in graded.problems][0] == "0" and graded.problems[1].uid in {"2", "3"}
+    assert replayed == [0, 1] and metrics["replay_responses"] == 1  # 1 of 2 groups mixes, as ExGRPO
+    assert [len(g) for g in graded.groups] == [4, 4]
+    assert engine.calls[-1] == [(0, 4), (int(graded.problems[1].uid), 3)]  # n fresh; n - 1 fresh + 1 replayed
+
+
 def test_replay_waits_for_the_start_accuracy():
     rollout = {"strategy": "replay", "replay": {"per_group": 1, "start_accuracy": 0.75}}
     strategy, _ = strategy_for({0: [[2, 4], [2, 4]], 1: [[1, 3], [2, 4]]}, rollout)

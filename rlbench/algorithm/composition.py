@@ -303,6 +303,18 @@ class Algorithm:
                 if registry.needs(name).on_policy]
 
     @property
+    def updates_per_batch(self) -> int:
+        """Policy updates one batch is trained for: epochs x minibatches (standard); K + 1 passes of those
+        (sfpo: K fast passes and the slow one); 1 (trpo: one natural-gradient step); 0 (none). Only the
+        first of them sees pi_theta = pi_old on the freshly sampled tokens."""
+        if self.schedule == "none":
+            return 0
+        if self.schedule == "trpo":
+            return 1
+        passes = self.schedule_settings.fast_steps + 1 if self.schedule == "sfpo" else 1
+        return passes * self.epochs * self.minibatches
+
+    @property
     def group_relative(self) -> bool:
         """True when the advantage estimator compares responses of the same prompt."""
         return "group_index" in inspect.signature(ADVANTAGES.get(self.advantage.name)).parameters

@@ -40,6 +40,16 @@ class Needs:
     on_policy          why the piece is defined only on data sampled by the current policy (no
                        importance ratio to correct stale data); a run that trains on stale data
                        (trainer.max_staleness >= 1) is refused, naming the piece. None: it takes any data
+    ratio_term         policy loss: the term that sets it apart from its base loss, in words (or a
+                       function of the loss's YAML parameters giving the words or None), when that
+                       term acts only where the importance ratio pi_theta / pi_old differs from 1 (zero
+                       effect on the gradient at ratio 1). With one update per batch on fresh data every
+                       sampled token has ratio 1 and the run trains the base loss: the runner says so in
+                       one line at start-up (rlbench.config.checks.notice_inactive_terms). None: the
+                       piece's own terms act at ratio 1 too (PPO-clip's clip is the shared trust
+                       region of the PPO family, not a term that sets a loss apart: ppo_clip declares none)
+    ratio_term_metric  policy loss: the metric (a fraction of tokens) that is above 0 where that term
+                       acted, e.g. "dropped_fraction" (None: the term has no such metric)
     """
 
     advantage_level: str | None = None
@@ -48,6 +58,8 @@ class Needs:
     paper_aggregation: str | None = None
     conflicts: tuple[str, ...] = ()
     on_policy: str | None = None
+    ratio_term: str | Callable[[Mapping[str, Any]], str | None] | None = None  # or of the YAML params
+    ratio_term_metric: str | None = None
 
     def __post_init__(self) -> None:
         for key in ("advantage_level", "ratio_level"):
@@ -57,6 +69,8 @@ class Needs:
         enforced = self.aggregation is not None or self.ratio_level is not None or self.advantage_level == "sequence"
         if enforced and not self.conflicts:
             raise ValueError("a piece that constrains the composition must say why (conflicts)")
+        if self.ratio_term_metric is not None and self.ratio_term is None:
+            raise ValueError("ratio_term_metric names the metric of a ratio_term: declare the term (ratio_term)")
 
     @property
     def token_level_advantage(self) -> bool:
@@ -98,6 +112,11 @@ class Registry:
         """What piece ``name`` declared at registration (:class:`Needs`)."""
         self.get(name)
         return self._needs[name]
+
+    def ratio_term(self, name: str, params: Mapping[str, Any]) -> str | None:
+        """Needs.ratio_term of piece ``name`` under its YAML ``params``: the words, or None."""
+        term = self.needs(name).ratio_term
+        return term(params) if callable(term) else term
 
     def get(self, name: str) -> Callable:
         try:

@@ -80,7 +80,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="x axis of the training curves: step (default), generated_tokens or wall_seconds "
                         "(cumulative, for equal-compute comparisons)")
     parser.add_argument("--paper", default=None, metavar="NAME",
-                        help="also print the reference numbers of paper preset NAME (conf/paper/NAME.yaml) beside "
+                        help="also print the reference numbers of paper preset NAME (conf/paper/<NAME>.yaml) beside "
                         "the runs', each marked verified or not (written to paper.md)")
     parser.add_argument("--resamples", type=int, default=1000, help="bootstrap and permutation resamples (default 1000)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the resampling (default 0)")

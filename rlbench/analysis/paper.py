@@ -1,5 +1,5 @@
 """``rlbench-compare --paper NAME``: a paper's reported numbers (``paper.reference`` of
-conf/paper/NAME.yaml) beside the runs' own on the same benchmark, each marked verified or not."""
+conf/paper/<NAME>.yaml) beside the runs' own on the same benchmark, each marked verified or not."""
 
 from __future__ import annotations
 

@@ -2,6 +2,6 @@
 (origin.py), the registered pieces (pieces.py), cross-field checks (checks.py) and the listing
 command (list.py)."""
 
-from rlbench.config.checks import resolve_device, validate_config
+from rlbench.config.checks import notice_inactive_terms, resolve_device, validate_config
 
-__all__ = ["resolve_device", "validate_config"]
+__all__ = ["notice_inactive_terms", "resolve_device", "validate_config"]

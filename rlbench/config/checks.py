@@ -7,6 +7,7 @@ files) with a message that names the key(s) and says what to change.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from rlbench.training.curricula import parse_stages, sampler_options, stage_sett
 from rlbench.training.distributed import check_strategy, launched_world_size
 from rlbench.training.swarm import check_swarm
 from rlbench.algorithm import Algorithm
-from rlbench.algorithm.registry import ADVANTAGES
+from rlbench.algorithm.registry import ADVANTAGES, POLICY_LOSSES
 from rlbench.algorithm.shaping import REWARD_SHAPING
 from rlbench.rollout.guided.difficulty_adaptive import DifficultyOptions
 from rlbench.config.fit import check_fits_here
@@ -27,6 +28,8 @@ from rlbench.dataset import validate_spec
 from rlbench.errors import ConfigError
 from rlbench.guidance import GuidanceOptions
 from rlbench.model import validate_model_config
+
+log = logging.getLogger(__name__)
 
 
 def _positive(value: Any, key: str) -> None:
@@ -139,6 +142,25 @@ def check_staleness(cfg: Any, algorithm: Algorithm) -> None:
     if cfg.algorithm.get("reincarnate_at") is not None:
         raise ConfigError(f"{where}; algorithm.reincarnate_at switches to on-policy data at a step the generator "
                           "thread has already sampled ahead of: use it with trainer.max_staleness=null or 0")
+
+
+def notice_inactive_terms(cfg: Any, algorithm: Algorithm) -> str | None:
+    """The start-up line of a training run whose loss's distinguishing term cannot act: the loss declares
+    a term that acts only where pi_theta / pi_old differs from 1 (registry.Needs.ratio_term) and the run
+    takes one update per batch (``Algorithm.updates_per_batch``) on fresh data (no trainer.max_staleness),
+    so every token the policy sampled has ratio 1 and the run trains the base loss. Logged as a warning
+    and returned; None (nothing logged) when the term can act or the run does not train."""
+    term = POLICY_LOSSES.ratio_term(algorithm.loss.name, algorithm.loss.params)
+    stale = (cfg.trainer.get("max_staleness") or 0) >= 1
+    if term is None or stale or algorithm.updates_per_batch != 1 or cfg.mode != "train" or not cfg.trainer.steps:
+        return None
+    line = (f"algorithm '{algorithm.name}': {term} (loss '{algorithm.loss.name}') acts only where pi_theta / pi_old "
+            "differs from 1, and this run takes one update per batch on fresh data (algorithm.update epochs x "
+            "minibatches = 1, no trainer.max_staleness): every sampled token has ratio 1, so that term is inactive "
+            "and the run trains the base loss; raise algorithm.update.minibatches or epochs, or set "
+            "trainer.max_staleness, to exercise it")
+    log.warning(line)
+    return line
 
 
 def check_reincarnation(cfg: Any) -> None:

@@ -94,7 +94,8 @@ def clip_cov_loss(
     return loss * mask, metrics
 
 
-@POLICY_LOSSES.register("kl_cov")
+@POLICY_LOSSES.register("kl_cov", ratio_term="its |log ratio| penalty on the high-covariance tokens",
+                        ratio_term_metric="kl_cov_penalty")
 def kl_cov_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -110,7 +111,8 @@ def kl_cov_loss(
             Cov (none if kl_cov_ratio = 0), see covariance_selection_count
         l_t = -A_t rho_t + ppo_kl_coef |logp_t - old_logp_t| [t in S]      (no ratio clipping)
     Deterministic (top-k, ties by position). The penalty's gradient is 0 at rho = 1.
-    Metrics: approx_kl, ratio_mean, kl_cov_fraction.
+    Metrics: approx_kl, ratio_mean, kl_cov_fraction, kl_cov_penalty (mean over valid tokens of the
+    penalty ppo_kl_coef |log rho| [t in S]: 0 while every ratio is 1).
     """
     lr = log_ratio(logp, old_logp)
     ratio = torch.exp(lr)
@@ -119,5 +121,7 @@ def kl_cov_loss(
     selected = _top_k_mask(
         _covariance(advantages, logp, mask), valid, covariance_selection_count(kl_cov_ratio, int(valid.sum().item()))
     )
-    loss = -advantages * ratio + ppo_kl_coef * lr.abs() * selected
-    return loss * mask, _ratio_metrics(lr, ratio, mask, kl_cov_fraction=selected)
+    penalty = ppo_kl_coef * lr.abs() * selected
+    metrics = _ratio_metrics(lr, ratio, mask, kl_cov_fraction=selected)
+    metrics["kl_cov_penalty"] = masked_mean(penalty.detach(), mask).item()
+    return (-advantages * ratio + penalty) * mask, metrics

@@ -76,7 +76,7 @@ def is_surrogate_loss(
     return -advantages * ratio * mask, _ratio_metrics(lr, ratio, mask)
 
 
-@POLICY_LOSSES.register("intellect2")
+@POLICY_LOSSES.register("intellect2", ratio_term="its cap delta on the ratio of negative-advantage tokens (two-sided clipping)")
 def intellect2_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -132,7 +132,9 @@ def _gradient_preserving_clip(
     return loss, is_clipped
 
 
-@POLICY_LOSSES.register("ce_gppo", paper_aggregation="token_mean")
+@POLICY_LOSSES.register("ce_gppo", paper_aggregation="token_mean",
+                        ratio_term="its bounded gradients (beta_low, beta_high) on clipped tokens",
+                        ratio_term_metric="clip_fraction")
 def ce_gppo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -211,7 +213,8 @@ def normalized_entropy(entropy: torch.Tensor, mask: torch.Tensor, pivot: float) 
         return torch.where(mask > 0, scale(entropy), torch.zeros_like(entropy))
 
 
-@POLICY_LOSSES.register("aepo")
+@POLICY_LOSSES.register("aepo", ratio_term="its gradient kept on upper-clipped tokens (the stop-gradient clip; its "
+                        "entropy-aware advantage acts at any ratio)", ratio_term_metric="clip_fraction_high")
 def aepo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -245,7 +248,9 @@ def aepo_loss(
     return loss * mask, _ppo_metrics(lr, torch.exp(lr), is_clipped, mask)
 
 
-@POLICY_LOSSES.register("hapo", paper_aggregation="token_mean")
+@POLICY_LOSSES.register("hapo", paper_aggregation="token_mean",
+                        ratio_term="its entropy-adaptive clip range (its advantage redistribution acts at ratio 1 too)",
+                        ratio_term_metric="clip_fraction")
 def hapo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -327,7 +332,14 @@ def ppo_ewma_loss(
     return weight * loss * mask, metrics
 
 
-@POLICY_LOSSES.register("dppo")
+def _dppo_ratio_term(params) -> str | None:
+    """The rule ratio_deviation drops only tokens whose ratio left 1; surrogate_variance drops at ratio 1 too."""
+    if params.get("rule", "ratio_deviation") == "surrogate_variance":
+        return None
+    return "its dropout of tokens whose ratio left [1 - drop_threshold, 1 + drop_threshold] (rule ratio_deviation)"
+
+
+@POLICY_LOSSES.register("dppo", ratio_term=_dppo_ratio_term, ratio_term_metric="dropped_fraction")
 def dppo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

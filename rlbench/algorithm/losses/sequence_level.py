@@ -10,6 +10,10 @@ import torch
 from rlbench.algorithm.losses.common import _ppo_metrics, _ppo_terms, _ratio_metrics, log_ratio, sequence_mean
 from rlbench.algorithm.registry import POLICY_LOSSES
 
+#: GSPO's term that acts only off ratio 1 (registry.Needs.ratio_term).
+SEQUENCE_RATIO_TERM = ("its sequence-level ratio and clip (at ratio 1 the gradient is GRPO's with seq_mean_token_mean "
+                       "aggregation)")
+
 
 def _gspo(
     logp: torch.Tensor,
@@ -36,6 +40,8 @@ def _gspo(
 
 @POLICY_LOSSES.register(
     "gspo",
+    ratio_term=SEQUENCE_RATIO_TERM,
+    ratio_term_metric="clip_fraction",
     aggregation="seq_mean_token_mean",
     paper_aggregation="seq_mean_token_mean",
     advantage_level="sequence",
@@ -68,7 +74,8 @@ def gspo_loss(
     return _gspo(logp, old_logp, advantages, response_mask, clip_low, clip_high, token_level=False)
 
 
-@POLICY_LOSSES.register("gspo_token", paper_aggregation="seq_mean_token_mean")
+@POLICY_LOSSES.register("gspo_token", paper_aggregation="seq_mean_token_mean", ratio_term=SEQUENCE_RATIO_TERM,
+                        ratio_term_metric="clip_fraction")
 def gspo_token_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -92,6 +99,9 @@ def gspo_token_loss(
 
 @POLICY_LOSSES.register(
     "gmpo",
+    ratio_term="its geometric-mean sequence ratio and log-ratio clip (at ratio 1 the gradient is GRPO's with "
+               "seq_mean_token_mean aggregation)",
+    ratio_term_metric="clip_fraction",
     aggregation="seq_mean_token_mean",
     paper_aggregation="seq_mean_token_mean",
     advantage_level="sequence",

@@ -10,7 +10,8 @@ from rlbench.algorithm.losses.common import _ratio_metrics, _top_k_mask, log_rat
 from rlbench.algorithm.registry import POLICY_LOSSES
 
 
-@POLICY_LOSSES.register("sapo", paper_aggregation="seq_mean_token_mean")
+@POLICY_LOSSES.register("sapo", paper_aggregation="seq_mean_token_mean",
+                        ratio_term="its soft gate on the ratio (at ratio 1 the gradient is the plain policy gradient)")
 def sapo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -38,7 +39,7 @@ def sapo_loss(
     return -gate * advantages * mask, metrics
 
 
-@POLICY_LOSSES.register("spo_simple")
+@POLICY_LOSSES.register("spo_simple", ratio_term="its quadratic penalty on the ratio", ratio_term_metric="outside_fraction")
 def spo_simple_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -63,7 +64,8 @@ def spo_simple_loss(
     return -objective * mask, _ratio_metrics(lr, ratio, mask, outside_fraction=(ratio - 1.0).abs() > eps)
 
 
-@POLICY_LOSSES.register("m2po", paper_aggregation="token_mean")
+@POLICY_LOSSES.register("m2po", paper_aggregation="token_mean", ratio_term="its second-moment mask",
+                        ratio_term_metric="masked_fraction")
 def m2po_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -104,7 +106,7 @@ def m2po_loss(
     return -ratio * advantages * (~masked) * mask, metrics
 
 
-@POLICY_LOSSES.register("mdpo")
+@POLICY_LOSSES.register("mdpo", ratio_term="its KL(pi_theta || pi_old) penalty", ratio_term_metric="kl")
 def mdpo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

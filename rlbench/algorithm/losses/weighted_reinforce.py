@@ -45,6 +45,10 @@ CISPO_TOKEN_RATIO_ONLY = (
 )
 
 
+#: CISPO's term that acts only off ratio 1 (registry.Needs.ratio_term): at ratio 1 it is REINFORCE.
+CISPO_RATIO_TERM = "its clipped importance weight on every token's gradient"
+
+
 def _cispo(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -63,7 +67,8 @@ def _cispo(
 
 
 @POLICY_LOSSES.register(
-    "cispo_upper", ratio_level="token", paper_aggregation="token_mean", conflicts=CISPO_TOKEN_RATIO_ONLY
+    "cispo_upper", ratio_level="token", paper_aggregation="token_mean", conflicts=CISPO_TOKEN_RATIO_ONLY,
+    ratio_term=CISPO_RATIO_TERM, ratio_term_metric="cispo_clip_fraction",
 )
 def cispo_upper_loss(
     logp: torch.Tensor,
@@ -88,7 +93,8 @@ def cispo_upper_loss(
 
 
 @POLICY_LOSSES.register(
-    "cispo_two_sided", ratio_level="token", paper_aggregation="token_mean", conflicts=CISPO_TOKEN_RATIO_ONLY
+    "cispo_two_sided", ratio_level="token", paper_aggregation="token_mean", conflicts=CISPO_TOKEN_RATIO_ONLY,
+    ratio_term=CISPO_RATIO_TERM, ratio_term_metric="cispo_clip_fraction",
 )
 def cispo_two_sided_loss(
     logp: torch.Tensor,
@@ -149,7 +155,8 @@ def _regularised_reinforce(
     return loss * mask, _ratio_metrics(lr, ratio, mask, masked_fraction=~keep)
 
 
-@POLICY_LOSSES.register("rec", paper_aggregation="seq_mean_token_sum")
+@POLICY_LOSSES.register("rec", paper_aggregation="seq_mean_token_sum", ratio_term="its clip_mode mask, importance "
+                        "weighting and regulariser (at ratio 1 every variant is REINFORCE)", ratio_term_metric="masked_fraction")
 def rec_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -181,7 +188,7 @@ def rec_loss(
     )
 
 
-@POLICY_LOSSES.register("opmd")
+@POLICY_LOSSES.register("opmd", ratio_term="its regulariser (tau / 2) (log ratio)^2")
 def opmd_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

@@ -22,7 +22,8 @@ Configuration (conf/rollout/replay.yaml; ``algorithm=rlep`` and ``algorithm=exgr
       capacity: 4096          # responses kept; the oldest inserted leaves first
       per_group: 2            # replayed responses per group
       questions: same         # same: the step's own prompts get their stored successes (RLEP)
-                              # buffer: a share of the step's groups are questions drawn from the buffer (ExGRPO)
+                              # buffer: a share of the step's groups are questions drawn from the buffer, the
+                              # only groups replayed into (ExGRPO); the step's own prompts stay fresh
       buffer_share: 0.5       # with questions=buffer: the share of the step's groups
       replace_fresh: false    # false: n fresh + per_group replayed; true: n - per_group fresh + per_group replayed
       weighting: uniform      # how buffer questions are drawn: uniform | accuracy_gaussian (ExGRPO's buckets)
@@ -387,9 +388,12 @@ class ReplaySampling(RolloutStrategy):
             shortfall += wanted - len(drawn)
             self.shortfall_log.note(wanted - len(drawn), f"{len(drawn)} of {wanted} buffer questions")
             prompts = prompts[: len(prompts) - len(drawn)] + drawn
-        # keep=all (whole past groups, ReMix): only the buffer questions are replayed; the fresh prompts stay fresh
-        replayed = [self.buffer.sample_trajectories(p.uid, o.per_group) if o.keep == "correct" or p in drawn else []
-                    for p in prompts]
+        # questions=buffer (ExGRPO, ReMix): only the buffer questions are replayed; the step's own prompts stay
+        # fresh even when the buffer holds successes of theirs (ExGRPO's mix: 1 replayed + n - 1 fresh for a
+        # buffer question, n fresh for a fresh one). questions=same (RLEP): every prompt gets its stored successes.
+        replayed_uids = {p.uid for p in drawn}
+        replayed = [self.buffer.sample_trajectories(p.uid, o.per_group)
+                    if o.questions == "same" or p.uid in replayed_uids else [] for p in prompts]
         wanted_replays = o.per_group * (len(drawn) if o.questions == "buffer" else len(prompts))
         missing = max(0, wanted_replays - sum(len(r) for r in replayed))
         shortfall += missing
