@@ -440,7 +440,8 @@ def apply_stage(ctx: Any, stage: Stage) -> None:
         max_new_tokens=int(changes.get("rollout.max_new_tokens", ctx.params.max_new_tokens)),
         temperature=float(changes.get("rollout.temperature", ctx.params.temperature)),
     )
-    ctx.strategy.setup = dataclasses.replace(ctx.strategy.setup, n=int(changes.get("rollout.n", setup.n)), params=ctx.params)
+    setup = ctx.strategy.setup
+    ctx.strategy.setup = dataclasses.replace(setup, n=int(changes.get("rollout.n", setup.n)), params=ctx.params)
 
 
 def stage_settings(cfg: Any, stages: list[Stage]) -> list[dict[str, Any]]:
