@@ -23,7 +23,6 @@ from rlbench.model import load_policy
 from rlbench.reward.toy import EvenTokenReward
 from rlbench.rollout import GroupSampler, HFGenerateEngine, RolloutSetup, SamplingParams, make_strategy, validate_strategy
 from rlbench.rollout.engines.base import Completion
-from rlbench.rollout.groups import GradedGroups
 from rlbench.rollout.strategies.mcts_prefix import revealed_length
 from rlbench.rollout.strategies.vine import VineOptions, step_starts, token_steps
 from rlbench.training.batch import collate
