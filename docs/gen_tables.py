@@ -1,6 +1,7 @@
-"""Regenerate the tables in docs/ from conf/ and the registries: the algorithm presets (docs/algorithms.md,
-from conf/algorithm/*.yaml), the paper presets (docs/papers.md, from conf/paper/*.yaml) and the rollout
-strategies (docs/rollout.md, from the strategy registry).
+"""Regenerate the tables in docs/ from conf/ and the code: the algorithm presets (docs/algorithms.md, from
+conf/algorithm/*.yaml), the step inputs the pieces read (docs/algorithms.md, from
+rlbench/algorithm/step_inputs.py), the paper presets (docs/papers.md, from conf/paper/*.yaml) and the
+rollout strategies (docs/rollout.md, from the strategy registry).
 
 Each table sits between two marker lines in its page, ``<!-- BEGIN GENERATED: <name> -->`` and
 ``<!-- END GENERATED: <name> -->``; the prose around it is written by hand. Compose only: no model
@@ -147,9 +148,11 @@ def compose_all(output_dir: Path) -> tuple[dict[str, DictConfig], dict[str, Dict
 
 def generated_tables(output_dir: Path) -> dict[Path, dict[str, str]]:
     """page -> {marker name -> table text} for every generated table."""
+    from rlbench.algorithm.step_inputs import STEP_INPUTS
+
     presets, papers = compose_all(output_dir)
     return {
-        DOCS_DIR / "algorithms.md": {"algorithms": algorithms_table(presets)},
+        DOCS_DIR / "algorithms.md": {"algorithms": algorithms_table(presets), "step-inputs": STEP_INPUTS.markdown_table()},
         DOCS_DIR / "papers.md": {"papers": papers_table(papers)},
         DOCS_DIR / "rollout.md": {"strategies": strategies_table()},
     }

@@ -245,7 +245,7 @@ def test_token_level_advantages_are_declared_at_registration():
 def test_a_new_piece_declares_its_needs_in_one_place():
     from rlbench.algorithm.registry import Registry
 
-    registry = Registry("test loss", inputs=frozenset({"logp"}))
+    registry = Registry("test loss", reader="loss")
 
     @registry.register("seq_only", aggregation="seq_mean_token_mean", conflicts=("why",))
     def seq_only(logp, scale: float = 1.0):

@@ -157,10 +157,10 @@ def _check_tree(groups, n, max_new_tokens, eos):
         assert len(group) == n
         seen: dict[int, list[int]] = {}
         for leaf in group:
-            assert len(leaf.tree_nodes) == len(leaf.response_ids) == len(leaf.logprobs) <= max_new_tokens
+            assert len(leaf.extras['tree_nodes']) == len(leaf.response_ids) == len(leaf.logprobs) <= max_new_tokens
             assert (leaf.response_ids[-1] == eos) == leaf.finished  # finished = ended with EOS
-            for node in dict.fromkeys(leaf.tree_nodes):  # a node's tokens are the same in every leaf that has it
-                tokens = [t for t, k in zip(leaf.response_ids, leaf.tree_nodes) if k == node]
+            for node in dict.fromkeys(leaf.extras['tree_nodes']):  # a node's tokens are the same in every leaf that has it
+                tokens = [t for t, k in zip(leaf.response_ids, leaf.extras['tree_nodes']) if k == node]
                 assert seen.setdefault(node, tokens) == tokens
 
 
@@ -178,7 +178,7 @@ def test_tree_rollout_shares_prefixes(tiny):
     assert cost["reused_tokens"] > 0
     assert metrics["tree_fallback_leaves"] == 0
     first = groups[0]
-    assert len({c.tree_nodes[0] for c in first}) == 2  # root_branching
+    assert len({c.extras['tree_nodes'][0] for c in first}) == 2  # root_branching
     assert graded.rewards.shape == (16,)
 
 
@@ -223,7 +223,7 @@ def test_tree_with_kept_kv_grows_the_same_tree(tiny, eos_bias):
     for budget in (0, 8):
         strategy, sampler, problems = _strategy(model, tokenizer, n=8, max_new_tokens=12, seed=3, prefix_cache_mb=budget)
         graded, metrics = strategy.rollout(problems)
-        runs.append(([[(c.response_ids, c.tree_nodes, c.finished) for c in g] for g in graded.groups],
+        runs.append(([[(c.response_ids, c.extras['tree_nodes'], c.finished) for c in g] for g in graded.groups],
                      torch.tensor([lp for g in graded.groups for c in g for lp in c.logprobs]), metrics, sampler.engine))
     (leaves, logprobs, metrics, _), (cached_leaves, cached_logprobs, cached_metrics, engine) = runs
     assert cached_leaves == leaves and cached_metrics == metrics

@@ -23,10 +23,9 @@ from rlbench.model import load_policy
 from rlbench.reward.toy import EvenTokenReward
 from rlbench.rollout import GroupSampler, HFGenerateEngine, RolloutSetup, SamplingParams, make_strategy, validate_strategy
 from rlbench.rollout.engines.base import Completion
-from rlbench.rollout.groups import GradedGroups
 from rlbench.rollout.strategies.mcts_prefix import revealed_length
-from rlbench.rollout.strategies.vine import VineOptions, step_starts
-from rlbench.training.advantage_inputs import token_steps
+from rlbench.rollout.strategies.vine import VineOptions, step_starts, token_steps
+from rlbench.training.batch import collate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,16 +103,26 @@ def test_step_starts():
     assert step_starts(list(range(8)), VineOptions(boundary="tokens", step_tokens=1, max_steps=4), None) == [0, 1, 3, 5]
 
 
-def test_token_steps_lays_out_the_step_values():
-    completion = Completion(0, (1,), [5, 6, 7, 8, 9], [0.0] * 5, True, step_values=[(0, 0.5), (2, 0.25), (4, 1.0)])
-    short = Completion(1, (1,), [5, 6], [0.0] * 2, True, step_values=[(0, 0.75)])
-    graded = GradedGroups([Problem("p", "q", "a")], [[completion, short]], [], torch.zeros(2), torch.zeros(2), torch.ones(2, dtype=torch.bool), [0])
-    index, values = token_steps(graded, 6)
-    assert index.tolist() == [[0, 0, 1, 1, 2, -1], [0, 0, -1, -1, -1, -1]]
-    assert values.tolist() == [[0.5, 0.5, 0.25, 0.25, 1.0, 0.0], [0.75, 0.75, 0.0, 0.0, 0.0, 0.0]]
-    completion.step_values = None
-    with pytest.raises(ValueError, match="without step_values"):
-        token_steps(graded, 6)
+def steps_of(completion):
+    """(first token, V^) of each step of a vine response, read back from its step inputs (Completion.extras)."""
+    index, values = completion.extras["step_index"], completion.extras["step_values"]
+    return [(t, values[t]) for t in range(len(index)) if t == 0 or index[t] != index[t - 1]]
+
+
+def test_token_steps_lays_out_the_step_values_and_collate_pads_them():
+    index, values = token_steps([(0, 0.5), (2, 0.25), (4, 1.0)], 5)
+    assert index == [0, 0, 1, 1, 2] and values == [0.5, 0.5, 0.25, 0.25, 1.0]
+    completion = Completion(0, (1,), [5, 6, 7, 8, 9], [0.0] * 5, True, extras={"step_index": index, "step_values": values})
+    short_index, short_values = token_steps([(0, 0.75)], 2)
+    short = Completion(1, (1,), [5, 6], [0.0] * 2, True, extras={"step_index": short_index, "step_values": short_values})
+    batch = collate([[completion, short]], 0)
+    assert batch.extras["step_index"].tolist() == [[0, 0, 1, 1, 2], [0, 0, -1, -1, -1]]  # padded with -1
+    assert batch.extras["step_values"].dtype == torch.float64
+    assert batch.extras["step_values"].tolist() == [[0.5, 0.5, 0.25, 0.25, 1.0], [0.75, 0.75, 0.0, 0.0, 0.0]]
+    assert batch.select(torch.tensor([1])).extras["step_index"].tolist() == [[0, 0]]  # trimmed with the response
+    completion.extras.clear()
+    with pytest.raises(ValueError, match="without extras\\['step_index'\\]"):
+        collate([[completion, short]], 0)
 
 
 # ------------------------------------------------------------------ refusals before loading
@@ -215,8 +224,8 @@ def test_vine_values_under_greedy_decoding_are_the_response_reward(tiny):
     strategy, sampler, problems = _strategy(tiny, _vine_cfg(), temperature=0.0)
     graded, metrics = strategy.rollout(problems)
     for completion, reward in zip([c for g in graded.groups for c in g], graded.rewards.tolist()):
-        assert [start for start, _ in completion.step_values] == [0, 2, 4, 6]  # 8 tokens in steps of 2
-        assert [value for _, value in completion.step_values] == pytest.approx([reward] * 4)
+        assert [start for start, _ in steps_of(completion)] == [0, 2, 4, 6]  # 8 tokens in steps of 2
+        assert [value for _, value in steps_of(completion)] == pytest.approx([reward] * 4)
     # one greedy response per prompt (all n equal): 1 root + 3 prefixes per prompt, k = 2 continuations each
     assert metrics["vine_states"] == 2 * 4 and metrics["vine_continuations"] == 2 * 4 * 2
     cost = sampler.cost.take()
@@ -244,9 +253,10 @@ def test_vine_values_are_the_mean_reward_of_the_continuations(tiny):
     for p, group in enumerate(graded.groups):
         group_mean = float(graded.rewards[graded.group_index == p].mean())
         for c in group:
-            assert [s for s, _ in c.step_values] == [0, 3, 6]
-            assert c.step_values[0][1] == pytest.approx(group_mean)
-            for start, value in c.step_values[1:]:
+            steps = steps_of(c)
+            assert [s for s, _ in steps] == [0, 3, 6]
+            assert steps[0][1] == pytest.approx(group_mean)
+            for start, value in steps[1:]:
                 completions = continued[(c.prompt_ids, tuple(c.response_ids[:start]))]
                 assert all(len(k.response_ids) == 8 and k.response_ids[:start] == c.response_ids[:start] for k in completions)
                 assert value == pytest.approx(sum(even_share(k.response_ids) for k in completions) / 3)
@@ -326,7 +336,7 @@ def test_strategy_on_the_vllm_engine_gpu(strategy):
     for c in (c for g in graded.groups for c in g):
         assert len(c.response_ids) <= 16
         if strategy == "vine":
-            assert c.step_values[0][0] == 0 and all(0.0 <= v <= 1.0 for _, v in c.step_values)
+            assert steps_of(c)[0][0] == 0 and all(0.0 <= v <= 1.0 for _, v in steps_of(c))
 
 
 # ------------------------------------------------------------------ the command line

@@ -12,7 +12,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import rlbench.runner as runner
 from rlbench.training.advantage_inputs import (
     AdvantageInputSources,
+    AnswerKeys,
     BaselineOptions,
+    BaselineRewards,
     GreedyBaseline,
     ReferenceAnchor,
     SPOStream,
@@ -73,7 +75,7 @@ class FakeSampler:
 def test_remax_advantage_is_reward_minus_greedy_reward():
     batch = graded([[1.0, 0.0], [0.5, 0.25]])
     sampler = FakeSampler({"p0": [0.25], "p1": [1.0]})
-    sources = AdvantageInputSources({"baseline_rewards"}, GreedyBaseline(sampler, SamplingParams(1.0, 0.9, 8), None))
+    sources = AdvantageInputSources({"baseline_rewards"}, [BaselineRewards(GreedyBaseline(sampler, SamplingParams(1.0, 0.9, 8), None))])
     inputs, metrics = sources.before_advantage(batch, collate(batch.groups, 0))
     (uids, n, params), = sampler.calls
     assert uids == ["p0", "p1"] and n == 1 and params == SamplingParams(0.0, 0.9, 8)  # one greedy response each
@@ -127,7 +129,7 @@ def test_pvpo_all_correct_group_keeps_a_signal_through_the_sources():
     """PVPO (arXiv:2508.21104): every rollout correct, V_ref = 0.4 -> A = r - V_ref = 0.6."""
     batch = graded([[1.0, 1.0, 1.0]], uids=["x"])
     sampler = FakeSampler({"x": [1.0, 0.0, 0.2]})
-    sources = AdvantageInputSources({"baseline_rewards"}, anchor(sampler, RecordingEngine()))
+    sources = AdvantageInputSources({"baseline_rewards"}, [BaselineRewards(anchor(sampler, RecordingEngine()))])
     inputs, metrics = sources.before_advantage(batch, collate(batch.groups, 0))
     assert metrics["reference_responses"] == 3
     mask = torch.ones(3, 2)
@@ -157,7 +159,7 @@ def test_spo_tracker_update_matches_its_formula_across_two_steps_for_the_same_ui
     model = tiny_lm()
     tracker = SPOTracker(rho_min=0.05, rho_max=0.96, d_half=0.06)
     stream = SPOStream(tracker, model, pad_token_id=0, micro_batch_size=4, temperature=1.0, device="cpu")
-    sources = AdvantageInputSources({"tracker_baseline"}, spo=stream)
+    sources = AdvantageInputSources({"tracker_baseline"}, [stream])
     step1 = graded([[1.0]], uids=["u"], prompts=[(5, 6, 7)])
     inputs, _ = sources.before_advantage(step1, collate(step1.groups, 0))
     assert inputs["tracker_baseline"].tolist() == [0.5]  # unseen prompt: Beta(0.5, 0.5)
@@ -185,7 +187,7 @@ def test_spo_tracker_update_matches_its_formula_across_two_steps_for_the_same_ui
 def test_spo_constant_decay_needs_no_log_probs():
     tracker = SPOTracker(rho=0.5)
     stream = SPOStream(tracker, model=None, pad_token_id=0, micro_batch_size=4, temperature=1.0, device="cpu")
-    sources = AdvantageInputSources({"tracker_baseline"}, spo=stream)
+    sources = AdvantageInputSources({"tracker_baseline"}, [stream])
     for reward in (1.0, 1.0):
         step = graded([[reward]], uids=["u"])
         sources.before_advantage(step, collate(step.groups, 0))
@@ -218,7 +220,7 @@ def test_token_jaccard_distance_closed_form():
 def test_polychromic_rewards_a_distinct_correct_answer_through_the_grader_keys():
     """Equal rewards: the one correct response whose answer differs from the others' gains."""
     batch = graded([[1.0, 1.0, 1.0, 1.0, 0.0]], extracted=["4", "4.0", "4", "5", None])
-    sources = AdvantageInputSources({"answer_keys"})
+    sources = AdvantageInputSources({"answer_keys"}, [AnswerKeys()])
     inputs, _ = sources.before_advantage(batch, collate(batch.groups, 0))
     assert inputs["answer_keys"].tolist() == [0, 0, 0, 1, -5]
     advantages = algorithm("polychromic", set_size=2).compute_advantages(

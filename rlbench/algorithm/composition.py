@@ -42,25 +42,12 @@ from rlbench.algorithm.sampling_correction import SamplingCorrection
 from rlbench.algorithm.schedules import SFPOSettings, TRPOSettings, schedule_from_config
 from rlbench.algorithm.registry import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from rlbench.algorithm.shaping import apply_shaping, check_shapers
+from rlbench.algorithm.step_inputs import STEP_INPUTS
 from rlbench.errors import ConfigError
 
-# Of the inputs each registry lists (registry.py), the ones this trainer provides today. A piece that
-# requires an input outside these sets is refused when the configuration is validated, with a
-# message naming the piece and the input.
-# ("values" comes from the value head when algorithm.critic is set; "prox_logp" from an EWMA copy of
-# the weights, kept only when the loss reads it.)
-PROVIDED_ADVANTAGE_INPUTS = {
-    "rewards", "group_index", "response_mask", "entropy", "old_logp", "correct", "max_length",
-    "baseline_rewards", "tracker_baseline", "answer_keys", "diversity",  # rlbench.training.advantage_inputs
-    "tree_nodes",  # rlbench.training.advantage_inputs, from a tree rollout (rlbench/rollout/strategies/tree.py)
-    "step_index", "step_values",  # rlbench.training.advantage_inputs, from rollout=vine (rlbench/rollout/strategies/vine.py)
-}
-PROVIDED_LOSS_INPUTS = {
-    "logp", "old_logp", "advantages", "response_mask", "entropy", "progress", "prox_logp",
-    "sampling_logp",  # TrainBatch.sampling_logp, the rollout engine's log-probs (Completion.logprobs)
-    "off_policy",  # TrainBatch.off_policy: 1 on tokens pi_old did not sample (traces, replay, stale data)
-    "log_probs", "response_ids",  # the full-vocabulary log-probs [B,T,V] and the response token ids (otr)
-}
+# The inputs the step computes before the advantage (forward passes, the graded groups, the step's
+# KL-in-reward token rewards); the rest come from sources and strategies (rlbench/training/advantage_inputs.py).
+STEP_COMPUTED_PRODUCERS = ("forward", "graded", "step")
 
 
 @dataclass(frozen=True)
@@ -162,12 +149,8 @@ class Algorithm:
         ADVANTAGES.validate_params(self.advantage.name, self.advantage.params)
         POLICY_LOSSES.validate_params(self.loss.name, self.loss.params)
         self._check_critic_and_schedule()
-        provided_loss_inputs = PROVIDED_LOSS_INPUTS | ({"ref_logp"} if self.kl_coef > 0 else set())
-        provided_advantage_inputs = PROVIDED_ADVANTAGE_INPUTS | ({"values"} if self.critic else set())
-        for registry, piece, provided in (
-            (ADVANTAGES, self.advantage, provided_advantage_inputs),
-            (POLICY_LOSSES, self.loss, provided_loss_inputs),
-        ):
+        for registry, piece in ((ADVANTAGES, self.advantage), (POLICY_LOSSES, self.loss)):
+            provided = STEP_INPUTS.provided(registry.reader, self)  # rlbench/algorithm/step_inputs.py
             missing = sorted(registry.required_inputs(piece.name, piece.params) - provided)
             if missing:
                 raise ConfigError(
@@ -409,10 +392,10 @@ class Algorithm:
 
     @property
     def advantage_inputs(self) -> set[str]:
-        """The optional trainer inputs (beyond rewards, groups, mask) the advantage estimator reads."""
-        return ADVANTAGES.accepted_inputs(self.advantage.name) & {
-            "entropy", "old_logp", "correct", "max_length", "token_rewards", "values",
-        }
+        """The inputs the step computes before the advantage (beyond rewards, groups, mask) that the
+        estimator reads: old log-probs, entropies, values, verdicts, the budget, token rewards."""
+        computed = {e.name for e in STEP_INPUTS.read_by("advantage") if e.producer in STEP_COMPUTED_PRODUCERS}
+        return ADVANTAGES.accepted_inputs(self.advantage.name) & computed
 
     def shape_rewards(self, rewards: torch.Tensor, inputs: Mapping[str, Any]) -> torch.Tensor:
         """The reward after the algorithm's reward shaping ([B]; ``rewards`` itself without any).
@@ -468,30 +451,12 @@ class Algorithm:
         inputs = {"loss_matrix": matrix, "response_mask": response_mask, **norms}
         return AGGREGATIONS.call(self.aggregation.name, inputs, self.aggregation.params)
 
-    def compute_loss(
-        self,
-        *,
-        logp: torch.Tensor,
-        old_logp: torch.Tensor,
-        advantages: torch.Tensor,
-        response_mask: torch.Tensor,
-        norms: Mapping[str, int],
-        ref_logp: torch.Tensor | None = None,
-        entropy: torch.Tensor | None = None,
-        progress: float = 0.0,
-        token_weights: torch.Tensor | None = None,
-        values: torch.Tensor | None = None,
-        old_values: torch.Tensor | None = None,
-        returns: torch.Tensor | None = None,
-        prox_logp: torch.Tensor | None = None,
-        sampling_logp: torch.Tensor | None = None,
-        off_policy: torch.Tensor | None = None,
-        prev_logp: torch.Tensor | None = None,
-        log_probs: torch.Tensor | None = None,
-        response_ids: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    def compute_loss(self, *, norms: Mapping[str, int], **step_inputs: Any) -> tuple[torch.Tensor, dict[str, float]]:
         """The scalar loss of one (micro-)batch and its metrics.
 
+        ``step_inputs``: the loss step's inputs by name, each an entry of STEP_INPUTS read by the
+        policy loss or the composition's own terms (readers ``loss`` and ``objective``); logp, old_logp,
+        advantages and response_mask are required, the others may be absent or None.
         ``norms`` carries the optimizer batch's counts (batch_tokens, batch_sequences, norm_length)
         so that micro-batch losses add up to the full-batch loss. ``token_weights`` (e.g. the
         top-entropy mask) multiplies the policy-loss matrix only, before aggregation. With a critic,
@@ -501,22 +466,22 @@ class Algorithm:
         algorithm.sampling_correction is set (sampling_correction.py); without it, or with
         sampling_logp=None (the HF engine: sampler = trainer), nothing changes.
         """
+        unknown = set(step_inputs) - STEP_INPUTS.names("loss", "objective")
+        if unknown:
+            raise TypeError(f"compute_loss got {sorted(unknown)}, which are not loss step inputs (rlbench/algorithm/step_inputs.py)")
+        given = {name: value for name, value in step_inputs.items() if value is not None}
+        logp, old_logp, response_mask = given["logp"], given["old_logp"], given["response_mask"]
+        entropy, ref_logp, sampling_logp = given.get("entropy"), given.get("ref_logp"), given.get("sampling_logp")
+        values, returns = given.get("values"), given.get("returns")
         mask = response_mask.to(logp.dtype)
-        inputs = {"logp": logp, "old_logp": old_logp, "advantages": advantages, "response_mask": mask,
-                  "progress": progress}
-        if entropy is not None:
-            inputs["entropy"] = entropy.detach()
-        if ref_logp is not None:
-            inputs["ref_logp"] = ref_logp
-        if prox_logp is not None:
-            inputs["prox_logp"] = prox_logp.detach()
-        if sampling_logp is not None:
-            inputs["sampling_logp"] = sampling_logp
-        # The off-policy mask, zeros when every token is on-policy, so a piece reading it needs no branch.
-        inputs["off_policy"] = off_policy if off_policy is not None else torch.zeros_like(mask)
-        if log_probs is not None:  # [B,T,V] with gradient, and the token ids they score (otr)
-            inputs.update(log_probs=log_probs, response_ids=response_ids)
+        # the policy loss's inputs: its registry's entries, with the mask as float, entropy and prox_logp
+        # without gradient, and the off-policy mask as zeros when every token is on-policy (no branch in a piece)
+        inputs = {name: value for name, value in given.items() if name in POLICY_LOSSES.inputs}
+        inputs.update(response_mask=mask, progress=given.get("progress", 0.0))
+        inputs.update({name: given[name].detach() for name in ("entropy", "prox_logp") if name in given})
+        inputs["off_policy"] = given.get("off_policy", torch.zeros_like(mask))
         loss_matrix, metrics = POLICY_LOSSES.call(self.loss.name, inputs, self.loss.params)
+        token_weights = given.get("token_weights")
         if token_weights is not None:
             loss_matrix = loss_matrix * token_weights
         metrics = dict(metrics)
@@ -532,7 +497,7 @@ class Algorithm:
         if self.kl_in_loss:
             if ref_logp is None:
                 raise ValueError("the KL term needs reference log-probs")
-            kl_matrix = self.loss_kl_matrix(logp, ref_logp, prev_logp) * mask
+            kl_matrix = self.loss_kl_matrix(logp, ref_logp, given.get("prev_logp")) * mask
             kl_value = self.aggregate(kl_matrix, mask, norms)
             total = total + self.kl_coefficient * kl_value
             metrics["kl"] = kl_value.item()
@@ -545,7 +510,7 @@ class Algorithm:
         if self.critic is not None:
             if values is None or returns is None:
                 raise ValueError("the critic term needs values (value head) and returns")
-            old = values.detach() if old_values is None else old_values
+            old = given.get("old_values", values.detach())
             value_value = self.aggregate(value_loss(values, old, returns, mask, self.critic.clip), mask, norms)
             total = total + self.critic.coef * value_value
             metrics["value_loss"] = value_value.item()

@@ -5,7 +5,7 @@ piece exactly the inputs its signature asks for, plus the parameters from the co
 the function does not take is a :class:`ConfigError` (a typo never silently does nothing).
 
 A piece declares what it needs where it is registered: the inputs it reads are its signature's
-parameters; what it demands of the rest of the composition (a required aggregation, one advantage
+parameters (each one an entry of rlbench.algorithm.step_inputs.STEP_INPUTS); what it demands of the rest of the composition (a required aggregation, one advantage
 per response, ...) are :class:`Needs` given to ``register``. The composition reads both from here,
 so a new piece is one function plus one YAML, with no central list to edit.
 """
@@ -18,6 +18,7 @@ import pkgutil
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from rlbench.algorithm.step_inputs import READERS, STEP_INPUTS
 from rlbench.errors import ConfigError
 
 LEVELS = ("sequence", "token")
@@ -87,10 +88,11 @@ def import_family_modules(package: str, path: list[str]) -> None:
 class Registry:
     """A named collection of functions of one kind (advantage estimator, policy loss, ...)."""
 
-    def __init__(self, kind: str, inputs: frozenset[str] = frozenset()):
+    def __init__(self, kind: str, reader: str):
+        if reader not in READERS:
+            raise ValueError(f"reader must be one of {READERS}, got {reader!r}")
         self.kind = kind
-        #: Every input name a piece of this kind may declare (the rest of a signature are YAML knobs).
-        self.inputs = frozenset(inputs)
+        self.reader = reader  # the pieces' kind in STEP_INPUTS (rlbench/algorithm/step_inputs.py)
         self._functions: dict[str, Callable] = {}
         self._needs: dict[str, Needs] = {}
 
@@ -107,6 +109,12 @@ class Registry:
             return fn
 
         return decorator
+
+    @property
+    def inputs(self) -> frozenset[str]:
+        """Every input name a piece of this kind may declare (the rest of a signature are YAML knobs):
+        the STEP_INPUTS entries it reads."""
+        return STEP_INPUTS.names(self.reader)
 
     def needs(self, name: str) -> Needs:
         """What piece ``name`` declared at registration (:class:`Needs`)."""
@@ -183,19 +191,8 @@ class Registry:
             )
 
 
-# The input names each kind of piece may declare, documented where the pieces live
-# (advantages/__init__.py, losses/__init__.py, aggregation.py, kl.py). A new input is added here
-# once and provided by the trainer; a new piece that reads existing inputs edits neither.
-ADVANTAGES = Registry("advantage estimator", inputs=frozenset({
-    "rewards", "group_index", "response_mask", "entropy", "old_logp", "values", "baseline_rewards",
-    "token_rewards", "tracker_baseline", "answer_keys", "diversity", "correct", "max_length",
-    "step_index", "step_values",
-}))
-POLICY_LOSSES = Registry("policy loss", inputs=frozenset({
-    "logp", "old_logp", "advantages", "response_mask", "entropy", "ref_logp", "progress", "sampling_logp",
-    "prox_logp", "control_mask", "generator", "off_policy", "log_probs", "response_ids",
-}))
-AGGREGATIONS = Registry("loss aggregation", inputs=frozenset({
-    "loss_matrix", "response_mask", "batch_tokens", "batch_sequences", "norm_length",
-}))
-KL_ESTIMATORS = Registry("KL estimator", inputs=frozenset({"logp", "ref_logp"}))
+# The kinds of piece; the inputs each may declare are the STEP_INPUTS entries naming it as a reader.
+ADVANTAGES = Registry("advantage estimator", reader="advantage")
+POLICY_LOSSES = Registry("policy loss", reader="loss")
+AGGREGATIONS = Registry("loss aggregation", reader="aggregation")
+KL_ESTIMATORS = Registry("KL estimator", reader="kl")

@@ -1,14 +1,8 @@
 """Reward shaping: per-response terms combined with the outcome reward before advantages are computed.
 
-Inputs offered by the trainer (a function declares the ones it needs):
-    response_lengths  [B]   number of response tokens
-    finished          [B]   bool, True when the response ended with EOS, False when truncated
-    max_length        int   the generation budget (rollout.max_new_tokens)
-    correct           [B]   bool, the grader's verdict on each response
-    group_index       [B]   long, responses sharing a prompt share an index
-    response_texts    list[str]  the decoded responses (special tokens skipped)
-    first_tokens      list[str]  the first response token of each response, decoded with special
-                             tokens kept ("" for an empty response): the control token of Thinkless
+A function declares the inputs it needs (response lengths, EOS flags, the budget, the grader's
+verdicts, groups, texts, first tokens: the ``shaping`` entries of
+rlbench.algorithm.step_inputs.STEP_INPUTS, tabled in docs/algorithms.md).
 Every function returns a [B] float tensor. Most are *terms* added to the outcome reward; the ones
 in REPLACES_OUTCOME are the whole reward of their paper (it already depends on correctness), so
 with one of them the grader's reward is dropped and the terms are added to it instead
@@ -26,9 +20,7 @@ import torch
 from rlbench.algorithm.registry import Registry
 from rlbench.errors import ConfigError
 
-REWARD_SHAPING = Registry("reward shaping", inputs=frozenset({
-    "response_lengths", "finished", "max_length", "correct", "group_index", "response_texts", "first_tokens",
-}))
+REWARD_SHAPING = Registry("reward shaping", reader="shaping")
 #: Functions whose value is the paper's whole reward rather than a term on top of the grader's.
 REPLACES_OUTCOME = {"cosine_length", "thinkless_mode"}
 

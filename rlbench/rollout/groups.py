@@ -98,7 +98,7 @@ class GradedGroups:
 
 
 def shaping_inputs(groups: Sequence[Sequence[Completion]], grades: Sequence[Grade], max_length: int, tokenizer: Any) -> dict[str, Any]:
-    """What reward-shaping functions may read (rlbench/algorithm/shaping.py lists the inputs)."""
+    """What reward-shaping functions may read (the ``shaping`` entries of rlbench.algorithm.step_inputs)."""
     flat = [c for group in groups for c in group]
     sizes = torch.tensor([len(group) for group in groups], dtype=torch.long)
     return {

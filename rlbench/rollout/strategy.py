@@ -72,7 +72,8 @@ class RolloutStrategy:
     :class:`RolloutSetup` as ``setup`` (``trainer.stages`` changes its group size and length there).
     """
 
-    #: Step inputs this strategy's completions carry (rlbench.training.step_inputs), e.g. a tree's nodes.
+    #: Step inputs this strategy fills in Completion.extras (STEP_INPUTS entries of producer "strategy",
+    #: rlbench/algorithm/step_inputs.py), e.g. a tree's nodes.
     provides: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, setup: RolloutSetup):

@@ -1,28 +1,15 @@
-"""Advantage inputs that need more than the training batch: extra rollouts, per-prompt state across
-steps, or the grader's extracted answers. The step (rlbench.training.step) asks
+"""The step inputs that need more than the training batch and the sampling pass (rlbench/algorithm/step_inputs.py,
+producers ``source`` and ``strategy``): extra rollouts, per-prompt state across steps, the grader's extracted
+answers, and what a rollout strategy's completions carry. The step (rlbench.training.step) asks
 :class:`AdvantageInputSources` for them just before the advantage, and calls
 :meth:`AdvantageInputSources.after_update` after the policy step.
 
-Adding such an input: name it in :data:`RUNNER_INPUTS` (and in
-rlbench.algorithm.composition.PROVIDED_ADVANTAGE_INPUTS, which lets an estimator ask for it), provide
-it in :meth:`AdvantageInputSources.before_advantage` (a source object when it keeps state or samples,
-built in :meth:`AdvantageInputSources.from_config`), and check its options in
-:func:`validate_step_options`. Extra rollouts go through the run's
-:class:`rlbench.rollout.groups.GroupSampler` with their own random stream (rlbench.utils).
-
-    baseline_rewards  [B]   the reward of a baseline rollout of each response's prompt:
-                            greedy    one greedy (temperature 0) response of the current policy (remax)
-                            reference mean reward of `samples` responses of the frozen initial policy,
-                                      cached per prompt uid (pvpo)
-    tracker_baseline  [B]   SPO's tracked success probability of the prompt before this step (spo)
-    answer_keys       [B]   class id of each response's canonical extracted answer (polychromic)
-    diversity         [B,B] token-set Jaccard distance between responses (polychromic with
-                            diversity_from=diversity)
-    tree_nodes        [B,T] the tree node of every response token, -1 on padding (Completion.tree_nodes
-                            of a tree rollout: tree, treerpo)
-    step_index        [B,T] the step (0, 1, ...) of every response token, -1 on padding, and
-    step_values       [B,T] V^ of the state where the token's step starts (Completion.step_values of
-                            rollout=vine: Monte-Carlo values at step boundaries)
+A ``source`` input is produced by a :class:`StepInputSource` subclass registered for it with
+:func:`register_source` (validate, build, before_advantage, after_update, state_dict / load_state_dict).
+Extra rollouts go through the run's :class:`rlbench.rollout.groups.GroupSampler` with their own random
+stream (rlbench.utils). A ``strategy`` input is read from the batch (``TrainBatch.extras``, padded from
+``Completion.extras`` by collate); the validation refuses an advantage that reads one under a strategy
+that does not list it in ``provides``. The inputs are tabled in docs/algorithms.md.
 
 Configuration (under ``algorithm``):
 
@@ -43,17 +30,18 @@ import copy
 import inspect
 import logging
 from dataclasses import dataclass
-from typing import Any, Hashable, Sequence
+from typing import Any, ClassVar, Hashable, Sequence
 
 import torch
 
 from rlbench.algorithm import Algorithm
 from rlbench.algorithm.advantages import PVPOBaselineCache, SPOTracker
 from rlbench.algorithm.registry import ADVANTAGES
+from rlbench.algorithm.step_inputs import STEP_INPUTS
 from rlbench.errors import ConfigError
 from rlbench.reward.math import canonical_answer
 from rlbench.rollout import GradedGroups, GroupSampler, validate_strategy
-from rlbench.rollout.strategy import strategy_class
+from rlbench.rollout.strategy import STRATEGIES, strategy_class
 from rlbench.rollout.engines.base import Completion, RolloutEngine, SamplingParams
 from rlbench.training.batch import TrainBatch, collate
 from rlbench.training.forward import batch_outputs
@@ -61,8 +49,7 @@ from rlbench.utils import STREAM_GREEDY, STREAM_REFERENCE, make_generator
 
 log = logging.getLogger(__name__)
 
-# The inputs this module provides (composition.PROVIDED_ADVANTAGE_INPUTS lists them too).
-RUNNER_INPUTS = {"baseline_rewards", "tracker_baseline", "answer_keys", "diversity", "tree_nodes", "step_index", "step_values"}
+RUNNER_PRODUCERS = ("source", "strategy")  # the STEP_INPUTS producers this module serves
 BASELINE_SOURCES = ("greedy", "reference")
 DEFAULT_BASELINE_SOURCE = {"remax": "greedy", "pvpo": "reference"}
 BASELINE_KEYS = {"source", "samples", "refresh_every"}
@@ -168,33 +155,6 @@ def tracker_from_config(algorithm_cfg: Any) -> SPOTracker:
     return tracker
 
 
-def token_tree_nodes(graded: GradedGroups, width: int) -> torch.Tensor:
-    """[B, width] long: each response token's tree node (Completion.tree_nodes), -1 on padding."""
-    flat = [c for group in graded.groups for c in group]
-    out = torch.full((len(flat), width), -1, dtype=torch.long)
-    for row, completion in enumerate(flat):
-        if completion.tree_nodes is None:
-            raise ValueError("a response without tree_nodes reached an advantage that reads the tree (tree rollouts set them)")
-        out[row, : len(completion.tree_nodes)] = torch.tensor(completion.tree_nodes, dtype=torch.long)
-    return out
-
-
-def token_steps(graded: GradedGroups, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """([B, width] long step of every response token, -1 on padding; [B, width] float64 V^ of the state
-    where the token's step starts) from Completion.step_values."""
-    flat = [c for group in graded.groups for c in group]
-    index = torch.full((len(flat), width), -1, dtype=torch.long)
-    values = torch.zeros((len(flat), width), dtype=torch.float64)
-    for row, completion in enumerate(flat):
-        if completion.step_values is None:
-            raise ValueError("a response without step_values reached an advantage that reads them (rollout=vine sets them)")
-        ends = [start for start, _ in completion.step_values[1:]] + [len(completion.response_ids)]
-        for step, ((start, value), end) in enumerate(zip(completion.step_values, ends)):
-            index[row, start:end] = step
-            values[row, start:end] = value
-    return index, values
-
-
 def advantage_param(algorithm: Algorithm, name: str) -> Any:
     """The estimator's parameter ``name``: from the config, else the function's default."""
     if name in algorithm.advantage.params:
@@ -202,9 +162,14 @@ def advantage_param(algorithm: Algorithm, name: str) -> Any:
     return inspect.signature(ADVANTAGES.get(algorithm.advantage.name)).parameters[name].default
 
 
+def runner_inputs() -> set[str]:
+    """The advantage inputs this module provides: the STEP_INPUTS entries of :data:`RUNNER_PRODUCERS`."""
+    return {e.name for e in STEP_INPUTS.read_by("advantage") if e.producer in RUNNER_PRODUCERS}
+
+
 def needed_inputs(algorithm: Algorithm) -> set[str]:
-    """The inputs of :data:`RUNNER_INPUTS` the algorithm's estimator reads."""
-    wanted = ADVANTAGES.accepted_inputs(algorithm.advantage.name) & RUNNER_INPUTS
+    """The inputs of :func:`runner_inputs` the algorithm's estimator reads."""
+    wanted = ADVANTAGES.accepted_inputs(algorithm.advantage.name) & runner_inputs()
     if {"answer_keys", "diversity"} <= wanted:  # polychromic reads one of the two
         wanted -= {"answer_keys", "diversity"}
         wanted.add(str(advantage_param(algorithm, "diversity_from")))
@@ -223,6 +188,21 @@ def reward_range(cfg: Any) -> tuple[float, float] | None:
     return None
 
 
+def check_strategy_inputs(rollout_cfg: Any, advantage: str, needs: set[str]) -> None:
+    """ConfigError when advantage ``advantage`` reads a strategy input (``needs``) that the configured
+    rollout strategy does not provide, naming the strategies that do."""
+    provided = strategy_class(rollout_cfg).provides
+    for name in sorted(needs - provided):
+        if STEP_INPUTS[name].producer != "strategy":
+            continue
+        providers = sorted(key for key, cls in STRATEGIES.items() if name in cls.provides)
+        raise ConfigError(
+            f"advantage '{advantage}' reads {name} ({STEP_INPUTS[name].doc}), which "
+            f"rollout={rollout_cfg.get('strategy', 'iid')} does not provide; only the rollout strategies {providers} do. "
+            f"Select rollout={' or rollout='.join(providers)}, or another advantage"
+        )
+
+
 def validate_step_options(cfg: Any, algorithm: Algorithm) -> None:
     """Refuse impossible combinations of the rollout-dependent options before anything is loaded."""
     n = int(cfg.rollout.n)
@@ -236,37 +216,19 @@ def validate_step_options(cfg: Any, algorithm: Algorithm) -> None:
             "rollout.dynamic_sampling.max_rounds / .metric (algorithm=dapo selects it; rollout=iid turns it off)"
         )
     validate_strategy(cfg.rollout, name)
-    if "tree_nodes" in needed_inputs(algorithm) and "tree_nodes" not in strategy_class(cfg.rollout).provides:
-        raise ConfigError(
-            f"advantage '{name}' reads the tree of a tree rollout (tree_nodes), and rollout={cfg.rollout.get('strategy', 'iid')} "
-            "samples independent responses. Select rollout=tree (TreePO) or rollout=treerpo (TreeRPO)"
-        )
-    if needed_inputs(algorithm) & {"step_index", "step_values"} and not {"step_index", "step_values"} <= strategy_class(cfg.rollout).provides:
-        raise ConfigError(
-            f"advantage '{name}' reads Monte-Carlo step values (step_values), and rollout={cfg.rollout.get('strategy', 'iid')} "
-            "does not estimate them. Select rollout=vine (VinePPO), or another advantage"
-        )
-    if not isinstance(cfg.algorithm.get("overlong_filter", False), bool):
-        raise ConfigError(f"algorithm.overlong_filter must be true or false, got {cfg.algorithm.get('overlong_filter')!r}")
-    needs = needed_inputs(algorithm)
-    if "baseline_rewards" in needs:
-        BaselineOptions.from_config(cfg.algorithm, name)
-    if "tracker_baseline" in needs:
-        tracker_from_config(cfg.algorithm)
-        low_high = reward_range(cfg)
-        if algorithm.reward_shaping or low_high is None or not (0.0 <= low_high[0] and low_high[1] <= 1.0):
-            raise ConfigError(
-                f"advantage 'spo' tracks a success probability (a Beta posterior over rewards in [0, 1]); reward "
-                f"'{cfg.reward.name}' with range {low_high} and reward shaping "
-                f"{[s.name for s in algorithm.reward_shaping]} can leave [0, 1]. Use rewards in [0, 1] "
-                "(reward.correct_reward=1 reward.incorrect_reward=0 reward.format_weight=0) and no reward_shaping"
-            )
     if name == "polychromic":
         diversity_from = advantage_param(algorithm, "diversity_from")
         if diversity_from not in ("answer_keys", "diversity"):
             raise ConfigError(
                 f"algorithm.advantage.diversity_from must be 'answer_keys' or 'diversity', not {diversity_from!r}"
             )
+    needs = needed_inputs(algorithm)
+    check_strategy_inputs(cfg.rollout, name, needs)
+    if not isinstance(cfg.algorithm.get("overlong_filter", False), bool):
+        raise ConfigError(f"algorithm.overlong_filter must be true or false, got {cfg.algorithm.get('overlong_filter')!r}")
+    for source in source_classes(needs):
+        source.validate(cfg, algorithm)
+    if name == "polychromic":
         set_size = int(advantage_param(algorithm, "set_size"))
         if n <= set_size:
             raise ConfigError(
@@ -277,6 +239,72 @@ def validate_step_options(cfg: Any, algorithm: Algorithm) -> None:
 
 
 # ------------------------------------------------------------------------------ sources
+
+
+@dataclass(frozen=True)
+class SourceContext:
+    """What a source is built with: the run's sampler (its engine samples from ``model``), sampling
+    parameters, the policy, the reference (None when the algorithm keeps none), the micro-batch size and
+    the device."""
+
+    sampler: GroupSampler
+    params: SamplingParams
+    model: torch.nn.Module
+    reference: torch.nn.Module | None
+    micro_batch_size: int
+    device: torch.device
+
+
+class StepInputSource:
+    """The producer of ``source`` step inputs (rlbench/algorithm/step_inputs.py): each hook with its default.
+
+    ``inputs``: the STEP_INPUTS names it produces (:func:`register_source` maps them to the class);
+    ``checkpoint_key``: its key in the checkpoint's input state (None: it keeps no state)."""
+
+    inputs: ClassVar[frozenset[str]] = frozenset()
+    checkpoint_key: ClassVar[str | None] = None
+
+    @classmethod
+    def validate(cls, cfg: Any, algorithm: Algorithm) -> None:
+        """Refuse impossible options before the model loads (ConfigError)."""
+
+    @classmethod
+    def build(cls, cfg: Any, algorithm: Algorithm, context: SourceContext) -> "StepInputSource":
+        return cls()
+
+    def before_advantage(self, graded: GradedGroups, batch: TrainBatch) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """(inputs by name, metrics) for this step's batch."""
+        raise NotImplementedError
+
+    def after_update(self, graded: GradedGroups) -> dict[str, float]:
+        """State updates after the policy step; returns metrics."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s value."""
+
+
+SOURCES: dict[str, type[StepInputSource]] = {}  # input name -> its source class
+
+
+def register_source(cls: type[StepInputSource]) -> type[StepInputSource]:
+    """Class decorator: ``cls`` produces its ``inputs``, each a ``source`` entry of STEP_INPUTS."""
+    for name in cls.inputs:
+        if name not in STEP_INPUTS or STEP_INPUTS[name].producer != "source":
+            raise ValueError(f"{cls.__name__} produces {name!r}, which is not a 'source' entry of STEP_INPUTS")
+        if name in SOURCES:
+            raise ValueError(f"step input {name!r} has two sources: {SOURCES[name].__name__} and {cls.__name__}")
+        SOURCES[name] = cls
+    return cls
+
+
+def source_classes(needs: set[str]) -> list[type[StepInputSource]]:
+    """The source classes producing the ``source`` inputs among ``needs``, each once, in a fixed order."""
+    wanted = [SOURCES[name] for name in sorted(needs) if STEP_INPUTS[name].producer == "source"]
+    return list(dict.fromkeys(wanted))
 
 
 class GreedyBaseline:
@@ -355,7 +383,8 @@ class ReferenceAnchor:
         self.step = int(state["step"])
 
 
-class SPOStream:
+@register_source
+class SPOStream(StepInputSource):
     """SPO's per-prompt value tracker across steps (Xu & Ding 2025, "Single-stream Policy
     Optimization", arXiv:2509.13232), keyed by problem uid.
 
@@ -369,6 +398,9 @@ class SPOStream:
     over the stored responses of revisited prompts.
     """
 
+    inputs = frozenset({"tracker_baseline"})
+    checkpoint_key = "spo"
+
     def __init__(self, tracker: SPOTracker, model: torch.nn.Module, pad_token_id: int, micro_batch_size: int,
                  temperature: float, device: torch.device):
         self.tracker, self.model = tracker, model
@@ -379,9 +411,38 @@ class SPOStream:
         self.pending_logp: torch.Tensor | None = None
         self.last_change: torch.Tensor | None = None  # D of the last update's responses
 
+    @classmethod
+    def validate(cls, cfg: Any, algorithm: Algorithm) -> None:
+        """The tracker's settings, and rewards that stay in [0, 1] (a Beta posterior over successes)."""
+        tracker_from_config(cfg.algorithm)
+        low_high = reward_range(cfg)
+        if algorithm.reward_shaping or low_high is None or not (0.0 <= low_high[0] and low_high[1] <= 1.0):
+            raise ConfigError(
+                f"advantage 'spo' tracks a success probability (a Beta posterior over rewards in [0, 1]); reward "
+                f"'{cfg.reward.name}' with range {low_high} and reward shaping "
+                f"{[s.name for s in algorithm.reward_shaping]} can leave [0, 1]. Use rewards in [0, 1] "
+                "(reward.correct_reward=1 reward.incorrect_reward=0 reward.format_weight=0) and no reward_shaping"
+            )
+
+    @classmethod
+    def build(cls, cfg: Any, algorithm: Algorithm, context: SourceContext) -> "SPOStream":
+        temperature = context.params.temperature if context.params.temperature > 0 else 1.0
+        return cls(tracker_from_config(cfg.algorithm), context.model, context.sampler.tokenizer.pad_token_id,
+                   context.micro_batch_size, temperature, context.device)
+
     @property
     def adaptive(self) -> bool:
         return self.tracker.rho is None
+
+    def before_advantage(self, graded: GradedGroups, batch: TrainBatch) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        baseline = self.baseline(graded, batch).to(batch.response_mask.device)
+        return {"tracker_baseline": baseline}, {"tracker_baseline_mean": float(baseline.mean().item())}
+
+    def after_update(self, graded: GradedGroups) -> dict[str, float]:
+        self.update(graded)
+        if self.last_change is None:
+            return {}
+        return {"tracker_policy_change_mean": float(self.last_change.mean().item())}
 
     def baseline(self, graded: GradedGroups, batch: TrainBatch) -> torch.Tensor:
         if self.adaptive:
@@ -431,16 +492,76 @@ class SPOStream:
                          for uid, c in state["previous"].items()}
 
 
-class AdvantageInputSources:
-    """The advantage inputs of :data:`RUNNER_INPUTS` one run's estimator reads, and their state."""
+@register_source
+class BaselineRewards(StepInputSource):
+    """``baseline_rewards``: each response's prompt's baseline reward, from ``algorithm.baseline.source``:
+    :class:`GreedyBaseline` (remax) or :class:`ReferenceAnchor` (pvpo)."""
 
-    def __init__(
-        self,
-        needs: set[str],
-        baseline: GreedyBaseline | ReferenceAnchor | None = None,
-        spo: SPOStream | None = None,
-    ):
-        self.needs, self.baseline, self.spo = needs, baseline, spo
+    inputs = frozenset({"baseline_rewards"})
+    checkpoint_key = "baseline"
+
+    def __init__(self, baseline: GreedyBaseline | ReferenceAnchor):
+        self.baseline = baseline
+
+    @classmethod
+    def validate(cls, cfg: Any, algorithm: Algorithm) -> None:
+        BaselineOptions.from_config(cfg.algorithm, algorithm.advantage.name)
+
+    @classmethod
+    def build(cls, cfg: Any, algorithm: Algorithm, context: SourceContext) -> "BaselineRewards":
+        """The greedy baseline, or PVPO's anchor sampling from ``context.reference`` (a frozen copy of the
+        initial policy when the algorithm keeps no reference)."""
+        options = BaselineOptions.from_config(cfg.algorithm, algorithm.advantage.name)
+        sampler, params, model = context.sampler, context.params, context.model
+        if options.source == "greedy":
+            return cls(GreedyBaseline(sampler, params, make_generator(cfg.seed, STREAM_GREEDY)))
+        frozen = context.reference if context.reference is not None else copy.deepcopy(model).eval().requires_grad_(False)
+        return cls(ReferenceAnchor(sampler, sampler.engine, model, frozen, options, params,
+                                   make_generator(cfg.seed, STREAM_REFERENCE)))
+
+    def before_advantage(self, graded: GradedGroups, batch: TrainBatch) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        per_group = self.baseline(graded)
+        metrics = {"baseline_reward_mean": float(per_group.mean().item())}
+        if isinstance(self.baseline, ReferenceAnchor):
+            metrics["reference_responses"] = float(self.baseline.generated)
+        return {"baseline_rewards": per_response(per_group, graded.group_index).to(batch.response_mask.device)}, metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.baseline.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.baseline.load_state_dict(state)
+
+
+@register_source
+class AnswerKeys(StepInputSource):
+    """``answer_keys``: class ids of the grader's extracted answers (:func:`answer_class_ids`; polychromic)."""
+
+    inputs = frozenset({"answer_keys"})
+
+    def before_advantage(self, graded: GradedGroups, batch: TrainBatch) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        keys = answer_class_ids([grade.extracted for grade in graded.grades])
+        return {"answer_keys": keys.to(batch.response_mask.device)}, {}
+
+
+@register_source
+class ResponseDiversity(StepInputSource):
+    """``diversity``: the responses' pairwise token-set Jaccard distances (:func:`token_jaccard_distance`;
+    polychromic with diversity_from=diversity)."""
+
+    inputs = frozenset({"diversity"})
+
+    def before_advantage(self, graded: GradedGroups, batch: TrainBatch) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        responses = [c.response_ids for group in graded.groups for c in group]
+        return {"diversity": token_jaccard_distance(responses).to(batch.response_mask.device)}, {}
+
+
+class AdvantageInputSources:
+    """The advantage inputs of :func:`runner_inputs` one run's estimator reads (``needs``): the sources
+    that produce them, and the strategy inputs the batch carries."""
+
+    def __init__(self, needs: set[str], sources: Sequence[StepInputSource] = ()):
+        self.needs, self.sources = needs, list(sources)
 
     @classmethod
     def from_config(
@@ -454,68 +575,37 @@ class AdvantageInputSources:
         micro_batch_size: int,
         device: torch.device,
     ) -> "AdvantageInputSources":
-        """The sources the estimator of ``algorithm`` needs, sampling with the run's ``sampler`` (its
-        engine samples from ``model``; PVPO's anchor from ``reference``, or a frozen copy of the
-        initial ``model`` when the algorithm keeps no reference)."""
+        """The sources the estimator of ``algorithm`` needs (:class:`SourceContext` for the arguments)."""
         needs = needed_inputs(algorithm)
-        baseline = None
-        if "baseline_rewards" in needs:
-            options = BaselineOptions.from_config(cfg.algorithm, algorithm.advantage.name)
-            if options.source == "greedy":
-                baseline = GreedyBaseline(sampler, params, make_generator(cfg.seed, STREAM_GREEDY))
-            else:
-                frozen = reference if reference is not None else copy.deepcopy(model).eval().requires_grad_(False)
-                baseline = ReferenceAnchor(
-                    sampler, sampler.engine, model, frozen, options, params, make_generator(cfg.seed, STREAM_REFERENCE)
-                )
-        spo = None
-        if "tracker_baseline" in needs:
-            temperature = params.temperature if params.temperature > 0 else 1.0
-            spo = SPOStream(tracker_from_config(cfg.algorithm), model, sampler.tokenizer.pad_token_id,
-                            micro_batch_size, temperature, device)
-        return cls(needs, baseline, spo)
+        context = SourceContext(sampler, params, model, reference, micro_batch_size, device)
+        return cls(needs, [source.build(cfg, algorithm, context) for source in source_classes(needs)])
 
     def before_advantage(self, graded: GradedGroups, batch: TrainBatch) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """(inputs for the estimator, metrics) of this step's batch."""
         inputs: dict[str, torch.Tensor] = {}
         metrics: dict[str, float] = {}
-        device = batch.response_mask.device
-        if self.baseline is not None:
-            per_group = self.baseline(graded)
-            inputs["baseline_rewards"] = per_response(per_group, graded.group_index).to(device)
-            metrics["baseline_reward_mean"] = float(per_group.mean().item())
-            if isinstance(self.baseline, ReferenceAnchor):
-                metrics["reference_responses"] = float(self.baseline.generated)
-        if self.spo is not None:
-            inputs["tracker_baseline"] = self.spo.baseline(graded, batch).to(device)
-            metrics["tracker_baseline_mean"] = float(inputs["tracker_baseline"].mean().item())
-        if "answer_keys" in self.needs:
-            inputs["answer_keys"] = answer_class_ids([grade.extracted for grade in graded.grades]).to(device)
-        if "diversity" in self.needs:
-            responses = [c.response_ids for group in graded.groups for c in group]
-            inputs["diversity"] = token_jaccard_distance(responses).to(device)
-        if "tree_nodes" in self.needs:
-            inputs["tree_nodes"] = token_tree_nodes(graded, batch.response_mask.shape[1]).to(device)
-        if self.needs & {"step_index", "step_values"}:
-            index, values = token_steps(graded, batch.response_mask.shape[1])
-            inputs["step_index"], inputs["step_values"] = index.to(device), values.to(device)
+        for source in self.sources:
+            produced, measured = source.before_advantage(graded, batch)
+            inputs.update(produced)
+            metrics.update(measured)
+        for name in sorted(self.needs & STEP_INPUTS.names(producer="strategy")):
+            if name not in batch.extras:
+                raise ValueError(f"no response carries {name}, which the advantage reads (Completion.extras of the strategy)")
+            inputs[name] = batch.extras[name]
         return inputs, metrics
 
     def state_dict(self) -> dict[str, Any]:
-        """The sources' state across steps (random streams, caches, trackers) for checkpoints."""
-        return {name: source.state_dict() for name, source in (("baseline", self.baseline), ("spo", self.spo))
-                if source is not None}
+        """The sources' state across steps (random streams, caches, trackers) for checkpoints, by checkpoint key."""
+        return {source.checkpoint_key: source.state_dict() for source in self.sources if source.checkpoint_key}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for name, source in (("baseline", self.baseline), ("spo", self.spo)):
-            if source is not None:
-                source.load_state_dict(state[name])
+        for source in self.sources:
+            if source.checkpoint_key:
+                source.load_state_dict(state[source.checkpoint_key])
 
     def after_update(self, graded: GradedGroups) -> dict[str, float]:
         """State updates after the policy step (SPO's tracker); returns metrics."""
-        if self.spo is None:
-            return {}
-        self.spo.update(graded)
-        if self.spo.last_change is None:
-            return {}
-        return {"tracker_policy_change_mean": float(self.spo.last_change.mean().item())}
+        metrics: dict[str, float] = {}
+        for source in self.sources:
+            metrics.update(source.after_update(graded))
+        return metrics

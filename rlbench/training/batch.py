@@ -7,40 +7,63 @@ P - 1 + t, and only the last T + 1 columns need the LM head (see rlbench.trainin
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Sequence
 
 import torch
 
+from rlbench.algorithm.step_inputs import STEP_INPUTS
 from rlbench.rollout.engines.base import Completion
 from rlbench.training.distributed import global_counts
 
 
+def _column(level: str, default: bool = True) -> Any:
+    """A TrainBatch tensor field and how a sub-batch takes it (``level``): ``input`` [B, P+T] (trimmed to
+    the prompt and the kept response), ``token`` [B, T] (trimmed to the kept response), ``row`` [B]."""
+    return field(default=None, metadata={"level": level}) if default else field(metadata={"level": level})
+
+
 @dataclass
 class TrainBatch:
-    input_ids: torch.Tensor  # [B, P+T]
-    attention_mask: torch.Tensor  # [B, P+T]
-    response_mask: torch.Tensor  # [B, T] float
+    input_ids: torch.Tensor = _column("input", default=False)  # [B, P+T]
+    attention_mask: torch.Tensor = _column("input", default=False)  # [B, P+T]
+    response_mask: torch.Tensor = _column("token", default=False)  # [B, T] float
     prompt_width: int  # P
-    group_index: torch.Tensor  # [B] long
-    rewards: torch.Tensor | None = None  # [B]
-    advantages: torch.Tensor | None = None  # [B, T]
-    old_logp: torch.Tensor | None = None  # [B, T]
-    ref_logp: torch.Tensor | None = None  # [B, T]
-    prev_logp: torch.Tensor | None = None  # [B, T] the policy before this step's update, every token (convex KL)
-    token_weights: torch.Tensor | None = None  # [B, T] policy-loss token mask (e.g. top-entropy), None = all 1
-    sample_keep: torch.Tensor | None = None  # [B] bool, the responses the update trains on (D3S), None = all
-    old_values: torch.Tensor | None = None  # [B, T] critic values of the sampling policy
-    returns: torch.Tensor | None = None  # [B, T] critic regression targets
-    sampling_logp: torch.Tensor | None = None  # [B, T] the rollout engine's log-probs (Completion.logprobs)
-    off_policy: torch.Tensor | None = None  # [B, T] float, 1 = token not sampled by pi_old (None: all on-policy)
-    behaviour_logp: torch.Tensor | None = None  # [B, T] log mu of the behaviour policy (NaN: unknown)
-    policy_version: torch.Tensor | None = None  # [B] long, the policy version that sampled each response
+    group_index: torch.Tensor = _column("row", default=False)  # [B] long
+    rewards: torch.Tensor | None = _column("row")  # [B]
+    advantages: torch.Tensor | None = _column("token")  # [B, T]
+    old_logp: torch.Tensor | None = _column("token")  # [B, T]
+    ref_logp: torch.Tensor | None = _column("token")  # [B, T]
+    prev_logp: torch.Tensor | None = _column("token")  # [B, T] the policy before this step's update, every token (convex KL)
+    token_weights: torch.Tensor | None = _column("token")  # [B, T] policy-loss token mask (e.g. top-entropy), None = all 1
+    sample_keep: torch.Tensor | None = _column("row")  # [B] bool, the responses the update trains on (D3S), None = all
+    old_values: torch.Tensor | None = _column("token")  # [B, T] critic values of the sampling policy
+    returns: torch.Tensor | None = _column("token")  # [B, T] critic regression targets
+    sampling_logp: torch.Tensor | None = _column("token")  # [B, T] the rollout engine's log-probs (Completion.logprobs)
+    off_policy: torch.Tensor | None = _column("token")  # [B, T] float, 1 = token not sampled by pi_old (None: all on-policy)
+    behaviour_logp: torch.Tensor | None = _column("token")  # [B, T] log mu of the behaviour policy (NaN: unknown)
+    policy_version: torch.Tensor | None = _column("row")  # [B] long, the policy version that sampled each response
+    # [B, T] each, the strategy inputs the completions carry (Completion.extras; rlbench/algorithm/step_inputs.py)
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def response_ids(self) -> torch.Tensor:
+        """[B, T] long: the response token ids (padding included)."""
+        return self.input_ids[:, self.prompt_width : self.prompt_width + self.response_mask.shape[1]]
 
     @property
     def has_off_policy(self) -> bool:
         """True when some trainable token was not sampled by pi_old."""
         return self.off_policy is not None and bool((self.off_policy * self.response_mask).any())
+
+    def to(self, device: torch.device | str) -> "TrainBatch":
+        """The batch with every tensor on ``device``."""
+        moved = {f.name: getattr(self, f.name) for f in fields(self) if "level" in f.metadata}
+        return replace(
+            self,
+            **{name: None if t is None else t.to(device) for name, t in moved.items()},
+            extras={name: t.to(device) for name, t in self.extras.items()},
+        )
 
     @property
     def size(self) -> int:
@@ -51,32 +74,15 @@ class TrainBatch:
         response_len = last_trained_position(self.response_mask[rows]) if len(rows) else 0
         keep = max(response_len, 1)
         width = self.prompt_width + keep
+        columns = {"input": (slice(None), slice(None, width)), "token": (slice(None), slice(None, keep)), "row": ()}
 
-        def take(t: torch.Tensor | None, token_level: bool) -> torch.Tensor | None:
-            if t is None:
-                return None
-            t = t[rows]
-            return t[:, :keep] if token_level else t
+        def take(t: torch.Tensor | None, level: str) -> torch.Tensor | None:
+            return None if t is None else t[rows][columns[level]]
 
         return replace(
             self,
-            input_ids=self.input_ids[rows, :width],
-            attention_mask=self.attention_mask[rows, :width],
-            response_mask=self.response_mask[rows, :keep],
-            group_index=self.group_index[rows],
-            rewards=take(self.rewards, False),
-            advantages=take(self.advantages, True),
-            old_logp=take(self.old_logp, True),
-            ref_logp=take(self.ref_logp, True),
-            prev_logp=take(self.prev_logp, True),
-            token_weights=take(self.token_weights, True),
-            sample_keep=take(self.sample_keep, False),
-            old_values=take(self.old_values, True),
-            returns=take(self.returns, True),
-            sampling_logp=take(self.sampling_logp, True),
-            off_policy=take(self.off_policy, True),
-            behaviour_logp=take(self.behaviour_logp, True),
-            policy_version=take(self.policy_version, False),
+            **{f.name: take(getattr(self, f.name), f.metadata["level"]) for f in fields(self) if "level" in f.metadata},
+            extras={name: take(t, "token") for name, t in self.extras.items()},
         )
 
 
@@ -120,17 +126,41 @@ def collate(
             behaviour_logp[row, :r] = torch.tensor(behaviour, dtype=behaviour_logp.dtype)
     group_index = torch.tensor([g for g, _ in flat], dtype=torch.long)
     any_off_policy = bool(off_policy.any())
-    return TrainBatch(
-        input_ids=input_ids.to(device),
-        attention_mask=attention_mask.to(device),
-        response_mask=response_mask.to(device),
+    batch = TrainBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        response_mask=response_mask,
         prompt_width=prompt_width,
-        group_index=group_index.to(device),
-        sampling_logp=sampling_logp.to(device),
-        off_policy=off_policy.to(device) if any_off_policy else None,
-        behaviour_logp=behaviour_logp.to(device) if any_off_policy else None,
-        policy_version=versions.to(device),
+        group_index=group_index,
+        sampling_logp=sampling_logp,
+        off_policy=off_policy if any_off_policy else None,
+        behaviour_logp=behaviour_logp if any_off_policy else None,
+        policy_version=versions,
+        extras=padded_extras([c for _, c in flat], response_len),
     )
+    return batch.to(device)
+
+
+def padded_extras(completions: Sequence[Completion], width: int) -> dict[str, torch.Tensor]:
+    """name -> [B, width]: each strategy input the completions carry (``Completion.extras``, one value per
+    response token), padded with its STEP_INPUTS entry's ``pad`` in its ``dtype``. Every completion must
+    carry the same inputs."""
+    names = {name for c in completions for name in c.extras}
+    out = {}
+    for name in sorted(names):
+        if name not in STEP_INPUTS or STEP_INPUTS[name].producer != "strategy":
+            raise ValueError(f"Completion.extras[{name!r}] is not a strategy input of STEP_INPUTS (rlbench/algorithm/step_inputs.py)")
+        entry = STEP_INPUTS[name]
+        column = torch.full((len(completions), width), entry.pad, dtype=entry.dtype)
+        for row, c in enumerate(completions):
+            if name not in c.extras:
+                raise ValueError(f"a response without extras[{name!r}] is batched with responses that carry it")
+            values = c.extras[name]
+            if len(values) != len(c.response_ids):
+                raise ValueError(f"extras[{name!r}] has {len(values)} values for {len(c.response_ids)} response tokens")
+            column[row, : len(values)] = torch.tensor(values, dtype=entry.dtype)
+        out[name] = column
+    return out
 
 
 def token_off_policy(completion: Completion, current_version: int | None) -> torch.Tensor:

@@ -10,6 +10,7 @@ import math
 import torch
 
 from rlbench.algorithm import Algorithm
+from rlbench.algorithm.step_inputs import STEP_INPUTS
 from rlbench.training.batch import TrainBatch, batch_norms, micro_batches
 from rlbench.training.distributed import backward, gradient_norm, reshard
 from rlbench.training.forward import TokenOutputs, token_outputs
@@ -30,7 +31,8 @@ def micro_batch_loss(
     proximal_model: torch.nn.Module | None = None,
     with_log_probs: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float], TokenOutputs]:
-    """The objective of one micro-batch (with gradient), its metrics and the forward's outputs.
+    """The objective of one micro-batch (with gradient), its metrics and the forward's outputs. The
+    objective reads the loss step's inputs (rlbench/algorithm/step_inputs.py, readers loss and objective).
 
     Without stored old log-probs (one on-policy update) pi_old is the detached current policy
     (ratio 1); likewise V_old for the value clip. ``proximal_model`` (decoupled PPO) supplies
@@ -46,28 +48,18 @@ def micro_batch_loss(
     if proximal_model is not None:
         with torch.no_grad():
             prox_logp = token_outputs(proximal_model, sub, temperature).logp
-    old_values = sub.old_values
-    if old_values is None and out.values is not None:
-        old_values = out.values.detach()
     loss, metrics = algorithm.compute_loss(
+        norms=norms,
+        # the loss step's inputs the batch holds (advantages, mask, ref_logp, token_weights, ...); then the forward's
+        **{name: getattr(sub, name) for name in STEP_INPUTS.names("loss", "objective", producer="batch")},
         logp=out.logp,
         old_logp=sub.old_logp if sub.old_logp is not None else out.logp.detach(),
-        advantages=sub.advantages,
-        response_mask=sub.response_mask,
-        norms=norms,
-        ref_logp=sub.ref_logp,
         entropy=out.entropy,
-        progress=progress,
-        token_weights=sub.token_weights,
         values=out.values,
-        old_values=old_values,
-        returns=sub.returns,
-        prox_logp=prox_logp,
-        sampling_logp=sub.sampling_logp,
-        off_policy=sub.off_policy,
-        prev_logp=sub.prev_logp,
+        old_values=sub.old_values if sub.old_values is not None or out.values is None else out.values.detach(),
         log_probs=out.log_probs if algorithm.needs_vocabulary_log_probs else None,
-        response_ids=sub.input_ids[:, sub.prompt_width : sub.prompt_width + sub.response_mask.shape[1]],
+        prox_logp=prox_logp,
+        progress=progress,
     )
     if out.entropy is not None:
         tokens = float(sub.response_mask.sum().item())

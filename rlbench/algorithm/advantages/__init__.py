@@ -1,31 +1,17 @@
 """Advantage estimators: rewards of a batch of responses -> per-token advantages.
 
-Inputs offered by the trainer (a function declares the ones it needs):
-    rewards           [B]    scalar outcome reward of each response
-    group_index       [B]    long, responses sharing a prompt share an index (0..G-1); sizes may differ
-    response_mask     [B,T]  1 on response tokens, 0 on padding (a row may be all zero)
-    entropy           [B,T]  per-token entropy of the sampling policy (no gradient)
-    old_logp          [B,T]  per-token log-probs of the sampling policy
-    values            [B,T]  critic values V(s_t) of each response token (gae)
-    baseline_rewards  [B]    reward of a baseline for each response's prompt: the greedy rollout's
-                             reward (remax) or the reference model's mean reward (pvpo)
-    token_rewards     [B,T]  optional per-token rewards (e.g. outcome at EOS minus a KL-in-reward
-                             penalty); when absent, the outcome reward sits on the last valid token
-  introduced with the estimator zoo (the trainer must provide them when the estimator asks):
-    tracker_baseline  [B]    float, SPO value tracker's pre-update success estimate p_hat(x) of each
-                             response's prompt (``SPOTracker.baseline(uids)``)                  (spo)
-    answer_keys       [B]    long, class id of each response's final answer (equal ids = same
-                             answer; e.g. a hash of the extracted answer)                (polychromic)
-    diversity         [B,B]  float in [0,1], pairwise dissimilarity of responses (only entries
-                             within a group are read; alternative to answer_keys)        (polychromic)
-    correct           [B]    bool, the grader's verdict on each response                  (drpo)
-    max_length        int    the generation budget, rollout.max_new_tokens                 (drpo)
+An estimator declares the inputs it reads by name in its signature (rewards [B], group_index [B],
+response_mask [B,T], and optionally entropy, old_logp, values, baseline_rewards, tree_nodes, ...): each
+is an ``advantage`` entry of rlbench.algorithm.step_inputs.STEP_INPUTS, with its shape, meaning and
+producer (tabled in docs/algorithms.md).
+
 Every estimator returns advantages of shape [B,T], zero on padding; an estimator whose advantage
 varies along a response registers with ``advantage_level="token"`` (registry.Needs).
 
 The estimators are split by family: group_relative (compare a prompt's responses), baselines
 (batch, greedy-rollout, reference-model and tracker baselines, with the SPO tracker and PVPO
-baseline cache), entropy_shaped, value_based (GAE, the critic's returns and value loss); common
+baseline cache), entropy_shaped, value_based (GAE, the critic's returns and value loss), tree (TreePO's
+and TreeRPO's tree advantages) and vine (VinePPO's Monte-Carlo step values); common
 holds the shared helpers and conventions. Every public name is re-exported here.
 """
 

@@ -1,7 +1,7 @@
 """VinePPO's step advantage from Monte-Carlo values (rollout=vine, rlbench/rollout/strategies/vine.py).
 
 Reads, per response token, the step it belongs to and the value estimate of the state where that
-step starts (Completion.step_values, laid out by rlbench.training.advantage_inputs):
+step starts (the step inputs rollout=vine puts in Completion.extras; rlbench/algorithm/step_inputs.py):
 
     step_index   [B,T] long   the step (0, 1, ...) of every response token, -1 on padding
     step_values  [B,T] float  V^(s_t) of the state before the token's step (the same on every token of a step)

@@ -1,28 +1,9 @@
 """Policy losses: per-token loss matrices, aggregated separately (see aggregation.py).
 
-Inputs offered by the trainer (a function declares the ones it needs; the registry passes nothing
-else):
-    logp           [B,T]  log pi_theta(o_t | q, o_<t), with gradient
-    old_logp       [B,T]  log pi_old of the policy that sampled the batch (no gradient; equals
-                          logp.detach() when the batch is used for one on-policy update)
-    advantages     [B,T]  per-token advantages
-    response_mask  [B,T]  1 on response tokens
-    entropy        [B,T]  per-token entropy of the current policy (no gradient)
-    ref_logp       [B,T]  log pi_ref, only when a reference model is loaded
-    progress       float  fraction of training done, in [0, 1] (annealed schedules)
-    sampling_logp  [B,T]  log-probs under the rollout engine (train/inference-mismatch corrections)
-    log_probs      [B,T,V] full-vocabulary log pi_theta(. | q, o_<t), with gradient; computed only for a
-                          loss that declares it (otr)
-    response_ids   [B,T]  the response token ids o_t (with log_probs)
-  Introduced by this module (optional unless a loss's signature has no default for them):
-    prox_logp      [B,T]  log-probs under the *proximal* policy of decoupled PPO (ppo_ewma; no
-                          gradient). Provided by the trainer: an EWMA copy of the weights, or the
-                          policy recomputed just before the current update (AReaL style)
-    generator      torch.Generator  random stream for clip_cov's random token selection, seeded
-                          from the run seed and advanced by the trainer; None -> deterministic
-                          selection (documented in clip_cov)
-    control_mask   [B,T]  1 on "control" tokens (degrpo, e.g. Thinkless' <short>/<think>); None ->
-                          the first response token of each row
+A loss declares the inputs it reads by name in its signature (logp, old_logp, advantages,
+response_mask [B,T], and optionally entropy, ref_logp, progress, sampling_logp, off_policy, prox_logp,
+log_probs [B,T,V], ...): each is a ``loss`` entry of rlbench.algorithm.step_inputs.STEP_INPUTS, with its
+shape, meaning and producer (tabled in docs/algorithms.md); the registry passes nothing else.
 
 Every loss returns (loss_matrix [B,T], metrics): the matrix is zero on padding, metrics are python
 floats (masked token means of this micro-batch unless stated). Log-ratios are clamped to +-20

@@ -143,17 +143,11 @@ class Completion:
     policy_version:     the number of policy updates before the sampling policy's weights were taken;
                         None until the training step stamps it with its current version.
 
-    Tree rollouts (rlbench/rollout/strategies/tree.py):
+    Step inputs a rollout strategy provides (its ``provides``; rlbench/algorithm/step_inputs.py):
 
-    tree_nodes:         per token of ``response_ids``: the id of the tree node (a run of tokens sampled
-                        once and shared by every response below it) the token belongs to; ids are
-                        unique within a training step. None: not part of a tree.
-
-    Monte-Carlo step values (rlbench/rollout/strategies/vine.py):
-
-    step_values:        per step of the response, (index of its first token, V^ of the state before it:
-                        the mean reward of continuations sampled from there); the first step starts at
-                        token 0 (the prompt's state). None: no step values were estimated.
+    extras:             input name -> one value per token of ``response_ids`` (a tree's node ids, VinePPO's
+                        step index and step values); collate pads each to [B, T] with its entry's pad value
+                        (TrainBatch.extras). Empty: the strategy provides none.
     """
 
     request_index: int
@@ -168,8 +162,7 @@ class Completion:
     behaviour_logprobs: list[float] | None = None
     loss_mask: list[int] | None = None
     policy_version: int | None = None
-    tree_nodes: list[int] | None = None
-    step_values: list[tuple[int, float]] | None = None
+    extras: dict[str, list] = field(default_factory=dict)
 
 
 class RolloutEngine(Protocol):

@@ -24,8 +24,8 @@ prompt ends with exactly ``n`` leaves. ``n / root_branching`` must be a power of
 that the full tree's budgets split evenly (validated before the model loads).
 
 Each leaf is an ordinary Completion (all its tokens sampled by the current policy, their sampling
-log-probs recorded when sampled) with ``tree_nodes``: the node of every token, which the tree
-advantages read (rlbench/algorithm/advantages/tree.py). A tree strategy therefore needs an
+log-probs recorded when sampled) with ``extras["tree_nodes"]``: the node of every token (a step
+input, rlbench/algorithm/step_inputs.py), which the tree advantages read (rlbench/algorithm/advantages/tree.py). A tree strategy therefore needs an
 advantage that reads ``tree_nodes`` (``algorithm/advantage=tree`` or ``treerpo``).
 
 Simplifications against the papers (docs/rollout-trees.md): fixed divergence (no probability- or
@@ -232,7 +232,7 @@ class TreeSampling(RolloutStrategy):
             logprobs=[lp for node in path for lp in node.logprobs],
             finished=leaf.ended,
             text=self.setup.sampler.tokenizer.decode(tokens, skip_special_tokens=True),
-            tree_nodes=[node.id for node in path for _ in node.tokens],
+            extras={TREE_INPUT: [node.id for node in path for _ in node.tokens]},
         )
 
     def rollout(

@@ -19,7 +19,8 @@ One step: ``rollout.n`` responses per prompt (one engine call), then one request
 per distinct state (prompt + response prefix; identical prefixes of one prompt share their
 estimate) through ``GroupSampler.generate`` via rlbench.rollout.continuation (the prefix is counted as
 reused tokens, only the continuation as generated). Continuations are graded and reward-shaped as the
-responses are; they are never trained on. Each response gets ``Completion.step_values``.
+responses are; they are never trained on. Each response gets the step inputs ``step_index`` and
+``step_values`` in ``Completion.extras`` (:func:`token_steps`; rlbench/algorithm/step_inputs.py).
 """
 
 from __future__ import annotations
@@ -83,6 +84,18 @@ def step_starts(response_ids: list[int], options: VineOptions, tokenizer: Any) -
     return [0] + inner
 
 
+def token_steps(starts_and_values: list[tuple[int, float]], length: int) -> tuple[list[int], list[float]]:
+    """(the step 0, 1, ... of each of a response's ``length`` tokens, V^ of the state where the token's step
+    starts) from each step's (first token, V^ of the state before it); the first step starts at token 0."""
+    index: list[int] = []
+    values: list[float] = []
+    ends = [start for start, _ in starts_and_values[1:]] + [length]
+    for step, ((start, value), end) in enumerate(zip(starts_and_values, ends)):
+        index += [step] * (end - start)
+        values += [value] * (end - start)
+    return index, values
+
+
 @register_strategy("vine")
 class VineSampling(RolloutStrategy):
     """``rollout=vine`` (module docstring)."""
@@ -140,11 +153,13 @@ class VineSampling(RolloutStrategy):
         row = 0
         for p, group in enumerate(graded.groups):
             for completion in group:
-                completion.step_values = [
+                steps = [
                     (start, group_means[p] if not start and options.root_value == "group"
                      else float(values[states[(p, tuple(completion.response_ids[:start]))]]))
                     for start in starts_of[row]
                 ]
+                index, step_values = token_steps(steps, len(completion.response_ids))
+                completion.extras.update(step_index=index, step_values=step_values)
                 row += 1
         metrics = {
             "vine_states": float(len(states)),
