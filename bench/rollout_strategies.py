@@ -222,7 +222,7 @@ def main() -> None:
 
     import torch
 
-    from rlbench.config import validate_config
+    from rlbench.validation import validate_config
     from rlbench.errors import ConfigError
     from rlbench.utils import atomic_write_json, atomic_write_text
 

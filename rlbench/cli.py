@@ -122,8 +122,7 @@ def resume_arguments(args: list[str]) -> list[str]:
     given = [arg for arg in args if override_key(arg) == "resume"]
     if not given:
         return args
-    from rlbench.training.checkpoint import CheckpointError, find_latest_run, latest_checkpoint
-    from rlbench.training.swarm import checkpoint_home
+    from rlbench.training.checkpoint import CheckpointError, checkpoint_home, find_latest_run, latest_checkpoint
 
     if any(arg in ("-m", "--multirun") for arg in args):
         fail("resume= continues one run; a sweep (-m) relaunched skips its finished runs and reruns the others")
@@ -141,7 +140,7 @@ def resume_arguments(args: list[str]) -> list[str]:
 
 def main() -> None:
     if any(arg in ("--help", "-h") for arg in sys.argv[1:]):  # rlbench's own help; Hydra's: --hydra-help
-        from rlbench.config.list import help_lines
+        from rlbench.listing import help_lines
 
         print("\n".join(help_lines()))
         return

@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import rlbench
 from rlbench import faults
-from rlbench.config import notice_inactive_terms, resolve_device, validate_config
+from rlbench.validation import notice_inactive_terms, resolve_device, validate_config
 from rlbench.dataset import load_problems
 from rlbench.guidance import GuidanceOptions, load_guidance
 from rlbench.eval.evaluate import Benchmark, EvalResult, evaluate, usable_problems

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from rlbench.config import validate_config
+from rlbench.validation import validate_config
 from rlbench.errors import ConfigError
 from rlbench.training.async_pipeline import StalenessGate, WeightSnapshots, generator_version
 from rlbench.training.step import TIMING_METRICS

@@ -6,7 +6,7 @@ import math
 import pytest
 import yaml
 
-from rlbench.config import validate_config
+from rlbench.validation import validate_config
 from rlbench.dataset import load_problems, validate_spec
 from rlbench.errors import ConfigError, DataError
 from rlbench.eval.metrics import ProblemResult, summarize

@@ -14,7 +14,7 @@ from rlbench.algorithm.critic import CriticSettings
 from rlbench.algorithm.entropy import AdaptiveEntropy
 from rlbench.algorithm.sampling_correction import SamplingCorrection
 from rlbench.algorithm.schedules import SFPOSettings, TRPOSettings
-from rlbench.config import validate_config
+from rlbench.validation import registered, validate_config
 from rlbench.config.origin import ValueOrigins, composed_files, override_key, with_origins
 from rlbench.config.schema import (
     AdaptiveEntropyConfig, AlgorithmConfig, BaselineConfig, CriticConfig, DynamicSamplingConfig, RunConfig,
@@ -30,7 +30,7 @@ NO_ORIGINS = ValueOrigins()
 
 def refused(cfg, origins=NO_ORIGINS) -> str:
     with pytest.raises(ConfigError) as err:
-        check_against_schema(cfg, origins)
+        check_against_schema(cfg, registered(), origins)
     return str(err.value)
 
 
@@ -76,7 +76,7 @@ def test_origins_trace_a_key_to_the_last_file_that_sets_it():
 def test_cross_field_refusals_say_where_each_named_key_was_set(make_cfg):
     cfg = make_cfg("experiment=smoke", "rollout.n=1")
     origins = ValueOrigins(("experiment=smoke", "rollout.n=1"), tuple(composed_files({"experiment": "smoke"})))
-    message = "batch of trainer.prompts_per_step * rollout.n cannot be split; see rlbench/config/checks.py"
+    message = "batch of trainer.prompts_per_step * rollout.n cannot be split; see rlbench/validation.py"
     assert with_origins(message, cfg, origins) == (
         f"{message} [trainer.prompts_per_step set by conf/experiment/smoke.yaml (experiment=smoke); "
         "rollout.n set by the command-line override 'rollout.n=1']"
@@ -124,21 +124,21 @@ def test_a_settings_block_for_a_schedule_that_is_not_selected_is_refused(make_cf
     message = refused(make_cfg("experiment=smoke", "+algorithm.update.trpo.max_kl=0.1"))
     assert message.startswith("algorithm.update.trpo holds the settings of algorithm.update.schedule=trpo, "
                               "but algorithm.update.schedule is standard; set algorithm.update.schedule=trpo")
-    check_against_schema(make_cfg("algorithm=trpo", "algorithm.update.trpo.max_kl=0.1"), NO_ORIGINS)
+    check_against_schema(make_cfg("algorithm=trpo", "algorithm.update.trpo.max_kl=0.1"), registered(), NO_ORIGINS)
 
 
 def test_a_settings_block_for_a_rollout_strategy_that_is_not_selected_is_refused(make_cfg):
     message = refused(make_cfg("experiment=smoke", "+rollout.dynamic_sampling.max_rounds=3"))
     assert "rollout.dynamic_sampling holds the settings of rollout.strategy=dynamic_sampling" in message
     assert "but rollout.strategy is iid" in message
-    check_against_schema(make_cfg("rollout=dynamic_sampling", "rollout.dynamic_sampling.max_rounds=3"), NO_ORIGINS)
+    check_against_schema(make_cfg("rollout=dynamic_sampling", "rollout.dynamic_sampling.max_rounds=3"), registered(), NO_ORIGINS)
 
 
 def test_a_new_rollout_strategy_brings_its_block_without_a_schema_edit(make_cfg, monkeypatch):
     from rlbench.rollout import STRATEGIES
 
     monkeypatch.setitem(STRATEGIES, "tree", object)
-    check_against_schema(make_cfg("experiment=smoke", "rollout.strategy=tree", "+rollout.tree={depth: 2}"), NO_ORIGINS)
+    check_against_schema(make_cfg("experiment=smoke", "rollout.strategy=tree", "+rollout.tree={depth: 2}"), registered(), NO_ORIGINS)
     message = refused(make_cfg("experiment=smoke", "+rollout.tree={depth: 2}"))
     assert "rollout.tree holds the settings of rollout.strategy=tree, but rollout.strategy is iid" in message
     monkeypatch.delitem(STRATEGIES, "tree")

@@ -13,10 +13,9 @@ from rlbench.errors import ConfigError
 from rlbench.reward.math import Grade
 from rlbench.rollout.engines.base import Completion
 from rlbench.rollout.groups import GradedGroups
-from rlbench.training.curricula import (
-    HardFocusOptions, PromptStats, PromptStatsStore, WeightedOptions, hardest, make_prompt_sampler, parse_stages,
-)
-from rlbench.training.loop import PromptSampler
+from rlbench.training.curricula import HardFocusOptions, PromptSampler, WeightedOptions, hardest, make_prompt_sampler
+from rlbench.training.prompt_stats import PromptStats, PromptStatsStore
+from rlbench.training.stages import parse_stages
 
 PROBLEMS = [Problem(str(i), f"q{i}", "a") for i in range(6)]
 
@@ -138,7 +137,7 @@ def test_bad_stage_schedules_are_refused(stages, message):
 
 
 def test_a_stage_whose_batch_does_not_split_is_refused_before_the_model_loads(make_cfg):
-    from rlbench.config import validate_config
+    from rlbench.validation import validate_config
 
     cfg = make_cfg("experiment=smoke", "algorithm.update.minibatches=2", "trainer.stages=[{at:2,rollout.n:3}]",
                    "trainer.prompts_per_step=1")

@@ -7,7 +7,8 @@ from omegaconf import OmegaConf
 
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
-from rlbench.training.curricula import LengthExtremesOptions, PromptStats, PromptStatsStore, length_extremes, make_prompt_sampler
+from rlbench.training.curricula import LengthExtremesOptions, length_extremes, make_prompt_sampler
+from rlbench.training.prompt_stats import PromptStats, PromptStatsStore
 
 PROBLEMS = [Problem(str(i), f"q{i}", "a") for i in range(101)]
 

@@ -18,7 +18,7 @@ from rlbench.algorithm.downsampling import (
 )
 from rlbench.algorithm.entropy import top_score_token_mask
 from rlbench.algorithm.schedules import ramp
-from rlbench.config import validate_config
+from rlbench.validation import validate_config
 from rlbench.errors import ConfigError
 from rlbench.training.batch import TrainBatch, batch_norms, kept_responses
 from rlbench.training.step import TIMING_METRICS

@@ -595,7 +595,8 @@ def test_misspelt_keys_are_refused_with_the_nearest_key(tmp_path, make_cfg):
         validate_spec({**spec, "fields": {"problem": "problem", "answr": "answer"}}, source="hub")
     from rlbench.config.walk import check_against_schema
     from rlbench.config.origin import ValueOrigins
+    from rlbench.validation import registered
 
     cfg = make_cfg("mode=eval", "eval=custom", "+eval.benchmarks.custom.answer_fromat=raw")
     with pytest.raises(ConfigError, match="did you mean 'answer_format'"):
-        check_against_schema(cfg, ValueOrigins())
+        check_against_schema(cfg, registered(), ValueOrigins())

@@ -1,7 +1,7 @@
 """Presets that do what they say: a loss whose distinguishing term acts only where pi_theta / pi_old
 differs from 1 (registry.Needs.ratio_term) either sees ratios other than 1 in its preset (several updates
 per batch, or stale data) or the run says at start-up, in one line, that the term is inactive
-(rlbench.config.checks.notice_inactive_terms).
+(rlbench.validation.notice_inactive_terms).
 
 The notice is derived from the composed config alone (unit tests below); the integration tests run every
 affected paper and algorithm preset for one step on the toy task and check that the term's metric is
@@ -25,7 +25,7 @@ from test_paper_presets import algorithm_of  # noqa: E402
 
 from rlbench.algorithm import Algorithm  # noqa: E402
 from rlbench.algorithm.registry import POLICY_LOSSES  # noqa: E402
-from rlbench.config import notice_inactive_terms  # noqa: E402
+from rlbench.validation import notice_inactive_terms  # noqa: E402
 
 NOTICE = "acts only where pi_theta / pi_old differs from 1"
 
@@ -88,7 +88,7 @@ def _notice(overrides: list[str], tmp_path: Path) -> str | None:
 
 
 def test_notice_names_the_term_and_the_way_to_exercise_it(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="rlbench.config.checks"):
+    with caplog.at_level(logging.WARNING, logger="rlbench.validation"):
         line = _notice(["algorithm=dppo"], tmp_path)
     assert line is not None and "\n" not in line and [r.getMessage() for r in caplog.records] == [line]
     assert "algorithm 'dppo'" in line and "dropout" in line and NOTICE in line
@@ -130,7 +130,7 @@ def test_one_step_exercises_the_term_or_says_it_is_inactive(tmp_path, caplog, sp
     algorithm = Algorithm.from_config(cfg.algorithm)
     metric = POLICY_LOSSES.needs(algorithm.loss.name).ratio_term_metric
     term = POLICY_LOSSES.ratio_term(algorithm.loss.name, algorithm.loss.params)
-    with caplog.at_level(logging.WARNING, logger="rlbench.config.checks"):
+    with caplog.at_level(logging.WARNING, logger="rlbench.validation"):
         run(cfg)
     notices = [r.getMessage() for r in caplog.records if NOTICE in r.getMessage()]
     step = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])

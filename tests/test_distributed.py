@@ -29,7 +29,7 @@ from rlbench.training.distributed import (
     wrap_model,
 )
 from rlbench.training.checkpoint import load_sharded, read_checkpoint, save_checkpoint, save_sharded, state_file
-from rlbench.training.curricula import PromptStatsStore
+from rlbench.training.prompt_stats import PromptStatsStore
 from rlbench.training.interrupt import Interrupted, StopSignals
 from rlbench.training.update import standard_update
 
@@ -255,7 +255,7 @@ def test_bad_strategies_are_refused_before_loading(monkeypatch):
 
 
 def test_samplers_and_stages_run_on_several_ranks_when_the_stages_batches_split(make_cfg, monkeypatch):
-    from rlbench.config import validate_config
+    from rlbench.validation import validate_config
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     common = ["experiment=smoke", "trainer.strategy=ddp", "trainer.steps=3", "sampler=hard_focus",

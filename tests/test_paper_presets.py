@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # conftest, also when run as a script
 from conftest import CONF_DIR, ROOT, needs_data  # noqa: E402
 
-from rlbench.config import validate_config  # noqa: E402
+from rlbench.validation import validate_config  # noqa: E402
 from rlbench.dataset.sources import resolve_data_dir  # noqa: E402
 from rlbench.config import fit  # noqa: E402
 from rlbench.errors import ConfigError, DataError  # noqa: E402

@@ -17,9 +17,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from rlbench.algorithm.schedules import SCHEDULES
-from rlbench.config import validate_config
-from rlbench.config.list import group_options, main as list_main
-from rlbench.config.pieces import PIECE_KINDS
+from rlbench.validation import validate_config
+from rlbench.listing import group_options, main as list_main
+from rlbench.algorithm.pieces import PIECE_KINDS
 from rlbench.rollout import STRATEGIES
 
 from conftest import CONF_DIR, ROOT

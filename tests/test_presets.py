@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # conftest, also when run as a script
 from conftest import CONF_DIR, ROOT  # noqa: E402
 
-from rlbench.config import validate_config  # noqa: E402
+from rlbench.validation import validate_config  # noqa: E402
 
 PRESETS = sorted(path.stem for path in (ROOT / "conf" / "algorithm").glob("*.yaml"))
 

@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rlbench.algorithm import Algorithm
-from rlbench.config import validate_config
+from rlbench.validation import validate_config
 from rlbench.errors import ConfigError
 from rlbench.rollout import validate_strategy
 from rlbench.rollout.guided.replay import ReplayBuffer

@@ -23,7 +23,7 @@ from rlbench.errors import ConfigError
 from rlbench.training import checkpoint
 from rlbench.training.checkpoint import CheckpointError
 from rlbench.training.interrupt import Interrupted, StopSignals
-from rlbench.training.loop import PromptSampler
+from rlbench.training.curricula import PromptSampler
 from rlbench.training.step import TIMING_METRICS
 
 RESULT_FILES = ("eval/passk.csv", "eval/problems.csv", "eval/samples.jsonl", "eval/curve.csv")

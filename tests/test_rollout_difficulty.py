@@ -10,13 +10,13 @@ import torch
 from omegaconf import OmegaConf
 
 from rlbench.algorithm.advantages.group_relative import grpo_advantage
-from rlbench.config import validate_config
+from rlbench.validation import validate_config
 from rlbench.errors import ConfigError
 from rlbench.reward.toy import EvenTokenReward
 from rlbench.rollout import GroupSampler, RolloutSetup, make_strategy, validate_strategy
 from rlbench.rollout.engines.base import Completion, SamplingParams
 from rlbench.rollout.guided.difficulty_adaptive import DifficultyOptions, difficulty_tier, rollout_plan
-from rlbench.training.curricula import PromptStats, PromptStatsStore
+from rlbench.training.prompt_stats import PromptStats, PromptStatsStore
 from rlbench.training.step import TIMING_METRICS, stamp_policy_version
 from test_curricula import PROBLEMS, graded
 from test_replay import ScriptedEngine, Tokenizer, problem

@@ -343,7 +343,7 @@ def test_masked_settings_are_checked_before_the_model_loads(make_cfg):
 
 
 def test_masked_is_refused_with_stale_batches_and_with_trpo(make_cfg):
-    from rlbench.config import validate_config
+    from rlbench.validation import validate_config
 
     validate_config(make_cfg("rollout=masked", "trainer.max_staleness=0"))
     with pytest.raises(ConfigError, match="rollout=masked trains a batch with the mask of the policy copy that sampled it"):

@@ -120,7 +120,7 @@ def test_options_refused_before_loading():
 
 
 def test_config_refusals(make_cfg):
-    from rlbench.config import validate_config
+    from rlbench.validation import validate_config
 
     with pytest.raises(ConfigError, match="Select rollout=tree"):
         validate_config(make_cfg("experiment=toy_learning/grpo", "algorithm/advantage=tree"))

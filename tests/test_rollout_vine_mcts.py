@@ -172,7 +172,7 @@ def test_mcts_prefix_options_refused():
 
 
 def test_config_refusals(make_cfg):
-    from rlbench.config import validate_config
+    from rlbench.validation import validate_config
 
     with pytest.raises(ConfigError, match="Select rollout=vine"):
         validate_config(make_cfg("experiment=toy_learning/grpo", "algorithm/advantage=vine"))

@@ -12,7 +12,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import compose_config, smoke_cli_steps  # noqa: E402
 
-from rlbench.config import validate_config  # noqa: E402
+from rlbench.validation import validate_config  # noqa: E402
 from rlbench.errors import ConfigError  # noqa: E402
 from rlbench.model.lora import reference_model  # noqa: E402
 from rlbench.training.reference_soup import ReferenceSoup, add_to_soup, soup_average  # noqa: E402

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from conftest import compose_config
 
 from rlbench.algorithm import Algorithm
-from rlbench.config import validate_config
+from rlbench.validation import validate_config
 from rlbench.errors import ConfigError
 from rlbench.model import load_policy
 from rlbench.rollout import make_engine
@@ -27,9 +27,10 @@ from rlbench.training import checkpoint
 from rlbench.training.batch import collate
 from rlbench.training.distributed import rank_stream_seed
 from rlbench.training.step import TIMING_METRICS, behaviour_old_logp, make_step_context
+from rlbench.training.checkpoint import actor_folder, checkpoint_home
 from rlbench.training.swarm import (
-    SwarmPool, actor_config, actor_folder, agreed_resume_step, check_resume_swarm, check_swarm, checkpoint_home,
-    draw_external, own_groups, swarm_manifest, swarm_rollout,
+    SwarmPool, actor_config, agreed_resume_step, check_resume_swarm, check_swarm, draw_external, own_groups,
+    swarm_manifest, swarm_rollout,
 )
 
 SMOKE = ["experiment=smoke", "trainer.steps=2", "eval.before_training=false", "logger=files", "trainer.save_model=false"]

@@ -1,7 +1,7 @@
 """A sweep that finishes: Hydra's basic sweeper (the cartesian product of ``key=a,b`` overrides,
 any launcher) with three additions.
 
-1. Every point is composed and validated (``rlbench.config.validate_config``, no model loaded)
+1. Every point is composed and validated (``rlbench.validation.validate_config``, no model loaded)
    before the first one starts; the invalid points are listed at once and left out.
 2. A point whose configuration already finished in this sweep folder or a sibling of it (an earlier
    launch of the same command under ``results/multirun/``) is skipped (``hydra.sweeper.skip_done``);
@@ -26,7 +26,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf, open_dict
 
 # rlbench is imported inside the methods: Hydra imports every plugin module when it starts, also for
-# commands that never sweep, and rlbench.config imports torch.
+# commands that never sweep, and rlbench.validation imports torch.
 SWEEP_STATUS_FILE = "sweep_status.csv"
 INVALID, SKIPPED = "invalid", "skipped"
 
@@ -94,7 +94,7 @@ class RlbenchSweeper(BasicSweeper):
 
     def check_point(self, overrides: list[str]) -> tuple[str, str]:
         """(the point's config key, "") or ("", the message of the error that refuses it)."""
-        from rlbench.config import validate_config
+        from rlbench.validation import validate_config
         from rlbench.errors import error_message
         from rlbench.logger.run_status import config_key
 

@@ -28,12 +28,9 @@ from typing import Any, Mapping
 
 import torch
 
-from rlbench.algorithm import advantages as _advantages  # noqa: F401  (registers pieces)
-from rlbench.algorithm import aggregation as _aggregation  # noqa: F401
-from rlbench.algorithm import kl as _kl  # noqa: F401
+import rlbench.algorithm.aggregation  # noqa: F401  (registers pieces; advantages, kl and losses by the imports below)
 from rlbench.algorithm.entropy import AdaptiveEntropy, top_entropy_token_mask
 from rlbench.algorithm.kl import KL_PLACEMENTS, AdaptiveKL, kl_penalised_rewards, sequence_kl
-from rlbench.algorithm import losses as _losses  # noqa: F401
 from rlbench.algorithm.advantages import value_loss
 from rlbench.algorithm.critic import CRITIC_ADVANTAGE, CriticSettings
 from rlbench.algorithm.downsampling import DownSampling

@@ -46,7 +46,7 @@ class Needs:
                        term acts only where the importance ratio pi_theta / pi_old differs from 1 (zero
                        effect on the gradient at ratio 1). With one update per batch on fresh data every
                        sampled token has ratio 1 and the run trains the base loss: the runner says so in
-                       one line at start-up (rlbench.config.checks.notice_inactive_terms). None: the
+                       one line at start-up (rlbench.validation.notice_inactive_terms). None: the
                        piece's own terms act at ratio 1 too (PPO-clip's clip is the shared trust
                        region of the PPO family, not a term that sets a loss apart: ppo_clip declares none)
     ratio_term_metric  policy loss: the metric (a fraction of tokens) that is above 0 where that term

@@ -1,7 +1,4 @@
-"""Configuration: typed schemas (schema.py), the schema walk (walk.py), where a value came from
-(origin.py), the registered pieces (pieces.py), cross-field checks (checks.py) and the listing
-command (list.py)."""
-
-from rlbench.config.checks import notice_inactive_terms, resolve_device, validate_config
-
-__all__ = ["notice_inactive_terms", "resolve_device", "validate_config"]
+"""Configuration, the bottom layer beside rlbench.errors: typed schemas (schema.py), the schema walk
+(walk.py), where a value came from (origin.py) and whether a run fits the device (fit.py). It imports
+nothing from the packages it describes; the validation that needs their code (registries, cross-field
+checks) is the run layer's, rlbench/validation.py."""

@@ -5,8 +5,9 @@ into the config by Hydra (the YAML under conf/ stays the source of values); ``rl
 checks a composed config against them, so that a misspelt or misplaced key, added by a YAML file or
 by ``+``/``++`` on the command line, is refused before anything is loaded.
 
-A schema class may define ``extra_blocks()``: keys beyond its fields that hold the settings of a
-registered choice (``rollout.<strategy>``), each allowed only with that choice.
+The schema imports nothing from the packages it describes: the names a registry holds (rollout
+strategies, prompt samplers, algorithm pieces) are passed to the walk by the run layer
+(``rlbench.validation``), so this module sits at the bottom of the layers beside ``rlbench.errors``.
 
 Field metadata:
   help          what the knob does (``rlbench-list`` prints it)
@@ -16,6 +17,9 @@ Field metadata:
   piece         the node is ``{name, <parameters>}`` of a registered piece of this kind
                 (advantage, loss, aggregation, reward_shaping); its parameters are checked against
                 the function's signature at run time, so a new piece needs no schema edit
+  settings_blocks  the key names a registered choice, and each choice may have a block of settings
+                beside it named after it (``rollout.<strategy>``, ``trainer.sampler.<name>``), allowed only
+                with that choice; the choice's own options class checks the block's keys
   open          a mapping whose keys are free (paper metadata, dataset field maps, LlamaConfig fields)
 """
 
@@ -228,6 +232,15 @@ class AlgorithmConfig:
     deviations: list = knob([], "where the preset departs from the paper, one sentence each")
 
 
+# Bounds of piece parameters that mean the same in every piece that takes them (a clip range is a width).
+PIECE_PARAMETER_BOUNDS = {
+    "clip_low": {"ge": 0},
+    "clip_high": {"ge": 0},
+    "epsilon": {"ge": 0},
+    "gamma": {"ge": 0, "le": 1},
+    "lam": {"ge": 0, "le": 1},
+}
+
 # Keys that moved: the unknown-key message says where to.
 MOVED_KEYS = {
     "algorithm.dynamic_sampling": "the rollout strategy: select rollout=dynamic_sampling and set "
@@ -242,15 +255,10 @@ MOVED_KEYS = {
 class SamplerConfig:
     """``trainer.sampler`` (``sampler=<name>``): which prompts each step trains on (rlbench/training/curricula.py)."""
 
-    name: str = knob("uniform", "prompt sampler: uniform (shuffled passes) | weighted (by pass rate) | hard_focus (DRIVE) | lspo (length extremes)")
-
-    @classmethod
-    def extra_blocks(cls) -> dict[str, tuple[str, str]]:
-        """The settings block of each registered sampler, ``trainer.sampler.<name>``, only with name=<name>;
-        the sampler's own options class checks its keys."""
-        from rlbench.training.curricula import PROMPT_SAMPLERS
-
-        return {name: ("name", name) for name in PROMPT_SAMPLERS}
+    name: str = knob(
+        "uniform", "prompt sampler: uniform (shuffled passes) | weighted (by pass rate) | hard_focus (DRIVE) | lspo (length extremes)",
+        settings_blocks=True,
+    )
 
 
 @dataclass
@@ -313,7 +321,9 @@ class TrainerConfig:
 class RolloutConfig:
     """``rollout``: how prompts become graded groups (the strategy) and how responses are sampled."""
 
-    strategy: str = knob("iid", "rollout strategy (rollout=<strategy>; rlbench-list lists them, docs/rollout.md)")
+    strategy: str = knob(
+        "iid", "rollout strategy (rollout=<strategy>; rlbench-list lists them, docs/rollout.md)", settings_blocks=True
+    )
     engine: Literal["hf", "vllm"] = knob("hf", "generation engine: hf (any device) | vllm (CUDA)")
     n: int = knob(4, "responses per prompt (group size)", ge=1)
     temperature: float = knob(1.0, "sampling temperature", ge=0)
@@ -327,15 +337,6 @@ class RolloutConfig:
     dynamic_sampling: Optional[DynamicSamplingConfig] = node(
         DynamicSamplingConfig, "settings of rollout=dynamic_sampling (only with it)", only_with=("strategy", "dynamic_sampling")
     )
-
-    @classmethod
-    def extra_blocks(cls) -> dict[str, tuple[str, str]]:
-        """The settings block of every registered strategy without a typed field here (a new strategy
-        is one module and one YAML): ``rollout.<name>``, only with rollout.strategy=<name>; the
-        strategy's own ``validate`` checks its keys."""
-        from rlbench.rollout import STRATEGIES
-
-        return {name: ("strategy", name) for name in STRATEGIES if name not in cls.__dataclass_fields__}
 
 
 @dataclass

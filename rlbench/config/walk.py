@@ -4,6 +4,9 @@ Every key must be a field of its node's schema (else: the nearest valid spelling
 value must have the field's type and lie in its bounds, and every piece node's parameters must be
 parameters of the registered function (its signature, read through the registry). Each message
 names the key, what is allowed, and where the value came from (``rlbench.config.origin``).
+
+The registries themselves (pieces, rollout strategies, prompt samplers) live in the layers above;
+the run layer passes what they hold in as :class:`Registered` (``rlbench.validation.registered``).
 """
 
 from __future__ import annotations
@@ -14,22 +17,30 @@ import inspect
 import math
 import operator
 import typing
-from typing import Any, Iterable, Literal, Union
+from dataclasses import dataclass
+from typing import Any, Collection, Iterable, Literal, Mapping, Union
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rlbench.config.origin import ValueOrigins
-from rlbench.config.pieces import PIECE_KINDS, PIECE_PARAMETER_BOUNDS, piece_parameters
-from rlbench.config.schema import MOVED_KEYS, RunConfig
+from rlbench.config.schema import MOVED_KEYS, PIECE_PARAMETER_BOUNDS, RunConfig
 from rlbench.errors import ConfigError
 
 
 BOUND_TESTS = {"ge": (">=", operator.ge), "gt": (">", operator.gt), "le": ("<=", operator.le)}
 
 
-def check_against_schema(cfg: DictConfig, origins: ValueOrigins | None = None) -> None:
+@dataclass(frozen=True)
+class Registered:
+    """What the registries hold, named by the schema but not imported by it."""
+
+    pieces: Mapping[str, Any]  # piece kind -> its PieceKind (rlbench/algorithm/pieces.py): registry, many, parameters()
+    choices: Mapping[str, Collection[str]]  # path of a ``settings_blocks`` key (rollout.strategy) -> the registered names
+
+
+def check_against_schema(cfg: DictConfig, registered: Registered, origins: ValueOrigins | None = None) -> None:
     """Raise :class:`ConfigError` for the first key or value the schema does not allow."""
-    _Walk(origins if origins is not None else ValueOrigins.from_hydra()).node(cfg, RunConfig, "")
+    _Walk(registered, origins if origins is not None else ValueOrigins.from_hydra()).node(cfg, RunConfig, "")
 
 
 def nearest(key: str, valid: Iterable[str]) -> str | None:
@@ -43,7 +54,8 @@ def _join(path: str, key: Any) -> str:
 
 
 class _Walk:
-    def __init__(self, origins: ValueOrigins):
+    def __init__(self, registered: Registered, origins: ValueOrigins):
+        self.piece_kinds, self.choices = registered.pieces, registered.choices
         self.origins = origins
 
     def fail(self, path: str, message: str) -> None:
@@ -65,7 +77,11 @@ class _Walk:
             self.fail(path, f"{path} must be a mapping of {{{', '.join(f.name for f in dataclasses.fields(schema))}}}, got {value!r}")
         fields = {f.name: f for f in dataclasses.fields(schema)}
         hints = typing.get_type_hints(schema)
-        extra = schema.extra_blocks() if hasattr(schema, "extra_blocks") else {}
+        extra = {  # the settings block of each registered choice of a settings_blocks key, only with that choice
+            name: (key, name)
+            for key, spec in fields.items() if spec.metadata.get("settings_blocks")
+            for name in self.choices[_join(path, key)] if name not in fields
+        }
         for key in value.keys():
             if key not in fields and key not in extra:
                 self.unknown_key(path, str(key), [*fields, *extra], path or "the top level of the config")
@@ -99,7 +115,7 @@ class _Walk:
             for name in value.keys():
                 self.node(value[name], meta["values"], _join(path, name))
         elif "registry" in meta:
-            registry = PIECE_KINDS[meta["registry"]].registry
+            registry = self.piece_kinds[meta["registry"]].registry
             if value not in registry:
                 self.unknown_name(path, value, registry)
         elif not meta.get("open") or not isinstance(value, DictConfig):
@@ -161,13 +177,13 @@ class _Walk:
         if isinstance(value, ListConfig):
             for index, entry in enumerate(value):
                 self.piece(entry, kind, _join(path, index))
-        elif PIECE_KINDS[kind].many:
+        elif self.piece_kinds[kind].many:
             self.fail(path, f"{path} must be a list of {{name, parameters}} entries, got {value!r}")
         else:
             self.piece(value, kind, path)
 
     def piece(self, value: Any, kind: str, path: str) -> None:
-        registry = PIECE_KINDS[kind].registry
+        registry = self.piece_kinds[kind].registry
         if not isinstance(value, DictConfig) or "name" not in value:
             self.fail(path, f"{path} must be {{name: <{registry.kind}>, <parameters>}}; choose a name from {', '.join(registry.names())}")
         name = value["name"]
@@ -176,7 +192,7 @@ class _Walk:
         accepted = registry.accepted_inputs(name)  # the registry's rule: any parameter of the signature
         for key in value.keys():
             if key != "name" and key not in accepted:
-                self.unknown_key(path, str(key), ["name", *piece_parameters(kind, name)], f"{registry.kind} '{name}'")
+                self.unknown_key(path, str(key), ["name", *self.piece_kinds[kind].parameters(name)], f"{registry.kind} '{name}'")
         parameters = inspect.signature(registry.get(name)).parameters
         for key in value.keys():
             if key == "name" or OmegaConf.is_missing(value, key):

@@ -37,6 +37,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from rlbench.config.schema import DatasetConfig
+from rlbench.config.walk import nearest
 from rlbench.dataset.arith import LEVELS as ARITH_LEVELS
 from rlbench.dataset.arith import SPLITS as ARITH_SPLITS
 from rlbench.dataset.arith import generate_arith_levels
@@ -236,8 +238,6 @@ def _validate_static(spec: Mapping[str, Any], split: str | None) -> tuple[str, s
         raise ConfigError(f"dataset {name!r}: set fields: {{problem: <field>, answer: <field>}}")
     unknown = sorted(set(fields) - set(MATH_FIELDS))
     if unknown:
-        from rlbench.config.walk import nearest  # here: rlbench.config imports this module
-
         hints = [f"{key!r} (did you mean {nearest(key, MATH_FIELDS)!r}?)" if nearest(key, MATH_FIELDS) else repr(key) for key in unknown]
         raise ConfigError(f"dataset {name!r}: unknown fields key(s) {', '.join(hints)}; fields maps {list(MATH_FIELDS)}")
     tolerance_field = fields.get("tolerance")
@@ -260,9 +260,6 @@ def _validate_static(spec: Mapping[str, Any], split: str | None) -> tuple[str, s
 def _check_keys(spec: Mapping[str, Any], name: str) -> None:
     """A key the spec schema does not know (``answer_fromat``) is refused, naming the nearest one:
     the same rule as the config walk, for specs passed to the loaders directly."""
-    from rlbench.config.schema import DatasetConfig  # here: rlbench.config imports this module
-    from rlbench.config.walk import nearest
-
     valid = [f.name for f in dataclasses.fields(DatasetConfig)]
     for key in spec:
         if key not in valid:

@@ -33,9 +33,9 @@ published to the generator, and batch s is sampled by the first synced version a
 Rounding g(s) up, not down, keeps every batch within the bound: staleness (s - 1) - g_j(s) <= k.
 Rounding down would leave batches up to k + j - 1 versions old, which the gate drops. g_j(s) must
 also exist when batch s is due, g_j(s) <= s - 1: every run of k + 1 consecutive versions must hold a
-multiple of j, i.e. j <= k + 1 (validation refuses a larger j, rlbench.config.checks.check_staleness).
+multiple of j, i.e. j <= k + 1 (validation refuses a larger j, rlbench.validation.check_staleness).
 
-Refused with k >= 1 (before the model loads, rlbench.config.checks): a piece that needs on-policy data
+Refused with k >= 1 (before the model loads, rlbench.validation): a piece that needs on-policy data
 (registry.Needs.on_policy, e.g. loss ``reinforce``), advantage inputs that sample at the learner
 (ReMax's greedy and PVPO's reference rollouts share the engine), ``trainer.stages`` (a stage would
 change the sampling settings under a batch being trained) and ``eval.every`` (the evaluation shares the

@@ -355,8 +355,6 @@ def latest_checkpoint(run_dir: str | Path, before_step: int | None = None) -> Ch
 def find_latest_run(root: str | Path) -> Path:
     """``resume=auto``: the run folder directly below ``root`` whose newest valid checkpoint was
     written last (by the checkpoint folder's modification time; a swarm's folder by its actor 0's)."""
-    from rlbench.training.swarm import checkpoint_home  # swarm.py reads checkpoints with this module
-
     best: tuple[float, Path] | None = None
     root = Path(root)
     for run_dir in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
@@ -372,3 +370,17 @@ def find_latest_run(root: str | Path) -> Path:
     if best is None:
         raise CheckpointError(f"resume=auto: no run folder below {root} has a valid checkpoint")
     return best[1]
+
+
+def actor_folder(swarm_folder: str | Path, actor: int) -> Path:
+    """The run folder of actor ``actor`` in the swarm's folder."""
+    return Path(swarm_folder) / f"actor{actor}"
+
+
+def checkpoint_home(run_folder: str | Path) -> Path:
+    """The folder holding a run's checkpoints: the run folder, or, for a swarm's folder (whose actors
+    checkpoint their own folders at the same steps), its actor 0's (what ``resume=`` reads the
+    overrides from)."""
+    run_folder = Path(run_folder)
+    swarm = actor_folder(run_folder, 0)
+    return swarm if not checkpoint_dirs(run_folder) and checkpoint_dirs(swarm) else run_folder

@@ -1,19 +1,16 @@
 """Curricula: which prompts a step trains on, and stages that change the run's settings at given steps.
 
-* :class:`PromptStatsStore`: per prompt uid, the responses graded so far (attempts), how many were
-  correct (pass rate), their mean length, the last step that saw the prompt and that step's own
-  attempts and correct ones (the recent pass rate). The training loop
-  feeds it every step's graded groups; prompt samplers read it.
+* The per-prompt statistics (rlbench.training.prompt_stats.PromptStatsStore): the curriculum feeds
+  it every step's graded groups; prompt samplers read it.
 * Prompt samplers (``sampler=<name>``, the node ``trainer.sampler``): ``uniform`` (the default:
-  shuffled passes, rlbench.training.loop.PromptSampler, unchanged), ``weighted`` (draw by pass rate:
+  shuffled passes, :class:`PromptSampler`), ``weighted`` (draw by pass rate:
   a Gaussian around a target pass rate, or easy / medium / hard bucket weights) and ``hard_focus``
   (DRIVE's stage-2 rule: after every phase, keep the hardest share of the pool), ``lspo`` (prompts whose
   mean response length is at the extremes, LSPO). Each has
   ``next(count)``, ``state_dict()`` and ``load_state_dict()``; a new one is a class registered with
   :func:`register_prompt_sampler` and a YAML in conf/sampler/.
-* Stages (``trainer.stages``): ``[{at: 10, rollout.n: 16, rollout.max_new_tokens: 32}, ...]``: from
-  step ``at`` on, the listed settings change (DRIVE's and CAMPO's schedules of group size and length).
-  Steps must be strictly increasing (an unordered or repeated step is refused before the model loads).
+* Stages (``trainer.stages``, parsed by rlbench.training.stages): from step ``at`` on, the listed
+  settings change; :meth:`Curriculum.prompts` enters a stage at its step (:func:`apply_stage`).
 """
 
 from __future__ import annotations
@@ -29,72 +26,11 @@ from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.groups import GradedGroups
 from rlbench.training.distributed import SINGLE, World
+from rlbench.training.prompt_stats import PromptStatsStore
+from rlbench.training.stages import Stage, parse_stages
+from rlbench.training.step import StepContext
 from rlbench.training.swarm import own_groups
-from rlbench.utils import STREAM_CURRICULUM
-
-
-# ------------------------------------------------------------------------------------ statistics
-
-
-@dataclass
-class PromptStats:
-    attempts: int = 0
-    correct: int = 0
-    length_sum: int = 0
-    last_seen: int = 0
-    recent_attempts: int = 0  # the responses of the last step that saw the prompt
-    recent_correct: int = 0
-
-    @property
-    def pass_rate(self) -> float:
-        return self.correct / self.attempts if self.attempts else math.nan
-
-    @property
-    def recent_pass_rate(self) -> float:
-        """The pass rate of the last step that saw the prompt (NaN before any)."""
-        return self.recent_correct / self.recent_attempts if self.recent_attempts else math.nan
-
-    @property
-    def mean_length(self) -> float:
-        return self.length_sum / self.attempts if self.attempts else math.nan
-
-
-class PromptStatsStore:
-    """Per-prompt statistics of every response graded in training (module docstring)."""
-
-    def __init__(self) -> None:
-        self.stats: dict[str, PromptStats] = {}
-
-    def observe(self, step: int, graded: GradedGroups, world: World = SINGLE) -> None:
-        """Count the step's groups. With several ranks (trainer.strategy=ddp|fsdp) every rank's
-        groups are gathered first, in rank order, so every rank counts the whole step as one process
-        does, and the ranks' samplers (a shared seed) keep drawing the same prompts."""
-        correct = graded.correct.tolist()
-        counts = []  # per group: uid, attempts, correct, length_sum
-        row = 0
-        for problem, group in zip(graded.problems, graded.groups):
-            right = sum(int(correct[row + k] > 0) for k in range(len(group)))
-            counts.append((problem.uid, len(group), right, sum(len(c.response_ids) for c in group)))
-            row += len(group)
-        for uid, attempts, right, length_sum in world.gather(counts):
-            entry = self.stats.setdefault(uid, PromptStats())
-            if entry.last_seen != step:  # a prompt drawn twice in one step: its groups add up
-                entry.recent_attempts = entry.recent_correct = 0
-            entry.recent_attempts += attempts
-            entry.recent_correct += right
-            entry.attempts += attempts
-            entry.correct += right
-            entry.length_sum += length_sum
-            entry.last_seen = step
-
-    def get(self, uid: str) -> PromptStats:
-        return self.stats.get(uid, PromptStats())
-
-    def state_dict(self) -> dict[str, Any]:
-        return {uid: dataclasses.asdict(entry) for uid, entry in self.stats.items()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.stats = {uid: PromptStats(**entry) for uid, entry in state.items()}
+from rlbench.utils import STREAM_CURRICULUM, STREAM_DATA_ORDER
 
 
 # -------------------------------------------------------------------------------------- samplers
@@ -135,15 +71,40 @@ def make_prompt_sampler(sampler_cfg: Any, problems: list[Problem], seed: int, st
     return cls.build(problems, seed, stats, options)
 
 
+def shuffled_passes(problems: list[Problem], order: list[int], rng: np.random.Generator, count: int) -> list[Problem]:
+    """``count`` problems from shuffled passes: ``order`` is what is left of the current pass (consumed
+    in place from its end), refilled with a new permutation when it runs out."""
+    batch = []
+    while len(batch) < count:
+        if not order:
+            order.extend(rng.permutation(len(problems)).tolist())
+        batch.append(problems[order.pop()])
+    return batch
+
+
 @register_prompt_sampler("uniform")
-class UniformPrompts:
-    """The default: shuffled passes over the problems (rlbench.training.loop.PromptSampler itself)."""
+class PromptSampler:
+    """The default: shuffled passes over the training problems; the order is a function of the seed alone."""
 
-    @staticmethod
-    def build(problems: list[Problem], seed: int, stats: PromptStatsStore, options: Any):
-        from rlbench.training.loop import PromptSampler
+    def __init__(self, problems: list[Problem], seed: int):
+        self.problems = problems
+        self.rng = np.random.default_rng([seed, STREAM_DATA_ORDER])
+        self.order: list[int] = []
 
-        return PromptSampler(problems, seed)
+    @classmethod
+    def build(cls, problems: list[Problem], seed: int, stats: PromptStatsStore, options: None) -> "PromptSampler":
+        return cls(problems, seed)
+
+    def next(self, count: int) -> list[Problem]:
+        return shuffled_passes(self.problems, self.order, self.rng, count)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position in the order: the generator's state and what is left of the current pass."""
+        return {"rng": self.rng.bit_generator.state, "order": list(self.order)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rng.bit_generator.state = state["rng"]
+        self.order = [int(i) for i in state["order"]]
 
 
 @dataclass(frozen=True)
@@ -309,12 +270,7 @@ class HardFocusPrompts:
         return cls(problems, seed, stats, options)
 
     def next(self, count: int) -> list[Problem]:
-        batch = []
-        while len(batch) < count:
-            if not self.order:
-                self.order = self.rng.permutation(len(self.pool)).tolist()
-            batch.append(self.pool[self.order.pop()])
-        return batch
+        return shuffled_passes(self.pool, self.order, self.rng, count)
 
     def end_step(self, step: int) -> None:
         """Called by the loop after each step: cut the pool at the end of a phase."""
@@ -348,7 +304,7 @@ class Curriculum:
         self.stages = {stage.at: stage for stage in parse_stages(cfg.trainer.get("stages"), cfg.trainer.steps)}
         self.prompts_per_step = int(cfg.trainer.prompts_per_step)
 
-    def prompts(self, step: int, ctx: Any) -> list[Problem]:
+    def prompts(self, step: int, ctx: StepContext) -> list[Problem]:
         """Step ``step``'s prompts, after entering the stage that starts at it (if any)."""
         if step in self.stages:
             apply_stage(ctx, self.stages[step])
@@ -373,7 +329,7 @@ class Curriculum:
         return {"sampler": self.sampler.state_dict(), "stats": self.stats.state_dict(),
                 "prompts_per_step": self.prompts_per_step}
 
-    def load_state_dict(self, state: dict[str, Any], ctx: Any, step: int) -> None:
+    def load_state_dict(self, state: dict[str, Any], ctx: StepContext, step: int) -> None:
         """Continue after ``step`` steps: the saved state, and every stage entered by then put back
         into the step context (in order, as the run entered them)."""
         self.sampler.load_state_dict(state["sampler"])
@@ -386,52 +342,8 @@ class Curriculum:
 
 # ---------------------------------------------------------------------------------------- stages
 
-STAGE_KEYS = ("rollout.n", "rollout.max_new_tokens", "rollout.temperature", "trainer.prompts_per_step")
 
-
-@dataclass(frozen=True)
-class Stage:
-    at: int
-    changes: dict[str, Any]
-
-
-def parse_stages(stages_cfg: Any, steps: int) -> list[Stage]:
-    """``trainer.stages`` as Stages, refused unless each has ``at`` (2 <= at <= trainer.steps) and
-    only keys of STAGE_KEYS, and the steps strictly increase (no two stages at one step)."""
-    stages = []
-    for i, raw in enumerate(list(stages_cfg or [])):
-        entry = _flatten(dict(raw))
-        if "at" not in entry:
-            raise ConfigError(f"trainer.stages[{i}] has no 'at' (the step it starts at): {entry}")
-        at = entry.pop("at")
-        if isinstance(at, bool) or not isinstance(at, int) or not 2 <= at <= max(steps, 2):
-            raise ConfigError(f"trainer.stages[{i}].at={at!r} must be a step in 2..trainer.steps={steps}")
-        unknown = set(entry) - set(STAGE_KEYS)
-        if unknown or not entry:
-            raise ConfigError(f"trainer.stages[{i}] may change {list(STAGE_KEYS)}; got {sorted(entry) or 'nothing'}")
-        for key, value in entry.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"trainer.stages[{i}].{key}={value!r} must be a positive number")
-        if stages and at <= stages[-1].at:
-            what = "overlaps" if at == stages[-1].at else "comes before"
-            raise ConfigError(f"trainer.stages[{i}].at={at} {what} the previous stage's at={stages[-1].at}: "
-                              "stages must start at strictly increasing steps")
-        stages.append(Stage(at, entry))
-    return stages
-
-
-def _flatten(entry: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{rollout: {n: 16}} and {"rollout.n": 16} alike -> {"rollout.n": 16}."""
-    flat: dict[str, Any] = {}
-    for key, value in entry.items():
-        if hasattr(value, "items"):
-            flat.update(_flatten(dict(value), f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def apply_stage(ctx: Any, stage: Stage) -> None:
+def apply_stage(ctx: StepContext, stage: Stage) -> None:
     """Put a stage's rollout settings into the step context and its rollout strategy (every strategy
     keeps its RolloutSetup as ``.setup``); trainer.prompts_per_step is read by the loop."""
     changes = stage.changes
@@ -442,21 +354,3 @@ def apply_stage(ctx: Any, stage: Stage) -> None:
     )
     setup = ctx.strategy.setup
     ctx.strategy.setup = dataclasses.replace(setup, n=int(changes.get("rollout.n", setup.n)), params=ctx.params)
-
-
-def stage_settings(cfg: Any, stages: list[Stage]) -> list[dict[str, Any]]:
-    """The value of every stage key in force at each stage (the run's config, then each stage's
-    changes on top of the previous ones): what validation checks (batch arithmetic) for every stage."""
-    current = {key: _select(cfg, key) for key in STAGE_KEYS}
-    out = []
-    for stage in stages:
-        current = {**current, **stage.changes}
-        out.append(dict(current))
-    return out
-
-
-def _select(cfg: Any, dotted: str) -> Any:
-    node = cfg
-    for part in dotted.split("."):
-        node = node[part]
-    return node

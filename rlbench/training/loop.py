@@ -7,8 +7,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-import numpy as np
-
 from rlbench import faults
 from rlbench.dataset.base import Problem
 from rlbench.training import checkpoint
@@ -16,34 +14,9 @@ from rlbench.training.async_pipeline import AsyncPipeline
 from rlbench.training.curricula import Curriculum
 from rlbench.training.interrupt import StopSignals
 from rlbench.training.step import StepContext, train_step
-from rlbench.utils import STREAM_DATA_ORDER, Progress
+from rlbench.utils import Progress
 
 log = logging.getLogger(__name__)
-
-
-class PromptSampler:
-    """Shuffled passes over the training problems; the order is a function of the seed alone."""
-
-    def __init__(self, problems: list[Problem], seed: int):
-        self.problems = problems
-        self.rng = np.random.default_rng([seed, STREAM_DATA_ORDER])
-        self.order: list[int] = []
-
-    def next(self, count: int) -> list[Problem]:
-        batch = []
-        while len(batch) < count:
-            if not self.order:
-                self.order = self.rng.permutation(len(self.problems)).tolist()
-            batch.append(self.problems[self.order.pop()])
-        return batch
-
-    def state_dict(self) -> dict[str, Any]:
-        """The position in the order: the generator's state and what is left of the current pass."""
-        return {"rng": self.rng.bit_generator.state, "order": list(self.order)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.rng.bit_generator.state = state["rng"]
-        self.order = [int(i) for i in state["order"]]
 
 
 class UntrainedSteps:

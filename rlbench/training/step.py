@@ -34,7 +34,7 @@ from rlbench.rollout import GradedGroups, GroupSampler, RolloutSetup, RolloutStr
 from rlbench.rollout.engines.base import RolloutEngine, SamplingParams
 from rlbench.training.advantage_inputs import AdvantageInputSources
 from rlbench.training.batch import TrainBatch, collate, kept_responses, mask_truncated, trainable_tokens
-from rlbench.training.curricula import PromptStatsStore
+from rlbench.training.prompt_stats import PromptStatsStore
 from rlbench.training.forward import batch_outputs, training_logits_transform
 from rlbench.training.update_schedules import UpdateState, apply_update_schedule, make_update_state
 from rlbench.training.distributed import SINGLE, World, rank_stream_seed, unwrap, wrap_model

@@ -48,13 +48,16 @@ from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
+import torch
 
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
-from rlbench.training.checkpoint import CheckpointError, checkpoint_dirs, read_checkpoint
+from rlbench.training.checkpoint import CheckpointError, actor_folder, checkpoint_dirs, read_checkpoint
 from rlbench.rollout.engines.base import Completion
 from rlbench.rollout.groups import GradedGroups, GroupSampler
+from rlbench.rollout.strategy import RolloutStrategy
 from rlbench.training.distributed import launched_world_size, rank_stream_seed
+from rlbench.training.stages import parse_stages, stage_settings
 from rlbench.utils import STREAM_SWARM
 
 SWARM_BEHAVIOUR = "swarm"  # behaviour label prefix of a shared response: "swarm:actor<a>"
@@ -83,8 +86,6 @@ def check_swarm(cfg: Any, algorithm: Any, actors: int | None = None) -> None:
     if J and N == 1:
         raise ConfigError(f"trainer.swarm.external={J} takes groups from other actors, but the swarm has one actor; "
                           "start several with torchrun --nproc_per_node N, or set trainer.swarm.external=0")
-    from rlbench.training.curricula import parse_stages, stage_settings  # curricula reads own_groups (below)
-
     stages = parse_stages(cfg.trainer.get("stages"), cfg.trainer.steps)
     for stage, settings in [(None, {"trainer.prompts_per_step": cfg.trainer.prompts_per_step}),
                             *zip(stages, stage_settings(cfg, stages))]:
@@ -119,20 +120,6 @@ def actor_config(cfg: Any, actor: int) -> Any:
         if cfg.get("resume"):  # resume=<the swarm's folder>: each actor continues its own folder
             own.resume = str(actor_folder(cfg.resume, actor))
     return own
-
-
-def actor_folder(swarm_folder: str | Path, actor: int) -> Path:
-    """The run folder of actor ``actor`` in the swarm's folder."""
-    return Path(swarm_folder) / f"actor{actor}"
-
-
-def checkpoint_home(run_folder: str | Path) -> Path:
-    """The folder holding a run's checkpoints: the run folder, or, for a swarm's folder (whose actors
-    checkpoint their own folders at the same steps), its actor 0's (what ``resume=`` reads the
-    overrides from)."""
-    run_folder = Path(run_folder)
-    swarm = actor_folder(run_folder, 0)
-    return swarm if not checkpoint_dirs(run_folder) and checkpoint_dirs(swarm) else run_folder
 
 
 # ------------------------------------------------------------------------------ checkpoints and resume
@@ -289,10 +276,10 @@ def external_completion(shared: dict[str, Any], response: dict[str, Any], prompt
 
 
 @dataclass
-class SwarmRollout:
+class SwarmRollout(RolloutStrategy):
     """The step's rollout of one actor: its strategy's groups for the first I prompts, published, plus
     J groups drawn from the other actors' (``J = 0``: the strategy's groups alone, nothing exchanged,
-    so the actor is a single-process run)."""
+    so the actor is a single-process run). Every other hook is the inner strategy's."""
 
     inner: Any  # the run's rollout strategy (iid)
     pool: SwarmPool | None  # None when J = 0
@@ -344,13 +331,21 @@ class SwarmRollout:
         return self.sampler.grade(problems, groups, self.setup.params.max_new_tokens), mismatch
 
     def state_dict(self) -> dict[str, Any]:
-        inner = getattr(self.inner, "state_dict", None)
-        return {"step": self.step, "inner": inner() if inner is not None else None}
+        return {"step": self.step, "inner": self.inner.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         if state["inner"] is not None:
             self.inner.load_state_dict(state["inner"])
+
+    def training_logits_transform(self) -> Callable[[torch.Tensor, Any], torch.Tensor] | None:
+        return self.inner.training_logits_transform()
+
+    def stop_replay(self) -> None:
+        self.inner.stop_replay()
+
+    def in_context(self, problem: Problem) -> Problem:
+        return self.inner.in_context(problem)
 
 
 def swarm_rollout(ctx: Any, cfg: Any, pool: SwarmPool | None) -> SwarmRollout:

@@ -45,7 +45,7 @@ from rlbench.rollout.engines.base import (
 )
 from rlbench.model.lora import engine_weights
 from rlbench.rollout.engines.hf import HFGenerateEngine
-from rlbench.rollout.engines import vllm_logits
+import rlbench.rollout.engines.vllm_logits as vllm_logits
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,8 @@
 
 A piece YAML (conf/algorithm/<kind>/<option>.yaml) is ``name`` plus parameters; the parameters a
 piece accepts are its function's parameters minus the inputs the trainer passes, so a new piece
-needs no schema edit.
+needs no schema edit. The config walk (rlbench/config/walk.py) gets these kinds passed in by the
+run layer (rlbench/validation.py); the schema imports no registry.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
-from rlbench.algorithm import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, Registry  # registers every piece
+import rlbench.algorithm.composition  # noqa: F401  (imports every piece module, which registers the pieces)
+from rlbench.algorithm.registry import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, Registry
 from rlbench.algorithm.shaping import REWARD_SHAPING
 
 
@@ -22,6 +24,11 @@ class PieceKind:
     selected_by: str  # the conf group (algorithm/loss) or the key (algorithm.kl.estimator)
     many: bool = False  # a list of pieces (reward shaping)
 
+    def parameters(self, name: str) -> dict[str, inspect.Parameter]:
+        """The config parameters of piece ``name``: its signature minus the trainer's inputs."""
+        signature = inspect.signature(self.registry.get(name))
+        return {key: p for key, p in signature.parameters.items() if key not in self.registry.inputs}
+
 
 PIECE_KINDS = {
     "advantage": PieceKind(ADVANTAGES, "algorithm/advantage"),
@@ -30,19 +37,3 @@ PIECE_KINDS = {
     "kl_estimator": PieceKind(KL_ESTIMATORS, "algorithm.kl.estimator"),
     "reward_shaping": PieceKind(REWARD_SHAPING, "algorithm.reward_shaping", many=True),
 }
-
-# Bounds of parameters that mean the same in every piece that takes them (a clip range is a width).
-PIECE_PARAMETER_BOUNDS = {
-    "clip_low": {"ge": 0},
-    "clip_high": {"ge": 0},
-    "epsilon": {"ge": 0},
-    "gamma": {"ge": 0, "le": 1},
-    "lam": {"ge": 0, "le": 1},
-}
-
-
-def piece_parameters(kind: str, name: str) -> dict[str, inspect.Parameter]:
-    """The config parameters of piece ``name``: its signature minus the trainer's inputs."""
-    registry = PIECE_KINDS[kind].registry
-    signature = inspect.signature(registry.get(name))
-    return {key: p for key, p in signature.parameters.items() if key not in registry.inputs}

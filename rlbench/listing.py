@@ -1,4 +1,4 @@
-"""``rlbench-list`` (also ``python -m rlbench.config.list``): what each config group offers.
+"""``rlbench-list`` (also ``python -m rlbench.listing``): what each config group offers.
 
     rlbench-list                 every conf group with its options, every registered piece with the
                                  first line of its docstring, the update schedules and rollout strategies
@@ -15,8 +15,8 @@ import typing
 from pathlib import Path
 from typing import Iterator
 
+from rlbench.algorithm.pieces import PIECE_KINDS
 from rlbench.config.origin import CONF_DIR
-from rlbench.config.pieces import PIECE_KINDS, piece_parameters
 from rlbench.config.schema import RunConfig, UpdateConfig
 from rlbench.rollout import STRATEGIES
 
@@ -48,7 +48,7 @@ def piece_lines() -> Iterator[str]:
         for name in piece.registry.names():
             parameters = ", ".join(
                 f"{key}={p.default}" if p.default is not inspect.Parameter.empty else key
-                for key, p in piece_parameters(kind, name).items()
+                for key, p in piece.parameters(name).items()
             )
             doc = summary(inspect.getdoc(piece.registry.get(name)))
             yield f"  {name}({parameters}): {doc}"

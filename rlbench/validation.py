@@ -1,7 +1,8 @@
-"""Validation of a composed run configuration, before any model or data is loaded.
+"""Validation of a composed run configuration, before any model or data is loaded (the run layer).
 
-First every key and value is checked against the typed schemas (rlbench/config/walk.py), then the
-cross-field checks below run. Every check raises :class:`ConfigError` (or :class:`DataError` for
+First every key and value is checked against the typed schemas (rlbench/config/walk.py, given what
+the registries hold: :func:`registered`), then the cross-field checks below run; they need the
+algorithm, rollout and training code, which is why they live here and not beside the schema. Every check raises :class:`ConfigError` (or :class:`DataError` for
 files) with a message that names the key(s) and says what to change.
 """
 
@@ -12,22 +13,32 @@ from typing import Any
 
 import torch
 
-from rlbench.training.advantage_inputs import validate_step_options
-from rlbench.training.reference_soup import validate_reference_soup
-from rlbench.training.curricula import parse_stages, sampler_options, stage_settings
-from rlbench.training.distributed import check_strategy, launched_world_size
-from rlbench.training.swarm import check_swarm
 from rlbench.algorithm import Algorithm
+from rlbench.algorithm.pieces import PIECE_KINDS
 from rlbench.algorithm.registry import ADVANTAGES, POLICY_LOSSES
 from rlbench.algorithm.shaping import REWARD_SHAPING
-from rlbench.rollout.guided.difficulty_adaptive import DifficultyOptions
 from rlbench.config.fit import check_fits_here
 from rlbench.config.origin import ValueOrigins, with_origins
-from rlbench.config.walk import check_against_schema
+from rlbench.config.walk import Registered, check_against_schema
 from rlbench.dataset import validate_spec
 from rlbench.errors import ConfigError
 from rlbench.guidance import GuidanceOptions
 from rlbench.model import validate_model_config
+from rlbench.rollout import STRATEGIES
+from rlbench.rollout.guided.difficulty_adaptive import DifficultyOptions
+from rlbench.training.advantage_inputs import validate_step_options
+from rlbench.training.curricula import PROMPT_SAMPLERS, sampler_options
+from rlbench.training.distributed import check_strategy, launched_world_size
+from rlbench.training.reference_soup import validate_reference_soup
+from rlbench.training.stages import parse_stages, stage_settings
+from rlbench.training.swarm import check_swarm
+
+
+def registered() -> Registered:
+    """What the registries hold, for the schema walk: the algorithm pieces, the rollout strategies
+    (``rollout.<strategy>`` blocks) and the prompt samplers (``trainer.sampler.<name>`` blocks)."""
+    return Registered(pieces=PIECE_KINDS,
+                      choices={"rollout.strategy": list(STRATEGIES), "trainer.sampler.name": list(PROMPT_SAMPLERS)})
 
 log = logging.getLogger(__name__)
 
@@ -274,7 +285,7 @@ def validate_config(cfg: Any) -> Algorithm:
 def check_run(cfg: Any, origins: ValueOrigins) -> Algorithm:
     """The schema walk checks every key, type, choice and bound (rlbench/config/schema.py); the
     checks here relate several keys, or need the registry, the files or the device."""
-    check_against_schema(cfg, origins)
+    check_against_schema(cfg, registered(), origins)
     device = resolve_device(str(cfg.device))
     algorithm = Algorithm.from_config(cfg.algorithm)
 

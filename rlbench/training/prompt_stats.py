@@ -1,0 +1,77 @@
+"""Per-prompt statistics of every response graded in training: per prompt uid, the responses graded so
+far (attempts), how many were correct (pass rate), their mean length, the last step that saw the prompt
+and that step's own attempts and correct ones (the recent pass rate). The curriculum
+(rlbench.training.curricula) feeds the store every step's graded groups; prompt samplers and rollout
+strategies (difficulty_adaptive) read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from rlbench.rollout.groups import GradedGroups
+from rlbench.training.distributed import SINGLE, World
+
+
+@dataclass
+class PromptStats:
+    attempts: int = 0
+    correct: int = 0
+    length_sum: int = 0
+    last_seen: int = 0
+    recent_attempts: int = 0  # the responses of the last step that saw the prompt
+    recent_correct: int = 0
+
+    @property
+    def pass_rate(self) -> float:
+        return self.correct / self.attempts if self.attempts else math.nan
+
+    @property
+    def recent_pass_rate(self) -> float:
+        """The pass rate of the last step that saw the prompt (NaN before any)."""
+        return self.recent_correct / self.recent_attempts if self.recent_attempts else math.nan
+
+    @property
+    def mean_length(self) -> float:
+        return self.length_sum / self.attempts if self.attempts else math.nan
+
+
+class PromptStatsStore:
+    """Per-prompt statistics of every response graded in training (module docstring)."""
+
+    def __init__(self) -> None:
+        self.stats: dict[str, PromptStats] = {}
+
+    def observe(self, step: int, graded: GradedGroups, world: World = SINGLE) -> None:
+        """Count the step's groups. With several ranks (trainer.strategy=ddp|fsdp) every rank's
+        groups are gathered first, in rank order, so every rank counts the whole step as one process
+        does, and the ranks' samplers (a shared seed) keep drawing the same prompts."""
+        correct = graded.correct.tolist()
+        counts = []  # per group: uid, attempts, correct, length_sum
+        row = 0
+        for problem, group in zip(graded.problems, graded.groups):
+            right = sum(int(correct[row + k] > 0) for k in range(len(group)))
+            counts.append((problem.uid, len(group), right, sum(len(c.response_ids) for c in group)))
+            row += len(group)
+        for uid, attempts, right, length_sum in world.gather(counts):
+            entry = self.stats.setdefault(uid, PromptStats())
+            if entry.last_seen != step:  # a prompt drawn twice in one step: its groups add up
+                entry.recent_attempts = entry.recent_correct = 0
+            entry.recent_attempts += attempts
+            entry.recent_correct += right
+            entry.attempts += attempts
+            entry.correct += right
+            entry.length_sum += length_sum
+            entry.last_seen = step
+
+    def get(self, uid: str) -> PromptStats:
+        return self.stats.get(uid, PromptStats())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {uid: dataclasses.asdict(entry) for uid, entry in self.stats.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stats = {uid: PromptStats(**entry) for uid, entry in state.items()}
