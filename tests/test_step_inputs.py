@@ -21,7 +21,7 @@ from rlbench.algorithm.advantages import grpo_advantage
 from rlbench.algorithm.registry import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from rlbench.algorithm.shaping import REWARD_SHAPING
 from rlbench.algorithm.step_inputs import PRODUCERS, STEP_INPUTS, StepInput
-from rlbench.config import validate_config
+from rlbench.validation import validate_config
 from rlbench.errors import ConfigError
 from rlbench.rollout.strategies.iid import IIDSampling
 from rlbench.rollout.strategy import STRATEGIES, register_strategy
