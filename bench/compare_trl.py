@@ -166,6 +166,7 @@ class OursSide:
 
     def __init__(self, cfg: DictConfig, problems: list, warmup: int):
         from rlbench.algorithm import Algorithm
+        from rlbench.config.typed import typed_config
         from rlbench.prompting import encode_prompts
         from rlbench.rollout import make_engine
         from rlbench.training.step import make_step_context
@@ -177,7 +178,7 @@ class OursSide:
         self.warmup = warmup
         self.model, self.tokenizer = load_model(cfg)
         algorithm = Algorithm.from_config(cfg.algorithm)
-        self.engine = make_engine(cfg.rollout, self.model, self.tokenizer, device)
+        self.engine = make_engine(typed_config(cfg).rollout, self.model, self.tokenizer, device)
         if hasattr(self.engine, "progress"):
             self.engine.progress = False  # no progress lines inside the timed region
         self.ctx = make_step_context(cfg, algorithm, self.model, self.tokenizer, self.engine, device)

@@ -50,6 +50,7 @@ def main() -> int:
     args = parser.parse_args()
     from transformers import GenerationConfig
 
+    from rlbench.config.typed import typed_config
     from rlbench.dataset import load_problems
     from rlbench.prompting import encode_prompts
     from rlbench.rollout import GenerationRequest, SamplingParams, make_engine
@@ -60,7 +61,7 @@ def main() -> int:
     model, tokenizer = ct.load_model(cfg)
     model.eval()
     prompts = [list(p) for p in encode_prompts(tokenizer, problems, cfg.dataset.prompt)]
-    engine = make_engine(cfg.rollout, model, tokenizer, torch.device("cpu"))
+    engine = make_engine(typed_config(cfg).rollout, model, tokenizer, torch.device("cpu"))
     engine.progress = False
     eos = set(engine.eos_ids)
     params = SamplingParams(temperature=ct.TEMPERATURE, top_p=ct.TOP_P, max_new_tokens=ct.MAX_NEW_TOKENS)

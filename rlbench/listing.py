@@ -17,7 +17,7 @@ from typing import Iterator
 
 from rlbench.algorithm.pieces import PIECE_KINDS
 from rlbench.config.origin import CONF_DIR
-from rlbench.config.schema import RunConfig, UpdateConfig
+from rlbench.config.schema import RunConfig, UpdateConfig, config_fields
 from rlbench.rollout import STRATEGIES
 
 
@@ -61,7 +61,7 @@ def piece_lines() -> Iterator[str]:
 
 def schema_lines(schema: type = RunConfig, prefix: str = "") -> Iterator[str]:
     """Every key of ``schema`` (recursively) with its default and help string."""
-    for spec in dataclasses.fields(schema):
+    for spec in config_fields(schema):
         path = f"{prefix}.{spec.name}" if prefix else spec.name
         meta = spec.metadata
         if "node" in meta:
@@ -76,7 +76,7 @@ def node_schema(path: str) -> tuple[type, str]:
     """The schema class of a dotted node path ('' is the whole config)."""
     schema, walked = RunConfig, []
     for part in [p for p in path.split(".") if p]:
-        fields = {f.name: f for f in dataclasses.fields(schema)}
+        fields = {f.name: f for f in config_fields(schema)}
         if part not in fields or "node" not in fields[part].metadata:
             raise SystemExit(f"rlbench-list: '{'.'.join([*walked, part])}' is not a config node")
         schema = fields[part].metadata["node"]

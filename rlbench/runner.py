@@ -1,11 +1,12 @@
-"""One run:
+"""One run, in named stages:
 
-    validate the config (before anything expensive)
-    evaluate pi_theta before training
-    for step in 1..S:                       rlbench.training.loop.TrainingRun (checkpoints, resume)
-        prompts <- next batch of training problems (seeded order)
-        one training step                   rlbench.training.step.train_step
-    evaluate pi_theta after; write result files and log to wandb.
+    validate   the config, before anything expensive (rlbench.validation), then typed once (RunConfig)
+    prepare    actor folder, resume point, seeds, processes, data, logger          (prepare)
+    load       the policy, the engine, guidance traces                            (load_policy_and_engine)
+    evaluate   pi_theta before training                                           (Run.evaluate)
+    train      for step in 1..S: prompts -> rollout -> update                     (train: TrainingRun)
+    evaluate   pi_theta after
+    summarise  summary.json, result tables, wandb                                 (summarise)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import platform
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,9 @@ from omegaconf import DictConfig, OmegaConf
 
 import rlbench
 from rlbench import faults
-from rlbench.validation import notice_inactive_terms, resolve_device, validate_config
+from rlbench.algorithm import Algorithm
+from rlbench.config.schema import RunConfig
+from rlbench.config.typed import typed_config
 from rlbench.dataset import load_problems
 from rlbench.guidance import GuidanceOptions, load_guidance
 from rlbench.eval.evaluate import Benchmark, EvalResult, evaluate, usable_problems
@@ -53,6 +57,7 @@ from rlbench.training.swarm import (
     swarm_rollout, valid_checkpoint_steps,
 )
 from rlbench.utils import STREAM_EVAL, atomic_write_text, make_generator, seed_everything
+from rlbench.validation import notice_inactive_terms, resolve_device, validate_config
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +80,7 @@ def load_run_guidance(cfg: DictConfig, train_problems: list, tokenizer: Any) -> 
     if options.source == "none":
         return None
     grader = make_grader(cfg.reward, cfg.dataset, cfg.get("sandbox"))
-    return load_guidance(options, train_problems, tokenizer, grader, int(cfg.rollout.max_new_tokens), cfg.dataset, cfg.seed)
+    return load_guidance(options, train_problems, tokenizer, grader, cfg.rollout.max_new_tokens, cfg.dataset, cfg.seed)
 
 
 def git_commit() -> str:
@@ -152,14 +157,14 @@ def print_table(result: EvalResult, baseline: EvalResult | None) -> None:
     print()
 
 
-def resume_point(cfg: DictConfig, resolved: dict[str, Any], pool: SwarmPool | None = None) -> checkpoint.Checkpoint | None:
+def resume_point(config: RunConfig, resolved: dict[str, Any], pool: SwarmPool | None = None) -> checkpoint.Checkpoint | None:
     """``resume=<run folder>``: its latest valid checkpoint, after checking that this run writes into
     that folder and has the configuration the checkpoint was saved with (``resume_allow`` lists the
     keys that may differ). None for a new run. Runs before anything is loaded. A swarm's actor
     (``pool``: the actors sharing groups) resumes from the newest step every actor has a checkpoint of."""
-    if not cfg.get("resume"):
+    if not config.resume:
         return None
-    folder = Path(cfg.resume)
+    folder = Path(config.resume)
     if pool is not None:  # every actor continues from the same step (the shared groups are then the same)
         own = valid_checkpoint_steps(folder)
         step = agreed_resume_step(pool.gather([own]))
@@ -168,17 +173,18 @@ def resume_point(cfg: DictConfig, resolved: dict[str, Any], pool: SwarmPool | No
             log.warning("resume: the swarm's newest common checkpoint is at step %d: resuming %s", step, saved.path)
     else:
         saved = checkpoint.latest_checkpoint(folder)
-    if cfg.trainer.strategy == "swarm":
-        check_resume_swarm(saved.manifest, saved.path, launched_world_size(), external_groups(cfg))
+    trainer = config.trainer
+    if trainer.strategy == "swarm":
+        check_resume_swarm(saved.manifest, saved.path, launched_world_size(), external_groups(trainer))
     else:
-        checkpoint.check_resume_world(saved, cfg.trainer.strategy, launched_world_size())
-    if folder.resolve() != Path(cfg.output_dir).resolve():
-        raise ConfigError(f"resume={cfg.resume} continues that run in its own folder, but output_dir is {cfg.output_dir}")
-    checkpoint.check_resume_config(saved.manifest["config"], resolved, cfg.get("resume_allow") or [], saved.path)
-    if cfg.mode != "train" or cfg.trainer.steps < saved.step:
+        checkpoint.check_resume_world(saved, trainer.strategy, launched_world_size())
+    if folder.resolve() != Path(config.output_dir).resolve():
+        raise ConfigError(f"resume={config.resume} continues that run in its own folder, but output_dir is {config.output_dir}")
+    checkpoint.check_resume_config(saved.manifest["config"], resolved, config.resume_allow, saved.path)
+    if config.mode != "train" or trainer.steps < saved.step:
         raise ConfigError(
             f"resume: checkpoint {saved.path} is at step {saved.step}; the resumed run must train "
-            f"(mode=train) for trainer.steps >= {saved.step} (got mode={cfg.mode}, trainer.steps={cfg.trainer.steps})"
+            f"(mode=train) for trainer.steps >= {saved.step} (got mode={config.mode}, trainer.steps={trainer.steps})"
         )
     return saved
 
@@ -195,154 +201,245 @@ def load_eval_result(path: Path) -> EvalResult | None:
     return EvalResult(**json.loads(path.read_text())) if path.is_file() else None
 
 
+@dataclass
+class Policy:
+    """The loaded policy and what samples from it."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    engine: Any
+    guidance: Any  # the run's checked guidance traces, or None
+
+
+@dataclass
+class Run:
+    """What the stages of one run share: built by :func:`prepare` before anything expensive loads."""
+
+    cfg: DictConfig  # the composed config, for the readers that take its nodes (loaders, graders, the step context)
+    config: RunConfig  # the same, typed: what the runner reads
+    algorithm: Algorithm
+    started: float
+    resolved: dict[str, Any]
+    resumed: checkpoint.Checkpoint | None
+    pool: SwarmPool | None  # a swarm's actors sharing groups (J > 0): they agree on stops and the resume step
+    world: World
+    device: torch.device
+    train_problems: list
+    benchmarks: list[Benchmark]
+    logger: Any
+    baseline: EvalResult | None = None
+    training_run: TrainingRun | None = None
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.config.output_dir)
+
+    @property
+    def training(self) -> bool:
+        return self.config.mode == "train" and self.config.trainer.steps > 0
+
+    @property
+    def swarm(self) -> bool:
+        return self.config.trainer.strategy == "swarm"
+
+    @property
+    def peers(self) -> Any:
+        """Who stops after the same step and writes the checkpoint together."""
+        return self.pool or self.world
+
+    def evaluate(self, policy: Policy, phase: str, step: int) -> EvalResult:
+        ev = self.config.eval
+        log.info("evaluating (%s) on %s", phase, ", ".join(b.name for b in self.benchmarks))
+        shown = self.benchmarks if self.training_run is None else in_strategy_context(self.benchmarks, self.training_run.ctx.strategy)
+        result = evaluate(policy.engine, policy.tokenizer, shown, n=ev.n, ks=ev.k,
+                          params=SamplingParams(ev.temperature, ev.top_p, ev.max_new_tokens),
+                          seed=make_generator(self.config.seed, STREAM_EVAL).initial_seed(), world=self.world)
+        self.logger.log_evaluation(step, result.with_phase(phase).rows)
+        faults.kill_point("eval", step)
+        return result
+
+    def summary_fields(self, status: str, exit_code: int) -> dict[str, Any]:
+        """The fields every summary has, a finished run's or a stopped one's."""
+        return {"run_name": self.config.run_name, "status": status, "exit_code": exit_code}
+
+    def closing_fields(self) -> dict[str, Any]:
+        return {"wall_seconds": time.perf_counter() - self.started, "git_commit": git_commit(), "command": " ".join(sys.argv)}
+
+
+def prepare(cfg: DictConfig, algorithm: Algorithm, started: float) -> Run:
+    """A swarm actor's own config, the typed config, the resume point, seeds, processes, data and logger."""
+    pool = None
+    if cfg.trainer.strategy == "swarm":  # SAPO's actor: a single-process run with its own seed and folder (training/swarm.py)
+        cfg = actor_config(cfg, launched_rank())
+    config = typed_config(cfg)
+    if config.trainer.strategy == "swarm" and external_groups(config.trainer):
+        pool = join_swarm()
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    resumed = resume_point(config, resolved, pool)
+    seed_everything(config.seed)
+    world = init_world(config.trainer.strategy, resolve_device(config.device))
+    device = rank_device(resolve_device(config.device))
+    training = config.mode == "train" and config.trainer.steps > 0
+    if config.mode == "generate":
+        return Run(cfg, config, algorithm, started, resolved, resumed, pool, world, device, [], [], SilentLogger())
+    train_problems = load_problems(cfg.dataset, seed=config.seed, data_dir=config.data_dir, source=config.data_source) if training else []
+    benchmarks = load_benchmarks(cfg)
+    logger = RunLogger(Path(config.output_dir), resolved, OmegaConf.to_yaml(cfg, resolve=True), cfg.logger,
+                       job_type="train" if training else "eval", in_sweep=in_sweep(),
+                       resume_id=(resumed.manifest.get("run_id") or "") if resumed else None) if world.is_main else SilentLogger()
+    return Run(cfg, config, algorithm, started, resolved, resumed, pool, world, device, train_problems, benchmarks, logger)
+
+
+def load_policy_and_engine(run: Run) -> Policy:
+    """The policy (LoRA adapters, FSDP's check, activation checkpointing), its engine and the guidance traces."""
+    config = run.config
+    model, tokenizer = load_policy(run.cfg.model, device=run.device, dtype=torch.float32,  # bf16 enters through autocast
+                                   seed=config.seed, cache_dir=config.cache_dir)
+    if config.model.lora is not None:
+        model = apply_lora(model, run.cfg.model.lora)
+    if run.world.sharded:  # before the evaluation: a model FSDP cannot shard is refused at once
+        check_shardable(model, run.world.size)
+    if config.trainer.gradient_checkpointing:
+        enable_activation_checkpointing(model)
+    engine = make_engine(config.rollout, model, tokenizer, run.device)
+    guidance = load_run_guidance(run.cfg, run.train_problems, tokenizer) if run.training else None  # before any evaluation
+    return Policy(model, tokenizer, engine, guidance)
+
+
+def evaluate_before(run: Run, policy: Policy) -> None:
+    """The baseline before training (kept in eval/before.json, so a resumed run does not repeat it)."""
+    if not (run.training and run.config.eval.before_training):
+        return
+    run.baseline = load_eval_result(run.out_dir / "eval" / BEFORE_EVAL_FILE) if run.resumed else None
+    if run.baseline is None:
+        run.baseline = run.evaluate(policy, "before", 0)
+        if run.world.is_main:
+            save_eval_result(run.out_dir / "eval" / BEFORE_EVAL_FILE, run.baseline)
+    run.logger.log_tables(run.baseline.rows, run.baseline.problems)  # the phase's results, kept if the run stops
+
+
+def train(run: Run, policy: Policy, stop: StopSignals) -> dict[str, Any]:
+    """The training steps (rlbench.training.loop.TrainingRun), resumed when a checkpoint was given,
+    with the periodic evaluation (eval.every) after the steps it falls on."""
+    if not run.training:
+        return {}
+    config = run.config
+    ctx = make_step_context(run.cfg, run.algorithm, policy.model, policy.tokenizer, policy.engine, run.device,
+                            guidance=policy.guidance, world=run.world)
+    if run.swarm:
+        ctx.strategy = swarm_rollout(ctx, config, run.pool)
+    manifest = {"config": checkpoint.comparable_config(run.resolved), "config_key": config_key(run.resolved),
+                "overrides": command_line_overrides(), "rlbench_commit": git_commit(),
+                **(swarm_manifest(launched_world_size(), external_groups(config.trainer)) if run.swarm else {})}
+    run.training_run = TrainingRun(config, ctx, run.train_problems, run.logger, manifest, peers=run.peers)
+    if run.resumed is not None:
+        run.resumed = run.training_run.resume(run.resumed)
+
+    def periodic_eval(step: int) -> None:  # eval.every: pass@k curves during training
+        every = config.eval.every
+        if every and step % every == 0 and step < config.trainer.steps:
+            run.evaluate(policy, "during", step)
+
+    with forward_precision(config.trainer.precision):
+        return run.training_run.train(stop, after_step=periodic_eval)
+
+
+def summarise(run: Run, policy: Policy, final: EvalResult, training_summary: dict[str, Any]) -> dict[str, Any]:
+    """Save the trained policy (trainer.save_model), then write the summary, the result tables and the samples."""
+    config, baseline = run.config, run.baseline
+    if run.training and config.trainer.save_model:
+        save_policy(policy.model, policy.tokenizer, run.out_dir / "policy", run.world,
+                    merge_lora=config.model.lora is not None and config.model.lora.merge_on_save)
+    summary = {
+        **run.summary_fields("finished", 0),
+        "mode": config.mode,
+        "algorithm": run.algorithm.name,
+        "model": config.model.name,
+        "dataset": config.dataset.name,
+        "seed": config.seed,
+        "pass_at_1_before": baseline.pass_at(1) if baseline else None,
+        "pass_at_1_after": final.pass_at(1),
+        "eval_seconds": {"before": baseline.seconds if baseline else None, "after": final.seconds},
+        "grader_errors": {"before": baseline.grader_errors if baseline else None, "after": final.grader_errors},
+        "skipped_records": final.skipped,
+        "guidance_traces": policy.guidance.counts if policy.guidance is not None else None,
+        **training_summary,
+        **({"resumed_from_step": run.resumed.step} if run.resumed else {}),
+        "wall_seconds": time.perf_counter() - run.started,
+        "device": str(run.device),
+        "strategy": run.world.strategy,
+        "world_size": run.world.size,
+        "versions": versions(),
+        "git_commit": git_commit(),
+        "command": " ".join(sys.argv),
+    }
+    rows = (baseline.rows if baseline else []) + final.rows
+    problem_rows = (baseline.problems if baseline else []) + final.problems
+    run.logger.log_eval(rows, problem_rows, final.samples, summary, step=config.trainer.steps if run.training else 0)
+    return summary
+
+
+def stopped_summary(run: Run, status: str, exit_code: int, **fields: Any) -> dict[str, Any]:
+    """The summary of a run that did not finish (interrupted or failed)."""
+    return {
+        **run.summary_fields(status, exit_code),
+        "steps_completed": run.training_run.step if run.training_run else 0,
+        "pass_at_1_before": run.baseline.pass_at(1) if run.baseline else None,
+        **fields, **run.closing_fields(),
+    }
+
+
+def interrupted(run: Run, stopped: Interrupted) -> None:
+    """A stop signal: checkpoint the steps done so far (when every process stopped after the same step),
+    say how to resume, write the interrupted summary."""
+    training_run, out_dir = run.training_run, run.out_dir
+    saved = None
+    # several ranks (or swarm actors) write a checkpoint together only when they stopped after the same step
+    together = run.peers.size == 1 or stopped.at_step_boundary
+    if training_run is not None and training_run.resumable and training_run.unsaved and not stopped.mid_step and together:
+        saved = training_run.save()  # the steps completed so far; a second signal leaves the earlier checkpoints
+    log.warning("run %s after %d steps; %s", stopped, training_run.step if training_run else 0,
+                f"resume it: rlbench resume={out_dir.parent if run.swarm else out_dir}" if saved or (training_run and training_run.saved_step)
+                else "no checkpoint to resume from")
+    run.logger.log_summary(stopped_summary(run, "interrupted", stopped.exit_code, signal=stopped.signal_name,
+                                           checkpoint=str(saved.path) if saved else None))
+    run.logger.finish(stopped.exit_code)
+    if together:  # the others wait for rank 0's summary (and every actor's checkpoint): torchrun ends
+        run.peers.barrier()  # every process once one has exited
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
-    """Validate, train (unless mode=eval), evaluate, write results. Returns the summary. A stop
+    """Validate, prepare, train (unless mode=eval), evaluate, summarise. Returns the summary. A stop
     signal (Ctrl-C, SIGTERM) checkpoints the training done so far and raises
     :class:`rlbench.training.interrupt.Interrupted` after writing an interrupted summary."""
     started = time.perf_counter()
     algorithm = validate_config(cfg)  # every check before anything expensive
     notice_inactive_terms(cfg, algorithm)  # one line when the loss's distinguishing term cannot act in this run
-    swarm = cfg.trainer.get("strategy") == "swarm"
-    pool = None  # a swarm's actors sharing groups (J > 0) agree on stops and on the resume step through it
-    if swarm:  # SAPO's actor: a single-process run with its own seed and folder (rlbench/training/swarm.py)
-        cfg = actor_config(cfg, launched_rank())
-        pool = join_swarm() if external_groups(cfg) else None
-    out_dir = Path(cfg.output_dir)
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    resumed = resume_point(cfg, resolved, pool)
-    seed_everything(cfg.seed)
-    world = init_world(cfg.trainer.strategy, resolve_device(str(cfg.device)))
-    peers = pool or world  # who stops after the same step and writes the checkpoint together
-    device = rank_device(resolve_device(str(cfg.device)))
-    training = cfg.mode == "train" and cfg.trainer.steps > 0
-    if cfg.mode == "generate":  # graded traces for the guided methods (rlbench/guidance/generate.py)
+    run = prepare(cfg, algorithm, started)
+    if run.config.mode == "generate":  # graded traces for the guided methods (rlbench/guidance/generate.py)
         from rlbench.guidance.generate import write_traces
 
-        return write_traces(cfg, device)
-
-    train_problems = load_problems(cfg.dataset, seed=cfg.seed, data_dir=cfg.data_dir, source=cfg.data_source) if training else []
-    benchmarks = load_benchmarks(cfg)
-    logger = RunLogger(out_dir, resolved, OmegaConf.to_yaml(cfg, resolve=True), cfg.logger,
-                       job_type="train" if training else "eval", in_sweep=in_sweep(),
-                       resume_id=(resumed.manifest.get("run_id") or "") if resumed else None) if world.is_main else SilentLogger()
-    baseline: EvalResult | None = None
-    training_run: TrainingRun | None = None
-
-    def partial_summary(status: str, exit_code: int, **fields: Any) -> dict[str, Any]:
-        return {
-            "run_name": cfg.run_name, "status": status, "exit_code": exit_code,
-            "steps_completed": training_run.step if training_run else 0,
-            "pass_at_1_before": baseline.pass_at(1) if baseline else None,
-            **fields, "wall_seconds": time.perf_counter() - started, "git_commit": git_commit(),
-            "command": " ".join(sys.argv),
-        }
-
+        return write_traces(run.cfg, run.config.rollout, run.device)
     try:
         with StopSignals() as stop:
-            dtype = torch.float32  # bf16 enters through autocast on CUDA; master weights stay fp32
-            model, tokenizer = load_policy(cfg.model, device=device, dtype=dtype, seed=cfg.seed, cache_dir=cfg.cache_dir)
-            if cfg.model.get("lora") is not None:
-                model = apply_lora(model, cfg.model.lora)
-            if world.sharded:  # before the evaluation: a model FSDP cannot shard is refused at once
-                check_shardable(model, world.size)
-            if cfg.trainer.gradient_checkpointing:
-                enable_activation_checkpointing(model)
-            engine = make_engine(cfg.rollout, model, tokenizer, device)
-            guidance = load_run_guidance(cfg, train_problems, tokenizer) if training else None  # before any evaluation
-            ev = cfg.eval
-            eval_params = SamplingParams(ev.temperature, ev.top_p, ev.max_new_tokens)
-            eval_seed = make_generator(cfg.seed, STREAM_EVAL).initial_seed()
-
-            def run_eval(phase: str, step: int) -> EvalResult:
-                log.info("evaluating (%s) on %s", phase, ", ".join(b.name for b in benchmarks))
-                shown = benchmarks if training_run is None else in_strategy_context(benchmarks, training_run.ctx.strategy)
-                result = evaluate(engine, tokenizer, shown, n=ev.n, ks=list(ev.k), params=eval_params, seed=eval_seed, world=world)
-                logger.log_evaluation(step, result.with_phase(phase).rows)
-                faults.kill_point("eval", step)
-                return result
-
-            def periodic_eval(step: int) -> None:  # eval.every: pass@k curves during training
-                if ev.every and step % ev.every == 0 and step < cfg.trainer.steps:
-                    run_eval("during", step)
-
-            if training and ev.before_training:
-                baseline = load_eval_result(out_dir / "eval" / BEFORE_EVAL_FILE) if resumed else None
-                if baseline is None:
-                    baseline = run_eval("before", 0)
-                    if world.is_main:
-                        save_eval_result(out_dir / "eval" / BEFORE_EVAL_FILE, baseline)
-                logger.log_tables(baseline.rows, baseline.problems)  # the phase's results, kept if the run stops
-            training_summary = {}
-            if training:
-                ctx = make_step_context(cfg, algorithm, model, tokenizer, engine, device, guidance=guidance, world=world)
-                if swarm:
-                    ctx.strategy = swarm_rollout(ctx, cfg, pool)
-                manifest = {"config": checkpoint.comparable_config(resolved), "config_key": config_key(resolved),
-                            "overrides": command_line_overrides(), "rlbench_commit": git_commit(),
-                            **(swarm_manifest(launched_world_size(), external_groups(cfg)) if swarm else {})}
-                training_run = TrainingRun(cfg, ctx, train_problems, logger, manifest, peers=peers)
-                if resumed is not None:
-                    resumed = training_run.resume(resumed)
-                with forward_precision(cfg.trainer.precision):
-                    training_summary = training_run.train(stop, after_step=periodic_eval)
-            final = run_eval("after" if training else "eval", int(cfg.trainer.steps) if training else 0)
-
-            if training and cfg.trainer.save_model:
-                save_policy(model, tokenizer, out_dir / "policy", world,
-                            merge_lora=bool(cfg.model.get("lora") and cfg.model.lora.merge_on_save))
-            rows = (baseline.rows if baseline else []) + final.rows
-            problem_rows = (baseline.problems if baseline else []) + final.problems
-            summary = {
-                "run_name": cfg.run_name,
-                "status": "finished",
-                "exit_code": 0,
-                "mode": cfg.mode,
-                "algorithm": algorithm.name,
-                "model": cfg.model.name,
-                "dataset": cfg.dataset.name,
-                "seed": cfg.seed,
-                "pass_at_1_before": baseline.pass_at(1) if baseline else None,
-                "pass_at_1_after": final.pass_at(1),
-                "eval_seconds": {"before": baseline.seconds if baseline else None, "after": final.seconds},
-                "grader_errors": {"before": baseline.grader_errors if baseline else None, "after": final.grader_errors},
-                "skipped_records": final.skipped,
-                "guidance_traces": guidance.counts if guidance is not None else None,
-                **training_summary,
-                **({"resumed_from_step": resumed.step} if resumed else {}),
-                "wall_seconds": time.perf_counter() - started,
-                "device": str(device),
-                "strategy": world.strategy,
-                "world_size": world.size,
-                "versions": versions(),
-                "git_commit": git_commit(),
-                "command": " ".join(sys.argv),
-            }
-            logger.log_eval(rows, problem_rows, final.samples, summary, step=int(cfg.trainer.steps) if training else 0)
-        if world.is_main:
-            print_table(final, baseline)
-            print(f"results: {out_dir}")
+            policy = load_policy_and_engine(run)
+            evaluate_before(run, policy)
+            training_summary = train(run, policy, stop)
+            final = run.evaluate(policy, "after" if run.training else "eval", run.config.trainer.steps if run.training else 0)
+            summary = summarise(run, policy, final, training_summary)
+        if run.world.is_main:
+            print_table(final, run.baseline)
+            print(f"results: {run.out_dir}")
     except Interrupted as stopped:
-        saved = None
-        # several ranks (or swarm actors) write a checkpoint together only when they stopped after the same step
-        together = peers.size == 1 or stopped.at_step_boundary
-        if training_run is not None and training_run.resumable and training_run.unsaved and not stopped.mid_step and together:
-            saved = training_run.save()  # the steps completed so far; a second signal leaves the earlier checkpoints
-        log.warning("run %s after %d steps; %s", stopped, training_run.step if training_run else 0,
-                    f"resume it: rlbench resume={out_dir.parent if swarm else out_dir}" if saved or (training_run and training_run.saved_step)
-                    else "no checkpoint to resume from")
-        logger.log_summary(partial_summary("interrupted", stopped.exit_code, signal=stopped.signal_name,
-                                           checkpoint=str(saved.path) if saved else None))
-        logger.finish(stopped.exit_code)
-        if together:  # the others wait for rank 0's summary (and every actor's checkpoint): torchrun ends
-            peers.barrier()  # every process once one has exited
+        interrupted(run, stopped)
         raise
     except Exception as err:
-        logger.log_summary(partial_summary("failed", 1, error=f"{type(err).__name__}: {err}"))
-        logger.finish(1)
+        run.logger.log_summary(stopped_summary(run, "failed", 1, error=f"{type(err).__name__}: {err}"))
+        run.logger.finish(1)
         raise
     finally:
-        logger.finish()
-        close_world(world)
-    if world.is_main:
-        link_latest(out_dir)
+        run.logger.finish()
+        close_world(run.world)
+    if run.world.is_main:
+        link_latest(run.out_dir)
     return summary

@@ -19,6 +19,8 @@ from rlbench.algorithm.registry import ADVANTAGES, POLICY_LOSSES
 from rlbench.algorithm.shaping import REWARD_SHAPING
 from rlbench.config.fit import check_fits_here
 from rlbench.config.origin import ValueOrigins, with_origins
+from rlbench.config.schema import TrainerConfig
+from rlbench.config.typed import typed_node
 from rlbench.config.walk import Registered, check_against_schema
 from rlbench.dataset import validate_spec
 from rlbench.errors import ConfigError
@@ -80,7 +82,7 @@ def check_batch_arithmetic(prompts_per_step: int, n: int, micro_batch_size: int,
 
 def check_curriculum(cfg: Any, algorithm: Algorithm) -> None:
     """The prompt sampler's options, and the stages (ordered, known keys) with every stage's batch."""
-    sampler_options(cfg.trainer.get("sampler"))
+    sampler_options(typed_node(cfg.trainer, TrainerConfig).sampler)
     stages = parse_stages(cfg.trainer.get("stages"), cfg.trainer.steps)
     for stage, settings in zip(stages, stage_settings(cfg, stages)):
         try:

@@ -239,3 +239,24 @@ def test_a_plain_override_of_a_missing_key_names_the_first_missing_segment_and_i
     required = OmegaConf.create({"model": {"source": "path", "path": "???"}})  # model=checkpoint
     assert unknown_override_message(required, "model.path", "model.path=results/latest/policy") is None
     assert "model has no 'pth'" in unknown_override_message(required, "model.pth", "model.pth=x")
+
+
+def test_the_run_reads_the_config_typed_once_with_the_schemas_defaults(make_cfg):
+    """rlbench/config/typed.py: nodes become their dataclasses, a key the YAML leaves out takes the
+    schema's default, open values stay plain containers and a choice's settings block lands in
+    ``settings``."""
+    from omegaconf import open_dict
+
+    from rlbench.config.schema import RolloutConfig, RunConfig, TrainerConfig
+    from rlbench.config.typed import typed_config
+
+    cfg = make_cfg("experiment=smoke", "rollout=tree", "rollout.temperature=1")
+    with open_dict(cfg):
+        del cfg.rollout["batch_size"]
+    config = typed_config(cfg)
+    assert isinstance(config, RunConfig) and isinstance(config.trainer, TrainerConfig)
+    assert isinstance(config.rollout, RolloutConfig) and config.rollout.strategy == "tree"
+    assert config.rollout.batch_size == RolloutConfig.__dataclass_fields__["batch_size"].default
+    assert config.rollout.temperature == 1.0 and isinstance(config.rollout.temperature, float)
+    assert config.rollout.settings == {"tree": dict(cfg.rollout.tree)}
+    assert isinstance(config.algorithm.advantage, dict) and config.algorithm.advantage["name"] == cfg.algorithm.advantage.name

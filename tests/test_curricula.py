@@ -13,11 +13,18 @@ from rlbench.errors import ConfigError
 from rlbench.reward.math import Grade
 from rlbench.rollout.engines.base import Completion
 from rlbench.rollout.groups import GradedGroups
+from rlbench.config.schema import SamplerConfig
+from rlbench.config.typed import typed_node
 from rlbench.training.curricula import HardFocusOptions, PromptSampler, WeightedOptions, hardest, make_prompt_sampler
 from rlbench.training.prompt_stats import PromptStats, PromptStatsStore
 from rlbench.training.stages import parse_stages
 
 PROBLEMS = [Problem(str(i), f"q{i}", "a") for i in range(6)]
+
+
+def sampler_config(spec: dict) -> SamplerConfig:
+    """``trainer.sampler`` as the run reads it (typed, the settings blocks collected)."""
+    return typed_node(OmegaConf.create(spec), SamplerConfig)
 
 
 def table(rates):
@@ -52,14 +59,14 @@ def test_store_counts_attempts_pass_rate_lengths_and_last_seen():
 
 
 def test_uniform_sampler_is_the_loops_prompt_sampler_draw_for_draw():
-    ours = make_prompt_sampler(OmegaConf.create({"name": "uniform"}), PROBLEMS, 3, PromptStatsStore())
+    ours = make_prompt_sampler(sampler_config({"name": "uniform"}), PROBLEMS, 3, PromptStatsStore())
     reference = PromptSampler(PROBLEMS, 3)
     assert [p.uid for _ in range(5) for p in ours.next(4)] == [p.uid for _ in range(5) for p in reference.next(4)]
 
 
 def test_weighted_sampler_probabilities_follow_the_gaussian_of_the_pass_rate():
     rates = {"0": 0.0, "1": 0.25, "2": 0.5, "3": 0.75, "4": 1.0, "5": None}  # "5" unseen: the prior 0.5
-    cfg = OmegaConf.create({"name": "weighted", "weighted": {"weighting": "gaussian", "target": 0.5, "width": 0.25, "prior": 0.5}})
+    cfg = sampler_config({"name": "weighted", "weighted": {"weighting": "gaussian", "target": 0.5, "width": 0.25, "prior": 0.5}})
     sampler = make_prompt_sampler(cfg, PROBLEMS, 0, table(rates))
     p = [0.0, 0.25, 0.5, 0.75, 1.0, 0.5]
     w = np.array([math.exp(-0.5 * ((x - 0.5) / 0.25) ** 2) for x in p])
@@ -74,7 +81,7 @@ def test_weighted_sampler_probabilities_follow_the_gaussian_of_the_pass_rate():
 def test_bucket_weighting_down_weights_easy_prompts():
     options = WeightedOptions(weighting="buckets", hard_below=0.2, easy_above=0.8, hard_weight=2.0, medium_weight=1.0, easy_weight=0.25)
     assert [options.weight(x) for x in (0.0, 0.2, 0.5, 0.79, 0.8, 1.0)] == [2.0, 2.0, 1.0, 1.0, 0.25, 0.25]
-    cfg = OmegaConf.create({"name": "weighted", "weighted": {"weighting": "buckets", "hard_weight": 2.0, "easy_weight": 0.25}})
+    cfg = sampler_config({"name": "weighted", "weighted": {"weighting": "buckets", "hard_weight": 2.0, "easy_weight": 0.25}})
     sampler = make_prompt_sampler(cfg, PROBLEMS[:3], 0, table({"0": 0.0, "1": 0.5, "2": 1.0}))
     assert sampler.probabilities() == pytest.approx(np.array([2.0, 1.0, 0.25]) / 3.25)
 
@@ -84,7 +91,7 @@ def test_hard_focus_keeps_the_hardest_share_and_the_pool_only_shrinks():
     options = HardFocusOptions(phase_steps=2, keep_fraction=0.5, max_pass_rate=0.8, min_pool=1)
     kept = hardest(PROBLEMS, table(rates), options)
     assert [p.uid for p in kept] == ["1", "3", "4"]  # unseen counts as 0; 0.9 and 0.85 are above 0.8
-    cfg = OmegaConf.create({"name": "hard_focus", "hard_focus": {"phase_steps": 2, "keep_fraction": 0.5, "min_pool": 1}})
+    cfg = sampler_config({"name": "hard_focus", "hard_focus": {"phase_steps": 2, "keep_fraction": 0.5, "min_pool": 1}})
     store = table(rates)
     sampler = make_prompt_sampler(cfg, PROBLEMS, 0, store)
     sampler.end_step(1)
@@ -98,7 +105,7 @@ def test_hard_focus_keeps_the_hardest_share_and_the_pool_only_shrinks():
 
 
 def test_sampler_state_round_trip_continues_identically():
-    cfg = OmegaConf.create({"name": "weighted"})
+    cfg = sampler_config({"name": "weighted"})
     a = make_prompt_sampler(cfg, PROBLEMS, 1, table({"0": 0.5, "1": 0.0}))
     a.next(3)
     b = make_prompt_sampler(cfg, PROBLEMS, 2, PromptStatsStore())
@@ -114,7 +121,7 @@ def test_sampler_state_round_trip_continues_identically():
 ])
 def test_bad_sampler_options_are_refused(sampler, message):
     with pytest.raises(ConfigError, match=message):
-        make_prompt_sampler(OmegaConf.create(sampler), PROBLEMS, 0, PromptStatsStore())
+        make_prompt_sampler(sampler_config(sampler), PROBLEMS, 0, PromptStatsStore())
 
 
 def test_stages_parse_nested_or_dotted_keys():

@@ -3,12 +3,13 @@ against the formula on a hand-made statistics table of mean response lengths."""
 
 import numpy as np
 import pytest
-from omegaconf import OmegaConf
 
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.training.curricula import LengthExtremesOptions, length_extremes, make_prompt_sampler
 from rlbench.training.prompt_stats import PromptStats, PromptStatsStore
+
+from test_curricula import sampler_config
 
 PROBLEMS = [Problem(str(i), f"q{i}", "a") for i in range(101)]
 
@@ -26,7 +27,7 @@ def test_lspo_draws_uniformly_among_the_shortest_and_the_long_but_not_truncated(
     # prompts 0..99 have mean lengths 1..100; prompt 100 is unseen. Linear quantiles of 1..100:
     # Q(0.3) = 30.7, Q(0.65) = 65.35, Q(0.95) = 95.05 -> kept: lengths 1..30 and 66..95, and the unseen one
     store = length_table({**{str(i): i + 1 for i in range(100)}, "100": None})
-    sampler = make_prompt_sampler(OmegaConf.create({"name": "lspo", "lspo": {"low": 0.3, "high": 0.65, "max": 0.95}}),
+    sampler = make_prompt_sampler(sampler_config({"name": "lspo", "lspo": {"low": 0.3, "high": 0.65, "max": 0.95}}),
                                   PROBLEMS, 0, store)
     kept = {str(length - 1) for length in [*range(1, 31), *range(66, 96)]} | {"100"}
     expected = np.array([1 / 61 if p.uid in kept else 0.0 for p in PROBLEMS])
@@ -45,7 +46,7 @@ def test_length_extremes_before_any_length_is_known_and_with_ties():
 @pytest.mark.parametrize("block", [{"low": 0.7, "high": 0.65}, {"max": 1.5}, {"low": 0.0}])
 def test_bad_lspo_quantiles_are_refused(block):
     with pytest.raises(ConfigError, match="0 < low < high < max <= 1"):
-        make_prompt_sampler(OmegaConf.create({"name": "lspo", "lspo": block}), PROBLEMS, 0, PromptStatsStore())
+        make_prompt_sampler(sampler_config({"name": "lspo", "lspo": block}), PROBLEMS, 0, PromptStatsStore())
 
 
 @pytest.mark.slow

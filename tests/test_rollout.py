@@ -14,6 +14,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from rlbench.config.schema import RolloutConfig
+from rlbench.config.typed import typed_node
 from rlbench.errors import ConfigError
 from rlbench.model import build_tiny_model, load_policy
 from rlbench.rollout import GenerationRequest, HFGenerateEngine, SamplingParams, make_engine
@@ -435,12 +437,12 @@ def test_sync_weights_switches_model(tiny):
 
 def test_make_engine_from_config(tiny):
     model, tokenizer = tiny
-    cfg = OmegaConf.load(ROOT / "conf" / "rollout" / "iid.yaml")
-    assert cfg.engine == "hf" and cfg.n == 4 and cfg.max_new_tokens == 16
-    engine = make_engine(cfg, model, tokenizer)
-    assert isinstance(engine, HFGenerateEngine) and engine.batch_size == cfg.batch_size
+    rollout = typed_node(OmegaConf.load(ROOT / "conf" / "rollout" / "iid.yaml"), RolloutConfig)
+    assert rollout.engine == "hf" and rollout.n == 4 and rollout.max_new_tokens == 16
+    engine = make_engine(rollout, model, tokenizer)
+    assert isinstance(engine, HFGenerateEngine) and engine.batch_size == rollout.batch_size
     with pytest.raises(ConfigError, match="rollout.engine"):
-        make_engine(OmegaConf.create({"engine": "nope"}), model, tokenizer)
+        make_engine(RolloutConfig(engine="nope"), model, tokenizer)
 
 
 def test_inverse_cdf_sampler_matches_the_distribution():

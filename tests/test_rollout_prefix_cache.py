@@ -11,6 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
+from rlbench.config.schema import RolloutConfig
 from rlbench.model import build_tiny_model
 from rlbench.rollout import GenerationRequest, HFGenerateEngine, SamplingParams, make_engine
 from rlbench.rollout.engines.prefix_cache import PrefixKVCache, kv_bytes
@@ -176,7 +177,7 @@ def test_no_reuse_under_fsdp_or_when_off(tiny):
 
 def test_make_engine_reads_the_budget(tiny):
     model, tokenizer = tiny
-    engine = make_engine({"engine": "hf", "prefix_cache_mb": 2}, model, tokenizer)
+    engine = make_engine(RolloutConfig(engine="hf", prefix_cache_mb=2.0), model, tokenizer)
     assert engine.prefix_cache.budget_bytes == 2 * 2**20
-    assert not make_engine({"engine": "hf"}, model, tokenizer).prefix_cache.enabled
+    assert not make_engine(RolloutConfig(engine="hf"), model, tokenizer).prefix_cache.enabled
 

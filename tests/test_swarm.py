@@ -27,6 +27,7 @@ from rlbench.training import checkpoint
 from rlbench.training.batch import collate
 from rlbench.training.distributed import rank_stream_seed
 from rlbench.training.step import TIMING_METRICS, behaviour_old_logp, make_step_context
+from rlbench.config.typed import typed_config
 from rlbench.training.checkpoint import actor_folder, checkpoint_home
 from rlbench.training.swarm import (
     SwarmPool, actor_config, agreed_resume_step, check_resume_swarm, check_swarm, draw_external, own_groups,
@@ -189,7 +190,8 @@ def test_an_actors_prompt_statistics_count_its_own_groups_only(make_cfg):
     grades = [Grade(reward=float(c), correct=bool(c), format_ok=True, extracted=None) for c in (1, 0, 1, 1)]
     outcome = torch.tensor([1.0, 0.0, 1.0, 1.0])
     graded = GradedGroups([mine, theirs], [own, shared], grades, outcome, outcome, torch.ones(4, dtype=torch.bool), [0, 1])
-    curriculum = Curriculum(make_cfg("experiment=smoke", "trainer.strategy=swarm", "sampler=weighted"), [mine])
+    config = typed_config(make_cfg("experiment=smoke", "trainer.strategy=swarm", "sampler=weighted"))
+    curriculum = Curriculum(config.trainer, config.seed, [mine])
     curriculum.observe(1, graded)
     stats = curriculum.stats.get("arith/train/0")
     assert (stats.attempts, stats.correct, stats.mean_length) == (2, 1, 2.0)  # actor 1's 2 correct 1-token ones left out
@@ -212,9 +214,9 @@ def actor(tmp_path, index: int, store, external: int = 1):
     model, tokenizer = load_policy(cfg.model, device=torch.device("cpu"), dtype=torch.float32, seed=cfg.seed,
                                    cache_dir=cfg.cache_dir)
     ctx = make_step_context(cfg, Algorithm.from_config(cfg.algorithm), model, tokenizer,
-                            make_engine(cfg.rollout, model, tokenizer, torch.device("cpu")), torch.device("cpu"))
+                            make_engine(typed_config(cfg).rollout, model, tokenizer, torch.device("cpu")), torch.device("cpu"))
     ctx.policy_version = 3 + index  # versions told apart: the receiver's is not the sender's
-    return ctx, swarm_rollout(ctx, cfg, SwarmPool(store, index, 2))
+    return ctx, swarm_rollout(ctx, typed_config(cfg), SwarmPool(store, index, 2))
 
 
 def exchange(actors, problems):

@@ -20,12 +20,14 @@ Field metadata:
   settings_blocks  the key names a registered choice, and each choice may have a block of settings
                 beside it named after it (``rollout.<strategy>``, ``trainer.sampler.<name>``), allowed only
                 with that choice; the choice's own options class checks the block's keys
+  derived       not a config key: filled by the conversion to these dataclasses (rlbench/config/typed.py),
+                e.g. the settings blocks of a settings_blocks choice
   open          a mapping whose keys are free (paper metadata, dataset field maps, LlamaConfig fields)
 """
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal, Optional
 
 
@@ -37,6 +39,11 @@ def knob(default: Any = None, help: str = "", **metadata: Any) -> Any:
     if default is MISSING:
         return field(metadata={"help": help, **metadata})
     return field(default=default, metadata={"help": help, **metadata})
+
+
+def config_fields(schema: type) -> list[Any]:
+    """The fields of ``schema`` that are config keys (not the ``derived`` ones)."""
+    return [spec for spec in fields(schema) if not spec.metadata.get("derived")]
 
 
 def node(cls: type, help: str = "", **metadata: Any) -> Any:
@@ -259,6 +266,7 @@ class SamplerConfig:
         "uniform", "prompt sampler: uniform (shuffled passes) | weighted (by pass rate) | hard_focus (DRIVE) | lspo (length extremes)",
         settings_blocks=True,
     )
+    settings: dict = knob({}, "the settings blocks beside name, by sampler (filled by rlbench.config.typed)", derived=True)
 
 
 @dataclass
@@ -337,6 +345,7 @@ class RolloutConfig:
     dynamic_sampling: Optional[DynamicSamplingConfig] = node(
         DynamicSamplingConfig, "settings of rollout=dynamic_sampling (only with it)", only_with=("strategy", "dynamic_sampling")
     )
+    settings: dict = knob({}, "the settings blocks rollout.<strategy>, by strategy (filled by rlbench.config.typed)", derived=True)
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import Any, Collection, Iterable, Literal, Mapping, Union
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rlbench.config.origin import ValueOrigins
-from rlbench.config.schema import MOVED_KEYS, PIECE_PARAMETER_BOUNDS, RunConfig
+from rlbench.config.schema import MOVED_KEYS, PIECE_PARAMETER_BOUNDS, RunConfig, config_fields
 from rlbench.errors import ConfigError
 
 
@@ -74,8 +74,8 @@ class _Walk:
 
     def node(self, value: Any, schema: type, path: str) -> None:
         if not isinstance(value, DictConfig):
-            self.fail(path, f"{path} must be a mapping of {{{', '.join(f.name for f in dataclasses.fields(schema))}}}, got {value!r}")
-        fields = {f.name: f for f in dataclasses.fields(schema)}
+            self.fail(path, f"{path} must be a mapping of {{{', '.join(f.name for f in config_fields(schema))}}}, got {value!r}")
+        fields = {f.name: f for f in config_fields(schema)}
         hints = typing.get_type_hints(schema)
         extra = {  # the settings block of each registered choice of a settings_blocks key, only with that choice
             name: (key, name)

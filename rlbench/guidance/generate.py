@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from rlbench.config.schema import RolloutConfig
 from rlbench.dataset import load_problems
 from rlbench.guidance.traces import tokenizer_fingerprint
 from rlbench.model import load_policy
@@ -45,15 +46,15 @@ def trace_seed(seed: int, uid: str) -> int:
     return int.from_bytes(hashlib.sha256(f"generate\0{int(seed)}\0{uid}".encode()).digest()[:8], "big") >> 2
 
 
-def write_traces(cfg: Any, device: torch.device) -> dict[str, Any]:
-    """Generate, grade and write the traces of ``cfg.dataset`` to ``cfg.out``; returns the counts."""
+def write_traces(cfg: Any, rollout: RolloutConfig, device: torch.device) -> dict[str, Any]:
+    """Generate, grade and write the traces of ``cfg.dataset`` to ``cfg.out`` with the sampling settings
+    of ``rollout`` (the typed ``cfg.rollout``); returns the counts."""
     started = time.perf_counter()
     out = Path(str(cfg.out)).expanduser()
     problems = load_problems(cfg.dataset, seed=cfg.seed, data_dir=cfg.data_dir, source=cfg.data_source)
     model, tokenizer = load_policy(cfg.model, device=device, dtype=torch.float32, seed=cfg.seed, cache_dir=cfg.cache_dir)
-    engine = make_engine(cfg.rollout, model, tokenizer, device)
+    engine = make_engine(rollout, model, tokenizer, device)
     grader = make_grader(cfg.reward, cfg.dataset, cfg.get("sandbox"))
-    rollout = cfg.rollout
     params = SamplingParams(rollout.temperature, rollout.top_p, rollout.max_new_tokens)
     keep_incorrect = bool((cfg.get("guidance") or {}).get("keep_incorrect", False))
     fingerprint = tokenizer_fingerprint(tokenizer)

@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from rlbench.config.schema import SamplerConfig, TrainerConfig
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.groups import GradedGroups
@@ -46,28 +47,28 @@ def register_prompt_sampler(name: str) -> Callable[[type], type]:
     return register
 
 
-def sampler_options(sampler_cfg: Any) -> tuple[type, Any]:
+def sampler_options(sampler: SamplerConfig | None) -> tuple[type, Any]:
     """The sampler class named by ``trainer.sampler.name`` and its options (the block
-    ``trainer.sampler.<name>``); ConfigError for an unknown name or key."""
-    name = str((sampler_cfg or {}).get("name", "uniform"))
+    ``trainer.sampler.<name>``); ConfigError for an unknown name or key. None: the schema's default."""
+    sampler = sampler or SamplerConfig()
+    name = sampler.name
     if name not in PROMPT_SAMPLERS:
         raise ConfigError(f"trainer.sampler.name={name!r} is unknown; choose one of {sorted(PROMPT_SAMPLERS)} (conf/sampler/)")
     cls = PROMPT_SAMPLERS[name]
-    options_class = getattr(cls, "Options", None)
-    if options_class is None:
+    if cls.Options is None:
         return cls, None
-    block = dict((sampler_cfg or {}).get(name) or {})
-    keys = {f.name for f in dataclasses.fields(options_class)}
+    block = sampler.settings.get(name) or {}
+    keys = {f.name for f in dataclasses.fields(cls.Options)}
     unknown = set(block) - keys
     if unknown:
         raise ConfigError(f"trainer.sampler.{name} has no key(s) {sorted(unknown)}; it takes {sorted(keys)}")
-    options = options_class(**block)
+    options = cls.Options(**block)
     options.check()
     return cls, options
 
 
-def make_prompt_sampler(sampler_cfg: Any, problems: list[Problem], seed: int, stats: PromptStatsStore):
-    cls, options = sampler_options(sampler_cfg)
+def make_prompt_sampler(sampler: SamplerConfig | None, problems: list[Problem], seed: int, stats: PromptStatsStore):
+    cls, options = sampler_options(sampler)
     return cls.build(problems, seed, stats, options)
 
 
@@ -85,6 +86,8 @@ def shuffled_passes(problems: list[Problem], order: list[int], rng: np.random.Ge
 @register_prompt_sampler("uniform")
 class PromptSampler:
     """The default: shuffled passes over the training problems; the order is a function of the seed alone."""
+
+    Options = None  # no settings block
 
     def __init__(self, problems: list[Problem], seed: int):
         self.problems = problems
@@ -298,11 +301,11 @@ class Curriculum:
     stages. Per step: :meth:`prompts` (entering a stage first), the rollout, :meth:`observe`, :meth:`end_step`.
     The synchronous loop calls them between updates, the asynchronous generator in its own thread."""
 
-    def __init__(self, cfg: Any, problems: list[Problem], stats: PromptStatsStore | None = None):
+    def __init__(self, trainer: TrainerConfig, seed: int, problems: list[Problem], stats: PromptStatsStore | None = None):
         self.stats = PromptStatsStore() if stats is None else stats  # the step context's (strategies read it too)
-        self.sampler = make_prompt_sampler(cfg.trainer.get("sampler"), problems, cfg.seed, self.stats)
-        self.stages = {stage.at: stage for stage in parse_stages(cfg.trainer.get("stages"), cfg.trainer.steps)}
-        self.prompts_per_step = int(cfg.trainer.prompts_per_step)
+        self.sampler = make_prompt_sampler(trainer.sampler, problems, seed, self.stats)
+        self.stages = {stage.at: stage for stage in parse_stages(trainer.stages, trainer.steps)}
+        self.prompts_per_step = trainer.prompts_per_step
 
     def prompts(self, step: int, ctx: StepContext) -> list[Problem]:
         """Step ``step``'s prompts, after entering the stage that starts at it (if any)."""

@@ -8,6 +8,7 @@ import logging
 from typing import Any, Callable
 
 from rlbench import faults
+from rlbench.config.schema import RunConfig
 from rlbench.dataset.base import Problem
 from rlbench.training import checkpoint
 from rlbench.training.async_pipeline import AsyncPipeline
@@ -41,7 +42,7 @@ class UntrainedSteps:
 
 
 class TrainingRun:
-    """The loop over ``cfg.trainer.steps`` steps of ``cfg.trainer.prompts_per_step`` prompts, and
+    """The loop over ``trainer.steps`` steps of ``trainer.prompts_per_step`` prompts, and
     everything it carries from step to step, which a checkpoint saves and :meth:`restore` loads:
     the step context's state (rlbench.training.step.StepContext.state_dict), the model and the
     optimizer, the data side (prompt sampler, per-prompt statistics, stages: rlbench.training.curricula),
@@ -54,18 +55,17 @@ class TrainingRun:
     ranks of ``ctx.world`` (the default), or a swarm's actors (rlbench.training.swarm.SwarmPool),
     each a single-process run of its own."""
 
-    def __init__(self, cfg: Any, ctx: StepContext, problems: list[Problem], logger: Any,
+    def __init__(self, config: RunConfig, ctx: StepContext, problems: list[Problem], logger: Any,
                  manifest: dict[str, Any] | None = None, peers: Any = None):
-        self.cfg, self.ctx, self.logger = cfg, ctx, logger
+        self.trainer, self.output_dir = config.trainer, config.output_dir
+        self.ctx, self.logger = ctx, logger
         self.peers = ctx.world if peers is None else peers
-        self.curriculum = Curriculum(cfg, problems, ctx.prompt_stats)
+        self.curriculum = Curriculum(config.trainer, config.seed, problems, ctx.prompt_stats)
         self.untrained = UntrainedSteps()
         self.step = 0  # steps completed
         self.after_step_done = 0  # the last step whose after_step (periodic evaluation) ran
         self.saved_step: int | None = None  # the step of the last checkpoint written or loaded
         self.manifest = dict(manifest or {})
-        self.every = cfg.trainer.get("checkpoint_every")
-        self.keep = cfg.trainer.get("keep_checkpoints")
 
     def files(self) -> dict[str, Any]:
         """This rank's files of the checkpoint: name -> object for torch.save. Every rank writes its
@@ -93,8 +93,8 @@ class TrainingRun:
     def save(self) -> checkpoint.Checkpoint:
         world = self.ctx.world
         shards = (lambda folder: checkpoint.save_sharded(self.ctx.model, self.ctx.optimizer, folder)) if world.sharded else None
-        saved = checkpoint.save_checkpoint(self.cfg.output_dir, self.step, self.files(),
-                                           {**self.manifest, "run_id": self.logger.run_id}, keep=self.keep,
+        saved = checkpoint.save_checkpoint(self.output_dir, self.step, self.files(),
+                                           {**self.manifest, "run_id": self.logger.run_id}, keep=self.trainer.keep_checkpoints,
                                            world=world, write_shards=shards)
         self.saved_step = self.step
         log.info("checkpoint %s (%.1f s)", saved.path, saved.manifest["write_seconds"])
@@ -105,7 +105,7 @@ class TrainingRun:
         """Checkpoints can continue this run exactly: not with the asynchronous pipeline, whose
         generator thread runs ahead of the learner (its prompt order and random streams are past the
         last trained step)."""
-        return self.cfg.trainer.get("max_staleness") is None
+        return self.trainer.max_staleness is None
 
     @property
     def unsaved(self) -> bool:
@@ -131,7 +131,7 @@ class TrainingRun:
         self.after_step_done = int(state["after_step_done"])
         self.logger.load_state_dict(state["logger"])
         checkpoint.load_global_random_state(state["random"])
-        log.info("resumed from %s: %d of %d steps done", saved.path, self.step, self.cfg.trainer.steps)
+        log.info("resumed from %s: %d of %d steps done", saved.path, self.step, self.trainer.steps)
 
     def resume(self, saved: checkpoint.Checkpoint) -> checkpoint.Checkpoint:
         """:meth:`restore` from ``saved``, or, when one of its files cannot be loaded, from the
@@ -151,13 +151,14 @@ class TrainingRun:
                     raise checkpoint.CheckpointError(f"resume: the processes went back to checkpoints of different steps "
                                                      f"{steps} (in rank / actor order); start the run again")
                 return saved
-            previous = checkpoint.latest_checkpoint(self.cfg.output_dir, before_step=saved.step)
+            previous = checkpoint.latest_checkpoint(self.output_dir, before_step=saved.step)
             log.warning("%s; resuming from the previous valid checkpoint %s",
                         problem or f"another rank cannot load checkpoint {saved.path}", previous.path)
             saved = previous
 
     def checkpoint_due(self, step: int) -> bool:
-        return bool(self.every) and (step % self.every == 0 or step == self.cfg.trainer.steps)
+        every = self.trainer.checkpoint_every
+        return bool(every) and (step % every == 0 or step == self.trainer.steps)
 
     def train(self, stop: StopSignals, after_step: Callable[[int], None] | None = None) -> dict[str, Any]:
         """The remaining steps; ``after_step(step)`` runs after each step is logged and checkpointed
@@ -165,19 +166,19 @@ class TrainingRun:
         before it ran runs it first). A stop signal during a step lets it finish
         (:class:`rlbench.training.interrupt.StopSignals`). Returns what the run's summary reports
         about training."""
-        cfg = self.cfg
-        progress = Progress("train", cfg.trainer.steps)
+        steps = self.trainer.steps
+        progress = Progress("train", steps)
         progress.done = self.step
         if after_step is not None and self.after_step_done < self.step:  # checkpointed before it ran
             after_step(self.step)
             self.after_step_done = self.step
-        if cfg.trainer.get("max_staleness") is not None:
+        if self.trainer.max_staleness is not None:
             return self.train_async(progress, after_step)
-        for step in range(self.step + 1, cfg.trainer.steps + 1):
+        for step in range(self.step + 1, steps + 1):
             faults.at_step(step)
             with stop.step():
                 metrics = train_step(
-                    self.ctx, self.curriculum.prompts(step, self.ctx), progress=(step - 1) / cfg.trainer.steps,
+                    self.ctx, self.curriculum.prompts(step, self.ctx), progress=(step - 1) / steps,
                     draw_prompts=self.curriculum.draw,
                     observe=lambda graded, step=step: self.curriculum.observe(step, graded, self.ctx.world),
                 )
@@ -196,9 +197,9 @@ class TrainingRun:
     def train_async(self, progress: Progress, after_step: Callable[[int], None] | None) -> dict[str, Any]:
         """The steps through the asynchronous pipeline (trainer.max_staleness): generation for later
         steps overlaps the update; no checkpoint is written mid-run."""
-        cfg = self.cfg
-        pipeline = AsyncPipeline(self.ctx, self.curriculum, cfg.trainer.steps, int(cfg.trainer.max_staleness),
-                                 cfg.trainer.get("generator_threads"), int(cfg.trainer.get("weight_sync_every") or 1))
+        trainer = self.trainer
+        pipeline = AsyncPipeline(self.ctx, self.curriculum, trainer.steps, trainer.max_staleness,
+                                 trainer.generator_threads, trainer.weight_sync_every)
         for step, metrics in pipeline.steps():
             self.logger.log_step(step, self.untrained.observe(step, metrics))
             self.step = step

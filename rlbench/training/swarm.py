@@ -50,6 +50,8 @@ from typing import Any, Callable, Protocol, Sequence
 import numpy as np
 import torch
 
+from rlbench.config.schema import RunConfig, TrainerConfig
+from rlbench.config.typed import typed_node
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.training.checkpoint import CheckpointError, actor_folder, checkpoint_dirs, read_checkpoint
@@ -58,6 +60,7 @@ from rlbench.rollout.groups import GradedGroups, GroupSampler
 from rlbench.rollout.strategy import RolloutStrategy
 from rlbench.training.distributed import launched_world_size, rank_stream_seed
 from rlbench.training.stages import parse_stages, stage_settings
+from rlbench.training.step import StepContext
 from rlbench.utils import STREAM_SWARM
 
 SWARM_BEHAVIOUR = "swarm"  # behaviour label prefix of a shared response: "swarm:actor<a>"
@@ -65,18 +68,18 @@ STORE_PREFIX = "rlbench_swarm/"
 STORE_TIMEOUT = timedelta(hours=2)  # how long an actor waits for the others' rollouts of a step
 
 
-def external_groups(cfg: Any) -> int:
+def external_groups(trainer: TrainerConfig) -> int:
     """J: ``trainer.swarm.external`` (0 without the block)."""
-    block = cfg.trainer.get("swarm")
-    return int(block.get("external", 0)) if block is not None else 0
+    return trainer.swarm.external if trainer.swarm is not None else 0
 
 
 def check_swarm(cfg: Any, algorithm: Any, actors: int | None = None) -> None:
     """Bad swarm settings, refused before anything loads: shared groups outside a swarm or with one
     actor, I + J not the step's prompts (at least one local prompt), more shared groups than the
     other actors publish, a rollout strategy other than iid, and pieces that need on-policy data."""
-    strategy = cfg.trainer.get("strategy", "single")
-    J = external_groups(cfg)
+    trainer = typed_node(cfg.trainer, TrainerConfig)
+    strategy = trainer.strategy
+    J = external_groups(trainer)
     if strategy != "swarm":
         if J:
             raise ConfigError(f"trainer.swarm.external={J} shares rollouts between the actors of a swarm; "
@@ -86,8 +89,8 @@ def check_swarm(cfg: Any, algorithm: Any, actors: int | None = None) -> None:
     if J and N == 1:
         raise ConfigError(f"trainer.swarm.external={J} takes groups from other actors, but the swarm has one actor; "
                           "start several with torchrun --nproc_per_node N, or set trainer.swarm.external=0")
-    stages = parse_stages(cfg.trainer.get("stages"), cfg.trainer.steps)
-    for stage, settings in [(None, {"trainer.prompts_per_step": cfg.trainer.prompts_per_step}),
+    stages = parse_stages(trainer.stages, trainer.steps)
+    for stage, settings in [(None, {"trainer.prompts_per_step": trainer.prompts_per_step}),
                             *zip(stages, stage_settings(cfg, stages))]:
         where = "" if stage is None else f"from trainer.stages at step {stage.at}: "
         prompts = int(settings["trainer.prompts_per_step"])
@@ -348,9 +351,10 @@ class SwarmRollout(RolloutStrategy):
         return self.inner.in_context(problem)
 
 
-def swarm_rollout(ctx: Any, cfg: Any, pool: SwarmPool | None) -> SwarmRollout:
+def swarm_rollout(ctx: StepContext, config: RunConfig, pool: SwarmPool | None) -> SwarmRollout:
     """Wrap the step context's strategy (``ctx.strategy``) into the actor's swarm rollout."""
-    return SwarmRollout(ctx.strategy, pool, external_groups(cfg), ctx.sampler, int(cfg.seed), lambda: ctx.policy_version)
+    return SwarmRollout(ctx.strategy, pool, external_groups(config.trainer), ctx.sampler, config.seed,
+                        lambda: ctx.policy_version)
 
 
 def own_groups(graded: GradedGroups) -> GradedGroups:

@@ -10,8 +10,7 @@ transformers' module wrappers, the KV kept across calls).
 
 from __future__ import annotations
 
-from typing import Any
-
+from rlbench.config.schema import RolloutConfig
 from rlbench.errors import ConfigError
 from rlbench.rollout.engines.base import RolloutEngine
 from rlbench.rollout.engines.hf import HFGenerateEngine
@@ -19,19 +18,15 @@ from rlbench.rollout.engines.hf import HFGenerateEngine
 ENGINES = ("hf", "vllm")
 
 
-def make_engine(rollout_cfg: Any, model, tokenizer, device=None) -> RolloutEngine:
-    """Build the engine named by ``rollout_cfg.engine`` (``hf`` | ``vllm``) from a
-    ``conf/rollout/*.yaml`` node (a DictConfig or a dict); ``rollout_cfg.vllm`` holds extra
-    keyword arguments for the vLLM engine; ``rollout_cfg.prefix_cache_mb`` is the HF engine's KV
-    budget across calls (vLLM keeps its own prefix cache)."""
-    engine = rollout_cfg.get("engine", "hf")
-    if engine == "hf":
-        return HFGenerateEngine(
-            model, tokenizer, batch_size=int(rollout_cfg.get("batch_size", 64)), device=device,
-            prefix_cache_mb=float(rollout_cfg.get("prefix_cache_mb", 0) or 0),
-        )
-    if engine == "vllm":
+def make_engine(rollout: RolloutConfig, model, tokenizer, device=None) -> RolloutEngine:
+    """Build the engine named by ``rollout.engine`` (``hf`` | ``vllm``); ``rollout.batch_size`` and
+    ``rollout.prefix_cache_mb`` (the KV kept across calls) are the HF engine's; vLLM keeps its own
+    prefix cache."""
+    if rollout.engine == "hf":
+        return HFGenerateEngine(model, tokenizer, batch_size=rollout.batch_size, device=device,
+                                prefix_cache_mb=rollout.prefix_cache_mb)
+    if rollout.engine == "vllm":
         from rlbench.rollout.engines.vllm import VLLMEngine
 
-        return VLLMEngine(model, tokenizer, **dict(rollout_cfg.get("vllm") or {}))
-    raise ConfigError(f"rollout.engine={engine!r} is unknown; use one of {', '.join(ENGINES)}.")
+        return VLLMEngine(model, tokenizer)
+    raise ConfigError(f"rollout.engine={rollout.engine!r} is unknown; use one of {', '.join(ENGINES)}.")

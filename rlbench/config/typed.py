@@ -1,0 +1,59 @@
+"""The validated config as the schema's dataclasses: converted once, after validation, and passed
+down the run as typed objects (``RunConfig``, ``TrainerConfig``, ``RolloutConfig``, ...).
+
+Every default is the schema's: a key the composed config leaves out takes the field's default here,
+so no reader repeats it. Nodes become their dataclass; open-ended values stay plain containers: the
+algorithm's pieces (``{name, <parameters>}``, checked against the registered function), mappings
+marked ``open`` (dataset field maps, LlamaConfig fields, paper metadata) and lists. The settings
+blocks of a ``settings_blocks`` choice (``rollout.<strategy>``, ``trainer.sampler.<name>``) are
+collected into the node's ``settings`` field, a mapping from the choice to its block.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Any, TypeVar, Union
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from rlbench.config.schema import RunConfig, config_fields
+
+Schema = TypeVar("Schema")
+
+
+def typed_config(cfg: DictConfig) -> RunConfig:
+    """``cfg`` (checked by the schema walk) as a :class:`RunConfig`; interpolations resolved."""
+    return typed_node(cfg, RunConfig)
+
+
+def typed_node(node: Any, schema: type[Schema]) -> Schema:
+    """One node as ``schema``: its fields converted, missing keys at the schema's defaults."""
+    hints = typing.get_type_hints(schema)
+    values: dict[str, Any] = {}
+    keys = config_fields(schema)
+    for spec in keys:
+        if spec.name not in node:
+            continue
+        value = node[spec.name]
+        meta = spec.metadata
+        if "node" in meta:
+            values[spec.name] = None if value is None else typed_node(value, meta["node"])
+        elif "values" in meta:
+            values[spec.name] = {str(key): typed_node(entry, meta["values"]) for key, entry in value.items()}
+        else:
+            values[spec.name] = plain(value, hints[spec.name])
+    blocks = [key for key in node.keys() if key not in {spec.name for spec in keys}]
+    if blocks:  # the walk allowed them: settings blocks of registered choices
+        values["settings"] = {str(key): plain(node[key], dict) for key in blocks}
+    return schema(**values)
+
+
+def plain(value: Any, annotation: Any) -> Any:
+    """A leaf value: containers as Python lists and dicts, an integer in a float field as a float."""
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    if typing.get_origin(annotation) is Union:
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
