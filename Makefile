@@ -34,14 +34,14 @@ sandbox-tools:
 run: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/rlbench $(ARGS)
 
-# Two processes on the CPU (torchrun, gloo), trainer.strategy=ddp, the tiny model (docs/scaling.md)
+# Two processes on the CPU (torchrun, gloo), trainer.parallelism=ddp, the tiny model (docs/scaling.md)
 run-ddp: $(STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node 2 -m rlbench.cli experiment=smoke \
-	  trainer.strategy=ddp hydra.run.dir=results/runs/$(shell date +%Y-%m-%d_%H-%M-%S)_ddp-smoke $(ARGS)
+	  trainer.parallelism=ddp hydra.run.dir=results/runs/$(shell date +%Y-%m-%d_%H-%M-%S)_ddp-smoke $(ARGS)
 
 run-swarm: $(STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node 2 -m rlbench.cli experiment=smoke \
-	  trainer.strategy=swarm trainer.swarm.external=1 hydra.run.dir=results/runs/$(shell date +%Y-%m-%d_%H-%M-%S)_swarm-smoke $(ARGS)
+	  trainer.parallelism=swarm trainer.swarm.external=1 hydra.run.dir=results/runs/$(shell date +%Y-%m-%d_%H-%M-%S)_swarm-smoke $(ARGS)
 
 # The three tiers (docs/testing.md): unit (unmarked), integration (marker slow), learning (tests/learning,
 # one torch thread per toy run: the tiny model's runs do not speed up with a second thread). `make test`

@@ -1,4 +1,4 @@
-"""What a checkpoint costs each rank of a 2-process run (torchrun, trainer.strategy=ddp and fsdp):
+"""What a checkpoint costs each rank of a 2-process run (torchrun, trainer.parallelism=ddp and fsdp):
 the seconds every rank spends writing its files and the bytes it writes. Writes
 results/bench/distributed_checkpoint.json and results/bench/distributed_checkpoint.md.
 
@@ -49,7 +49,7 @@ def run_strategy(model: str, strategy: str, run_dir: Path) -> dict:
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
     command = [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node", str(PROCESSES), "-m",
-               "rlbench.cli", f"model={model}", *OVERRIDES, f"trainer.strategy={strategy}", f"hydra.run.dir={run_dir}"]
+               "rlbench.cli", f"model={model}", *OVERRIDES, f"trainer.parallelism={strategy}", f"hydra.run.dir={run_dir}"]
     subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True)
     saved = [checkpoint.read_checkpoint(path) for path in checkpoint.checkpoint_dirs(run_dir)]
     files = saved[-1].manifest["files"]

@@ -75,11 +75,11 @@ def main() -> None:
         runs = Path(tmp)
         single = run("1 process", [PYTHON], [], runs, "1")
         print(single, flush=True)
-        ddp = run("2 processes (ddp)", [TORCHRUN, "--nproc_per_node", "2"], ["trainer.strategy=ddp"], runs, "1")
+        ddp = run("2 processes (ddp)", [TORCHRUN, "--nproc_per_node", "2"], ["trainer.parallelism=ddp"], runs, "1")
         print(ddp, flush=True)
         lora = run("LoRA r=8 (q,k,v,o)", [PYTHON], ["model/lora=default", "trainer.lr=1e-4"], runs, "1")
     (out_dir / "distributed.md").write_text(
-        header("One process beside two (torchrun, trainer.strategy=ddp)") + table([single, ddp])
+        header("One process beside two (torchrun, trainer.parallelism=ddp)") + table([single, ddp])
         + "\nEvery process runs one torch thread (OMP_NUM_THREADS=1: on a loaded machine two threads per "
         "process spin against each other); each of the two processes trains half of the batch (2 prompts). "
         "Peak memory is per process (resident set).\n"

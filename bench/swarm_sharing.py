@@ -4,7 +4,7 @@ actors training alone (J = 0), a few seeds; writes results/bench/swarm.md and sw
     OMP_NUM_THREADS=1 .venv/bin/python bench/swarm_sharing.py                 # seeds 0 1 2, J = 0 and 2
     OMP_NUM_THREADS=1 .venv/bin/python bench/swarm_sharing.py --seeds 0 --external 0 2
 
-Each run is ``torchrun --nproc_per_node 2 -m rlbench.cli experiment=toy_learning/grpo trainer.strategy=swarm
+Each run is ``torchrun --nproc_per_node 2 -m rlbench.cli experiment=toy_learning/grpo trainer.parallelism=swarm
 trainer.swarm.external=J`` (4 prompts per step: I = 4 - J own groups, J shared ones). The reward of an
 actor's OWN samples at each step (``swarm_local_reward_mean``; ``outcome_mean`` when J = 0) is what the
 policy learned: the paper's cumulative reward (arXiv:2509.08721, section 5) is its sum over steps.
@@ -37,7 +37,7 @@ def swarm_run(seed: int, external: int, scratch: Path, steps: int) -> list[list[
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     subprocess.run(
         [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node", str(ACTORS), "-m", "rlbench.cli",
-         "experiment=toy_learning/grpo", f"seed={seed}", f"trainer.steps={steps}", "trainer.strategy=swarm",
+         "experiment=toy_learning/grpo", f"seed={seed}", f"trainer.steps={steps}", "trainer.parallelism=swarm",
          f"trainer.swarm.external={external}", f"hydra.run.dir={out}"],
         cwd=ROOT, env=env, check=True, capture_output=True, text=True,
     )

@@ -32,7 +32,7 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
 def write_status(*args, **kwargs) -> None:
-    """status.json of the run: written by rank 0 alone under torchrun (trainer.strategy=ddp|fsdp)."""
+    """status.json of the run: written by rank 0 alone under torchrun (trainer.parallelism=ddp|fsdp)."""
     if os.environ.get("RANK", "0") == "0":
         write_run_status(*args, **kwargs)
 

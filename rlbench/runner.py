@@ -174,10 +174,10 @@ def resume_point(config: RunConfig, resolved: dict[str, Any], pool: SwarmPool | 
     else:
         saved = checkpoint.latest_checkpoint(folder)
     trainer = config.trainer
-    if trainer.strategy == "swarm":
+    if trainer.parallelism == "swarm":
         check_resume_swarm(saved.manifest, saved.path, launched_world_size(), external_groups(trainer))
     else:
-        checkpoint.check_resume_world(saved, trainer.strategy, launched_world_size())
+        checkpoint.check_resume_world(saved, trainer.parallelism, launched_world_size())
     if folder.resolve() != Path(config.output_dir).resolve():
         raise ConfigError(f"resume={config.resume} continues that run in its own folder, but output_dir is {config.output_dir}")
     checkpoint.check_resume_config(saved.manifest["config"], resolved, config.resume_allow, saved.path)
@@ -240,7 +240,7 @@ class Run:
 
     @property
     def swarm(self) -> bool:
-        return self.config.trainer.strategy == "swarm"
+        return self.config.trainer.parallelism == "swarm"
 
     @property
     def peers(self) -> Any:
@@ -269,15 +269,15 @@ class Run:
 def prepare(cfg: DictConfig, algorithm: Algorithm, started: float) -> Run:
     """A swarm actor's own config, the typed config, the resume point, seeds, processes, data and logger."""
     pool = None
-    if cfg.trainer.strategy == "swarm":  # SAPO's actor: a single-process run with its own seed and folder (training/swarm.py)
+    if cfg.trainer.parallelism == "swarm":  # SAPO's actor: a single-process run with its own seed and folder (training/swarm.py)
         cfg = actor_config(cfg, launched_rank())
     config = typed_config(cfg)
-    if config.trainer.strategy == "swarm" and external_groups(config.trainer):
+    if config.trainer.parallelism == "swarm" and external_groups(config.trainer):
         pool = join_swarm()
     resolved = OmegaConf.to_container(cfg, resolve=True)
     resumed = resume_point(config, resolved, pool)
     seed_everything(config.seed)
-    world = init_world(config.trainer.strategy, resolve_device(config.device))
+    world = init_world(config.trainer.parallelism, resolve_device(config.device))
     device = rank_device(resolve_device(config.device))
     training = config.mode == "train" and config.trainer.steps > 0
     if config.mode == "generate":
@@ -367,7 +367,7 @@ def summarise(run: Run, policy: Policy, final: EvalResult, training_summary: dic
         **({"resumed_from_step": run.resumed.step} if run.resumed else {}),
         "wall_seconds": time.perf_counter() - run.started,
         "device": str(run.device),
-        "strategy": run.world.strategy,
+        "parallelism": run.world.parallelism,
         "world_size": run.world.size,
         "versions": versions(),
         "git_commit": git_commit(),

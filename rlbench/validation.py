@@ -30,7 +30,7 @@ from rlbench.rollout import STRATEGIES
 from rlbench.rollout.guided.difficulty_adaptive import DifficultyOptions
 from rlbench.training.advantage_inputs import validate_step_options
 from rlbench.training.curricula import PROMPT_SAMPLERS, sampler_options
-from rlbench.training.distributed import check_strategy, launched_world_size
+from rlbench.training.distributed import check_parallelism, launched_world_size
 from rlbench.training.reference_soup import validate_reference_soup
 from rlbench.training.stages import parse_stages, stage_settings
 from rlbench.training.swarm import check_swarm
@@ -38,9 +38,9 @@ from rlbench.training.swarm import check_swarm
 
 def registered() -> Registered:
     """What the registries hold, for the schema walk: the algorithm pieces, the rollout strategies
-    (``rollout.<strategy>`` blocks) and the prompt samplers (``trainer.sampler.<name>`` blocks)."""
+    (``rollout.<strategy>`` blocks) and the prompt samplers (``trainer.prompt_sampler.<name>`` blocks)."""
     return Registered(pieces=PIECE_KINDS,
-                      choices={"rollout.strategy": list(STRATEGIES), "trainer.sampler.name": list(PROMPT_SAMPLERS)})
+                      choices={"rollout.strategy": list(STRATEGIES), "trainer.prompt_sampler.name": list(PROMPT_SAMPLERS)})
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def check_batch_arithmetic(prompts_per_step: int, n: int, micro_batch_size: int,
 
 def check_curriculum(cfg: Any, algorithm: Algorithm) -> None:
     """The prompt sampler's options, and the stages (ordered, known keys) with every stage's batch."""
-    sampler_options(typed_node(cfg.trainer, TrainerConfig).sampler)
+    sampler_options(typed_node(cfg.trainer, TrainerConfig).prompt_sampler)
     stages = parse_stages(cfg.trainer.get("stages"), cfg.trainer.steps)
     for stage, settings in zip(stages, stage_settings(cfg, stages)):
         try:
@@ -94,17 +94,17 @@ def check_curriculum(cfg: Any, algorithm: Algorithm) -> None:
 
 
 def check_sharded_run_features(cfg: Any) -> None:
-    """Under trainer.strategy=ddp|fsdp|swarm the asynchronous pipeline is not carried to several
+    """Under trainer.parallelism=ddp|fsdp|swarm the asynchronous pipeline is not carried to several
     processes yet (refused). Under ddp|fsdp every stage's trainer.prompts_per_step must split into
     whole groups per rank. (Prompt samplers work: the ranks gather their groups' statistics every step;
     a swarm's actors are whole runs, each with its own sampler, checkpoints and stages, and
     rlbench.training.swarm.check_swarm checks every stage's shared groups.)"""
-    strategy = cfg.trainer.get("strategy", "single")
+    strategy = cfg.trainer.get("parallelism", "single")
     if strategy == "single":
         return
     if cfg.trainer.get("max_staleness") is not None:
-        raise ConfigError(f"trainer.strategy={strategy} does not support trainer.max_staleness yet; "
-                          "use trainer.strategy=single for it")
+        raise ConfigError(f"trainer.parallelism={strategy} does not support trainer.max_staleness yet; "
+                          "use trainer.parallelism=single for it")
     if strategy == "swarm":  # every actor is a whole run of its own: nothing is split over the ranks
         return
     world_size = launched_world_size()
@@ -312,7 +312,7 @@ def check_run(cfg: Any, origins: ValueOrigins) -> Algorithm:
         algorithm.check_group_size(rollout.n, trainer.prompts_per_step * rollout.n)
         validate_step_options(cfg, algorithm)
         validate_reference_soup(cfg, algorithm.kl_coef)
-        check_strategy(trainer.get("strategy", "single"), trainer.prompts_per_step, algorithm, rollout.get("strategy", "iid"))
+        check_parallelism(trainer.get("strategy", "single"), trainer.prompts_per_step, algorithm, rollout.get("strategy", "iid"))
         check_sharded_run_features(cfg)
         check_swarm(cfg, algorithm)
         validate_spec(cfg.dataset, source=cfg.data_source, data_dir=cfg.data_dir)

@@ -148,6 +148,13 @@ def test_a_new_rollout_strategy_brings_its_block_without_a_schema_edit(make_cfg,
 def test_a_key_that_moved_says_where_to(make_cfg):
     message = refused(make_cfg("experiment=smoke", "+algorithm.dynamic_sampling.enabled=true"))
     assert message.startswith("unknown key 'algorithm.dynamic_sampling': it moved to the rollout strategy")
+    # trainer.strategy became trainer.parallelism ("strategy" is the rollout strategy alone): the override
+    # names the new key, from the command line and from a config file alike
+    from rlbench.config.walk import unknown_override_message
+
+    moved = unknown_override_message(make_cfg("experiment=smoke"), "trainer.strategy", "trainer.strategy=ddp")
+    assert moved.startswith("unknown key 'trainer.strategy': it moved to trainer.parallelism")
+    assert "it moved to trainer.parallelism" in refused(make_cfg("experiment=smoke", "+trainer.strategy=ddp"))
 
 
 def test_validate_config_runs_the_schema_walk_first(make_cfg):

@@ -13,7 +13,7 @@ from rlbench.errors import ConfigError
 from rlbench.reward.math import Grade
 from rlbench.rollout.engines.base import Completion
 from rlbench.rollout.groups import GradedGroups
-from rlbench.config.schema import SamplerConfig
+from rlbench.config.schema import PromptSamplerConfig
 from rlbench.config.typed import typed_node
 from rlbench.training.curricula import HardFocusOptions, PromptSampler, WeightedOptions, hardest, make_prompt_sampler
 from rlbench.training.prompt_stats import PromptStats, PromptStatsStore
@@ -22,9 +22,9 @@ from rlbench.training.stages import parse_stages
 PROBLEMS = [Problem(str(i), f"q{i}", "a") for i in range(6)]
 
 
-def sampler_config(spec: dict) -> SamplerConfig:
-    """``trainer.sampler`` as the run reads it (typed, the settings blocks collected)."""
-    return typed_node(OmegaConf.create(spec), SamplerConfig)
+def sampler_config(spec: dict) -> PromptSamplerConfig:
+    """``trainer.prompt_sampler`` as the run reads it (typed, the settings blocks collected)."""
+    return typed_node(OmegaConf.create(spec), PromptSamplerConfig)
 
 
 def table(rates):
@@ -114,7 +114,7 @@ def test_sampler_state_round_trip_continues_identically():
 
 
 @pytest.mark.parametrize("sampler, message", [
-    ({"name": "easiest"}, "trainer.sampler.name='easiest' is unknown"),
+    ({"name": "easiest"}, "trainer.prompt_sampler.name='easiest' is unknown"),
     ({"name": "weighted", "weighted": {"widht": 1}}, r"has no key\(s\) \['widht'\]"),
     ({"name": "weighted", "weighted": {"width": 0}}, "width > 0"),
     ({"name": "hard_focus", "hard_focus": {"keep_fraction": 0}}, "keep_fraction in"),
@@ -158,7 +158,7 @@ def test_a_stage_changes_the_group_size_and_length_from_its_step_on(make_cfg):
 
     from rlbench.runner import run
 
-    cfg = make_cfg("experiment=smoke", "trainer.steps=3", "eval.before_training=false", "sampler=hard_focus",
+    cfg = make_cfg("experiment=smoke", "trainer.steps=3", "eval.before_training=false", "prompt_sampler=hard_focus",
                    "trainer.stages=[{at:2,rollout:{n:3,max_new_tokens:4}}]")
     run(cfg)
     steps = [json.loads(line) for line in open(f"{cfg.output_dir}/metrics.jsonl")]

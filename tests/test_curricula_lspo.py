@@ -1,4 +1,4 @@
-"""LSPO's length-aware sampler (sampler=lspo, rlbench/training/curricula.py): its prompt distribution
+"""LSPO's length-aware sampler (prompt_sampler=lspo, rlbench/training/curricula.py): its prompt distribution
 against the formula on a hand-made statistics table of mean response lengths."""
 
 import numpy as np
@@ -53,7 +53,7 @@ def test_bad_lspo_quantiles_are_refused(block):
 def test_lspo_sampler_and_the_open_rs_recipe_run_from_the_cli(tmp_path):
     from conftest import smoke_cli_steps
 
-    steps = smoke_cli_steps(tmp_path / "lspo", "sampler=lspo", "trainer.steps=3", "eval.before_training=false")
+    steps = smoke_cli_steps(tmp_path / "lspo", "prompt_sampler=lspo", "trainer.steps=3", "eval.before_training=false")
     assert len(steps) == 3
     steps = smoke_cli_steps(tmp_path / "open_rs", "algorithm=open_rs", "trainer.steps=1", "trainer.prompts_per_step=2",
                             "trainer.micro_batch_size=6", "eval.before_training=false")

@@ -51,7 +51,7 @@ PAPER_OUTCOMES = {
     "m2po": "exercised",  # the authors' script: 4 mini-batches (its stale data is not reproduced)
     "mdpo": "exercised",  # the paper's 10 SGD steps per batch
     "rec": "notice",  # the example trains on 20-step stale data; the preset keeps fresh rollouts
-    "sapo": "notice",  # the paper's update schedule was not found
+    "soft_sapo": "notice",  # the paper's update schedule was not found
     "spo_simple": "exercised",  # PPO's loop with SPO's penalty: PPO's 3 epochs x 4 mini-batches stand in
 }
 

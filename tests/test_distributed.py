@@ -19,7 +19,7 @@ from rlbench.training.forward import batch_outputs
 from rlbench.training.distributed import (
     World,
     check_shardable,
-    check_strategy,
+    check_parallelism,
     full_model_state,
     full_optimizer_state,
     global_counts,
@@ -164,7 +164,7 @@ def test_two_ranks_give_the_one_process_update(two_ranks, strategy, aggregation)
 def test_both_ranks_write_one_checkpoint_with_sharded_state_that_loads_back(two_ranks):
     manifest, returned = two_ranks["checkpoint"]
     assert returned == [manifest, manifest]  # every rank returns once the manifest is written
-    assert (manifest["strategy"], manifest["world_size"]) == ("fsdp", 2) and len(manifest["rank_write_seconds"]) == 2
+    assert (manifest["parallelism"], manifest["world_size"]) == ("fsdp", 2) and len(manifest["rank_write_seconds"]) == 2
     assert {"state.pt", "state.rank1.pt", "sharded/.metadata", "sharded/__0_0.distcp", "sharded/__1_0.distcp"} == set(
         manifest["files"])  # no rank wrote the whole model
     assert two_ranks["rank1_state"] == {"rank": 1}
@@ -244,28 +244,28 @@ def test_bad_strategies_are_refused_before_loading(monkeypatch):
     grpo = algo("token_mean")
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match="world size 3 does not divide trainer.prompts_per_step=8"):
-        check_strategy("ddp", 8, grpo, "iid")
-    with pytest.raises(ConfigError, match="trainer.strategy=single"):
-        check_strategy("single", 9, grpo, "iid")
+        check_parallelism("ddp", 8, grpo, "iid")
+    with pytest.raises(ConfigError, match="trainer.parallelism=single"):
+        check_parallelism("single", 9, grpo, "iid")
     with pytest.raises(ConfigError, match="rollout=dynamic_sampling"):
-        check_strategy("fsdp", 9, grpo, "dynamic_sampling")
+        check_parallelism("fsdp", 9, grpo, "dynamic_sampling")
     with pytest.raises(ConfigError, match="unknown"):
-        check_strategy("deepspeed", 9, grpo, "iid")
-    check_strategy("ddp", 9, grpo, "iid")
+        check_parallelism("deepspeed", 9, grpo, "iid")
+    check_parallelism("ddp", 9, grpo, "iid")
 
 
 def test_samplers_and_stages_run_on_several_ranks_when_the_stages_batches_split(make_cfg, monkeypatch):
     from rlbench.validation import validate_config
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    common = ["experiment=smoke", "trainer.strategy=ddp", "trainer.steps=3", "sampler=hard_focus",
+    common = ["experiment=smoke", "trainer.parallelism=ddp", "trainer.steps=3", "prompt_sampler=hard_focus",
               "trainer.checkpoint_every=1"]
     validate_config(make_cfg(*common, "trainer.stages=[{at:2,trainer.prompts_per_step:4}]"))
     with pytest.raises(ConfigError, match="from trainer.stages at step 3: the world size 2 does not divide "
                                           "trainer.prompts_per_step=3"):
         validate_config(make_cfg(*common, "trainer.stages=[{at:3,trainer.prompts_per_step:3}]"))
     with pytest.raises(ConfigError, match="does not support trainer.max_staleness"):
-        validate_config(make_cfg("experiment=smoke", "trainer.strategy=fsdp", "trainer.max_staleness=1"))
+        validate_config(make_cfg("experiment=smoke", "trainer.parallelism=fsdp", "trainer.max_staleness=1"))
 
 
 def test_fsdp_refuses_a_model_too_small_to_shard():
@@ -299,12 +299,12 @@ def test_torchrun_two_processes_write_one_run_with_the_evaluation_of_one_process
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node", "2", "-m", "rlbench.cli", *common,
-         "trainer.strategy=ddp", f"hydra.run.dir={two}"],
+         "trainer.parallelism=ddp", f"hydra.run.dir={two}"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((two / "summary.json").read_text())
-    assert (summary["strategy"], summary["world_size"]) == ("ddp", 2)
+    assert (summary["parallelism"], summary["world_size"]) == ("ddp", 2)
     assert json.loads((two / "status.json").read_text())["status"] == "finished"
     assert len((two / "metrics.jsonl").read_text().splitlines()) == 1  # one writer: one line per step
     one = tmp_path / "one"

@@ -1,4 +1,4 @@
-"""Checkpoints and exact resume under torchrun (trainer.strategy=ddp|fsdp, 2 ranks, gloo on CPU,
+"""Checkpoints and exact resume under torchrun (trainer.parallelism=ddp|fsdp, 2 ranks, gloo on CPU,
 the tiny model): a run killed with SIGKILL mid-update or mid-checkpoint, or stopped by a signal that
 reached one rank only, and resumed gives the metrics and evaluation files of the 2-rank run that was
 never interrupted, bit for bit; a checkpoint resumes only on the world size and strategy that wrote
@@ -16,12 +16,12 @@ TWO_RANKS = ["experiment=smoke", "logger=files", "trainer.steps=3", "trainer.che
              "trainer.save_model=false"]
 # ddp's runs also draw prompts by their statistics (gathered over the ranks) and enter a stage at step 3,
 # so the resumed run must restore the statistics and the stage as well
-EXTRA = {"ddp": ["sampler=weighted", "trainer.stages=[{at:3,rollout.n:4}]"], "fsdp": []}
+EXTRA = {"ddp": ["prompt_sampler=weighted", "trainer.stages=[{at:3,rollout.n:4}]"], "fsdp": []}
 
 
 def run_two_ranks(run_dir, strategy=None, kill_at=None):
     """A new 2-rank run with ``strategy``, or (no strategy) the run in ``run_dir`` resumed on 2 ranks."""
-    args = [*TWO_RANKS, f"trainer.strategy={strategy}", *EXTRA[strategy]] if strategy else [f"resume={run_dir}"]
+    args = [*TWO_RANKS, f"trainer.parallelism={strategy}", *EXTRA[strategy]] if strategy else [f"resume={run_dir}"]
     return run_cli(args, run_dir, kill_at=kill_at, processes=2)
 
 
@@ -50,7 +50,7 @@ def resume_to_the_end(run_dir, resumed_from):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = summary_of(run_dir)
     assert summary["status"] == "finished" and summary["resumed_from_step"] == resumed_from
-    assert (summary["strategy"], summary["world_size"]) == (checkpoint.latest_checkpoint(run_dir).manifest["strategy"], 2)
+    assert (summary["parallelism"], summary["world_size"]) == (checkpoint.latest_checkpoint(run_dir).manifest["parallelism"], 2)
 
 
 @pytest.mark.slow
@@ -88,7 +88,7 @@ def test_fsdp_stopped_by_a_signal_on_one_rank_then_killed_mid_checkpoint_resumes
 def test_resume_refuses_another_world_size_and_a_folder_without_checkpoint(uninterrupted, tmp_path):
     run_dir = tmp_path / "copy"
     shutil.copytree(uninterrupted("ddp"), run_dir)
-    one = run_cli([f"resume={run_dir}"], run_dir)  # one process: trainer.strategy=ddp on a world of one rank
+    one = run_cli([f"resume={run_dir}"], run_dir)  # one process: trainer.parallelism=ddp on a world of one rank
     assert one.returncode == 2 and "by 2 process(es)" in one.stderr and "--nproc_per_node 2" in one.stderr
     assert "[train]" not in one.stderr  # refused before any training
     empty = tmp_path / "empty"

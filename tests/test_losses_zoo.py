@@ -24,7 +24,7 @@ from rlbench.algorithm.losses import (
 
 LOSS_DIR = Path(__file__).resolve().parents[1] / "conf" / "algorithm" / "loss"
 ZOO = [
-    "ppo_clip", "gspo", "gspo_token", "gmpo", "cispo_upper", "cispo_two_sided", "sapo", "reinforce",
+    "ppo_clip", "gspo", "gspo_token", "gmpo", "cispo_upper", "cispo_two_sided", "soft_sapo", "reinforce",
     "clip_cov", "kl_cov", "ce_gppo", "spo_simple", "m2po", "intellect2", "mdpo", "ppo_ewma", "dppo",
     "hapo", "aepo", "degrpo", "rec", "opmd", "asymre", "is_surrogate",
 ]
@@ -133,9 +133,9 @@ def test_missing_extra_input_is_a_config_error():
 
 # Parameters under which the gradient at ratio 1 is exactly the REINFORCE gradient -A grad logp.
 # (Losses whose gradient at ratio 1 differs by a known factor are checked in their own tests:
-# sapo's value 2/tau, hapo, aepo, asymre, degrpo; gspo and gmpo need their aggregation.)
+# soft_sapo's value 2/tau, hapo, aepo, asymre, degrpo; gspo and gmpo need their aggregation.)
 REINFORCE_AT_RATIO_ONE = {
-    "ppo_clip": {}, "gspo_token": {}, "cispo_upper": {}, "cispo_two_sided": {}, "sapo": {},
+    "ppo_clip": {}, "gspo_token": {}, "cispo_upper": {}, "cispo_two_sided": {}, "soft_sapo": {},
     "reinforce": {}, "clip_cov": {}, "kl_cov": {}, "ce_gppo": {}, "spo_simple": {}, "m2po": {},
     "intellect2": {}, "mdpo": {}, "ppo_ewma": {}, "dppo": {}, "rec": {}, "opmd": {}, "is_surrogate": {},
     "rec_one_side_is": {"clip_mode": "one_side", "weighting": "importance"},
@@ -376,7 +376,7 @@ def test_sapo_soft_gate():
     # (f'(rho) = sig'(tau(rho-1)) * tau * 4/tau = 4 sig'; dl/dlogp = -A f'(rho) rho)
     logp = ratio_logp([[1.5, 0.5]])
     adv = t([[1.0, -2.0]])
-    matrix, _ = POLICY_LOSSES.get("sapo")(logp, torch.full_like(logp, OLD), adv, torch.ones(1, 2, dtype=F64))
+    matrix, _ = POLICY_LOSSES.get("soft_sapo")(logp, torch.full_like(logp, OLD), adv, torch.ones(1, 2, dtype=F64))
     d = lambda x: _sig(x) * (1 - _sig(x))  # noqa: E731
     assert torch.allclose(matrix, t([[-4 * _sig(0.5), 2 * _sig(-0.525) * 4 / 1.05]]))
     assert torch.allclose(grad(matrix, logp), t([[-4 * d(0.5) * 1.5, 2 * 4 * d(-0.525) * 0.5]]))
@@ -385,7 +385,7 @@ def test_sapo_soft_gate():
 def test_sapo_at_ratio_one_value_is_two_over_tau_and_slope_is_one():
     logp = ratio_logp([[1.0, 1.0]])
     adv = t([[0.5, -3.0]])
-    matrix, _ = POLICY_LOSSES.get("sapo")(logp, logp.detach(), adv, torch.ones(1, 2, dtype=F64), tau_pos=1.0, tau_neg=1.05)
+    matrix, _ = POLICY_LOSSES.get("soft_sapo")(logp, logp.detach(), adv, torch.ones(1, 2, dtype=F64), tau_pos=1.0, tau_neg=1.05)
     assert torch.allclose(matrix, t([[-0.5 * 2 / 1.0, 3.0 * 2 / 1.05]]))  # -A * 2/tau
     assert torch.allclose(grad(matrix, logp), -adv)  # gate slope sig'(0) * 4 = 1
 

@@ -38,7 +38,7 @@ PAPERS = sorted(path.stem for path in PAPER_DIR.glob("*.yaml"))
 
 # One file per paper preset this file was written against (issue 3, "Presets").
 EXPECTED = {
-    "grpo", "dr_grpo", "dapo", "gspo", "gmpo", "cispo", "sapo", "rloo", "reinforce_pp", "opo", "gpg",
+    "grpo", "dr_grpo", "dapo", "gspo", "gmpo", "cispo", "soft_sapo", "rloo", "reinforce_pp", "opo", "gpg",
     "ngrpo", "edge_grpo", "gtpo", "grpo_s", "ce_gppo", "clip_cov", "kl_cov", "m2po", "mdpo", "spo_simple",
     "dppo", "hapo", "aepo", "intellect2", "rec",
     # presets written by colleagues at the same time: tested once conf/algorithm/<name>.yaml exists
@@ -220,7 +220,7 @@ def test_paper_composes_and_validates(paper_cfg, name, monkeypatch):
         except DataError:
             pytest.skip("shared data directory not present (needed to validate jsonl datasets)")
     monkeypatch.setattr(fit, "device_memory_bytes", lambda device: 2**60)  # every model fits here
-    if cfg.trainer.strategy == "swarm":  # a swarm's actors are torchrun processes (paper=sapo_swarm: 8)
+    if cfg.trainer.parallelism == "swarm":  # a swarm's actors are torchrun processes (paper=sapo_swarm: 8)
         monkeypatch.setenv("WORLD_SIZE", "8")
     try:
         validate_config(cfg)

@@ -23,7 +23,7 @@ PRESETS = sorted(path.stem for path in (ROOT / "conf" / "algorithm").glob("*.yam
 
 # Presets this file was written against (others added later are tested too, via PRESETS).
 EXPECTED = {
-    "grpo", "dr_grpo", "dapo", "gspo", "gmpo", "cispo", "sapo", "rloo", "reinforce_pp", "opo", "gpg",
+    "grpo", "dr_grpo", "dapo", "gspo", "gmpo", "cispo", "soft_sapo", "rloo", "reinforce_pp", "opo", "gpg",
     "ngrpo", "edge_grpo", "gtpo", "grpo_s", "ce_gppo", "clip_cov", "kl_cov", "m2po", "mdpo", "spo_simple",
     "dppo", "hapo", "aepo", "intellect2", "rec", "thinkless", "ppo", "trpo", "sfpo", "ppo_ewma",
     "remax", "pvpo", "spo", "polychromic", "two_grpo",

@@ -171,9 +171,9 @@ def test_a_kill_point_for_one_rank_signals_that_rank_only(monkeypatch):
 
 def test_a_checkpoint_resumes_only_on_its_strategy_and_world_size(tmp_path):
     saved = checkpoint.save_checkpoint(tmp_path, 2, {}, {})  # a single process: strategy single, 1 rank
-    assert (saved.manifest["strategy"], saved.manifest["world_size"]) == ("single", 1)
+    assert (saved.manifest["parallelism"], saved.manifest["world_size"]) == ("single", 1)
     checkpoint.check_resume_world(saved, "single", 1)
-    with pytest.raises(ConfigError, match=r"trainer.strategy=single by 1 process\(es\), but this run has trainer.strategy=ddp and 2"):
+    with pytest.raises(ConfigError, match=r"trainer.parallelism=single by 1 process\(es\), but this run has trainer.parallelism=ddp and 2"):
         checkpoint.check_resume_world(saved, "ddp", 2)
     two_ranks = checkpoint.Checkpoint(saved.path, {**saved.manifest, "strategy": "fsdp", "world_size": 2})
     checkpoint.check_resume_world(two_ranks, "fsdp", 2)

@@ -1,4 +1,4 @@
-"""SAPO's swarm (trainer.strategy=swarm, rlbench/training/swarm.py): actors with their own policies
+"""SAPO's swarm (trainer.parallelism=swarm, rlbench/training/swarm.py): actors with their own policies
 sharing rollouts. Shared groups keep their origin and are off-policy samples of their sender (pi_old =
 the sender's sampling log-probs, never the receiver's); the draw is a function of the seed; with J = 0
 an actor is the single-process run of its seed; bad settings are refused before anything loads. The
@@ -38,22 +38,22 @@ SMOKE = ["experiment=smoke", "trainer.steps=2", "eval.before_training=false", "l
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["trainer.strategy=swarm", "trainer.swarm.external=1"], "the swarm has one actor"),
-    (["trainer.swarm.external=1"], "set trainer.strategy=swarm"),
+    (["trainer.parallelism=swarm", "trainer.swarm.external=1"], "the swarm has one actor"),
+    (["trainer.swarm.external=1"], "set trainer.parallelism=swarm"),
 ])
 def test_swarm_settings_are_refused_by_validation(make_cfg, overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate_config(make_cfg("experiment=smoke", *overrides))
-    validate_config(make_cfg("experiment=smoke", "trainer.strategy=swarm"))  # J = 0: one actor is a plain run
+    validate_config(make_cfg("experiment=smoke", "trainer.parallelism=swarm"))  # J = 0: one actor is a plain run
 
 
 def test_a_swarm_actor_checkpoints_and_takes_samplers_and_stages_but_not_staleness(make_cfg):
     # every actor is a whole run: its own checkpoints, prompt sampler and stages (tests below and
     # test_torchrun_swarm_stopped_killed_and_resumed_gives_the_uninterrupted_run)
-    validate_config(make_cfg("experiment=smoke", "trainer.strategy=swarm", "trainer.checkpoint_every=1", "sampler=weighted",
+    validate_config(make_cfg("experiment=smoke", "trainer.parallelism=swarm", "trainer.checkpoint_every=1", "prompt_sampler=weighted",
                              "trainer.stages=[{at: 2, rollout.n: 4}]"))
-    with pytest.raises(ConfigError, match="trainer.strategy=swarm does not support trainer.max_staleness"):
-        validate_config(make_cfg("experiment=smoke", "trainer.strategy=swarm", "trainer.max_staleness=0"))
+    with pytest.raises(ConfigError, match="trainer.parallelism=swarm does not support trainer.max_staleness"):
+        validate_config(make_cfg("experiment=smoke", "trainer.parallelism=swarm", "trainer.max_staleness=0"))
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -68,7 +68,7 @@ def test_a_swarm_actor_checkpoints_and_takes_samplers_and_stages_but_not_stalene
      r"from trainer.stages at step 2: .* publish \(N-1\) \* I = 1 groups"),
 ])
 def test_group_arithmetic_and_what_cannot_be_shared_are_refused(make_cfg, overrides, message):
-    cfg = make_cfg("experiment=smoke", "trainer.strategy=swarm", *overrides)
+    cfg = make_cfg("experiment=smoke", "trainer.parallelism=swarm", *overrides)
     with pytest.raises(ConfigError, match=message):
         check_swarm(cfg, Algorithm.from_config(cfg.algorithm), actors=2)
 
@@ -133,7 +133,7 @@ def test_a_swarm_resumes_from_the_newest_step_every_actor_has_a_checkpoint_of(tm
     from rlbench.runner import resume_point
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    swarm = compose_config([*SMOKE, "trainer.steps=4", "trainer.strategy=swarm", "trainer.swarm.external=1",
+    swarm = compose_config([*SMOKE, "trainer.steps=4", "trainer.parallelism=swarm", "trainer.swarm.external=1",
                             f"resume={tmp_path}"], tmp_path)
     actors = [actor_config(swarm, a) for a in range(2)]
     resolved = [OmegaConf.to_container(cfg, resolve=True) for cfg in actors]
@@ -169,9 +169,9 @@ def test_a_swarm_resumes_only_with_the_actors_and_shared_groups_that_wrote_it(ac
 def test_resume_of_a_swarm_folder_reads_actor_zeros_overrides(tmp_path):
     from rlbench.cli import resume_arguments
 
-    checkpoint.save_checkpoint(actor_folder(tmp_path, 0), 2, {"state.pt": {}}, {"overrides": ["trainer.strategy=swarm"]})
+    checkpoint.save_checkpoint(actor_folder(tmp_path, 0), 2, {"state.pt": {}}, {"overrides": ["trainer.parallelism=swarm"]})
     assert checkpoint_home(tmp_path) == actor_folder(tmp_path, 0)
-    assert resume_arguments([f"resume={tmp_path}"]) == ["trainer.strategy=swarm", f"resume={tmp_path.resolve()}",
+    assert resume_arguments([f"resume={tmp_path}"]) == ["trainer.parallelism=swarm", f"resume={tmp_path.resolve()}",
                                                         f"hydra.run.dir={tmp_path.resolve()}"]
 
 
@@ -190,7 +190,7 @@ def test_an_actors_prompt_statistics_count_its_own_groups_only(make_cfg):
     grades = [Grade(reward=float(c), correct=bool(c), format_ok=True, extracted=None) for c in (1, 0, 1, 1)]
     outcome = torch.tensor([1.0, 0.0, 1.0, 1.0])
     graded = GradedGroups([mine, theirs], [own, shared], grades, outcome, outcome, torch.ones(4, dtype=torch.bool), [0, 1])
-    config = typed_config(make_cfg("experiment=smoke", "trainer.strategy=swarm", "sampler=weighted"))
+    config = typed_config(make_cfg("experiment=smoke", "trainer.parallelism=swarm", "prompt_sampler=weighted"))
     curriculum = Curriculum(config.trainer, config.seed, [mine])
     curriculum.observe(1, graded)
     stats = curriculum.stats.get("arith/train/0")
@@ -200,7 +200,7 @@ def test_an_actors_prompt_statistics_count_its_own_groups_only(make_cfg):
 
 
 def test_an_actor_has_its_own_seed_and_folder(make_cfg):
-    cfg = make_cfg("experiment=smoke", "trainer.strategy=swarm")
+    cfg = make_cfg("experiment=smoke", "trainer.parallelism=swarm")
     zero, one = actor_config(cfg, 0), actor_config(cfg, 1)
     assert (zero.seed, Path(zero.output_dir).name) == (cfg.seed, "actor0")  # actor 0: the single run of seed
     assert (one.seed, Path(one.output_dir).name) == (rank_stream_seed(cfg.seed, 1), "actor1")
@@ -209,7 +209,7 @@ def test_an_actor_has_its_own_seed_and_folder(make_cfg):
 
 def actor(tmp_path, index: int, store, external: int = 1):
     """Actor ``index`` of two (a step context on the tiny model) with its swarm rollout on ``store``."""
-    cfg = actor_config(compose_config(["experiment=smoke", "trainer.strategy=swarm", f"trainer.swarm.external={external}"],
+    cfg = actor_config(compose_config(["experiment=smoke", "trainer.parallelism=swarm", f"trainer.swarm.external={external}"],
                                       tmp_path), index)
     model, tokenizer = load_policy(cfg.model, device=torch.device("cpu"), dtype=torch.float32, seed=cfg.seed,
                                    cache_dir=cfg.cache_dir)
@@ -283,7 +283,7 @@ def test_without_shared_groups_an_actor_is_the_single_run_of_its_seed(tmp_path, 
 
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    run(compose_config([*SMOKE, "trainer.strategy=swarm"], tmp_path / "swarm"))  # actor 1 of 2, J = 0
+    run(compose_config([*SMOKE, "trainer.parallelism=swarm"], tmp_path / "swarm"))  # actor 1 of 2, J = 0
     monkeypatch.delenv("RANK")
     monkeypatch.delenv("WORLD_SIZE")
     run(compose_config([*SMOKE, f"seed={rank_stream_seed(0, 1)}"], tmp_path / "single"))
@@ -294,9 +294,9 @@ def test_without_shared_groups_an_actor_is_the_single_run_of_its_seed(tmp_path, 
 
 
 SWARM = [*SMOKE, "trainer.steps=3", "trainer.checkpoint_every=2", "eval.before_training=true", "eval.n=1", "eval.k=[1]",
-         "eval.limit=1", "trainer.strategy=swarm", "trainer.swarm.external=1",
+         "eval.limit=1", "trainer.parallelism=swarm", "trainer.swarm.external=1",
          # each actor draws prompts by its own groups' statistics and enters a stage at step 3 (group size 4)
-         "sampler=weighted", "trainer.stages=[{at:3,rollout.n:4}]"]
+         "prompt_sampler=weighted", "trainer.stages=[{at:3,rollout.n:4}]"]
 
 
 @pytest.fixture(scope="module")

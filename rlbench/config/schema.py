@@ -18,7 +18,7 @@ Field metadata:
                 (advantage, loss, aggregation, reward_shaping); its parameters are checked against
                 the function's signature at run time, so a new piece needs no schema edit
   settings_blocks  the key names a registered choice, and each choice may have a block of settings
-                beside it named after it (``rollout.<strategy>``, ``trainer.sampler.<name>``), allowed only
+                beside it named after it (``rollout.<strategy>``, ``trainer.prompt_sampler.<name>``), allowed only
                 with that choice; the choice's own options class checks the block's keys
   derived       not a config key: filled by the conversion to these dataclasses (rlbench/config/typed.py),
                 e.g. the settings blocks of a settings_blocks choice
@@ -250,6 +250,8 @@ PIECE_PARAMETER_BOUNDS = {
 
 # Keys that moved: the unknown-key message says where to.
 MOVED_KEYS = {
+    "trainer.strategy": "trainer.parallelism (single | ddp | fsdp | swarm): renamed so that 'strategy' names the rollout "
+    "strategy alone (rollout=<strategy>)",
     "algorithm.dynamic_sampling": "the rollout strategy: select rollout=dynamic_sampling and set "
     "rollout.dynamic_sampling.max_rounds / .metric (algorithm=dapo selects it; rollout=iid turns it off)",
 }
@@ -259,8 +261,8 @@ MOVED_KEYS = {
 
 
 @dataclass
-class SamplerConfig:
-    """``trainer.sampler`` (``sampler=<name>``): which prompts each step trains on (rlbench/training/curricula.py)."""
+class PromptSamplerConfig:
+    """``trainer.prompt_sampler`` (``prompt_sampler=<name>``): which prompts each step trains on (rlbench/training/curricula.py)."""
 
     name: str = knob(
         "uniform", "prompt sampler: uniform (shuffled passes) | weighted (by pass rate) | hard_focus (DRIVE) | lspo (length extremes)",
@@ -271,7 +273,7 @@ class SamplerConfig:
 
 @dataclass
 class SwarmConfig:
-    """``trainer.swarm``: SAPO's swarm (arXiv:2509.08721), with trainer.strategy=swarm (docs/scaling.md)."""
+    """``trainer.swarm``: SAPO's swarm (arXiv:2509.08721), with trainer.parallelism=swarm (docs/scaling.md)."""
 
     external: int = knob(
         0, "J: groups per step taken from what the other actors published (their decoded text, off-policy with "
@@ -295,7 +297,7 @@ class TrainerConfig:
         None, "write a checkpoint (weights, optimizer, random streams, all training state) every N steps and after "
         "the last, into <run>/checkpoints/; null: only when the run is interrupted (docs/resume.md)", ge=1)
     keep_checkpoints: int = knob(2, "keep the last K checkpoints (an unreadable newest one falls back to the previous)", ge=1)
-    sampler: SamplerConfig = node(SamplerConfig, "which prompts each step trains on (sampler=<name>, conf/sampler/)")
+    prompt_sampler: PromptSamplerConfig = node(PromptSamplerConfig, "which prompts each step trains on (prompt_sampler=<name>, conf/prompt_sampler/)")
     stages: list = knob(
         [], "[{at: step, rollout.n: .., rollout.max_new_tokens: .., rollout.temperature: .., trainer.prompts_per_step: ..}]: "
         "settings that change from step `at` on (strictly increasing steps)"
@@ -309,11 +311,11 @@ class TrainerConfig:
         "multiple of j; needs max_staleness >= j - 1); 1: every version", ge=1
     )
     generator_threads: Optional[int] = knob(None, "torch threads of the generator thread (max_staleness set); null: the process's", ge=1)
-    strategy: Literal["single", "ddp", "fsdp", "swarm"] = knob(
+    parallelism: Literal["single", "ddp", "fsdp", "swarm"] = knob(
         "single", "single: one process | ddp: DistributedDataParallel | fsdp: FSDP2 fully_shard | swarm: SAPO's "
         "independent actors sharing rollouts (trainer.swarm); ddp/fsdp/swarm under torchrun (docs/scaling.md)"
     )
-    swarm: SwarmConfig = node(SwarmConfig, "SAPO's swarm: shared groups per step (trainer.strategy=swarm)")
+    swarm: SwarmConfig = node(SwarmConfig, "SAPO's swarm: shared groups per step (trainer.parallelism=swarm)")
     gradient_checkpointing: bool = knob(False, "recompute activations in the backward pass (less memory, ~1/3 more compute)")
     reuse_freed_memory: bool = knob(
         True, "CPU training: keep freed memory in the process heap (glibc mallopt) instead of unmapping it: large "

@@ -5,7 +5,7 @@ Every default is the schema's: a key the composed config leaves out takes the fi
 so no reader repeats it. Nodes become their dataclass; open-ended values stay plain containers: the
 algorithm's pieces (``{name, <parameters>}``, checked against the registered function), mappings
 marked ``open`` (dataset field maps, LlamaConfig fields, paper metadata) and lists. The settings
-blocks of a ``settings_blocks`` choice (``rollout.<strategy>``, ``trainer.sampler.<name>``) are
+blocks of a ``settings_blocks`` choice (``rollout.<strategy>``, ``trainer.prompt_sampler.<name>``) are
 collected into the node's ``settings`` field, a mapping from the choice to its block.
 """
 

@@ -233,6 +233,9 @@ def unknown_override_message(cfg: DictConfig, key_path: str, override: str) -> s
             return None
         if part not in node.keys():  # not `part in node`: False for a required value (???) an override sets
             parent = ".".join(parts[:depth])
+            if _join(parent, part) in MOVED_KEYS:
+                return (f"unknown key '{_join(parent, part)}': it moved to {MOVED_KEYS[_join(parent, part)]} "
+                        f"(set by the command-line override '{override}')")
             valid = sorted(str(k) for k in node.keys())
             suggestion = nearest(part, valid)
             hint = f"did you mean '{suggestion}'? " if suggestion else ""

@@ -89,7 +89,7 @@ def evaluate(
     comparison), and a benchmark's samples do not depend on the other benchmarks of the suite. A
     benchmark without problems (allowed by its ``allow_empty``) gets rows marked ``empty``.
 
-    ``world`` (rlbench.training.distributed.World, trainer.strategy=ddp|fsdp): each rank samples
+    ``world`` (rlbench.training.distributed.World, trainer.parallelism=ddp|fsdp): each rank samples
     and grades its share of every benchmark's problems (``shard_padded``: the same number on every
     rank), and the shares are gathered back into the problems' order before the summary, which
     is therefore the one a single process computes.

@@ -214,7 +214,7 @@ class RunLogger:
 
 
 class SilentLogger:
-    """The logger of ranks other than 0 under trainer.strategy=ddp|fsdp: only rank 0 writes result
+    """The logger of ranks other than 0 under trainer.parallelism=ddp|fsdp: only rank 0 writes result
     files and logs to wandb; the other ranks call the same methods, which do nothing."""
 
     run_id = None

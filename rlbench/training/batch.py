@@ -194,7 +194,7 @@ def micro_batches(rows: torch.Tensor, micro_batch_size: int) -> list[torch.Tenso
 
 def batch_norms(batch: TrainBatch, rows: torch.Tensor, norm_length: int) -> dict[str, int]:
     """The optimizer batch's counts every aggregation normalises by (see rlbench.algorithm.aggregation);
-    under trainer.strategy=ddp|fsdp summed over the ranks, so the loss is one function of the whole
+    under trainer.parallelism=ddp|fsdp summed over the ranks, so the loss is one function of the whole
     batch (rlbench.training.distributed)."""
     tokens, sequences = global_counts(int(batch.response_mask[rows].sum().item()), len(rows))
     return {"batch_tokens": tokens, "batch_sequences": sequences, "norm_length": norm_length}

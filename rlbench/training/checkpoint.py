@@ -112,15 +112,15 @@ def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folde
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
-def check_resume_world(saved: "Checkpoint", strategy: str, world_size: int) -> None:
-    """A checkpoint continues on the strategy and the number of processes that wrote it: each rank
+def check_resume_world(saved: "Checkpoint", parallelism: str, world_size: int) -> None:
+    """A checkpoint continues on the parallelism (trainer.parallelism) and the number of processes that wrote it: each rank
     resumes its own random streams (and, under fsdp, its own shards)."""
-    written = (saved.manifest.get("strategy", "single"), int(saved.manifest.get("world_size", 1)))
-    if written != (strategy, world_size):
+    written = (saved.manifest.get("parallelism", saved.manifest.get("parallelism", "single")), int(saved.manifest.get("world_size", 1)))
+    if written != (parallelism, world_size):
         raise ConfigError(
-            f"resume: checkpoint {saved.path} was written with trainer.strategy={written[0]} by {written[1]} "
-            f"process(es), but this run has trainer.strategy={strategy} and {world_size} process(es); resume "
-            f"with the same strategy and world size (torchrun --nproc_per_node {written[1]} for ddp / fsdp)"
+            f"resume: checkpoint {saved.path} was written with trainer.parallelism={written[0]} by {written[1]} "
+            f"process(es), but this run has trainer.parallelism={parallelism} and {world_size} process(es); resume "
+            f"with the same trainer.parallelism and world size (torchrun --nproc_per_node {written[1]} for ddp / fsdp)"
         )
 
 
@@ -291,7 +291,7 @@ def save_checkpoint(run_dir: str | Path, step: int, files: Mapping[str, Any], ma
         record = None
         if world.is_main:
             record = {**manifest, "format": FORMAT, "step": int(step), "files": _file_sizes(tmp),
-                      "strategy": world.strategy, "world_size": world.size,
+                      "parallelism": world.parallelism, "world_size": world.size,
                       "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "write_seconds": max(seconds),
                       "rank_write_seconds": seconds}
             atomic_write_json(tmp / MANIFEST, record)

@@ -2,13 +2,13 @@
 
 * The per-prompt statistics (rlbench.training.prompt_stats.PromptStatsStore): the curriculum feeds
   it every step's graded groups; prompt samplers read it.
-* Prompt samplers (``sampler=<name>``, the node ``trainer.sampler``): ``uniform`` (the default:
+* Prompt samplers (``prompt_sampler=<name>``, the node ``trainer.prompt_sampler``): ``uniform`` (the default:
   shuffled passes, :class:`PromptSampler`), ``weighted`` (draw by pass rate:
   a Gaussian around a target pass rate, or easy / medium / hard bucket weights) and ``hard_focus``
   (DRIVE's stage-2 rule: after every phase, keep the hardest share of the pool), ``lspo`` (prompts whose
   mean response length is at the extremes, LSPO). Each has
   ``next(count)``, ``state_dict()`` and ``load_state_dict()``; a new one is a class registered with
-  :func:`register_prompt_sampler` and a YAML in conf/sampler/.
+  :func:`register_prompt_sampler` and a YAML in conf/prompt_sampler/.
 * Stages (``trainer.stages``, parsed by rlbench.training.stages): from step ``at`` on, the listed
   settings change; :meth:`Curriculum.prompts` enters a stage at its step (:func:`apply_stage`).
 """
@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from rlbench.config.schema import SamplerConfig, TrainerConfig
+from rlbench.config.schema import PromptSamplerConfig, TrainerConfig
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.groups import GradedGroups
@@ -47,13 +47,13 @@ def register_prompt_sampler(name: str) -> Callable[[type], type]:
     return register
 
 
-def sampler_options(sampler: SamplerConfig | None) -> tuple[type, Any]:
-    """The sampler class named by ``trainer.sampler.name`` and its options (the block
-    ``trainer.sampler.<name>``); ConfigError for an unknown name or key. None: the schema's default."""
-    sampler = sampler or SamplerConfig()
+def sampler_options(sampler: PromptSamplerConfig | None) -> tuple[type, Any]:
+    """The sampler class named by ``trainer.prompt_sampler.name`` and its options (the block
+    ``trainer.prompt_sampler.<name>``); ConfigError for an unknown name or key. None: the schema's default."""
+    sampler = sampler or PromptSamplerConfig()
     name = sampler.name
     if name not in PROMPT_SAMPLERS:
-        raise ConfigError(f"trainer.sampler.name={name!r} is unknown; choose one of {sorted(PROMPT_SAMPLERS)} (conf/sampler/)")
+        raise ConfigError(f"trainer.prompt_sampler.name={name!r} is unknown; choose one of {sorted(PROMPT_SAMPLERS)} (conf/prompt_sampler/)")
     cls = PROMPT_SAMPLERS[name]
     if cls.Options is None:
         return cls, None
@@ -61,13 +61,13 @@ def sampler_options(sampler: SamplerConfig | None) -> tuple[type, Any]:
     keys = {f.name for f in dataclasses.fields(cls.Options)}
     unknown = set(block) - keys
     if unknown:
-        raise ConfigError(f"trainer.sampler.{name} has no key(s) {sorted(unknown)}; it takes {sorted(keys)}")
+        raise ConfigError(f"trainer.prompt_sampler.{name} has no key(s) {sorted(unknown)}; it takes {sorted(keys)}")
     options = cls.Options(**block)
     options.check()
     return cls, options
 
 
-def make_prompt_sampler(sampler: SamplerConfig | None, problems: list[Problem], seed: int, stats: PromptStatsStore):
+def make_prompt_sampler(sampler: PromptSamplerConfig | None, problems: list[Problem], seed: int, stats: PromptStatsStore):
     cls, options = sampler_options(sampler)
     return cls.build(problems, seed, stats, options)
 
@@ -112,7 +112,7 @@ class PromptSampler:
 
 @dataclass(frozen=True)
 class WeightedOptions:
-    """``trainer.sampler.weighted``: how a prompt's pass rate p becomes its draw weight."""
+    """``trainer.prompt_sampler.weighted``: how a prompt's pass rate p becomes its draw weight."""
 
     weighting: str = "gaussian"  # gaussian: exp(-((p - target) / width)^2 / 2) | buckets
     target: float = 0.5
@@ -126,11 +126,11 @@ class WeightedOptions:
 
     def check(self) -> None:
         if self.weighting not in ("gaussian", "buckets"):
-            raise ConfigError(f"trainer.sampler.weighted.weighting={self.weighting!r}: choose gaussian or buckets")
+            raise ConfigError(f"trainer.prompt_sampler.weighted.weighting={self.weighting!r}: choose gaussian or buckets")
         if self.width <= 0 or not 0 <= self.prior <= 1 or not 0 <= self.hard_below < self.easy_above <= 1:
-            raise ConfigError("trainer.sampler.weighted: width > 0, prior in [0, 1] and 0 <= hard_below < easy_above <= 1 are required")
+            raise ConfigError("trainer.prompt_sampler.weighted: width > 0, prior in [0, 1] and 0 <= hard_below < easy_above <= 1 are required")
         if min(self.hard_weight, self.medium_weight, self.easy_weight) < 0 or max(self.hard_weight, self.medium_weight, self.easy_weight) == 0:
-            raise ConfigError("trainer.sampler.weighted: bucket weights must be >= 0 and not all 0")
+            raise ConfigError("trainer.prompt_sampler.weighted: bucket weights must be >= 0 and not all 0")
 
     def weight(self, pass_rate: float) -> float:
         p = self.prior if math.isnan(pass_rate) else pass_rate
@@ -183,7 +183,7 @@ class WeightedPrompts:
 
 @dataclass(frozen=True)
 class LengthExtremesOptions:
-    """``trainer.sampler.lspo``: the length quantiles of LSPO's filter (Chen, Koenig & Dilkina 2025,
+    """``trainer.prompt_sampler.lspo``: the length quantiles of LSPO's filter (Chen, Koenig & Dilkina 2025,
     arXiv:2510.01459: thresholds L_low, L_high, L_max over the batch's mean lengths; the default values
     0.3 / 0.65 / 0.95 are not verified)."""
 
@@ -193,7 +193,7 @@ class LengthExtremesOptions:
 
     def check(self) -> None:
         if not 0 < self.low < self.high < self.max <= 1:
-            raise ConfigError(f"trainer.sampler.lspo: 0 < low < high < max <= 1 is required, got {self}")
+            raise ConfigError(f"trainer.prompt_sampler.lspo: 0 < low < high < max <= 1 is required, got {self}")
 
 
 def length_extremes(lengths: Sequence[float], options: LengthExtremesOptions) -> np.ndarray:
@@ -227,7 +227,7 @@ class LengthExtremesPrompts(WeightedPrompts):
 
 @dataclass(frozen=True)
 class HardFocusOptions:
-    """``trainer.sampler.hard_focus``: DRIVE's stage-2 curriculum (arXiv:2511.06307)."""
+    """``trainer.prompt_sampler.hard_focus``: DRIVE's stage-2 curriculum (arXiv:2511.06307)."""
 
     phase_steps: int = 8  # steps per phase; the pool is cut after each
     keep_fraction: float = 0.5  # share of the pool kept (the hardest first)
@@ -236,7 +236,7 @@ class HardFocusOptions:
 
     def check(self) -> None:
         if self.phase_steps < 1 or not 0 < self.keep_fraction <= 1 or not 0 <= self.max_pass_rate <= 1 or self.min_pool < 1:
-            raise ConfigError("trainer.sampler.hard_focus: phase_steps >= 1, keep_fraction in (0, 1], "
+            raise ConfigError("trainer.prompt_sampler.hard_focus: phase_steps >= 1, keep_fraction in (0, 1], "
                               "max_pass_rate in [0, 1] and min_pool >= 1 are required")
 
 
@@ -303,7 +303,7 @@ class Curriculum:
 
     def __init__(self, trainer: TrainerConfig, seed: int, problems: list[Problem], stats: PromptStatsStore | None = None):
         self.stats = PromptStatsStore() if stats is None else stats  # the step context's (strategies read it too)
-        self.sampler = make_prompt_sampler(trainer.sampler, problems, seed, self.stats)
+        self.sampler = make_prompt_sampler(trainer.prompt_sampler, problems, seed, self.stats)
         self.stages = {stage.at: stage for stage in parse_stages(trainer.stages, trainer.steps)}
         self.prompts_per_step = trainer.prompts_per_step
 

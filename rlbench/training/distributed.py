@@ -1,11 +1,11 @@
-"""Training on several processes with PyTorch's own distributed engine (``trainer.strategy``).
+"""Training on several processes with PyTorch's own distributed engine (``trainer.parallelism``).
 
 * ``single`` (default): one process, nothing here runs; the path is the one of every earlier run.
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel``; every rank holds the whole model.
 * ``fsdp``: FSDP2, ``torch.distributed.fsdp.fully_shard`` on every decoder layer and the root; each
   rank holds 1/world_size of the parameters, gradients and optimizer state.
 
-Launch with ``torchrun --nproc_per_node N -m rlbench.cli trainer.strategy=ddp ...`` (gloo on CPU,
+Launch with ``torchrun --nproc_per_node N -m rlbench.cli trainer.parallelism=ddp ...`` (gloo on CPU,
 NCCL on CUDA, one GPU per rank: ``cuda:LOCAL_RANK``). Without torchrun's environment a ``ddp`` /
 ``fsdp`` run is a world of one rank (a local rendezvous), e.g. FSDP with one rank on one GPU.
 
@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from rlbench.errors import ConfigError
 
-STRATEGIES = ("single", "ddp", "fsdp", "swarm")  # swarm: independent actors (rlbench/training/swarm.py)
+PARALLELISMS = ("single", "ddp", "fsdp", "swarm")  # swarm: independent actors (rlbench/training/swarm.py)
 
 # Rollout streams: rank r's generator seed is the single-process seed + r * RANK_STREAM_STRIDE, so
 # rank 0 samples exactly what a single-process run samples.
@@ -46,7 +46,7 @@ class World:
 
     rank: int = 0
     size: int = 1
-    strategy: str = "single"
+    parallelism: str = "single"
 
     @property
     def is_main(self) -> bool:
@@ -55,12 +55,12 @@ class World:
 
     @property
     def distributed(self) -> bool:
-        return self.strategy != "single"
+        return self.parallelism != "single"
 
     @property
     def sharded(self) -> bool:
         """FSDP: every forward is collective, so all ranks must run the same number of them."""
-        return self.strategy == "fsdp"
+        return self.parallelism == "fsdp"
 
     def shard(self, items: Sequence[Any]) -> list[Any]:
         """This rank's contiguous share of ``items`` (prompts: each becomes one whole group)."""
@@ -147,20 +147,20 @@ def launched_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def check_strategy(strategy: str, prompts_per_step: int, algorithm: Any, rollout_strategy: str) -> None:
-    """Bad input refused before anything loads: an unknown strategy, torchrun without a strategy,
+def check_parallelism(parallelism: str, prompts_per_step: int, algorithm: Any, rollout_strategy: str) -> None:
+    """Bad input refused before anything loads: an unknown parallelism, torchrun without one,
     a world size that does not divide the step's prompts, and what is not sharded yet."""
     world_size = launched_world_size()
-    if strategy not in STRATEGIES:
-        raise ConfigError(f"trainer.strategy={strategy!r} is unknown; use one of {', '.join(STRATEGIES)}")
-    if strategy == "single":
+    if parallelism not in PARALLELISMS:
+        raise ConfigError(f"trainer.parallelism={parallelism!r} is unknown; use one of {', '.join(PARALLELISMS)}")
+    if parallelism == "single":
         if world_size > 1:
             raise ConfigError(
-                f"started as {world_size} processes (torchrun) with trainer.strategy=single; set "
-                "trainer.strategy=ddp or trainer.strategy=fsdp"
+                f"started as {world_size} processes (torchrun) with trainer.parallelism=single; set "
+                "trainer.parallelism=ddp or trainer.parallelism=fsdp"
             )
         return
-    if strategy == "swarm":  # every actor is a single-process run; rlbench.training.swarm.check_swarm checks the rest
+    if parallelism == "swarm":  # every actor is a single-process run; rlbench.training.swarm.check_swarm checks the rest
         return
     if prompts_per_step % world_size:
         raise ConfigError(
@@ -178,7 +178,7 @@ def check_strategy(strategy: str, prompts_per_step: int, algorithm: Any, rollout
         unsupported.append(f"rollout={rollout_strategy}")
     if unsupported:
         raise ConfigError(
-            f"trainer.strategy={strategy} does not shard {', '.join(unsupported)} yet; use trainer.strategy=single"
+            f"trainer.parallelism={parallelism} does not shard {', '.join(unsupported)} yet; use trainer.parallelism=single"
         )
 
 
@@ -197,18 +197,18 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def init_world(strategy: str, device: torch.device) -> World:
+def init_world(parallelism: str, device: torch.device) -> World:
     """Join the process group of a ``ddp`` / ``fsdp`` run (gloo on CPU, NCCL on CUDA); a world of one
     rank when torchrun did not start this process. ``single`` and ``swarm`` (each actor is a
     single-process run, rlbench/training/swarm.py): no process group."""
-    if strategy in ("single", "swarm"):
+    if parallelism in ("single", "swarm"):
         return SINGLE
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # not under torchrun: one rank, local rendezvous
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                               MASTER_PORT=str(_free_port()))
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return World(dist.get_rank(), dist.get_world_size(), strategy)
+    return World(dist.get_rank(), dist.get_world_size(), parallelism)
 
 
 def close_world(world: World) -> None:
@@ -230,19 +230,19 @@ def check_shardable(model: torch.nn.Module, world_size: int) -> None:
         name, shape = small[0]
         raise ConfigError(
             f"the model is too small to shard over {world_size} ranks: {len(small)} parameters have fewer than "
-            f"{world_size} rows (e.g. {name} {list(shape)}); use trainer.strategy=ddp or fewer processes"
+            f"{world_size} rows (e.g. {name} {list(shape)}); use trainer.parallelism=ddp or fewer processes"
         )
 
 
 def wrap_model(model: torch.nn.Module, world: World) -> torch.nn.Module:
     """The module the update runs: ``model`` itself (single), a DDP wrapper (ddp) or ``model``
     sharded in place by FSDP2 (fsdp)."""
-    if world.strategy == "ddp":
+    if world.parallelism == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         device = next(model.parameters()).device
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if world.strategy == "fsdp":
+    if world.parallelism == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
         check_shardable(model, world.size)

@@ -7,9 +7,9 @@ written only when it ends). A second signal stops the run at once wherever it is
 checkpoint (the earlier ones stay valid). The exit code is 128 + the signal number (130 for
 SIGINT, 143 for SIGTERM), as a shell reports a process killed by that signal.
 
-Under torchrun (trainer.strategy=ddp|fsdp) the ranks agree at each step boundary: a signal that
+Under torchrun (trainer.parallelism=ddp|fsdp) the ranks agree at each step boundary: a signal that
 reached any rank stops every rank after the same step, and they write the checkpoint together. A
-swarm's actors (trainer.strategy=swarm sharing groups) agree the same way through their pool
+swarm's actors (trainer.parallelism=swarm sharing groups) agree the same way through their pool
 (rlbench.training.swarm.SwarmPool), each writing its own checkpoint of that step.
 A signal outside a step stops a rank at once, as in one process, but writes no new checkpoint
 (the ranks are not at the same point; the earlier checkpoints stay valid).

@@ -46,7 +46,7 @@ class PromptStatsStore:
         self.stats: dict[str, PromptStats] = {}
 
     def observe(self, step: int, graded: GradedGroups, world: World = SINGLE) -> None:
-        """Count the step's groups. With several ranks (trainer.strategy=ddp|fsdp) every rank's
+        """Count the step's groups. With several ranks (trainer.parallelism=ddp|fsdp) every rank's
         groups are gathered first, in rank order, so every rank counts the whole step as one process
         does, and the ranks' samplers (a shared seed) keep drawing the same prompts."""
         correct = graded.correct.tolist()

@@ -98,5 +98,5 @@ def validate_reference_soup(cfg: Any, kl_coef: float) -> None:
     if cfg.model.get("lora") is not None:
         raise ConfigError("algorithm.reference_soup needs a full copy of the weights as reference; under LoRA the "
                           "reference is the base model with adapters off: drop model/lora")
-    if cfg.trainer.get("strategy", "single") != "single":
-        raise ConfigError("algorithm.reference_soup is not supported under trainer.strategy=ddp|fsdp yet")
+    if cfg.trainer.get("parallelism", "single") != "single":
+        raise ConfigError("algorithm.reference_soup is not supported under trainer.parallelism=ddp|fsdp yet")

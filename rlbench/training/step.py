@@ -68,7 +68,7 @@ class StepContext:
     minibatch_generator: torch.Generator
     reference: torch.nn.Module | None = None
     overlong_filter: bool = False
-    world: World = SINGLE  # trainer.strategy=ddp|fsdp: this rank's place (rlbench.training.distributed)
+    world: World = SINGLE  # trainer.parallelism=ddp|fsdp: this rank's place (rlbench.training.distributed)
     policy_version: int = 0  # policy updates so far; stamps the responses sampled at this step
     rollout_generator: torch.Generator | None = None  # the strategy's random stream (RolloutSetup.generator)
     reincarnate_at: int | None = None  # algorithm.reincarnate_at: ReMix's policy reincarnation (:func:`reincarnate`)

@@ -1,4 +1,4 @@
-"""SAPO's swarm: several actors, each with its own policy, sharing rollouts (``trainer.strategy=swarm``).
+"""SAPO's swarm: several actors, each with its own policy, sharing rollouts (``trainer.parallelism=swarm``).
 
 Swarm sAmpling Policy Optimization, Gensyn AI Team (Amico et al.) 2025, arXiv:2509.08721, section 3
 (Algorithm 1). Every actor is one torchrun process and a complete single-process run of its own:
@@ -78,12 +78,12 @@ def check_swarm(cfg: Any, algorithm: Any, actors: int | None = None) -> None:
     actor, I + J not the step's prompts (at least one local prompt), more shared groups than the
     other actors publish, a rollout strategy other than iid, and pieces that need on-policy data."""
     trainer = typed_node(cfg.trainer, TrainerConfig)
-    strategy = trainer.strategy
+    strategy = trainer.parallelism
     J = external_groups(trainer)
     if strategy != "swarm":
         if J:
             raise ConfigError(f"trainer.swarm.external={J} shares rollouts between the actors of a swarm; "
-                              "set trainer.strategy=swarm (under torchrun) or trainer.swarm.external=0")
+                              "set trainer.parallelism=swarm (under torchrun) or trainer.swarm.external=0")
         return
     N = launched_world_size() if actors is None else actors
     if J and N == 1:
@@ -104,7 +104,7 @@ def check_swarm(cfg: Any, algorithm: Any, actors: int | None = None) -> None:
                               f"{(N - 1) * I} groups per step (I = trainer.prompts_per_step - J = {I}); use J <= {(N - 1) * I}")
     rollout = cfg.rollout.get("strategy", "iid")
     if rollout != "iid":
-        raise ConfigError(f"trainer.strategy=swarm shares the groups of rollout=iid only (got rollout={rollout})")
+        raise ConfigError(f"trainer.parallelism=swarm shares the groups of rollout=iid only (got rollout={rollout})")
     if J and algorithm.on_policy_requirements:
         raise ConfigError(f"trainer.swarm.external={J} trains on other actors' samples, but algorithm "
                           f"'{algorithm.name}' needs on-policy data: " + "; ".join(algorithm.on_policy_requirements)
@@ -138,8 +138,8 @@ def check_resume_swarm(manifest: dict[str, Any], path: Path, actors: int, extern
     actor's stream and the exchange depend on both); ``resume_allow`` cannot change them."""
     written = manifest.get("swarm")
     if written is None:
-        raise ConfigError(f"resume: checkpoint {path} was not written by a swarm actor (trainer.strategy=swarm); "
-                          f"resume it with the strategy that wrote it ({manifest.get('strategy', 'single')})")
+        raise ConfigError(f"resume: checkpoint {path} was not written by a swarm actor (trainer.parallelism=swarm); "
+                          f"resume it with the strategy that wrote it ({manifest.get('parallelism', manifest.get('strategy', 'single'))})")
     if (int(written["actors"]), int(written["external"])) != (actors, external):
         raise ConfigError(
             f"resume: checkpoint {path} was written by a swarm of {written['actors']} actors sharing "

@@ -10,7 +10,7 @@ from rlbench.algorithm.losses.common import _ratio_metrics, _top_k_mask, log_rat
 from rlbench.algorithm.registry import POLICY_LOSSES
 
 
-@POLICY_LOSSES.register("sapo", paper_aggregation="seq_mean_token_mean",
+@POLICY_LOSSES.register("soft_sapo", paper_aggregation="seq_mean_token_mean",
                         ratio_term="its soft gate on the ratio (at ratio 1 the gradient is the plain policy gradient)")
 def sapo_loss(
     logp: torch.Tensor,

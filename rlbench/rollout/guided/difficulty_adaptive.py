@@ -23,7 +23,7 @@ whose fresh responses are all wrong gets up to m stored correct responses of the
 step. ``inject_behaviour``: stored (pi_old = the stored log-probs, ratio pi_theta / mu) or recomputed.
 A step that injects grades its groups a second time (reward shaping sees each whole group).
 
-Why a rollout strategy and not a prompt sampler: a sampler (``trainer.sampler``) decides which prompts a
+Why a rollout strategy and not a prompt sampler: a sampler (``trainer.prompt_sampler``) decides which prompts a
 step trains on; how many responses each prompt gets and how long they may be are the rollout's
 decisions (the strategy holds rollout.n and the sampling parameters, and stages change them there).
 The difficulty signal is the store the samplers read, so any sampler composes with it.
