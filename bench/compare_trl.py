@@ -168,6 +168,7 @@ class OursSide:
         from rlbench.algorithm import Algorithm
         from rlbench.config.typed import typed_config
         from rlbench.prompting import encode_prompts
+        from rlbench.reward.graders import training_grader
         from rlbench.rollout import make_engine
         from rlbench.training.step import make_step_context
         from rlbench.utils import seed_everything
@@ -178,10 +179,11 @@ class OursSide:
         self.warmup = warmup
         self.model, self.tokenizer = load_model(cfg)
         algorithm = Algorithm.from_config(cfg.algorithm)
-        self.engine = make_engine(typed_config(cfg).rollout, self.model, self.tokenizer, device)
+        config = typed_config(cfg)
+        self.engine = make_engine(config.rollout, self.model, self.tokenizer, device)
         if hasattr(self.engine, "progress"):
             self.engine.progress = False  # no progress lines inside the timed region
-        self.ctx = make_step_context(cfg, algorithm, self.model, self.tokenizer, self.engine, device)
+        self.ctx = make_step_context(config, algorithm, self.model, self.tokenizer, self.engine, device, training_grader(cfg))
         self.prompt_ids = [list(p) for p in encode_prompts(self.tokenizer, problems, cfg.dataset.prompt)]
         self.records: list[dict[str, float]] = []
 

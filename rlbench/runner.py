@@ -39,7 +39,7 @@ from rlbench.errors import ConfigError
 from rlbench.logger.run_status import command_line_overrides, config_key, in_sweep
 from rlbench.model import load_policy
 from rlbench.model.lora import apply_lora, is_lora, save_lora
-from rlbench.reward.graders import make_grader
+from rlbench.reward.graders import make_grader, training_grader
 from rlbench.rollout import make_engine
 from rlbench.rollout.engines.base import SamplingParams
 from rlbench.training import checkpoint
@@ -79,7 +79,7 @@ def load_run_guidance(cfg: DictConfig, train_problems: list, tokenizer: Any) -> 
     options = GuidanceOptions.from_config(cfg.get("guidance"))
     if options.source == "none":
         return None
-    grader = make_grader(cfg.reward, cfg.dataset, cfg.get("sandbox"))
+    grader = training_grader(cfg)
     return load_guidance(options, train_problems, tokenizer, grader, cfg.rollout.max_new_tokens, cfg.dataset, cfg.seed)
 
 
@@ -324,8 +324,8 @@ def train(run: Run, policy: Policy, stop: StopSignals) -> dict[str, Any]:
     if not run.training:
         return {}
     config = run.config
-    ctx = make_step_context(run.cfg, run.algorithm, policy.model, policy.tokenizer, policy.engine, run.device,
-                            guidance=policy.guidance, world=run.world)
+    ctx = make_step_context(config, run.algorithm, policy.model, policy.tokenizer, policy.engine, run.device,
+                            training_grader(run.cfg), guidance=policy.guidance, world=run.world)
     if run.swarm:
         ctx.strategy = swarm_rollout(ctx, config, run.pool)
     manifest = {"config": checkpoint.comparable_config(run.resolved), "config_key": config_key(run.resolved),

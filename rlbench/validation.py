@@ -312,7 +312,7 @@ def check_run(cfg: Any, origins: ValueOrigins) -> Algorithm:
         algorithm.check_group_size(rollout.n, trainer.prompts_per_step * rollout.n)
         validate_step_options(cfg, algorithm)
         validate_reference_soup(cfg, algorithm.kl_coef)
-        check_parallelism(trainer.get("strategy", "single"), trainer.prompts_per_step, algorithm, rollout.get("strategy", "iid"))
+        check_parallelism(trainer.parallelism, trainer.prompts_per_step, algorithm, rollout.strategy)
         check_sharded_run_features(cfg)
         check_swarm(cfg, algorithm)
         validate_spec(cfg.dataset, source=cfg.data_source, data_dir=cfg.data_dir)

@@ -17,8 +17,8 @@ from rlbench.algorithm.schedules import SFPOSettings, TRPOSettings
 from rlbench.validation import registered, validate_config
 from rlbench.config.origin import ValueOrigins, composed_files, override_key, with_origins
 from rlbench.config.schema import (
-    AdaptiveEntropyConfig, AlgorithmConfig, BaselineConfig, CriticConfig, DynamicSamplingConfig, RunConfig,
-    SamplingCorrectionConfig, SFPOConfig, TRPOConfig, TrackerConfig,
+    AdaptiveEntropyConfig, AlgorithmConfig, CriticConfig, DynamicSamplingConfig, RunConfig,
+    SamplingCorrectionConfig, SFPOConfig, TRPOConfig,
 )
 from rlbench.config.walk import check_against_schema, nearest
 from rlbench.errors import ConfigError
@@ -189,13 +189,11 @@ def test_schema_blocks_match_the_settings_the_code_reads(schema, runtime):
 
 def test_schema_blocks_have_the_keys_the_rollout_options_read():
     from rlbench.rollout.strategies.dynamic_sampling import FILTER_METRICS, OPTION_KEYS as DYNAMIC_SAMPLING_KEYS
-    from rlbench.training.advantage_inputs import BASELINE_KEYS, TRACKER_KEYS
 
     def keys(schema):
         return {f.name for f in dataclasses.fields(schema)}
 
     assert keys(DynamicSamplingConfig) == DYNAMIC_SAMPLING_KEYS
-    assert keys(BaselineConfig) == BASELINE_KEYS and keys(TrackerConfig) == TRACKER_KEYS
     assert typing.get_args(typing.get_type_hints(DynamicSamplingConfig)["metric"]) == FILTER_METRICS
 
 

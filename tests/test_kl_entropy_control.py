@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import rlbench.runner as runner
+from rlbench.config.typed import typed_config
+from rlbench.reward.graders import training_grader
 from rlbench.training.step import make_step_context
 from rlbench.algorithm import Algorithm
 from rlbench.algorithm.entropy import AdaptiveEntropy, adaptive_entropy_coefficient, top_entropy_token_mask
@@ -114,10 +116,12 @@ def test_no_reference_model_when_the_coefficient_is_zero(make_cfg, placement):
     assert not algo.needs_sampling_pass  # nothing to compute before the advantage either
     cfg = make_cfg("experiment=smoke", f"algorithm.kl.placement={placement}")
     model = torch.nn.Linear(2, 2)
-    ctx = make_step_context(cfg, Algorithm.from_config(cfg.algorithm), model, None, None, torch.device("cpu"))
+    ctx = make_step_context(typed_config(cfg), Algorithm.from_config(cfg.algorithm), model, None, None, torch.device("cpu"),
+                            training_grader(cfg))
     assert ctx.reference is None
     with_kl = make_cfg("experiment=smoke", "algorithm.kl.coef=0.1", f"algorithm.kl.placement={placement}")
-    ctx = make_step_context(with_kl, Algorithm.from_config(with_kl.algorithm), model, None, None, "cpu")
+    ctx = make_step_context(typed_config(with_kl), Algorithm.from_config(with_kl.algorithm), model, None, None, "cpu",
+                            training_grader(with_kl))
     assert ctx.reference is not None and ctx.reference is not model
 
 

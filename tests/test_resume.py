@@ -175,7 +175,7 @@ def test_a_checkpoint_resumes_only_on_its_strategy_and_world_size(tmp_path):
     checkpoint.check_resume_world(saved, "single", 1)
     with pytest.raises(ConfigError, match=r"trainer.parallelism=single by 1 process\(es\), but this run has trainer.parallelism=ddp and 2"):
         checkpoint.check_resume_world(saved, "ddp", 2)
-    two_ranks = checkpoint.Checkpoint(saved.path, {**saved.manifest, "strategy": "fsdp", "world_size": 2})
+    two_ranks = checkpoint.Checkpoint(saved.path, {**saved.manifest, "parallelism": "fsdp", "world_size": 2})
     checkpoint.check_resume_world(two_ranks, "fsdp", 2)
     for strategy, size in (("fsdp", 4), ("ddp", 2), ("fsdp", 1)):
         with pytest.raises(ConfigError, match="torchrun --nproc_per_node 2"):

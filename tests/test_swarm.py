@@ -28,6 +28,7 @@ from rlbench.training.batch import collate
 from rlbench.training.distributed import rank_stream_seed
 from rlbench.training.step import TIMING_METRICS, behaviour_old_logp, make_step_context
 from rlbench.config.typed import typed_config
+from rlbench.reward.graders import training_grader
 from rlbench.training.checkpoint import actor_folder, checkpoint_home
 from rlbench.training.swarm import (
     SwarmPool, actor_config, agreed_resume_step, check_resume_swarm, check_swarm, draw_external, own_groups,
@@ -213,8 +214,9 @@ def actor(tmp_path, index: int, store, external: int = 1):
                                       tmp_path), index)
     model, tokenizer = load_policy(cfg.model, device=torch.device("cpu"), dtype=torch.float32, seed=cfg.seed,
                                    cache_dir=cfg.cache_dir)
-    ctx = make_step_context(cfg, Algorithm.from_config(cfg.algorithm), model, tokenizer,
-                            make_engine(typed_config(cfg).rollout, model, tokenizer, torch.device("cpu")), torch.device("cpu"))
+    ctx = make_step_context(typed_config(cfg), Algorithm.from_config(cfg.algorithm), model, tokenizer,
+                            make_engine(typed_config(cfg).rollout, model, tokenizer, torch.device("cpu")), torch.device("cpu"),
+                            training_grader(cfg))
     ctx.policy_version = 3 + index  # versions told apart: the receiver's is not the sender's
     return ctx, swarm_rollout(ctx, typed_config(cfg), SwarmPool(store, index, 2))
 

@@ -11,12 +11,13 @@ collected into the node's ``settings`` field, a mapping from the choice to its b
 
 from __future__ import annotations
 
+import dataclasses
 import typing
 from typing import Any, TypeVar, Union
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from rlbench.config.schema import RunConfig, config_fields
+from rlbench.config.schema import RolloutConfig, RunConfig, config_fields
 
 Schema = TypeVar("Schema")
 
@@ -57,3 +58,12 @@ def plain(value: Any, annotation: Any) -> Any:
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     return value
+
+
+def rollout_node(rollout: RolloutConfig) -> DictConfig:
+    """The typed ``rollout`` as the node the rollout strategies read (rlbench/rollout: the fields, and
+    each settings block beside them under its strategy's name), until they take :class:`RolloutConfig`."""
+    fields = {spec.name: getattr(rollout, spec.name) for spec in config_fields(RolloutConfig)}
+    plain_fields = {key: dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+                    for key, value in fields.items()}
+    return OmegaConf.create({**plain_fields, **rollout.settings})

@@ -31,7 +31,7 @@ from rlbench.guidance.traces import tokenizer_fingerprint
 from rlbench.model import load_policy
 from rlbench.prompting import encode_prompts
 from rlbench.reward import grade_completions
-from rlbench.reward.graders import make_grader
+from rlbench.reward.graders import training_grader
 from rlbench.rollout import make_engine
 from rlbench.rollout.engines.base import GenerationRequest, SamplingParams
 from rlbench.utils import atomic_write_text
@@ -54,7 +54,7 @@ def write_traces(cfg: Any, rollout: RolloutConfig, device: torch.device) -> dict
     problems = load_problems(cfg.dataset, seed=cfg.seed, data_dir=cfg.data_dir, source=cfg.data_source)
     model, tokenizer = load_policy(cfg.model, device=device, dtype=torch.float32, seed=cfg.seed, cache_dir=cfg.cache_dir)
     engine = make_engine(rollout, model, tokenizer, device)
-    grader = make_grader(cfg.reward, cfg.dataset, cfg.get("sandbox"))
+    grader = training_grader(cfg)
     params = SamplingParams(rollout.temperature, rollout.top_p, rollout.max_new_tokens)
     keep_incorrect = bool((cfg.get("guidance") or {}).get("keep_incorrect", False))
     fingerprint = tokenizer_fingerprint(tokenizer)

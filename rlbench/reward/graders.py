@@ -50,3 +50,8 @@ def make_grader(reward_cfg: Any, data_spec: Any, sandbox_cfg: Any = None) -> Any
         answer_type=answer_type,
         truncated_fallback=data_spec.get("truncated_fallback", True),
     )
+
+
+def training_grader(cfg: Any) -> Any:
+    """The grader of the run's training set (``dataset``), from the composed config."""
+    return make_grader(cfg.reward, cfg.dataset, cfg.get("sandbox"))

@@ -38,6 +38,8 @@ from rlbench.algorithm import Algorithm
 from rlbench.algorithm.advantages import PVPOBaselineCache, SPOTracker
 from rlbench.algorithm.registry import ADVANTAGES
 from rlbench.algorithm.step_inputs import STEP_INPUTS
+from rlbench.config.schema import AlgorithmConfig, BaselineConfig, RewardConfig, RunConfig, TrackerConfig
+from rlbench.config.typed import typed_node
 from rlbench.errors import ConfigError
 from rlbench.reward.math import canonical_answer
 from rlbench.rollout import GradedGroups, GroupSampler, validate_strategy
@@ -52,8 +54,6 @@ log = logging.getLogger(__name__)
 RUNNER_PRODUCERS = ("source", "strategy")  # the STEP_INPUTS producers this module serves
 BASELINE_SOURCES = ("greedy", "reference")
 DEFAULT_BASELINE_SOURCE = {"remax": "greedy", "pvpo": "reference"}
-BASELINE_KEYS = {"source", "samples", "refresh_every"}
-TRACKER_KEYS = {"rho_min", "rho_max", "d_half", "rho"}
 
 
 # ------------------------------------------------------------------------------ pure functions
@@ -107,14 +107,6 @@ def prompt_ids_of(graded: GradedGroups) -> list[tuple[int, ...]]:
 # ------------------------------------------------------------------------------ options
 
 
-def _checked_keys(node: Any, allowed: set[str], key: str) -> dict[str, Any]:
-    node = dict(node or {})
-    unknown = set(node) - allowed
-    if unknown:
-        raise ConfigError(f"{key} has no key(s) {sorted(unknown)}; it takes {sorted(allowed)}")
-    return node
-
-
 @dataclass(frozen=True)
 class BaselineOptions:
     """Where ``baseline_rewards`` come from (see the module docstring)."""
@@ -124,15 +116,16 @@ class BaselineOptions:
     refresh_every: int | None = None
 
     @classmethod
-    def from_config(cls, algorithm_cfg: Any, advantage: str) -> "BaselineOptions":
-        node = _checked_keys(algorithm_cfg.get("baseline"), BASELINE_KEYS, "algorithm.baseline")
-        source = node.get("source") or DEFAULT_BASELINE_SOURCE.get(advantage)
+    def from_config(cls, algorithm: AlgorithmConfig, advantage: str) -> "BaselineOptions":
+        """From ``algorithm.baseline`` (typed; its keys were checked by the schema walk)."""
+        node = algorithm.baseline or BaselineConfig()
+        source = node.source or DEFAULT_BASELINE_SOURCE.get(advantage)
         if source not in BASELINE_SOURCES:
             raise ConfigError(
                 f"advantage '{advantage}' reads baseline_rewards; set algorithm.baseline.source to one of "
                 f"{BASELINE_SOURCES} (got {source!r})"
             )
-        options = cls(str(source), int(node.get("samples", 8)), node.get("refresh_every"))
+        options = cls(str(source), node.samples, node.refresh_every)
         if options.samples < 1:
             raise ConfigError(f"algorithm.baseline.samples must be >= 1, got {options.samples}")
         if options.refresh_every is not None and int(options.refresh_every) < 1:
@@ -140,10 +133,10 @@ class BaselineOptions:
         return options
 
 
-def tracker_from_config(algorithm_cfg: Any) -> SPOTracker:
-    """An empty :class:`SPOTracker` with the decay settings of ``algorithm.tracker``."""
-    node = _checked_keys(algorithm_cfg.get("tracker"), TRACKER_KEYS, "algorithm.tracker")
-    tracker = SPOTracker(**{k: (None if v is None else float(v)) for k, v in node.items()})
+def tracker_from_config(algorithm: AlgorithmConfig) -> SPOTracker:
+    """An empty :class:`SPOTracker` with the decay settings of ``algorithm.tracker`` (typed)."""
+    node = algorithm.tracker or TrackerConfig()
+    tracker = SPOTracker(rho_min=node.rho_min, rho_max=node.rho_max, d_half=node.d_half, rho=node.rho)
     if not 0 < tracker.rho_min <= tracker.rho_max < 1:
         raise ConfigError(
             f"algorithm.tracker needs 0 < rho_min <= rho_max < 1, got rho_min={tracker.rho_min}, rho_max={tracker.rho_max}"
@@ -176,14 +169,13 @@ def needed_inputs(algorithm: Algorithm) -> set[str]:
     return wanted
 
 
-def reward_range(cfg: Any) -> tuple[float, float] | None:
+def reward_range(reward: RewardConfig) -> tuple[float, float] | None:
     """(lowest, highest) reward the configured grader gives; None when unknown."""
-    reward = cfg.reward
     if reward.name == "even_tokens":
         return 0.0, 1.0
     if reward.name == "math":
-        outcomes = [float(reward.incorrect_reward), float(reward.correct_reward)]
-        values = [o + bonus for o in outcomes for bonus in (0.0, float(reward.get("format_weight", 0.0)))]
+        outcomes = [reward.incorrect_reward, reward.correct_reward]
+        values = [o + bonus for o in outcomes for bonus in (0.0, reward.format_weight)]
         return min(values), max(values)
     return None
 
@@ -269,7 +261,7 @@ class StepInputSource:
         """Refuse impossible options before the model loads (ConfigError)."""
 
     @classmethod
-    def build(cls, cfg: Any, algorithm: Algorithm, context: SourceContext) -> "StepInputSource":
+    def build(cls, config: RunConfig, algorithm: Algorithm, context: SourceContext) -> "StepInputSource":
         return cls()
 
     def before_advantage(self, graded: GradedGroups, batch: TrainBatch) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
@@ -414,8 +406,8 @@ class SPOStream(StepInputSource):
     @classmethod
     def validate(cls, cfg: Any, algorithm: Algorithm) -> None:
         """The tracker's settings, and rewards that stay in [0, 1] (a Beta posterior over successes)."""
-        tracker_from_config(cfg.algorithm)
-        low_high = reward_range(cfg)
+        tracker_from_config(typed_node(cfg.algorithm, AlgorithmConfig))
+        low_high = reward_range(typed_node(cfg.reward, RewardConfig))
         if algorithm.reward_shaping or low_high is None or not (0.0 <= low_high[0] and low_high[1] <= 1.0):
             raise ConfigError(
                 f"advantage 'spo' tracks a success probability (a Beta posterior over rewards in [0, 1]); reward "
@@ -425,9 +417,9 @@ class SPOStream(StepInputSource):
             )
 
     @classmethod
-    def build(cls, cfg: Any, algorithm: Algorithm, context: SourceContext) -> "SPOStream":
+    def build(cls, config: RunConfig, algorithm: Algorithm, context: SourceContext) -> "SPOStream":
         temperature = context.params.temperature if context.params.temperature > 0 else 1.0
-        return cls(tracker_from_config(cfg.algorithm), context.model, context.sampler.tokenizer.pad_token_id,
+        return cls(tracker_from_config(config.algorithm), context.model, context.sampler.tokenizer.pad_token_id,
                    context.micro_batch_size, temperature, context.device)
 
     @property
@@ -505,19 +497,19 @@ class BaselineRewards(StepInputSource):
 
     @classmethod
     def validate(cls, cfg: Any, algorithm: Algorithm) -> None:
-        BaselineOptions.from_config(cfg.algorithm, algorithm.advantage.name)
+        BaselineOptions.from_config(typed_node(cfg.algorithm, AlgorithmConfig), algorithm.advantage.name)
 
     @classmethod
-    def build(cls, cfg: Any, algorithm: Algorithm, context: SourceContext) -> "BaselineRewards":
+    def build(cls, config: RunConfig, algorithm: Algorithm, context: SourceContext) -> "BaselineRewards":
         """The greedy baseline, or PVPO's anchor sampling from ``context.reference`` (a frozen copy of the
         initial policy when the algorithm keeps no reference)."""
-        options = BaselineOptions.from_config(cfg.algorithm, algorithm.advantage.name)
+        options = BaselineOptions.from_config(config.algorithm, algorithm.advantage.name)
         sampler, params, model = context.sampler, context.params, context.model
         if options.source == "greedy":
-            return cls(GreedyBaseline(sampler, params, make_generator(cfg.seed, STREAM_GREEDY)))
+            return cls(GreedyBaseline(sampler, params, make_generator(config.seed, STREAM_GREEDY)))
         frozen = context.reference if context.reference is not None else copy.deepcopy(model).eval().requires_grad_(False)
         return cls(ReferenceAnchor(sampler, sampler.engine, model, frozen, options, params,
-                                   make_generator(cfg.seed, STREAM_REFERENCE)))
+                                   make_generator(config.seed, STREAM_REFERENCE)))
 
     def before_advantage(self, graded: GradedGroups, batch: TrainBatch) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         per_group = self.baseline(graded)
@@ -566,7 +558,7 @@ class AdvantageInputSources:
     @classmethod
     def from_config(
         cls,
-        cfg: Any,
+        config: RunConfig,
         algorithm: Algorithm,
         sampler: GroupSampler,
         params: SamplingParams,
@@ -578,7 +570,7 @@ class AdvantageInputSources:
         """The sources the estimator of ``algorithm`` needs (:class:`SourceContext` for the arguments)."""
         needs = needed_inputs(algorithm)
         context = SourceContext(sampler, params, model, reference, micro_batch_size, device)
-        return cls(needs, [source.build(cfg, algorithm, context) for source in source_classes(needs)])
+        return cls(needs, [source.build(config, algorithm, context) for source in source_classes(needs)])
 
     def before_advantage(self, graded: GradedGroups, batch: TrainBatch) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """(inputs for the estimator, metrics) of this step's batch."""

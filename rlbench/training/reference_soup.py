@@ -17,6 +17,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from rlbench.config.schema import ReferenceSoupConfig
 from rlbench.errors import ConfigError
 
 
@@ -59,10 +60,10 @@ class ReferenceSoup:
         self.ingredients = 1  # the initial policy
 
     @classmethod
-    def from_config(cls, options: Any, reference: torch.nn.Module | None) -> "ReferenceSoup | None":
+    def from_config(cls, options: ReferenceSoupConfig | None, reference: torch.nn.Module | None) -> "ReferenceSoup | None":
         if options is None or reference is None:
             return None
-        return cls(reference, int(options.get("every", 1)), int(options.get("models", 2)))
+        return cls(reference, options.every, options.models)
 
     def after_update(self, policy: torch.nn.Module, updates: int) -> dict[str, float]:
         """After the policy's ``updates``-th update: add it to the soup when ``updates`` is a multiple of

@@ -26,10 +26,11 @@ import torch
 from rlbench import faults
 from rlbench.algorithm import Algorithm
 from rlbench.algorithm.critic import value_targets
+from rlbench.config.schema import DatasetConfig, RunConfig
+from rlbench.config.typed import rollout_node
 from rlbench.dataset.base import Problem
 from rlbench.model.lora import AdaptersOff, reference_model
 from rlbench.training.reference_soup import ReferenceSoup
-from rlbench.reward.graders import make_grader
 from rlbench.rollout import GradedGroups, GroupSampler, RolloutSetup, RolloutStrategy, make_strategy
 from rlbench.rollout.engines.base import RolloutEngine, SamplingParams
 from rlbench.training.advantage_inputs import AdvantageInputSources
@@ -123,16 +124,16 @@ class StepContext:
 
 
 def make_step_context(
-    cfg: Any, algorithm: Algorithm, model: torch.nn.Module, tokenizer: Any, engine: RolloutEngine, device: torch.device,
-    guidance: Any = None,
-    world: World = SINGLE,
+    config: RunConfig, algorithm: Algorithm, model: torch.nn.Module, tokenizer: Any, engine: RolloutEngine,
+    device: torch.device, grader: Any, guidance: Any = None, world: World = SINGLE,
 ) -> StepContext:
-    """``guidance``: the run's checked traces (rlbench.guidance.load_guidance), for the strategies that
-    mix them into groups or take hints from them. ``model`` is the plain (or LoRA) policy the engine
-    samples from; under ddp / fsdp it is wrapped here (the reference is taken before), and the update
-    runs the wrapped module."""
-    trainer, rollout = cfg.trainer, cfg.rollout
-    if torch.device(device).type == "cpu" and trainer.get("reuse_freed_memory", True):
+    """``config``: the run's typed config (rlbench.config.typed); ``grader``: the training set's
+    (rlbench.reward.graders.training_grader). ``guidance``: the run's checked traces
+    (rlbench.guidance.load_guidance), for the strategies that mix them into groups or take hints from
+    them. ``model`` is the plain (or LoRA) policy the engine samples from; under ddp / fsdp it is
+    wrapped here (the reference is taken before), and the update runs the wrapped module."""
+    trainer, rollout = config.trainer, config.rollout
+    if torch.device(device).type == "cpu" and trainer.reuse_freed_memory:
         keep_freed_memory()  # process-wide: large CPU tensors reuse freed pages (rlbench/training/memory.py)
     update_state = make_update_state(algorithm, model)
     reference = reference_model(model) if algorithm.needs_reference else None
@@ -147,26 +148,25 @@ def make_step_context(
         [p for p in update_state.parameters(trained) if p.requires_grad], lr=trainer.lr, betas=tuple(trainer.betas),
         weight_decay=trainer.weight_decay, fused=True,
     )
-    warmup = max(int(trainer.warmup_steps), 0)
+    warmup = max(trainer.warmup_steps, 0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
     params = SamplingParams(rollout.temperature, rollout.top_p, rollout.max_new_tokens)
-    grader = make_grader(cfg.reward, cfg.dataset, cfg.get("sandbox"))
-    sampler = GroupSampler(engine, grader, tokenizer, cfg.dataset.prompt, algorithm.shape_rewards)
+    sampler = GroupSampler(engine, grader, tokenizer, prompt_spec(config.dataset), algorithm.shape_rewards)
     # rank 0 samples what one process samples; other ranks draw their own stream (docs/scaling.md)
     rollout_generator = torch.Generator().manual_seed(
-        rank_stream_seed(make_generator(cfg.seed, STREAM_ROLLOUT).initial_seed(), world.rank)
+        rank_stream_seed(make_generator(config.seed, STREAM_ROLLOUT).initial_seed(), world.rank)
     )
     prompt_stats = PromptStatsStore()  # fed by the curriculum (rlbench.training.loop), read by samplers and strategies
-    setup = RolloutSetup(sampler, int(rollout.n), params, rollout_generator, int(cfg.seed), guidance, prompt_stats)
+    setup = RolloutSetup(sampler, rollout.n, params, rollout_generator, config.seed, guidance, prompt_stats)
     return StepContext(
         algorithm=algorithm,
         model=trained,
         tokenizer=tokenizer,
         engine=engine,
-        strategy=make_strategy(rollout, setup),
+        strategy=make_strategy(rollout_node(rollout), setup),
         sampler=sampler,
         inputs=AdvantageInputSources.from_config(
-            cfg, algorithm, sampler, params, model, reference, trainer.micro_batch_size, device
+            config, algorithm, sampler, params, model, reference, trainer.micro_batch_size, device
         ),
         update_state=update_state,
         optimizer=optimizer,
@@ -175,15 +175,20 @@ def make_step_context(
         micro_batch_size=trainer.micro_batch_size,
         max_grad_norm=trainer.max_grad_norm,
         device=device,
-        minibatch_generator=make_generator(cfg.seed, STREAM_MINIBATCH),
+        minibatch_generator=make_generator(config.seed, STREAM_MINIBATCH),
         reference=reference,
-        overlong_filter=bool(cfg.algorithm.get("overlong_filter", False)),
+        overlong_filter=config.algorithm.overlong_filter,
         rollout_generator=rollout_generator,
         world=world,
-        reincarnate_at=cfg.algorithm.get("reincarnate_at"),
-        reference_soup=ReferenceSoup.from_config(cfg.algorithm.get("reference_soup"), reference),
+        reincarnate_at=config.algorithm.reincarnate_at,
+        reference_soup=ReferenceSoup.from_config(config.algorithm.reference_soup, reference),
         prompt_stats=prompt_stats,
     )
+
+
+def prompt_spec(dataset: DatasetConfig) -> dict[str, Any] | None:
+    """The dataset's prompt templates as the mapping rlbench.dataset.prompts reads (None: the defaults)."""
+    return None if dataset.prompt is None else dataclasses.asdict(dataset.prompt)
 
 
 def train_step(
