@@ -19,7 +19,7 @@ from rlbench.algorithm.registry import ADVANTAGES, POLICY_LOSSES
 from rlbench.algorithm.shaping import REWARD_SHAPING
 from rlbench.config.fit import check_fits_here
 from rlbench.config.origin import ValueOrigins, with_origins
-from rlbench.config.schema import TrainerConfig
+from rlbench.config.schema import RolloutConfig, TrainerConfig
 from rlbench.config.typed import typed_node
 from rlbench.config.walk import Registered, check_against_schema
 from rlbench.dataset import validate_spec
@@ -210,7 +210,7 @@ def check_difficulty_rollout(cfg: Any, algorithm: Algorithm) -> None:
     mini-batches, and response budgets that vary against reward shaping that reads the budget."""
     if cfg.rollout.get("strategy") != "difficulty_adaptive":
         return
-    options = DifficultyOptions.from_config(cfg.rollout)
+    options = DifficultyOptions.from_config(typed_node(cfg.rollout, RolloutConfig))
     stages = parse_stages(cfg.trainer.get("stages"), cfg.trainer.steps)
     settings = [{"rollout.n": cfg.rollout.n, "trainer.prompts_per_step": cfg.trainer.prompts_per_step}]
     for stage, setting in zip(stages, stage_settings(cfg, stages)):

@@ -5,7 +5,6 @@ signatures. Compose + check only: nothing is loaded."""
 from __future__ import annotations
 
 import dataclasses
-import typing
 
 import pytest
 from omegaconf import OmegaConf
@@ -17,11 +16,13 @@ from rlbench.algorithm.schedules import SFPOSettings, TRPOSettings
 from rlbench.validation import registered, validate_config
 from rlbench.config.origin import ValueOrigins, composed_files, override_key, with_origins
 from rlbench.config.schema import (
-    AdaptiveEntropyConfig, AlgorithmConfig, CriticConfig, DynamicSamplingConfig, RunConfig,
-    SamplingCorrectionConfig, SFPOConfig, TRPOConfig,
+    AdaptiveEntropyConfig, AlgorithmConfig, CriticConfig, RolloutConfig, RunConfig,
+    SamplingCorrectionConfig, SFPOConfig, TrainerConfig, TRPOConfig,
 )
+from rlbench.config.typed import typed_config, typed_node
 from rlbench.config.walk import check_against_schema, nearest
 from rlbench.errors import ConfigError
+from rlbench.rollout.strategy import STRATEGIES
 
 from conftest import ROOT
 
@@ -187,16 +188,6 @@ def test_schema_blocks_match_the_settings_the_code_reads(schema, runtime):
     assert {k: v for k, v in defaults(schema).items() if k in runtime_defaults} == runtime_defaults
 
 
-def test_schema_blocks_have_the_keys_the_rollout_options_read():
-    from rlbench.rollout.strategies.dynamic_sampling import FILTER_METRICS, OPTION_KEYS as DYNAMIC_SAMPLING_KEYS
-
-    def keys(schema):
-        return {f.name for f in dataclasses.fields(schema)}
-
-    assert keys(DynamicSamplingConfig) == DYNAMIC_SAMPLING_KEYS
-    assert typing.get_args(typing.get_type_hints(DynamicSamplingConfig)["metric"]) == FILTER_METRICS
-
-
 def test_the_algorithm_defaults_in_config_yaml_equal_the_schema_defaults():
     """conf/config.yaml gives the knobs presets rarely set a value, so each is a plain override;
     those values are the schema's defaults."""
@@ -219,6 +210,46 @@ def test_the_algorithm_defaults_in_config_yaml_equal_the_schema_defaults():
 
     for path, value in leaves(yaml_defaults):
         assert schema_default(AlgorithmConfig, path) == value, ".".join(path)
+
+
+@pytest.mark.parametrize("node,schema", [("trainer", TrainerConfig), ("rollout", RolloutConfig)])
+def test_the_base_trainer_and_rollout_yaml_values_equal_the_schema_defaults(make_cfg, node, schema):
+    """conf/trainer/default.yaml and conf/rollout/iid.yaml write every key out with its comment, and the
+    schema holds the default a run takes when a key is left out: the two agree, key by key."""
+    typed = typed_config(make_cfg())
+    composed = getattr(make_cfg(), node)
+    drift = [
+        f"{node}.{spec.name}: yaml {getattr(getattr(typed, node), spec.name)!r}, schema {value!r}"
+        for spec in dataclasses.fields(schema)
+        if spec.name in composed and not spec.metadata.get("derived")
+        for value in [spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default]
+        if getattr(getattr(typed, node), spec.name) != (spec.metadata["node"]() if "node" in spec.metadata else value)
+    ]
+    assert not drift, "\n".join(drift)
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_each_strategy_yaml_block_equals_the_defaults_its_options_declare(make_cfg, strategy):
+    """conf/rollout/<strategy>.yaml shows the strategy's block with every key; the strategy reads the same
+    options from it as from no block at all (its defaults live in the code, the YAML repeats them). Keys the
+    YAML takes from elsewhere (``${trainer.steps}``) are not defaults; a strategy whose option has no
+    default (a required key) refuses the empty block."""
+    cfg = make_cfg(f"rollout={strategy}")
+    rollout, cls = typed_config(cfg).rollout, STRATEGIES[strategy]
+    block = cfg.rollout.get(strategy) or {}
+    derived = {key for key in block if OmegaConf.is_interpolation(block, key)}
+    with_block = dataclasses.replace(rollout, settings={strategy: {k: v for k, v in rollout.settings.get(strategy, {}).items() if k not in derived}})
+    try:
+        defaults = cls.config_options(dataclasses.replace(rollout, settings={}))
+    except ConfigError:
+        return
+    assert cls.config_options(with_block) == defaults
+
+
+def test_a_drifted_strategy_yaml_value_is_caught(make_cfg):
+    rollout = typed_config(make_cfg("rollout=lookahead", "rollout.lookahead.abs_threshold=0.2")).rollout
+    cls = STRATEGIES["lookahead"]
+    assert cls.config_options(rollout) != cls.config_options(dataclasses.replace(rollout, settings={}))
 
 
 def test_nearest_spelling():

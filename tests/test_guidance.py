@@ -5,8 +5,8 @@ import math
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
+from rlbench.config.typed import rollout_config
 from rlbench.algorithm.losses import ppo_clip_loss
 from rlbench.algorithm.losses.off_policy import policy_shaping_loss, shaping_gamma
 from rlbench.dataset.arith import derivation
@@ -219,7 +219,7 @@ def test_a_group_holds_n_minus_k_policy_samples_and_k_traces_used_in_turn():
     for ids in ((2, 4), (6, 8)):
         library.add(Trace("0", "", ids, "dataset"))
     setup = mixed_setup(library)
-    strategy = make_strategy(OmegaConf.create({"strategy": "mixed_traces", "n": 4, "mixed_traces": {"traces_per_group": 1}}), setup)
+    strategy = make_strategy(rollout_config({"strategy": "mixed_traces", "n": 4, "mixed_traces": {"traces_per_group": 1}}), setup)
     assert isinstance(strategy, MixedTraces)
     graded, metrics = strategy.rollout([Problem("0", "q", "a"), Problem("1", "q", "a")])
     assert setup.sampler.engine.requests == [[((0,), 3), ((1,), 4)]]  # a prompt without a trace gets n samples
@@ -238,16 +238,16 @@ def test_without_traces_the_requests_are_the_iid_ones():
     mixed = mixed_setup(GuidanceLibrary())
     iid = mixed_setup(None)
     problems = [Problem("0", "q", "a"), Problem("1", "q", "a")]
-    make_strategy(OmegaConf.create({"strategy": "mixed_traces", "n": 4}), mixed).rollout(problems)
-    make_strategy(OmegaConf.create({"strategy": "iid", "n": 4}), iid).rollout(problems)
+    make_strategy(rollout_config({"strategy": "mixed_traces", "n": 4}), mixed).rollout(problems)
+    make_strategy(rollout_config({"strategy": "iid", "n": 4}), iid).rollout(problems)
     assert mixed.sampler.engine.requests == iid.sampler.engine.requests
 
 
 def test_traces_per_group_must_leave_room_for_the_policy():
     with pytest.raises(ConfigError, match="traces_per_group=4 must be at least 1 and below rollout.n=4"):
-        validate_strategy(OmegaConf.create({"strategy": "mixed_traces", "n": 4, "mixed_traces": {"traces_per_group": 4}}), "grpo")
+        validate_strategy(rollout_config({"strategy": "mixed_traces", "n": 4, "mixed_traces": {"traces_per_group": 4}}), "grpo")
     with pytest.raises(ConfigError, match="has no key"):
-        validate_strategy(OmegaConf.create({"strategy": "mixed_traces", "n": 4, "mixed_traces": {"per_group": 1}}), "grpo")
+        validate_strategy(rollout_config({"strategy": "mixed_traces", "n": 4, "mixed_traces": {"per_group": 1}}), "grpo")
 
 
 # ----------------------------------------------------------------------------------------- hints and prefixes
@@ -303,7 +303,7 @@ def test_hint_is_a_share_of_the_solution_words():
 
 def test_guide_rerolls_only_all_wrong_groups_and_trains_hinted_responses_for_the_unhinted_prompt():
     setup = hint_setup(library_of(**{"0": "w1 w2 w3 w4", "1": "v1 v2"}))
-    strategy = make_strategy(OmegaConf.create({"strategy": "hint_reroll", "n": 4, "hint_reroll": {"hint_share": 0.5}}), setup)
+    strategy = make_strategy(rollout_config({"strategy": "hint_reroll", "n": 4, "hint_reroll": {"hint_share": 0.5}}), setup)
     assert isinstance(strategy, HintReroll)
     graded, metrics = strategy.rollout([Problem("0", "q", "a"), Problem("1", "q", "a")])
     # both groups are all wrong: both re-rolled with the hint, both solved
@@ -338,7 +338,7 @@ def test_guide_ratio_is_pi_without_the_hint_over_pi_old_with_it():
 
 def test_scaf_waits_out_the_exemption_then_climbs_the_tiers_and_replaces_one_failure():
     setup = hint_setup(library_of(**{"0": "w1 w2 w3 w4"}), needed_words=4)  # only the full solution helps
-    cfg = OmegaConf.create({"strategy": "scaf_hints", "n": 4, "scaf_hints": {"tiers": [0.25, 0.5, 1.0], "exemption_fraction": 0.5, "total_steps": 2}})
+    cfg = rollout_config({"strategy": "scaf_hints", "n": 4, "scaf_hints": {"tiers": [0.25, 0.5, 1.0], "exemption_fraction": 0.5, "total_steps": 2}})
     strategy = make_strategy(cfg, setup)
     assert isinstance(strategy, ScafHints) and strategy.exempt_steps == 1
     graded, metrics = strategy.rollout([Problem("0", "q", "a")])
@@ -368,7 +368,7 @@ def test_guidance_length_schedule_follows_the_three_step_rule():
 
 def test_guided_prefix_groups_hold_k_guided_responses_whose_prefix_is_context():
     setup = hint_setup(library_of(**{"0": "x"}))
-    cfg = OmegaConf.create({"strategy": "guided_prefix", "n": 4, "guided_prefix": {"guided_per_group": 1, "initial_length": 2, "max_length": 3}})
+    cfg = rollout_config({"strategy": "guided_prefix", "n": 4, "guided_prefix": {"guided_per_group": 1, "initial_length": 2, "max_length": 3}})
     strategy = make_strategy(cfg, setup)
     assert isinstance(strategy, GuidedPrefix)
     graded, metrics = strategy.rollout([Problem("0", "q", "a"), Problem("1", "q", "a")])
@@ -423,7 +423,7 @@ def test_dataset_reset_starts_groups_from_a_uniform_cut_of_the_solution_as_conte
     setup = hint_setup(library)
     generator = torch.Generator().manual_seed(0)
     setup = RolloutSetup(setup.sampler, 4, setup.params, generator, guidance=library)
-    strategy = make_strategy(OmegaConf.create({"strategy": "dataset_reset", "n": 4, "dataset_reset": {"p_reset": 1.0}}), setup)
+    strategy = make_strategy(rollout_config({"strategy": "dataset_reset", "n": 4, "dataset_reset": {"p_reset": 1.0}}), setup)
     assert isinstance(strategy, DatasetReset)
     depths = [strategy.reset_depth((2, 4, 6)) for _ in range(4000)]
     for h in range(4):  # uniform on 0..3
@@ -480,7 +480,7 @@ def test_icpo_expert_is_sampled_with_a_demonstration_trained_without_it_and_reje
 
     sampler = Sampler(base.sampler.engine, base.sampler.grader, base.sampler.tokenizer, {}, lambda r, _: r)
     setup = RolloutSetup(sampler, 4, base.params, torch.Generator().manual_seed(0), guidance=library)
-    strategy = make_strategy(OmegaConf.create({"strategy": "icl_expert", "n": 4, "icl_expert": {"beta": 1.0, "horizon": 2}}), setup)
+    strategy = make_strategy(rollout_config({"strategy": "icl_expert", "n": 4, "icl_expert": {"beta": 1.0, "horizon": 2}}), setup)
     assert isinstance(strategy, InContextExpert)
     graded, metrics = strategy.rollout([Problem("0", "q", "a"), Problem("1", "q", "a")])
     requests = sampler.engine.requests

@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_guidance import CharTokenizer  # noqa: E402
 
+from rlbench.config.typed import rollout_config
 from rlbench.dataset.base import Problem  # noqa: E402
 from rlbench.errors import ConfigError  # noqa: E402
 from rlbench.guidance import GuidanceLibrary, Trace  # noqa: E402
@@ -100,7 +101,7 @@ def test_one_wrong_response_per_group_is_edited_and_the_group_holds_both_origins
     library = GuidanceLibrary()
     library.add(reference_trace())
     setup = edit_setup(library, [RIGHT, WRONG, WRONG, RIGHT])
-    graded, metrics = make_strategy(OmegaConf.create(EDIT_CFG), setup).rollout([PROBLEM, Problem("1", "q", "14")])
+    graded, metrics = make_strategy(rollout_config(EDIT_CFG), setup).rollout([PROBLEM, Problem("1", "q", "14")])
     first, second = graded.groups
     assert [c.behaviour for c in first] == ["policy", "edited", "policy", "policy"]  # only the first wrong one
     assert first[1].text == REFERENCE  # its first sentence was wrong: the whole reference from step 0
@@ -112,17 +113,17 @@ def test_one_wrong_response_per_group_is_edited_and_the_group_holds_both_origins
 def test_without_references_edit_injection_is_iid_exactly():
     problems = [PROBLEM, Problem("1", "q", "14")]
     edit, iid = edit_setup(GuidanceLibrary(), [WRONG, RIGHT]), edit_setup(None, [WRONG, RIGHT])
-    graded, _ = make_strategy(OmegaConf.create(EDIT_CFG), edit).rollout(problems)
-    base, _ = make_strategy(OmegaConf.create({"strategy": "iid", "n": 4}), iid).rollout(problems)
+    graded, _ = make_strategy(rollout_config(EDIT_CFG), edit).rollout(problems)
+    base, _ = make_strategy(rollout_config({"strategy": "iid", "n": 4}), iid).rollout(problems)
     assert edit.sampler.engine.requests == iid.sampler.engine.requests
     assert graded.groups == base.groups and torch.equal(graded.rewards, base.rewards)
 
 
 def test_edit_injection_refuses_bad_settings():
     with pytest.raises(ConfigError, match="edits_per_group=5 must lie in 1..rollout.n=4"):
-        validate_strategy(OmegaConf.create({**EDIT_CFG, "edit_injection": {"edits_per_group": 5}}), "grpo")
+        validate_strategy(rollout_config({**EDIT_CFG, "edit_injection": {"edits_per_group": 5}}), "grpo")
     with pytest.raises(ConfigError, match="checker='llm' is unknown"):
-        validate_strategy(OmegaConf.create({**EDIT_CFG, "edit_injection": {"checker": "llm"}}), "grpo")
+        validate_strategy(rollout_config({**EDIT_CFG, "edit_injection": {"checker": "llm"}}), "grpo")
 
 
 # ----------------------------------------------------------------------------------------- dagrpo
@@ -164,8 +165,8 @@ def test_an_all_wrong_group_gets_an_anchor_and_with_it_a_nonzero_advantage():
             return [(int(p.uid),) for p in problems]
 
     setup = RolloutSetup(Sampler(Engine(), EvenTokenReward(), TOK, {}, lambda r, _: r), 3, SamplingParams(1.0, 1.0, 4), None, guidance=library)
-    cfg = OmegaConf.create({"strategy": "mixed_traces", "n": 3, "mixed_traces": {"traces_per_group": 1, "when": "unsolved"}})
-    graded, metrics = make_strategy(cfg, setup).rollout([Problem("0", "q", "a"), Problem("1", "q", "a")])
+    cfg = {"strategy": "mixed_traces", "n": 3, "mixed_traces": {"traces_per_group": 1, "when": "unsolved"}}
+    graded, metrics = make_strategy(rollout_config(cfg), setup).rollout([Problem("0", "q", "a"), Problem("1", "q", "a")])
     assert setup.sampler.engine.requests == [[((0,), 3), ((1,), 3)]]  # the iid requests: n samples each
     assert [c.behaviour for c in graded.groups[0]] == ["policy"] * 3 + ["dataset"]
     assert [c.behaviour for c in graded.groups[1]] == ["policy"] * 3  # solved: no anchor
@@ -175,16 +176,16 @@ def test_an_all_wrong_group_gets_an_anchor_and_with_it_a_nonzero_advantage():
     assert advantage[:4].tolist() == pytest.approx([-2.0] * 3 + [2.0], rel=1e-5)
     assert advantage[4:].abs().sum() == 0
     with pytest.raises(ConfigError, match="when='sometimes' is unknown"):
-        validate_strategy(OmegaConf.create({**cfg, "mixed_traces": {"when": "sometimes"}}), "grpo")
-    validate_strategy(OmegaConf.create({**cfg, "mixed_traces": {"traces_per_group": 3, "when": "unsolved"}}), "grpo")
+        validate_strategy(rollout_config({**cfg, "mixed_traces": {"when": "sometimes"}}), "grpo")
+    validate_strategy(rollout_config({**cfg, "mixed_traces": {"traces_per_group": 3, "when": "unsolved"}}), "grpo")
 
 
 def test_without_anchors_the_anchor_rollout_is_iid_exactly():
     problems = [PROBLEM, Problem("1", "q", "14")]
     anchors, iid = edit_setup(GuidanceLibrary(), [WRONG, RIGHT]), edit_setup(None, [WRONG, RIGHT])
     cfg = {"strategy": "mixed_traces", "n": 4, "mixed_traces": {"when": "unsolved"}}
-    graded, _ = make_strategy(OmegaConf.create(cfg), anchors).rollout(problems)
-    base, _ = make_strategy(OmegaConf.create({"strategy": "iid", "n": 4}), iid).rollout(problems)
+    graded, _ = make_strategy(rollout_config(cfg), anchors).rollout(problems)
+    base, _ = make_strategy(rollout_config({"strategy": "iid", "n": 4}), iid).rollout(problems)
     assert anchors.sampler.engine.requests == iid.sampler.engine.requests
     assert graded.groups == base.groups and torch.equal(graded.rewards, base.rewards)
 
@@ -252,11 +253,11 @@ def test_references_are_the_groups_and_nothing_is_generated():
     library.add(reference_trace())
     setup = edit_setup(library, [RIGHT])
     setup.sampler.engine = NoEngine()
-    strategy = make_strategy(OmegaConf.create({"strategy": "references", "n": 4}), setup)
+    strategy = make_strategy(rollout_config({"strategy": "references", "n": 4}), setup)
     graded, metrics = strategy.rollout([PROBLEM, Problem("1", "q", "14")])
     assert [[c.behaviour for c in g] for g in graded.groups] == [["dataset"]]  # the prompt without a reference is left out
     assert graded.groups[0][0].off_policy == [1] * len(reference_trace().token_ids) and metrics == {"groups_with_trace": 1.0}
     with pytest.raises(DataError, match="none of the step's 1 prompts has a guidance trace"):
         strategy.rollout([Problem("1", "q", "14")])
     with pytest.raises(ConfigError, match="monitor_n must be >= 0"):
-        validate_strategy(OmegaConf.create({"strategy": "references", "n": 4, "references": {"monitor_n": -1}}), "grpo")
+        validate_strategy(rollout_config({"strategy": "references", "n": 4, "references": {"monitor_n": -1}}), "grpo")

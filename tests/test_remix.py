@@ -11,6 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from rlbench.config.typed import rollout_config
 from rlbench.algorithm import Algorithm
 from rlbench.validation import validate_config
 from rlbench.errors import ConfigError
@@ -126,7 +127,7 @@ def test_a_fresh_prompt_of_the_window_is_sampled_fresh_and_stop_replay_goes_on_p
 ])
 def test_bad_remix_replay_options_are_refused(block, message):
     with pytest.raises(ConfigError, match=message):
-        validate_strategy(OmegaConf.create({"strategy": "replay", "n": 2, "replay": block}), "grpo")
+        validate_strategy(rollout_config({"strategy": "replay", "n": 2, "replay": block}), "grpo")
 
 
 # --------------------------------------------------------------------------------------- reincarnation

@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
+from rlbench.config.typed import rollout_config
 from rlbench.algorithm.losses import exgrpo_loss, ppo_clip_loss
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
@@ -156,7 +156,7 @@ def strategy_for(script, rollout, n=2, seed=0):
             return super().sample(problems, n, params, generator, [(int(p.uid),) for p in problems])
 
     sampler = Sampler(ScriptedEngine(script), EvenTokenReward(threshold=0.75), Tokenizer(), {}, lambda r, _: r)
-    cfg = OmegaConf.create({"n": n, **rollout})
+    cfg = rollout_config({"n": n, **rollout})
     validate_strategy(cfg, "grpo")
     return make_strategy(cfg, RolloutSetup(sampler, n, SamplingParams(1.0, 1.0, 4), None, seed)), sampler.engine
 
@@ -260,7 +260,7 @@ def test_strategy_state_round_trip_continues_identically():
 ])
 def test_bad_replay_options_are_refused_before_anything_loads(block, message):
     with pytest.raises(ConfigError, match=message):
-        validate_strategy(OmegaConf.create({"strategy": "replay", "n": 2, "replay": block}), "grpo")
+        validate_strategy(rollout_config({"strategy": "replay", "n": 2, "replay": block}), "grpo")
 
 
 # --------------------------------------------------------------------------------------------- AR3PO
@@ -284,7 +284,7 @@ def test_adaptive_rollout_stops_resolved_prompts_and_reuses_a_stored_success():
 
 def test_adaptive_stages_must_divide_the_group_size():
     with pytest.raises(ConfigError, match="divide rollout.n=4"):
-        validate_strategy(OmegaConf.create({"strategy": "adaptive", "n": 4, "adaptive": {"stages": 3}}), "grpo")
+        validate_strategy(rollout_config({"strategy": "adaptive", "n": 4, "adaptive": {"stages": 3}}), "grpo")
 
 
 # ------------------------------------------------------------------------------------ the exgrpo loss

@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
+from rlbench.config.typed import rollout_config
 from rlbench.algorithm.advantages.group_relative import grpo_advantage
 from rlbench.validation import validate_config
 from rlbench.errors import ConfigError
@@ -66,7 +66,7 @@ def strategy_for(script, block, store, n=4, max_new_tokens=4):
     engine = ScriptedEngine(script)
     engine.budgets = []
     sampler = Sampler(engine, EvenTokenReward(threshold=0.75), Tokenizer(), {}, lambda r, _: r)
-    cfg = OmegaConf.create({"n": n, "strategy": "difficulty_adaptive", "difficulty_adaptive": block})
+    cfg = rollout_config({"n": n, "strategy": "difficulty_adaptive", "difficulty_adaptive": block})
     validate_strategy(cfg, "grpo")
     setup = RolloutSetup(sampler, n, SamplingParams(1.0, 1.0, max_new_tokens), None, 0, None, store)
     return make_strategy(cfg, setup), engine
@@ -126,7 +126,7 @@ def test_every_prompt_in_the_default_tier_samples_what_iid_samples():
         sampler = GroupSampler(RandomEngine(), EvenTokenReward(threshold=0.75), Tokenizer(), {}, lambda r, _: r)
         sampler.encode = lambda problems: [(7,) for _ in problems]  # no tokenizer needed
         setup = RolloutSetup(sampler, 4, SamplingParams(1.0, 1.0, 5), torch.Generator().manual_seed(3), 0, None, store)
-        graded, _ = make_strategy(OmegaConf.create({"n": 4, **rollout}), setup).rollout(prompts)
+        graded, _ = make_strategy(rollout_config({"n": 4, **rollout}), setup).rollout(prompts)
         out[name] = graded
     assert [[c.response_ids for c in g] for g in out["iid"].groups] == [[c.response_ids for c in g] for g in out["difficulty"].groups]
     assert torch.equal(out["iid"].rewards, out["difficulty"].rewards)
@@ -147,7 +147,7 @@ def test_every_prompt_in_the_default_tier_samples_what_iid_samples():
 ])
 def test_bad_options_are_refused_before_anything_loads(block, message):
     with pytest.raises(ConfigError, match=message):
-        validate_strategy(OmegaConf.create({"strategy": "difficulty_adaptive", "n": 4, "difficulty_adaptive": block}), "grpo")
+        validate_strategy(rollout_config({"strategy": "difficulty_adaptive", "n": 4, "difficulty_adaptive": block}), "grpo")
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -9,6 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from rlbench.config.typed import rollout_config
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.model import load_policy
@@ -132,17 +133,17 @@ def test_on_the_tiny_model_branches_continue_a_global_sample_from_a_boundary():
 
 
 def test_settings_are_checked_before_the_model_loads(make_cfg):
-    cfg = make_cfg("rollout=entropy_branch").rollout
+    cfg = rollout_config(make_cfg("rollout=entropy_branch").rollout)
     validate_strategy(cfg, "grpo")
     assert isinstance(make_strategy(cfg, scripted_setup()), EntropyBranchRollout)
     base = {"strategy": "entropy_branch", "n": 4, "max_new_tokens": 8}
     with pytest.raises(ConfigError, match=r"segment_tokens=8 is not shorter than rollout.max_new_tokens=8"):
-        validate_strategy(OmegaConf.create({**base, "entropy_branch": {"segment_tokens": 8}}), "grpo")
+        validate_strategy(rollout_config({**base, "entropy_branch": {"segment_tokens": 8}}), "grpo")
     with pytest.raises(ConfigError, match="rollout.n >= 2"):
-        validate_strategy(OmegaConf.create({**base, "n": 1}), "grpo")
-    validate_strategy(OmegaConf.create({**base, "engine": "vllm"}), "grpo")  # the engine interface serves both
+        validate_strategy(rollout_config({**base, "n": 1}), "grpo")
+    validate_strategy(rollout_config({**base, "engine": "vllm"}), "grpo")  # the engine interface serves both
     with pytest.raises(ConfigError, match=r"no key\(s\) \['alpha'\]"):
-        validate_strategy(OmegaConf.create({**base, "entropy_branch": {"alpha": 1}}), "grpo")
+        validate_strategy(rollout_config({**base, "entropy_branch": {"alpha": 1}}), "grpo")
 
 
 @pytest.mark.slow

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
+from rlbench.config.typed import rollout_config
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.reward.toy import EvenTokenReward
@@ -56,16 +56,16 @@ def test_state_prompt_keeps_the_system_message_and_the_template():
 
 
 def test_settings_are_checked_before_the_model_loads(make_cfg):
-    cfg = make_cfg("rollout=equivalent_states").rollout
+    cfg = rollout_config(make_cfg("rollout=equivalent_states").rollout)
     validate_strategy(cfg, "grpo")
     assert isinstance(make_strategy(cfg, setup()), EquivalentStatesRollout)
     base = {"strategy": "equivalent_states", "n": 6, "equivalent_states": {"prefixes": ["", "a", "b", "c"]}}
     with pytest.raises(ConfigError, match=r"rollout.n=6 is not a multiple of the 4 equivalent states"):
-        validate_strategy(OmegaConf.create(base), "grpo")
+        validate_strategy(rollout_config(base), "grpo")
     with pytest.raises(ConfigError, match="at least two distinct prefixes"):
-        validate_strategy(OmegaConf.create({**base, "n": 4, "equivalent_states": {"prefixes": ["", ""]}}), "grpo")
+        validate_strategy(rollout_config({**base, "n": 4, "equivalent_states": {"prefixes": ["", ""]}}), "grpo")
     with pytest.raises(ConfigError, match="must not contain braces"):
-        validate_strategy(OmegaConf.create({**base, "n": 4, "equivalent_states": {"prefixes": ["", "{x}"]}}), "grpo")
+        validate_strategy(rollout_config({**base, "n": 4, "equivalent_states": {"prefixes": ["", "{x}"]}}), "grpo")
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from rlbench.config.typed import rollout_config
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.model import load_policy
@@ -153,21 +154,21 @@ def test_on_the_tiny_model_branches_share_the_trunk_up_to_their_branch_token(tin
 
 
 def test_settings_are_checked_before_the_model_loads(make_cfg):
-    cfg = make_cfg("rollout=lookahead").rollout
+    cfg = rollout_config(make_cfg("rollout=lookahead").rollout)
     validate_strategy(cfg, "grpo")
     assert isinstance(make_strategy(cfg, scripted_setup({})), LookaheadRollout)
     base = {"strategy": "lookahead", "n": 4, "max_new_tokens": 8}
     with pytest.raises(ConfigError, match=r"checkpoints reach 8 tokens, not shorter than rollout.max_new_tokens=8"):
-        validate_strategy(OmegaConf.create({**base, "lookahead": {"checkpoints": [2, 8]}}), "grpo")
+        validate_strategy(rollout_config({**base, "lookahead": {"checkpoints": [2, 8]}}), "grpo")
     with pytest.raises(ConfigError, match="rollout.n >= 2"):
-        validate_strategy(OmegaConf.create({**base, "n": 1}), "grpo")
-    validate_strategy(OmegaConf.create({**base, "engine": "vllm"}), "grpo")  # the engine interface serves both
+        validate_strategy(rollout_config({**base, "n": 1}), "grpo")
+    validate_strategy(rollout_config({**base, "engine": "vllm"}), "grpo")  # the engine interface serves both
     with pytest.raises(ConfigError, match="mix_schedule must be"):
-        validate_strategy(OmegaConf.create({**base, "lookahead": {"mix_schedule": [[5, 1.0]]}}), "grpo")
+        validate_strategy(rollout_config({**base, "lookahead": {"mix_schedule": [[5, 1.0]]}}), "grpo")
     with pytest.raises(ConfigError, match="abs_threshold must be in"):
-        validate_strategy(OmegaConf.create({**base, "lookahead": {"abs_threshold": 1.5}}), "grpo")
+        validate_strategy(rollout_config({**base, "lookahead": {"abs_threshold": 1.5}}), "grpo")
     with pytest.raises(ConfigError, match=r"no key\(s\) \['depth'\]"):
-        validate_strategy(OmegaConf.create({**base, "lookahead": {"depth": 2}}), "grpo")
+        validate_strategy(rollout_config({**base, "lookahead": {"depth": 2}}), "grpo")
 
 
 @pytest.mark.slow

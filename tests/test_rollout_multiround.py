@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
+from rlbench.config.typed import rollout_config
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.reward.math import Grade
@@ -69,13 +69,13 @@ def test_round_problem_appends_the_progress():
 
 
 def test_settings_are_checked_before_the_model_loads(make_cfg):
-    cfg = make_cfg("rollout=multiround").rollout
+    cfg = rollout_config(make_cfg("rollout=multiround").rollout)
     validate_strategy(cfg, "grpo")
     assert isinstance(make_strategy(cfg, RolloutSetup(None, 2, SamplingParams(), None)), MultiroundRollout)
     with pytest.raises(ConfigError, match="rounds must be >= 2"):
-        validate_strategy(OmegaConf.create({"strategy": "multiround", "n": 2, "multiround": {"rounds": 1}}), "grpo")
+        validate_strategy(rollout_config({"strategy": "multiround", "n": 2, "multiround": {"rounds": 1}}), "grpo")
     with pytest.raises(ConfigError, match="continuations must be >= 1"):
-        validate_strategy(OmegaConf.create({"strategy": "multiround", "n": 2, "multiround": {"continuations": 0}}), "grpo")
+        validate_strategy(rollout_config({"strategy": "multiround", "n": 2, "multiround": {"continuations": 0}}), "grpo")
 
 
 @pytest.mark.slow

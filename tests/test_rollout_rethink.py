@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from conftest import CharTokenizer, smoke_cli_steps
+from rlbench.config.typed import rollout_config
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.reward.math import Grade
@@ -71,16 +71,16 @@ def test_stage_problem_substitutes_texts_with_braces():
 
 
 def test_settings_are_checked_before_the_model_loads(make_cfg):
-    cfg = make_cfg("rollout=rethink").rollout
+    cfg = rollout_config(make_cfg("rollout=rethink").rollout)
     validate_strategy(cfg, "grpo")
     assert isinstance(make_strategy(cfg, RolloutSetup(None, 2, SamplingParams(), None)), RethinkRollout)
     base = {"strategy": "rethink", "n": 2}
     with pytest.raises(ConfigError, match="refine_template must contain"):
-        validate_strategy(OmegaConf.create({**base, "rethink": {"refine_template": "{problem}"}}), "grpo")
+        validate_strategy(rollout_config({**base, "rethink": {"refine_template": "{problem}"}}), "grpo")
     with pytest.raises(ConfigError, match="decompose_template must contain"):
-        validate_strategy(OmegaConf.create({**base, "rethink": {"decompose_template": "solve"}}), "grpo")
+        validate_strategy(rollout_config({**base, "rethink": {"decompose_template": "solve"}}), "grpo")
     with pytest.raises(ConfigError, match="must be >= 1"):
-        validate_strategy(OmegaConf.create({**base, "rethink": {"samples": 0}}), "grpo")
+        validate_strategy(rollout_config({**base, "rethink": {"samples": 0}}), "grpo")
 
 
 @pytest.mark.slow

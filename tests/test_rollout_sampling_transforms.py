@@ -17,6 +17,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from rlbench.config.typed import rollout_config
 from rlbench.algorithm.losses.ratio_clipped import EntropyScale
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
@@ -177,7 +178,7 @@ def test_adaptive_state_round_trip_gives_the_same_rollout(tiny):
 
 
 def test_adaptive_settings_are_checked_before_the_model_loads(make_cfg):
-    validate_strategy(make_cfg("rollout=adaptive_temperature").rollout, "grpo")
+    validate_strategy(rollout_config(make_cfg("rollout=adaptive_temperature").rollout), "grpo")
 
     def cfg(**overrides):
         base = {"strategy": "adaptive_temperature", "n": 2, "temperature": 1.0, "adaptive_temperature": {}}
@@ -186,7 +187,7 @@ def test_adaptive_settings_are_checked_before_the_model_loads(make_cfg):
                 base["adaptive_temperature"][key] = value
             else:
                 base[key] = value
-        return OmegaConf.create(base)
+        return rollout_config(base)
 
     for tau in (-0.1, 1.0, float("nan")):
         with pytest.raises(ConfigError, match=r"tau must be in \[0, 1\)"):
@@ -326,11 +327,11 @@ def test_the_masking_policy_is_a_copy_refreshed_every_mu_rollouts_and_saved_with
 
 
 def test_masked_settings_are_checked_before_the_model_loads(make_cfg):
-    cfg = make_cfg("rollout=masked").rollout
+    cfg = rollout_config(make_cfg("rollout=masked").rollout)
     validate_strategy(cfg, "grpo")
 
     def block(**values):
-        return OmegaConf.create({"strategy": "masked", "n": 2, "temperature": 1.0, "masked": values})
+        return rollout_config({"strategy": "masked", "n": 2, "temperature": 1.0, "masked": values})
 
     for p in (0.0, 1.5, float("nan")):
         with pytest.raises(ConfigError, match=r"top_p is the mask's probability mass, in \(0, 1\]"):
@@ -339,7 +340,7 @@ def test_masked_settings_are_checked_before_the_model_loads(make_cfg):
         with pytest.raises(ConfigError, match="update_interval .* must be an integer >= 1"):
             validate_strategy(block(update_interval=mu), "grpo")
     with pytest.raises(ConfigError, match="rollout.engine=hf"):
-        validate_strategy(OmegaConf.create({"strategy": "masked", "engine": "vllm", "n": 2}), "grpo")
+        validate_strategy(rollout_config({"strategy": "masked", "engine": "vllm", "n": 2}), "grpo")
 
 
 def test_masked_is_refused_with_stale_batches_and_with_trpo(make_cfg):

@@ -15,6 +15,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from rlbench.config.typed import rollout_config
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.model import load_policy
@@ -301,14 +302,14 @@ def test_state_round_trip_gives_the_same_rollout():
 
 
 def test_settings_are_checked_before_the_model_loads(make_cfg):
-    cfg = make_cfg("rollout=speculative", "rollout.speculative.lenience=0.0").rollout
+    cfg = rollout_config(make_cfg("rollout=speculative", "rollout.speculative.lenience=0.0").rollout)
     validate_strategy(cfg, "grpo")
     assert isinstance(make_strategy(cfg, scripted_setup()), SpeculativeRollout)
     with pytest.raises(ConfigError, match=r"rollout.speculative has no key\(s\) \['bias'\]"):
-        validate_strategy(OmegaConf.create({"strategy": "speculative", "n": 2, "speculative": {"bias": 1}}), "grpo")
+        validate_strategy(rollout_config({"strategy": "speculative", "n": 2, "speculative": {"bias": 1}}), "grpo")
     with pytest.raises(ConfigError, match="finite number"):
-        validate_strategy(OmegaConf.create({"strategy": "speculative", "n": 2, "speculative": {"lenience": float("inf")}}), "grpo")
-    validate_strategy(OmegaConf.create({"strategy": "speculative", "engine": "vllm", "n": 2}), "grpo")  # both engines score
+        validate_strategy(rollout_config({"strategy": "speculative", "n": 2, "speculative": {"lenience": float("inf")}}), "grpo")
+    validate_strategy(rollout_config({"strategy": "speculative", "engine": "vllm", "n": 2}), "grpo")  # both engines score
 
 
 @pytest.mark.slow

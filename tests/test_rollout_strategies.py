@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
+from rlbench.config.typed import rollout_config
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.reward.math import Grade
@@ -57,26 +57,26 @@ def test_both_strategies_are_registered():
 
 def test_unknown_strategy_is_refused_listing_the_options():
     with pytest.raises(ConfigError, match=r"rollout.strategy='unknown' is unknown; choose one of \[.*'dynamic_sampling', .*'iid'.*\]"):
-        validate_strategy(OmegaConf.create({"strategy": "unknown", "n": 4}), "grpo")
+        validate_strategy(rollout_config({"strategy": "unknown", "n": 4}), "grpo")
     with pytest.raises(ConfigError, match="choose one of"):
-        make_strategy(OmegaConf.create({"strategy": "unknown", "n": 4}), setup_for({}))
+        make_strategy(rollout_config({"strategy": "unknown", "n": 4}), setup_for({}))
 
 
 def test_strategies_come_from_the_rollout_config(make_cfg):
-    default = make_cfg().rollout
+    default = rollout_config(make_cfg().rollout)
     assert default.strategy == "iid" and isinstance(make_strategy(default, setup_for({})), IIDSampling)
-    dapo = make_cfg("algorithm=dapo", "rollout.dynamic_sampling.max_rounds=3").rollout
+    dapo = rollout_config(make_cfg("algorithm=dapo", "rollout.dynamic_sampling.max_rounds=3").rollout)
     strategy = make_strategy(dapo, setup_for({}))
     assert isinstance(strategy, DynamicSampling)
     assert strategy.options == DynamicSamplingOptions(max_rounds=3, metric="correct")
-    assert make_cfg("algorithm=dapo", "rollout=iid").rollout.strategy == "iid"  # the preset's choice is overridable
-    assert make_cfg("rollout=dynamic_sampling").rollout.strategy == "dynamic_sampling"  # any preset can use it
+    assert rollout_config(make_cfg("algorithm=dapo", "rollout=iid").rollout).strategy == "iid"  # the preset's choice is overridable
+    assert rollout_config(make_cfg("rollout=dynamic_sampling").rollout).strategy == "dynamic_sampling"  # any preset can use it
 
 
 def test_iid_groups_are_numbered_in_prompt_order():
     # toy reward: the share of even tokens
     setup = setup_for({0: [2, 4], 1: [1, 3], 2: [2, 3]}, n=3)
-    groups, metrics = make_strategy(OmegaConf.create({"strategy": "iid", "n": 3}), setup).rollout(problems("0", "1", "2"))
+    groups, metrics = make_strategy(rollout_config({"strategy": "iid", "n": 3}), setup).rollout(problems("0", "1", "2"))
     assert metrics == {}
     assert groups.group_ids == [0, 1, 2]
     assert groups.response_group_ids.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
@@ -121,4 +121,4 @@ def test_dynamic_sampling_needs_draw_prompts_and_groups_that_can_differ():
     with pytest.raises(ValueError, match="draws more prompts"):
         strategy.rollout(problems("0"), None)
     with pytest.raises(ConfigError, match="rollout.n >= 2"):
-        validate_strategy(OmegaConf.create({"strategy": "dynamic_sampling", "n": 1}), "grpo")
+        validate_strategy(rollout_config({"strategy": "dynamic_sampling", "n": 1}), "grpo")

@@ -14,6 +14,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from rlbench.config.typed import rollout_config
 from rlbench.algorithm.advantages import grpo_advantage, reinforce_pp_baseline_advantage
 from rlbench.algorithm.advantages.tree import leaf_paths, tree_advantage, treerpo_advantage
 from rlbench.errors import ConfigError
@@ -103,17 +104,17 @@ def test_split_budget():
 
 
 def _rollout_cfg(**tree):
-    return OmegaConf.create({"strategy": "tree", "n": 8, "tree": {"segment_tokens": 2, "root_branching": 2, "branching": 2, **tree}})
+    return rollout_config({"strategy": "tree", "n": 8, "tree": {"segment_tokens": 2, "root_branching": 2, "branching": 2, **tree}})
 
 
 def test_options_refused_before_loading():
     with pytest.raises(ConfigError, match="power of branching"):
-        TreeOptions.from_config(OmegaConf.create({"strategy": "tree", "n": 12, "tree": {"root_branching": 2, "branching": 2}}))
+        TreeOptions.from_config(rollout_config({"strategy": "tree", "n": 12, "tree": {"root_branching": 2, "branching": 2}}))
     with pytest.raises(ConfigError, match="no key"):
         TreeOptions.from_config(_rollout_cfg(depth=3))
     with pytest.raises(ConfigError, match="branching must be >= 2"):
         TreeOptions.from_config(_rollout_cfg(branching=1))
-    assert TreeOptions.from_config(OmegaConf.create({"strategy": "tree", "n": 6, "tree": {"root_branching": 2, "branching": 3}})).branching == 3
+    assert TreeOptions.from_config(rollout_config({"strategy": "tree", "n": 6, "tree": {"root_branching": 2, "branching": 3}})).branching == 3
     with pytest.raises(ConfigError, match="algorithm/advantage="):
         validate_strategy(_rollout_cfg(), "grpo")
     validate_strategy(_rollout_cfg(), "tree")
@@ -237,7 +238,7 @@ def test_micro_groups_give_the_full_groups_statistics(tiny):
     model, tokenizer = tiny
 
     def run(size):
-        cfg = OmegaConf.create({"strategy": "micro_groups", "micro_groups": {"size": size}})
+        cfg = rollout_config({"strategy": "micro_groups", "micro_groups": {"size": size}})
         strategy, sampler, problems = _strategy(model, tokenizer, n=8, seed=5, cfg=cfg)
         graded, metrics = strategy.rollout(problems)
         return graded, metrics, sampler.cost.take()
@@ -255,8 +256,8 @@ def test_micro_groups_give_the_full_groups_statistics(tiny):
 
 def test_micro_group_size_must_divide_n():
     with pytest.raises(ConfigError, match=r"must divide rollout.n=8.*\[1, 2, 4, 8\]"):
-        validate_strategy(OmegaConf.create({"strategy": "micro_groups", "n": 8, "micro_groups": {"size": 3}}), "grpo")
-    validate_strategy(OmegaConf.create({"strategy": "micro_groups", "n": 8, "micro_groups": {"size": 4}}), "grpo")
+        validate_strategy(rollout_config({"strategy": "micro_groups", "n": 8, "micro_groups": {"size": 3}}), "grpo")
+    validate_strategy(rollout_config({"strategy": "micro_groups", "n": 8, "micro_groups": {"size": 4}}), "grpo")
 
 
 @pytest.mark.gpu
@@ -273,7 +274,7 @@ def test_strategy_on_the_vllm_engine_gpu(strategy):
     engine = VLLMEngine(model, tokenizer, gpu_memory_utilization=0.2, enforce_eager=True)
     sampler = GroupSampler(engine, EvenTokenReward(), tokenizer, {"system": None, "user": "{problem}"}, lambda r, i: r)
     block = {"micro_groups": {"size": 2}} if strategy == "micro_groups" else {strategy: {"segment_tokens": 4}}
-    cfg = OmegaConf.create({"strategy": strategy, "n": 8, **block})
+    cfg = rollout_config({"strategy": strategy, "n": 8, **block})
     params = SamplingParams(temperature=1.0, max_new_tokens=16)
     graded, _ = make_strategy(cfg, RolloutSetup(sampler, 8, params, torch.Generator().manual_seed(0))).rollout(
         [Problem(uid="p0", prompt="1 + 2", answer="3"), Problem(uid="p1", prompt="3 + 4", answer="7")]

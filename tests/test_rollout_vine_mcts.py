@@ -15,6 +15,7 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import has_vllm_gpu, smoke_cli_steps
+from rlbench.config.typed import rollout_config
 from rlbench.algorithm.advantages import dr_grpo_advantage
 from rlbench.algorithm.advantages.vine import step_runs, vine_advantage
 from rlbench.dataset.base import Problem
@@ -129,7 +130,7 @@ def test_token_steps_lays_out_the_step_values_and_collate_pads_them():
 
 
 def _vine_cfg(**vine):
-    return OmegaConf.create({"strategy": "vine", "n": 4, "max_new_tokens": 8, "vine": {"boundary": "tokens", "step_tokens": 2, "k": 2, **vine}})
+    return rollout_config({"strategy": "vine", "n": 4, "max_new_tokens": 8, "vine": {"boundary": "tokens", "step_tokens": 2, "k": 2, **vine}})
 
 
 def test_vine_options_refused():
@@ -152,7 +153,7 @@ def test_vine_options_refused():
 
 def _mcts_cfg(n=4, max_new_tokens=8, **options):
     block = {"search": {"segment_tokens": 2, "root_branching": 2, "branching": 2}, "stage_depths": [2, 1, 0], "steps_per_stage": 1, **options}
-    return OmegaConf.create({"strategy": "mcts_prefix", "n": n, "max_new_tokens": max_new_tokens, "mcts_prefix": block})
+    return rollout_config({"strategy": "mcts_prefix", "n": n, "max_new_tokens": max_new_tokens, "mcts_prefix": block})
 
 
 def test_mcts_prefix_options_refused():

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from conftest import CharTokenizer, smoke_cli_steps
+from rlbench.config.typed import rollout_config
 from rlbench.algorithm import Algorithm
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
@@ -130,11 +130,11 @@ def test_the_policy_summariser_asks_for_the_lesson():
 def test_settings_are_checked_before_the_model_loads():
     base = {"strategy": "experience_library", "n": 2}
     with pytest.raises(ConfigError, match="summariser"):
-        validate_strategy(OmegaConf.create({**base, "experience_library": {"summariser": "oracle"}}), "grpo")
+        validate_strategy(rollout_config({**base, "experience_library": {"summariser": "oracle"}}), "grpo")
     with pytest.raises(ConfigError, match="max_items"):
-        validate_strategy(OmegaConf.create({**base, "experience_library": {"max_items": -1}}), "grpo")
+        validate_strategy(rollout_config({**base, "experience_library": {"max_items": -1}}), "grpo")
     with pytest.raises(ConfigError, match="it takes"):
-        validate_strategy(OmegaConf.create({**base, "experience_library": {"library": 3}}), "grpo")
+        validate_strategy(rollout_config({**base, "experience_library": {"library": 3}}), "grpo")
 
 
 def test_schedule_none_never_steps_the_optimizer(make_cfg):

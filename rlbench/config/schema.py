@@ -177,14 +177,6 @@ class CriticConfig:
 
 
 @dataclass
-class DynamicSamplingConfig:
-    """DAPO's dynamic sampling (arXiv:2503.14476, section 3.2): the rollout strategy's settings."""
-
-    max_rounds: int = knob(16, "generation rounds per step at most")
-    metric: Literal["correct", "reward"] = knob("correct", "what must differ within a kept group")
-
-
-@dataclass
 class BaselineConfig:
     """Where baseline_rewards come from (ReMax arXiv:2310.10505, PVPO arXiv:2508.21104)."""
 
@@ -343,9 +335,6 @@ class RolloutConfig:
     prefix_cache_mb: float = knob(
         0.0, "hf engine: MiB of KV kept across generate calls, so a request extending a kept sequence prefills only its "
         "new tokens (tree rounds; docs/rollout.md); 0: off; emptied when the weights change", ge=0
-    )
-    dynamic_sampling: Optional[DynamicSamplingConfig] = node(
-        DynamicSamplingConfig, "settings of rollout=dynamic_sampling (only with it)", only_with=("strategy", "dynamic_sampling")
     )
     settings: dict = knob({}, "the settings blocks rollout.<strategy>, by strategy (filled by rlbench.config.typed)", derived=True)
 

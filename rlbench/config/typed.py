@@ -11,9 +11,9 @@ collected into the node's ``settings`` field, a mapping from the choice to its b
 
 from __future__ import annotations
 
-import dataclasses
+import types
 import typing
-from typing import Any, TypeVar, Union
+from typing import Any, Mapping, TypeVar, Union
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -50,20 +50,22 @@ def typed_node(node: Any, schema: type[Schema]) -> Schema:
 
 
 def plain(value: Any, annotation: Any) -> Any:
-    """A leaf value: containers as Python lists and dicts, an integer in a float field as a float."""
+    """A leaf value: containers as Python lists and dicts (as tuples in a tuple field), an integer in a
+    float field as a float."""
     if isinstance(value, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(value, resolve=True)
-    if typing.get_origin(annotation) is Union:
+        value = OmegaConf.to_container(value, resolve=True)
+    if typing.get_origin(annotation) in (Union, types.UnionType):
         annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if typing.get_origin(annotation) is tuple and isinstance(value, (list, tuple)):  # tuple[int, ...] or tuple[X, Y]
+        args = typing.get_args(annotation)
+        items = args[:1] * len(value) if len(args) == 2 and args[1] is Ellipsis else args
+        return tuple(value) if len(items) != len(value) else tuple(plain(item, arg) for item, arg in zip(value, items))
     return value
 
 
-def rollout_node(rollout: RolloutConfig) -> DictConfig:
-    """The typed ``rollout`` as the node the rollout strategies read (rlbench/rollout: the fields, and
-    each settings block beside them under its strategy's name), until they take :class:`RolloutConfig`."""
-    fields = {spec.name: getattr(rollout, spec.name) for spec in config_fields(RolloutConfig)}
-    plain_fields = {key: dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
-                    for key, value in fields.items()}
-    return OmegaConf.create({**plain_fields, **rollout.settings})
+def rollout_config(values: Mapping[str, Any]) -> RolloutConfig:
+    """The typed ``rollout`` of a plain mapping (tests and scripts build one so): its fields, and each
+    strategy's settings block under the strategy's name; missing keys at the schema's defaults."""
+    return typed_node(values if isinstance(values, DictConfig) else OmegaConf.create(dict(values)), RolloutConfig)

@@ -30,18 +30,19 @@ under a strategy that does not provide it.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 import torch
 
 from rlbench.algorithm.registry import ADVANTAGES
+from rlbench.config.schema import RolloutConfig
+from rlbench.config.typed import plain
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.engines.base import SamplingParams
 from rlbench.rollout.groups import GradedGroups, GroupSampler
-
-DEFAULT_STRATEGY = "iid"
 
 
 @dataclass(frozen=True)
@@ -80,20 +81,20 @@ class RolloutStrategy:
         self.setup = setup
 
     @classmethod
-    def config_options(cls, rollout_cfg: Any) -> dict[str, Any]:
-        """The constructor's keyword arguments besides ``setup``, read from ``rollout_cfg`` and checked
+    def config_options(cls, rollout: RolloutConfig) -> dict[str, Any]:
+        """The constructor's keyword arguments besides ``setup``, read from ``rollout`` and checked
         (ConfigError); a strategy without options takes none."""
         return {}
 
     @classmethod
-    def from_config(cls, rollout_cfg: Any, setup: RolloutSetup) -> "RolloutStrategy":
-        return cls(setup, **cls.config_options(rollout_cfg))
+    def from_config(cls, rollout: RolloutConfig, setup: RolloutSetup) -> "RolloutStrategy":
+        return cls(setup, **cls.config_options(rollout))
 
     @classmethod
-    def validate(cls, rollout_cfg: Any, advantage: str) -> None:
+    def validate(cls, rollout: RolloutConfig, advantage: str) -> None:
         """Refuse impossible settings before the model loads (ConfigError); ``advantage`` is the
         estimator's name. By default: the checks of :meth:`options`."""
-        cls.config_options(rollout_cfg)
+        cls.config_options(rollout)
 
     def rollout(
         self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None = None
@@ -137,19 +138,19 @@ def register_strategy(name: str) -> Callable[[type], type]:
     return register
 
 
-def options_block(rollout_cfg: Any, name: str, keys: set[str]) -> dict:
+def options_block(rollout: RolloutConfig, name: str, keys: set[str]) -> dict:
     """The strategy's own block ``rollout.<name>`` as a dict (empty when absent); ConfigError naming
     the keys it takes when it holds others."""
-    node = dict(rollout_cfg.get(name) or {})
+    node = dict(rollout.settings.get(name) or {})
     unknown = set(node) - set(keys)
     if unknown:
         raise ConfigError(f"rollout.{name} has no key(s) {sorted(unknown)}; it takes {sorted(keys)}")
     return node
 
 
-def needs_groups(strategy: str, rollout_cfg: Any, reason: str) -> None:
+def needs_groups(strategy: str, rollout: RolloutConfig, reason: str) -> None:
     """ConfigError unless ``rollout.n >= 2``; ``reason``: what the strategy does within a group."""
-    n = int(rollout_cfg.n)
+    n = int(rollout.n)
     if n < 2:
         raise ConfigError(f"rollout={strategy} {reason}, which needs rollout.n >= 2 (got {n}); use rollout=iid")
 
@@ -164,24 +165,27 @@ def require_advantage_input(advantage: str, input_name: str, refusal: str) -> No
     raise ConfigError(refusal.format(advantage=advantage, readers=readers))
 
 
-def strategy_class(rollout_cfg: Any) -> type:
+def strategy_class(rollout: RolloutConfig) -> type:
     """The class of ``rollout.strategy``; ConfigError naming the registered strategies if unknown."""
-    name = rollout_cfg.get("strategy", DEFAULT_STRATEGY)
+    name = rollout.strategy
     if name not in STRATEGIES:
         raise ConfigError(f"rollout.strategy={name!r} is unknown; choose one of {sorted(STRATEGIES)} (conf/rollout/)")
     return STRATEGIES[name]
 
 
-def strategy_options(rollout_cfg: Any, name: str, options_class: type) -> Any:
-    """The ``rollout.<name>`` block as an instance of the dataclass ``options_class`` (its fields are
-    the keys, with their defaults); an unknown key is a ConfigError naming the keys it takes."""
-    return options_class(**options_block(rollout_cfg, name, {f.name for f in dataclasses.fields(options_class)}))
+def strategy_options(rollout: RolloutConfig, name: str, options_class: type) -> Any:
+    """The ``rollout.<name>`` block as an instance of the dataclass ``options_class``: its fields are
+    the keys, with their defaults (declared there only), each value converted to the field's type
+    (rlbench.config.typed.plain); an unknown key is a ConfigError naming the keys it takes."""
+    hints = typing.get_type_hints(options_class)
+    block = options_block(rollout, name, {f.name for f in dataclasses.fields(options_class)})
+    return options_class(**{key: plain(value, hints[key]) for key, value in block.items()})
 
 
-def validate_strategy(rollout_cfg: Any, advantage: str) -> None:
+def validate_strategy(rollout: RolloutConfig, advantage: str) -> None:
     """Refuse an unknown strategy or impossible strategy settings (before anything is loaded)."""
-    strategy_class(rollout_cfg).validate(rollout_cfg, advantage)
+    strategy_class(rollout).validate(rollout, advantage)
 
 
-def make_strategy(rollout_cfg: Any, setup: RolloutSetup) -> RolloutStrategy:
-    return strategy_class(rollout_cfg).from_config(rollout_cfg, setup)
+def make_strategy(rollout: RolloutConfig, setup: RolloutSetup) -> RolloutStrategy:
+    return strategy_class(rollout).from_config(rollout, setup)

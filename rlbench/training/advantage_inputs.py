@@ -38,13 +38,20 @@ from rlbench.algorithm import Algorithm
 from rlbench.algorithm.advantages import PVPOBaselineCache, SPOTracker
 from rlbench.algorithm.registry import ADVANTAGES
 from rlbench.algorithm.step_inputs import STEP_INPUTS
-from rlbench.config.schema import AlgorithmConfig, BaselineConfig, RewardConfig, RunConfig, TrackerConfig
+from rlbench.config.schema import (
+    AlgorithmConfig,
+    BaselineConfig,
+    RewardConfig,
+    RolloutConfig,
+    RunConfig,
+    TrackerConfig,
+)
 from rlbench.config.typed import typed_node
 from rlbench.errors import ConfigError
 from rlbench.reward.math import canonical_answer
 from rlbench.rollout import GradedGroups, GroupSampler, validate_strategy
-from rlbench.rollout.strategy import STRATEGIES, strategy_class
 from rlbench.rollout.engines.base import Completion, RolloutEngine, SamplingParams
+from rlbench.rollout.strategy import STRATEGIES, strategy_class
 from rlbench.training.batch import TrainBatch, collate
 from rlbench.training.forward import batch_outputs
 from rlbench.utils import STREAM_GREEDY, STREAM_REFERENCE, make_generator
@@ -180,17 +187,17 @@ def reward_range(reward: RewardConfig) -> tuple[float, float] | None:
     return None
 
 
-def check_strategy_inputs(rollout_cfg: Any, advantage: str, needs: set[str]) -> None:
+def check_strategy_inputs(rollout: RolloutConfig, advantage: str, needs: set[str]) -> None:
     """ConfigError when advantage ``advantage`` reads a strategy input (``needs``) that the configured
     rollout strategy does not provide, naming the strategies that do."""
-    provided = strategy_class(rollout_cfg).provides
+    provided = strategy_class(rollout).provides
     for name in sorted(needs - provided):
         if STEP_INPUTS[name].producer != "strategy":
             continue
         providers = sorted(key for key, cls in STRATEGIES.items() if name in cls.provides)
         raise ConfigError(
             f"advantage '{advantage}' reads {name} ({STEP_INPUTS[name].doc}), which "
-            f"rollout={rollout_cfg.get('strategy', 'iid')} does not provide; only the rollout strategies {providers} do. "
+            f"rollout={rollout.strategy} does not provide; only the rollout strategies {providers} do. "
             f"Select rollout={' or rollout='.join(providers)}, or another advantage"
         )
 
@@ -202,12 +209,8 @@ def validate_step_options(cfg: Any, algorithm: Algorithm) -> None:
     prescribed = cfg.algorithm.get("rollout_n")
     if prescribed is not None and int(prescribed) != n:
         log.warning("algorithm '%s' prescribes rollout.n=%s; this run uses rollout.n=%d", algorithm.name, prescribed, n)
-    if cfg.algorithm.get("dynamic_sampling") is not None:
-        raise ConfigError(
-            "algorithm.dynamic_sampling moved to the rollout strategy: select rollout=dynamic_sampling and set "
-            "rollout.dynamic_sampling.max_rounds / .metric (algorithm=dapo selects it; rollout=iid turns it off)"
-        )
-    validate_strategy(cfg.rollout, name)
+    rollout = typed_node(cfg.rollout, RolloutConfig)
+    validate_strategy(rollout, name)
     if name == "polychromic":
         diversity_from = advantage_param(algorithm, "diversity_from")
         if diversity_from not in ("answer_keys", "diversity"):
@@ -215,7 +218,7 @@ def validate_step_options(cfg: Any, algorithm: Algorithm) -> None:
                 f"algorithm.advantage.diversity_from must be 'answer_keys' or 'diversity', not {diversity_from!r}"
             )
     needs = needed_inputs(algorithm)
-    check_strategy_inputs(cfg.rollout, name, needs)
+    check_strategy_inputs(rollout, name, needs)
     if not isinstance(cfg.algorithm.get("overlong_filter", False), bool):
         raise ConfigError(f"algorithm.overlong_filter must be true or false, got {cfg.algorithm.get('overlong_filter')!r}")
     for source in source_classes(needs):

@@ -27,21 +27,41 @@ from rlbench import faults
 from rlbench.algorithm import Algorithm
 from rlbench.algorithm.critic import value_targets
 from rlbench.config.schema import DatasetConfig, RunConfig
-from rlbench.config.typed import rollout_node
 from rlbench.dataset.base import Problem
 from rlbench.model.lora import AdaptersOff, reference_model
-from rlbench.training.reference_soup import ReferenceSoup
-from rlbench.rollout import GradedGroups, GroupSampler, RolloutSetup, RolloutStrategy, make_strategy
+from rlbench.rollout import (
+    GradedGroups,
+    GroupSampler,
+    RolloutSetup,
+    RolloutStrategy,
+    make_strategy,
+)
 from rlbench.rollout.engines.base import RolloutEngine, SamplingParams
 from rlbench.training.advantage_inputs import AdvantageInputSources
-from rlbench.training.batch import TrainBatch, collate, kept_responses, mask_truncated, trainable_tokens
-from rlbench.training.prompt_stats import PromptStatsStore
+from rlbench.training.batch import (
+    TrainBatch,
+    collate,
+    kept_responses,
+    mask_truncated,
+    trainable_tokens,
+)
+from rlbench.training.distributed import (
+    SINGLE,
+    World,
+    rank_stream_seed,
+    unwrap,
+    wrap_model,
+)
 from rlbench.training.forward import batch_outputs, training_logits_transform
-from rlbench.training.update_schedules import UpdateState, apply_update_schedule, make_update_state
-from rlbench.training.distributed import SINGLE, World, rank_stream_seed, unwrap, wrap_model
 from rlbench.training.memory import PeakMemory, keep_freed_memory
+from rlbench.training.prompt_stats import PromptStatsStore
+from rlbench.training.reference_soup import ReferenceSoup
+from rlbench.training.update_schedules import (
+    UpdateState,
+    apply_update_schedule,
+    make_update_state,
+)
 from rlbench.utils import STREAM_MINIBATCH, STREAM_ROLLOUT, make_generator
-
 
 # Step metrics measured in wall-clock seconds (or derived from them) and the process's peak memory:
 # they differ between two runs of one seed; every other metric is repeatable bit for bit on one machine.
@@ -163,7 +183,7 @@ def make_step_context(
         model=trained,
         tokenizer=tokenizer,
         engine=engine,
-        strategy=make_strategy(rollout_node(rollout), setup),
+        strategy=make_strategy(rollout, setup),
         sampler=sampler,
         inputs=AdvantageInputSources.from_config(
             config, algorithm, sampler, params, model, reference, trainer.micro_batch_size, device

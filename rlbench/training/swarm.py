@@ -102,7 +102,7 @@ def check_swarm(cfg: Any, algorithm: Any, actors: int | None = None) -> None:
         if J > (N - 1) * I:
             raise ConfigError(f"{where}trainer.swarm.external={J}: the other {N - 1} actor(s) publish (N-1) * I = "
                               f"{(N - 1) * I} groups per step (I = trainer.prompts_per_step - J = {I}); use J <= {(N - 1) * I}")
-    rollout = cfg.rollout.get("strategy", "iid")
+    rollout = cfg.rollout.strategy
     if rollout != "iid":
         raise ConfigError(f"trainer.parallelism=swarm shares the groups of rollout=iid only (got rollout={rollout})")
     if J and algorithm.on_policy_requirements:

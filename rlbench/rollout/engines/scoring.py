@@ -7,10 +7,9 @@ step for its scoring)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
+from rlbench.config.schema import RolloutConfig
 from rlbench.errors import ConfigError
 from rlbench.rollout.engines.base import PositionStats
 
@@ -24,7 +23,7 @@ def distribution_stats(logp: torch.Tensor) -> PositionStats:
     return PositionStats(top.indices.cpu(), top.values.double().cpu(), entropy.double().cpu(), probs.shape[-1])
 
 
-def needs_hf_engine(strategy: str, rollout_cfg: Any, reason: str) -> None:
+def needs_hf_engine(strategy: str, rollout: RolloutConfig, reason: str) -> None:
     """ConfigError unless ``rollout.engine`` is hf; ``reason``: why the strategy cannot run on vLLM."""
-    if rollout_cfg.get("engine", "hf") != "hf":
+    if rollout.engine != "hf":
         raise ConfigError(f"rollout={strategy} {reason}; set rollout.engine=hf")

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.groups import GradedGroups
@@ -49,8 +50,8 @@ class AdaptiveOptions:
     capacity: int = 4096
 
     @classmethod
-    def from_config(cls, rollout_cfg: Any) -> "AdaptiveOptions":
-        options, n = strategy_options(rollout_cfg, "adaptive", cls), int(rollout_cfg.n)
+    def from_config(cls, rollout: RolloutConfig) -> "AdaptiveOptions":
+        options, n = strategy_options(rollout, "adaptive", cls), int(rollout.n)
         if options.stages < 1 or n % options.stages:
             raise ConfigError(
                 f"rollout.adaptive.stages={options.stages} must be >= 1 and divide rollout.n={n} "
@@ -72,8 +73,8 @@ class AdaptiveRollout(StoredSuccesses):
         self.keep_successes(options.capacity, setup.seed)
 
     @classmethod
-    def config_options(cls, rollout_cfg: Any) -> dict[str, Any]:
-        return {"options": AdaptiveOptions.from_config(rollout_cfg)}
+    def config_options(cls, rollout: RolloutConfig) -> dict[str, Any]:
+        return {"options": AdaptiveOptions.from_config(rollout)}
 
     def rollout(
         self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None = None

@@ -3,16 +3,22 @@ prompt's reference solution (see :class:`DatasetReset`)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
+from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.engines.base import GenerationRequest
 from rlbench.rollout.groups import GradedGroups
 from rlbench.rollout.guided.guided_prefix import prefixed_response, trace_body
-from rlbench.rollout.strategy import RolloutStrategy, RolloutSetup, options_block, register_strategy
+from rlbench.rollout.strategy import (
+    RolloutSetup,
+    RolloutStrategy,
+    options_block,
+    register_strategy,
+)
 
 
 @register_strategy("dataset_reset")
@@ -28,8 +34,8 @@ class DatasetReset(RolloutStrategy):
         self.setup, self.p_reset = setup, p_reset
 
     @classmethod
-    def config_options(cls, rollout_cfg: Any) -> dict:
-        p = float(options_block(rollout_cfg, "dataset_reset", {"p_reset"}).get("p_reset", 0.5))
+    def config_options(cls, rollout: RolloutConfig) -> dict:
+        p = float(options_block(rollout, "dataset_reset", {"p_reset"}).get("p_reset", 0.5))
         if not 0.0 <= p <= 1.0:
             raise ConfigError(f"rollout.dataset_reset.p_reset must lie in [0, 1], got {p}")
         return {"p_reset": p}

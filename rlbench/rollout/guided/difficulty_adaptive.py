@@ -53,8 +53,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
+from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.groups import GradedGroups
@@ -81,9 +82,9 @@ class DifficultyOptions:
     capacity: int = 4096
 
     @classmethod
-    def from_config(cls, rollout_cfg: Any) -> "DifficultyOptions":
-        options = strategy_options(rollout_cfg, "difficulty_adaptive", cls)
-        options.check(int(rollout_cfg.n))
+    def from_config(cls, rollout: RolloutConfig) -> "DifficultyOptions":
+        options = strategy_options(rollout, "difficulty_adaptive", cls)
+        options.check(int(rollout.n))
         return options
 
     def check(self, n: int) -> None:
@@ -139,14 +140,14 @@ class DifficultyAdaptiveRollout(StoredSuccesses):
         self.keep_successes(options.capacity, setup.seed)
 
     @classmethod
-    def from_config(cls, rollout_cfg: Any, setup: RolloutSetup) -> "DifficultyAdaptiveRollout":
+    def from_config(cls, rollout: RolloutConfig, setup: RolloutSetup) -> "DifficultyAdaptiveRollout":
         if setup.prompt_stats is None:
             raise ValueError("rollout=difficulty_adaptive reads the run's per-prompt statistics: RolloutSetup.prompt_stats is None")
-        return cls(setup, DifficultyOptions.from_config(rollout_cfg))
+        return cls(setup, DifficultyOptions.from_config(rollout))
 
     @classmethod
-    def validate(cls, rollout_cfg: Any, advantage: str) -> None:
-        DifficultyOptions.from_config(rollout_cfg)
+    def validate(cls, rollout: RolloutConfig, advantage: str) -> None:
+        DifficultyOptions.from_config(rollout)
 
     def accuracies(self, problems: Sequence[Problem]) -> list[float]:
         stats = [self.setup.prompt_stats.get(p.uid) for p in problems]

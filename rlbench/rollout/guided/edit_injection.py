@@ -31,12 +31,18 @@ import re
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
+from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.guidance.traces import Trace
 from rlbench.rollout.engines.base import Completion
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.strategy import RolloutStrategy, RolloutSetup, options_block, register_strategy
+from rlbench.rollout.strategy import (
+    RolloutSetup,
+    RolloutStrategy,
+    options_block,
+    register_strategy,
+)
 
 CHECKERS = ("numbers", "even_tokens")
 KEYS = {"edits_per_group", "checker"}
@@ -121,10 +127,10 @@ def edited_response(
     )
 
 
-def options(rollout_cfg: Any) -> dict:
-    node = options_block(rollout_cfg, "edit_injection", KEYS)
+def options(rollout: RolloutConfig) -> dict:
+    node = options_block(rollout, "edit_injection", KEYS)
     settings = {"edits_per_group": int(node.get("edits_per_group", 1)), "checker": str(node.get("checker", "numbers"))}
-    n = int(rollout_cfg.n)
+    n = int(rollout.n)
     if not 1 <= settings["edits_per_group"] <= n:
         raise ConfigError(f"rollout.edit_injection.edits_per_group={settings['edits_per_group']} must lie in 1..rollout.n={n}")
     if settings["checker"] not in CHECKERS:
@@ -138,8 +144,8 @@ class EditInjection(RolloutStrategy):
         self.setup, self.edits_per_group, self.checker = setup, edits_per_group, checker
 
     @classmethod
-    def config_options(cls, rollout_cfg: Any) -> dict:
-        return options(rollout_cfg)
+    def config_options(cls, rollout: RolloutConfig) -> dict:
+        return options(rollout)
 
     def rollout(
         self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None = None

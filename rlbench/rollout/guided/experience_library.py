@@ -31,11 +31,17 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.engines.base import Completion, GenerationRequest, SamplingParams
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.strategy import RolloutStrategy, RolloutSetup, register_strategy, strategy_options
+from rlbench.rollout.strategy import (
+    RolloutSetup,
+    RolloutStrategy,
+    register_strategy,
+    strategy_options,
+)
 
 LIBRARY_HEADER = "Experiences from earlier attempts:"
 
@@ -203,8 +209,8 @@ class ExperienceLibraryOptions:
             raise ConfigError("rollout.experience_library.max_chars and .summary_tokens must be >= 1")
 
 
-def library_options(rollout_cfg: Any) -> ExperienceLibraryOptions:
-    options = strategy_options(rollout_cfg, "experience_library", ExperienceLibraryOptions)
+def library_options(rollout: RolloutConfig) -> ExperienceLibraryOptions:
+    options = strategy_options(rollout, "experience_library", ExperienceLibraryOptions)
     options.validate()
     return options
 
@@ -221,8 +227,8 @@ class ExperienceLibraryRollout(RolloutStrategy):
         self.library = ExperienceLibrary()
 
     @classmethod
-    def config_options(cls, rollout_cfg: Any) -> dict[str, Any]:
-        return {"options": library_options(rollout_cfg)}
+    def config_options(cls, rollout: RolloutConfig) -> dict[str, Any]:
+        return {"options": library_options(rollout)}
 
     def in_context(self, problem: Problem) -> Problem:
         """The problem as the policy sees it now (the evaluation after training asks the same)."""

@@ -28,12 +28,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-
+from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.engines.base import GenerationRequest
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.strategy import RolloutStrategy, RolloutSetup, options_block, register_strategy
+from rlbench.rollout.strategy import (
+    RolloutSetup,
+    RolloutStrategy,
+    options_block,
+    register_strategy,
+)
 
 KEYS = {"guided_per_group", "initial_length", "max_length", "train_prefix"}
 
@@ -71,15 +76,15 @@ class GuidanceLength:
         self.length, self.step, self.history = int(state["length"]), int(state["step"]), list(state["history"])
 
 
-def options(rollout_cfg: Any) -> dict:
-    node = options_block(rollout_cfg, "guided_prefix", KEYS)
+def options(rollout: RolloutConfig) -> dict:
+    node = options_block(rollout, "guided_prefix", KEYS)
     settings = {
         "guided_per_group": int(node.get("guided_per_group", 2)),
         "initial_length": int(node.get("initial_length", 64)),
         "max_length": int(node.get("max_length", 64)),
         "train_prefix": bool(node.get("train_prefix", False)),
     }
-    n = int(rollout_cfg.n)
+    n = int(rollout.n)
     if not 1 <= settings["guided_per_group"] < n:
         raise ConfigError(
             f"rollout.guided_prefix.guided_per_group={settings['guided_per_group']} must be at least 1 and below "
@@ -97,8 +102,8 @@ class GuidedPrefix(RolloutStrategy):
         self.schedule = GuidanceLength(initial_length, max_length)
 
     @classmethod
-    def config_options(cls, rollout_cfg: Any) -> dict:
-        return options(rollout_cfg)
+    def config_options(cls, rollout: RolloutConfig) -> dict:
+        return options(rollout)
 
     def state_dict(self) -> dict:
         return self.schedule.state_dict()

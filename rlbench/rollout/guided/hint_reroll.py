@@ -8,15 +8,27 @@ pi_theta(y | x) / pi_old(y | x, h) (the loss ``policy_shaping`` shapes it, no cl
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
+from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.engines.base import GenerationRequest
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.guided.hints import first_trace_text, hint_text, hinted_problem, replace_groups, retrained_without_hint, unsolved_groups
-from rlbench.rollout.strategy import RolloutStrategy, RolloutSetup, options_block, register_strategy
-
+from rlbench.rollout.guided.hints import (
+    first_trace_text,
+    hint_text,
+    hinted_problem,
+    replace_groups,
+    retrained_without_hint,
+    unsolved_groups,
+)
+from rlbench.rollout.strategy import (
+    RolloutSetup,
+    RolloutStrategy,
+    options_block,
+    register_strategy,
+)
 
 
 @register_strategy("hint_reroll")
@@ -27,8 +39,8 @@ class HintReroll(RolloutStrategy):
         self.setup, self.hint_share = setup, hint_share
 
     @classmethod
-    def config_options(cls, rollout_cfg: Any) -> dict:
-        share = float(options_block(rollout_cfg, "hint_reroll", {"hint_share"}).get("hint_share", 0.5))
+    def config_options(cls, rollout: RolloutConfig) -> dict:
+        share = float(options_block(rollout, "hint_reroll", {"hint_share"}).get("hint_share", 0.5))
         if not 0.0 < share <= 1.0:
             raise ConfigError(f"rollout.hint_reroll.hint_share must lie in (0, 1], got {share}")
         return {"hint_share": share}

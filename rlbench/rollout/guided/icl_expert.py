@@ -6,17 +6,22 @@ prompt and trained for the bare prompt (see :class:`InContextExpert`).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
+from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.engines.base import GenerationRequest
 from rlbench.rollout.groups import GradedGroups
 from rlbench.rollout.guided.hints import first_trace_text
-from rlbench.rollout.strategy import RolloutStrategy, RolloutSetup, options_block, register_strategy
-
+from rlbench.rollout.strategy import (
+    RolloutSetup,
+    RolloutStrategy,
+    options_block,
+    register_strategy,
+)
 
 
 def with_demonstration(problem: Problem, demo: Problem, solution: str) -> Problem:
@@ -46,12 +51,12 @@ class InContextExpert(RolloutStrategy):
         self.steps = 0
 
     @classmethod
-    def config_options(cls, rollout_cfg: Any) -> dict:
-        node = options_block(rollout_cfg, "icl_expert", {"beta", "horizon"})
+    def config_options(cls, rollout: RolloutConfig) -> dict:
+        node = options_block(rollout, "icl_expert", {"beta", "horizon"})
         beta, horizon = float(node.get("beta", 1.0)), int(node.get("horizon", 400))
         if beta < 0 or horizon < 1:
             raise ConfigError(f"rollout.icl_expert needs beta >= 0 and horizon >= 1, got {beta}, {horizon}")
-        if int(rollout_cfg.n) < 2:
+        if int(rollout.n) < 2:
             raise ConfigError("rollout=icl_expert needs rollout.n >= 2: one expert response beside the policy's")
         return {"beta": beta, "horizon": horizon}
 

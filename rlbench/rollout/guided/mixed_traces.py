@@ -29,23 +29,29 @@ from typing import Any, Callable
 
 import torch
 
+from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.guidance.traces import Trace, trace_completion
 from rlbench.rollout.engines.base import GenerationRequest
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.strategy import RolloutStrategy, RolloutSetup, options_block, register_strategy
+from rlbench.rollout.strategy import (
+    RolloutSetup,
+    RolloutStrategy,
+    options_block,
+    register_strategy,
+)
 
 OPTION_KEYS = {"traces_per_group", "when"}
 WHEN = ("always", "unsolved")
 
 
-def traces_per_group(rollout_cfg: Any) -> int:
-    return int(options_block(rollout_cfg, "mixed_traces", OPTION_KEYS).get("traces_per_group", 1))
+def traces_per_group(rollout: RolloutConfig) -> int:
+    return int(options_block(rollout, "mixed_traces", OPTION_KEYS).get("traces_per_group", 1))
 
 
-def traces_when(rollout_cfg: Any) -> str:
-    when = str(options_block(rollout_cfg, "mixed_traces", OPTION_KEYS).get("when", "always"))
+def traces_when(rollout: RolloutConfig) -> str:
+    when = str(options_block(rollout, "mixed_traces", OPTION_KEYS).get("when", "always"))
     if when not in WHEN:
         raise ConfigError(f"rollout.mixed_traces.when={when!r} is unknown; choose always (LUFFY) or unsolved (DaGRPO's anchors)")
     return when
@@ -58,13 +64,13 @@ class MixedTraces(RolloutStrategy):
         self.uses: dict[str, int] = {}  # uid -> traces of it used so far
 
     @classmethod
-    def config_options(cls, rollout_cfg: Any) -> dict[str, Any]:
-        return {"per_group": traces_per_group(rollout_cfg), "when": traces_when(rollout_cfg)}
+    def config_options(cls, rollout: RolloutConfig) -> dict[str, Any]:
+        return {"per_group": traces_per_group(rollout), "when": traces_when(rollout)}
 
     @classmethod
-    def validate(cls, rollout_cfg: Any, advantage: str) -> None:
-        k, n = traces_per_group(rollout_cfg), int(rollout_cfg.n)
-        if traces_when(rollout_cfg) == "unsolved":  # anchors join a full group of the policy's samples
+    def validate(cls, rollout: RolloutConfig, advantage: str) -> None:
+        k, n = traces_per_group(rollout), int(rollout.n)
+        if traces_when(rollout) == "unsolved":  # anchors join a full group of the policy's samples
             if k < 1:
                 raise ConfigError(f"rollout.mixed_traces.traces_per_group={k} must be at least 1")
         elif not 1 <= k < n:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError, DataError
 from rlbench.guidance.traces import trace_completion
@@ -27,13 +28,13 @@ class References(MixedTraces):
         self.monitor_n = monitor_n
 
     @classmethod
-    def config_options(cls, rollout_cfg: Any) -> dict[str, Any]:
-        return {"monitor_n": reference_monitor_n(rollout_cfg)}
+    def config_options(cls, rollout: RolloutConfig) -> dict[str, Any]:
+        return {"monitor_n": reference_monitor_n(rollout)}
 
     @classmethod
-    def validate(cls, rollout_cfg: Any, advantage: str) -> None:
+    def validate(cls, rollout: RolloutConfig, advantage: str) -> None:
         """The monitor's size alone: a group is one trace, whatever ``rollout.n`` and ``mixed_traces`` say."""
-        cls.config_options(rollout_cfg)
+        cls.config_options(rollout)
 
     def rollout(
         self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None = None
@@ -56,8 +57,8 @@ class References(MixedTraces):
         return graded, metrics
 
 
-def reference_monitor_n(rollout_cfg: Any) -> int:
-    n = int(options_block(rollout_cfg, "references", {"monitor_n"}).get("monitor_n", 0))
+def reference_monitor_n(rollout: RolloutConfig) -> int:
+    n = int(options_block(rollout, "references", {"monitor_n"}).get("monitor_n", 0))
     if n < 0:
         raise ConfigError(f"rollout.references.monitor_n must be >= 0, got {n}")
     return n

@@ -54,11 +54,17 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
+from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.engines.base import Completion
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.strategy import RolloutStrategy, RolloutSetup, register_strategy, strategy_options
+from rlbench.rollout.strategy import (
+    RolloutSetup,
+    RolloutStrategy,
+    register_strategy,
+    strategy_options,
+)
 from rlbench.utils import STREAM_REPLAY
 
 log = logging.getLogger(__name__)
@@ -255,9 +261,9 @@ class ReplayOptions:
     window: int | None = None
 
     @classmethod
-    def from_config(cls, rollout_cfg: Any) -> "ReplayOptions":
-        options = strategy_options(rollout_cfg, "replay", cls)
-        n = int(rollout_cfg.n)
+    def from_config(cls, rollout: RolloutConfig) -> "ReplayOptions":
+        options = strategy_options(rollout, "replay", cls)
+        n = int(rollout.n)
         checks = [
             (options.capacity >= 1, f"rollout.replay.capacity must be >= 1, got {options.capacity}"),
             (options.per_group >= 1, f"rollout.replay.per_group must be >= 1, got {options.per_group}"),
@@ -370,8 +376,8 @@ class ReplaySampling(RolloutStrategy):
         self.stopped = False  # stop_replay: on-policy from then on (ReMix's reincarnation)
 
     @classmethod
-    def config_options(cls, rollout_cfg: Any) -> dict[str, Any]:
-        return {"options": ReplayOptions.from_config(rollout_cfg)}
+    def config_options(cls, rollout: RolloutConfig) -> dict[str, Any]:
+        return {"options": ReplayOptions.from_config(rollout)}
 
     def rollout(
         self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None = None

@@ -9,15 +9,25 @@ response replaces one failed response of the group. It is trained as the policy'
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Callable
 
+from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.engines.base import Completion, GenerationRequest
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.guided.hints import first_trace_text, hint_text, hinted_problem, unsolved_groups
-from rlbench.rollout.strategy import RolloutStrategy, RolloutSetup, options_block, register_strategy
-
+from rlbench.rollout.guided.hints import (
+    first_trace_text,
+    hint_text,
+    hinted_problem,
+    unsolved_groups,
+)
+from rlbench.rollout.strategy import (
+    RolloutSetup,
+    RolloutStrategy,
+    options_block,
+    register_strategy,
+)
 
 
 @register_strategy("scaf_hints")
@@ -30,8 +40,8 @@ class ScafHints(RolloutStrategy):
         self.steps = 0
 
     @classmethod
-    def config_options(cls, rollout_cfg: Any) -> dict:
-        node = options_block(rollout_cfg, "scaf_hints", {"tiers", "exemption_fraction", "total_steps"})
+    def config_options(cls, rollout: RolloutConfig) -> dict:
+        node = options_block(rollout, "scaf_hints", {"tiers", "exemption_fraction", "total_steps"})
         tiers = [float(t) for t in node.get("tiers", [0.25, 0.5, 1.0])]
         if not tiers or any(not 0.0 < t <= 1.0 for t in tiers) or tiers != sorted(tiers):
             raise ConfigError(f"rollout.scaf_hints.tiers must be increasing shares of the solution in (0, 1], got {tiers}")

@@ -44,10 +44,16 @@ from typing import Any, Callable, Sequence
 import torch
 
 from rlbench.algorithm.losses.ratio_clipped import EntropyScale
+from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.strategy import RolloutStrategy, RolloutSetup, register_strategy, strategy_options
+from rlbench.rollout.strategy import (
+    RolloutSetup,
+    RolloutStrategy,
+    register_strategy,
+    strategy_options,
+)
 
 
 @dataclass(frozen=True)
@@ -100,8 +106,8 @@ class AdaptiveTemperatureRollout(RolloutStrategy):
         self.scale: EntropyScale | None = None  # fitted on the previous step's sampled tokens
 
     @classmethod
-    def config_options(cls, rollout_cfg: Any) -> dict:
-        options = strategy_options(rollout_cfg, "adaptive_temperature", AdaptiveTemperatureOptions)
+    def config_options(cls, rollout: RolloutConfig) -> dict:
+        options = strategy_options(rollout, "adaptive_temperature", AdaptiveTemperatureOptions)
         tau, pivot = float(options.tau), float(options.entropy_pivot)
         if not (math.isfinite(tau) and 0.0 <= tau < 1.0):
             raise ConfigError(
@@ -110,7 +116,7 @@ class AdaptiveTemperatureRollout(RolloutStrategy):
             )
         if not 0.0 <= pivot <= 1.0:
             raise ConfigError(f"rollout.adaptive_temperature.entropy_pivot is a quantile in [0, 1], got {options.entropy_pivot}")
-        if float(rollout_cfg.temperature) <= 0:
+        if float(rollout.temperature) <= 0:
             raise ConfigError(
                 "rollout=adaptive_temperature adapts the sampling temperature; greedy decoding (rollout.temperature=0) "
                 "has none: set rollout.temperature > 0"

@@ -17,15 +17,21 @@ from typing import Any, Callable
 
 import torch
 
+from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.strategy import RolloutStrategy, RolloutSetup, needs_groups, options_block, register_strategy
+from rlbench.rollout.strategy import (
+    RolloutSetup,
+    RolloutStrategy,
+    needs_groups,
+    register_strategy,
+    strategy_options,
+)
 
 log = logging.getLogger(__name__)
 
 FILTER_METRICS = ("correct", "reward")
-OPTION_KEYS = {"max_rounds", "metric"}
 
 
 def informative_groups(values: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
@@ -47,13 +53,12 @@ def informative_groups(values: torch.Tensor, group_index: torch.Tensor) -> torch
 class DynamicSamplingOptions:
     """The ``rollout.dynamic_sampling`` block."""
 
-    max_rounds: int = 16
-    metric: str = "correct"
+    max_rounds: int = 16  # generation rounds per step at most
+    metric: str = "correct"  # what must differ within a kept group: correct | reward
 
     @classmethod
-    def from_config(cls, rollout_cfg: Any) -> "DynamicSamplingOptions":
-        node = options_block(rollout_cfg, "dynamic_sampling", OPTION_KEYS)
-        options = cls(int(node.get("max_rounds", 16)), str(node.get("metric", "correct")))
+    def from_config(cls, rollout: RolloutConfig) -> "DynamicSamplingOptions":
+        options = strategy_options(rollout, "dynamic_sampling", cls)
         if options.max_rounds < 1:
             raise ConfigError(f"rollout.dynamic_sampling.max_rounds must be >= 1, got {options.max_rounds}")
         if options.metric not in FILTER_METRICS:
@@ -131,13 +136,13 @@ class DynamicSampling(RolloutStrategy):
         self.setup, self.options = setup, options
 
     @classmethod
-    def config_options(cls, rollout_cfg: Any) -> dict[str, Any]:
-        return {"options": DynamicSamplingOptions.from_config(rollout_cfg)}
+    def config_options(cls, rollout: RolloutConfig) -> dict[str, Any]:
+        return {"options": DynamicSamplingOptions.from_config(rollout)}
 
     @classmethod
-    def validate(cls, rollout_cfg: Any, advantage: str) -> None:
-        super().validate(rollout_cfg, advantage)
-        needs_groups("dynamic_sampling", rollout_cfg, "keeps groups whose responses differ")
+    def validate(cls, rollout: RolloutConfig, advantage: str) -> None:
+        super().validate(rollout, advantage)
+        needs_groups("dynamic_sampling", rollout, "keeps groups whose responses differ")
         if advantage == "spo":
             raise ConfigError(
                 "advantage 'spo' does not combine with rollout=dynamic_sampling: the tracker baseline already gives "

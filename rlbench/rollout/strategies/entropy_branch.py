@@ -58,12 +58,19 @@ from typing import Any, Callable
 
 import torch
 
+from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
-from rlbench.rollout.engines.base import Completion, GenerationRequest, PositionStats
 from rlbench.rollout.continuation import continue_with_budgets
+from rlbench.rollout.engines.base import Completion, GenerationRequest, PositionStats
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.strategy import RolloutStrategy, RolloutSetup, needs_groups, options_block, register_strategy
+from rlbench.rollout.strategy import (
+    RolloutSetup,
+    RolloutStrategy,
+    needs_groups,
+    options_block,
+    register_strategy,
+)
 
 OPTION_KEYS = {"segment_tokens", "beta", "entropy_weight", "branch_threshold", "penalty"}
 
@@ -79,8 +86,8 @@ class EntropyBranchOptions:
     penalty: float = 0.05
 
     @classmethod
-    def from_config(cls, rollout_cfg: Any) -> "EntropyBranchOptions":
-        node = options_block(rollout_cfg, "entropy_branch", OPTION_KEYS)
+    def from_config(cls, rollout: RolloutConfig) -> "EntropyBranchOptions":
+        node = options_block(rollout, "entropy_branch", OPTION_KEYS)
         defaults = cls()
         options = cls(
             segment_tokens=int(node.get("segment_tokens", defaults.segment_tokens)),
@@ -123,14 +130,14 @@ class EntropyBranchRollout(RolloutStrategy):
         self.setup, self.options = setup, options
 
     @classmethod
-    def config_options(cls, rollout_cfg: Any) -> dict[str, Any]:
-        return {"options": EntropyBranchOptions.from_config(rollout_cfg)}
+    def config_options(cls, rollout: RolloutConfig) -> dict[str, Any]:
+        return {"options": EntropyBranchOptions.from_config(rollout)}
 
     @classmethod
-    def validate(cls, rollout_cfg: Any, advantage: str) -> None:
-        options = EntropyBranchOptions.from_config(rollout_cfg)
-        needs_groups("entropy_branch", rollout_cfg, "splits a group between global samples and branches")
-        budget = int(rollout_cfg.max_new_tokens)
+    def validate(cls, rollout: RolloutConfig, advantage: str) -> None:
+        options = EntropyBranchOptions.from_config(rollout)
+        needs_groups("entropy_branch", rollout, "splits a group between global samples and branches")
+        budget = int(rollout.max_new_tokens)
         if options.segment_tokens >= budget:
             raise ConfigError(
                 f"rollout.entropy_branch.segment_tokens={options.segment_tokens} is not shorter than rollout.max_new_tokens="

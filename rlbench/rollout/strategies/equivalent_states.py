@@ -29,21 +29,26 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-
+from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
 from rlbench.dataset.prompts import DEFAULT_USER_TEMPLATE, _prompt_section
 from rlbench.errors import ConfigError
 from rlbench.prompting import encode_prompts
 from rlbench.rollout.engines.base import GenerationRequest
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.strategy import RolloutStrategy, RolloutSetup, options_block, register_strategy
+from rlbench.rollout.strategy import (
+    RolloutSetup,
+    RolloutStrategy,
+    options_block,
+    register_strategy,
+)
 
 OPTION_KEYS = {"prefixes"}
 
 
-def state_prefixes(rollout_cfg: Any) -> list[str]:
+def state_prefixes(rollout: RolloutConfig) -> list[str]:
     """The ``rollout.equivalent_states.prefixes``, checked: at least two, distinct, without braces."""
-    node = options_block(rollout_cfg, "equivalent_states", OPTION_KEYS)
+    node = options_block(rollout, "equivalent_states", OPTION_KEYS)
     prefixes = [str(p) for p in node.get("prefixes") or []]
     if len(prefixes) < 2 or len(set(prefixes)) < len(prefixes):
         raise ConfigError(f"rollout.equivalent_states.prefixes must list at least two distinct prefixes, got {prefixes}")
@@ -67,12 +72,12 @@ class EquivalentStatesRollout(RolloutStrategy):
         self.setup, self.prefixes = setup, prefixes
 
     @classmethod
-    def config_options(cls, rollout_cfg: Any) -> dict[str, Any]:
-        return {"prefixes": state_prefixes(rollout_cfg)}
+    def config_options(cls, rollout: RolloutConfig) -> dict[str, Any]:
+        return {"prefixes": state_prefixes(rollout)}
 
     @classmethod
-    def validate(cls, rollout_cfg: Any, advantage: str) -> None:
-        states, n = len(state_prefixes(rollout_cfg)), int(rollout_cfg.n)
+    def validate(cls, rollout: RolloutConfig, advantage: str) -> None:
+        states, n = len(state_prefixes(rollout)), int(rollout.n)
         if n % states:
             raise ConfigError(
                 f"rollout.n={n} is not a multiple of the {states} equivalent states (rollout.equivalent_states.prefixes): "

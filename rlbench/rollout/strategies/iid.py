@@ -3,11 +3,12 @@ all kept (GRPO, Shao et al. 2024, arXiv:2402.03300, section 4.1: a group of G ou
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
+from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.strategy import RolloutStrategy, RolloutSetup, register_strategy
+from rlbench.rollout.strategy import RolloutSetup, RolloutStrategy, register_strategy
 
 
 @register_strategy("iid")
@@ -16,11 +17,11 @@ class IIDSampling(RolloutStrategy):
         self.setup = setup
 
     @classmethod
-    def from_config(cls, rollout_cfg: Any, setup: RolloutSetup) -> "IIDSampling":
+    def from_config(cls, rollout: RolloutConfig, setup: RolloutSetup) -> "IIDSampling":
         return cls(setup)
 
     @classmethod
-    def validate(cls, rollout_cfg: Any, advantage: str) -> None:
+    def validate(cls, rollout: RolloutConfig, advantage: str) -> None:
         """Nothing beyond the rollout block's own checks."""
 
     def rollout(

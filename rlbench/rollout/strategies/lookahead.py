@@ -50,13 +50,19 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
-
+from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
-from rlbench.rollout.engines.base import Completion, GenerationRequest, PositionStats
 from rlbench.rollout.continuation import continue_with_budgets
+from rlbench.rollout.engines.base import Completion, GenerationRequest, PositionStats
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.strategy import RolloutStrategy, RolloutSetup, needs_groups, options_block, register_strategy
+from rlbench.rollout.strategy import (
+    RolloutSetup,
+    RolloutStrategy,
+    needs_groups,
+    options_block,
+    register_strategy,
+)
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +81,8 @@ class LookaheadOptions:
     mix_schedule: tuple[tuple[int, float], ...] = ((0, 1.0), (100, 0.75), (200, 0.5), (300, 0.25))
 
     @classmethod
-    def from_config(cls, rollout_cfg: Any) -> "LookaheadOptions":
-        node = options_block(rollout_cfg, "lookahead", OPTION_KEYS)
+    def from_config(cls, rollout: RolloutConfig) -> "LookaheadOptions":
+        node = options_block(rollout, "lookahead", OPTION_KEYS)
         defaults = cls()
         options = cls(
             abs_threshold=float(node.get("abs_threshold", defaults.abs_threshold)),
@@ -148,14 +154,14 @@ class LookaheadRollout(RolloutStrategy):
         self.steps = 0
 
     @classmethod
-    def config_options(cls, rollout_cfg: Any) -> dict[str, Any]:
-        return {"options": LookaheadOptions.from_config(rollout_cfg)}
+    def config_options(cls, rollout: RolloutConfig) -> dict[str, Any]:
+        return {"options": LookaheadOptions.from_config(rollout)}
 
     @classmethod
-    def validate(cls, rollout_cfg: Any, advantage: str) -> None:
-        options = LookaheadOptions.from_config(rollout_cfg)
-        needs_groups("lookahead", rollout_cfg, "branches within a group")
-        budget = int(rollout_cfg.max_new_tokens)
+    def validate(cls, rollout: RolloutConfig, advantage: str) -> None:
+        options = LookaheadOptions.from_config(rollout)
+        needs_groups("lookahead", rollout, "branches within a group")
+        budget = int(rollout.max_new_tokens)
         if options.checkpoints[-1] >= budget:
             raise ConfigError(
                 f"rollout.lookahead.checkpoints reach {options.checkpoints[-1]} tokens, not shorter than "

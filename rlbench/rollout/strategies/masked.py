@@ -56,13 +56,18 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
-from rlbench.rollout.groups import GradedGroups
 from rlbench.rollout.engines.hf import _cache_argument, _returned_cache, left_pad
 from rlbench.rollout.engines.scoring import needs_hf_engine
-from rlbench.rollout.strategy import RolloutStrategy, RolloutSetup, register_strategy, strategy_options
-
+from rlbench.rollout.groups import GradedGroups
+from rlbench.rollout.strategy import (
+    RolloutSetup,
+    RolloutStrategy,
+    register_strategy,
+    strategy_options,
+)
 
 TOP_K_START = 64  # the first k top_p_mask reads
 
@@ -163,8 +168,8 @@ class MaskedRollout(RolloutStrategy):
         self.masking_policy: torch.nn.Module | None = None
 
     @classmethod
-    def config_options(cls, rollout_cfg: Any) -> dict:
-        options = strategy_options(rollout_cfg, "masked", MaskedOptions)
+    def config_options(cls, rollout: RolloutConfig) -> dict:
+        options = strategy_options(rollout, "masked", MaskedOptions)
         top_p = float(options.top_p)
         if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
             raise ConfigError(f"rollout.masked.top_p is the mask's probability mass, in (0, 1]; got {options.top_p} (NLPO uses 0.9)")
@@ -175,7 +180,7 @@ class MaskedRollout(RolloutStrategy):
                 f"must be an integer >= 1, got {interval!r}"
             )
         needs_hf_engine(
-            "masked", rollout_cfg,
+            "masked", rollout,
             "needs the masking policy pi_psi's logits at every decoding step: on rollout.engine=vllm that is a second "
             "model's forward pass inside vLLM's sampler, whose own KV cache vLLM's continuously changing batch would "
             "force to re-prefill every row at most steps (docs/rollout-sampling.md, 'NLPO on vLLM'), so only the HF engine runs it",

@@ -34,16 +34,24 @@ several stages with its staged advantage estimation, SAE).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
+from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
-from rlbench.rollout.engines.base import GenerationRequest
 from rlbench.rollout.continuation import continue_with_budgets
+from rlbench.rollout.engines.base import GenerationRequest
 from rlbench.rollout.groups import GradedGroups
 from rlbench.rollout.guided.guided_prefix import prefixed_response
-from rlbench.rollout.strategy import RolloutStrategy, RolloutSetup, needs_groups, options_block, register_strategy
 from rlbench.rollout.strategies.tree import TreeOptions, TreeSampling
+from rlbench.rollout.strategy import (
+    RolloutSetup,
+    RolloutStrategy,
+    needs_groups,
+    options_block,
+    register_strategy,
+)
 
 KEYS = {"search", "stage_depths", "steps_per_stage"}
 SEARCH = "mcts_prefix.search"
@@ -66,11 +74,11 @@ class MCTSPrefix(RolloutStrategy):
         self.step = 0
 
     @classmethod
-    def config_options(cls, rollout_cfg: Any) -> dict:
-        node = options_block(rollout_cfg, "mcts_prefix", KEYS)
-        needs_groups("mcts_prefix", rollout_cfg, "trains GRPO groups of completions of one prefix")
+    def config_options(cls, rollout: RolloutConfig) -> dict:
+        node = options_block(rollout, "mcts_prefix", KEYS)
+        needs_groups("mcts_prefix", rollout, "trains GRPO groups of completions of one prefix")
         search = TreeOptions.from_config(
-            {"strategy": SEARCH, SEARCH: dict(node.get("search") or {}), "n": int(rollout_cfg.n)}
+            dataclasses.replace(rollout, strategy=SEARCH, settings={SEARCH: dict(node.get("search") or {})})
         )
         depths = [int(d) for d in node.get("stage_depths", [2, 1, 0])]
         steps = int(node.get("steps_per_stage", 10))
@@ -78,7 +86,7 @@ class MCTSPrefix(RolloutStrategy):
             raise ConfigError(f"rollout.mcts_prefix.stage_depths must be a non-empty list of depths >= 0, got {depths}")
         if steps < 1:
             raise ConfigError(f"rollout.mcts_prefix.steps_per_stage must be >= 1, got {steps}")
-        max_new = int(rollout_cfg.max_new_tokens)
+        max_new = int(rollout.max_new_tokens)
         if max(depths) * search.segment_tokens >= max_new:
             raise ConfigError(
                 f"rollout.mcts_prefix.stage_depths={depths} reveal up to {max(depths)} segments of "

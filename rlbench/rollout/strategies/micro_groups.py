@@ -22,24 +22,24 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-
+from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.engines.base import GenerationRequest, sample_seed
-from rlbench.rollout.groups import GradedGroups
 from rlbench.rollout.engines.hf import draw_seed
-from rlbench.rollout.strategy import RolloutStrategy, RolloutSetup, register_strategy
+from rlbench.rollout.groups import GradedGroups
+from rlbench.rollout.strategy import RolloutSetup, RolloutStrategy, register_strategy
 
 OPTION_KEYS = {"size"}
 
 
-def micro_group_size(rollout_cfg: Any) -> int:
+def micro_group_size(rollout: RolloutConfig) -> int:
     """``rollout.micro_groups.size``, checked against ``rollout.n``."""
-    node = rollout_cfg.get("micro_groups") or {}
+    node = rollout.settings.get("micro_groups") or {}
     unknown = set(node) - OPTION_KEYS
     if unknown:
         raise ConfigError(f"rollout.micro_groups has no key(s) {sorted(unknown)}; it takes {sorted(OPTION_KEYS)}")
-    size, n = int(node.get("size", 4)), int(rollout_cfg.get("n", 1))
+    size, n = int(node.get("size", 4)), rollout.n
     if size < 1 or n % size:
         divisors = [d for d in range(1, n + 1) if n % d == 0]
         raise ConfigError(
@@ -55,8 +55,8 @@ class MicroGroupSampling(RolloutStrategy):
         self.setup, self.size = setup, size
 
     @classmethod
-    def config_options(cls, rollout_cfg: Any) -> dict[str, Any]:
-        return {"size": micro_group_size(rollout_cfg)}
+    def config_options(cls, rollout: RolloutConfig) -> dict[str, Any]:
+        return {"size": micro_group_size(rollout)}
 
     def rollout(
         self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None = None

@@ -34,12 +34,18 @@ from typing import Any, Callable
 
 import torch
 
+from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.reward import grade_completions
 from rlbench.rollout.engines.base import Completion, GenerationRequest
 from rlbench.rollout.groups import GradedGroups, shaping_inputs
-from rlbench.rollout.strategy import RolloutStrategy, RolloutSetup, options_block, register_strategy
+from rlbench.rollout.strategy import (
+    RolloutSetup,
+    RolloutStrategy,
+    options_block,
+    register_strategy,
+)
 
 OPTION_KEYS = {"rounds", "continuations"}
 
@@ -52,8 +58,8 @@ class MultiroundOptions:
     continuations: int = 4
 
     @classmethod
-    def from_config(cls, rollout_cfg: Any) -> "MultiroundOptions":
-        node = options_block(rollout_cfg, "multiround", OPTION_KEYS)
+    def from_config(cls, rollout: RolloutConfig) -> "MultiroundOptions":
+        node = options_block(rollout, "multiround", OPTION_KEYS)
         options = cls(int(node.get("rounds", cls.rounds)), int(node.get("continuations", cls.continuations)))
         if options.rounds < 2:
             raise ConfigError(f"rollout.multiround.rounds must be >= 2 (the first round is trained, later ones score it), "
@@ -87,8 +93,8 @@ class MultiroundRollout(RolloutStrategy):
         self.setup, self.options = setup, options
 
     @classmethod
-    def config_options(cls, rollout_cfg: Any) -> dict[str, Any]:
-        return {"options": MultiroundOptions.from_config(rollout_cfg)}
+    def config_options(cls, rollout: RolloutConfig) -> dict[str, Any]:
+        return {"options": MultiroundOptions.from_config(rollout)}
 
     def rollout(
         self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None = None

@@ -31,11 +31,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.engines.base import Completion
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.strategy import RolloutStrategy, RolloutSetup, options_block, register_strategy
+from rlbench.rollout.strategy import (
+    RolloutSetup,
+    RolloutStrategy,
+    options_block,
+    register_strategy,
+)
 
 OPTION_KEYS = {"samples", "shown_attempts", "decompose_template", "refine_template"}
 DECOMPOSE_TEMPLATE = (
@@ -55,8 +61,8 @@ class RethinkOptions:
     refine_template: str = REFINE_TEMPLATE
 
     @classmethod
-    def from_config(cls, rollout_cfg: Any) -> "RethinkOptions":
-        node = options_block(rollout_cfg, "rethink", OPTION_KEYS)
+    def from_config(cls, rollout: RolloutConfig) -> "RethinkOptions":
+        node = options_block(rollout, "rethink", OPTION_KEYS)
         options = cls(
             samples=int(node.get("samples", cls.samples)),
             shown_attempts=int(node.get("shown_attempts", cls.shown_attempts)),
@@ -95,8 +101,8 @@ class RethinkRollout(RolloutStrategy):
         self.setup, self.options = setup, options
 
     @classmethod
-    def config_options(cls, rollout_cfg: Any) -> dict[str, Any]:
-        return {"options": RethinkOptions.from_config(rollout_cfg)}
+    def config_options(cls, rollout: RolloutConfig) -> dict[str, Any]:
+        return {"options": RethinkOptions.from_config(rollout)}
 
     def _first_successes(self, stage: list[Problem], positions: list[int]) -> dict[int, Completion]:
         """Sample ``samples`` responses to each stage problem; the first correct one per problem."""

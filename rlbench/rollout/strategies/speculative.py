@@ -59,12 +59,18 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
-from rlbench.rollout.engines.base import Completion, GenerationRequest, SamplingParams
 from rlbench.rollout.continuation import continue_with_budgets
+from rlbench.rollout.engines.base import Completion, GenerationRequest, SamplingParams
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.strategy import RolloutStrategy, RolloutSetup, options_block, register_strategy
+from rlbench.rollout.strategy import (
+    RolloutSetup,
+    RolloutStrategy,
+    options_block,
+    register_strategy,
+)
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +84,8 @@ class SpeculativeOptions:
     lenience: float = 0.5  # b: accept with min(1, e^b p_new / p_old)
 
     @classmethod
-    def from_config(cls, rollout_cfg: Any) -> "SpeculativeOptions":
-        node = options_block(rollout_cfg, "speculative", OPTION_KEYS)
+    def from_config(cls, rollout: RolloutConfig) -> "SpeculativeOptions":
+        node = options_block(rollout, "speculative", OPTION_KEYS)
         lenience = float(node.get("lenience", cls.lenience))
         if not math.isfinite(lenience):
             raise ConfigError(
@@ -134,8 +140,8 @@ class SpeculativeRollout(RolloutStrategy):
         self.drafts: dict[str, list[Draft]] = {}
 
     @classmethod
-    def config_options(cls, rollout_cfg: Any) -> dict[str, Any]:
-        return {"options": SpeculativeOptions.from_config(rollout_cfg)}
+    def config_options(cls, rollout: RolloutConfig) -> dict[str, Any]:
+        return {"options": SpeculativeOptions.from_config(rollout)}
 
 
     # ------------------------------------------------------------------ state

@@ -41,11 +41,17 @@ from typing import Any, Callable
 
 import torch
 
+from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.engines.base import Completion, GenerationRequest
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.strategy import RolloutStrategy, RolloutSetup, register_strategy, require_advantage_input
+from rlbench.rollout.strategy import (
+    RolloutSetup,
+    RolloutStrategy,
+    register_strategy,
+    require_advantage_input,
+)
 
 OPTION_KEYS = {"segment_tokens", "root_branching", "branching"}
 TREE_INPUT = "tree_nodes"
@@ -60,9 +66,9 @@ class TreeOptions:
     branching: int = 2
 
     @classmethod
-    def from_config(cls, rollout_cfg: Any) -> "TreeOptions":
-        name = rollout_cfg.get("strategy")
-        node = rollout_cfg.get(name) or {}
+    def from_config(cls, rollout: RolloutConfig) -> "TreeOptions":
+        name = rollout.strategy
+        node = rollout.settings.get(name) or {}
         unknown = set(node) - OPTION_KEYS
         if unknown:
             raise ConfigError(f"rollout.{name} has no key(s) {sorted(unknown)}; it takes {sorted(OPTION_KEYS)}")
@@ -70,7 +76,7 @@ class TreeOptions:
         for key, low in (("segment_tokens", 1), ("root_branching", 1), ("branching", 2)):
             if getattr(options, key) < low:
                 raise ConfigError(f"rollout.{name}.{key} must be >= {low}, got {getattr(options, key)}")
-        n = int(rollout_cfg.get("n", 1))
+        n = rollout.n
         per_root, remainder = divmod(n, options.root_branching)
         if remainder or per_root != options.branching ** round(math.log(per_root, options.branching)):
             fits = sorted({options.root_branching * options.branching**k for k in range(0, 7)})
@@ -123,16 +129,16 @@ class TreeSampling(RolloutStrategy):
         self.setup, self.options = setup, options
 
     @classmethod
-    def config_options(cls, rollout_cfg: Any) -> dict[str, Any]:
-        return {"options": TreeOptions.from_config(rollout_cfg)}
+    def config_options(cls, rollout: RolloutConfig) -> dict[str, Any]:
+        return {"options": TreeOptions.from_config(rollout)}
 
     @classmethod
-    def validate(cls, rollout_cfg: Any, advantage: str) -> None:
+    def validate(cls, rollout: RolloutConfig, advantage: str) -> None:
         """The options, and an advantage that reads the tree."""
-        TreeOptions.from_config(rollout_cfg)
+        TreeOptions.from_config(rollout)
         require_advantage_input(
             advantage, TREE_INPUT,
-            f"rollout={rollout_cfg.get('strategy')} samples each group as a tree, and advantage '{{advantage}}' does not "
+            f"rollout={rollout.strategy} samples each group as a tree, and advantage '{{advantage}}' does not "
             "read the tree (it would treat shared prefixes as independent samples). Add algorithm/advantage=<one of "
             "{readers}> (tree: TreePO's subtree baselines; treerpo: TreeRPO's sibling groups), or use rollout=iid",
         )

@@ -30,12 +30,20 @@ from typing import Any, Callable
 
 import torch
 
+from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
-from rlbench.rollout.engines.base import GenerationRequest
 from rlbench.rollout.continuation import continue_with_budgets
+from rlbench.rollout.engines.base import GenerationRequest
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.strategy import RolloutSetup, RolloutStrategy, needs_groups, register_strategy, require_advantage_input, strategy_options
+from rlbench.rollout.strategy import (
+    RolloutSetup,
+    RolloutStrategy,
+    needs_groups,
+    register_strategy,
+    require_advantage_input,
+    strategy_options,
+)
 
 BOUNDARIES = ("newline", "tokens")
 ROOT_VALUES = ("rollouts", "group")
@@ -53,8 +61,8 @@ class VineOptions:
     root_value: str = "rollouts"
 
     @classmethod
-    def from_config(cls, rollout_cfg: Any) -> "VineOptions":
-        options = strategy_options(rollout_cfg, "vine", cls)
+    def from_config(cls, rollout: RolloutConfig) -> "VineOptions":
+        options = strategy_options(rollout, "vine", cls)
         for key in ("k", "step_tokens", "max_steps"):
             if int(getattr(options, key)) < 1:
                 raise ConfigError(
@@ -66,7 +74,7 @@ class VineOptions:
         if options.root_value not in ROOT_VALUES:
             raise ConfigError(f"rollout.vine.root_value must be one of {ROOT_VALUES}, got {options.root_value!r}")
         if options.root_value == "group":
-            needs_groups("vine", rollout_cfg, "with root_value=group estimates the prompt's value from its group")
+            needs_groups("vine", rollout, "with root_value=group estimates the prompt's value from its group")
         return options
 
 
@@ -106,13 +114,13 @@ class VineSampling(RolloutStrategy):
         self.setup, self.options = setup, options
 
     @classmethod
-    def config_options(cls, rollout_cfg: Any) -> dict[str, Any]:
-        return {"options": VineOptions.from_config(rollout_cfg)}
+    def config_options(cls, rollout: RolloutConfig) -> dict[str, Any]:
+        return {"options": VineOptions.from_config(rollout)}
 
     @classmethod
-    def validate(cls, rollout_cfg: Any, advantage: str) -> None:
+    def validate(cls, rollout: RolloutConfig, advantage: str) -> None:
         """The options, and an advantage that reads the step values."""
-        VineOptions.from_config(rollout_cfg)
+        VineOptions.from_config(rollout)
         require_advantage_input(
             advantage, STEP_INPUT,
             "rollout=vine estimates Monte-Carlo values at step boundaries, and advantage '{advantage}' does not read "
