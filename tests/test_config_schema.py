@@ -19,7 +19,7 @@ from rlbench.config.schema import (
     AdaptiveEntropyConfig, AlgorithmConfig, CriticConfig, RolloutConfig, RunConfig,
     SamplingCorrectionConfig, SFPOConfig, TrainerConfig, TRPOConfig,
 )
-from rlbench.config.typed import typed_config, typed_node
+from rlbench.config.typed import rollout_config, typed_config, typed_node
 from rlbench.config.walk import check_against_schema, nearest
 from rlbench.errors import ConfigError
 from rlbench.rollout.strategy import STRATEGIES
@@ -296,3 +296,25 @@ def test_the_run_reads_the_config_typed_once_with_the_schemas_defaults(make_cfg)
     assert config.rollout.temperature == 1.0 and isinstance(config.rollout.temperature, float)
     assert config.rollout.settings == {"tree": dict(cfg.rollout.tree)}
     assert isinstance(config.algorithm.advantage, dict) and config.algorithm.advantage["name"] == cfg.algorithm.advantage.name
+
+
+@pytest.mark.parametrize("block,message", [
+    ({"abs_threshold": "high"}, r"rollout.lookahead.abs_threshold='high' is not a number"),
+    ({"checkpoints": [2.5]}, r"rollout.lookahead.checkpoints=\(2.5,\) is not a tuple\[int, ...\]"),
+    ({"depth": 2}, r"rollout.lookahead has no key\(s\) \['depth'\]; it takes \[[^]]*\]$"),
+    ({"abs_treshold": 0.2}, r"has no key\(s\) \['abs_treshold'\]; .*\(did you mean 'abs_treshold' -> 'abs_threshold'\?\)"),
+])
+def test_a_strategy_option_of_the_wrong_type_or_name_is_refused_naming_it(block, message):
+    with pytest.raises(ConfigError, match=message):
+        STRATEGIES["lookahead"].config_options(rollout_config({"strategy": "lookahead", "n": 4, "lookahead": block}))
+
+
+def test_strategy_options_convert_yaml_values_to_the_field_types():
+    """An integer in a float field becomes a float and lists become the tuples the dataclass declares, so an
+    option read from YAML equals the same option written in code."""
+    options = STRATEGIES["lookahead"].config_options(rollout_config(
+        {"strategy": "lookahead", "n": 4, "lookahead": {"abs_threshold": 0, "checkpoints": [4], "mix_schedule": [[0, 1]]}}
+    ))["options"]
+    assert options.abs_threshold == 0.0 and isinstance(options.abs_threshold, float)
+    assert options.checkpoints == (4,) and options.mix_schedule == ((0, 1.0),)
+    assert isinstance(options.mix_schedule[0][1], float)

@@ -336,8 +336,10 @@ def test_masked_settings_are_checked_before_the_model_loads(make_cfg):
     for p in (0.0, 1.5, float("nan")):
         with pytest.raises(ConfigError, match=r"top_p is the mask's probability mass, in \(0, 1\]"):
             validate_strategy(block(top_p=p), "grpo")
-    for mu in (0, 1.5, True):
-        with pytest.raises(ConfigError, match="update_interval .* must be an integer >= 1"):
+    with pytest.raises(ConfigError, match="update_interval .* must be an integer >= 1"):
+        validate_strategy(block(update_interval=0), "grpo")
+    for mu in (1.5, True):
+        with pytest.raises(ConfigError, match=f"rollout.masked.update_interval={mu} is not an integer"):
             validate_strategy(block(update_interval=mu), "grpo")
     with pytest.raises(ConfigError, match="rollout.engine=hf"):
         validate_strategy(rollout_config({"strategy": "masked", "engine": "vllm", "n": 2}), "grpo")

@@ -3,6 +3,7 @@ prompt's reference solution (see :class:`DatasetReset`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -16,9 +17,16 @@ from rlbench.rollout.guided.guided_prefix import prefixed_response, trace_body
 from rlbench.rollout.strategy import (
     RolloutSetup,
     RolloutStrategy,
-    options_block,
     register_strategy,
+    strategy_options,
 )
+
+
+@dataclass(frozen=True)
+class DatasetResetOptions:
+    """The ``rollout.dataset_reset`` block."""
+
+    p_reset: float = 0.5  # probability that a prompt starts from a prefix of its dataset solution
 
 
 @register_strategy("dataset_reset")
@@ -35,7 +43,7 @@ class DatasetReset(RolloutStrategy):
 
     @classmethod
     def config_options(cls, rollout: RolloutConfig) -> dict:
-        p = float(options_block(rollout, "dataset_reset", {"p_reset"}).get("p_reset", 0.5))
+        p = strategy_options(rollout, "dataset_reset", DatasetResetOptions).p_reset
         if not 0.0 <= p <= 1.0:
             raise ConfigError(f"rollout.dataset_reset.p_reset must lie in [0, 1], got {p}")
         return {"p_reset": p}

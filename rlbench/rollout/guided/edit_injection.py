@@ -27,8 +27,9 @@ groups are ``rollout=iid``'s exactly.
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 from rlbench.config.schema import RolloutConfig
@@ -40,12 +41,11 @@ from rlbench.rollout.groups import GradedGroups
 from rlbench.rollout.strategy import (
     RolloutSetup,
     RolloutStrategy,
-    options_block,
     register_strategy,
+    strategy_options,
 )
 
 CHECKERS = ("numbers", "even_tokens")
-KEYS = {"edits_per_group", "checker"}
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
@@ -127,9 +127,16 @@ def edited_response(
     )
 
 
+@dataclass(frozen=True)
+class EditInjectionOptions:
+    """The ``rollout.edit_injection`` block."""
+
+    edits_per_group: int = 1  # wrong responses edited per group (the first ones graded wrong)
+    checker: str = "numbers"  # numbers | even_tokens (the toy's rule): which sentence is wrong
+
+
 def options(rollout: RolloutConfig) -> dict:
-    node = options_block(rollout, "edit_injection", KEYS)
-    settings = {"edits_per_group": int(node.get("edits_per_group", 1)), "checker": str(node.get("checker", "numbers"))}
+    settings = dataclasses.asdict(strategy_options(rollout, "edit_injection", EditInjectionOptions))
     n = int(rollout.n)
     if not 1 <= settings["edits_per_group"] <= n:
         raise ConfigError(f"rollout.edit_injection.edits_per_group={settings['edits_per_group']} must lie in 1..rollout.n={n}")

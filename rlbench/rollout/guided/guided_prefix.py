@@ -25,6 +25,7 @@ The accuracy is the share of the step's responses graded correct, guided ones in
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -36,11 +37,19 @@ from rlbench.rollout.groups import GradedGroups
 from rlbench.rollout.strategy import (
     RolloutSetup,
     RolloutStrategy,
-    options_block,
     register_strategy,
+    strategy_options,
 )
 
-KEYS = {"guided_per_group", "initial_length", "max_length", "train_prefix"}
+
+@dataclass(frozen=True)
+class GuidedPrefixOptions:
+    """The ``rollout.guided_prefix`` block."""
+
+    guided_per_group: int = 2  # responses per group that start with a prefix of the trace (the authors' code: 2)
+    initial_length: int = 64  # tokens of the trace at the start
+    max_length: int = 64  # the cap of the adaptive length
+    train_prefix: bool = False  # false: the prefix is context (loss_mask 0); true: trained as off-policy tokens
 
 
 @dataclass
@@ -77,13 +86,7 @@ class GuidanceLength:
 
 
 def options(rollout: RolloutConfig) -> dict:
-    node = options_block(rollout, "guided_prefix", KEYS)
-    settings = {
-        "guided_per_group": int(node.get("guided_per_group", 2)),
-        "initial_length": int(node.get("initial_length", 64)),
-        "max_length": int(node.get("max_length", 64)),
-        "train_prefix": bool(node.get("train_prefix", False)),
-    }
+    settings = dataclasses.asdict(strategy_options(rollout, "guided_prefix", GuidedPrefixOptions))
     n = int(rollout.n)
     if not 1 <= settings["guided_per_group"] < n:
         raise ConfigError(

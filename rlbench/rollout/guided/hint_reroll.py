@@ -8,6 +8,7 @@ pi_theta(y | x) / pi_old(y | x, h) (the loss ``policy_shaping`` shapes it, no cl
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 from rlbench.config.schema import RolloutConfig
@@ -26,9 +27,16 @@ from rlbench.rollout.guided.hints import (
 from rlbench.rollout.strategy import (
     RolloutSetup,
     RolloutStrategy,
-    options_block,
     register_strategy,
+    strategy_options,
 )
+
+
+@dataclass(frozen=True)
+class HintRerollOptions:
+    """The ``rollout.hint_reroll`` block."""
+
+    hint_share: float = 0.5  # the hint: this share of the trace's words
 
 
 @register_strategy("hint_reroll")
@@ -40,7 +48,7 @@ class HintReroll(RolloutStrategy):
 
     @classmethod
     def config_options(cls, rollout: RolloutConfig) -> dict:
-        share = float(options_block(rollout, "hint_reroll", {"hint_share"}).get("hint_share", 0.5))
+        share = strategy_options(rollout, "hint_reroll", HintRerollOptions).hint_share
         if not 0.0 < share <= 1.0:
             raise ConfigError(f"rollout.hint_reroll.hint_share must lie in (0, 1], got {share}")
         return {"hint_share": share}

@@ -22,7 +22,6 @@ from rlbench.rollout.strategy import RolloutSetup
 HINT_SEPARATOR = "\n\nHint: "
 
 
-
 def hint_text(solution: str, share: float) -> str:
     """The first ceil(share * words) words of ``solution`` (share in (0, 1])."""
     words = solution.split()

@@ -5,7 +5,7 @@ prompt and trained for the bare prompt (see :class:`InContextExpert`).
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -19,8 +19,8 @@ from rlbench.rollout.guided.hints import first_trace_text
 from rlbench.rollout.strategy import (
     RolloutSetup,
     RolloutStrategy,
-    options_block,
     register_strategy,
+    strategy_options,
 )
 
 
@@ -32,6 +32,14 @@ def with_demonstration(problem: Problem, demo: Problem, solution: str) -> Proble
 def expert_bonus(step: int, beta: float, horizon: int) -> float:
     """ICPO's annealed bonus of a correct expert response: beta * max(0, 1 - step / horizon)."""
     return beta * max(0.0, 1.0 - step / horizon)
+
+
+@dataclass(frozen=True)
+class ICLExpertOptions:
+    """The ``rollout.icl_expert`` block."""
+
+    beta: float = 1.0  # bonus of a correct expert response at step 0 (the authors' code)
+    horizon: int = 400  # steps over which the bonus decays linearly to 0 (the authors' code: T = 400)
 
 
 @register_strategy("icl_expert")
@@ -52,8 +60,8 @@ class InContextExpert(RolloutStrategy):
 
     @classmethod
     def config_options(cls, rollout: RolloutConfig) -> dict:
-        node = options_block(rollout, "icl_expert", {"beta", "horizon"})
-        beta, horizon = float(node.get("beta", 1.0)), int(node.get("horizon", 400))
+        options = strategy_options(rollout, "icl_expert", ICLExpertOptions)
+        beta, horizon = options.beta, options.horizon
         if beta < 0 or horizon < 1:
             raise ConfigError(f"rollout.icl_expert needs beta >= 0 and horizon >= 1, got {beta}, {horizon}")
         if int(rollout.n) < 2:

@@ -25,6 +25,7 @@ drawn (the per-uid counter is the strategy's state, saved with checkpoints).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -38,20 +39,27 @@ from rlbench.rollout.groups import GradedGroups
 from rlbench.rollout.strategy import (
     RolloutSetup,
     RolloutStrategy,
-    options_block,
     register_strategy,
+    strategy_options,
 )
 
-OPTION_KEYS = {"traces_per_group", "when"}
 WHEN = ("always", "unsolved")
 
 
+@dataclass(frozen=True)
+class MixedTracesOptions:
+    """The ``rollout.mixed_traces`` block."""
+
+    traces_per_group: int = 1  # LUFFY: 1 trace + 7 on-policy samples of a group of 8
+    when: str = "always"  # always (LUFFY) | unsolved: traces only for groups with no correct response (DaGRPO)
+
+
 def traces_per_group(rollout: RolloutConfig) -> int:
-    return int(options_block(rollout, "mixed_traces", OPTION_KEYS).get("traces_per_group", 1))
+    return strategy_options(rollout, "mixed_traces", MixedTracesOptions).traces_per_group
 
 
 def traces_when(rollout: RolloutConfig) -> str:
-    when = str(options_block(rollout, "mixed_traces", OPTION_KEYS).get("when", "always"))
+    when = strategy_options(rollout, "mixed_traces", MixedTracesOptions).when
     if when not in WHEN:
         raise ConfigError(f"rollout.mixed_traces.when={when!r} is unknown; choose always (LUFFY) or unsolved (DaGRPO's anchors)")
     return when

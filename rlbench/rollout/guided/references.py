@@ -3,6 +3,7 @@ guidance trace, sampled by nobody (rlbench/rollout/guided/mixed_traces.py picks 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from rlbench.config.schema import RolloutConfig
@@ -11,7 +12,14 @@ from rlbench.errors import ConfigError, DataError
 from rlbench.guidance.traces import trace_completion
 from rlbench.rollout.groups import GradedGroups
 from rlbench.rollout.guided.mixed_traces import MixedTraces
-from rlbench.rollout.strategy import RolloutSetup, options_block, register_strategy
+from rlbench.rollout.strategy import RolloutSetup, register_strategy, strategy_options
+
+
+@dataclass(frozen=True)
+class ReferencesOptions:
+    """The ``rollout.references`` block."""
+
+    monitor_n: int = 0  # free samples per prompt drawn only to measure the policy (rollout_outcome_mean); never trained
 
 
 @register_strategy("references")
@@ -58,7 +66,7 @@ class References(MixedTraces):
 
 
 def reference_monitor_n(rollout: RolloutConfig) -> int:
-    n = int(options_block(rollout, "references", {"monitor_n"}).get("monitor_n", 0))
+    n = strategy_options(rollout, "references", ReferencesOptions).monitor_n
     if n < 0:
         raise ConfigError(f"rollout.references.monitor_n must be >= 0, got {n}")
     return n

@@ -8,7 +8,7 @@ response replaces one failed response of the group. It is trained as the policy'
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from rlbench.config.schema import RolloutConfig
@@ -25,9 +25,18 @@ from rlbench.rollout.guided.hints import (
 from rlbench.rollout.strategy import (
     RolloutSetup,
     RolloutStrategy,
-    options_block,
     register_strategy,
+    strategy_options,
 )
+
+
+@dataclass(frozen=True)
+class ScafHintsOptions:
+    """The ``rollout.scaf_hints`` block."""
+
+    tiers: tuple[float, ...] = (0.25, 0.5, 1.0)  # shares of the solution revealed, tier by tier
+    exemption_fraction: float = 0.15  # the first 15% of the steps run without hints (the paper's exemption period)
+    total_steps: int = 0  # the run's steps (the YAML sets ${trainer.steps}); 0: no exemption period
 
 
 @register_strategy("scaf_hints")
@@ -41,14 +50,14 @@ class ScafHints(RolloutStrategy):
 
     @classmethod
     def config_options(cls, rollout: RolloutConfig) -> dict:
-        node = options_block(rollout, "scaf_hints", {"tiers", "exemption_fraction", "total_steps"})
-        tiers = [float(t) for t in node.get("tiers", [0.25, 0.5, 1.0])]
+        options = strategy_options(rollout, "scaf_hints", ScafHintsOptions)
+        tiers = list(options.tiers)
         if not tiers or any(not 0.0 < t <= 1.0 for t in tiers) or tiers != sorted(tiers):
             raise ConfigError(f"rollout.scaf_hints.tiers must be increasing shares of the solution in (0, 1], got {tiers}")
-        fraction = float(node.get("exemption_fraction", 0.15))
+        fraction = options.exemption_fraction
         if not 0.0 <= fraction < 1.0:
             raise ConfigError(f"rollout.scaf_hints.exemption_fraction must lie in [0, 1), got {fraction}")
-        return {"tiers": tiers, "exempt_steps": int(fraction * int(node.get("total_steps", 0) or 0))}
+        return {"tiers": tiers, "exempt_steps": int(fraction * options.total_steps)}
 
     def state_dict(self) -> dict:
         return {"steps": self.steps}

@@ -68,11 +68,9 @@ from rlbench.rollout.strategy import (
     RolloutSetup,
     RolloutStrategy,
     needs_groups,
-    options_block,
     register_strategy,
+    strategy_options,
 )
-
-OPTION_KEYS = {"segment_tokens", "beta", "entropy_weight", "branch_threshold", "penalty"}
 
 
 @dataclass(frozen=True)
@@ -87,15 +85,7 @@ class EntropyBranchOptions:
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig) -> "EntropyBranchOptions":
-        node = options_block(rollout, "entropy_branch", OPTION_KEYS)
-        defaults = cls()
-        options = cls(
-            segment_tokens=int(node.get("segment_tokens", defaults.segment_tokens)),
-            beta=float(node.get("beta", defaults.beta)),
-            entropy_weight=float(node.get("entropy_weight", defaults.entropy_weight)),
-            branch_threshold=float(node.get("branch_threshold", defaults.branch_threshold)),
-            penalty=float(node.get("penalty", defaults.penalty)),
-        )
+        options = strategy_options(rollout, "entropy_branch", cls)
         if options.segment_tokens < 1:
             raise ConfigError(f"rollout.entropy_branch.segment_tokens must be >= 1, got {options.segment_tokens}")
         if options.penalty < 0 or not all(math.isfinite(v) for v in (options.beta, options.entropy_weight, options.branch_threshold)):

@@ -27,6 +27,7 @@ Configuration (conf/rollout/equivalent_states.yaml):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from rlbench.config.schema import RolloutConfig
@@ -39,17 +40,22 @@ from rlbench.rollout.groups import GradedGroups
 from rlbench.rollout.strategy import (
     RolloutSetup,
     RolloutStrategy,
-    options_block,
     register_strategy,
+    strategy_options,
 )
 
-OPTION_KEYS = {"prefixes"}
+
+@dataclass(frozen=True)
+class EquivalentStatesOptions:
+    """The ``rollout.equivalent_states`` block: the S prefixes that make S equivalent forms of a problem
+    (no default: conf/rollout/equivalent_states.yaml gives them)."""
+
+    prefixes: tuple[str, ...] = ()
 
 
 def state_prefixes(rollout: RolloutConfig) -> list[str]:
     """The ``rollout.equivalent_states.prefixes``, checked: at least two, distinct, without braces."""
-    node = options_block(rollout, "equivalent_states", OPTION_KEYS)
-    prefixes = [str(p) for p in node.get("prefixes") or []]
+    prefixes = list(strategy_options(rollout, "equivalent_states", EquivalentStatesOptions).prefixes)
     if len(prefixes) < 2 or len(set(prefixes)) < len(prefixes):
         raise ConfigError(f"rollout.equivalent_states.prefixes must list at least two distinct prefixes, got {prefixes}")
     if any("{" in p or "}" in p for p in prefixes):

@@ -60,13 +60,12 @@ from rlbench.rollout.strategy import (
     RolloutSetup,
     RolloutStrategy,
     needs_groups,
-    options_block,
     register_strategy,
+    strategy_options,
 )
 
 log = logging.getLogger(__name__)
 
-OPTION_KEYS = {"abs_threshold", "rel_threshold", "checkpoints", "rouge_l_threshold", "mix_schedule"}
 CANDIDATES_PER_BRANCH = 2  # branch points tried per branch wanted (the earliest 2 (n - 1))
 
 
@@ -82,15 +81,7 @@ class LookaheadOptions:
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig) -> "LookaheadOptions":
-        node = options_block(rollout, "lookahead", OPTION_KEYS)
-        defaults = cls()
-        options = cls(
-            abs_threshold=float(node.get("abs_threshold", defaults.abs_threshold)),
-            rel_threshold=float(node.get("rel_threshold", defaults.rel_threshold)),
-            checkpoints=tuple(int(c) for c in node.get("checkpoints", defaults.checkpoints)),
-            rouge_l_threshold=float(node.get("rouge_l_threshold", defaults.rouge_l_threshold)),
-            mix_schedule=tuple((int(s), float(r)) for s, r in node.get("mix_schedule", defaults.mix_schedule)),
-        )
+        options = strategy_options(rollout, "lookahead", cls)
         for key in ("abs_threshold", "rel_threshold", "rouge_l_threshold"):
             if not 0.0 <= getattr(options, key) <= 1.0:
                 raise ConfigError(f"rollout.lookahead.{key} must be in [0, 1], got {getattr(options, key)}")

@@ -49,12 +49,20 @@ from rlbench.rollout.strategy import (
     RolloutSetup,
     RolloutStrategy,
     needs_groups,
-    options_block,
     register_strategy,
+    strategy_options,
 )
 
-KEYS = {"search", "stage_depths", "steps_per_stage"}
 SEARCH = "mcts_prefix.search"
+
+
+@dataclasses.dataclass(frozen=True)
+class MCTSPrefixOptions:
+    """The ``rollout.mcts_prefix`` block."""
+
+    search: dict = dataclasses.field(default_factory=dict)  # the offline search tree: a tree block (TreeOptions)
+    stage_depths: tuple[int, ...] = (2, 1, 0)  # segments of the best solution revealed per stage (0: the prompt alone)
+    steps_per_stage: int = 10  # training steps per stage; the last stage runs to the end
 
 
 def revealed_length(leaf_length: int, depth: int, segment_tokens: int) -> int:
@@ -75,13 +83,10 @@ class MCTSPrefix(RolloutStrategy):
 
     @classmethod
     def config_options(cls, rollout: RolloutConfig) -> dict:
-        node = options_block(rollout, "mcts_prefix", KEYS)
+        options = strategy_options(rollout, "mcts_prefix", MCTSPrefixOptions)
         needs_groups("mcts_prefix", rollout, "trains GRPO groups of completions of one prefix")
-        search = TreeOptions.from_config(
-            dataclasses.replace(rollout, strategy=SEARCH, settings={SEARCH: dict(node.get("search") or {})})
-        )
-        depths = [int(d) for d in node.get("stage_depths", [2, 1, 0])]
-        steps = int(node.get("steps_per_stage", 10))
+        search = TreeOptions.from_config(dataclasses.replace(rollout, strategy=SEARCH, settings={SEARCH: dict(options.search or {})}))
+        depths, steps = list(options.stage_depths), options.steps_per_stage
         if not depths or min(depths) < 0:
             raise ConfigError(f"rollout.mcts_prefix.stage_depths must be a non-empty list of depths >= 0, got {depths}")
         if steps < 1:

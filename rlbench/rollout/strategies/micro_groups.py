@@ -20,6 +20,7 @@ length-aware scheduler.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from rlbench.config.schema import RolloutConfig
@@ -28,18 +29,24 @@ from rlbench.errors import ConfigError
 from rlbench.rollout.engines.base import GenerationRequest, sample_seed
 from rlbench.rollout.engines.hf import draw_seed
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.strategy import RolloutSetup, RolloutStrategy, register_strategy
+from rlbench.rollout.strategy import (
+    RolloutSetup,
+    RolloutStrategy,
+    register_strategy,
+    strategy_options,
+)
 
-OPTION_KEYS = {"size"}
+
+@dataclass(frozen=True)
+class MicroGroupsOptions:
+    """The ``rollout.micro_groups`` block."""
+
+    size: int = 4  # responses per prompt decoded per round; divides rollout.n
 
 
 def micro_group_size(rollout: RolloutConfig) -> int:
     """``rollout.micro_groups.size``, checked against ``rollout.n``."""
-    node = rollout.settings.get("micro_groups") or {}
-    unknown = set(node) - OPTION_KEYS
-    if unknown:
-        raise ConfigError(f"rollout.micro_groups has no key(s) {sorted(unknown)}; it takes {sorted(OPTION_KEYS)}")
-    size, n = int(node.get("size", 4)), rollout.n
+    size, n = strategy_options(rollout, "micro_groups", MicroGroupsOptions).size, rollout.n
     if size < 1 or n % size:
         divisors = [d for d in range(1, n + 1) if n % d == 0]
         raise ConfigError(

@@ -43,11 +43,9 @@ from rlbench.rollout.groups import GradedGroups, shaping_inputs
 from rlbench.rollout.strategy import (
     RolloutSetup,
     RolloutStrategy,
-    options_block,
     register_strategy,
+    strategy_options,
 )
-
-OPTION_KEYS = {"rounds", "continuations"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +57,7 @@ class MultiroundOptions:
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig) -> "MultiroundOptions":
-        node = options_block(rollout, "multiround", OPTION_KEYS)
-        options = cls(int(node.get("rounds", cls.rounds)), int(node.get("continuations", cls.continuations)))
+        options = strategy_options(rollout, "multiround", cls)
         if options.rounds < 2:
             raise ConfigError(f"rollout.multiround.rounds must be >= 2 (the first round is trained, later ones score it), "
                               f"got {options.rounds}; use rollout=iid for one round")

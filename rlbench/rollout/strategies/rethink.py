@@ -39,11 +39,10 @@ from rlbench.rollout.groups import GradedGroups
 from rlbench.rollout.strategy import (
     RolloutSetup,
     RolloutStrategy,
-    options_block,
     register_strategy,
+    strategy_options,
 )
 
-OPTION_KEYS = {"samples", "shown_attempts", "decompose_template", "refine_template"}
 DECOMPOSE_TEMPLATE = (
     "Break the following problem into smaller subproblems, solve them one by one, then give the final answer.\n\n"
     "{problem}"
@@ -62,13 +61,7 @@ class RethinkOptions:
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig) -> "RethinkOptions":
-        node = options_block(rollout, "rethink", OPTION_KEYS)
-        options = cls(
-            samples=int(node.get("samples", cls.samples)),
-            shown_attempts=int(node.get("shown_attempts", cls.shown_attempts)),
-            decompose_template=str(node.get("decompose_template", DECOMPOSE_TEMPLATE)),
-            refine_template=str(node.get("refine_template", REFINE_TEMPLATE)),
-        )
+        options = strategy_options(rollout, "rethink", cls)
         if options.samples < 1 or options.shown_attempts < 1:
             raise ConfigError(f"rollout.rethink.samples and .shown_attempts must be >= 1, got {options.samples}, "
                               f"{options.shown_attempts}")

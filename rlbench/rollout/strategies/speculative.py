@@ -68,13 +68,11 @@ from rlbench.rollout.groups import GradedGroups
 from rlbench.rollout.strategy import (
     RolloutSetup,
     RolloutStrategy,
-    options_block,
     register_strategy,
+    strategy_options,
 )
 
 log = logging.getLogger(__name__)
-
-OPTION_KEYS = {"lenience"}
 
 
 @dataclass(frozen=True)
@@ -85,14 +83,14 @@ class SpeculativeOptions:
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig) -> "SpeculativeOptions":
-        node = options_block(rollout, "speculative", OPTION_KEYS)
-        lenience = float(node.get("lenience", cls.lenience))
+        options = strategy_options(rollout, "speculative", cls)
+        lenience = options.lenience
         if not math.isfinite(lenience):
             raise ConfigError(
                 f"rollout.speculative.lenience must be a finite number (b in min(1, e^b p_new / p_old)), got {lenience}; "
                 "a large negative b rejects every draft (plain sampling), a large positive one keeps every draft"
             )
-        return cls(lenience)
+        return options
 
 
 @dataclass

@@ -51,9 +51,9 @@ from rlbench.rollout.strategy import (
     RolloutStrategy,
     register_strategy,
     require_advantage_input,
+    strategy_options,
 )
 
-OPTION_KEYS = {"segment_tokens", "root_branching", "branching"}
 TREE_INPUT = "tree_nodes"
 
 
@@ -68,11 +68,7 @@ class TreeOptions:
     @classmethod
     def from_config(cls, rollout: RolloutConfig) -> "TreeOptions":
         name = rollout.strategy
-        node = rollout.settings.get(name) or {}
-        unknown = set(node) - OPTION_KEYS
-        if unknown:
-            raise ConfigError(f"rollout.{name} has no key(s) {sorted(unknown)}; it takes {sorted(OPTION_KEYS)}")
-        options = cls(**{k: int(v) for k, v in dict(node).items()})
+        options = strategy_options(rollout, name, cls)
         for key, low in (("segment_tokens", 1), ("root_branching", 1), ("branching", 2)):
             if getattr(options, key) < low:
                 raise ConfigError(f"rollout.{name}.{key} must be >= {low}, got {getattr(options, key)}")
