@@ -299,7 +299,7 @@ def test_the_run_reads_the_config_typed_once_with_the_schemas_defaults(make_cfg)
 
 
 @pytest.mark.parametrize("block,message", [
-    ({"abs_threshold": "high"}, r"rollout.lookahead.abs_threshold='high' is not a number"),
+    ({"abs_threshold": "high"}, r"rollout.lookahead.abs_threshold='high' is not a finite number"),
     ({"checkpoints": [2.5]}, r"rollout.lookahead.checkpoints=\(2.5,\) is not a tuple\[int, ...\]"),
     ({"depth": 2}, r"rollout.lookahead has no key\(s\) \['depth'\]; it takes \[[^]]*\]$"),
     ({"abs_treshold": 0.2}, r"has no key\(s\) \['abs_treshold'\]; .*\(did you mean 'abs_treshold' -> 'abs_threshold'\?\)"),

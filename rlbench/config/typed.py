@@ -11,13 +11,16 @@ collected into the node's ``settings`` field, a mapping from the choice to its b
 
 from __future__ import annotations
 
+import dataclasses
 import types
 import typing
-from typing import Any, Mapping, TypeVar, Union
+from typing import Any, Literal, Mapping, TypeVar, Union
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rlbench.config.schema import RolloutConfig, RunConfig, config_fields
+from rlbench.config.walk import describe, is_instance, nearest
+from rlbench.errors import ConfigError
 
 Schema = TypeVar("Schema")
 
@@ -63,6 +66,54 @@ def plain(value: Any, annotation: Any) -> Any:
         items = args[:1] * len(value) if len(args) == 2 and args[1] is Ellipsis else args
         return tuple(value) if len(items) != len(value) else tuple(plain(item, arg) for item, arg in zip(value, items))
     return value
+
+
+def settings_block(values: Mapping[str, Any] | None, options_class: type[Schema], where: str) -> Schema:
+    """A settings block (``rollout.<strategy>``, ``algorithm.update.<schedule>``, ``algorithm.critic``, a
+    prompt sampler's) as its dataclass ``options_class``: the fields are the keys, their defaults declared
+    there only; each value converted (:func:`plain`) and checked against the field's type. ConfigError
+    naming ``where`` for an unknown key (with the nearest spelling) or a value of the wrong type."""
+    block = dict(values or {})
+    keys = {spec.name for spec in dataclasses.fields(options_class)}
+    unknown = sorted(set(block) - keys)
+    if unknown:
+        guesses = [f"'{key}' -> '{guess}'" for key in unknown if (guess := nearest(key, keys))]
+        raise ConfigError(
+            f"{where} has no key(s) {unknown}; it takes {sorted(keys)}" + (f" (did you mean {', '.join(guesses)}?)" if guesses else "")
+        )
+    hints = typing.get_type_hints(options_class)
+    converted = {key: plain(value, hints[key]) for key, value in block.items()}
+    for key, value in converted.items():
+        if not of_type(value, hints[key]):
+            raise ConfigError(f"{where}.{key}={value!r} is not {type_name(hints[key])}")
+    return options_class(**converted)
+
+
+def of_type(value: Any, annotation: Any) -> bool:
+    """Whether a converted value fits its field's annotation: the schema walk's rule for plain types
+    (rlbench.config.walk.is_instance), a Literal's choices, Optional, tuples and lists of those."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (Union, types.UnionType):
+        return any(of_type(value, arg) for arg in args)
+    if origin is Literal:
+        return value in args
+    if annotation is type(None):
+        return value is None
+    if origin in (tuple, list):
+        if not isinstance(value, (tuple, list)):
+            return False
+        items = args[:1] * len(value) if origin is list or (len(args) == 2 and args[1] is Ellipsis) else args
+        return len(items) == len(value) and all(of_type(v, a) for v, a in zip(value, items))
+    return not isinstance(annotation, type) or is_instance(value, annotation)
+
+
+def type_name(annotation: Any) -> str:
+    """How an error message names a field's type."""
+    if typing.get_origin(annotation) is Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(annotation)))
+    if isinstance(annotation, type) and typing.get_origin(annotation) is None:
+        return describe(annotation)
+    return "a " + str(annotation).replace("typing.", "")
 
 
 def rollout_config(values: Mapping[str, Any]) -> RolloutConfig:

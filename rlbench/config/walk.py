@@ -147,15 +147,15 @@ class _Walk:
             annotation, nullable = arguments[0], True
         if value is None:
             if not nullable:
-                self.fail(path, f"{path} must be {_describe(annotation)}, got null")
+                self.fail(path, f"{path} must be {describe(annotation)}, got null")
             return
         if typing.get_origin(annotation) is Literal:
             choices = typing.get_args(annotation)
             if value not in choices:
                 self.fail(path, f"{path}={value!r} is unknown; choose one of: {', '.join(map(str, choices))}")
             return
-        if not _is_instance(value, annotation):
-            self.fail(path, f"{path} must be {_describe(annotation)}, got {value!r}")
+        if not is_instance(value, annotation):
+            self.fail(path, f"{path} must be {describe(annotation)}, got {value!r}")
         self.bounds(value, bounds, path)
 
     def bounds(self, value: Any, bounds: typing.Mapping[str, Any], path: str) -> None:
@@ -202,7 +202,9 @@ class _Walk:
             self.value(value[key], annotation, default is None, PIECE_PARAMETER_BOUNDS.get(str(key), {}), _join(path, key))
 
 
-def _is_instance(value: Any, annotation: Any) -> bool:
+def is_instance(value: Any, annotation: Any) -> bool:
+    """Whether ``value`` is a config value of the plain type ``annotation`` (a bool is not a number; a float
+    is finite)."""
     if annotation is bool:
         return isinstance(value, bool)
     if isinstance(value, bool):
@@ -216,7 +218,8 @@ def _is_instance(value: Any, annotation: Any) -> bool:
     return isinstance(value, annotation)
 
 
-def _describe(annotation: Any) -> str:
+def describe(annotation: Any) -> str:
+    """A plain type as messages name it ("an integer")."""
     return {
         bool: "true or false", int: "an integer", float: "a finite number", str: "a string", list: "a list", dict: "a mapping",
     }.get(annotation, str(annotation))

@@ -29,9 +29,6 @@ under a strategy that does not provide it.
 
 from __future__ import annotations
 
-import dataclasses
-import types
-import typing
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
@@ -39,8 +36,7 @@ import torch
 
 from rlbench.algorithm.registry import ADVANTAGES
 from rlbench.config.schema import RolloutConfig
-from rlbench.config.typed import plain
-from rlbench.config.walk import nearest
+from rlbench.config.typed import settings_block
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.engines.base import SamplingParams
@@ -140,20 +136,6 @@ def register_strategy(name: str) -> Callable[[type], type]:
     return register
 
 
-def options_block(rollout: RolloutConfig, name: str, keys: set[str]) -> dict:
-    """The strategy's own block ``rollout.<name>`` as a dict (empty when absent); ConfigError naming
-    the keys it takes when it holds others."""
-    node = dict(rollout.settings.get(name) or {})
-    unknown = sorted(set(node) - set(keys))
-    if unknown:
-        guesses = [f"'{key}' -> '{guess}'" for key in unknown if (guess := nearest(key, keys))]
-        raise ConfigError(
-            f"rollout.{name} has no key(s) {unknown}; it takes {sorted(keys)}"
-            + (f" (did you mean {', '.join(guesses)}?)" if guesses else "")
-        )
-    return node
-
-
 def needs_groups(strategy: str, rollout: RolloutConfig, reason: str) -> None:
     """ConfigError unless ``rollout.n >= 2``; ``reason``: what the strategy does within a group."""
     n = int(rollout.n)
@@ -180,50 +162,9 @@ def strategy_class(rollout: RolloutConfig) -> type:
 
 
 def strategy_options(rollout: RolloutConfig, name: str, options_class: type) -> Any:
-    """The ``rollout.<name>`` block as an instance of the dataclass ``options_class``: its fields are
-    the keys, with their defaults (declared there only), each value converted to the field's type
-    (rlbench.config.typed.plain); an unknown key is a ConfigError naming the keys it takes."""
-    hints = typing.get_type_hints(options_class)
-    block = options_block(rollout, name, {f.name for f in dataclasses.fields(options_class)})
-    values = {key: plain(value, hints[key]) for key, value in block.items()}
-    for key, value in values.items():
-        if not of_type(value, hints[key]):
-            raise ConfigError(f"rollout.{name}.{key}={value!r} is not {type_name(hints[key])}")
-    return options_class(**values)
-
-
-def of_type(value: Any, annotation: Any) -> bool:
-    """Whether a converted option value fits its field's annotation (int, float, str, bool, a Literal,
-    Optional, tuples and lists of those; other annotations are not checked)."""
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin in (typing.Union, types.UnionType):
-        return any(of_type(value, arg) for arg in args)
-    if origin is typing.Literal:
-        return value in args
-    if annotation is type(None):
-        return value is None
-    if annotation is bool:
-        return isinstance(value, bool)
-    if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if annotation is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if annotation is str:
-        return isinstance(value, str)
-    if origin in (tuple, list):
-        if not isinstance(value, (tuple, list)):
-            return False
-        items = args[:1] * len(value) if origin is list or (len(args) == 2 and args[1] is Ellipsis) else args
-        return len(items) == len(value) and all(of_type(v, a) for v, a in zip(value, items))
-    return True
-
-
-def type_name(annotation: Any) -> str:
-    """How an error message names a field's type."""
-    if typing.get_origin(annotation) is typing.Literal:
-        return "one of " + ", ".join(map(repr, typing.get_args(annotation)))
-    plain_names = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
-    return plain_names.get(annotation) or "a " + str(annotation).replace("typing.", "")
+    """The ``rollout.<name>`` block as an instance of the dataclass ``options_class`` (its fields are the
+    keys, their defaults declared there only; rlbench.config.typed.settings_block)."""
+    return settings_block(rollout.settings.get(name), options_class, f"rollout.{name}")
 
 
 def validate_strategy(rollout: RolloutConfig, advantage: str) -> None:

@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from rlbench.config.schema import PromptSamplerConfig, TrainerConfig
+from rlbench.config.typed import settings_block
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.groups import GradedGroups
@@ -57,12 +58,7 @@ def sampler_options(sampler: PromptSamplerConfig | None) -> tuple[type, Any]:
     cls = PROMPT_SAMPLERS[name]
     if cls.Options is None:
         return cls, None
-    block = sampler.settings.get(name) or {}
-    keys = {f.name for f in dataclasses.fields(cls.Options)}
-    unknown = set(block) - keys
-    if unknown:
-        raise ConfigError(f"trainer.prompt_sampler.{name} has no key(s) {sorted(unknown)}; it takes {sorted(keys)}")
-    options = cls.Options(**block)
+    options = settings_block(sampler.settings.get(name), cls.Options, f"trainer.prompt_sampler.{name}")
     options.check()
     return cls, options
 
