@@ -14,6 +14,7 @@ from hydra import compose, initialize_config_dir
 
 from conftest import CONF_DIR, ROOT
 from hydra_plugins.rlbench_sweeper.sweeper import next_job_number
+from rlbench.analysis.runs import find_run_dirs, load_run
 from rlbench.logger.run_status import (
     FAILED,
     FINISHED,
@@ -74,12 +75,12 @@ def test_run_names_say_what_ran(make_cfg):
     assert make_cfg("mode=eval", "eval=math", "model=tiny").run_name == "eval-tiny-math-s0"
 
 
-def _sweep(tmp_path, cwd, *overrides):
+def _sweep(tmp_path, cwd, *overrides, folder="sweep"):
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     env.pop("WANDB_API_KEY", None)
     return subprocess.run(
         [sys.executable, "-m", "rlbench.cli", "-m", "experiment=smoke", "logger=files", "trainer.save_model=false",
-         "trainer.steps=1", "eval.before_training=false", *overrides, f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+         "trainer.steps=1", "eval.before_training=false", *overrides, f"hydra.sweep.dir={tmp_path / folder}"],
         cwd=cwd, capture_output=True, text=True, timeout=900, env=env,
     )
 
@@ -122,3 +123,37 @@ def test_a_sweep_lists_invalid_points_first_goes_past_a_failure_and_a_relaunch_s
     again = _sweep_status(tmp_path)
     assert [row["status"] for row in again.values()] == [FAILED, "skipped", "invalid"]
     assert again[next(iter(again))]["job"] == "2"  # the failed point ran again, in a new folder
+
+
+@pytest.mark.slow
+def test_a_relaunch_into_a_new_folder_reads_only_the_named_earlier_sweep_and_links_its_runs(tmp_path):
+    """Finished points are looked for only in the sweep's own folder and in the earlier sweeps that
+    ``hydra.sweeper.skip_finished_in`` names, never in a sibling folder; a point skipped because it
+    finished elsewhere is linked into the new folder, so rlbench-compare of that folder sees every point."""
+    assert _sweep(tmp_path, tmp_path, "seed=0", folder="first").returncode == 0
+    (earlier,) = find_run_dirs([tmp_path / "first"])
+
+    sibling = _sweep(tmp_path, tmp_path, "seed=0", folder="sibling")  # "first" beside it is not read
+    assert sibling.returncode == 0 and "sweep: 1 points: 1 to run, 0 invalid, 0 already finished" in sibling.stderr
+
+    refused = _sweep(tmp_path, tmp_path, "seed=0", f"hydra.sweeper.skip_finished_in=[{earlier}]", folder="refused")
+    assert refused.returncode != 0 and "is not a sweep folder" in refused.stderr  # a run folder, not a sweep's
+    assert not any(p.is_dir() for p in (tmp_path / "refused").glob("*"))  # refused before any point ran
+
+    second = _sweep(tmp_path, tmp_path, "seed=0,1", f"hydra.sweeper.skip_finished_in=[{tmp_path / 'first'}]",
+                    folder="second")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "sweep: 2 points: 1 to run, 0 invalid, 1 already finished" in second.stderr
+    links = [p for p in (tmp_path / "second").iterdir() if p.is_symlink()]
+    assert [(p.name.split("_")[0], p.resolve()) for p in links] == [("0", earlier)]
+    assert not os.path.isabs(os.readlink(links[0]))  # relative: moving results/ keeps it valid
+    runs = find_run_dirs([tmp_path / "second"])
+    assert sorted(load_run(run).config["seed"] for run in runs) == [0, 1] and earlier in runs
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    compare = subprocess.run([sys.executable, "-m", "rlbench.analysis", str(tmp_path / "second"), "--by", "seed",
+                              "--out", str(tmp_path / "compare"), "--resamples", "50"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env, check=False)
+    assert compare.returncode == 0, compare.stderr[-3000:]
+    with open(tmp_path / "compare" / "runs.csv") as f:
+        assert len(list(csv.DictReader(f))) == 2
