@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Iterator
 
 from rlbench.algorithm.pieces import PIECE_KINDS
-from rlbench.config.origin import CONF_DIR
+from rlbench.config.origin import CONF_DIR, SWEEP_GROUP, SWEEPS_DIR
 from rlbench.config.schema import RunConfig, UpdateConfig, config_fields
 from rlbench.rollout import STRATEGIES
 
@@ -27,13 +27,15 @@ def summary(text: str | None, width: int = 110) -> str:
     return textwrap.shorten(" ".join(paragraph.split()), width=width, placeholder=" ...")
 
 
-def group_options(conf_dir: Path = CONF_DIR) -> dict[str, list[str]]:
-    """conf group ('algorithm', 'algorithm/loss', ...) -> its option names, sorted."""
+def group_options(conf_dir: Path = CONF_DIR, sweeps_dir: Path = SWEEPS_DIR) -> dict[str, list[str]]:
+    """conf group ('algorithm', 'algorithm/loss', ...; 'sweep' from sweeps/) -> its option names, sorted."""
+    folders = {folder.relative_to(conf_dir).as_posix(): folder for folder in conf_dir.rglob("*") if folder.is_dir()}
+    folders[SWEEP_GROUP] = sweeps_dir
     groups: dict[str, list[str]] = {}
-    for folder in sorted(path for path in conf_dir.rglob("*") if path.is_dir()):
+    for group, folder in sorted(folders.items()):
         options = sorted(path.stem for path in folder.glob("*.yaml"))
-        if options and "hydra" not in folder.relative_to(conf_dir).parts:
-            groups[folder.relative_to(conf_dir).as_posix()] = options
+        if options and "hydra" not in group.split("/"):
+            groups[group] = options
     return groups
 
 

@@ -1,6 +1,6 @@
 """rlbench-compare: the bootstrap and the paired test on hand-made counts with known answers, the table
 against the runner's own passk.csv, grouping and filters, errors, outputs, launchers and sweeps, and
-(slow) a real two-algorithm x two-seed sweep through conf/sweep/ and the compare command."""
+(slow) a real two-algorithm x two-seed sweep through sweeps/ and the compare command."""
 
 import csv
 import importlib

@@ -35,6 +35,16 @@ def test_branch_points_need_a_likely_runner_up_close_to_the_top_token():
     assert branch_points(s, [5, 5, 7, 4, 1], 1.0, 0.25) == []  # abs threshold 1: never
 
 
+def test_the_absolute_threshold_applies_to_the_runner_up_not_to_the_top_token():
+    """LATR's rule reads p(a2) > abs_threshold: a top token above the threshold with a runner-up below
+    it is no branch point, however close the two are. Probabilities are exact in binary, so the strict
+    ``>`` is checked at the boundary too."""
+    s = stats([(1, 0.25, 2, 0.125), (3, 0.375, 4, 0.25), (5, 0.5, 6, 0.0625)])
+    assert branch_points(s, [1, 3, 5], 0.125, 0.5) == [(1, 4)]  # p2 = 0.125 is not above 0.125
+    assert branch_points(s, [1, 3, 5], 0.0625, 0.5) == [(0, 2), (1, 4)]
+    assert branch_points(s, [2, 4, 6], 0.25, 1.0) == []  # every p1 is above 0.25, no p2 is
+
+
 def test_rouge_l_f1_and_the_pruning_rule():
     assert rouge_l_f1([1, 2, 3, 4], [1, 3, 4, 5]) == pytest.approx(0.75)  # LCS 3: P = R = 3/4
     assert rouge_l_f1([1, 2], [1, 2, 3, 4]) == pytest.approx(2 * 1.0 * 0.5 / 1.5)  # P 1, R 1/2

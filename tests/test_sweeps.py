@@ -14,6 +14,7 @@ from hydra import compose, initialize_config_dir
 
 from conftest import CONF_DIR, ROOT
 from hydra_plugins.rlbench_sweeper.sweeper import next_job_number
+from rlbench.analysis.runs import find_run_dirs, load_run
 from rlbench.logger.run_status import (
     FAILED,
     FINISHED,
@@ -67,6 +68,37 @@ def test_sweep_presets_are_a_config_group_with_the_rlbench_sweeper(name, params)
     assert dict(cfg.hydra.sweeper.params) == params
 
 
+def test_the_sweep_group_is_the_yaml_files_of_the_top_level_sweeps_folder():
+    """sweeps/ is the one home of sweep definitions: its YAML files are the options of the group (the
+    README and the cluster launch files beside them are not), and conf/ has no sweep folder."""
+    from rlbench.config.origin import SWEEPS_DIR, option_file
+    from rlbench.listing import group_options
+
+    names = sorted(path.stem for path in SWEEPS_DIR.glob("*.yaml"))
+    assert SWEEPS_DIR == ROOT / "sweeps" and names == ["algorithms", "clip_higher"]
+    assert group_options()["sweep"] == names and not (ROOT / "conf" / "sweep").exists()
+    assert option_file("sweep", "algorithms") == SWEEPS_DIR / "algorithms.yaml"
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"), \
+            pytest.raises(Exception, match="Could not find 'sweep/README'"):
+        compose("config", overrides=["sweep=README"])
+
+
+@pytest.mark.slow
+def test_sweep_presets_compose_from_any_working_directory(tmp_path):
+    """``rlbench sweep=<name> ... --cfg hydra`` run from a folder outside the repository shows the
+    preset's points and its config changes (the launch files of sweeps/README.md rely on this)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "rlbench.cli", "sweep=clip_higher", "experiment=smoke", "--cfg", "all"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create(proc.stdout)
+    assert dict(cfg.hydra.sweeper.params) == {"algorithm.loss.clip_high": "0.2,0.24,0.28,0.32", "seed": "0,1,2"}
+    assert cfg.hydra.runtime.choices["sweep"] == "clip_higher" and cfg.hydra.runtime.choices["algorithm"] == "dapo"
+    assert cfg.model.name == "tiny"
+
+
 def test_run_names_say_what_ran(make_cfg):
     """Trained runs: algorithm, model, training set, seed; evaluation-only runs: the model and the
     suite, not an algorithm and a training set they never used."""
@@ -74,12 +106,12 @@ def test_run_names_say_what_ran(make_cfg):
     assert make_cfg("mode=eval", "eval=math", "model=tiny").run_name == "eval-tiny-math-s0"
 
 
-def _sweep(tmp_path, cwd, *overrides):
+def _sweep(tmp_path, cwd, *overrides, folder="sweep"):
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     env.pop("WANDB_API_KEY", None)
     return subprocess.run(
         [sys.executable, "-m", "rlbench.cli", "-m", "experiment=smoke", "logger=files", "trainer.save_model=false",
-         "trainer.steps=1", "eval.before_training=false", *overrides, f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+         "trainer.steps=1", "eval.before_training=false", *overrides, f"hydra.sweep.dir={tmp_path / folder}"],
         cwd=cwd, capture_output=True, text=True, timeout=900, env=env,
     )
 
@@ -122,3 +154,54 @@ def test_a_sweep_lists_invalid_points_first_goes_past_a_failure_and_a_relaunch_s
     again = _sweep_status(tmp_path)
     assert [row["status"] for row in again.values()] == [FAILED, "skipped", "invalid"]
     assert again[next(iter(again))]["job"] == "2"  # the failed point ran again, in a new folder
+
+
+@pytest.mark.slow
+def test_a_relaunch_into_a_new_folder_reads_only_the_named_earlier_sweep_and_links_its_runs(tmp_path):
+    """Finished points are looked for only in the sweep's own folder and in the earlier sweeps that
+    ``hydra.sweeper.skip_finished_in`` names, never in a sibling folder; a point skipped because it
+    finished elsewhere is linked into the new folder, so rlbench-compare of that folder sees every point."""
+    assert _sweep(tmp_path, tmp_path, "seed=0", folder="first").returncode == 0
+    (earlier,) = find_run_dirs([tmp_path / "first"])
+
+    sibling = _sweep(tmp_path, tmp_path, "seed=0", folder="sibling")  # "first" beside it is not read
+    assert sibling.returncode == 0 and "sweep: 1 points: 1 to run, 0 invalid, 0 already finished" in sibling.stderr
+
+    refused = _sweep(tmp_path, tmp_path, "seed=0", f"hydra.sweeper.skip_finished_in=[{earlier}]", folder="refused")
+    assert refused.returncode != 0 and "is not a sweep folder" in refused.stderr  # a run folder, not a sweep's
+    assert not any(p.is_dir() for p in (tmp_path / "refused").glob("*"))  # refused before any point ran
+
+    second = _sweep(tmp_path, tmp_path, "seed=0,1", f"hydra.sweeper.skip_finished_in=[{tmp_path / 'first'}]",
+                    folder="second")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "sweep: 2 points: 1 to run, 0 invalid, 1 already finished" in second.stderr
+    links = [p for p in (tmp_path / "second").iterdir() if p.is_symlink()]
+    assert [(p.name.split("_")[0], p.resolve()) for p in links] == [("0", earlier)]
+    assert not os.path.isabs(os.readlink(links[0]))  # relative: moving results/ keeps it valid
+    runs = find_run_dirs([tmp_path / "second"])
+    assert sorted(load_run(run).config["seed"] for run in runs) == [0, 1] and earlier in runs
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    compare = subprocess.run([sys.executable, "-m", "rlbench.analysis", str(tmp_path / "second"), "--by", "seed",
+                              "--out", str(tmp_path / "compare"), "--resamples", "50"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env, check=False)
+    assert compare.returncode == 0, compare.stderr[-3000:]
+    with open(tmp_path / "compare" / "runs.csv") as f:
+        assert len(list(csv.DictReader(f))) == 2
+
+
+def test_the_slurm_launch_file_drives_a_named_sweep_into_its_fixed_folder(tmp_path):
+    """sweeps/slurm_sweep.sh (run here with a stand-in ``rlbench`` that prints its arguments): the named
+    sweep, the Slurm launcher with the partition, the fixed folder results/multirun/<name> (so a
+    resubmission skips what finished), then the extra overrides; without PARTITION it refuses."""
+    (tmp_path / "rlbench").write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    (tmp_path / "rlbench").chmod(0o755)
+    env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "PARTITION": "gpu"}
+    script = str(ROOT / "sweeps" / "slurm_sweep.sh")
+    proc = subprocess.run(["bash", script, "clip_higher", "seed=0,1"], env=env, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["-m", "sweep=clip_higher", "hydra/launcher=slurm", "hydra.launcher.partition=gpu",
+                                        "hydra.sweep.dir=results/multirun/clip_higher", "seed=0,1"]
+    env.pop("PARTITION")
+    refused = subprocess.run(["bash", script, "clip_higher"], env=env, capture_output=True, text=True, check=False)
+    assert refused.returncode != 0 and "set PARTITION" in refused.stderr

@@ -123,6 +123,29 @@ def test_minibatches_and_epochs_make_that_many_steps_with_stored_old_logp():
     assert stats["ratio_mean"] != pytest.approx(1.0, abs=1e-9)  # later steps are off-policy
 
 
+def test_each_minibatch_is_normalised_by_its_own_token_count():
+    """minibatches=2, token_mean, one on-policy epoch (ratio 1): the first optimizer step's gradient is
+    the closed form -sum_{t in M} A_t grad log pi(t) / |M|, where |M| counts the first mini-batch's
+    response tokens, not the whole batch's (which would shrink the gradient by about half)."""
+    algorithm = algo("token_mean", epochs=1, minibatches=2)
+    model = tiny_lm()
+    batch = prepared_batch(algorithm)
+    opt = RecordingOptimizer(model)
+    standard_update(model, opt, batch, algorithm, micro_batch_size=2, max_grad_norm=None, temperature=1.0,
+                    norm_length=6, generator=torch.Generator().manual_seed(0))
+    first = torch.randperm(batch.size, generator=torch.Generator().manual_seed(0)).chunk(2)[0]
+    sub = batch.select(first)
+    mask = sub.response_mask.float()
+    assert 0 < mask.sum() < batch.response_mask.sum()  # the two counts differ
+    advantages = sub.advantages if sub.advantages.dim() == 2 else sub.advantages[:, None]
+    reference = tiny_lm()
+    logp = token_outputs(reference, sub, temperature=1.0).logp
+    (-(advantages * logp * mask).sum() / mask.sum()).backward()
+    for got, want in zip(opt.steps[0], (p.grad for p in reference.parameters())):
+        assert torch.allclose(got, want, atol=1e-6, rtol=1e-4)
+    assert sum(float(g.abs().sum()) for g in opt.steps[0]) > 0
+
+
 def test_one_update_needs_no_old_logprob_pass_and_has_ratio_one():
     algorithm = algo("seq_mean_token_mean")
     assert not algorithm.needs_old_logp

@@ -3,9 +3,12 @@ any launcher) with three additions.
 
 1. Every point is composed and validated (``rlbench.validation.validate_config``, no model loaded)
    before the first one starts; the invalid points are listed at once and left out.
-2. A point whose configuration already finished in this sweep folder or a sibling of it (an earlier
-   launch of the same command under ``results/multirun/``) is skipped (``hydra.sweeper.skip_done``);
-   failed points run again.
+2. A point whose configuration already finished where this sweep was launched before is skipped
+   (``hydra.sweeper.skip_done``): in this sweep folder (a relaunch with the same ``hydra.sweep.dir``)
+   or in the earlier sweep folders named by ``hydra.sweeper.skip_finished_in``; no other folder is
+   read. A skipped run that finished elsewhere gets a link ``<job>_<name>`` in this sweep folder, so
+   the folder holds every point's result (``rlbench-compare <sweep folder>`` sees them all). Failed
+   points run again.
 3. A failing run does not stop the sweep (rlbench/cli.py records it in the run's ``status.json``);
    at the end the sweep writes ``sweep_status.csv`` (one row per point: job, status, overrides,
    folder, error), prints the points that did not finish, and exits with status 1 if there are any.
@@ -14,6 +17,7 @@ any launcher) with three additions.
 import copy
 import csv
 import io
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -29,6 +33,7 @@ from omegaconf import OmegaConf, open_dict
 # commands that never sweep, and rlbench.validation imports torch.
 SWEEP_STATUS_FILE = "sweep_status.csv"
 INVALID, SKIPPED = "invalid", "skipped"
+SWEEP_CONFIG_FILE = "multirun.yaml"  # Hydra's record of a sweep, in every sweep folder
 
 
 @dataclass
@@ -49,10 +54,33 @@ def next_job_number(sweep_dir: Path) -> int:
     return max(numbers, default=-1) + 1
 
 
+def earlier_sweep_folders(folders: list | None) -> list[Path]:
+    """The folders of ``hydra.sweeper.skip_finished_in``, each checked to be a sweep folder (it holds
+    Hydra's ``multirun.yaml``), so a typo or an unrelated folder is refused before any point runs."""
+    found = []
+    for folder in map(Path, folders or []):
+        if not (folder / SWEEP_CONFIG_FILE).is_file():
+            raise ValueError(f"hydra.sweeper.skip_finished_in: {folder} is not a sweep folder (no {SWEEP_CONFIG_FILE}); "
+                             "name the hydra.sweep.dir of an earlier launch of this sweep")
+        found.append(folder)
+    return found
+
+
+def link_run(sweep_dir: Path, job: int, run_dir: Path) -> Path:
+    """A relative link ``<job>_<run name>`` in ``sweep_dir`` to a run that finished in another sweep
+    folder (to the run itself when ``run_dir`` is a link already)."""
+    target = run_dir.resolve()
+    link = sweep_dir / f"{job}_{re.sub(r'^[0-9]+_', '', run_dir.name)}"
+    link.symlink_to(os.path.relpath(target, sweep_dir.resolve()), target_is_directory=True)
+    return link
+
+
 class RlbenchSweeper(BasicSweeper):
-    def __init__(self, max_batch_size: Optional[int] = None, params: Optional[dict] = None, skip_done: bool = True):
+    def __init__(self, max_batch_size: Optional[int] = None, params: Optional[dict] = None, skip_done: bool = True,
+                 skip_finished_in: list | None = None):
         super().__init__(max_batch_size=max_batch_size, params=params)
         self.skip_done = skip_done
+        self.skip_finished_in = list(skip_finished_in or [])
 
     def sweep(self, arguments: list[str]) -> Any:
         from rlbench.logger.run_status import FINISHED, finished_runs, read_status
@@ -61,11 +89,12 @@ class RlbenchSweeper(BasicSweeper):
         overrides = parser.parse_overrides([*self._parse_config(), *arguments])
         points = [Point(list(p)) for p in self.split_arguments(overrides, None)[0]]
         sweep_dir = Path(self.config.hydra.sweep.dir)
+        earlier = earlier_sweep_folders(self.skip_finished_in) if self.skip_done else []
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        OmegaConf.save(self.config, sweep_dir / SWEEP_CONFIG_FILE)
 
-        siblings = [p for p in sweep_dir.parent.iterdir() if p.is_dir()] if self.skip_done else []
-        finished = finished_runs(siblings)
+        # the earlier launches first, so a run that finished in this folder is the one kept
+        finished = finished_runs([*earlier, sweep_dir]) if self.skip_done else {}
         for point in points:
             key, error = self.check_point(point.overrides)
             if error:
@@ -74,8 +103,12 @@ class RlbenchSweeper(BasicSweeper):
                 point.status, point.output_dir = SKIPPED, str(finished[key])
         self.report_plan(points)
 
-        to_run = [p for p in points if not p.status]
         first_job = next_job_number(sweep_dir)
+        for point in points:
+            if point.status == SKIPPED and Path(point.output_dir).parent.resolve() != sweep_dir.resolve():
+                point.job, first_job = first_job, first_job + 1
+                link_run(sweep_dir, point.job, Path(point.output_dir))
+        to_run = [p for p in points if not p.status]
         returns = []
         batch_size = self.max_batch_size or len(to_run) or 1
         for start in range(0, len(to_run), batch_size):

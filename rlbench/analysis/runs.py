@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,22 @@ class Run:
         return str(self.path)
 
 
+def folders_holding(root: Path, relative: Path) -> set[Path]:
+    """The real paths of ``root`` and every folder below it that hold ``relative``, following links
+    to folders (a sweep folder links the runs it skipped because they finished in an earlier
+    launch, hydra_plugins/rlbench_sweeper); each real folder is visited once, so a link cycle ends."""
+    found, seen = set(), set()
+    for folder, subfolders, _ in os.walk(root, followlinks=True):
+        real = Path(folder).resolve()
+        if real in seen:
+            subfolders[:] = []
+            continue
+        seen.add(real)
+        if (real / relative).is_file():
+            found.add(real)
+    return found
+
+
 def find_run_dirs(paths: Sequence[str | Path]) -> list[Path]:
     """Every folder at or below ``paths`` that holds ``eval/problems.csv``, sorted, without repeats;
     a run whose status.json says it did not finish (interrupted, failed, or killed while running:
@@ -42,9 +59,7 @@ def find_run_dirs(paths: Sequence[str | Path]) -> list[Path]:
     for path in map(Path, paths):
         if not path.exists():
             raise DataError(f"{path} does not exist; pass run folders or folders that contain them")
-        if (path / "eval" / "problems.csv").is_file():
-            found.add(path.resolve())
-        found.update(p.parent.parent.resolve() for p in path.rglob("eval/problems.csv"))
+        found.update(folders_holding(path, Path("eval") / "problems.csv"))
     unfinished = {run for run in found if (read_status(run) or {}).get("status", FINISHED) != FINISHED}
     for run in sorted(unfinished):
         log.warning("%s is left out: its run did not finish (status.json: %s; resume it: rlbench resume=%s)",

@@ -15,6 +15,14 @@ from typing import Any, Iterable
 from omegaconf import DictConfig, OmegaConf
 
 CONF_DIR = Path(__file__).resolve().parent.parent.parent / "conf"
+# The config group `sweep` lives in the top-level sweeps/ folder, beside the cluster launch files, and
+# not in conf/ (hydra_plugins/rlbench_sweeper/sweeps_source.py puts it on Hydra's search path).
+SWEEP_GROUP, SWEEPS_DIR = "sweep", CONF_DIR.parent / "sweeps"
+
+
+def option_file(group: str, option: str) -> Path:
+    """The YAML file of a group option: ``conf/<group>/<option>.yaml``, ``sweeps/<option>.yaml`` for sweeps."""
+    return SWEEPS_DIR / f"{option}.yaml" if group == SWEEP_GROUP else CONF_DIR / group / f"{option}.yaml"
 
 
 @dataclass(frozen=True)
@@ -143,7 +151,7 @@ def composed_files(choices: dict[str, Any]) -> Iterable[ComposedFile]:
         if option is None or group_key.startswith("hydra"):
             continue
         group, _, package = group_key.partition("@")
-        path = CONF_DIR / group / f"{option}.yaml"
+        path = option_file(group, option)
         declared = _declared_package(path)
         if declared == "_global_":
             package = ""
@@ -154,4 +162,4 @@ def composed_files(choices: dict[str, Any]) -> Iterable[ComposedFile]:
         yield ComposedFile(path, package, f"{group}={option}")
 
 
-GROUPS = frozenset(path.name for path in CONF_DIR.iterdir() if path.is_dir()) if CONF_DIR.is_dir() else frozenset()
+GROUPS = frozenset({SWEEP_GROUP, *(path.name for path in CONF_DIR.iterdir() if path.is_dir())}) if CONF_DIR.is_dir() else frozenset()
