@@ -9,11 +9,11 @@ bubblewrap, a writable cpu cgroup).
 from __future__ import annotations
 
 import glob
-import tempfile
 import logging
 import os
 import shutil
 import sys
+import tempfile
 import threading
 import time
 import uuid

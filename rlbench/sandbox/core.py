@@ -160,9 +160,11 @@ class SandboxResult:
     stdout, stderr: what the program printed, cut to ``max_output_bytes`` each.
     seconds:   wall-clock seconds of the whole call (sandbox start-up included).
     isolation: which protections were active (``verdict_outside``, ``bwrap``, ``pidns``,
-               ``netns``, ``mountns``, ``minimal_root``, ``work_tmpfs``, ``cgroup_pids``,
-               ``cgroup_memory``, ``uid``, ``rlimits``, ``subreaper``, ``audit_hook``; the fallback
-               adds ``readonly_fs``, ``userns``).
+               ``netns``, ``ipcns``, ``mountns``, ``minimal_root``, ``work_tmpfs``, ``cgroup_pids``,
+               ``cgroup_memory``, ``cgroup_cpu``, ``rlimits``, ``subreaper``, ``audit_hook``; the
+               fallback adds ``readonly_fs``, ``userns``), ``uid``: the program's uid as the host sees
+               it, ``own_uid``: whether that differs from the caller's, ``bwrap_error``: why a run
+               chosen to fall back did.
     error:     the load error, or what went wrong (timeout, crash, sandbox failure).
     """
 

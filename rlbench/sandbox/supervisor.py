@@ -268,12 +268,13 @@ def bwrap_command(bwrap: str, request: dict, root: bool, uid: int) -> list[str]:
     made: set[str] = set()
     for prefix in sorted({os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix)}):
         if not any(prefix == p or prefix.startswith(p + "/") for p in SYSTEM_PATHS):
-            # its parents, made traversable (bwrap would make them 0700: the run's uid could not
-            # reach this interpreter's libpython and standard library, and would load the system's)
+            # its parents, made traversable but not listable (bwrap would make them 0700: the run's
+            # uid could not reach this interpreter's libpython and standard library, and would
+            # load the system's)
             for ancestor in _ancestors(prefix):
                 if ancestor not in made:
                     made.add(ancestor)
-                    cmd += ["--perms", "0755", "--dir", ancestor]
+                    cmd += ["--perms", "0711", "--dir", ancestor]
             cmd += ["--ro-bind", prefix, prefix]
     cmd += ["--perms", "0755", "--dir", HARNESS_DIR_INSIDE]
     for name in HARNESS_FILES:
