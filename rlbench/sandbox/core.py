@@ -32,7 +32,7 @@ HARNESS = Path(__file__).with_name("harness.py")
 #: enforces the deadline itself, but cannot while one C call runs: a set built from a message of
 #: colliding hashes, a slow comparison in a trusted test). The margin covers only its clean-up and
 #: report; a run stopped by the watchdog is a ``timeout``, and its cgroups are removed from here.
-SUPERVISOR_MARGIN_S = 3.0
+SUPERVISOR_MARGIN_S = 5.0
 #: Statuses of a :class:`SandboxResult`.
 STATUSES = ("passed", "failed", "load_error", "timeout", "output_limit", "crashed", "sandbox_error")
 NOT_RUN = "not run"
