@@ -8,14 +8,21 @@ from __future__ import annotations
 
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
+from conftest import needs_data
 
 import rlbench.sandbox.core as sandbox_core
-from conftest import needs_data
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError, DataError
-from rlbench.reward.code import CodeReward, extract_code, problem_entry_point, problem_program, problem_setup
+from rlbench.reward.code import (
+    CodeReward,
+    extract_code,
+    problem_entry_point,
+    problem_program,
+    problem_setup,
+)
 from rlbench.sandbox import SandboxLimits
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox needs Linux")
@@ -310,8 +317,8 @@ def test_whole_function_answers_may_use_the_prompts_helpers(task):
     """These prompts define helpers (is_palindrome, poly, encode_cyclic, encode_shift) before the
     function to write; a reply that restates only that function must still see them."""
     import yaml
-
     from conftest import ROOT
+
     from rlbench.dataset import load_problems
 
     spec = yaml.safe_load((ROOT / "conf" / "benchmark" / "humaneval.yaml").read_text())
@@ -385,8 +392,8 @@ def test_the_prompts_helpers_in_the_tests_are_the_benchmarks_own():
     """HumanEval/32's check calls the prompt's ``poly`` on the candidate's root. A completion that
     redefines ``poly`` to return 0 everywhere (and answers 0) does not reach the tests' ``poly``."""
     import yaml
-
     from conftest import ROOT
+
     from rlbench.dataset import load_problems
 
     spec = yaml.safe_load((ROOT / "conf" / "benchmark" / "humaneval.yaml").read_text())
@@ -397,3 +404,26 @@ def test_the_prompts_helpers_in_the_tests_are_the_benchmarks_own():
     forged_grade, honest_grade = grader.grade_many([fence(forged), fence(honest)], [problem, problem])
     assert not forged_grade.correct and forged_grade.details["tests"][0][1] == "AssertionError"
     assert honest_grade.correct, honest_grade.details
+
+
+def test_pass_rate_leaves_out_the_test_the_prompt_shows():
+    """MBPP's prompt shows its first assert (``example_test_in_prompt``): a completion that only
+    echoes that assert's expected value passes it and nothing else. ``pass_rate`` pays it nothing
+    (it paid a third), and a partial solution is scored on the hidden tests alone."""
+    from omegaconf import OmegaConf
+
+    from rlbench.dataset.code import records_to_code_problems
+
+    spec = OmegaConf.to_container(OmegaConf.load(Path(__file__).parents[1] / "conf" / "dataset" / "mbpp.yaml"))
+    record = {"task_id": 602, "prompt": MBPP.prompt, "code": MBPP.answer, "test_list": MBPP.meta["tests"], "test_imports": []}
+    (problem,) = records_to_code_problems([("mbpp.jsonl:1", record)], spec, name="mbpp", split="train")
+    assert problem.meta["tests"][0] in problem.prompt and problem.meta["tests_in_prompt"] == [0]
+    echo = fence("def similar_elements(a, b):\n    return (4, 5)\n")
+    grader = CodeReward(mode="pass_rate", correct_reward=1.0, incorrect_reward=0.0, limits=LIMITS)
+    echoed, partly, full = grader.grade_many([echo, PARTLY_RIGHT_MBPP, fence(MBPP.answer)], [problem] * 3)
+    assert [t[0] for t in echoed.details["tests"]] == [True, False, False]
+    assert echoed.reward == 0.0
+    assert partly.reward == pytest.approx(1 / 2)  # hidden tests: one of two passed
+    assert full.reward == 1.0
+    unshown = grader.grade_many([echo], [MBPP])[0]  # no test shown: every test counts
+    assert unshown.reward == pytest.approx(1 / 3)

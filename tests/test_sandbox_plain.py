@@ -74,3 +74,15 @@ def test_depth_is_bounded():
 def test_malformed_wire_data_is_refused(data):
     with pytest.raises(NotPlain):
         from_wire(data)
+
+
+def test_an_ordered_dict_crosses_as_itself_in_order():
+    """Its equality depends on order: as a plain dict, ``OrderedDict(b=1, a=2)`` would equal
+    ``OrderedDict(a=2, b=1)``."""
+    from collections import OrderedDict
+
+    value = OrderedDict([("b", 1), ("a", [OrderedDict([(2, None), (1, None)])])])
+    back = through_json(value)
+    assert type(back) is OrderedDict and list(back) == ["b", "a"] and back == value
+    assert type(back["a"][0]) is OrderedDict and list(back["a"][0]) == [2, 1]
+    assert back != OrderedDict([("a", value["a"]), ("b", 1)])

@@ -421,6 +421,9 @@ class SandboxConfig:
     memory_mb: Any = knob(1024, "address-space limit, MiB")
     file_size_mb: Any = knob(16, "largest file a program may write, MiB")
     max_output_bytes: Any = knob(65536, "captured output per program, bytes")
+    max_reply_bytes: Any = knob(1 << 20, "longest result (JSON) the trusted side decodes, bytes")
+    cpu_cores: Any = knob(1.0, "CPU quota of one run's cpu cgroup, cores")
+    bwrap_fallback: Any = knob(False, "bubblewrap installed but failing: run the weaker fallback instead of a sandbox_error")
     workers: Any = knob(None, "programs in parallel (a positive integer); null: one per CPU core")
 
 

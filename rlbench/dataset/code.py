@@ -137,10 +137,11 @@ def records_to_code_problems(
         tests, check_program = _tests(raw_tests, test_format, entry_point, where)
         setup = _as_code(pick_field(record, fields["test_setup"])[1], where, "test_setup") if fields.get("test_setup") else ""
         solution = _as_code(pick_field(record, fields["solution"])[1], where, "solution") if fields.get("solution") else ""
-        shown = text
+        shown, tests_in_prompt = text, []
         if spec.get("example_test_in_prompt") and test_format == "assert_list":
-            shown = f"{text.rstrip()}\nYour code should pass this test:\n{tests[0]}"
+            shown, tests_in_prompt = f"{text.rstrip()}\nYour code should pass this test:\n{tests[0]}", [0]
         meta = {
+            "tests_in_prompt": tests_in_prompt,  # indices into tests: the code reward's pass_rate skips them
             "index": position,
             "tests": tests,
             "test_setup": "\n".join(part for part in (setup, check_program) if part),

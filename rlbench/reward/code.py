@@ -87,6 +87,14 @@ def _meta_str(problem: Problem, key: str) -> str:
     return value
 
 
+def tests_in_prompt(problem: Problem) -> frozenset[int]:
+    """Indices of the tests the prompt shows (``problem.meta["tests_in_prompt"]``; none if unset)."""
+    shown = problem.meta.get("tests_in_prompt") or []
+    if not isinstance(shown, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in shown):
+        raise DataError(f"problem {problem.uid}: meta['tests_in_prompt'] must be a list of test indices, got {shown!r}")
+    return frozenset(shown)
+
+
 def problem_tests(problem: Problem) -> list[str]:
     """``problem.meta["tests"]``, checked: a non-empty list of strings."""
     tests = problem.meta.get("tests")
@@ -168,7 +176,10 @@ class CodeReward:
     """Reward from running the completion's code against the problem's tests.
 
     ``mode="all_pass"``: ``correct_reward`` if every test passed else ``incorrect_reward``.
-    ``mode="pass_rate"``: ``incorrect + (correct - incorrect) * passed / total``.
+    ``mode="pass_rate"``: ``incorrect + (correct - incorrect) * passed / total`` over the tests
+    the prompt does not show (``problem.meta["tests_in_prompt"]``, MBPP's example assert): a
+    completion that only echoes the shown test's expected value earns nothing. When the prompt
+    shows every test, the run's all-pass verdict decides.
     ``correct`` is True only when every test passed. A completion without code gets
     ``incorrect_reward`` without running anything. Sandbox failures (not the program's) are
     logged, counted in ``failures`` and graded as incorrect; grading never raises for a
@@ -229,10 +240,10 @@ class CodeReward:
             if code is None:
                 grades.append(Grade(False, None, self.incorrect_reward, False))
             else:
-                grades.append(self._grade(code, format_ok, results[job_of[i]]))
+                grades.append(self._grade(code, format_ok, results[job_of[i]], tests_in_prompt(problems[i])))
         return grades
 
-    def _grade(self, code: str, format_ok: bool, result: SandboxResult) -> Grade:
+    def _grade(self, code: str, format_ok: bool, result: SandboxResult, shown: frozenset[int]) -> Grade:
         error = None
         if result.status == "sandbox_error":
             error = result.error
@@ -244,7 +255,7 @@ class CodeReward:
         return Grade(
             correct=result.passed,
             extracted=code,
-            reward=self.reward(result),
+            reward=self.reward(result, shown),
             format_ok=format_ok,
             error=error,
             details={
@@ -253,12 +264,13 @@ class CodeReward:
             },
         )
 
-    def reward(self, result: SandboxResult) -> float:
-        """The scalar reward for one sandbox result under this grader's mode."""
+    def reward(self, result: SandboxResult, shown: frozenset[int] = frozenset()) -> float:
+        """The scalar reward for one sandbox result under this grader's mode; ``shown``: indices of
+        the tests the prompt shows (left out of ``pass_rate``)."""
         if self.mode == "all_pass":
             return self.correct_reward if result.passed else self.incorrect_reward
-        total = len(result.outcomes)
-        fraction = sum(o.passed for o in result.outcomes) / total if total else float(result.passed)
+        hidden = [o for i, o in enumerate(result.outcomes) if i not in shown]
+        fraction = sum(o.passed for o in hidden) / len(hidden) if hidden else float(result.passed)
         return self.incorrect_reward + (self.correct_reward - self.incorrect_reward) * fraction
 
     def __repr__(self) -> str:

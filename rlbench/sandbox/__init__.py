@@ -25,16 +25,20 @@ other runs. The design (``docs/evaluation.md#the-sandbox`` has the table of laye
    installation, the harness's two files, its own ``/proc`` and ``/dev``, and the work folder.
 3. **Nothing to touch.** PID, network, IPC and UTS namespaces (no signal or pidfd reaches
    outside; everything dies with the run); as root a uid drawn per run, a tmpfs work folder
-   capped in bytes and entries, and pids and memory cgroups (memfds and tmpfs counted); rlimits.
+   capped in bytes and entries, and pids, memory (memfds and tmpfs counted) and cpu cgroups (the
+   kernel shares CPU between runs first); rlimits; a cap on each decoded reply.
 4. **Clean-up and reporting.** The work folder's tmpfs lives in the supervisor's own mount
    namespace and vanishes with it; the host folder is removed without recursion. The PID
-   namespace and the cgroup are killed at the end. A harness that cannot start is a
-   ``sandbox_error`` with its cause. Each run has its own processes, uid and cgroup, so one
-   run cannot change another's verdict.
+   namespace and the cgroup are killed at the end. The caller's watchdog kills a supervisor still
+   running at the deadline plus a margin (stuck in one C call) and removes the run's cgroups. A
+   harness that cannot start is a ``sandbox_error`` with its cause. Each run has its own
+   processes, uid and cgroups, so one run cannot change another's verdict.
 
-Without bubblewrap, a fallback made in the supervisor (network and mount namespaces, read-only
-mounts, the per-run uid; no PID namespace; the project and the data readable) runs and the log
-says which layers are missing; ``SandboxResult.isolation`` lists the active ones. The audit hook
+Without bubblewrap, a fallback made in the supervisor (network, IPC and mount namespaces,
+read-only mounts, the per-run uid as root, the caller's uid otherwise, said loudly; no PID
+namespace; the project and the data readable) runs and the log says which layers are missing.
+When bubblewrap is installed but fails to start, a run retries it, then fails unless
+``SandboxLimits.bwrap_fallback`` chose the fallback; ``SandboxResult.isolation`` lists the active ones. The audit hook
 in the harness is defence in depth only. Not defended: kernel exploits from inside the
 namespaces; tests that accept any truthy value; a trusted test that is slow on a huge result
 (ends at the wall clock or the caller's backstop).

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,9 +28,11 @@ logger = logging.getLogger(__name__)
 
 SUPERVISOR = Path(__file__).with_name("supervisor.py")
 HARNESS = Path(__file__).with_name("harness.py")
-#: Seconds past ``timeout_s`` after which the caller kills the supervisor itself (a backstop:
-#: the supervisor enforces ``timeout_s`` on the program).
-SUPERVISOR_MARGIN_S = 10.0
+#: Seconds past the run's deadline after which the caller's watchdog kills the supervisor (which
+#: enforces the deadline itself, but cannot while one C call runs: a set built from a message of
+#: colliding hashes, a slow comparison in a trusted test). The margin covers only its clean-up and
+#: report; a run stopped by the watchdog is a ``timeout``, and its cgroups are removed from here.
+SUPERVISOR_MARGIN_S = 5.0
 #: Statuses of a :class:`SandboxResult`.
 STATUSES = ("passed", "failed", "load_error", "timeout", "output_limit", "crashed", "sandbox_error")
 NOT_RUN = "not run"
@@ -43,10 +46,12 @@ LIMIT_CEILINGS = {
     "memory_mb": 1 << 20,
     "file_size_mb": 1 << 14,
     "max_output_bytes": 1 << 26,
+    "max_reply_bytes": 1 << 26,
+    "cpu_cores": 1024.0,
 }
 
 
-INTEGER_LIMITS = ("memory_mb", "file_size_mb", "max_output_bytes")
+INTEGER_LIMITS = ("memory_mb", "file_size_mb", "max_output_bytes", "max_reply_bytes")
 
 
 @dataclass(frozen=True)
@@ -61,8 +66,17 @@ class SandboxLimits:
                       caps what it can print, and (as root) the whole work folder's tmpfs.
     max_output_bytes: bytes of stdout and of stderr kept in the result (the rest is cut off,
                       with a note saying so).
+    max_reply_bytes:  longest message the trusted side decodes (a function's result as JSON);
+                      a longer result fails its test with ``cannot cross: ... longer than``.
+                      Decoding takes some 30 times the text in the supervisor, outside any cgroup.
+    cpu_cores:        CPU one run may use at once, in cores (its cpu cgroup's quota; the cgroup
+                      also makes the kernel share CPU between runs first, so a run's hundreds of
+                      processes weigh as one).
     network:          must be False: the program never gets a network (kept so a config can
                       state it; True is refused rather than silently ignored).
+    bwrap_fallback:   when bubblewrap is installed but cannot start (after retries), run the
+                      weaker fallback instead of failing the run with ``sandbox_error``. An
+                      explicit choice, logged; each run tries bubblewrap first again.
     """
 
     timeout_s: float = 5.0
@@ -70,7 +84,10 @@ class SandboxLimits:
     memory_mb: int = 1024
     file_size_mb: int = 16
     max_output_bytes: int = 65536
+    max_reply_bytes: int = 1 << 20
+    cpu_cores: float = 1.0
     network: bool = False
+    bwrap_fallback: bool = False
 
     def __post_init__(self) -> None:
         positive = {
@@ -79,6 +96,8 @@ class SandboxLimits:
             "memory_mb": self.memory_mb,
             "file_size_mb": self.file_size_mb,
             "max_output_bytes": self.max_output_bytes,
+            "max_reply_bytes": self.max_reply_bytes,
+            "cpu_cores": self.cpu_cores,
         }
         for key, value in positive.items():
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
@@ -97,6 +116,8 @@ class SandboxLimits:
                 "sandbox limit network=True is not supported: programs never get a network; "
                 "set network to false"
             )
+        if not isinstance(self.bwrap_fallback, bool):
+            raise ConfigError(f"sandbox bwrap_fallback must be true or false, got {self.bwrap_fallback!r}")
 
     @property
     def cpu_seconds(self) -> int:
@@ -104,7 +125,7 @@ class SandboxLimits:
         return max(1, math.ceil(self.cpu_s if self.cpu_s is not None else self.timeout_s))
 
 
-CONFIG_LIMIT_KEYS = ("timeout_s", "memory_mb", "file_size_mb", "max_output_bytes")
+CONFIG_LIMIT_KEYS = ("timeout_s", "memory_mb", "file_size_mb", "max_output_bytes", "max_reply_bytes", "cpu_cores", "bwrap_fallback")
 
 
 def limits_from_config(sandbox_cfg: Any) -> SandboxLimits:
@@ -139,9 +160,11 @@ class SandboxResult:
     stdout, stderr: what the program printed, cut to ``max_output_bytes`` each.
     seconds:   wall-clock seconds of the whole call (sandbox start-up included).
     isolation: which protections were active (``verdict_outside``, ``bwrap``, ``pidns``,
-               ``netns``, ``mountns``, ``minimal_root``, ``work_tmpfs``, ``cgroup_pids``,
-               ``cgroup_memory``, ``uid``, ``rlimits``, ``subreaper``, ``audit_hook``; the fallback
-               adds ``readonly_fs``, ``userns``).
+               ``netns``, ``ipcns``, ``mountns``, ``minimal_root``, ``work_tmpfs``, ``cgroup_pids``,
+               ``cgroup_memory``, ``cgroup_cpu``, ``rlimits``, ``subreaper``, ``audit_hook``; the
+               fallback adds ``readonly_fs``, ``userns``), ``uid``: the program's uid as the host sees
+               it, ``own_uid``: whether that differs from the caller's, ``bwrap_error``: why a run
+               chosen to fall back did.
     error:     the load error, or what went wrong (timeout, crash, sandbox failure).
     """
 
@@ -208,10 +231,12 @@ def _supervisor_env(workdir: str) -> dict[str, str]:
 def remove_tree(path: str) -> None:
     """Remove the directory ``path`` and everything under it, however deep: no recursion, one open
     directory at a time, names relative to it (a deep path may exceed ``PATH_MAX``). Entries that
-    vanish meanwhile are ignored. Used for the work directory, which the program may have filled."""
+    vanish meanwhile are ignored, and a directory that the program left without permissions for
+    its owner (mode 000) is given them back first. Used for the work directory, which the program
+    may have filled."""
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        fd = os.open(path, flags)
+        fd = _open_directory(path, flags, None)
     except FileNotFoundError:
         return
     names: list[str] = []  # from ``path`` down to the directory ``fd`` is
@@ -225,7 +250,7 @@ def remove_tree(path: str) -> None:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(entry.name, dir_fd=fd)
         if subdir is not None:
-            child = os.open(subdir, flags, dir_fd=fd)
+            child = _open_directory(subdir, flags, fd)
             os.close(fd)
             fd = child
             names.append(subdir)
@@ -240,6 +265,20 @@ def remove_tree(path: str) -> None:
         fd = parent
         with contextlib.suppress(FileNotFoundError):
             os.rmdir(names.pop(), dir_fd=fd)
+
+
+def _open_directory(name: str, flags: int, dir_fd: int | None) -> int:
+    """Open the directory ``name`` (relative to ``dir_fd``) for :func:`remove_tree`, with read,
+    write and search permission for its owner (restored when the program took them away)."""
+    try:
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    except PermissionError:
+        os.chmod(name, 0o700, dir_fd=dir_fd)  # a directory: it was one when listed
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    if not os.access(f"/proc/self/fd/{fd}", os.W_OK | os.X_OK):
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, 0o700)
+    return fd
 
 
 def run_tests(
@@ -273,22 +312,37 @@ def run_tests(
         request = {
             "program": program, "tests": tests, "setup": setup, "entry_point": entry_point,
             "workdir": os.path.realpath(workdir), "harness": str(HARNESS), "audit_hook": bool(audit_hook),
-            "bwrap": find_bwrap() if bwrap and not BWRAP_STATE["unusable"] else None,
+            "bwrap": find_bwrap() if bwrap else None, "bwrap_fallback": limits.bwrap_fallback,
+            "deadline": start + limits.timeout_s,  # CLOCK_MONOTONIC: the same in the supervisor
+            "cgroup_name": f"rlbench-sandbox-{os.getpid()}-{uuid.uuid4().hex[:12]}",
             "limits": _limits_request(limits),
         }  # fmt: skip
-        supervisor, problem = _call_supervisor(request, limits.timeout_s + SUPERVISOR_MARGIN_S)
+        supervisor, problem = _call_supervisor(request)
     finally:
-        remove_tree(workdir)
+        _remove_workdir(workdir)
+    if problem == WATCHDOG_STOPPED:
+        passed, status, error = judge({**STOPPED_FACTS, "outcomes": [[False, NOT_RUN]] * len(tests)}, len(tests))
+        outcomes = [TestOutcome(False, NOT_RUN) for _ in tests]
+        return SandboxResult(passed, outcomes, status, seconds=time.monotonic() - start, error=f"{error} ({problem})")
     if problem is not None:
         return _sandbox_error(len(tests), problem, time.monotonic() - start)
     return _result(supervisor, len(tests), time.monotonic() - start)
 
 
+def _remove_workdir(workdir: str) -> None:
+    """:func:`remove_tree`, never raising: a folder the caller cannot remove is logged, not a
+    failure of the batch."""
+    try:
+        remove_tree(workdir)
+    except OSError as exc:
+        logger.warning("sandbox work folder %s not removed: %s", workdir, exc)
+
+
 #: Where bubblewrap is looked for (not ``PATH``: the caller's environment does not choose it).
 BWRAP_DIRS = ("/usr/bin", "/bin", "/usr/local/bin")
-#: Set once a run found bubblewrap installed but unable to start (e.g. no namespaces in a
-#: container); later runs then go straight to the fallback.
-BWRAP_STATE = {"unusable": False}
+#: The problem of a run whose supervisor the caller's watchdog stopped, and the facts it stands for.
+WATCHDOG_STOPPED = "the supervisor was stopped by the caller's watchdog at the deadline"
+STOPPED_FACTS = {"loaded": None, "load_error": None, "timed_out": True, "cpu_limit": False, "crashed": False, "output_limit": False}
 
 
 def find_bwrap() -> str | None:
@@ -307,13 +361,22 @@ def _limits_request(limits: SandboxLimits) -> dict:
         "memory_mb": int(limits.memory_mb),
         "file_size_mb": int(limits.file_size_mb),
         "max_output_bytes": int(limits.max_output_bytes),
+        "max_reply_bytes": int(limits.max_reply_bytes),
+        "cpu_cores": float(limits.cpu_cores),
     }
 
 
-def _call_supervisor(request: dict, timeout_s: float) -> tuple[dict, str | None]:
-    """(the supervisor's report, None), or ({}, what went wrong with the sandbox itself)."""
+def _supervisor_command() -> list[str]:
+    return [sys.executable, "-I", "-B", "-S", str(SUPERVISOR)]
+
+
+def _call_supervisor(request: dict) -> tuple[dict, str | None]:
+    """(the supervisor's report, None), or ({}, what went wrong with the sandbox itself), or ({},
+    :data:`WATCHDOG_STOPPED`). The watchdog is this thread: at the deadline plus
+    :data:`SUPERVISOR_MARGIN_S` it kills the supervisor's process group, whatever the supervisor
+    is doing, and removes the run's cgroups (with the processes in them)."""
     proc = subprocess.Popen(
-        [sys.executable, "-I", "-B", "-S", str(SUPERVISOR)],
+        _supervisor_command(),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -322,12 +385,14 @@ def _call_supervisor(request: dict, timeout_s: float) -> tuple[dict, str | None]
         start_new_session=True,
     )
     try:
+        timeout_s = max(0.0, request["deadline"] + SUPERVISOR_MARGIN_S - time.monotonic())
         out, err = proc.communicate(json.dumps(request).encode(), timeout=timeout_s)
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        return {}, "supervisor did not finish"
+        _clean_up_after(request["cgroup_name"], request["workdir"])
+        return {}, WATCHDOG_STOPPED
     try:
         report = json.loads(out)
     except ValueError:
@@ -338,13 +403,30 @@ def _call_supervisor(request: dict, timeout_s: float) -> tuple[dict, str | None]
     return report, None
 
 
+def _clean_up_after(cgroup_name: str, workdir: str) -> None:
+    """After the watchdog killed a supervisor: kill what is left in the run's cgroups and remove
+    them (the supervisor's own code, in its clean-up mode; standard library only, as root where the
+    cgroups are). The work tmpfs went with the supervisor's mount namespace."""
+    try:
+        subprocess.run(
+            _supervisor_command(), input=json.dumps({"cleanup": cgroup_name}).encode(), capture_output=True,
+            cwd=workdir, env=_supervisor_env(workdir), timeout=CLEANUP_TIMEOUT_S, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        logger.warning("sandbox clean-up of cgroup %s failed: %s", cgroup_name, exc)
+
+
+#: Seconds the clean-up after a killed supervisor may take.
+CLEANUP_TIMEOUT_S = 60.0
+
+
 def _result(supervisor: dict, n_tests: int, seconds: float) -> SandboxResult:
     passed, status, error = judge(supervisor, n_tests)
     outcomes = [TestOutcome(bool(p), e) for p, e in supervisor["outcomes"]]
     isolation = supervisor["isolation"]
-    if "bwrap_error" in isolation and not BWRAP_STATE["unusable"]:
-        BWRAP_STATE["unusable"] = True
-        logger.warning("bubblewrap is installed but cannot start here; using the fallback: %s", isolation["bwrap_error"])
+    if "bwrap_error" in isolation:  # every time: the caller chose sandbox.bwrap_fallback
+        logger.warning("bubblewrap could not start; this run used the weaker fallback (sandbox.bwrap_fallback=true): %s",
+                       isolation["bwrap_error"])  # fmt: skip
     _log_layers_once(tuple(sorted((k, v) for k, v in isolation.items() if k not in ("uid", "bwrap_error"))))
     return SandboxResult(
         passed=passed,
@@ -359,7 +441,7 @@ def _result(supervisor: dict, n_tests: int, seconds: float) -> SandboxResult:
 
 
 #: Layers whose absence is logged as a warning (see the package docstring for what each adds).
-KEY_LAYERS = ("bwrap", "cgroup_pids", "cgroup_memory", "work_tmpfs")
+KEY_LAYERS = ("bwrap", "cgroup_pids", "cgroup_memory", "cgroup_cpu", "work_tmpfs")
 
 
 @functools.lru_cache(maxsize=None)
@@ -368,6 +450,11 @@ def _log_layers_once(isolation: tuple) -> None:
     active = sorted(k for k, v in layers.items() if v is True)
     missing = [k for k in KEY_LAYERS if not layers.get(k)]
     logger.info("sandbox layers active: %s", ", ".join(active))
+    if not layers.get("own_uid") and not layers.get("bwrap"):
+        logger.warning(
+            "the sandbox fallback runs model code as this process's own uid (not root): it can reach "
+            "this user's files and processes that are not read-only to it; install bubblewrap or run as root"
+        )
     if missing:
         logger.warning(
             "sandbox layers missing: %s; see docs/evaluation.md#the-sandbox for what holds without them "

@@ -233,8 +233,10 @@ def describe(exc: BaseException) -> str:
     return f"{name}: {message}" if message else name
 
 
-def describe_names(namespace: dict) -> dict:
-    """What each of the program's global names is, as the supervisor needs it."""
+def describe_names(namespace: dict, max_value_bytes: int) -> dict:
+    """What each of the program's global names is, as the supervisor needs it (a value whose JSON
+    is longer than ``max_value_bytes`` as opaque, so that the message stays under the supervisor's
+    cap)."""
     names = {}
     for name, value in list(namespace.items()):
         if name.startswith("__") and name.endswith("__"):
@@ -245,7 +247,8 @@ def describe_names(namespace: dict) -> dict:
             names[name] = {"callable": True}
         else:
             try:
-                names[name] = {"value": to_wire(value)}
+                wire = to_wire(value)
+                names[name] = {"value": wire} if len(dumps(wire)) <= max_value_bytes else {"opaque": f"large {type(value).__name__}"}
             except (NotPlain, RecursionError):
                 names[name] = {"opaque": type(value).__name__}
     return names
@@ -253,7 +256,8 @@ def describe_names(namespace: dict) -> dict:
 
 #: Mappings of the standard library that a result may be (``collections.Counter``): they cross as
 #: a plain dict, which compares with a dict as they do.
-DICT_LIKE = ("Counter", "OrderedDict", "defaultdict")
+#: (``OrderedDict`` is plain data: it crosses as itself, order included.)
+DICT_LIKE = ("Counter", "defaultdict")
 
 
 def reply_for(result) -> dict:
@@ -306,7 +310,7 @@ def serve(namespace: dict) -> None:
 
 def main() -> None:
     payload = read_payload()
-    program, use_audit_hook = payload["program"], payload["audit_hook"]
+    program, use_audit_hook, max_value_bytes = payload["program"], payload["audit_hook"], payload["max_value_bytes"]
     del payload
     if use_audit_hook:
         disable_fork_exec()
@@ -315,7 +319,7 @@ def main() -> None:
     namespace = {"__name__": "solution", "__builtins__": builtins}
     try:
         exec(compile(program, "<solution>", "exec", dont_inherit=True), namespace)
-        names = describe_names(namespace)
+        names = describe_names(namespace, max_value_bytes)
     except BaseException as exc:  # noqa: BLE001 - SystemExit included: a load error
         flush_output()
         send({"load": describe(exc)})

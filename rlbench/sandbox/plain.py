@@ -2,19 +2,23 @@
 
 Used on both sides (standard library only: the supervisor and the harness load it by path, in
 isolated mode). Only these exact types cross: ``None``, ``bool``, ``int``, ``float``, ``complex``,
-``str``, ``bytes`` and ``list``, ``tuple``, ``dict``, ``set``, ``frozenset`` of them. Subclasses
+``str``, ``bytes`` and ``list``, ``tuple``, ``dict``, ``set``, ``frozenset`` of them, and
+``collections.OrderedDict`` (whose equality depends on order, so it must not become a dict). Subclasses
 (an ``int`` with a patched ``__eq__``, an always-equal object) and every other object are refused
 with :class:`NotPlain`, so a value the trusted side decodes compares exactly as the built-in type
 does.
 
 Wire form (inside one JSON document): ``None``/``bool``/``int``/``float``/``str`` as themselves
 (``NaN`` and infinities as JSON's extensions); containers and the other types as a one-key object:
-``{"l": [...]}`` list, ``{"t": [...]}`` tuple, ``{"d": [[key, value], ...]}`` dict, ``{"s": [...]}``
+``{"l": [...]}`` list, ``{"t": [...]}`` tuple, ``{"d": [[key, value], ...]}`` dict (``"o"``: an
+``OrderedDict``), ``{"s": [...]}``
 set, ``{"f": [...]}`` frozenset, ``{"b": "<hex>"}`` bytes, ``{"c": [real, imag]}`` complex,
 ``{"i": "<hex>"}`` an integer of 64 bits or more.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 #: Deepest nesting that crosses (deeper values are refused rather than recursing without bound).
 MAX_DEPTH = 100
@@ -41,8 +45,8 @@ def to_wire(value, depth: int = 0):
     if kind is list or kind is tuple or kind is set or kind is frozenset:
         tag = {list: "l", tuple: "t", set: "s", frozenset: "f"}[kind]
         return {tag: [to_wire(item, depth + 1) for item in value]}
-    if kind is dict:
-        return {"d": [[to_wire(k, depth + 1), to_wire(v, depth + 1)] for k, v in value.items()]}
+    if kind is dict or kind is OrderedDict:
+        return {"d" if kind is dict else "o": [[to_wire(k, depth + 1), to_wire(v, depth + 1)] for k, v in value.items()]}
     if kind is bytes:
         return {"b": value.hex()}
     if kind is complex:
@@ -68,8 +72,8 @@ def from_wire(data, depth: int = 0):
             return build(items)
         except TypeError as exc:  # an unhashable member of a set
             raise NotPlain(f"malformed plain data: {exc}") from None
-    if tag == "d" and type(body) is list:
-        result = {}
+    if tag in ("d", "o") and type(body) is list:
+        result = {} if tag == "d" else OrderedDict()
         for pair in body:
             if type(pair) is not list or len(pair) != 2:
                 raise NotPlain("malformed plain data: dict item")

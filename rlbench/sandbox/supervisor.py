@@ -50,6 +50,7 @@ from plain import NotPlain, from_wire, to_wire  # noqa: E402
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 CLONE_NEWNS = 0x00020000
+CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
@@ -60,11 +61,12 @@ MOUNT_OPTION_FLAGS = {
     "nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
     "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME, "strictatime": MS_STRICTATIME,
 }  # fmt: skip
-#: Largest message (one JSON line) the harness may send; a longer one ends the run as a crash.
-MAX_MESSAGE_BYTES = 16 << 20
 #: Processes (threads included) one run may have: its pids cgroup, and RLIMIT_NPROC of its uid.
 MAX_PROCESSES = 512
 MAX_OPEN_FILES = 256
+#: Controllers of a run's cgroup (each reported as ``cgroup_<name>``), and the CPU quota's period.
+CGROUP_CONTROLLERS = ("pids", "memory", "cpu")
+CPU_PERIOD_US = 100_000
 #: Files and directories the work tmpfs may hold.
 WORK_INODES = 4096
 #: The run's uid (and gid) as root: drawn at random from this range for each run.
@@ -89,6 +91,12 @@ TEST_MODULES = frozenset({
 #: Start of the error of a run whose bubblewrap could not set up the sandbox: the supervisor then
 #: runs the fallback (``isolation["bwrap_error"]`` keeps the message).
 BWRAP_FAILED = "bubblewrap could not start"
+#: Starts of bubblewrap tried before a run gives up on it (with a growing pause between them).
+BWRAP_ATTEMPTS, BWRAP_RETRY_PAUSE_S = 3, 0.2
+BWRAP_FALLBACK_HINT = (
+    "Fix bubblewrap (e.g. allow user namespaces), or choose the weaker fallback explicitly with "
+    "sandbox.bwrap_fallback=true (docs/evaluation.md#the-sandbox)"
+)
 #: Seconds a harness whose channel closed gets to exit on its own (so its exit status is seen).
 EXIT_GRACE_S = 1.0
 #: bwrap exits with 128 + N when the program is killed by signal N.
@@ -134,28 +142,53 @@ def _own_cgroup_paths() -> dict[str, str]:
     return paths
 
 
-class Cgroups:
-    """A pids and a memory cgroup for this run (v2: one directory; v1: one per controller),
-    where the hierarchy is writable; otherwise nothing (``active`` says which limits hold)."""
+def cgroup_limits(memory_bytes: int, cpu_cores: float) -> tuple[dict, dict]:
+    """(v2 files, v1 files) per controller: processes, memory (memfds, tmpfs and shared memory
+    counted) and CPU (a quota of ``cpu_cores`` per period, and the default weight: the kernel
+    shares CPU between cgroups first, so a run's many processes weigh as one)."""
+    quota = max(1000, int(cpu_cores * CPU_PERIOD_US))
+    v2 = {
+        "pids": {"pids.max": MAX_PROCESSES},
+        "memory": {"memory.max": memory_bytes, "memory.swap.max": 0},
+        "cpu": {"cpu.max": f"{quota} {CPU_PERIOD_US}", "cpu.weight": 100},
+    }
+    v1 = {
+        "pids": {"pids.max": MAX_PROCESSES},
+        "memory": {"memory.limit_in_bytes": memory_bytes, "memory.memsw.limit_in_bytes": memory_bytes},
+        "cpu": {"cpu.cfs_period_us": CPU_PERIOD_US, "cpu.cfs_quota_us": quota, "cpu.shares": 1024},
+    }
+    return v2, v1
 
-    def __init__(self, name: str, memory_bytes: int) -> None:
+
+def cgroup_dirs(name: str) -> list[tuple[str, list[str]]]:
+    """``[(directory, [controllers])]`` where this process would make the cgroup ``name`` (v2: one
+    directory below its own cgroup; v1: one per controller hierarchy it is in)."""
+    try:
+        own = _own_cgroup_paths()
+    except OSError:
+        return []
+    if os.path.exists("/sys/fs/cgroup/cgroup.controllers") and "" in own:
+        return [(f"/sys/fs/cgroup{own['']}".rstrip("/") + "/" + name, list(CGROUP_CONTROLLERS))]
+    return [
+        (f"/sys/fs/cgroup/{c}{own[c]}".rstrip("/") + "/" + name, [c])
+        for c in CGROUP_CONTROLLERS
+        if c in own and os.path.isdir(f"/sys/fs/cgroup/{c}")
+    ]
+
+
+class Cgroups:
+    """A pids, a memory and a cpu cgroup for this run (v2: one directory; v1: one per controller),
+    where the hierarchy is writable; otherwise nothing (``active`` says which limits hold).
+    ``name`` comes from the caller, so that its watchdog can remove them if this process is killed
+    (``python supervisor.py`` with ``{"cleanup": name}``)."""
+
+    def __init__(self, name: str, memory_bytes: int, cpu_cores: float) -> None:
         self.dirs: list[str] = []
-        self.active = {"pids": False, "memory": False}
-        try:
-            own = _own_cgroup_paths()
-        except OSError:
-            return
-        if os.path.exists("/sys/fs/cgroup/cgroup.controllers") and "" in own:
-            limits = {"pids": {"pids.max": MAX_PROCESSES}, "memory": {"memory.max": memory_bytes, "memory.swap.max": 0}}
-            self._make(f"/sys/fs/cgroup{own['']}".rstrip("/") + "/" + name, limits)
-            return
-        for controller, files in (
-            ("pids", {"pids.max": MAX_PROCESSES}),
-            ("memory", {"memory.limit_in_bytes": memory_bytes, "memory.memsw.limit_in_bytes": memory_bytes}),
-        ):
-            if controller in own:
-                base = f"/sys/fs/cgroup/{controller}{own[controller]}".rstrip("/")
-                self._make(base + "/" + name, {controller: files})
+        self.active = {c: False for c in CGROUP_CONTROLLERS}
+        v2, v1 = cgroup_limits(memory_bytes, cpu_cores)
+        for path, controllers in cgroup_dirs(name):
+            files = v2 if len(controllers) > 1 else v1
+            self._make(path, {c: files[c] for c in controllers})
 
     def _make(self, path: str, limits: dict[str, dict[str, int]]) -> None:
         try:
@@ -182,24 +215,29 @@ class Cgroups:
 
     def remove(self) -> None:
         """Kill whatever is left in the cgroups, then remove them."""
-        for path in self.dirs:
-            for _ in range(1000):
-                try:
-                    with open(os.path.join(path, "cgroup.procs")) as f:
-                        pids = [int(p) for p in f.read().split()]
-                except OSError:
-                    break
-                if not pids:
-                    break
-                kill_and_reap(pids)
-            for _ in range(100):
-                try:
-                    os.rmdir(path)
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:  # the last processes are still exiting
-                    time.sleep(0.002)
+        remove_cgroups(self.dirs)
+
+
+def remove_cgroups(dirs: list[str]) -> None:
+    """Kill every process in each cgroup of ``dirs`` (gone ones are skipped), then remove it."""
+    for path in dirs:
+        for _ in range(1000):
+            try:
+                with open(os.path.join(path, "cgroup.procs")) as f:
+                    pids = [int(p) for p in f.read().split()]
+            except OSError:
+                break
+            if not pids:
+                break
+            kill_and_reap(pids)
+        for _ in range(100):
+            try:
+                os.rmdir(path)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:  # the last processes are still exiting
+                time.sleep(0.002)
 
 
 # ---------------------------------------------------------------------------------------
@@ -227,8 +265,16 @@ def bwrap_command(bwrap: str, request: dict, root: bool, uid: int) -> list[str]:
             cmd += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
             cmd += ["--ro-bind", path, path]
+    made: set[str] = set()
     for prefix in sorted({os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix)}):
         if not any(prefix == p or prefix.startswith(p + "/") for p in SYSTEM_PATHS):
+            # its parents, made traversable but not listable (bwrap would make them 0700: the run's
+            # uid could not reach this interpreter's libpython and standard library, and would
+            # load the system's)
+            for ancestor in _ancestors(prefix):
+                if ancestor not in made:
+                    made.add(ancestor)
+                    cmd += ["--perms", "0711", "--dir", ancestor]
             cmd += ["--ro-bind", prefix, prefix]
     cmd += ["--perms", "0755", "--dir", HARNESS_DIR_INSIDE]
     for name in HARNESS_FILES:
@@ -250,11 +296,15 @@ def bwrap_command(bwrap: str, request: dict, root: bool, uid: int) -> list[str]:
     return cmd + [python_executable(), "-I", "-B", "-S", f"{HARNESS_DIR_INSIDE}/harness.py"]
 
 
+def _ancestors(path: str) -> list[str]:
+    """``/a``, ``/a/b`` for ``/a/b/c``."""
+    parts = path.strip("/").split("/")
+    return ["/" + "/".join(parts[:depth]) for depth in range(1, len(parts))]
+
+
 def blocking_ancestor(path: str) -> str | None:
     """The highest directory above ``path`` that other users cannot traverse (no ``o+x``)."""
-    parts = path.strip("/").split("/")
-    for depth in range(1, len(parts)):
-        ancestor = "/" + "/".join(parts[:depth])
+    for ancestor in _ancestors(path):
         if not os.stat(ancestor).st_mode & stat.S_IXOTH:
             return ancestor
     return None
@@ -319,15 +369,18 @@ def _remount_read_only(keep_writable: str) -> int:
 
 
 def fallback_isolation(workdir: str, plan: dict[str, list[str]], root: bool) -> dict:
-    """Without bwrap (in the child): a network namespace and, as root, a mount namespace in
-    which only ``workdir`` is writable. Returns what was achieved."""
-    info = {"netns": False, "mountns": False, "userns": False, "readonly_fs": False}
-    if root and _libc.unshare(CLONE_NEWNET | CLONE_NEWNS) == 0:
-        info["netns"] = info["mountns"] = True
+    """Without bwrap (in the child): network and IPC namespaces (no SysV segment or POSIX queue
+    shared with the host or another run) and, as root, a mount namespace in which only
+    ``workdir`` is writable. Returns what was achieved."""
+    info = {"netns": False, "ipcns": False, "mountns": False, "userns": False, "readonly_fs": False}
+    if root and _libc.unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWIPC) == 0:
+        info["netns"] = info["mountns"] = info["ipcns"] = True
         _mount(None, "/", None, MS_REC | MS_PRIVATE)
         _expose(plan)
         _mount(workdir, workdir, None, MS_BIND | MS_REC)
         info["readonly_fs"] = _remount_read_only(workdir) == 0
+    elif _libc.unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWIPC) == 0:
+        info["netns"] = info["userns"] = info["ipcns"] = True
     elif _libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0:
         info["netns"] = info["userns"] = True
     return info
@@ -361,6 +414,7 @@ def _child(launch: dict, fds: dict, cgroups: Cgroups) -> None:
     """Runs in the forked child; never returns (exec or ``_exit``). Any failure is written to
     the set-up pipe, which the supervisor reports as the cause of a failed start."""
     setup_fd = fcntl.fcntl(fds["setup_w"], fcntl.F_DUPFD_CLOEXEC, 100)
+    caller_uid = os.geteuid()
     try:
         os.setpgid(0, 0)
         for target, name in enumerate(("payload_r", "stdout", "stderr", "messages_w", "requests_r")):
@@ -375,7 +429,11 @@ def _child(launch: dict, fds: dict, cgroups: Cgroups) -> None:
         _set_limits(launch["limits"])
         if launch["command"] is None:
             can_drop = info["mountns"] or not launch["plan"]
-            info["uid"] = _drop_privileges(launch["uid"]) if can_drop else os.geteuid()
+            # the uid on the host (inside a user namespace ``geteuid`` says 65534, which is not
+            # who the program is to the host's files and processes)
+            dropped = can_drop and launch["root"] and os.geteuid() == 0  # root here, not in a user namespace
+            host_uid = _drop_privileges(launch["uid"]) if dropped else caller_uid
+            info["uid"], info["own_uid"] = host_uid, host_uid != caller_uid
             _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
         os.write(setup_fd, json.dumps(info).encode())
         if launch["command"] is None:
@@ -404,6 +462,10 @@ class CannotCross(BaseException):
     """A value that is not plain data was to cross the boundary; the current test fails."""
 
 
+class MessageTooLarge(CannotCross):
+    """A message from the harness longer than ``max_reply_bytes`` (read and dropped, not decoded)."""
+
+
 class CandidateError(Exception):
     """The program's function raised an exception that is not a built-in one."""
 
@@ -411,8 +473,11 @@ class CandidateError(Exception):
 class Channel:
     """Line-delimited JSON to and from the harness, every wait bounded by the run's deadline."""
 
-    def __init__(self, messages_r: int, requests_w: int, pid: int, deadline: float) -> None:
+    def __init__(self, messages_r: int, requests_w: int, pid: int, deadline: float, max_message_bytes: int) -> None:
         self.messages_r, self.requests_w, self.pid, self.deadline = messages_r, requests_w, pid, deadline
+        #: Longest message decoded (``max_reply_bytes``): the JSON decoder's objects take some 30
+        #: times the text, outside any cgroup; a longer message is read, dropped and refused.
+        self.max_message_bytes = max_message_bytes
         os.set_blocking(requests_w, False)
         self.buffer = bytearray()
         self.over: str | None = None  # why the run ended early: "timeout" or "crashed"
@@ -453,16 +518,21 @@ class Channel:
     def receive(self) -> dict:
         if self.over:
             raise RunOver(self.over)
-        while b"\n" not in self.buffer:
-            if len(self.buffer) > MAX_MESSAGE_BYTES:
-                self.end("crashed")
+        too_large, scanned = False, 0
+        while (newline := self.buffer.find(b"\n", scanned)) < 0:
+            scanned = len(self.buffer)
+            if scanned > self.max_message_bytes:  # read the rest of it, keeping none of it
+                too_large, scanned = True, 0
+                self.buffer.clear()
             self._wait(self.messages_r, select.POLLIN)
             chunk = os.read(self.messages_r, 1 << 16)
             if not chunk:
                 self.end("crashed")
             self.buffer += chunk
-        line, _, rest = bytes(self.buffer).partition(b"\n")
-        self.buffer = bytearray(rest)
+        line = bytes(self.buffer[:newline])
+        del self.buffer[: newline + 1]
+        if too_large or len(line) > self.max_message_bytes:
+            raise MessageTooLarge(self.max_message_bytes)
         try:
             message = json.loads(line)
         except (ValueError, RecursionError):
@@ -540,7 +610,12 @@ class Candidate:
         except NotPlain as exc:
             raise self._refuse(f"cannot cross: an argument of {self.__name__}: {exc}") from None
         self._channel.send(request)
-        reply = self._channel.receive()
+        try:
+            reply = self._channel.receive()
+        except MessageTooLarge as exc:
+            raise self._refuse(
+                f"cannot cross: the result of {self.__name__} is longer than {exc} bytes (sandbox limit max_reply_bytes)"
+            ) from None
         if len(reply) != 1:
             raise self._refuse(f"cannot cross: a malformed reply from {self.__name__}")
         ((kind, body),) = reply.items()
@@ -757,25 +832,35 @@ def supervise(request: dict) -> dict:
     if root:
         private_work_tmpfs(request["workdir"], int(limits["file_size_mb"]) << 20, uid)
         isolation["work_tmpfs"] = True
-    cgroups = Cgroups(f"rlbench-sandbox-{os.getpid()}-{secrets.token_hex(4)}", int(limits["memory_mb"]) << 20)
+    cgroups = Cgroups(request["cgroup_name"], int(limits["memory_mb"]) << 20, float(limits["cpu_cores"]))
     isolation.update({f"cgroup_{k}": v for k, v in cgroups.active.items()})
     try:
-        result = _run(request, root, uid, bwrap, cgroups, {**isolation, **bwrap_layers(bwrap, uid)})
-        error = result.get("sandbox_error", "")
-        if bwrap and error.startswith(BWRAP_FAILED):  # e.g. namespaces not allowed in a container
-            kill_descendants()
-            result = _run(request, root, uid, None, cgroups, {**isolation, "bwrap": False, "bwrap_error": error[:300]})
-        return result
+        if not bwrap:
+            return _run(request, root, uid, None, cgroups, {**isolation, "bwrap": False})
+        for attempt in range(BWRAP_ATTEMPTS):  # a failed start may be transient (out of pids or memory)
+            if attempt:
+                kill_descendants()
+                time.sleep(BWRAP_RETRY_PAUSE_S * attempt)
+            result = _run(request, root, uid, bwrap, cgroups, {**isolation, **bwrap_layers(bwrap, uid, root)})
+            error = result.get("sandbox_error", "")
+            if not error.startswith(BWRAP_FAILED) or time.monotonic() >= float(request["deadline"]):
+                return result
+        if not request["bwrap_fallback"]:  # never a silent step down to weaker isolation
+            return {"sandbox_error": f"{error[:400]}; {BWRAP_ATTEMPTS} attempts failed. {BWRAP_FALLBACK_HINT}"}
+        kill_descendants()  # the caller chose the fallback for when bubblewrap cannot start
+        return _run(request, root, uid, None, cgroups, {**isolation, "bwrap": False, "bwrap_error": error[:300]})
     finally:
         kill_descendants()
         cgroups.remove()
 
 
-def bwrap_layers(bwrap: str | None, uid: int) -> dict:
-    """What bubblewrap adds (without root its work tmpfs is capped in bytes only)."""
+def bwrap_layers(bwrap: str | None, uid: int, root: bool) -> dict:
+    """What bubblewrap adds (without root its work tmpfs is capped in bytes only, and the program
+    is the caller's uid to the host, though it reaches none of its files or processes)."""
     if not bwrap:
         return {"bwrap": False}
-    return {"bwrap": True, "pidns": True, "netns": True, "mountns": True, "minimal_root": True, "uid": uid, "work_tmpfs": True}
+    return {"bwrap": True, "pidns": True, "netns": True, "ipcns": True, "mountns": True, "minimal_root": True,
+            "uid": uid, "own_uid": root, "work_tmpfs": True}  # fmt: skip
 
 
 def _run(request: dict, root: bool, uid: int, bwrap: str | None, cgroups: Cgroups, isolation: dict) -> dict:
@@ -794,15 +879,16 @@ def _run(request: dict, root: bool, uid: int, bwrap: str | None, cgroups: Cgroup
     if root and not bwrap:
         os.chown(request["workdir"], uid, uid)
     start = time.monotonic()
-    deadline = start + float(limits["timeout_s"])
+    deadline = float(request["deadline"])  # the caller's clock (CLOCK_MONOTONIC is system-wide)
     pid = os.fork()
     if pid == 0:
         _child(launch, fds, cgroups)
     for name in ("payload_r", "messages_w", "requests_r", "setup_w"):
         os.close(fds.pop(name))
-    payload = json.dumps({"program": request["program"], "audit_hook": request["audit_hook"]}).encode()
-    channel = Channel(fds["messages_r"], fds["requests_w"], pid, deadline)
-    outcomes, loaded, load_error, start_error = [[False, "not run"]] * len(request["tests"]), None, None, None
+    payload = {"program": request["program"], "audit_hook": request["audit_hook"], "max_value_bytes": int(limits["max_reply_bytes"]) // 4}
+    payload = json.dumps(payload).encode()
+    channel = Channel(fds["messages_r"], fds["requests_w"], pid, deadline, int(limits["max_reply_bytes"]))
+    outcomes, loaded, load_error, start_error, ready = [[False, "not run"]] * len(request["tests"]), None, None, None, None
     signal.signal(signal.SIGALRM, lambda *_: channel.end("timeout"))
     signal.setitimer(signal.ITIMER_REAL, max(0.001, deadline - time.monotonic()))
     try:
@@ -822,6 +908,11 @@ def _run(request: dict, root: bool, uid: int, bwrap: str | None, cgroups: Cgroup
                 outcomes = run_tests_here(channel, request, load["names"])
     except RunOver:
         pass
+    except MessageTooLarge as exc:
+        if ready is None or "ready" not in ready:
+            start_error = "no ready message"
+        else:
+            loaded, load_error = False, f"the program's global names take more than {exc} bytes (sandbox limit max_reply_bytes)"
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
     timed_out = channel.over == "timeout"
@@ -884,6 +975,9 @@ def main() -> None:
     os.dup2(devnull, 1)
     os.close(devnull)
     request = json.loads(sys.stdin.buffer.read())
+    if "cleanup" in request:  # the caller's watchdog killed a supervisor: remove what it left
+        remove_cgroups([path for path, _ in cgroup_dirs(request["cleanup"])])
+        os._exit(0)
     try:
         result = supervise(request)
     except Exception as exc:  # noqa: BLE001 - reported as a sandbox infrastructure error
