@@ -63,7 +63,7 @@ from functools import lru_cache
 from typing import Sequence
 
 from rlbench.reward.symbolic import symbolic_equal, within_tolerance
-from rlbench.reward.units import split_unit, unit_key
+from rlbench.reward.units import TEXT_WRAPPER_RE, UNIT_WORDS, split_unit, unit_key
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,7 @@ __all__ = [
     "Grade",
     "MathReward",
     "answers_equivalent",
+    "asks_for_order",
     "canonical_answer",
     "extract_answer",
 ]
@@ -78,6 +79,13 @@ __all__ = [
 EXTRACTION_STYLES = ("auto", "boxed", "gsm8k", "last_number")
 #: how a reference is read (a benchmark's ``answer_type``; ``math``: decide from the answer)
 ANSWER_TYPES = ("math", "number", "expression", "set", "text")
+#: which ``label =`` before an answer is dropped (a benchmark's ``answer_labels``): ``letter``, one
+#: letter (``x = 3``); ``any``, also a name, a function or a tuple of names (``AB = 4``,
+#: ``f(x) = 1``, ``(p,q) = (3,2)``), as Numina-style references and most peer graders read them
+ANSWER_LABELS = ("letter", "any")
+#: whether a bare comma list is ordered (a benchmark's ``list_order``): ``problem``, ordered when
+#: the problem asks for an order (:func:`asks_for_order`), else unordered; ``ordered``; ``unordered``
+LIST_ORDERS = ("problem", "ordered", "unordered")
 
 #: seconds math-verify may spend on one comparison (parsing included).
 MATH_VERIFY_TIMEOUT_S = 5.0
@@ -89,18 +97,23 @@ MAX_ANSWER_CHARS = 1000
 # ---------------------------------------------------------------------------------------
 
 _BOXED_RE = re.compile(r"\\(?:boxed|fbox)")
+#: a thousands separator as MATH writes it: ``1,234``, ``1{,}234``, ``10,\!080``, ``10{,}\!080``
+#: (``\!`` is a negative thin space; read before spacing commands are normalised away)
+_THOUSANDS_SEP = r"(?:,|\{,\})(?:\\!)?"
+_THOUSANDS_SEP_RE = re.compile(r"(?<=\d)" + _THOUSANDS_SEP + r"(?=\d{3}(?!\d))")
+_GROUPED_DIGITS = r"\d{1,3}(?:" + _THOUSANDS_SEP + r"\d{3})+(?!\d)"
 # A number: optional sign (not when it is a binary minus such as "3-5" or "x-1"),
-# digits with optional thousands commas, optional decimals, optional "/denominator".
+# digits with optional thousands separators, optional decimals, optional "/denominator".
 _NUMBER_RE = re.compile(
     r"(?:(?<![\w)\]}])-)?"
-    r"(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)"
+    r"(?:(?:" + _GROUPED_DIGITS + r"|\d+)(?:\.\d+)?|\.\d+)"
     r"(?:/\d+(?!\d|\.\d))?"
 )
-_ANSWER_PHRASE_RE = re.compile(
-    r"(?:final\s+answer|the\s+answer|answer)\s*(?:is|:)\s*:?[ \t]*(?P<ans>[^\n]+)",
-    re.IGNORECASE,
-)
-_LEADING_NUMBER_RE = re.compile(r"^-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:/\d+)?")
+_PHRASE = r"(?:final\s+answer|the\s+answer|answer)\s*(?:is|:)\s*:?"
+_ANSWER_PHRASE_RE = re.compile(_PHRASE + r"[ \t]*(?P<ans>[^\n]+)", re.IGNORECASE)
+# "Final Answer: The final answer is 12." -> the phrase inside the phrase is dropped too
+_LEADING_PHRASE_RE = re.compile(r"^(?:the\s+)?" + _PHRASE + r"\s*", re.IGNORECASE)
+_LEADING_NUMBER_RE = re.compile(r"^-?(?:" + _GROUPED_DIGITS + r"|\d+)(?:\.\d+)?(?:/\d+)?")
 
 
 def _closing_braces(text: str) -> dict[int, int]:
@@ -161,16 +174,35 @@ def _extract_gsm8k(text: str) -> str | None:
     return line or None
 
 
+def _inside_word(text: str, start: int, end: int) -> bool:
+    """The number ``text[start:end]`` is part of a word: letters before it (``H2O``, ``AZYUK2A``;
+    not a LaTeX command such as ``\\times10``) or letters after it that are not a unit (``2nd``,
+    ``2x``; ``5cm`` is a number)."""
+    j = start
+    while j > 0 and text[j - 1].isalpha():
+        j -= 1
+    if j < start and not (j > 0 and text[j - 1] == "\\"):
+        return True
+    after = re.match(r"[^\W\d_]+", text[end:])
+    return bool(after) and after.group(0) not in UNIT_WORDS
+
+
+def _plain_digits(number: str) -> str:
+    """``12,000`` / ``10{,}\\!080`` -> ``12000`` / ``10080``: thousands separators removed."""
+    return _THOUSANDS_SEP_RE.sub("", number)
+
+
 def _extract_last_number(text: str) -> str | None:
-    """Last number in the text (``1,234`` -> ``1234``; ``3/4`` kept as a fraction)."""
+    """Last number in the text that is not part of a word (``1,234`` and ``10,\\!080`` -> plain
+    digits; ``3/4`` kept as a fraction; nothing from ``H2O``)."""
     last = None
     for m in _NUMBER_RE.finditer(text):
         s = m.group(0)
-        if any(ch.isdigit() for ch in s):
+        if any(ch.isdigit() for ch in s) and not _inside_word(text, m.start(), m.end()):
             last = s
     if last is None:
         return None
-    return last.replace(",", "")
+    return _plain_digits(last)
 
 
 def _extract_phrase(text: str) -> str | None:
@@ -179,6 +211,8 @@ def _extract_phrase(text: str) -> str | None:
     if not matches:
         return None
     ans = matches[-1].group("ans").strip().strip("*").strip()
+    while _LEADING_PHRASE_RE.match(ans):  # "Final Answer: The final answer is 12."
+        ans = _LEADING_PHRASE_RE.sub("", ans, count=1).strip().strip("*").strip()
     if ans.startswith("$"):  # "$\frac{1}{2}$ apples." -> the maths between the dollars
         inner = re.match(r"\$+([^$]+)\$+", ans)
         if inner:
@@ -203,10 +237,13 @@ _EXTRACTORS = {
 _FALLBACKS = ("phrase", "last_number")
 
 
-def _extract(text: str, style: str, fallbacks: bool = True) -> tuple[str | None, bool, str | None]:
+def _extract(
+    text: str, style: str, fallbacks: bool = True, last_number: bool = True
+) -> tuple[str | None, bool, str | None]:
     """(answer, format_ok, extractor name) for ``style``; raises on unknown style or non-string
     input. ``fallbacks=False`` (a truncated response whose benchmark says so) uses only the
-    explicit markers: ``\\boxed{}`` and ``####``."""
+    explicit markers: ``\\boxed{}`` and ``####``; ``last_number=False`` (a benchmark's
+    ``last_number_fallback: false``) leaves the last-number fallback out of style ``auto``."""
     if style not in EXTRACTION_STYLES:
         raise ValueError(f"unknown extraction style {style!r}; use one of {EXTRACTION_STYLES}")
     if not isinstance(text, str):
@@ -214,7 +251,7 @@ def _extract(text: str, style: str, fallbacks: bool = True) -> tuple[str | None,
     # auto: boxed, then ####, then "the answer is", then last number
     order = ("boxed", "gsm8k", "phrase", "last_number") if style == "auto" else (style,)
     for name in order:
-        if not fallbacks and name in _FALLBACKS:
+        if (not fallbacks and name in _FALLBACKS) or (not last_number and style == "auto" and name == "last_number"):
             continue
         ans = _EXTRACTORS[name](text)
         if ans is not None:
@@ -242,18 +279,43 @@ def extract_answer(text: str, style: str = "auto") -> str | None:
         return None
 
 
+# "in increasing order", "from least to greatest", "in that order", "in order" (not "in order to")
+_ORDER_REQUEST_RE = re.compile(
+    r"\bin\s+(?:increasing|decreasing|ascending|descending|numerical|alphabetical)\s+order"
+    r"|\bfrom\s+(?:least|smallest|lowest|greatest|largest|highest)\s+to\s+(?:greatest|largest|highest|least|smallest|lowest)"
+    r"|\bin\s+that\s+order|\bin\s+order\b(?!\s+(?:to|for|of|that)\b)",
+    re.IGNORECASE,
+)
+
+
+def asks_for_order(problem: str | None) -> bool:
+    """The problem asks for its answers in an order ("list them in increasing order", "from least
+    to greatest", "in that order"), so a bare comma list is graded as a sequence."""
+    return bool(problem) and _ORDER_REQUEST_RE.search(problem) is not None
+
+
 # ---------------------------------------------------------------------------------------
 # normalisation
 # ---------------------------------------------------------------------------------------
 
-_TEXT_CMD = r"\\(?:text|textbf|textrm|mbox|mathrm)\s*"
+_TEXT_CMD = TEXT_WRAPPER_RE
 _WHOLE_TEXT_RE = re.compile(r"^" + _TEXT_CMD + r"\{([^{}]*)\}$")
 _TRAILING_UNIT_RE = re.compile(r"\s*" + _TEXT_CMD + r"\{[^{}]*\}(?:\s*\^\s*\{?\d\}?)?\s*$")
 # "\\\\" (a matrix row break) is matched first so that "\\\\ " is not read as "\\" + "\\ ".
+# "10,\!080", "10{,}080", "10{,}\!080": never a list (a plain "1,000" is read by _THOUSANDS_RE)
+_MARKED_THOUSANDS_RE = re.compile(r"(?<=\d)(?:\{,\}(?:\\!)?|,\\!)(?=\d{3}(?!\d))")
+# "7, -2, \text{ and } -5", "6, 8\text{, and }10", "2, 3, and 4": the last item of a list
+_AND_ITEM_RE = re.compile(r"\s*,?\s*" + _TEXT_CMD + r"\{\s*,?\s*and\s*\}\s*|\s*,\s*and\s+")
 _SPACING_RE = re.compile(r"\\\\|\\[!,;:> ]|\\q?quad\b")
 _DEGREE_RE = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|\\circ\b|°")
 _THOUSANDS_RE = re.compile(r"^-?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
 _ASSIGN_RE = re.compile(r"^[A-Za-z](?:_\{?\w+\}?)?\s*=\s*(?=[^=]+$)")
+# answer_labels=any: "AB =", "a_1 =", "f(x) =", "(p, q) =", "\angle ABC =" (a name, never an expression)
+_NAME = r"(?:\\[A-Za-z]+\s*)?[A-Za-z]+(?:_\{?\w+\}?)?"
+_ANY_LABEL_RE = re.compile(
+    r"^(?:" + _NAME + r"(?:\s*\(\s*" + _NAME + r"(?:\s*,\s*" + _NAME + r")*\s*\))?"
+    r"|\(\s*" + _NAME + r"(?:\s*,\s*" + _NAME + r")+\s*\))\s*=\s*(?=[^=]+$)"
+)
 _NUMERIC_RE = re.compile(r"^[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?(?:/\d+)?$")
 _LATEX_FRAC_RE = re.compile(r"^(-?)\\frac\{([^{}]+)\}\{([^{}]+)\}$")
 _MIXED_NUMBER_RE = re.compile(r"^(-?)(\d+)\\frac\{(\d+)\}\{(\d+)\}$")
@@ -291,7 +353,7 @@ def _strip_outer_braces(s: str) -> str:
 
 
 @lru_cache(maxsize=65536)
-def _normalize(s: str, strip_units: bool = True) -> str:
+def _normalize(s: str, strip_units: bool = True, labels: str = "letter") -> str:
     """Light LaTeX normalisation that keeps the expression parseable (spaces are kept).
 
     Removes ``$``/``\\$``, ``\\left``/``\\right``, spacing commands (``\\!``, ``\\,``, ...),
@@ -299,7 +361,8 @@ def _normalize(s: str, strip_units: bool = True) -> str:
     (``5 dollars``), a trailing ``.``, a leading ``x =``; maps ``\\dfrac``/``\\tfrac`` ->
     ``\\frac`` and the unicode minus to ``-``; unwraps ``\\boxed{}`` and a whole-string
     ``\\text{}``; drops thousands commas in a plain number (``1,234``).  ``strip_units=False``
-    keeps trailing ``\\text{...}`` and words (answer types ``expression`` and ``text``).
+    keeps trailing ``\\text{...}`` and words (answer types ``expression`` and ``text``);
+    ``labels="any"`` also drops a longer label (:data:`ANSWER_LABELS`).
     """
     s = s.strip().replace("\u2212", "-")  # unicode minus sign
     boxed = _extract_boxed(s) if s.startswith(("\\boxed", "\\fbox")) else None
@@ -309,6 +372,8 @@ def _normalize(s: str, strip_units: bool = True) -> str:
     s = s.replace("\\left", "").replace("\\right", "")
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     s = s.replace("\\varnothing", "\\emptyset")
+    s = _MARKED_THOUSANDS_RE.sub("", s)  # before spacing: "10,\!080" is not "10, 080"
+    s = _AND_ITEM_RE.sub(", ", s)
     s = _SPACING_RE.sub(lambda m: m.group(0) if m.group(0) == "\\\\" else " ", s)
     s = _DEGREE_RE.sub("", s)
     s = s.replace("\\%", "").replace("%", "")
@@ -326,7 +391,7 @@ def _normalize(s: str, strip_units: bool = True) -> str:
     words = _TRAILING_WORDS_RE.match(s)
     if strip_units and words and not _NOT_UNITS.intersection(words.group(2).lower().split()):
         s = words.group(1)
-    s = _ASSIGN_RE.sub("", s).strip()
+    s = (_ANY_LABEL_RE if labels == "any" else _ASSIGN_RE).sub("", s).strip()
     s = _strip_outer_braces(s)
     # \frac12 -> \frac{1}{2}, \frac ab -> \frac{a}{b}, \sqrt3 -> \sqrt{3}
     s = re.sub(r"\\frac\s*([0-9A-Za-z])\s*([0-9A-Za-z])", r"\\frac{\1}{\2}", s)
@@ -518,22 +583,22 @@ def _multiset_equal(pred_items: list[str], ref_items: list[str], equal) -> bool:
     return True
 
 
-_UNIT_WRAPPER_RE = re.compile(r"\\(?:text|textrm|mbox|mathrm)\s*\{([^{}]*)\}")
+_UNIT_WRAPPER_RE = re.compile(TEXT_WRAPPER_RE + r"\{([^{}]*)\}")
 
 
 @lru_cache(maxsize=65536)
-def _value_and_unit(s: str, answer_type: str) -> tuple[str, str]:
+def _value_and_unit(s: str, answer_type: str, labels: str = "letter") -> tuple[str, str]:
     """The normalised answer split into value and unit (``rlbench.reward.units``; a unit may be
     bare, ``5 J``, or wrapped, ``5.4 \\text{ cents}``); the unit is "" when there is none (a
     wrapped word that is not in the unit list is a label: dropped, not compared), and always for
     answer types ``expression`` and ``text``."""
     if answer_type in ("expression", "text"):
-        return _normalize(s, strip_units=False), ""
+        return _normalize(s, False, labels), ""
     plain = _UNIT_WRAPPER_RE.sub(r" \1", s.replace("$", "")).strip()
     head, unit = split_unit(plain, lambda h: _to_fraction(_normalize(h)) is not None, answer_type == "number")
     if unit:
-        return _normalize(head), unit_key(unit)
-    return _normalize(s), ""
+        return _normalize(head, True, labels), unit_key(unit)
+    return _normalize(s, True, labels), ""
 
 
 def _equivalent(
@@ -544,16 +609,20 @@ def _equivalent(
     *,
     absolute_tolerance: float = 0.0,
     answer_type: str = "math",
+    labels: str = "letter",
+    ordered: bool = False,
 ) -> bool:
     """Core of :func:`answers_equivalent`; may raise (callers decide what to do)."""
     if pred is None or ref is None:
         return False
     if answer_type not in ANSWER_TYPES:
         raise ValueError(f"unknown answer_type {answer_type!r}; use one of {ANSWER_TYPES}")
+    if labels not in ANSWER_LABELS:
+        raise ValueError(f"unknown answer_labels {labels!r}; use one of {ANSWER_LABELS}")
     pred, ref = str(pred).strip(), str(ref).strip()
     if len(pred) > MAX_ANSWER_CHARS or len(ref) > MAX_ANSWER_CHARS:
         return bool(pred) and pred == ref
-    (p_norm, p_unit), (r_norm, r_unit) = _value_and_unit(pred, answer_type), _value_and_unit(ref, answer_type)
+    (p_norm, p_unit), (r_norm, r_unit) = _value_and_unit(pred, answer_type, labels), _value_and_unit(ref, answer_type, labels)
     p_key, r_key = _compact(p_norm), _compact(r_norm)
     if not p_key or not r_key:
         return False
@@ -570,11 +639,13 @@ def _equivalent(
     def same(a: str, b: str) -> bool:
         element_type = "math" if answer_type == "set" else answer_type
         return _equivalent(
-            a, b, tolerance, timeout_s, absolute_tolerance=absolute_tolerance, answer_type=element_type
+            a, b, tolerance, timeout_s, absolute_tolerance=absolute_tolerance, answer_type=element_type, labels=labels
         )
 
     p_items, r_items = _set_items(p_norm, answer_type), _set_items(r_norm, answer_type)
     if p_items is not None and r_items is not None:
+        if ordered and answer_type != "set":  # "in increasing order": the list is a sequence
+            return len(p_items) == len(r_items) and all(map(same, p_items, r_items))
         return _multiset_equal(p_items, r_items, same)
     if _set_versus_tuple(p_key, r_key) or (_EQUATION_RE.search(p_key) is None) != (_EQUATION_RE.search(r_key) is None):
         return False  # a set is not a tuple; an equation is not a value (math-verify compares right sides)
@@ -595,19 +666,23 @@ def answers_equivalent(
     *,
     absolute_tolerance: float = 0.0,
     answer_type: str = "math",
+    labels: str = "letter",
+    ordered: bool = False,
 ) -> bool:
     """True if ``pred`` is mathematically equal to ``ref`` (rules: module docstring).
 
     Order: normalised exact string match; if both are plain numbers, the numeric rule
     (integers exactly, else ``|pred - ref| <= tolerance * |ref| + absolute_tolerance``; decides
     either way, so ``0.333`` is not ``1/3`` at the default tolerance); unordered lists element by
-    element; otherwise math-verify's symbolic comparison, limited to ``timeout_s`` seconds.
+    element (in order when ``ordered``); otherwise math-verify's symbolic comparison, limited to
+    ``timeout_s`` seconds.  ``labels``: which ``label =`` is dropped (:data:`ANSWER_LABELS`).
     ``pred=None`` -> False.  Never raises: a grader error (including a timeout) is logged and
     gives False.
     """
     try:
         return _equivalent(
-            pred, ref, tolerance, timeout_s, absolute_tolerance=absolute_tolerance, answer_type=answer_type
+            pred, ref, tolerance, timeout_s, absolute_tolerance=absolute_tolerance, answer_type=answer_type,
+            labels=labels, ordered=ordered,
         )
     except Exception:  # noqa: BLE001 - documented: never raises
         logger.warning("answer comparison failed; counted as incorrect", exc_info=True)
@@ -655,6 +730,11 @@ class MathReward:
     Grader errors (including a math-verify timeout after ``verify_timeout_s`` seconds) never
     raise: the completion is graded incorrect, the error text goes to ``Grade.error``,
     ``failures`` is incremented and a warning with the running count is logged.
+    Per-benchmark conventions (``docs/evaluation.md``, "Grading conventions"):
+    ``last_number_fallback=False`` never reads the last number of a response without an answer
+    marker or phrase (style ``auto``); ``answer_labels`` (:data:`ANSWER_LABELS`) says which
+    ``label =`` is dropped; ``list_order`` (:data:`LIST_ORDERS`) whether a bare comma list is a
+    sequence (``problem``: when the problem text passed to ``__call__`` asks for an order).
     """
 
     def __init__(
@@ -669,6 +749,9 @@ class MathReward:
         absolute_tolerance: float = 0.0,
         answer_type: str = "math",
         truncated_fallback: bool = True,
+        last_number_fallback: bool = True,
+        answer_labels: str = "letter",
+        list_order: str = "problem",
     ) -> None:
         if extraction not in EXTRACTION_STYLES:
             raise ValueError(
@@ -678,6 +761,10 @@ class MathReward:
             raise ValueError(f"reward tolerances must be >= 0, got {tolerance} and {absolute_tolerance}")
         if answer_type not in ANSWER_TYPES:
             raise ValueError(f"answer_type={answer_type!r} is unknown; use one of {ANSWER_TYPES}")
+        if answer_labels not in ANSWER_LABELS:
+            raise ValueError(f"answer_labels={answer_labels!r} is unknown; use one of {ANSWER_LABELS}")
+        if list_order not in LIST_ORDERS:
+            raise ValueError(f"list_order={list_order!r} is unknown; use one of {LIST_ORDERS}")
         if verify_timeout_s <= 0:
             raise ValueError(f"reward verify_timeout_s must be > 0, got {verify_timeout_s}")
         self.correct_reward = float(correct_reward)
@@ -689,6 +776,9 @@ class MathReward:
         self.absolute_tolerance = float(absolute_tolerance)
         self.answer_type = answer_type
         self.truncated_fallback = bool(truncated_fallback)
+        self.last_number_fallback = bool(last_number_fallback)
+        self.answer_labels = answer_labels
+        self.list_order = list_order
         self.failures = 0
         self._lock = threading.Lock()
 
@@ -700,11 +790,13 @@ class MathReward:
         *,
         finished: bool = True,
         tolerance: float | None = None,
+        problem: str | None = None,
     ) -> Grade:
         """Grade ``completion`` against ``reference``; never raises (see ``failures``).
         ``response_ids`` is part of the grader interface; this grader reads the text only.
         ``finished=False``: the response was cut at the token limit; ``tolerance``: the problem's
-        own relative tolerance (None: the grader's)."""
+        own relative tolerance (None: the grader's); ``problem``: its statement (with
+        ``list_order="problem"``, a request for an order makes a list a sequence)."""
         extracted: str | None = None
         format_ok = False
         correct = False
@@ -712,7 +804,8 @@ class MathReward:
         method: str | None = None
         try:
             fallbacks = finished or self.truncated_fallback
-            extracted, format_ok, method = _extract(completion, self.extraction, fallbacks)
+            extracted, format_ok, method = _extract(completion, self.extraction, fallbacks, self.last_number_fallback)
+            ordered = self.list_order == "ordered" or (self.list_order == "problem" and asks_for_order(problem))
             correct = _equivalent(
                 extracted,
                 reference,
@@ -720,6 +813,8 @@ class MathReward:
                 self.verify_timeout_s,
                 absolute_tolerance=self.absolute_tolerance,
                 answer_type=self.answer_type,
+                labels=self.answer_labels,
+                ordered=ordered,
             )
         except Exception as exc:  # noqa: BLE001 - documented: never raises
             correct = False
@@ -742,5 +837,7 @@ class MathReward:
             f"incorrect_reward={self.incorrect_reward}, format_weight={self.format_weight}, "
             f"tolerance={self.tolerance}, extraction={self.extraction!r}, "
             f"verify_timeout_s={self.verify_timeout_s}, absolute_tolerance={self.absolute_tolerance}, "
-            f"answer_type={self.answer_type!r}, truncated_fallback={self.truncated_fallback})"
+            f"answer_type={self.answer_type!r}, truncated_fallback={self.truncated_fallback}, "
+            f"last_number_fallback={self.last_number_fallback}, answer_labels={self.answer_labels!r}, "
+            f"list_order={self.list_order!r})"
         )
