@@ -364,7 +364,10 @@ def _normalize(s: str, strip_units: bool = True, labels: str = "letter") -> str:
     keeps trailing ``\\text{...}`` and words (answer types ``expression`` and ``text``);
     ``labels="any"`` also drops a longer label (:data:`ANSWER_LABELS`).
     """
-    s = s.strip().replace("\u2212", "-")  # unicode minus sign
+    s = s.replace("\u2212", "-")  # unicode minus sign
+    s = _MARKED_THOUSANDS_RE.sub("", s)  # before spacing: "10,\!080" is not "10, 080"
+    # spacing commands first: "10\ " keeps its value when the string is stripped
+    s = _SPACING_RE.sub(lambda m: m.group(0) if m.group(0) == "\\\\" else " ", s).strip()
     boxed = _extract_boxed(s) if s.startswith(("\\boxed", "\\fbox")) else None
     if boxed is not None:
         s = boxed
@@ -372,9 +375,7 @@ def _normalize(s: str, strip_units: bool = True, labels: str = "letter") -> str:
     s = s.replace("\\left", "").replace("\\right", "")
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     s = s.replace("\\varnothing", "\\emptyset")
-    s = _MARKED_THOUSANDS_RE.sub("", s)  # before spacing: "10,\!080" is not "10, 080"
     s = _AND_ITEM_RE.sub(", ", s)
-    s = _SPACING_RE.sub(lambda m: m.group(0) if m.group(0) == "\\\\" else " ", s)
     s = _DEGREE_RE.sub("", s)
     s = s.replace("\\%", "").replace("%", "")
     s = s.strip()
@@ -601,6 +602,10 @@ def _value_and_unit(s: str, answer_type: str, labels: str = "letter") -> tuple[s
     return _normalize(s, True, labels), ""
 
 
+# leading and trailing whitespace, except the space of an escaped space "10\ " (normalised later)
+_OUTER_SPACE_RE = re.compile(r"^\s+|(?<!\\)\s+$")
+
+
 def _equivalent(
     pred: str | None,
     ref: str,
@@ -619,7 +624,7 @@ def _equivalent(
         raise ValueError(f"unknown answer_type {answer_type!r}; use one of {ANSWER_TYPES}")
     if labels not in ANSWER_LABELS:
         raise ValueError(f"unknown answer_labels {labels!r}; use one of {ANSWER_LABELS}")
-    pred, ref = str(pred).strip(), str(ref).strip()
+    pred, ref = _OUTER_SPACE_RE.sub("", str(pred)), _OUTER_SPACE_RE.sub("", str(ref))
     if len(pred) > MAX_ANSWER_CHARS or len(ref) > MAX_ANSWER_CHARS:
         return bool(pred) and pred == ref
     (p_norm, p_unit), (r_norm, r_unit) = _value_and_unit(pred, answer_type, labels), _value_and_unit(ref, answer_type, labels)
@@ -647,6 +652,8 @@ def _equivalent(
         if ordered and answer_type != "set":  # "in increasing order": the list is a sequence
             return len(p_items) == len(r_items) and all(map(same, p_items, r_items))
         return _multiset_equal(p_items, r_items, same)
+    if (p_items is not None and r_val is not None) or (r_items is not None and p_val is not None):
+        return False  # a list of answers is not one number ("3, 3" is not "3")
     if _set_versus_tuple(p_key, r_key) or (_EQUATION_RE.search(p_key) is None) != (_EQUATION_RE.search(r_key) is None):
         return False  # a set is not a tuple; an equation is not a value (math-verify compares right sides)
     return _mv_verify(
