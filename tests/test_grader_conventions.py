@@ -10,7 +10,12 @@ from omegaconf import OmegaConf
 from rlbench.dataset.base import Problem
 from rlbench.dataset.sources import validate_spec
 from rlbench.errors import ConfigError
-from rlbench.reward import MathReward, answers_equivalent, extract_answer, grade_completions
+from rlbench.reward import (
+    MathReward,
+    answers_equivalent,
+    extract_answer,
+    grade_completions,
+)
 from rlbench.reward.graders import make_grader
 from rlbench.reward.math import asks_for_order
 from rlbench.reward.symbolic import within_tolerance

@@ -10,7 +10,8 @@ Grading goes cheapest-first:
    matrices, equations, ...) in a worker process with a hard timeout
    (:mod:`rlbench.reward.symbolic`; safe from any thread).
 
-Policy (each rule is a choice; ``tests/test_grader_table.py`` pins every one):
+Policy (each rule is a choice; ``tests/test_grader_table.py`` and ``tests/test_grader_conventions.py``
+pin every one; docs/evaluation.md, "Grading conventions", says where peers decide otherwise):
 
 * Numbers: two integers must be equal exactly (``1000001`` is not ``1000000``); otherwise
   ``|pred - ref| <= tolerance * |ref| + absolute_tolerance`` (defaults 1e-6 and 0: relative at
@@ -19,7 +20,8 @@ Policy (each rule is a choice; ``tests/test_grader_table.py`` pins every one):
   the value, and a reference of ``0`` only ``0``).  ``-1./3`` is ``-1/3``.  The same rule
   applies when one side is a decimal and the other a constant expression (``3.14`` is not
   ``\\pi``, ``1.41421356`` is ``\\sqrt{2}``).  Two exact forms never match by closeness
-  (``355/113`` is not ``\\pi``).  Leading zeros are ignored (``033`` = ``33``).
+  (``355/113`` is not ``\\pi``); near zero they are compared exactly (``\\sin(\\pi)`` = ``0``).
+  Leading zeros are ignored (``033`` = ``33``).
 * Percentages: the sign is dropped as in MATH (``50\\%`` = ``50``); a percentage on exactly
   one side may also be read as a fraction (``50\\%`` = ``0.5``, ``0.5`` = ``50\\%``), but a
   bare ``0.5`` never equals a bare ``50``.
@@ -28,14 +30,23 @@ Policy (each rule is a choice; ``tests/test_grader_table.py`` pins every one):
   cm^{-3}``; :mod:`rlbench.reward.units`, which also states when a letter is a variable:
   ``\\frac{37}{4} m`` is not ``\\frac{37}{4}`` unless the answer type is ``number``), ``^\\circ``
   (no radian conversion: ``\\frac{\\pi}{6}`` is not ``30^\\circ``), ``\\$``, and a one-letter
-  ``x =`` label (so ``x = 3`` = ``3`` = ``y = 3``).  When both sides carry a listed unit, the
-  units must agree (``5 cm`` is not ``5 m``).
+  ``x =`` label (so ``x = 3`` = ``3`` = ``y = 3``; a benchmark's ``answer_labels: any`` also drops
+  ``AB =``, ``f(x) =``, ``(p,q) =``).  When both sides carry a listed unit, the units must agree
+  (``5 cm`` is not ``5 m``).  Every wrapper of :data:`rlbench.reward.units.TEXT_WRAPPERS` counts
+  (``\\textnormal{ miles}``, ``\\textit``, ``\\textsf``, ...).
+* Thousands separators: ``1,234``, ``1{,}234`` and MATH's ``10,\\!080`` / ``10{,}\\!080`` are one number
+  (the marked forms are read before spacing commands are normalised: ``80, 10`` is not ``10,\\!080``).
+* Extraction: the last-number fallback reads no digit inside a word (``H2O``); a benchmark's
+  ``last_number_fallback: false`` turns that fallback off; a phrase inside a phrase is read
+  innermost ("Final Answer: The final answer is 12.").
 * Subscripts: ``E_1`` = ``E_{1}``.
 * Mixed numbers: ``1\\frac{1}{2}`` = ``3/2`` (proper fraction after the integer).
 * Expressions are compared symbolically: ``(x+1)^2`` = ``x^2+2x+1``; ``x^2`` is not ``2x``.
 * Collections: parenthesised tuples/points are ordered (``(1,2)`` is not ``(2,1)``); sets and
   bare comma lists (lists of solutions) are unordered (``\\{1,2\\}`` = ``\\{2,1\\}``,
-  ``1, 2`` = ``2, 1``, compared element by element: ``E_{2}, E_{1}`` = ``E_{1},E_{2}``); a finite
+  ``1, 2`` = ``2, 1``, compared element by element: ``E_{2}, E_{1}`` = ``E_{1},E_{2}``; ``7, -2,
+  \\text{ and } -5`` is a list; a list is never one number) unless the problem asks for an order
+  ("in increasing order": :func:`asks_for_order`) or the benchmark's ``list_order`` says so; a finite
   set never equals a tuple or an interval (``\\{1,2\\}`` is not ``(1,2)``); interval ends matter
   (``[1,2]`` is not ``(1,2)``).
 * Equations: a one-letter label ``x =`` is dropped, so an answer that still has ``=`` is an
