@@ -260,3 +260,25 @@ def test_bad_convention_in_the_grader():
         MathReward(answer_labels="all")
     with pytest.raises(ValueError, match="list_order"):
         MathReward(list_order="sorted")
+
+
+def test_conventions_from_the_command_line(make_cfg, monkeypatch):
+    """Overrides of a composed run reach the graders; a bad value stops the run before any model loads."""
+    import rlbench.runner as runner
+    from rlbench.reward.graders import training_grader
+
+    # last_number_fallback is stated in conf/dataset/math.yaml; keys a YAML does not state take a "+"
+    cfg = make_cfg("dataset=math", "dataset.last_number_fallback=false", "+dataset.answer_labels=any")
+    grader = training_grader(cfg)
+    assert (grader.last_number_fallback, grader.answer_labels, grader.list_order) == (False, "any", "problem")
+    cfg = make_cfg("eval=math", "+eval.benchmarks.math500.list_order=unordered")
+    assert make_grader(cfg.reward, cfg.eval.benchmarks.math500).list_order == "unordered"
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the configuration was validated")
+
+    monkeypatch.setattr(runner, "load_policy", refuse)
+    with pytest.raises(ConfigError, match="answer_labels"):
+        runner.run(make_cfg("dataset=math", "+dataset.answer_labels=every"))
+    with pytest.raises(ConfigError, match="list_order"):
+        runner.run(make_cfg("eval=math", "+eval.benchmarks.amc23.list_order=sorted"))
