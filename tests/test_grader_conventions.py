@@ -264,7 +264,7 @@ def test_bad_convention_in_the_grader():
 
 def test_conventions_from_the_command_line(make_cfg, monkeypatch):
     """Overrides of a composed run reach the graders; a bad value stops the run before any model loads."""
-    import rlbench.runner as runner
+    from rlbench import runner
     from rlbench.reward.graders import training_grader
 
     # last_number_fallback is stated in conf/dataset/math.yaml; keys a YAML does not state take a "+"

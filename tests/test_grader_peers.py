@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from rlbench.reward import answers_equivalent
+from rlbench.reward import MathReward, answers_equivalent
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "evaluation.md"
 
@@ -302,3 +302,46 @@ def test_conventions_are_documented():
     named = set(re.findall(r"\*\*`([a-z-]+)`\*\*", section))
     used = {c.convention for c in CASES if c.convention}
     assert used <= named, f"conventions used but not documented: {sorted(used - named)}"
+
+
+# Whole responses without \boxed{}: the answer is found by the fallbacks. The first block are data cases
+# of Math-Verify's own tests (huggingface/Math-Verify, tests/test_all.py, MIT licence: gold, response,
+# verdict); the rest are written here. Each says what the response means, so reading the last digit of
+# a LaTeX expression (``9`` out of ``\frac{10}{9}``) is a false positive.
+COMPLETIONS = [
+    ("7425000", "7,425,000", True),
+    ("0.4", ".4", True),
+    ("1000.99", "$1,000.99", True),
+    ("2", "AZYUK2A", False),
+    ("10/9", r"\frac{10}{9}", True),
+    ("-10/9", r"-\frac{10}{9}", True),
+    ("1", "$-[0,1)$", False),
+    ("9", r"Answer \[ 9 \]", True),
+    ("10", r"Answer \( (9+1) \)", True),
+    ("1/3", r"$\frac13 $", True),
+    ("1", r"$\frac3{3} $", True),
+    ("1/3", r"$\cfrac{1}{3} $", True),
+    ("1/3", r"$\frac{1}{3} \text{meters}$", True),
+    ("1/3", r"$k = \frac{1}{3}$", True),
+    (r"28\%", "28 percent", True),
+    ("0.28", "28", False),
+    ("28/100", "28", False),
+    ("28", "28/100", False),
+    (r"14{,}916", "Final Answer: The final answer is $14 {, }916$. I hope it is correct.", True),
+    # written here
+    ("9", r"so $x = \frac{10}{9}$.", False),
+    ("3", r"the ratio is $\frac{1}{3}$", False),
+    ("2", r"the side is $\sqrt{2}$", False),
+    (r"\sqrt{2}", r"the side is $\sqrt{2}$", True),
+    ("5", "$f(2)=5$, as found", True),
+    ("1, 2", "the roots are $1, 2$", True),
+    ("8", "She paid $5 and got $3 back, so $8 in all", True),
+    ("12", r"costs \$5 and \$7, total 12", True),
+    ("2", "H2O", False),
+    ("18", "The 2nd step gives 18", True),
+]
+
+
+@pytest.mark.parametrize(("gold", "response", "peer"), COMPLETIONS, ids=[f"{g}|{r[:30]}" for g, r, _ in COMPLETIONS])
+def test_responses_without_a_box(gold, response, peer):
+    assert MathReward()(response, gold).correct is peer

@@ -203,17 +203,53 @@ def _plain_digits(number: str) -> str:
     return _THOUSANDS_SEP_RE.sub("", number)
 
 
+# a LaTeX maths span: $$...$$, $...$, \(...\), \[...\] (an escaped \$ is money, not a delimiter)
+# (at most 200 characters each: a linear scan of any text, and an answer is short)
+_MATH_SPAN_RE = re.compile(
+    r"(?<!\\)\$\$(.{1,200}?)(?<!\\)\$\$|(?<!\\)\$(.{1,200}?)(?<!\\)\$|\\\((.{1,200}?)\\\)|\\\[(.{1,200}?)\\\]",
+    re.DOTALL,
+)
+_LATEX_NUMBER_RE = re.compile(r"-?\\(?:[dtc]?frac\{[^{}]*\}\{[^{}]*\}|sqrt\{[^{}]*\})")
+_PROSE_RE = re.compile(r"[A-Za-z]{3,}")  # a word of prose (after LaTeX commands and \text{} are removed)
+
+
+def _math_span_answer(text: str, start: int, end: int) -> str | None:
+    """The maths of the LaTeX span holding the number ``text[start:end]``, after its last ``=``
+    (``$k = \\frac{10}{9}$`` -> ``\\frac{10}{9}``, not ``9``; ``$-[0,1)$`` -> ``-[0,1)``, not ``1``);
+    None when the number is in no span or the span reads as prose (dollars of money)."""
+    for m in _MATH_SPAN_RE.finditer(text):
+        if m.start() > start:
+            return None
+        if end <= m.end():
+            content = next(g for g in m.groups() if g is not None)
+            equals = list(_EQUATION_RE.finditer(content))
+            if equals:
+                content = content[equals[-1].end() :]
+            content = content.strip().rstrip(".,;").strip()
+            prose = re.sub(_TEXT_CMD + r"\{[^{}]*\}|\\[A-Za-z]+", "", content)
+            if not content or len(content) > 80 or _PROSE_RE.search(prose):
+                return None
+            return content
+    return None
+
+
 def _extract_last_number(text: str) -> str | None:
     """Last number in the text that is not part of a word (``1,234`` and ``10,\\!080`` -> plain
-    digits; ``3/4`` kept as a fraction; nothing from ``H2O``)."""
+    digits; ``3/4`` kept as a fraction; nothing from ``H2O``). A number inside a LaTeX maths span
+    gives the span's maths after its last ``=`` (``$\\frac{10}{9}$`` is not read as ``9``)."""
     last = None
     for m in _NUMBER_RE.finditer(text):
-        s = m.group(0)
-        if any(ch.isdigit() for ch in s) and not _inside_word(text, m.start(), m.end()):
-            last = s
+        if any(ch.isdigit() for ch in m.group(0)) and not _inside_word(text, m.start(), m.end()):
+            last = m
     if last is None:
         return None
-    return _plain_digits(last)
+    span = _math_span_answer(text, last.start(), last.end())
+    if span is not None and span != last.group(0):
+        return span
+    for m in _LATEX_NUMBER_RE.finditer(text):  # a bare \frac{10}{9} is not 9 either
+        if m.start() <= last.start() and last.end() <= m.end():
+            return m.group(0)
+    return _plain_digits(last.group(0))
 
 
 def _extract_phrase(text: str) -> str | None:
