@@ -36,7 +36,8 @@ pin every one; docs/evaluation.md, "Grading conventions", says where peers decid
   (``\\textnormal{ miles}``, ``\\textit``, ``\\textsf``, ...).
 * Thousands separators: ``1,234``, ``1{,}234`` and MATH's ``10,\\!080`` / ``10{,}\\!080`` are one number
   (the marked forms are read before spacing commands are normalised: ``80, 10`` is not ``10,\\!080``).
-* Extraction: the last-number fallback reads no digit inside a word (``H2O``); a benchmark's
+* Extraction: the last-number fallback reads no digit inside a word (``H2O``), and a number inside a
+  LaTeX maths span or ``\\frac``/``\\sqrt`` gives that maths (``$\\frac{10}{9}$`` is not ``9``); a benchmark's
   ``last_number_fallback: false`` turns that fallback off; a phrase inside a phrase is read
   innermost ("Final Answer: The final answer is 12.").
 * Subscripts: ``E_1`` = ``E_{1}``.
@@ -313,8 +314,10 @@ def extract_answer(text: str, style: str = "auto") -> str | None:
       * ``"boxed"``: content of the last ``\\boxed{...}`` / ``\\fbox{...}`` (nested braces
         handled: ``\\boxed{\\frac{1}{2}}`` -> ``\\frac{1}{2}``; also ``\\boxed 5`` -> ``5``);
       * ``"gsm8k"``: text after the last ``####`` (rest of that line), stripped, commas removed;
-      * ``"last_number"``: last number in the text (integers, decimals, negatives, thousands
-        commas ``1,234`` -> ``1234``, simple fractions ``3/4``);
+      * ``"last_number"``: last number in the text that is not inside a word (integers, decimals,
+        negatives, thousands separators ``1,234`` / ``10,\\!080`` -> plain digits, simple fractions
+        ``3/4``); inside a LaTeX maths span, that span after its last ``=`` (``$k=\\frac{1}{3}$`` ->
+        ``\\frac{1}{3}``);
       * ``"auto"``: boxed, else ``####``, else "the answer is X" / "Answer: X", else last number.
 
     Returns None when nothing is found (or on any error: this function never raises).
