@@ -126,7 +126,10 @@ def test_and_in_a_list(written):
     [
         ("Enter the solutions in increasing order, separated by commas.", True),
         ("List them from least to greatest.", True),
-        ("Enter a, b, c, in that order.", True),
+        ("The roots, in alphabetical order of their names.", True),
+        ("They form a geometric sequence, in that order. Enter all solutions, separated by commas.", False),
+        ("The roots are a and b, not necessarily in that order. Enter all possible values.", False),
+        ("Not necessarily in increasing order.", False),
         ("Give the roots in decreasing order.", True),
         ("Enter all the solutions, separated by commas.", False),
         ("In order to win, how many games must she play?", False),

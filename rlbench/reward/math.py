@@ -329,18 +329,18 @@ def extract_answer(text: str, style: str = "auto") -> str | None:
         return None
 
 
-# "in increasing order", "from least to greatest", "in that order", "in order" (not "in order to")
+# "in increasing order", "from least to greatest" ("in that order" is left out: in MATH it speaks of the
+# problem's terms, "form an arithmetic sequence, in that order", or says "not necessarily in that order")
 _ORDER_REQUEST_RE = re.compile(
-    r"\bin\s+(?:increasing|decreasing|ascending|descending|numerical|alphabetical)\s+order"
-    r"|\bfrom\s+(?:least|smallest|lowest|greatest|largest|highest)\s+to\s+(?:greatest|largest|highest|least|smallest|lowest)"
-    r"|\bin\s+that\s+order|\bin\s+order\b(?!\s+(?:to|for|of|that)\b)",
+    r"(?<!necessarily\s)\bin\s+(?:increasing|decreasing|ascending|descending|numerical|alphabetical)\s+order"
+    r"|\bfrom\s+(?:least|smallest|lowest|greatest|largest|highest)\s+to\s+(?:greatest|largest|highest|least|smallest|lowest)",
     re.IGNORECASE,
 )
 
 
 def asks_for_order(problem: str | None) -> bool:
     """The problem asks for its answers in an order ("list them in increasing order", "from least
-    to greatest", "in that order"), so a bare comma list is graded as a sequence."""
+    to greatest"), so a bare comma list is graded as a sequence."""
     return bool(problem) and _ORDER_REQUEST_RE.search(problem) is not None
 
 
