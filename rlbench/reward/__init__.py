@@ -26,7 +26,12 @@ def grade_completions(grader, problems, completions) -> list[Grade]:
     if isinstance(grader, MathReward):
         return [
             grader(
-                c.text, p.answer, c.response_ids, finished=c.finished, tolerance=p.meta.get("tolerance"), problem=p.prompt
+                c.text,
+                p.answer,
+                c.response_ids,
+                finished=c.finished,
+                tolerance=p.meta.get("tolerance"),
+                problem=getattr(p, "prompt", None),
             )
             for p, c in zip(problems, completions)
         ]
