@@ -275,8 +275,11 @@ def test_completion_end_to_end(completion, style, ref, extracted, correct):
 HOSTILE = [
     pytest.param("\\boxed{" + "{" * 5000 + "1" + "}" * 5000 + "}", "1", id="5000-nested-braces"),
     pytest.param("\\boxed{" * 20000, "1", id="20000-unclosed-boxes"),
-    pytest.param("\\boxed{\\frac{1}{2}", "0.5", id="unbalanced-braces"),
+    # the fallback reads \frac{1}{2} whole, never the 2 inside it
+    pytest.param("\\boxed{\\frac{1}{2}", "2", id="unbalanced-braces"),
     pytest.param("x" * 200_000 + " \\boxed{6}", "5", id="very-long-text"),
+    pytest.param("\\(" * 50_000 + "1", "2", id="50000-unclosed-maths"),
+    pytest.param("$" * 100_001 + "1 " + "\\frac{" * 30_000 + "1", "2", id="100000-dollars"),
     pytest.param("\\boxed{" + "x" * 5000 + "}", "x", id="very-long-answer"),
     pytest.param("\\boxed{NaN}", "1", id="nan"),
     pytest.param("\\boxed{\\infty}", "1", id="infinity"),

@@ -384,6 +384,17 @@ class DatasetConfig:
         True, "a response cut at max_new_tokens may be graded by the 'the answer is' / last-number fallbacks; "
         "false: only an explicit \\boxed{} or ####"
     )
+    last_number_fallback: bool = knob(
+        True, "a response without \\boxed{}, #### or 'the answer is' is graded on its last number (not one inside "
+        "a word: H2O); false: such a response gets no answer (no reward for text that merely contains the digit)"
+    )
+    answer_labels: str = knob(
+        "letter", "which 'label =' before an answer is dropped: letter (x = 3) | any (also AB = 4, f(x) = 1, (p,q) = (3,2))"
+    )
+    list_order: str = knob(
+        "problem", "a bare comma list is: problem (ordered when the problem asks for an order: 'in increasing "
+        "order') | ordered | unordered"
+    )
     allow_empty: bool = knob(False, "zero usable problems: false = an error before the model loads, true = a row marked empty")
     reward_extraction: Optional[str] = knob(None, "how the answer is extracted from a response")
     id_field: Optional[str] = knob(None, "field that identifies a problem")

@@ -18,6 +18,10 @@ A spec (one YAML file, as a plain dict or an OmegaConf DictConfig) looks like::
     absolute_tolerance: 0         # added to it: |pred - ref| <= tolerance * |ref| + absolute_tolerance
     truncated_fallback: true      # a response cut at the token limit may be graded by the
                                   # "the answer is" / last-number fallbacks (false: \boxed / #### only)
+    last_number_fallback: true    # a response without an answer marker or phrase is graded on its
+                                  # last number (false: it has no answer)
+    answer_labels: letter         # letter (x = 3 -> 3) | any (also AB = 4, f(x) = 1, (p,q) = (3,2))
+    list_order: problem           # problem (ordered if it asks: "in increasing order") | ordered | unordered
     allow_empty: false            # zero usable problems: an error (true: a row marked empty)
     id_field: id                  # optional, default "id"
     meta_fields: [level]          # optional record fields copied into Problem.meta
@@ -46,8 +50,9 @@ from rlbench.dataset.base import Problem, ProblemList
 from rlbench.dataset.code import records_to_code_problems, validate_code_spec
 from rlbench.dataset.jsonl import ANSWER_FORMATS, iter_jsonl, records_to_problems
 from rlbench.dataset.prompts import check_template, template_fields
-from rlbench.reward.math import ANSWER_TYPES as MATH_ANSWER_TYPES
 from rlbench.errors import ConfigError, DataError
+from rlbench.reward.math import ANSWER_LABELS, LIST_ORDERS
+from rlbench.reward.math import ANSWER_TYPES as MATH_ANSWER_TYPES
 
 DATA_DIR_ENV = "RLBENCH_DATA_DIR"
 LOADERS = ("jsonl", "arith")
@@ -269,14 +274,18 @@ def _check_keys(spec: Mapping[str, Any], name: str) -> None:
 
 
 def _check_grading_keys(spec: Mapping[str, Any], name: str) -> None:
-    """The per-benchmark tolerances are numbers >= 0 (or null); the two switches are booleans."""
+    """The per-benchmark tolerances are numbers >= 0 (or null); the switches are booleans; the grading
+    conventions name one of their choices (``rlbench.reward.math``)."""
     for key in ("tolerance", "absolute_tolerance"):
         value = spec.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf")):
             raise ConfigError(f"dataset {name!r}: {key} must be a finite number >= 0 or null, got {value!r}")
-    for key in ("truncated_fallback", "allow_empty"):
+    for key in ("truncated_fallback", "last_number_fallback", "allow_empty"):
         if key in spec and not isinstance(spec[key], bool):
             raise ConfigError(f"dataset {name!r}: {key} must be true or false, got {spec[key]!r}")
+    for key, choices in (("answer_labels", ANSWER_LABELS), ("list_order", LIST_ORDERS)):
+        if spec.get(key) is not None and spec[key] not in choices:
+            raise ConfigError(f"dataset {name!r}: {key} {spec[key]!r} is unknown; choose one of {list(choices)}")
 
 
 def _check_files(spec: Mapping[str, Any], name: str, split: str) -> None:

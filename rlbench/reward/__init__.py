@@ -16,7 +16,8 @@ def grade_completions(grader, problems, completions) -> list[Grade]:
     Graders with a batch path (``grade_many``, e.g. the sandboxed code grader, which runs programs
     in parallel) get the whole batch; the others are called once per completion with the
     reference answer and the response token ids. The math grader also learns whether the response
-    was cut at the token limit and the problem's own tolerance (``Problem.meta["tolerance"]``).
+    was cut at the token limit, the problem's own tolerance (``Problem.meta["tolerance"]``) and its
+    statement (a request for an ordered list, ``rlbench.reward.math.asks_for_order``).
     """
     if len(problems) != len(completions):
         raise ValueError(f"{len(completions)} completions but {len(problems)} problems")
@@ -24,7 +25,14 @@ def grade_completions(grader, problems, completions) -> list[Grade]:
         return grader.grade_many([c.text for c in completions], list(problems))
     if isinstance(grader, MathReward):
         return [
-            grader(c.text, p.answer, c.response_ids, finished=c.finished, tolerance=p.meta.get("tolerance"))
+            grader(
+                c.text,
+                p.answer,
+                c.response_ids,
+                finished=c.finished,
+                tolerance=p.meta.get("tolerance"),
+                problem=getattr(p, "prompt", None),
+            )
             for p, c in zip(problems, completions)
         ]
     return [grader(c.text, p.answer, c.response_ids) for p, c in zip(problems, completions)]

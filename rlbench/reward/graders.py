@@ -17,8 +17,9 @@ def make_grader(reward_cfg: Any, data_spec: Any, sandbox_cfg: Any = None) -> Any
     mode and values; on a math run a code benchmark is graded all-pass), any other answer type
     (``math``, ``number``, ``expression``, ``set``, ``text``) checks the answer (reward=math sets the
     values; on a code run a math benchmark gets the default math grader). The spec's
-    ``tolerance`` (relative) wins over ``reward.tolerance``; ``absolute_tolerance`` and
-    ``truncated_fallback`` are the spec's alone.
+    ``tolerance`` (relative) wins over ``reward.tolerance``; ``absolute_tolerance``,
+    ``truncated_fallback``, ``last_number_fallback``, ``answer_labels`` and ``list_order`` are the
+    spec's alone (the grading conventions of ``docs/evaluation.md``).
     """
     if reward_cfg.name == "even_tokens":
         return EvenTokenReward(threshold=reward_cfg.get("threshold", 0.75))
@@ -49,6 +50,9 @@ def make_grader(reward_cfg: Any, data_spec: Any, sandbox_cfg: Any = None) -> Any
         absolute_tolerance=data_spec.get("absolute_tolerance") or 0.0,
         answer_type=answer_type,
         truncated_fallback=data_spec.get("truncated_fallback", True),
+        last_number_fallback=data_spec.get("last_number_fallback", True),
+        answer_labels=data_spec.get("answer_labels") or "letter",
+        list_order=data_spec.get("list_order") or "problem",
     )
 
 

@@ -10,7 +10,8 @@ Grading goes cheapest-first:
    matrices, equations, ...) in a worker process with a hard timeout
    (:mod:`rlbench.reward.symbolic`; safe from any thread).
 
-Policy (each rule is a choice; ``tests/test_grader_table.py`` pins every one):
+Policy (each rule is a choice; ``tests/test_grader_table.py`` and ``tests/test_grader_conventions.py``
+pin every one; docs/evaluation.md, "Grading conventions", says where peers decide otherwise):
 
 * Numbers: two integers must be equal exactly (``1000001`` is not ``1000000``); otherwise
   ``|pred - ref| <= tolerance * |ref| + absolute_tolerance`` (defaults 1e-6 and 0: relative at
@@ -19,7 +20,8 @@ Policy (each rule is a choice; ``tests/test_grader_table.py`` pins every one):
   the value, and a reference of ``0`` only ``0``).  ``-1./3`` is ``-1/3``.  The same rule
   applies when one side is a decimal and the other a constant expression (``3.14`` is not
   ``\\pi``, ``1.41421356`` is ``\\sqrt{2}``).  Two exact forms never match by closeness
-  (``355/113`` is not ``\\pi``).  Leading zeros are ignored (``033`` = ``33``).
+  (``355/113`` is not ``\\pi``); near zero they are compared exactly (``\\sin(\\pi)`` = ``0``).
+  Leading zeros are ignored (``033`` = ``33``).
 * Percentages: the sign is dropped as in MATH (``50\\%`` = ``50``); a percentage on exactly
   one side may also be read as a fraction (``50\\%`` = ``0.5``, ``0.5`` = ``50\\%``), but a
   bare ``0.5`` never equals a bare ``50``.
@@ -28,14 +30,24 @@ Policy (each rule is a choice; ``tests/test_grader_table.py`` pins every one):
   cm^{-3}``; :mod:`rlbench.reward.units`, which also states when a letter is a variable:
   ``\\frac{37}{4} m`` is not ``\\frac{37}{4}`` unless the answer type is ``number``), ``^\\circ``
   (no radian conversion: ``\\frac{\\pi}{6}`` is not ``30^\\circ``), ``\\$``, and a one-letter
-  ``x =`` label (so ``x = 3`` = ``3`` = ``y = 3``).  When both sides carry a listed unit, the
-  units must agree (``5 cm`` is not ``5 m``).
+  ``x =`` label (so ``x = 3`` = ``3`` = ``y = 3``; a benchmark's ``answer_labels: any`` also drops
+  ``AB =``, ``f(x) =``, ``(p,q) =``).  When both sides carry a listed unit, the units must agree
+  (``5 cm`` is not ``5 m``).  Every wrapper of :data:`rlbench.reward.units.TEXT_WRAPPERS` counts
+  (``\\textnormal{ miles}``, ``\\textit``, ``\\textsf``, ...).
+* Thousands separators: ``1,234``, ``1{,}234`` and MATH's ``10,\\!080`` / ``10{,}\\!080`` are one number
+  (the marked forms are read before spacing commands are normalised: ``80, 10`` is not ``10,\\!080``).
+* Extraction: the last-number fallback reads no digit inside a word (``H2O``), and a number inside a
+  LaTeX maths span or ``\\frac``/``\\sqrt`` gives that maths (``$\\frac{10}{9}$`` is not ``9``); a benchmark's
+  ``last_number_fallback: false`` turns that fallback off; a phrase inside a phrase is read
+  innermost ("Final Answer: The final answer is 12.").
 * Subscripts: ``E_1`` = ``E_{1}``.
 * Mixed numbers: ``1\\frac{1}{2}`` = ``3/2`` (proper fraction after the integer).
 * Expressions are compared symbolically: ``(x+1)^2`` = ``x^2+2x+1``; ``x^2`` is not ``2x``.
 * Collections: parenthesised tuples/points are ordered (``(1,2)`` is not ``(2,1)``); sets and
   bare comma lists (lists of solutions) are unordered (``\\{1,2\\}`` = ``\\{2,1\\}``,
-  ``1, 2`` = ``2, 1``, compared element by element: ``E_{2}, E_{1}`` = ``E_{1},E_{2}``); a finite
+  ``1, 2`` = ``2, 1``, compared element by element: ``E_{2}, E_{1}`` = ``E_{1},E_{2}``; ``7, -2,
+  \\text{ and } -5`` is a list; a list is never one number) unless the problem asks for an order
+  ("in increasing order": :func:`asks_for_order`) or the benchmark's ``list_order`` says so; a finite
   set never equals a tuple or an interval (``\\{1,2\\}`` is not ``(1,2)``); interval ends matter
   (``[1,2]`` is not ``(1,2)``).
 * Equations: a one-letter label ``x =`` is dropped, so an answer that still has ``=`` is an
@@ -63,7 +75,7 @@ from functools import lru_cache
 from typing import Sequence
 
 from rlbench.reward.symbolic import symbolic_equal, within_tolerance
-from rlbench.reward.units import split_unit, unit_key
+from rlbench.reward.units import TEXT_WRAPPER_RE, UNIT_WORDS, split_unit, unit_key
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +83,7 @@ __all__ = [
     "Grade",
     "MathReward",
     "answers_equivalent",
+    "asks_for_order",
     "canonical_answer",
     "extract_answer",
 ]
@@ -78,6 +91,13 @@ __all__ = [
 EXTRACTION_STYLES = ("auto", "boxed", "gsm8k", "last_number")
 #: how a reference is read (a benchmark's ``answer_type``; ``math``: decide from the answer)
 ANSWER_TYPES = ("math", "number", "expression", "set", "text")
+#: which ``label =`` before an answer is dropped (a benchmark's ``answer_labels``): ``letter``, one
+#: letter (``x = 3``); ``any``, also a name, a function or a tuple of names (``AB = 4``,
+#: ``f(x) = 1``, ``(p,q) = (3,2)``), as Numina-style references and most peer graders read them
+ANSWER_LABELS = ("letter", "any")
+#: whether a bare comma list is ordered (a benchmark's ``list_order``): ``problem``, ordered when
+#: the problem asks for an order (:func:`asks_for_order`), else unordered; ``ordered``; ``unordered``
+LIST_ORDERS = ("problem", "ordered", "unordered")
 
 #: seconds math-verify may spend on one comparison (parsing included).
 MATH_VERIFY_TIMEOUT_S = 5.0
@@ -89,18 +109,23 @@ MAX_ANSWER_CHARS = 1000
 # ---------------------------------------------------------------------------------------
 
 _BOXED_RE = re.compile(r"\\(?:boxed|fbox)")
+#: a thousands separator as MATH writes it: ``1,234``, ``1{,}234``, ``10,\!080``, ``10{,}\!080``
+#: (``\!`` is a negative thin space; read before spacing commands are normalised away)
+_THOUSANDS_SEP = r"(?:,|\{,\})(?:\\!)?"
+_THOUSANDS_SEP_RE = re.compile(r"(?<=\d)" + _THOUSANDS_SEP + r"(?=\d{3}(?!\d))")
+_GROUPED_DIGITS = r"\d{1,3}(?:" + _THOUSANDS_SEP + r"\d{3})+(?!\d)"
 # A number: optional sign (not when it is a binary minus such as "3-5" or "x-1"),
-# digits with optional thousands commas, optional decimals, optional "/denominator".
+# digits with optional thousands separators, optional decimals, optional "/denominator".
 _NUMBER_RE = re.compile(
     r"(?:(?<![\w)\]}])-)?"
-    r"(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)"
+    r"(?:(?:" + _GROUPED_DIGITS + r"|\d+)(?:\.\d+)?|\.\d+)"
     r"(?:/\d+(?!\d|\.\d))?"
 )
-_ANSWER_PHRASE_RE = re.compile(
-    r"(?:final\s+answer|the\s+answer|answer)\s*(?:is|:)\s*:?[ \t]*(?P<ans>[^\n]+)",
-    re.IGNORECASE,
-)
-_LEADING_NUMBER_RE = re.compile(r"^-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:/\d+)?")
+_PHRASE = r"(?:final\s+answer|the\s+answer|answer)\s*(?:is|:)\s*:?"
+_ANSWER_PHRASE_RE = re.compile(_PHRASE + r"[ \t]*(?P<ans>[^\n]+)", re.IGNORECASE)
+# "Final Answer: The final answer is 12." -> the phrase inside the phrase is dropped too
+_LEADING_PHRASE_RE = re.compile(r"^(?:the\s+)?" + _PHRASE + r"\s*", re.IGNORECASE)
+_LEADING_NUMBER_RE = re.compile(r"^-?(?:" + _GROUPED_DIGITS + r"|\d+)(?:\.\d+)?(?:/\d+)?")
 
 
 def _closing_braces(text: str) -> dict[int, int]:
@@ -161,16 +186,71 @@ def _extract_gsm8k(text: str) -> str | None:
     return line or None
 
 
+def _inside_word(text: str, start: int, end: int) -> bool:
+    """The number ``text[start:end]`` is part of a word: letters before it (``H2O``, ``AZYUK2A``;
+    not a LaTeX command such as ``\\times10``) or letters after it that are not a unit (``2nd``,
+    ``2x``; ``5cm`` is a number)."""
+    j = start
+    while j > 0 and text[j - 1].isalpha():
+        j -= 1
+    if j < start and not (j > 0 and text[j - 1] == "\\"):
+        return True
+    after = re.match(r"[^\W\d_]+", text[end:])
+    return bool(after) and after.group(0) not in UNIT_WORDS
+
+
+def _plain_digits(number: str) -> str:
+    """``12,000`` / ``10{,}\\!080`` -> ``12000`` / ``10080``: thousands separators removed."""
+    return _THOUSANDS_SEP_RE.sub("", number)
+
+
+# a LaTeX maths span: $$...$$, $...$, \(...\), \[...\] (an escaped \$ is money, not a delimiter)
+# (at most 200 characters each: a linear scan of any text, and an answer is short)
+_MATH_SPAN_RE = re.compile(
+    r"(?<!\\)\$\$(.{1,200}?)(?<!\\)\$\$|(?<!\\)\$(.{1,200}?)(?<!\\)\$|\\\((.{1,200}?)\\\)|\\\[(.{1,200}?)\\\]",
+    re.DOTALL,
+)
+_LATEX_NUMBER_RE = re.compile(r"-?\\(?:[dtc]?frac\{[^{}]*\}\{[^{}]*\}|sqrt\{[^{}]*\})")
+_PROSE_RE = re.compile(r"[A-Za-z]{3,}")  # a word of prose (after LaTeX commands and \text{} are removed)
+
+
+def _math_span_answer(text: str, start: int, end: int) -> str | None:
+    """The maths of the LaTeX span holding the number ``text[start:end]``, after its last ``=``
+    (``$k = \\frac{10}{9}$`` -> ``\\frac{10}{9}``, not ``9``; ``$-[0,1)$`` -> ``-[0,1)``, not ``1``);
+    None when the number is in no span or the span reads as prose (dollars of money)."""
+    for m in _MATH_SPAN_RE.finditer(text):
+        if m.start() > start:
+            return None
+        if end <= m.end():
+            content = next(g for g in m.groups() if g is not None)
+            equals = list(_EQUATION_RE.finditer(content))
+            if equals:
+                content = content[equals[-1].end() :]
+            content = content.strip().rstrip(".,;").strip()
+            prose = re.sub(_TEXT_CMD + r"\{[^{}]*\}|\\[A-Za-z]+", "", content)
+            if not content or len(content) > 80 or _PROSE_RE.search(prose):
+                return None
+            return content
+    return None
+
+
 def _extract_last_number(text: str) -> str | None:
-    """Last number in the text (``1,234`` -> ``1234``; ``3/4`` kept as a fraction)."""
+    """Last number in the text that is not part of a word (``1,234`` and ``10,\\!080`` -> plain
+    digits; ``3/4`` kept as a fraction; nothing from ``H2O``). A number inside a LaTeX maths span
+    gives the span's maths after its last ``=`` (``$\\frac{10}{9}$`` is not read as ``9``)."""
     last = None
     for m in _NUMBER_RE.finditer(text):
-        s = m.group(0)
-        if any(ch.isdigit() for ch in s):
-            last = s
+        if any(ch.isdigit() for ch in m.group(0)) and not _inside_word(text, m.start(), m.end()):
+            last = m
     if last is None:
         return None
-    return last.replace(",", "")
+    span = _math_span_answer(text, last.start(), last.end())
+    if span is not None and span != last.group(0):
+        return span
+    for m in _LATEX_NUMBER_RE.finditer(text):  # a bare \frac{10}{9} is not 9 either
+        if m.start() <= last.start() and last.end() <= m.end():
+            return m.group(0)
+    return _plain_digits(last.group(0))
 
 
 def _extract_phrase(text: str) -> str | None:
@@ -179,6 +259,8 @@ def _extract_phrase(text: str) -> str | None:
     if not matches:
         return None
     ans = matches[-1].group("ans").strip().strip("*").strip()
+    while _LEADING_PHRASE_RE.match(ans):  # "Final Answer: The final answer is 12."
+        ans = _LEADING_PHRASE_RE.sub("", ans, count=1).strip().strip("*").strip()
     if ans.startswith("$"):  # "$\frac{1}{2}$ apples." -> the maths between the dollars
         inner = re.match(r"\$+([^$]+)\$+", ans)
         if inner:
@@ -203,10 +285,13 @@ _EXTRACTORS = {
 _FALLBACKS = ("phrase", "last_number")
 
 
-def _extract(text: str, style: str, fallbacks: bool = True) -> tuple[str | None, bool, str | None]:
+def _extract(
+    text: str, style: str, fallbacks: bool = True, last_number: bool = True
+) -> tuple[str | None, bool, str | None]:
     """(answer, format_ok, extractor name) for ``style``; raises on unknown style or non-string
     input. ``fallbacks=False`` (a truncated response whose benchmark says so) uses only the
-    explicit markers: ``\\boxed{}`` and ``####``."""
+    explicit markers: ``\\boxed{}`` and ``####``; ``last_number=False`` (a benchmark's
+    ``last_number_fallback: false``) leaves the last-number fallback out of style ``auto``."""
     if style not in EXTRACTION_STYLES:
         raise ValueError(f"unknown extraction style {style!r}; use one of {EXTRACTION_STYLES}")
     if not isinstance(text, str):
@@ -214,7 +299,7 @@ def _extract(text: str, style: str, fallbacks: bool = True) -> tuple[str | None,
     # auto: boxed, then ####, then "the answer is", then last number
     order = ("boxed", "gsm8k", "phrase", "last_number") if style == "auto" else (style,)
     for name in order:
-        if not fallbacks and name in _FALLBACKS:
+        if (not fallbacks and name in _FALLBACKS) or (not last_number and style == "auto" and name == "last_number"):
             continue
         ans = _EXTRACTORS[name](text)
         if ans is not None:
@@ -229,8 +314,10 @@ def extract_answer(text: str, style: str = "auto") -> str | None:
       * ``"boxed"``: content of the last ``\\boxed{...}`` / ``\\fbox{...}`` (nested braces
         handled: ``\\boxed{\\frac{1}{2}}`` -> ``\\frac{1}{2}``; also ``\\boxed 5`` -> ``5``);
       * ``"gsm8k"``: text after the last ``####`` (rest of that line), stripped, commas removed;
-      * ``"last_number"``: last number in the text (integers, decimals, negatives, thousands
-        commas ``1,234`` -> ``1234``, simple fractions ``3/4``);
+      * ``"last_number"``: last number in the text that is not inside a word (integers, decimals,
+        negatives, thousands separators ``1,234`` / ``10,\\!080`` -> plain digits, simple fractions
+        ``3/4``); inside a LaTeX maths span, that span after its last ``=`` (``$k=\\frac{1}{3}$`` ->
+        ``\\frac{1}{3}``);
       * ``"auto"``: boxed, else ``####``, else "the answer is X" / "Answer: X", else last number.
 
     Returns None when nothing is found (or on any error: this function never raises).
@@ -242,18 +329,43 @@ def extract_answer(text: str, style: str = "auto") -> str | None:
         return None
 
 
+# "in increasing order", "from least to greatest" ("in that order" is left out: in MATH it speaks of the
+# problem's terms, "form an arithmetic sequence, in that order", or says "not necessarily in that order")
+_ORDER_REQUEST_RE = re.compile(
+    r"(?<!necessarily\s)\bin\s+(?:increasing|decreasing|ascending|descending|numerical|alphabetical)\s+order"
+    r"|\bfrom\s+(?:least|smallest|lowest|greatest|largest|highest)\s+to\s+(?:greatest|largest|highest|least|smallest|lowest)",
+    re.IGNORECASE,
+)
+
+
+def asks_for_order(problem: str | None) -> bool:
+    """The problem asks for its answers in an order ("list them in increasing order", "from least
+    to greatest"), so a bare comma list is graded as a sequence."""
+    return bool(problem) and _ORDER_REQUEST_RE.search(problem) is not None
+
+
 # ---------------------------------------------------------------------------------------
 # normalisation
 # ---------------------------------------------------------------------------------------
 
-_TEXT_CMD = r"\\(?:text|textbf|textrm|mbox|mathrm)\s*"
+_TEXT_CMD = TEXT_WRAPPER_RE
 _WHOLE_TEXT_RE = re.compile(r"^" + _TEXT_CMD + r"\{([^{}]*)\}$")
 _TRAILING_UNIT_RE = re.compile(r"\s*" + _TEXT_CMD + r"\{[^{}]*\}(?:\s*\^\s*\{?\d\}?)?\s*$")
 # "\\\\" (a matrix row break) is matched first so that "\\\\ " is not read as "\\" + "\\ ".
+# "10,\!080", "10{,}080", "10{,}\!080": never a list (a plain "1,000" is read by _THOUSANDS_RE)
+_MARKED_THOUSANDS_RE = re.compile(r"(?<=\d)(?:\{,\}(?:\\!)?|,\\!)(?=\d{3}(?!\d))")
+# "7, -2, \text{ and } -5", "6, 8\text{, and }10", "2, 3, and 4": the last item of a list
+_AND_ITEM_RE = re.compile(r"\s*,?\s*" + _TEXT_CMD + r"\{\s*,?\s*and\s*\}\s*|\s*,\s*and\s+")
 _SPACING_RE = re.compile(r"\\\\|\\[!,;:> ]|\\q?quad\b")
 _DEGREE_RE = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|\\circ\b|°")
 _THOUSANDS_RE = re.compile(r"^-?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
 _ASSIGN_RE = re.compile(r"^[A-Za-z](?:_\{?\w+\}?)?\s*=\s*(?=[^=]+$)")
+# answer_labels=any: "AB =", "a_1 =", "f(x) =", "(p, q) =", "\angle ABC =" (a name, never an expression)
+_NAME = r"(?:\\[A-Za-z]+\s*)?[A-Za-z]+(?:_\{?\w+\}?)?"
+_ANY_LABEL_RE = re.compile(
+    r"^(?:" + _NAME + r"(?:\s*\(\s*" + _NAME + r"(?:\s*,\s*" + _NAME + r")*\s*\))?"
+    r"|\(\s*" + _NAME + r"(?:\s*,\s*" + _NAME + r")+\s*\))\s*=\s*(?=[^=]+$)"
+)
 _NUMERIC_RE = re.compile(r"^[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?(?:/\d+)?$")
 _LATEX_FRAC_RE = re.compile(r"^(-?)\\frac\{([^{}]+)\}\{([^{}]+)\}$")
 _MIXED_NUMBER_RE = re.compile(r"^(-?)(\d+)\\frac\{(\d+)\}\{(\d+)\}$")
@@ -291,7 +403,7 @@ def _strip_outer_braces(s: str) -> str:
 
 
 @lru_cache(maxsize=65536)
-def _normalize(s: str, strip_units: bool = True) -> str:
+def _normalize(s: str, strip_units: bool = True, labels: str = "letter") -> str:
     """Light LaTeX normalisation that keeps the expression parseable (spaces are kept).
 
     Removes ``$``/``\\$``, ``\\left``/``\\right``, spacing commands (``\\!``, ``\\,``, ...),
@@ -299,9 +411,13 @@ def _normalize(s: str, strip_units: bool = True) -> str:
     (``5 dollars``), a trailing ``.``, a leading ``x =``; maps ``\\dfrac``/``\\tfrac`` ->
     ``\\frac`` and the unicode minus to ``-``; unwraps ``\\boxed{}`` and a whole-string
     ``\\text{}``; drops thousands commas in a plain number (``1,234``).  ``strip_units=False``
-    keeps trailing ``\\text{...}`` and words (answer types ``expression`` and ``text``).
+    keeps trailing ``\\text{...}`` and words (answer types ``expression`` and ``text``);
+    ``labels="any"`` also drops a longer label (:data:`ANSWER_LABELS`).
     """
-    s = s.strip().replace("\u2212", "-")  # unicode minus sign
+    s = s.replace("\u2212", "-")  # unicode minus sign
+    s = _MARKED_THOUSANDS_RE.sub("", s)  # before spacing: "10,\!080" is not "10, 080"
+    # spacing commands first: "10\ " keeps its value when the string is stripped
+    s = _SPACING_RE.sub(lambda m: m.group(0) if m.group(0) == "\\\\" else " ", s).strip()
     boxed = _extract_boxed(s) if s.startswith(("\\boxed", "\\fbox")) else None
     if boxed is not None:
         s = boxed
@@ -309,7 +425,7 @@ def _normalize(s: str, strip_units: bool = True) -> str:
     s = s.replace("\\left", "").replace("\\right", "")
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     s = s.replace("\\varnothing", "\\emptyset")
-    s = _SPACING_RE.sub(lambda m: m.group(0) if m.group(0) == "\\\\" else " ", s)
+    s = _AND_ITEM_RE.sub(", ", s)
     s = _DEGREE_RE.sub("", s)
     s = s.replace("\\%", "").replace("%", "")
     s = s.strip()
@@ -326,7 +442,7 @@ def _normalize(s: str, strip_units: bool = True) -> str:
     words = _TRAILING_WORDS_RE.match(s)
     if strip_units and words and not _NOT_UNITS.intersection(words.group(2).lower().split()):
         s = words.group(1)
-    s = _ASSIGN_RE.sub("", s).strip()
+    s = (_ANY_LABEL_RE if labels == "any" else _ASSIGN_RE).sub("", s).strip()
     s = _strip_outer_braces(s)
     # \frac12 -> \frac{1}{2}, \frac ab -> \frac{a}{b}, \sqrt3 -> \sqrt{3}
     s = re.sub(r"\\frac\s*([0-9A-Za-z])\s*([0-9A-Za-z])", r"\\frac{\1}{\2}", s)
@@ -518,22 +634,26 @@ def _multiset_equal(pred_items: list[str], ref_items: list[str], equal) -> bool:
     return True
 
 
-_UNIT_WRAPPER_RE = re.compile(r"\\(?:text|textrm|mbox|mathrm)\s*\{([^{}]*)\}")
+_UNIT_WRAPPER_RE = re.compile(TEXT_WRAPPER_RE + r"\{([^{}]*)\}")
 
 
 @lru_cache(maxsize=65536)
-def _value_and_unit(s: str, answer_type: str) -> tuple[str, str]:
+def _value_and_unit(s: str, answer_type: str, labels: str = "letter") -> tuple[str, str]:
     """The normalised answer split into value and unit (``rlbench.reward.units``; a unit may be
     bare, ``5 J``, or wrapped, ``5.4 \\text{ cents}``); the unit is "" when there is none (a
     wrapped word that is not in the unit list is a label: dropped, not compared), and always for
     answer types ``expression`` and ``text``."""
     if answer_type in ("expression", "text"):
-        return _normalize(s, strip_units=False), ""
+        return _normalize(s, False, labels), ""
     plain = _UNIT_WRAPPER_RE.sub(r" \1", s.replace("$", "")).strip()
     head, unit = split_unit(plain, lambda h: _to_fraction(_normalize(h)) is not None, answer_type == "number")
     if unit:
-        return _normalize(head), unit_key(unit)
-    return _normalize(s), ""
+        return _normalize(head, True, labels), unit_key(unit)
+    return _normalize(s, True, labels), ""
+
+
+# leading and trailing whitespace, except the space of an escaped space "10\ " (normalised later)
+_OUTER_SPACE_RE = re.compile(r"^\s+|(?<!\\)\s+$")
 
 
 def _equivalent(
@@ -544,16 +664,20 @@ def _equivalent(
     *,
     absolute_tolerance: float = 0.0,
     answer_type: str = "math",
+    labels: str = "letter",
+    ordered: bool = False,
 ) -> bool:
     """Core of :func:`answers_equivalent`; may raise (callers decide what to do)."""
     if pred is None or ref is None:
         return False
     if answer_type not in ANSWER_TYPES:
         raise ValueError(f"unknown answer_type {answer_type!r}; use one of {ANSWER_TYPES}")
-    pred, ref = str(pred).strip(), str(ref).strip()
+    if labels not in ANSWER_LABELS:
+        raise ValueError(f"unknown answer_labels {labels!r}; use one of {ANSWER_LABELS}")
+    pred, ref = _OUTER_SPACE_RE.sub("", str(pred)), _OUTER_SPACE_RE.sub("", str(ref))
     if len(pred) > MAX_ANSWER_CHARS or len(ref) > MAX_ANSWER_CHARS:
         return bool(pred) and pred == ref
-    (p_norm, p_unit), (r_norm, r_unit) = _value_and_unit(pred, answer_type), _value_and_unit(ref, answer_type)
+    (p_norm, p_unit), (r_norm, r_unit) = _value_and_unit(pred, answer_type, labels), _value_and_unit(ref, answer_type, labels)
     p_key, r_key = _compact(p_norm), _compact(r_norm)
     if not p_key or not r_key:
         return False
@@ -570,12 +694,16 @@ def _equivalent(
     def same(a: str, b: str) -> bool:
         element_type = "math" if answer_type == "set" else answer_type
         return _equivalent(
-            a, b, tolerance, timeout_s, absolute_tolerance=absolute_tolerance, answer_type=element_type
+            a, b, tolerance, timeout_s, absolute_tolerance=absolute_tolerance, answer_type=element_type, labels=labels
         )
 
     p_items, r_items = _set_items(p_norm, answer_type), _set_items(r_norm, answer_type)
     if p_items is not None and r_items is not None:
+        if ordered and answer_type != "set":  # "in increasing order": the list is a sequence
+            return len(p_items) == len(r_items) and all(map(same, p_items, r_items))
         return _multiset_equal(p_items, r_items, same)
+    if (p_items is not None and r_val is not None) or (r_items is not None and p_val is not None):
+        return False  # a list of answers is not one number ("3, 3" is not "3")
     if _set_versus_tuple(p_key, r_key) or (_EQUATION_RE.search(p_key) is None) != (_EQUATION_RE.search(r_key) is None):
         return False  # a set is not a tuple; an equation is not a value (math-verify compares right sides)
     return _mv_verify(
@@ -595,19 +723,23 @@ def answers_equivalent(
     *,
     absolute_tolerance: float = 0.0,
     answer_type: str = "math",
+    labels: str = "letter",
+    ordered: bool = False,
 ) -> bool:
     """True if ``pred`` is mathematically equal to ``ref`` (rules: module docstring).
 
     Order: normalised exact string match; if both are plain numbers, the numeric rule
     (integers exactly, else ``|pred - ref| <= tolerance * |ref| + absolute_tolerance``; decides
     either way, so ``0.333`` is not ``1/3`` at the default tolerance); unordered lists element by
-    element; otherwise math-verify's symbolic comparison, limited to ``timeout_s`` seconds.
+    element (in order when ``ordered``); otherwise math-verify's symbolic comparison, limited to
+    ``timeout_s`` seconds.  ``labels``: which ``label =`` is dropped (:data:`ANSWER_LABELS`).
     ``pred=None`` -> False.  Never raises: a grader error (including a timeout) is logged and
     gives False.
     """
     try:
         return _equivalent(
-            pred, ref, tolerance, timeout_s, absolute_tolerance=absolute_tolerance, answer_type=answer_type
+            pred, ref, tolerance, timeout_s, absolute_tolerance=absolute_tolerance, answer_type=answer_type,
+            labels=labels, ordered=ordered,
         )
     except Exception:  # noqa: BLE001 - documented: never raises
         logger.warning("answer comparison failed; counted as incorrect", exc_info=True)
@@ -655,6 +787,11 @@ class MathReward:
     Grader errors (including a math-verify timeout after ``verify_timeout_s`` seconds) never
     raise: the completion is graded incorrect, the error text goes to ``Grade.error``,
     ``failures`` is incremented and a warning with the running count is logged.
+    Per-benchmark conventions (``docs/evaluation.md``, "Grading conventions"):
+    ``last_number_fallback=False`` never reads the last number of a response without an answer
+    marker or phrase (style ``auto``); ``answer_labels`` (:data:`ANSWER_LABELS`) says which
+    ``label =`` is dropped; ``list_order`` (:data:`LIST_ORDERS`) whether a bare comma list is a
+    sequence (``problem``: when the problem text passed to ``__call__`` asks for an order).
     """
 
     def __init__(
@@ -669,6 +806,9 @@ class MathReward:
         absolute_tolerance: float = 0.0,
         answer_type: str = "math",
         truncated_fallback: bool = True,
+        last_number_fallback: bool = True,
+        answer_labels: str = "letter",
+        list_order: str = "problem",
     ) -> None:
         if extraction not in EXTRACTION_STYLES:
             raise ValueError(
@@ -678,6 +818,10 @@ class MathReward:
             raise ValueError(f"reward tolerances must be >= 0, got {tolerance} and {absolute_tolerance}")
         if answer_type not in ANSWER_TYPES:
             raise ValueError(f"answer_type={answer_type!r} is unknown; use one of {ANSWER_TYPES}")
+        if answer_labels not in ANSWER_LABELS:
+            raise ValueError(f"answer_labels={answer_labels!r} is unknown; use one of {ANSWER_LABELS}")
+        if list_order not in LIST_ORDERS:
+            raise ValueError(f"list_order={list_order!r} is unknown; use one of {LIST_ORDERS}")
         if verify_timeout_s <= 0:
             raise ValueError(f"reward verify_timeout_s must be > 0, got {verify_timeout_s}")
         self.correct_reward = float(correct_reward)
@@ -689,6 +833,9 @@ class MathReward:
         self.absolute_tolerance = float(absolute_tolerance)
         self.answer_type = answer_type
         self.truncated_fallback = bool(truncated_fallback)
+        self.last_number_fallback = bool(last_number_fallback)
+        self.answer_labels = answer_labels
+        self.list_order = list_order
         self.failures = 0
         self._lock = threading.Lock()
 
@@ -700,11 +847,13 @@ class MathReward:
         *,
         finished: bool = True,
         tolerance: float | None = None,
+        problem: str | None = None,
     ) -> Grade:
         """Grade ``completion`` against ``reference``; never raises (see ``failures``).
         ``response_ids`` is part of the grader interface; this grader reads the text only.
         ``finished=False``: the response was cut at the token limit; ``tolerance``: the problem's
-        own relative tolerance (None: the grader's)."""
+        own relative tolerance (None: the grader's); ``problem``: its statement (with
+        ``list_order="problem"``, a request for an order makes a list a sequence)."""
         extracted: str | None = None
         format_ok = False
         correct = False
@@ -712,7 +861,8 @@ class MathReward:
         method: str | None = None
         try:
             fallbacks = finished or self.truncated_fallback
-            extracted, format_ok, method = _extract(completion, self.extraction, fallbacks)
+            extracted, format_ok, method = _extract(completion, self.extraction, fallbacks, self.last_number_fallback)
+            ordered = self.list_order == "ordered" or (self.list_order == "problem" and asks_for_order(problem))
             correct = _equivalent(
                 extracted,
                 reference,
@@ -720,6 +870,8 @@ class MathReward:
                 self.verify_timeout_s,
                 absolute_tolerance=self.absolute_tolerance,
                 answer_type=self.answer_type,
+                labels=self.answer_labels,
+                ordered=ordered,
             )
         except Exception as exc:  # noqa: BLE001 - documented: never raises
             correct = False
@@ -742,5 +894,7 @@ class MathReward:
             f"incorrect_reward={self.incorrect_reward}, format_weight={self.format_weight}, "
             f"tolerance={self.tolerance}, extraction={self.extraction!r}, "
             f"verify_timeout_s={self.verify_timeout_s}, absolute_tolerance={self.absolute_tolerance}, "
-            f"answer_type={self.answer_type!r}, truncated_fallback={self.truncated_fallback})"
+            f"answer_type={self.answer_type!r}, truncated_fallback={self.truncated_fallback}, "
+            f"last_number_fallback={self.last_number_fallback}, answer_labels={self.answer_labels!r}, "
+            f"list_order={self.list_order!r})"
         )

@@ -17,8 +17,10 @@ constants (no free symbols, real) and at least one contains a decimal (a float),
 compared with the grader's tolerance (:func:`within_tolerance`, so ``1414214`` vs
 ``10^6\\sqrt{2}`` follows the same rule as plain numbers); two exact real constants
 (``\\frac{1}{2^{98}}``, ``\\sqrt{8}``) must agree to :data:`EXACT_DIGITS` significant digits
-(math-verify itself rounds to 6 decimals, which equates tiny values); otherwise math-verify's
-``verify(gold=ref, target=pred)`` decides.
+(math-verify itself rounds to 6 decimals, which equates tiny values); when their difference is
+below ``10^-EXACT_DIGITS`` in absolute value (a relative rule cannot decide near zero: an unevaluated
+``\\sin(\\pi)`` or ``\\sqrt{4}-2`` evaluates to an imprecise zero), sympy decides exactly whether the
+difference simplifies to 0. Otherwise math-verify's ``verify(gold=ref, target=pred)`` decides.
 """
 
 from __future__ import annotations
@@ -103,6 +105,13 @@ def _numeric_value(expr):
     return value
 
 
+def _exactly_equal(a, b) -> bool:
+    """``a - b`` simplifies to exactly 0 (``\\sqrt{4}-2`` and ``\\sin(\\pi)`` are 0; ``2^{-98}`` is not)."""
+    from sympy import simplify
+
+    return bool(simplify(a - b) == 0)
+
+
 def _compare(pred: str, ref: str, tolerance: float, absolute_tolerance: float = 0.0) -> bool:
     """The worker's verdict for ``pred == ref`` (see the module docstring)."""
     from math_verify import verify
@@ -118,7 +127,9 @@ def _compare(pred: str, ref: str, tolerance: float, absolute_tolerance: float = 
             return within_tolerance(pred_value, ref_value, tolerance, absolute_tolerance)
         # two exact constants: equal to EXACT_DIGITS digits; math-verify's own rounding to 6
         # decimals would equate 2^-98 with its negation
-        return within_tolerance(pred_value, ref_value, 10.0**-EXACT_DIGITS)
+        if within_tolerance(pred_value, ref_value, 10.0**-EXACT_DIGITS):
+            return True
+        return bool(abs(pred_value - ref_value) < 10.0**-EXACT_DIGITS) and _exactly_equal(target_expr, gold_expr)
     return bool(verify(gold, target, timeout_seconds=None))
 
 
@@ -133,7 +144,7 @@ def _answer(request: dict) -> dict:
         equal = _compare(
             request["pred"], request["ref"], float(request["tolerance"]), float(request.get("absolute_tolerance", 0.0))
         )
-        return {"equal": equal}
+        return {"equal": bool(equal)}
     except _Deadline:
         return {"error": f"math-verify timed out after {request['timeout_s']} s"}
     except MemoryError:

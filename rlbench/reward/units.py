@@ -12,15 +12,20 @@ wrapped in ``\\text{}``). One lower-case letter is a variable in an expression (
 ``answer_type`` is ``number`` (which also accepts a unit written against the value, ``5m``). Elsewhere a tail counts as a unit when it is
 unambiguous: it has a word of two or more letters from the list (``cm``, ``kg``, ``eV``), a ``/``
 between units (``m/s``), or an upper-case SI symbol of :data:`UPPERCASE_SYMBOLS` (``J``, ``V``,
-``W``, ``N``, ...). Units wrapped in ``\\text{}``/``\\mathrm{}``/``\\mbox{}`` are labels and are
-removed by the normaliser in any case (``rlbench.reward.math``).
+``W``, ``N``, ...). Units wrapped in one of :data:`TEXT_WRAPPERS` (``\\text{}``, ``\\mathrm{}``,
+``\\textnormal{}``, ...) are labels and are removed by the normaliser in any case (``rlbench.reward.math``).
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["UNIT_WORDS", "UPPERCASE_SYMBOLS", "split_unit", "unit_key"]
+__all__ = ["TEXT_WRAPPERS", "UNIT_WORDS", "UPPERCASE_SYMBOLS", "split_unit", "unit_key"]
+
+#: LaTeX commands that wrap words (a unit or a label) around an answer: ``5\textnormal{ miles}``
+TEXT_WRAPPERS = ("text", "textbf", "textrm", "textnormal", "textit", "textsf", "texttt", "mbox", "mathrm", "rm")
+#: regular expression of one wrapper command (``\text``, ``\textnormal``, ...) and the spaces after it
+TEXT_WRAPPER_RE = r"\\(?:" + "|".join(sorted(TEXT_WRAPPERS, key=len, reverse=True)) + r")(?![A-Za-z])\s*"
 
 _SI_PREFIXED = {  # symbol: the prefixes in common use
     "m": "k c m \\mu μ u n p f",
@@ -102,7 +107,7 @@ def split_unit(text: str, is_number, number_answer: bool = False) -> tuple[str, 
 def unit_key(unit: str) -> str:
     """A comparable form of a unit: atoms without spaces or braces, plurals made singular
     (``\\text{ inches}`` and ``inch`` give ``inch``)."""
-    unit = re.sub(r"\\(?:text|mathrm|mbox|textrm|rm)\s*", "", unit)
+    unit = re.sub(TEXT_WRAPPER_RE, "", unit)
     unit = re.sub(r"[{}\s]|\\[,;: !]", "", unit).replace("\\mu", "μ")
     singular = {"inches": "inch", "feet": "foot"}
     return "".join(singular.get(w, w[:-1] if len(w) > 3 and w.endswith("s") and w[:-1] in UNIT_WORDS else w)
