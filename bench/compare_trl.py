@@ -183,7 +183,7 @@ class OursSide:
         self.engine = make_engine(config.rollout, self.model, self.tokenizer, device)
         if hasattr(self.engine, "progress"):
             self.engine.progress = False  # no progress lines inside the timed region
-        self.ctx = make_step_context(config, algorithm, self.model, self.tokenizer, self.engine, device, training_grader(cfg))
+        self.ctx = make_step_context(config, algorithm, self.model, self.tokenizer, self.engine, device, training_grader(config))
         self.prompt_ids = [list(p) for p in encode_prompts(self.tokenizer, problems, cfg.dataset.prompt)]
         self.records: list[dict[str, float]] = []
 

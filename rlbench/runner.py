@@ -62,24 +62,25 @@ from rlbench.validation import notice_inactive_terms, resolve_device, validate_c
 log = logging.getLogger(__name__)
 
 
-def load_benchmarks(cfg: DictConfig) -> list[Benchmark]:
+def load_benchmarks(cfg: DictConfig, config: RunConfig) -> list[Benchmark]:
+    """Each benchmark of ``eval`` loaded (from the composed node, which the loaders read) with its grader
+    (from the typed config)."""
     benchmarks = []
     for name, spec in cfg.eval.benchmarks.items():
         loaded = load_problems(spec, seed=cfg.seed, data_dir=cfg.data_dir, source=cfg.data_source)
         skipped = getattr(loaded, "skipped", 0)
         problems = usable_problems(name, loaded[: cfg.eval.limit] if cfg.eval.limit is not None else loaded, spec, skipped)
-        grader = make_grader(cfg.reward, spec, cfg.get("sandbox"))
+        grader = make_grader(config.reward, config.eval.benchmarks[name], config.sandbox)
         benchmarks.append(Benchmark(name, spec, problems, grader, skipped=skipped))
     return benchmarks
 
 
-def load_run_guidance(cfg: DictConfig, train_problems: list, tokenizer: Any) -> Any:
+def load_run_guidance(cfg: DictConfig, train_problems: list, tokenizer: Any, grader: Any) -> Any:
     """The checked guidance traces of the run (guidance=<source>), or None without a source; bad
     traces are counted and logged, or refuse the run here, before training (guidance.on_bad)."""
     options = GuidanceOptions.from_config(cfg.get("guidance"))
     if options.source == "none":
         return None
-    grader = training_grader(cfg)
     return load_guidance(options, train_problems, tokenizer, grader, cfg.rollout.max_new_tokens, cfg.dataset, cfg.seed)
 
 
@@ -283,7 +284,7 @@ def prepare(cfg: DictConfig, algorithm: Algorithm, started: float) -> Run:
     if config.mode == "generate":
         return Run(cfg, config, algorithm, started, resolved, resumed, pool, world, device, [], [], SilentLogger())
     train_problems = load_problems(cfg.dataset, seed=config.seed, data_dir=config.data_dir, source=config.data_source) if training else []
-    benchmarks = load_benchmarks(cfg)
+    benchmarks = load_benchmarks(cfg, config)
     logger = RunLogger(Path(config.output_dir), resolved, OmegaConf.to_yaml(cfg, resolve=True), cfg.logger,
                        job_type="train" if training else "eval", in_sweep=in_sweep(),
                        resume_id=(resumed.manifest.get("run_id") or "") if resumed else None) if world.is_main else SilentLogger()
@@ -302,7 +303,7 @@ def load_policy_and_engine(run: Run) -> Policy:
     if config.trainer.gradient_checkpointing:
         enable_activation_checkpointing(model)
     engine = make_engine(config.rollout, model, tokenizer, run.device)
-    guidance = load_run_guidance(run.cfg, run.train_problems, tokenizer) if run.training else None  # before any evaluation
+    guidance = load_run_guidance(run.cfg, run.train_problems, tokenizer, training_grader(run.config)) if run.training else None  # before any evaluation
     return Policy(model, tokenizer, engine, guidance)
 
 
@@ -325,7 +326,7 @@ def train(run: Run, policy: Policy, stop: StopSignals) -> dict[str, Any]:
         return {}
     config = run.config
     ctx = make_step_context(config, run.algorithm, policy.model, policy.tokenizer, policy.engine, run.device,
-                            training_grader(run.cfg), guidance=policy.guidance, world=run.world)
+                            training_grader(run.config), guidance=policy.guidance, world=run.world)
     if run.swarm:
         ctx.strategy = swarm_rollout(ctx, config, run.pool)
     manifest = {"config": checkpoint.comparable_config(run.resolved), "config_key": config_key(run.resolved),
@@ -419,7 +420,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if run.config.mode == "generate":  # graded traces for the guided methods (rlbench/guidance/generate.py)
         from rlbench.guidance.generate import write_traces
 
-        return write_traces(run.cfg, run.config.rollout, run.device)
+        return write_traces(run.cfg, run.config, run.device)
     try:
         with StopSignals() as stop:
             policy = load_policy_and_engine(run)

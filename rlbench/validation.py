@@ -19,7 +19,7 @@ from rlbench.algorithm.registry import ADVANTAGES, POLICY_LOSSES
 from rlbench.algorithm.shaping import REWARD_SHAPING
 from rlbench.config.fit import check_fits_here
 from rlbench.config.origin import ValueOrigins, with_origins
-from rlbench.config.schema import RolloutConfig, TrainerConfig
+from rlbench.config.schema import RolloutConfig, SandboxConfig, TrainerConfig
 from rlbench.config.typed import typed_node
 from rlbench.config.walk import Registered, check_against_schema
 from rlbench.dataset import validate_spec
@@ -236,7 +236,7 @@ def check_difficulty_rollout(cfg: Any, algorithm: Algorithm) -> None:
         )
 
 
-def check_sandbox(sandbox: Any) -> None:
+def check_sandbox(sandbox: SandboxConfig) -> None:
     """The sandbox limits (checked by SandboxLimits itself) and the worker count."""
     from rlbench.sandbox import limits_from_config
 
@@ -244,19 +244,9 @@ def check_sandbox(sandbox: Any) -> None:
         limits_from_config(sandbox)
     except ConfigError as err:
         raise ConfigError(f"{err} (set it with sandbox.<limit>=...)") from None
-    workers = (sandbox or {}).get("workers")
+    workers = sandbox.workers
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise ConfigError(f"sandbox.workers must be a positive integer or null (one per core), got {workers!r}")
-
-
-def check_reward_values(reward: Any) -> None:
-    """Numeric reward settings must be finite numbers."""
-    for key in ("correct_reward", "incorrect_reward", "format_weight", "tolerance", "verify_timeout_s", "threshold"):
-        value = reward.get(key)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
-            raise ConfigError(f"reward.{key} must be a finite number, got {value!r}")
 
 
 def check_reward_matches_dataset(reward: str, dataset: Any) -> None:
@@ -341,8 +331,7 @@ def check_run(cfg: Any, origins: ValueOrigins) -> Algorithm:
     for name, spec in ev.benchmarks.items():
         validate_spec(spec, source=cfg.data_source, data_dir=cfg.data_dir)
 
-    check_sandbox(cfg.get("sandbox"))
-    check_reward_values(cfg.reward)
+    check_sandbox(typed_node(cfg.sandbox, SandboxConfig) if cfg.get("sandbox") is not None else SandboxConfig())  # reward values: the schema walk
 
     validate_model_config(cfg.model)
     check_fits_here(cfg, device, training=cfg.mode == "train" and cfg.trainer.steps > 0)

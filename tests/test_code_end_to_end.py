@@ -93,13 +93,14 @@ def test_evaluation_grades_real_programs_into_pass_at_k(make_cfg):
     """Reference solutions pass and wrong ones fail through evaluate(): HumanEval's first two
     problems get (right, right) and (right, wrong); MBPP's first two get (wrong, wrong) and
     (right, crash). pass@1 must be 3/4 and 1/4, pass@2 1 and 1/2."""
+    from rlbench.config.typed import typed_config
     from rlbench.eval.evaluate import evaluate
     from rlbench.model import load_policy
     from rlbench.rollout.engines.base import SamplingParams
     from rlbench.runner import load_benchmarks
 
     cfg = make_cfg("mode=eval", "eval=code", "eval.limit=2", "eval.n=2", "eval.k=[1,2]", "model=tiny")
-    benchmarks = load_benchmarks(cfg)
+    benchmarks = load_benchmarks(cfg, typed_config(cfg))
     _, tokenizer = load_policy(cfg.model, device="cpu", seed=0)
     he, mb = benchmarks[0].problems, benchmarks[1].problems
 

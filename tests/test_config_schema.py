@@ -19,7 +19,7 @@ from rlbench.config.schema import (
     AdaptiveEntropyConfig, AlgorithmConfig, CriticConfig, RolloutConfig, RunConfig,
     SamplingCorrectionConfig, SFPOConfig, TrainerConfig, TRPOConfig,
 )
-from rlbench.config.typed import rollout_config, typed_config, typed_node
+from rlbench.config.typed import rollout_config, typed_config
 from rlbench.config.walk import check_against_schema, nearest
 from rlbench.errors import ConfigError
 from rlbench.rollout.strategy import STRATEGIES

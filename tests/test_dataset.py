@@ -525,16 +525,18 @@ def _load_example(tmp_path, records, spec):
 
 def test_docs_worked_examples_load_and_grade(tmp_path):
     from rlbench.reward import grade_completions
+    from rlbench.config.schema import DatasetConfig, RewardConfig
+    from rlbench.config.typed import typed_node
     from rlbench.reward.graders import make_grader
     from rlbench.rollout.engines.base import Completion
 
     examples = _doc_examples()
     assert len(examples) == 2
-    reward = OmegaConf.create({"name": "math", "tolerance": 1e-6})
+    reward = RewardConfig(name="math", tolerance=1e-6)
 
     def grade(spec, problem, text):
         completion = Completion(request_index=0, prompt_ids=(1,), response_ids=[1], logprobs=[0.0], finished=True, text=text)
-        return grade_completions(make_grader(reward, spec), [problem], [completion])[0].correct
+        return grade_completions(make_grader(reward, typed_node(spec, DatasetConfig)), [problem], [completion])[0].correct
 
     spec, (p1, p2) = _load_example(tmp_path, *examples[0])
     assert p1.answer == r"5.89\times10^{-7}" and p1.meta["tolerance"] == 0.01 and "tolerance" not in p2.meta

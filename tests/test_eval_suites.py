@@ -10,6 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from rlbench.config.typed import typed_config
 from rlbench.dataset import load_problems
 from rlbench.dataset.base import Problem
 from rlbench.errors import DataError
@@ -131,5 +132,5 @@ def test_runner_refuses_an_empty_benchmark_before_the_model_loads(tmp_path, make
     with pytest.raises(DataError, match="'custom' has no usable problems: the source has no records"):
         runner.run(cfg)
     allowed = make_cfg("mode=eval", "eval=custom", f"eval.benchmarks.custom.files.test={empty}", "eval.benchmarks.custom.allow_empty=true")
-    (bench,) = runner.load_benchmarks(allowed)
+    (bench,) = runner.load_benchmarks(allowed, typed_config(allowed))
     assert bench.problems == [] and bench.skipped == 0

@@ -5,8 +5,9 @@ the tolerance rule's ``<=`` at a boundary exact in binary, and constant expressi
 from __future__ import annotations
 
 import pytest
-from omegaconf import OmegaConf
 
+from rlbench.config.schema import DatasetConfig, RewardConfig
+from rlbench.config.typed import typed_config, typed_node
 from rlbench.dataset.base import Problem
 from rlbench.dataset.sources import validate_spec
 from rlbench.errors import ConfigError
@@ -229,10 +230,10 @@ def _spec(**grading):
 
 
 def test_spec_options_reach_the_grader():
-    reward = OmegaConf.create({"name": "math"})
-    grader = make_grader(reward, _spec(last_number_fallback=False, answer_labels="any", list_order="unordered"))
+    reward = RewardConfig(name="math")
+    grader = make_grader(reward, typed_node(_spec(last_number_fallback=False, answer_labels="any", list_order="unordered"), DatasetConfig))
     assert (grader.last_number_fallback, grader.answer_labels, grader.list_order) == (False, "any", "unordered")
-    default = make_grader(reward, _spec())
+    default = make_grader(reward, typed_node(_spec(), DatasetConfig))
     assert (default.last_number_fallback, default.answer_labels, default.list_order) == (True, "letter", "problem")
 
     problem = Problem(uid="conv/test/0", prompt="Enter the roots in increasing order.", answer="1, 3")
@@ -272,10 +273,12 @@ def test_conventions_from_the_command_line(make_cfg, monkeypatch):
 
     # last_number_fallback is stated in conf/dataset/math.yaml; keys a YAML does not state take a "+"
     cfg = make_cfg("dataset=math", "dataset.last_number_fallback=false", "+dataset.answer_labels=any")
-    grader = training_grader(cfg)
+    grader = training_grader(typed_config(cfg))
     assert (grader.last_number_fallback, grader.answer_labels, grader.list_order) == (False, "any", "problem")
     cfg = make_cfg("eval=math", "+eval.benchmarks.math500.list_order=unordered")
-    assert make_grader(cfg.reward, cfg.eval.benchmarks.math500).list_order == "unordered"
+    assert training_grader(typed_config(cfg)).list_order == "problem"  # the training set's own
+    config = typed_config(cfg)
+    assert make_grader(config.reward, config.eval.benchmarks["math500"]).list_order == "unordered"
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the configuration was validated")

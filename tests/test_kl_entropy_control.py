@@ -117,11 +117,11 @@ def test_no_reference_model_when_the_coefficient_is_zero(make_cfg, placement):
     cfg = make_cfg("experiment=smoke", f"algorithm.kl.placement={placement}")
     model = torch.nn.Linear(2, 2)
     ctx = make_step_context(typed_config(cfg), Algorithm.from_config(cfg.algorithm), model, None, None, torch.device("cpu"),
-                            training_grader(cfg))
+                            training_grader(typed_config(cfg)))
     assert ctx.reference is None
     with_kl = make_cfg("experiment=smoke", "algorithm.kl.coef=0.1", f"algorithm.kl.placement={placement}")
     ctx = make_step_context(typed_config(with_kl), Algorithm.from_config(with_kl.algorithm), model, None, None, "cpu",
-                            training_grader(with_kl))
+                            training_grader(typed_config(with_kl)))
     assert ctx.reference is not None and ctx.reference is not model
 
 

@@ -216,7 +216,7 @@ def actor(tmp_path, index: int, store, external: int = 1):
                                    cache_dir=cfg.cache_dir)
     ctx = make_step_context(typed_config(cfg), Algorithm.from_config(cfg.algorithm), model, tokenizer,
                             make_engine(typed_config(cfg).rollout, model, tokenizer, torch.device("cpu")), torch.device("cpu"),
-                            training_grader(cfg))
+                            training_grader(typed_config(cfg)))
     ctx.policy_version = 3 + index  # versions told apart: the receiver's is not the sender's
     return ctx, swarm_rollout(ctx, typed_config(cfg), SwarmPool(store, index, 2))
 

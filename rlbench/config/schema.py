@@ -478,7 +478,7 @@ class RewardConfig:
     tolerance: float = knob(1.0e-6, "relative tolerance for numeric answers (math)", ge=0)
     extraction: Optional[str] = knob(None, "null: the dataset's reward_extraction (math)")
     verify_timeout_s: float = knob(5.0, "seconds one math-verify comparison may take (math)", gt=0)
-    mode: Optional[str] = knob(None, "all_pass | pass_rate (code)")
+    mode: Literal["all_pass", "pass_rate"] = knob("all_pass", "all_pass: 1 when every test passes | pass_rate: the share of tests passed (code)")
     threshold: float = knob(0.75, "reward at which a response counts as correct (even_tokens)")
 
 

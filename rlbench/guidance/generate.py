@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import DictConfig
 
-from rlbench.config.schema import RolloutConfig
+from rlbench.config.schema import RunConfig
 from rlbench.dataset import load_problems
 from rlbench.guidance.traces import tokenizer_fingerprint
 from rlbench.model import load_policy
@@ -46,17 +47,18 @@ def trace_seed(seed: int, uid: str) -> int:
     return int.from_bytes(hashlib.sha256(f"generate\0{int(seed)}\0{uid}".encode()).digest()[:8], "big") >> 2
 
 
-def write_traces(cfg: Any, rollout: RolloutConfig, device: torch.device) -> dict[str, Any]:
-    """Generate, grade and write the traces of ``cfg.dataset`` to ``cfg.out`` with the sampling settings
-    of ``rollout`` (the typed ``cfg.rollout``); returns the counts."""
+def write_traces(cfg: DictConfig, config: RunConfig, device: torch.device) -> dict[str, Any]:
+    """Generate, grade and write the traces of ``dataset`` to ``out`` with the sampling settings of
+    ``rollout`` (``cfg``: the composed config, for the loaders; ``config``: the same, typed); returns the counts."""
     started = time.perf_counter()
+    rollout = config.rollout
     out = Path(str(cfg.out)).expanduser()
     problems = load_problems(cfg.dataset, seed=cfg.seed, data_dir=cfg.data_dir, source=cfg.data_source)
     model, tokenizer = load_policy(cfg.model, device=device, dtype=torch.float32, seed=cfg.seed, cache_dir=cfg.cache_dir)
     engine = make_engine(rollout, model, tokenizer, device)
-    grader = training_grader(cfg)
+    grader = training_grader(config)
     params = SamplingParams(rollout.temperature, rollout.top_p, rollout.max_new_tokens)
-    keep_incorrect = bool((cfg.get("guidance") or {}).get("keep_incorrect", False))
+    keep_incorrect = config.guidance is not None and config.guidance.keep_incorrect
     fingerprint = tokenizer_fingerprint(tokenizer)
     lines: list[str] = []
     generated = correct = 0

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlbench.config.schema import DatasetConfig, RewardConfig, RunConfig, SandboxConfig
 from rlbench.errors import ConfigError
 from rlbench.reward.math import MathReward
 from rlbench.reward.toy import EvenTokenReward
 
 
-def make_grader(reward_cfg: Any, data_spec: Any, sandbox_cfg: Any = None) -> Any:
-    """The grader of one dataset or benchmark.
+def make_grader(reward: RewardConfig, spec: DatasetConfig, sandbox: SandboxConfig | None = None) -> Any:
+    """The grader of one dataset or benchmark, from the typed ``reward`` and the benchmark's (or training
+    set's) ``spec``; every default is the schema's.
 
     ``reward.name``: ``even_tokens`` (toy) grades everything with the toy reward. Otherwise the
     spec's ``answer_type`` decides: ``code`` runs the tests in the sandbox (reward=code sets its
@@ -21,41 +23,41 @@ def make_grader(reward_cfg: Any, data_spec: Any, sandbox_cfg: Any = None) -> Any
     ``truncated_fallback``, ``last_number_fallback``, ``answer_labels`` and ``list_order`` are the
     spec's alone (the grading conventions of ``docs/evaluation.md``).
     """
-    if reward_cfg.name == "even_tokens":
-        return EvenTokenReward(threshold=reward_cfg.get("threshold", 0.75))
-    if reward_cfg.name not in ("math", "code"):
-        raise ConfigError(f"reward={reward_cfg.name} is unknown; choose math, code or even_tokens")
-    answer_type = data_spec.get("answer_type") or "math"
-    own = reward_cfg if reward_cfg.name == ("code" if answer_type == "code" else "math") else {}
+    if reward.name == "even_tokens":
+        return EvenTokenReward(threshold=reward.threshold)
+    if reward.name not in ("math", "code"):
+        raise ConfigError(f"reward={reward.name} is unknown; choose math, code or even_tokens")
+    answer_type = spec.answer_type or "math"
+    kind = "code" if answer_type == "code" else "math"
+    own = reward if reward.name == kind else RewardConfig(name=kind)  # the other kind's grader at its defaults
     if answer_type == "code":
         from rlbench.reward.code import CodeReward
         from rlbench.sandbox import limits_from_config
 
+        sandbox = sandbox or SandboxConfig()
         return CodeReward(
-            mode=own.get("mode", "all_pass"),
-            correct_reward=own.get("correct_reward", 1.0),
-            incorrect_reward=own.get("incorrect_reward", 0.0),
-            limits=limits_from_config(sandbox_cfg),
-            workers=(sandbox_cfg or {}).get("workers"),
+            mode=own.mode,
+            correct_reward=own.correct_reward,
+            incorrect_reward=own.incorrect_reward,
+            limits=limits_from_config(sandbox),
+            workers=sandbox.workers,
         )
-    extraction = own.get("extraction") or data_spec.get("reward_extraction") or "auto"
-    tolerance = data_spec.get("tolerance")  # the benchmark's own, else reward.tolerance
     return MathReward(
-        correct_reward=own.get("correct_reward", 1.0),
-        incorrect_reward=own.get("incorrect_reward", 0.0),
-        format_weight=own.get("format_weight", 0.0),
-        tolerance=own.get("tolerance", 1e-6) if tolerance is None else tolerance,
-        extraction=extraction,
-        verify_timeout_s=own.get("verify_timeout_s", 5.0),
-        absolute_tolerance=data_spec.get("absolute_tolerance") or 0.0,
+        correct_reward=own.correct_reward,
+        incorrect_reward=own.incorrect_reward,
+        format_weight=own.format_weight,
+        tolerance=own.tolerance if spec.tolerance is None else spec.tolerance,  # the benchmark's own, else reward.tolerance
+        extraction=own.extraction or spec.reward_extraction or "auto",
+        verify_timeout_s=own.verify_timeout_s,
+        absolute_tolerance=spec.absolute_tolerance,
         answer_type=answer_type,
-        truncated_fallback=data_spec.get("truncated_fallback", True),
-        last_number_fallback=data_spec.get("last_number_fallback", True),
-        answer_labels=data_spec.get("answer_labels") or "letter",
-        list_order=data_spec.get("list_order") or "problem",
+        truncated_fallback=spec.truncated_fallback,
+        last_number_fallback=spec.last_number_fallback,
+        answer_labels=spec.answer_labels,
+        list_order=spec.list_order,
     )
 
 
-def training_grader(cfg: Any) -> Any:
-    """The grader of the run's training set (``dataset``), from the composed config."""
-    return make_grader(cfg.reward, cfg.dataset, cfg.get("sandbox"))
+def training_grader(config: RunConfig) -> Any:
+    """The grader of the run's training set (``dataset``), from the typed config."""
+    return make_grader(config.reward, config.dataset, config.sandbox)

@@ -186,11 +186,13 @@ def battery_problems(name: str, conf_dir: Path, every: int = 1) -> tuple[list[st
     its grader, as the benchmark's YAML configures it."""
     from omegaconf import OmegaConf
 
+    from rlbench.config.schema import DatasetConfig, RewardConfig
+    from rlbench.config.typed import typed_node
     from rlbench.dataset import load_problems
     from rlbench.reward.graders import make_grader
 
     path, split = BATTERY_SOURCES[name]
     spec = OmegaConf.load(conf_dir / path)
     problems = load_problems(spec, split=split, source="local")
-    grader = make_grader(OmegaConf.create({"name": "math"}), spec)
+    grader = make_grader(RewardConfig(name="math"), typed_node(spec, DatasetConfig))
     return [p.answer for p in problems][::every], grader

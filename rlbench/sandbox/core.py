@@ -128,9 +128,10 @@ class SandboxLimits:
 CONFIG_LIMIT_KEYS = ("timeout_s", "memory_mb", "file_size_mb", "max_output_bytes", "max_reply_bytes", "cpu_cores", "bwrap_fallback")
 
 
-def limits_from_config(sandbox_cfg: Any) -> SandboxLimits:
-    """``SandboxLimits`` from the run config's ``sandbox`` node (the limits check their own values)."""
-    return SandboxLimits(**{k: v for k, v in dict(sandbox_cfg or {}).items() if k in CONFIG_LIMIT_KEYS})
+def limits_from_config(sandbox: Any) -> SandboxLimits:
+    """``SandboxLimits`` from the run config's typed ``sandbox`` (rlbench.config.schema.SandboxConfig; the
+    limits check their own values)."""
+    return SandboxLimits(**{key: getattr(sandbox, key) for key in CONFIG_LIMIT_KEYS})
 
 
 @dataclass
