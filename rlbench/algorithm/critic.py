@@ -27,7 +27,6 @@ from typing import Any, Mapping
 import torch
 
 from rlbench.algorithm.advantages import gae_returns
-from rlbench.config.typed import settings_block
 from rlbench.errors import ConfigError
 
 # The advantage estimator whose value targets this module computes (its gamma and lam define them).
@@ -47,7 +46,11 @@ class CriticSettings:
         """None when ``algorithm.critic`` is absent or null (no value head)."""
         if node is None:
             return None
-        settings = settings_block(node, cls, "algorithm.critic")
+        unknown = set(dict(node)) - {"coef", "clip"}
+        if unknown:
+            raise ConfigError(f"algorithm.critic has no key(s) {sorted(unknown)}; it takes coef and clip")
+        clip = node.get("clip", cls.clip)
+        settings = cls(coef=float(node.get("coef", cls.coef)), clip=None if clip is None else float(clip))
         if settings.coef <= 0:
             raise ConfigError(
                 f"algorithm.critic.coef must be > 0 (got {settings.coef}); remove algorithm.critic to run without a value head"

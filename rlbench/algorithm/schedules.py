@@ -18,13 +18,13 @@ entropy switch. ``rlbench.training.update_schedules`` applies them to a model.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from rlbench.config.typed import settings_block
 from rlbench.errors import ConfigError
 
 SCHEDULES = ("standard", "sfpo", "trpo", "none")  # none: no parameter update (training_free_grpo)
@@ -99,9 +99,14 @@ def schedule_from_config(update: Mapping[str, Any]) -> tuple[str, SFPOSettings |
 
 
 def settings_from_block(cls: type, node: Mapping[str, Any] | None, key: str) -> Any:
-    """A frozen settings dataclass with a ``check()`` built from the config block ``key``
-    (rlbench.config.typed.settings_block: unknown keys and types refused); then the settings check themselves."""
-    settings = settings_block(node, cls, key)
+    """A frozen settings dataclass with a ``check()`` built from the config block ``key``: a key the
+    class has no field for is a ConfigError naming the ones it takes; then the settings check themselves."""
+    node = dict(node or {})
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(node) - known
+    if unknown:
+        raise ConfigError(f"{key} has no key(s) {sorted(unknown)}; it takes {sorted(known)}")
+    settings = cls(**node)
     settings.check()
     return settings
 

@@ -69,10 +69,11 @@ def plain(value: Any, annotation: Any) -> Any:
 
 
 def settings_block(values: Mapping[str, Any] | None, options_class: type[Schema], where: str) -> Schema:
-    """A settings block (``rollout.<strategy>``, ``algorithm.update.<schedule>``, ``algorithm.critic``, a
-    prompt sampler's) as its dataclass ``options_class``: the fields are the keys, their defaults declared
-    there only; each value converted (:func:`plain`) and checked against the field's type. ConfigError
-    naming ``where`` for an unknown key (with the nearest spelling) or a value of the wrong type."""
+    """A settings block of the run layers (``rollout.<strategy>``, ``trainer.prompt_sampler.<name>``) as its
+    dataclass ``options_class``: the fields are the keys, their defaults declared there only; each value
+    converted (:func:`plain`) and checked against the field's type. ConfigError naming ``where`` for an
+    unknown key (with the nearest spelling) or a value of the wrong type. (The algorithm layer imports
+    nothing outside itself: it reads its blocks with rlbench.algorithm.schedules.settings_from_block.)"""
     block = dict(values or {})
     keys = {spec.name for spec in dataclasses.fields(options_class)}
     unknown = sorted(set(block) - keys)
