@@ -55,6 +55,7 @@ class BudgetProgress:
     def __init__(self, problems: int, n: int, max_new_tokens: int, interval: float = 5.0):
         self.per_problem = n * max(int(max_new_tokens), 0)
         self.meter = Progress("eval: token budget", problems * self.per_problem, min_interval=interval)
+        self.interval = interval
         self.problems, self.problems_done, self.chunk_start, self.chunk_size, self.benchmark = problems, 0, 0, 0, ""
 
     def begin(self, benchmark: str, problems: int) -> None:
@@ -63,7 +64,11 @@ class BudgetProgress:
     def used(self, slots: int) -> None:
         """SamplingParams.on_budget: ``slots`` more token slots used (kept within the current chunk)."""
         room = self.chunk_start + self.chunk_size * self.per_problem - 1 - self.meter.done
-        self.meter.update(max(min(int(slots), room), 0), note=self.note())
+        slots = max(min(int(slots), room), 0)
+        if time.perf_counter() - self.meter.start < self.interval:  # no line (and no wild ETA) from the first steps
+            self.meter.done += slots
+        else:
+            self.meter.update(slots, note=self.note())
 
     def end_chunk(self) -> None:
         self.problems_done += self.chunk_size
