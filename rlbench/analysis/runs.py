@@ -141,7 +141,7 @@ def run_key(run: Run, key: str) -> str:
     """:func:`config_value` of a run as text, with errors that name the run and the key. For an
     evaluation-only run (``mode=eval``) every ``algorithm`` key reads ``eval-only``: nothing was
     trained, so the composed algorithm is not what distinguishes it. ``algorithm`` itself reads as
-    the run identity's label: ``grpo``, or ``grpo+aggregation=token_mean`` when a piece was swapped."""
+    the run identity's label: ``grpo``, or ``grpo+aggregation.token_mean`` when a piece was swapped."""
     if str(run.config.get("mode", "train")) == "eval" and key.split(".")[0] == "algorithm":
         return EVAL_ONLY
     if key == "algorithm":  # the preset with the pieces swapped in it (rlbench/config/identity.py)

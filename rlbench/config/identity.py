@@ -11,14 +11,15 @@ algorithm`` labels runs with the same algorithm label).
     model_source  where the weights came from: the checkpoint's absolute path (links such as
                   ``results/latest`` resolved), the Hub id (``@revision``), or the GGUF package
     algorithm     the preset, then every piece (advantage, loss, aggregation) that differs from the
-                  preset's own: ``grpo+aggregation=token_mean``; None when nothing trains (mode eval)
+                  preset's own: ``grpo+aggregation.token_mean``; None when nothing trains (mode eval)
     dataset       the training set (train, generate); None for an evaluation-only run
     benchmark     the evaluation suite (eval.name: gsm8k, math, all, custom, ...); None for generate
 
-Run names: ``<algorithm>-<model>-<dataset>-s<seed>`` (with ``-eval=<suite>`` before the seed when
+Run names: ``<algorithm>-<model>-<dataset>-s<seed>`` (with ``-eval.<suite>`` before the seed when
 the suite is not the one named after the training set), ``eval-<model>-<suite>-s<seed>``,
 ``generate-<model>-<dataset>-s<seed>``; the wandb group is the name without the seed (and a hash of
-the configuration, rlbench/logger/run_logger.py).
+the configuration, rlbench/logger/run_logger.py). Names hold no ``=`` (nor ``:``), so a run
+folder can be passed as ``resume=<folder>`` unquoted (Hydra's override grammar) and tab-completes.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from rlbench.config.origin import CONF_DIR
 
 PIECES = ("advantage", "loss", "aggregation")  # the algorithm's sub-groups (conf/algorithm/<piece>/)
 HYDRA_STAMP = re.compile(r"^\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_")  # hydra.run.dir's time stamp prefix
-UNSAFE = re.compile(r"[^A-Za-z0-9._+=-]+")  # what a folder name or wandb name should not hold
+UNSAFE = re.compile(r"[^A-Za-z0-9._+-]+")  # what a folder name or wandb name should not hold
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class RunIdentity:
             return f"eval-{self.model}-{self.benchmark}"
         if self.mode == "generate":
             return f"generate-{self.model}-{self.dataset}"
-        suite = f"-eval={self.benchmark}" if self.benchmark not in (None, self.dataset) else ""
+        suite = f"-eval.{self.benchmark}" if self.benchmark not in (None, self.dataset) else ""
         return f"{self.algorithm}-{self.model}-{self.dataset}{suite}"
 
     @property
@@ -119,10 +120,10 @@ def preset_pieces(preset: str) -> dict[str, str]:
 
 
 def algorithm_label(config: Any) -> str:
-    """``<preset>`` plus ``+<piece>=<option>`` for every piece that differs from the preset's."""
+    """``<preset>`` plus ``+<piece>.<option>`` for every piece that differs from the preset's."""
     preset = str(_get(config, "algorithm.name"))
     chosen = preset_pieces(preset)
-    swapped = [f"+{piece}={actual}" for piece in PIECES
+    swapped = [f"+{piece}.{actual}" for piece in PIECES
                if piece in chosen and (actual := _get(config, f"algorithm.{piece}.name")) is not None
                and str(actual) != chosen[piece]]
     return preset + "".join(swapped)

@@ -74,7 +74,7 @@ def wandb_tags(config: Mapping[str, Any]) -> list[str]:
 
 def wandb_group(config: Mapping[str, Any]) -> str:
     """``<the run identity's group>-<hash of the config without the seed>`` (e.g.
-    ``grpo+aggregation=token_mean-smollm2_135m-arith-1a2b3c4d``, ``eval-ckpt_<run>-gsm8k-...``): the
+    ``grpo+aggregation.token_mean-smollm2_135m-arith-1a2b3c4d``, ``eval-ckpt_<run>-gsm8k-...``): the
     seeds of one configuration share it, any other difference separates them."""
     return f"{run_identity(config).group}-{group_key(config)[:8]}"
 
