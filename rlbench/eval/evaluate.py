@@ -52,9 +52,9 @@ class BudgetProgress:
     ``[eval] 35% ... ETA 04:10  gsm8k: 16/48 problems done``. The ETA assumes the rest decodes at the
     rate so far and that every sample may run to the budget: an upper bound when samples stop early."""
 
-    def __init__(self, problems: int, n: int, max_new_tokens: int, interval: float = 5.0):
+    def __init__(self, problems: int, n: int, max_new_tokens: int, interval: float = 5.0, enabled: bool = True):
         self.per_problem = n * max(int(max_new_tokens), 0)
-        self.meter = Progress("eval: token budget", problems * self.per_problem, min_interval=interval)
+        self.meter = Progress("eval: token budget", problems * self.per_problem, min_interval=interval, enabled=enabled)
         self.interval = interval
         self.problems, self.problems_done, self.chunk_start, self.chunk_size, self.benchmark = problems, 0, 0, 0, ""
 
@@ -138,7 +138,8 @@ def evaluate(
     results: list[ProblemResult] = []
     samples: list[dict] = []
     shares = [world.shard_padded(b.problems) if world is not None and b.problems else (b.problems, len(b.problems)) for b in benchmarks]
-    progress = BudgetProgress(sum(len(own) for own, _ in shares), n, params.max_new_tokens, progress_interval)
+    progress = BudgetProgress(sum(len(own) for own, _ in shares), n, params.max_new_tokens, progress_interval,
+                              enabled=world is None or world.is_main)  # rank 0 speaks for its share
     params = dataclasses.replace(params, on_budget=progress.used)
     for bench, (own, real) in zip(benchmarks, shares):
         for lo in range(0, len(own), chunk_prompts):
