@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 import rlbench
 from rlbench import faults
 from rlbench.algorithm import Algorithm
+from rlbench.config.identity import run_identity
 from rlbench.config.schema import RunConfig
 from rlbench.config.typed import typed_config
 from rlbench.dataset import load_problems
@@ -260,8 +261,9 @@ class Run:
         return result
 
     def summary_fields(self, status: str, exit_code: int) -> dict[str, Any]:
-        """The fields every summary has, a finished run's or a stopped one's."""
-        return {"run_name": self.config.run_name, "status": status, "exit_code": exit_code}
+        """The fields every summary has, a finished run's or a stopped one's: the name and what ran
+        (mode, model and its source, algorithm, dataset, benchmark: rlbench/config/identity.py)."""
+        return {"run_name": self.config.run_name, **run_identity(self.cfg).fields(), "status": status, "exit_code": exit_code}
 
     def closing_fields(self) -> dict[str, Any]:
         return {"wall_seconds": time.perf_counter() - self.started, "git_commit": git_commit(), "command": " ".join(sys.argv)}
@@ -353,10 +355,6 @@ def summarise(run: Run, policy: Policy, final: EvalResult, training_summary: dic
                     merge_lora=config.model.lora is not None and config.model.lora.merge_on_save)
     summary = {
         **run.summary_fields("finished", 0),
-        "mode": config.mode,
-        "algorithm": run.algorithm.name,
-        "model": config.model.name,
-        "dataset": config.dataset.name,
         "seed": config.seed,
         "pass_at_1_before": baseline.pass_at(1) if baseline else None,
         "pass_at_1_after": final.pass_at(1),

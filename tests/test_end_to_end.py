@@ -99,7 +99,9 @@ def test_saved_policy_loads_for_evaluation(smoke_run, make_cfg):
                            "eval.n=4", "eval.k=[1,2,4]", "eval.limit=4", "rollout.max_new_tokens=8",
                            "dataset.arith.test_size=16"))
     assert summary["pass_at_1_before"] is None and set(summary["pass_at_1_after"]) == {"arith"}
-    assert summary["model"] == "checkpoint" and summary["mode"] == "eval"
+    # named by the checkpoint it evaluated, not by the preset (rlbench/config/identity.py)
+    assert summary["model"] == f"ckpt_{out.name}" and summary["model_source"] == str((out / "policy").resolve())
+    assert summary["mode"] == "eval" and summary["algorithm"] is None and summary["dataset"] is None
     # the same problems and sampler as the run's own final evaluation: the same score
     assert summary["pass_at_1_after"] == json.loads((out / "summary.json").read_text())["pass_at_1_after"]
 

@@ -134,3 +134,28 @@ def test_runner_refuses_an_empty_benchmark_before_the_model_loads(tmp_path, make
     allowed = make_cfg("mode=eval", "eval=custom", f"eval.benchmarks.custom.files.test={empty}", "eval.benchmarks.custom.allow_empty=true")
     (bench,) = runner.load_benchmarks(allowed, typed_config(allowed))
     assert bench.problems == [] and bench.skipped == 0
+
+
+def test_engine_reports_the_whole_token_budget_while_decoding(engine_and_tokenizer):
+    """SamplingParams.on_budget: the reports add up to max_new_tokens per sample (sampled tokens plus
+    the unused rest of the samples that ended), and arrive step by step, not once at the end."""
+    engine, tokenizer = engine_and_tokenizer
+    reports: list[int] = []
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=6, on_budget=reports.append)
+    requests = [GenerationRequest(prompt_ids=tokenizer.encode(f"{i} + {i}"), n=3, seed=i) for i in range(4)]
+    engine.generate(requests, params)
+    assert sum(reports) == 4 * 3 * params.max_new_tokens
+    assert len(reports) > 1 and all(r > 0 for r in reports)
+
+
+def test_evaluation_shows_progress_with_an_eta_while_a_chunk_decodes(engine_and_tokenizer, capsys):
+    """One chunk holds every problem: lines with an ETA appear before any problem is done (the
+    progress counts token slots of the budget, not finished chunks), and the last says all are done."""
+    engine, tokenizer = engine_and_tokenizer
+    evaluate(engine, tokenizer, [_benchmark("b", 5)], n=2, ks=[1], params=PARAMS, seed=0, chunk_prompts=16,
+             progress_interval=0.0)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[eval: token budget]")]
+    during = [line for line in lines if "b: 0/5 problems done" in line]
+    assert during and any("ETA --:--" not in line for line in during), lines
+    assert lines[-1].startswith(f"[eval: token budget] {5 * 2 * PARAMS.max_new_tokens}/{5 * 2 * PARAMS.max_new_tokens} (100%)")
+    assert lines[-1].endswith("b: 5/5 problems done")

@@ -99,7 +99,7 @@ def test_group_is_the_config_without_the_seed_and_sweep_names_are_unique():
     assert wandb_run_name(CONFIG, in_sweep=False) == "grpo-tiny-arith-s0"
     assert wandb_run_name(CONFIG, in_sweep=True) != wandb_run_name(other, in_sweep=True)
     assert wandb_run_name(CONFIG, in_sweep=True).startswith("grpo-tiny-arith-s0-")
-    assert wandb_tags(CONFIG) == ["algorithm:grpo", "model:tiny", "dataset:arith", "rollout:iid"]
+    assert wandb_tags(CONFIG) == ["mode:train", "algorithm:grpo", "model:tiny", "dataset:arith", "rollout:iid"]
 
 
 def test_eval_keys_one_key_per_value_and_no_maj_where_answers_cannot_vote():
@@ -114,13 +114,14 @@ def test_eval_keys_one_key_per_value_and_no_maj_where_answers_cannot_vote():
 def test_an_offline_eval_run_has_its_job_type_tags_and_group(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    config = {**CONFIG, "mode": "eval"}
+    config = {**CONFIG, "mode": "eval", "eval": {"name": "gsm8k"}}
     logger = RunLogger(tmp_path, config, "{}", {"name": "wandb", "mode": "auto", "tags": ["mine"]}, job_type="eval")
     logger.log_evaluation(0, [{"benchmark": "arith", "k": 1, "pass_at_k": 0.25, "maj_at_k": 0.25, "phase": "eval"}])
     logger.finish()
     run, history = read_offline_run(tmp_path)
     assert run["job_type"] == "eval" and run["group"] == wandb_group(config)
-    assert run["tags"] == ["mine", "algorithm:grpo", "model:tiny", "dataset:arith", "rollout:iid"]
+    assert run["group"].startswith("eval-tiny-gsm8k-")  # what ran: no algorithm nor training set
+    assert run["tags"] == ["mine", "mode:eval", "model:tiny", "benchmark:gsm8k", "rollout:iid"]
     assert [h["eval/arith/pass@1"] for h in history if "eval/arith/pass@1" in h] == [0.25]
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import pandas as pd
 from omegaconf import OmegaConf
 
+from rlbench.config.identity import run_identity
 from rlbench.errors import ConfigError, DataError
 from rlbench.logger.run_status import FINISHED, read_status
 
@@ -139,9 +140,12 @@ EVAL_ONLY = "eval-only"
 def run_key(run: Run, key: str) -> str:
     """:func:`config_value` of a run as text, with errors that name the run and the key. For an
     evaluation-only run (``mode=eval``) every ``algorithm`` key reads ``eval-only``: nothing was
-    trained, so the composed algorithm is not what distinguishes it."""
+    trained, so the composed algorithm is not what distinguishes it. ``algorithm`` itself reads as
+    the run identity's label: ``grpo``, or ``grpo+aggregation.token_mean`` when a piece was swapped."""
     if str(run.config.get("mode", "train")) == "eval" and key.split(".")[0] == "algorithm":
         return EVAL_ONLY
+    if key == "algorithm":  # the preset with the pieces swapped in it (rlbench/config/identity.py)
+        return run_identity(run.config).algorithm or EVAL_ONLY
     try:
         return format_value(config_value(run.config, key))
     except KeyError:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -40,6 +41,41 @@ def usable_problems(name: str, problems: list[Problem], spec: Mapping[str, Any],
         f"benchmark {name!r} has no usable problems: {why}. Fix the file or the field mapping, or set "
         f"eval.benchmarks.{name}.allow_empty=true to report it as a row marked empty"
     )
+
+
+class BudgetProgress:
+    """Progress of an evaluation in token slots of its budget (``max_new_tokens`` per sample), with
+    an ETA: the engine reports every sampled token and a finished sample's unused rest
+    (SamplingParams.on_budget), so one long sample shows progress while it decodes, and at the end of
+    each chunk of problems the count is set to exactly what that chunk budgeted (an engine that
+    reports nothing then shows progress per chunk). A line at most every ``interval`` seconds:
+    ``[eval] 35% ... ETA 04:10  gsm8k: 16/48 problems done``. The ETA assumes the rest decodes at the
+    rate so far and that every sample may run to the budget: an upper bound when samples stop early."""
+
+    def __init__(self, problems: int, n: int, max_new_tokens: int, interval: float = 5.0, enabled: bool = True):
+        self.per_problem = n * max(int(max_new_tokens), 0)
+        self.meter = Progress("eval: token budget", problems * self.per_problem, min_interval=interval, enabled=enabled)
+        self.interval = interval
+        self.problems, self.problems_done, self.chunk_start, self.chunk_size, self.benchmark = problems, 0, 0, 0, ""
+
+    def begin(self, benchmark: str, problems: int) -> None:
+        self.benchmark, self.chunk_size, self.chunk_start = benchmark, problems, self.meter.done
+
+    def used(self, slots: int) -> None:
+        """SamplingParams.on_budget: ``slots`` more token slots used (kept within the current chunk)."""
+        room = self.chunk_start + self.chunk_size * self.per_problem - 1 - self.meter.done
+        slots = max(min(int(slots), room), 0)
+        if time.perf_counter() - self.meter.start < self.interval:  # no line (and no wild ETA) from the first steps
+            self.meter.done += slots
+        else:
+            self.meter.update(slots, note=self.note())
+
+    def end_chunk(self) -> None:
+        self.problems_done += self.chunk_size
+        self.meter.update(self.chunk_start + self.chunk_size * self.per_problem - self.meter.done, note=self.note())
+
+    def note(self) -> str:
+        return f"{self.benchmark}: {self.problems_done}/{self.problems} problems done"
 
 
 def problem_seed(seed: int, benchmark: str, uid: str) -> int:
@@ -81,6 +117,7 @@ def evaluate(
     seed: int,
     chunk_prompts: int = 16,
     world: Any = None,
+    progress_interval: float = 5.0,
 ) -> EvalResult:
     """Sample ``n`` completions per problem, grade them and summarise pass@k / maj@k / accuracy.
 
@@ -93,14 +130,18 @@ def evaluate(
     and grades its share of every benchmark's problems (``shard_padded``: the same number on every
     rank), and the shares are gathered back into the problems' order before the summary, which
     is therefore the one a single process computes.
+
+    Progress (:class:`BudgetProgress`) goes to stderr at most every ``progress_interval`` seconds,
+    while samples decode.
     """
     start = time.perf_counter()
     results: list[ProblemResult] = []
     samples: list[dict] = []
-    total = sum(len(b.problems) for b in benchmarks)
-    progress = Progress("eval", total)
-    for bench in benchmarks:
-        own, real = world.shard_padded(bench.problems) if world is not None and bench.problems else (bench.problems, len(bench.problems))
+    shares = [world.shard_padded(b.problems) if world is not None and b.problems else (b.problems, len(b.problems)) for b in benchmarks]
+    progress = BudgetProgress(sum(len(own) for own, _ in shares), n, params.max_new_tokens, progress_interval,
+                              enabled=world is None or world.is_main)  # rank 0 speaks for its share
+    params = dataclasses.replace(params, on_budget=progress.used)
+    for bench, (own, real) in zip(benchmarks, shares):
         for lo in range(0, len(own), chunk_prompts):
             chunk = own[lo : lo + chunk_prompts]
             prompt_ids = encode_prompts(tokenizer, chunk, bench.spec["prompt"])
@@ -108,6 +149,7 @@ def evaluate(
                 GenerationRequest(prompt_ids=ids, n=n, seed=problem_seed(seed, bench.name, p.uid))
                 for ids, p in zip(prompt_ids, chunk)
             ]
+            progress.begin(bench.name, len(chunk))
             groups = engine.generate(requests, params)
             flat = [c for group in groups for c in group]
             all_grades = grade_completions(bench.grader, [p for p, g in zip(chunk, groups) for _ in g], flat)
@@ -143,7 +185,7 @@ def evaluate(
                             **({"grader_details": g.details} if getattr(g, "details", None) else {}),
                         }
                     )
-            progress.update(len(chunk), note=bench.name)
+            progress.end_chunk()
     if world is not None:
         results, samples = in_problem_order(benchmarks, world.gather(results), world.gather(samples))
     rows = summarize(results, ks, seed=seed) if results else []

@@ -10,8 +10,9 @@ Files (all written atomically except the append-only metrics log):
     summary.json       before/after pass@1 per benchmark, wall time, versions, git commit
     status.json        running / finished / failed (rlbench/logger/run_status.py)
 
-wandb (docs/running.md): ``group`` = the configuration without the seed, ``job_type`` = train or
-eval, tags ``algorithm:<name>``, ``model:``, ``dataset:``, ``rollout:``; step metrics under
+wandb (docs/running.md): ``group`` = the run identity without the seed and a hash of the configuration
+without the seed, ``job_type`` = train or eval, tags ``mode:``, ``algorithm:``, ``model:``,
+``dataset:``, ``benchmark:`` (rlbench/config/identity.py), ``rollout:``; step metrics under
 ``actor/``, ``rollout/``, ``reward/`` and ``timing/`` (:func:`wandb_key`; the local metrics.jsonl
 keeps the bare names); every evaluation as ``eval/<benchmark>/pass@k`` and ``maj@k`` at its step,
 so pass@k has a curve and its summary is the final value; in a sweep the run name gets a short hash
@@ -28,6 +29,7 @@ from typing import Any, Mapping, Sequence
 
 import pandas as pd
 
+from rlbench.config.identity import run_identity
 from rlbench.logger.run_status import config_key, group_key
 from rlbench.utils import atomic_write_json, atomic_write_text
 
@@ -63,23 +65,18 @@ def eval_keys(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     return values
 
 
-def _name_of(config: Mapping[str, Any], node: str) -> str:
-    value = config.get(node)
-    return str(value.get("name") if isinstance(value, Mapping) else value)
-
-
 def wandb_tags(config: Mapping[str, Any]) -> list[str]:
+    """The run identity's tags (rlbench/config/identity.py) and ``rollout:<strategy>``."""
     rollout = config.get("rollout") or {}
     strategy = rollout.get("strategy", "iid") if isinstance(rollout, Mapping) else "iid"
-    tags = [f"{node}:{_name_of(config, node)}" for node in ("algorithm", "model", "dataset")]
-    return [*tags, f"rollout:{strategy}"]
+    return [*run_identity(config).tags(), f"rollout:{strategy}"]
 
 
 def wandb_group(config: Mapping[str, Any]) -> str:
-    """``<algorithm>-<model>-<dataset>-<hash of the config without the seed>``: the seeds of one
-    configuration share it, any other difference separates them."""
-    readable = "-".join(_name_of(config, node) for node in ("algorithm", "model", "dataset"))
-    return f"{readable}-{group_key(config)[:8]}"
+    """``<the run identity's group>-<hash of the config without the seed>`` (e.g.
+    ``grpo+aggregation.token_mean-smollm2_135m-arith-1a2b3c4d``, ``eval-ckpt_<run>-gsm8k-...``): the
+    seeds of one configuration share it, any other difference separates them."""
+    return f"{run_identity(config).group}-{group_key(config)[:8]}"
 
 
 def wandb_run_name(config: Mapping[str, Any], in_sweep: bool) -> str:

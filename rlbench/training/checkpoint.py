@@ -52,8 +52,9 @@ MANIFEST = "manifest.json"
 MODEL_FILE, OPTIMIZER_FILE, STATE_FILE = "model.pt", "optimizer.pt", "state.pt"
 SHARDED_DIR = "sharded"  # fsdp: the model's and the optimizer's shards (torch.distributed.checkpoint)
 FORMAT = 1
-# Top-level config keys that say how to resume, not what the run does: never compared.
-RESUME_KEYS = ("resume", "resume_allow", "output_dir", "hydra")
+# Top-level config keys that say how to resume, not what the run does: never compared. run_name is a
+# label derived from the rest (rlbench/config/identity.py): a run named by an earlier rule still resumes.
+RESUME_KEYS = ("resume", "resume_allow", "output_dir", "hydra", "run_name")
 
 
 class CheckpointError(ConfigError):

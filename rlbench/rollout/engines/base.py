@@ -20,7 +20,7 @@ the same interface on GPU (its scoring runs on the Hugging Face policy model it 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -43,12 +43,17 @@ class LogitsTransform(Protocol):
 class SamplingParams:
     """How to sample. ``temperature == 0`` means greedy decoding. ``logits_transform``: an optional
     :class:`LogitsTransform` applied before temperature and top-p at every decoding step (None: the
-    plain distribution)."""
+    plain distribution). ``on_budget``: an optional callback told, as decoding goes, how many token
+    slots of the budget (``max_new_tokens`` per sample) were used up since its last call: every
+    sampled token, and a finished sample's unused rest; over a call of ``generate`` the counts add
+    up to ``max_new_tokens`` times the number of samples (engines that decode in one opaque call
+    report it once at the end). Long evaluations show progress with it (rlbench.eval.evaluate)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 64
     logits_transform: LogitsTransform | None = field(default=None, compare=False)
+    on_budget: Callable[[int], None] | None = field(default=None, compare=False)
 
 
 def check_transform_requests(requests: Sequence["GenerationRequest"], params: SamplingParams) -> None:

@@ -471,6 +471,9 @@ class HFGenerateEngine:
                     tokens[r].append(t)
                     logprobs[r].append(lp)
             running = ~torch.isin(chosen, eos)
+            if params.on_budget is not None:  # the tokens sampled, and the unused budget of the rows that ended
+                ended_now = 0 if self.synced_gpus else len(active) - int(running.sum())
+                params.on_budget(len(active) + ended_now * (params.max_new_tokens - step - 1))
             if self.synced_gpus:  # every rank decodes max_new_tokens steps over all its rows
                 ended.update(r for r, go in zip(active, running.tolist()) if not go)
                 if step == params.max_new_tokens - 1:
