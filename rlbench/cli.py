@@ -19,9 +19,9 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from rlbench.errors import ConfigError, DataError, error_message
+from rlbench.errors import AlreadyFinished, ConfigError, DataError, error_message
 from rlbench.logger.run_status import (
-    FAILED, FINISHED, INTERRUPTED, RUNNING, command_line_overrides, config_key, in_sweep,
+    FAILED, FINISHED, INTERRUPTED, RUNNING, command_line_overrides, config_key, in_sweep, read_status,
 )
 from rlbench.logger.run_status import write_status as write_run_status
 
@@ -42,12 +42,18 @@ def app(cfg: DictConfig) -> float | None:
     from rlbench.runner import run
     from rlbench.training.interrupt import Interrupted
 
-    out_dir, key = None, ""
+    out_dir, key, previous = None, "", None
     try:
         out_dir = Path(cfg.output_dir)
         key = config_key(OmegaConf.to_container(cfg, resolve=True))
-        write_status(out_dir, RUNNING, key, run_name=cfg.run_name, overrides=command_line_overrides())
+        previous = read_status(out_dir) if cfg.resume else None  # a resumed run's: kept if it had finished
+        write_status(out_dir, RUNNING, key, run_name=cfg.run_name, overrides=command_line_overrides(),
+                     **({"previous_status": previous.get("status")} if previous else {}))
         summary = run(cfg)
+    except AlreadyFinished as finished:  # resume= of a finished run: its status and files stay as they were
+        write_status(out_dir, previous.pop("status"), previous.pop("config_key", key), **previous)
+        print(f"rlbench: {finished}", file=sys.stderr)
+        return None
     except Interrupted as stopped:  # Ctrl-C / SIGTERM: a checkpoint and the summary are written
         write_status(out_dir, INTERRUPTED, key, run_name=cfg.run_name, signal=stopped.signal_name,
                      exit_code=stopped.exit_code, overrides=command_line_overrides())

@@ -35,8 +35,8 @@ from rlbench.dataset import load_problems
 from rlbench.guidance import GuidanceOptions, load_guidance
 from rlbench.eval.evaluate import Benchmark, EvalResult, evaluate, usable_problems
 from rlbench.logger import RunLogger, SilentLogger
-from rlbench.errors import ConfigError
-from rlbench.logger.run_status import command_line_overrides, config_key, in_sweep
+from rlbench.errors import AlreadyFinished, ConfigError
+from rlbench.logger.run_status import FINISHED, command_line_overrides, config_key, in_sweep, read_status
 from rlbench.model import load_policy
 from rlbench.model.lora import apply_lora, is_lora, save_lora
 from rlbench.reward.graders import make_grader, training_grader
@@ -187,7 +187,19 @@ def resume_point(config: RunConfig, resolved: dict[str, Any], pool: SwarmPool | 
             f"resume: checkpoint {saved.path} is at step {saved.step}; the resumed run must train "
             f"(mode=train) for trainer.steps >= {saved.step} (got mode={config.mode}, trainer.steps={trainer.steps})"
         )
+    if trainer.steps == saved.step and not config.resume_evaluate_again and previous_status(folder) == FINISHED:
+        raise AlreadyFinished(
+            f"{config.resume} already finished ({saved.step} steps; its results are in that folder): nothing to resume.\n"
+            f"  evaluate it again: rlbench resume={config.resume} resume_evaluate_again=true\n"
+            f"  train it longer:   rlbench resume={config.resume} trainer.steps={saved.step + 1} \"resume_allow=[trainer.steps]\"")
     return saved
+
+
+def previous_status(folder: Path) -> str | None:
+    """The status the run folder had before this process started (the CLI keeps it in
+    ``previous_status`` of status.json while it marks the run running)."""
+    record = read_status(folder) or {}
+    return record.get("previous_status", record.get("status"))
 
 
 BEFORE_EVAL_FILE = "before.json"  # eval/before.json: the evaluation before training, kept for a resumed run

@@ -53,7 +53,7 @@ MODEL_FILE, OPTIMIZER_FILE, STATE_FILE = "model.pt", "optimizer.pt", "state.pt"
 SHARDED_DIR = "sharded"  # fsdp: the model's and the optimizer's shards (torch.distributed.checkpoint)
 FORMAT = 1
 # Top-level config keys that say how to resume, not what the run does: never compared.
-RESUME_KEYS = ("resume", "resume_allow", "output_dir", "hydra")
+RESUME_KEYS = ("resume", "resume_allow", "resume_evaluate_again", "output_dir", "hydra")
 
 
 class CheckpointError(ConfigError):
