@@ -90,9 +90,12 @@ PLAIN_OVERRIDE = re.compile(r"^(?!hydra\.)([A-Za-z_]\w*(?:\.\w+)+)=")
 def check_plain_overrides(args: list[str]) -> None:
     """A plain ``a.b=value`` override of a key the config does not have exits 2, naming the key and its
     nearest spelling, before Hydra refuses it with its own error (exit 1). ``++``/``+`` overrides are
-    checked against the schemas later (rlbench.config.walk); sweeps are checked by the sweeper."""
-    if any(arg in ("-m", "--multirun") or arg.startswith("-") for arg in args):
+    checked against the schemas later (rlbench.config.walk). In a sweep (``-m``) the overrides with one
+    value are checked here (Hydra applies them before the sweeper starts); swept ones by the sweeper."""
+    if any(arg.startswith("-") and arg not in ("-m", "--multirun") for arg in args):
         return
+    if any(arg in ("-m", "--multirun") for arg in args):
+        args = [arg for arg in args if arg not in ("-m", "--multirun") and "," not in arg.partition("=")[2]]
     plain = {m.group(1): arg for arg in args if (m := PLAIN_OVERRIDE.match(arg))}
     if not plain:
         return
@@ -110,6 +113,54 @@ def check_plain_overrides(args: list[str]) -> None:
         message = unknown_override_message(cfg, key, arg)
         if message:
             fail(message)
+
+
+GROUP_CHOICE = re.compile(r"^([A-Za-z_][\w/]*)=([^()\[\]{}]+)$")  # group=option (a sweep: a,b,c)
+
+
+def unknown_option_message(arg: str) -> str | None:
+    """For ``group=option`` (or a sweep's ``group=a,b``) naming an option the group does not have: the
+    message with the nearest option names (instead of Hydra's list of every option); else None."""
+    match = GROUP_CHOICE.match(arg)
+    folder = Path(CONF_DIR) / match.group(1) if match else None
+    if folder is None or not folder.is_dir():
+        return None
+    group = match.group(1)
+    unknown = [v.strip() for v in match.group(2).split(",")
+               if v.strip() and v.strip() != "null" and not (folder / f"{v.strip()}.yaml").is_file()]
+    if not unknown:
+        return None
+    import difflib
+
+    from rlbench.listing import group_options
+
+    options = group_options()[group]
+    closest = difflib.get_close_matches(unknown[0], options, n=3, cutoff=0.5)
+    hint = f"did you mean {' or '.join(closest)}? " if closest else ""
+    return (f"{arg}: {group} has no option '{unknown[0]}'; {hint}(rlbench-list shows all {len(options)} "
+            f"{group} options)")
+
+
+def explain_override_error(overrides: list[str], compose) -> str | None:
+    """A sweep point Hydra refused, said as a single run says it: an unknown group option with its
+    nearest names, or an unknown key with its nearest spelling (``compose(overrides)`` -> the config
+    without the bad key); None when neither explains it."""
+    from rlbench.config.walk import unknown_override_message
+
+    for arg in overrides:
+        if message := unknown_option_message(arg):
+            return message
+    for arg in overrides:
+        match = PLAIN_OVERRIDE.match(arg)
+        if not match:
+            continue
+        try:
+            cfg = compose([other for other in overrides if other != arg])
+        except Exception:  # noqa: BLE001 - another override is at fault too: leave Hydra's message
+            return None
+        if message := unknown_override_message(cfg, match.group(1), arg):
+            return message
+    return None
 
 
 RUNS_ROOT = Path("results") / "runs"  # where runs go (hydra.run.dir); resume=auto looks here
@@ -151,6 +202,10 @@ def main() -> None:
         print("\n".join(help_lines()))
         return
     sys.argv[1:] = resume_arguments(sys.argv[1:])
+    if not any(arg in ("-m", "--multirun") for arg in sys.argv[1:]):  # a sweep lists its invalid points
+        for arg in sys.argv[1:]:
+            if message := unknown_option_message(arg):
+                fail(message)
     check_plain_overrides(sys.argv[1:])
     app()
 

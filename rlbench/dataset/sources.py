@@ -179,7 +179,7 @@ def _hub_offline() -> bool:
 HUB_PROBE_SECONDS = 3.0  # one connection attempt; unanswered, the Hub counts as unreachable
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hub_reachable() -> bool:
     """Whether the Hugging Face Hub (``HF_ENDPOINT``, default https://huggingface.co) accepts a TCP
     connection within :data:`HUB_PROBE_SECONDS`, checked once per process. Validation asks it before
