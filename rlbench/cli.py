@@ -37,8 +37,34 @@ def write_status(*args, **kwargs) -> None:
         write_run_status(*args, **kwargs)
 
 
+VERBOSE_ENV = "RLBENCH_VERBOSE"  # 1: third-party progress bars, infos and warnings as their libraries print them
+
+
+def quiet_console(rank: str, verbose: bool) -> None:
+    """Unless ``verbose``: transformers' and the Hub's progress bars and infos off, Python warnings
+    (deprecations) off. On a rank other than 0 (torchrun) only warnings and errors are logged and no
+    Python warnings shown, so every line appears once."""
+    import warnings
+
+    if rank != "0":
+        logging.getLogger().setLevel(logging.WARNING)
+        log.setLevel(logging.WARNING)
+        warnings.simplefilter("ignore")
+    if verbose:
+        return
+    warnings.simplefilter("ignore", DeprecationWarning)
+    warnings.simplefilter("ignore", FutureWarning)
+    import huggingface_hub.utils
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    huggingface_hub.utils.disable_progress_bars()
+
+
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def app(cfg: DictConfig) -> float | None:
+    quiet_console(os.environ.get("RANK", "0"), os.environ.get(VERBOSE_ENV, "") not in ("", "0"))
     from rlbench.runner import run
     from rlbench.training.interrupt import Interrupted
 

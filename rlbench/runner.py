@@ -442,7 +442,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             summary = summarise(run, policy, final, training_summary)
         if run.world.is_main:
             print_table(final, run.baseline)
-            print(f"results: {run.out_dir}")
     except Interrupted as stopped:
         interrupted(run, stopped)
         raise
@@ -453,6 +452,16 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     finally:
         run.logger.finish()
         close_world(run.world)
-    if run.world.is_main:
+    if run.world.is_main:  # after wandb's footer (logger.finish), so the path is the last line printed
         link_latest(run.out_dir)
+        print(results_line(run.out_dir), flush=True)
     return summary
+
+
+def results_line(out_dir: Path) -> str:
+    """``results: <run folder>``, with the saved policy's size when there is one."""
+    policy = out_dir / "policy"
+    if not policy.is_dir():
+        return f"results: {out_dir}"
+    size = sum(f.stat().st_size for f in policy.rglob("*") if f.is_file())
+    return f"results: {out_dir} (policy/ {size / 1e6:.0f} MB; trainer.save_model=false skips it)"
