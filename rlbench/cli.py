@@ -149,7 +149,7 @@ def unknown_option_message(arg: str) -> str | None:
     message with the nearest option names (instead of Hydra's list of every option); else None."""
     match = GROUP_CHOICE.match(arg)
     folder = Path(CONF_DIR) / match.group(1) if match else None
-    if folder is None or not folder.is_dir():
+    if folder is None or not folder.is_dir() or match.group(1).split("/")[0] == "hydra":  # Hydra's plugins add options
         return None
     group = match.group(1)
     unknown = [v.strip() for v in match.group(2).split(",")
