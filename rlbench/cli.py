@@ -77,7 +77,8 @@ def app(cfg: DictConfig) -> float | None:
                      **({"previous_status": previous.get("status")} if previous else {}))
         summary = run(cfg)
     except AlreadyFinished as finished:  # resume= of a finished run: its status and files stay as they were
-        write_status(out_dir, previous.pop("status"), previous.pop("config_key", key), **previous)
+        if previous:
+            write_status(out_dir, previous.pop("status"), previous.pop("config_key", key), **previous)
         print(f"rlbench: {finished}", file=sys.stderr)
         return None
     except Interrupted as stopped:  # Ctrl-C / SIGTERM: a checkpoint and the summary are written
