@@ -9,6 +9,11 @@ class DataError(ValueError):
     """A data file is missing or malformed; the message names the file (and line)."""
 
 
+class AlreadyFinished(Exception):
+    """``resume=`` of a run that finished, with nothing left to train: the message says so and how to
+    evaluate it again or train it longer; the process exits 0 and the run's files stay as they were."""
+
+
 def error_message(err: BaseException) -> str:
     """The one-line report of a refused or failed run: ``ConfigError: ...``; a ``???`` left in the
     config (omegaconf's MissingMandatoryValue) says which key to add on the command line."""

@@ -36,8 +36,8 @@ from rlbench.dataset import load_problems
 from rlbench.guidance import GuidanceOptions, load_guidance
 from rlbench.eval.evaluate import Benchmark, EvalResult, evaluate, usable_problems
 from rlbench.logger import RunLogger, SilentLogger
-from rlbench.errors import ConfigError
-from rlbench.logger.run_status import command_line_overrides, config_key, in_sweep
+from rlbench.errors import AlreadyFinished, ConfigError
+from rlbench.logger.run_status import FINISHED, command_line_overrides, config_key, in_sweep, read_status
 from rlbench.model import load_policy
 from rlbench.model.lora import apply_lora, is_lora, save_lora
 from rlbench.reward.graders import make_grader, training_grader
@@ -188,7 +188,19 @@ def resume_point(config: RunConfig, resolved: dict[str, Any], pool: SwarmPool | 
             f"resume: checkpoint {saved.path} is at step {saved.step}; the resumed run must train "
             f"(mode=train) for trainer.steps >= {saved.step} (got mode={config.mode}, trainer.steps={trainer.steps})"
         )
+    if trainer.steps == saved.step and not config.resume_evaluate_again and previous_status(folder) == FINISHED:
+        raise AlreadyFinished(
+            f"{config.resume} already finished ({saved.step} steps; its results are in that folder): nothing to resume.\n"
+            f"  evaluate it again: rlbench resume={config.resume} resume_evaluate_again=true\n"
+            f"  train it longer:   rlbench resume={config.resume} trainer.steps={saved.step + 1} \"resume_allow=[trainer.steps]\"")
     return saved
+
+
+def previous_status(folder: Path) -> str | None:
+    """The status the run folder had before this process started (the CLI keeps it in
+    ``previous_status`` of status.json while it marks the run running)."""
+    record = read_status(folder) or {}
+    return record.get("previous_status", record.get("status"))
 
 
 BEFORE_EVAL_FILE = "before.json"  # eval/before.json: the evaluation before training, kept for a resumed run
@@ -428,7 +440,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             summary = summarise(run, policy, final, training_summary)
         if run.world.is_main:
             print_table(final, run.baseline)
-            print(f"results: {run.out_dir}")
     except Interrupted as stopped:
         interrupted(run, stopped)
         raise
@@ -439,6 +450,16 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     finally:
         run.logger.finish()
         close_world(run.world)
-    if run.world.is_main:
+    if run.world.is_main:  # after wandb's footer (logger.finish), so the path is the last line printed
         link_latest(run.out_dir)
+        print(results_line(run.out_dir), flush=True)
     return summary
+
+
+def results_line(out_dir: Path) -> str:
+    """``results: <run folder>``, with the saved policy's size when there is one."""
+    policy = out_dir / "policy"
+    if not policy.is_dir():
+        return f"results: {out_dir}"
+    size = sum(f.stat().st_size for f in policy.rglob("*") if f.is_file())
+    return f"results: {out_dir} (policy/ {size / 1e6:.0f} MB; trainer.save_model=false skips it)"

@@ -76,6 +76,11 @@ def atomic_write_json(path: str | Path, data: Any) -> None:
     atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
 
 
+def plural(count: int, noun: str) -> str:
+    """``count`` and ``noun``, with an s unless the count is one: ``1 group``, ``2 groups``."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
 def format_seconds(seconds: float) -> str:
     seconds = max(0, int(round(seconds)))
     minutes, s = divmod(seconds, 60)

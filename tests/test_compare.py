@@ -16,7 +16,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from rlbench.analysis.cli import main
+from rlbench.analysis.cli import compare, main, parse_args
 from rlbench.analysis.runs import config_value, find_run_dirs, group_runs, group_warnings, load_run, select_runs
 from rlbench.analysis.statistics import (
     hierarchical_bootstrap,
@@ -544,3 +544,36 @@ def test_cost_table_reads_rewards_at_equal_cost(tmp_path):
     assert "| tree | 1 | 40 | 4 |" in cost_markdown(raw)
     assert main([str(tmp_path), "--phase", "after", "--out", str(tmp_path / "o")]) == 0
     assert "reward at equal tokens" in (tmp_path / "o" / "cost.md").read_text()
+
+
+def test_groups_sort_by_value_and_the_cost_table_follows(tmp_path, capsys):
+    """Swept clip values 0.2, 0.32, 0.24, 0.28 (written in that order) come out 0.2, 0.24, 0.28, 0.32 in
+    the groups and the cost table, not in folder order; one group is "1 group"."""
+    from rlbench.analysis.tables import cost_table
+
+    for i, clip in enumerate([0.2, 0.32, 0.24, 0.28]):
+        write_run(tmp_path / "runs", f"r{i}", clip_high=clip, problems={"alpha": counts("alpha", [1, 2])},
+                  step_metrics=[{"outcome_mean": 0.5, "step_s": 1.0, "generated_tokens": 4.0}])
+    runs = [load_run(d) for d in find_run_dirs([tmp_path / "runs"])]
+    groups = group_runs(runs, ["algorithm.loss.clip_high"])
+    assert list(groups) == ["0.2", "0.24", "0.28", "0.32"]
+    assert list(cost_table(groups)["group"]) == ["0.2", "0.24", "0.28", "0.32"]
+    assert main([str(tmp_path / "runs" / "r0"), "--out", str(tmp_path / "one")]) == 0
+    assert "comparison of 1 run in 1 group:" in capsys.readouterr().out
+
+
+def test_an_existing_output_folder_is_kept_unless_overwrite(two_groups, tmp_path, capsys, monkeypatch):
+    """A non-empty --out (e.g. the committed example) is refused before any run is read; --overwrite
+    replaces it; without --out every comparison gets a folder of its own, even within one second."""
+    out = tmp_path / "committed"
+    out.mkdir()
+    (out / "table.md").write_text("committed\n")
+    assert main([str(tmp_path / "sweep"), "--out", str(out), "--resamples", "50"]) == 2
+    assert "--overwrite" in capsys.readouterr().err and (out / "table.md").read_text() == "committed\n"
+    assert main([str(tmp_path / "sweep"), "--out", str(out), "--overwrite", "--resamples", "50"]) == 0
+    assert (out / "table.md").read_text() != "committed\n"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("time.strftime", lambda fmt: "same-second")
+    first = compare(parse_args([str(tmp_path / "sweep"), "--resamples", "50"]))
+    second = compare(parse_args([str(tmp_path / "sweep"), "--resamples", "50"]))
+    assert first != second and (first / "table.md").exists() and (second / "table.md").exists()

@@ -470,14 +470,58 @@ def test_validate_spec_rejects_unknown_answer_format_and_loader():
 
 
 def test_validate_spec_file_checks(tmp_path, monkeypatch):
+    from rlbench.dataset import sources
+
     cfg = load_conf("benchmark", "amc23")
     # auto: a missing file is fine while the Hub can be used ...
+    monkeypatch.setattr(sources, "hub_reachable", lambda: True)
     validate_spec(cfg, data_dir=str(tmp_path))
     validate_spec(cfg, data_dir=str(tmp_path), source="hub")
     # ... but not when the Hub is switched off.
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(DataError, match="amc23/test.jsonl"):
         validate_spec(cfg, data_dir=str(tmp_path))
+
+
+def test_a_missing_data_folder_or_an_unreachable_hub_is_refused_at_validation(tmp_path, monkeypatch):
+    """RLBENCH_DATA_DIR (or data_dir) naming no folder is refused whatever the source could do; a
+    missing file with source=auto is refused at once when the Hub does not answer (no retries later),
+    and the Hub is asked once per process."""
+    from rlbench.dataset import sources
+
+    cfg = load_conf("benchmark", "gsm8k")
+    monkeypatch.setattr(sources, "hub_reachable", lambda: True)
+    monkeypatch.setenv("RLBENCH_DATA_DIR", str(tmp_path / "nonexistent"))
+    with pytest.raises(DataError, match=r"RLBENCH_DATA_DIR=.*nonexistent is not a folder"):
+        validate_spec(cfg)
+    monkeypatch.delenv("RLBENCH_DATA_DIR")
+    with pytest.raises(DataError, match=r"data_dir=.*nonexistent is not a folder"):
+        validate_spec(cfg, data_dir=str(tmp_path / "nonexistent"))
+    validate_spec(cfg, data_dir=str(tmp_path / "nonexistent"), source="hub")  # the Hub alone needs no folder
+    monkeypatch.setattr(sources, "hub_reachable", lambda: False)
+    with pytest.raises(DataError, match="gsm8k/test.jsonl.*does not answer"):
+        validate_spec(cfg, data_dir=str(tmp_path))
+
+
+def test_hub_reachable_tries_one_connection_to_the_endpoint(monkeypatch):
+    import socket
+
+    from rlbench.dataset import sources
+
+    tried = []
+
+    def refuse(address, timeout):
+        tried.append((address, timeout))
+        raise OSError("no network")
+
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setenv("HF_ENDPOINT", "http://mirror.example:8080")
+    sources.hub_reachable.cache_clear()
+    try:
+        assert sources.hub_reachable() is False and sources.hub_reachable() is False
+    finally:
+        sources.hub_reachable.cache_clear()
+    assert tried == [(("mirror.example", 8080), sources.HUB_PROBE_SECONDS)]
 
 
 @needs_data

@@ -400,3 +400,21 @@ def test_resume_refuses_bad_input_before_training(uninterrupted, tmp_path):
     assert json.loads((run_dir / "summary.json").read_text())["resumed_from_step"] == 2
     steps = metrics_without_timing(run_dir)
     assert [m["step"] for m in steps] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.slow
+def test_resuming_a_finished_run_says_so_and_evaluates_again_only_when_asked(uninterrupted, tmp_path):
+    run_dir = tmp_path / "copy"
+    shutil.copytree(uninterrupted, run_dir)
+    files = {p: p.read_bytes() for p in (run_dir / "summary.json", run_dir / "status.json", run_dir / "eval" / "passk.csv")}
+    proc = run_cli([f"resume={run_dir}"], run_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "already finished (4 steps" in proc.stderr and "resume_evaluate_again=true" in proc.stderr
+    said = proc.stdout + proc.stderr
+    assert "evaluating" not in said and "[train]" not in said  # nothing ran
+    assert all(p.read_bytes() == data for p, data in files.items())  # status stays finished, results untouched
+    again = run_cli([f"resume={run_dir}", "resume_evaluate_again=true"], run_dir)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "already finished" not in again.stderr and "evaluating (after)" in again.stdout + again.stderr
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "finished"
+    assert_same_results(uninterrupted, run_dir)  # the evaluation again gives the same files

@@ -205,3 +205,13 @@ def test_the_slurm_launch_file_drives_a_named_sweep_into_its_fixed_folder(tmp_pa
     env.pop("PARTITION")
     refused = subprocess.run(["bash", script, "clip_higher"], env=env, capture_output=True, text=True, check=False)
     assert refused.returncode != 0 and "set PARTITION" in refused.stderr
+
+
+@pytest.mark.slow
+def test_a_sweep_without_its_data_folder_refuses_every_point_before_any_run(tmp_path):
+    proc = _sweep(tmp_path, tmp_path, "eval=gsm8k", "seed=0,1", f"data_dir={tmp_path / 'nonexistent'}")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "sweep: 2 points: 0 to run, 2 invalid, 0 already finished" in proc.stderr
+    plan = proc.stderr.partition("sweep: 0 finished")[0]  # the plan; the end report repeats it
+    assert plan.count("nonexistent is not a folder") == 2
+    assert "Launching" not in proc.stderr and not find_run_dirs([tmp_path / "sweep"])

@@ -144,7 +144,13 @@ class RlbenchSweeper(BasicSweeper):
             resolved = OmegaConf.to_container(task_cfg, resolve=True)
             validate_config(task_cfg)
         except Exception as err:  # noqa: BLE001 - any refusal makes the point invalid, with its message
-            message = error_message(err).split("Config search path:")[0]  # Hydra appends its search path
+            from rlbench.cli import explain_override_error
+
+            def compose(others: list[str]) -> Any:
+                return self.hydra_context.config_loader.load_sweep_config(self.config, others)
+
+            explained = explain_override_error(overrides, compose) if "Could not" in str(err) else None
+            message = explained or error_message(err).split("Config search path:")[0]  # Hydra appends its search path
             return "", " ".join(message.split())  # one line (Hydra lists a group's options one per line)
         return config_key(resolved), ""
 

@@ -27,7 +27,7 @@ from rlbench.analysis.tables import (
     wide_markdown,
 )
 from rlbench.errors import ConfigError, DataError
-from rlbench.utils import atomic_write_text
+from rlbench.utils import atomic_write_text, plural
 
 
 def parse_wandb_run(reference: str) -> dict[str, str | None]:
@@ -73,7 +73,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--filter", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                         help="keep runs whose config matches (key=a,b matches either value)")
     parser.add_argument("--k", nargs="+", type=int, default=None, help="k values (default: those in every passk.csv)")
-    parser.add_argument("--out", default=None, help="output folder (default: results/compare/<time>)")
+    parser.add_argument("--out", default=None,
+                        help="output folder (default: a new results/compare/<time>); an existing non-empty folder is "
+                        "refused unless --overwrite")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="write into --out even when it already holds files (e.g. a committed example)")
     parser.add_argument("--wandb-run", default=None, metavar="RUN_PATH",
                         help="also log the table to this wandb run: entity/project/run_id, project/run_id or run_id")
     parser.add_argument("--budget", choices=BUDGETS, default="step",
@@ -87,8 +91,27 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def output_folder(out: str | None, overwrite: bool = False) -> Path:
+    """The folder a comparison writes to: ``out`` when it is empty, absent or ``overwrite`` is set (an
+    existing non-empty folder is refused otherwise, so committed results are never replaced by
+    accident); without ``out`` a new ``results/compare/<time>`` that no earlier comparison used."""
+    if out:
+        folder = Path(out)
+        if folder.is_dir() and any(folder.iterdir()) and not overwrite:
+            raise ConfigError(f"--out {out} already holds files; pass --overwrite to replace them, or choose "
+                              "another folder (without --out a new results/compare/<time> is used)")
+        return folder
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+    folder, n = Path("results") / "compare" / stamp, 1
+    while folder.exists():
+        n += 1
+        folder = Path("results") / "compare" / f"{stamp}_{n}"
+    return folder
+
+
 def compare(args: argparse.Namespace) -> Path:
     """Run the comparison described by parsed arguments; returns the output folder."""
+    out = output_folder(args.out, args.overwrite)  # refused before any run is read
     if args.paper:
         paper_reference(args.paper)  # an unknown paper is refused before any run is read
     run_dirs = find_run_dirs(args.results)
@@ -106,7 +129,6 @@ def compare(args: argparse.Namespace) -> Path:
     cells = wide_cells(table, groups, phase=args.phase, n_resamples=args.resamples, seed=args.seed)
     wide = wide_csv(cells)
 
-    out = Path(args.out) if args.out else Path("results") / "compare" / time.strftime("%Y-%m-%d_%H-%M-%S")
     markdown = wide_markdown(cells)
     atomic_write_text(out / "table.md", markdown)
     atomic_write_text(out / "table.tex", wide_latex(cells))
@@ -131,7 +153,7 @@ def compare(args: argparse.Namespace) -> Path:
         print(beside)
     if args.wandb_run:
         print(f"wandb: {log_to_wandb(args.wandb_run, {'table': table, 'wide': wide}, images, out)}")
-    print(f"comparison of {len(runs)} runs in {len(groups)} groups: {out}")
+    print(f"comparison of {plural(len(runs), 'run')} in {plural(len(groups), 'group')}: {out}")
     return out
 
 

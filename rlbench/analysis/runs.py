@@ -175,12 +175,13 @@ def select_runs(runs: Sequence[Run], filters: Sequence[str]) -> list[Run]:
 
 
 def group_runs(runs: Sequence[Run], by: Sequence[str]) -> dict[str, list[Run]]:
-    """Runs grouped by the values of the ``by`` keys, joined with '/' (e.g. ``grpo`` or ``grpo/tiny``)."""
+    """Runs grouped by the values of the ``by`` keys, joined with '/' (e.g. ``grpo`` or ``grpo/tiny``),
+    the groups in :func:`natural_key` order (numeric labels by value: 0.2, 0.24, 0.28, 0.32)."""
     groups: dict[str, list[Run]] = {}
     for run in runs:
         label = "/".join(run_key(run, key) for key in by)
         groups.setdefault(label, []).append(run)
-    return groups
+    return {label: groups[label] for label in sorted(groups, key=natural_key)}
 
 
 def natural_key(label: str) -> tuple:

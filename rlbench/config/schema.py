@@ -529,6 +529,8 @@ class RunConfig:
         "from its latest valid checkpoint with the same config (docs/resume.md)")
     resume_allow: list = knob([], "config keys (or nodes) a resumed run may change, e.g. [trainer.steps]; any "
                               "other change from the checkpoint's config is refused, listing the keys")
+    resume_evaluate_again: bool = knob(False, "resume= of a finished run with nothing left to train: true runs its "
+                                       "final evaluation again; false (default) says it finished and exits")
     sandbox: SandboxConfig = node(SandboxConfig, "limits for model-written code")
     algorithm: AlgorithmConfig = node(AlgorithmConfig, "the RL algorithm (algorithm=<preset>)")
     model: ModelConfig = node(ModelConfig, "the policy model (model=<option>)")

@@ -36,7 +36,10 @@ The arith loader takes ``arith: {level, train_size, test_size, seed}`` instead o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import socket
+import urllib.parse
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -78,10 +81,15 @@ def resolve_data_dir(configured: str | None = None) -> Path:
     ``<repo root>/../shared/data`` when it exists; else raise DataError saying how to set it.
     """
     env = os.environ.get(DATA_DIR_ENV, "").strip()
-    if env:
-        return Path(env).expanduser()
-    if configured is not None and str(configured).strip():
-        return Path(str(configured)).expanduser()
+    given = (f"{DATA_DIR_ENV}={env}", Path(env).expanduser()) if env else (
+        (f"data_dir={configured}", Path(str(configured)).expanduser()) if configured is not None and str(configured).strip()
+        else None)
+    if given:
+        setting, folder = given
+        if not folder.is_dir():
+            raise DataError(f"{setting} is not a folder; point it at the folder that holds the benchmark files "
+                            f"(e.g. gsm8k/train.jsonl inside)")
+        return folder
     default = repo_root().parent / "shared" / "data"
     if default.is_dir():
         return default
@@ -168,6 +176,30 @@ def _hub_offline() -> bool:
     return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes") for v in _HUB_OFFLINE_ENVS)
 
 
+HUB_PROBE_SECONDS = 3.0  # one connection attempt; unanswered, the Hub counts as unreachable
+
+
+@functools.cache
+def hub_reachable() -> bool:
+    """Whether the Hugging Face Hub (``HF_ENDPOINT``, default https://huggingface.co) accepts a TCP
+    connection within :data:`HUB_PROBE_SECONDS`, checked once per process. Validation asks it before
+    accepting a missing local file for ``source=auto``, so a machine without network is told at once
+    instead of after the datasets library's retries (~24 s)."""
+    endpoint = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        with socket.create_connection((endpoint.hostname or "huggingface.co", port), timeout=HUB_PROBE_SECONDS):
+            return True
+    except OSError:
+        return False
+
+
+def _hub_usable(spec: Mapping[str, Any], source: str) -> bool:
+    """``source=auto`` may fall back to the Hub: the spec has a hub_id, the Hub is not switched off
+    (``HF_HUB_OFFLINE``/``HF_DATASETS_OFFLINE``) and answers."""
+    return source == "auto" and bool(spec.get("hub_id")) and not _hub_offline() and hub_reachable()
+
+
 def validate_spec(
     spec: Any, split: str | None = None, *, data_dir: str | None = None, source: str = "auto"
 ) -> None:
@@ -189,16 +221,18 @@ def validate_spec(
         if not spec.get("hub_id"):
             raise ConfigError(f"dataset {name!r}: source=hub needs a hub_id in the config")
         return
-    hub_usable = source == "auto" and bool(spec.get("hub_id")) and not _hub_offline()
+    explicit = os.environ.get(DATA_DIR_ENV, "").strip() or (data_dir is not None and str(data_dir).strip())
     try:
         path = _local_path(spec, split, data_dir)
     except DataError:
-        if hub_usable:
+        if not explicit and _hub_usable(spec, source):  # no data folder at all: the Hub may serve it
             return
         raise
-    if path.is_file() or hub_usable:
+    if path.is_file() or _hub_usable(spec, source):
         return
-    raise DataError(_missing_file_message(spec, path, split))
+    unreachable = source == "auto" and spec.get("hub_id") and not _hub_offline()
+    raise DataError(_missing_file_message(spec, path, split)
+                    + (" The Hub does not answer from here, so the file must be local." if unreachable else ""))
 
 
 def _validate_static(spec: Mapping[str, Any], split: str | None) -> tuple[str, str]:

@@ -54,7 +54,7 @@ SHARDED_DIR = "sharded"  # fsdp: the model's and the optimizer's shards (torch.d
 FORMAT = 1
 # Top-level config keys that say how to resume, not what the run does: never compared. run_name is a
 # label derived from the rest (rlbench/config/identity.py): a run named by an earlier rule still resumes.
-RESUME_KEYS = ("resume", "resume_allow", "output_dir", "hydra", "run_name")
+RESUME_KEYS = ("resume", "resume_allow", "resume_evaluate_again", "output_dir", "hydra", "run_name")
 
 
 class CheckpointError(ConfigError):
