@@ -13,7 +13,13 @@ from omegaconf import OmegaConf
 from rlbench.dataset import load_problems
 from rlbench.dataset.base import Problem
 from rlbench.errors import DataError
-from rlbench.eval.evaluate import Benchmark, evaluate, finish_rates, problem_seed, usable_problems
+from rlbench.eval.evaluate import (
+    Benchmark,
+    evaluate,
+    finish_rates,
+    problem_seed,
+    usable_problems,
+)
 from rlbench.model import load_policy
 from rlbench.reward import MathReward
 from rlbench.rollout.engines.base import GenerationRequest, SamplingParams
