@@ -158,8 +158,9 @@ def phase_numbers(passk: pd.DataFrame, phase: str) -> dict[str, float]:
     for column in ("finished_share", "finished_accuracy"):
         if column not in row:
             raise StaleFigure(f"eval/passk.csv has no {column} column: the run predates it; rerun")
-    return {"benchmark": str(row["benchmark"]), "pass_at_1": float(row["pass_at_k"]),
-            "finished_share": float(row["finished_share"]), "finished_accuracy": float(row["finished_accuracy"])}
+    numbers = {"pass_at_1": row["pass_at_k"], "finished_share": row["finished_share"],
+               "finished_accuracy": row["finished_accuracy"]}  # NaN (no sample finished) -> null in the JSON
+    return {"benchmark": str(row["benchmark"]), **{k: None if pd.isna(v) else float(v) for k, v in numbers.items()}}
 
 
 def setting_of(config: Mapping) -> dict:
@@ -177,8 +178,10 @@ def setting_of(config: Mapping) -> dict:
     }
 
 
-def collect_default_job(folder: Path) -> dict:
-    """results/default_job.json's content from the finished runs under ``folder`` (seed<s>/)."""
+def collect_default_job(folder: Path, note: str = "") -> dict:
+    """results/default_job.json's content from the finished runs under ``folder`` (seed<s>/). The machine
+    line reads this process's environment, which the runs inherit (``note``: anything to add, such as
+    other jobs sharing the machine)."""
     runs = [folder / f"seed{seed}" for seed in SEEDS]
     summaries = [read_summary(run) for run in runs]
     seeds = []
@@ -192,7 +195,8 @@ def collect_default_job(folder: Path) -> dict:
         "commit": commit_of(summaries),
         "date": measured.date().isoformat(),
         "machine": f"{os.cpu_count()} CPU cores, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, "
-                   f"device {summaries[0].get('device', '?')}, torch {summaries[0].get('versions', {}).get('torch', '?')}",
+                   f"device {summaries[0].get('device', '?')}, torch {summaries[0].get('versions', {}).get('torch', '?')}"
+                   + (f"; {note}" if note else ""),
         "command": "rlbench " + " ".join(DEFAULT_JOB_OVERRIDES) + " seed=<s>",
         "setting": setting_of(config),
         "seeds": seeds,
@@ -225,27 +229,42 @@ def short(commit: str) -> str:
     return commit[:7]
 
 
+def number(value: float | None) -> float:
+    """A measured number from the JSON: null (nothing to measure, e.g. no sample finished) is NaN."""
+    return math.nan if value is None else float(value)
+
+
+def cut_off_accuracy(phase: Mapping[str, float]) -> float:
+    """The accuracy of the cut-off samples (their last number is graded), from pass@1 = s·a_f + (1-s)·a_c;
+    NaN when every sample finished."""
+    s = number(phase["finished_share"])
+    a_f = number(phase["finished_accuracy"]) if s > 0 else 0.0
+    return (number(phase["pass_at_1"]) - s * a_f) / (1 - s) if s < 1 else math.nan
+
+
 def gain_parts(before: Mapping[str, float], after: Mapping[str, float]) -> tuple[float, float]:
     """(gain in pass@1, the part of it that finishing more often explains). pass@1 is the accuracy
     of all samples, s·a_f + (1-s)·a_c (s: finished share, a_f / a_c: accuracy of finished / cut-off
     samples); finishing alone would have moved s from s₀ to s₁ at the base model's a_f and a_c, a gain
     of (s₁ - s₀)·(a_f₀ - a_c₀). The rest is answering right more often."""
-    s0, s1 = before["finished_share"], after["finished_share"]
-    a_f0 = before["finished_accuracy"] if s0 > 0 else 0.0
-    a_c0 = (before["pass_at_1"] - s0 * a_f0) / (1 - s0) if s0 < 1 else 0.0
-    return after["pass_at_1"] - before["pass_at_1"], (s1 - s0) * (a_f0 - a_c0)
+    s0, s1 = number(before["finished_share"]), number(after["finished_share"])
+    a_f0 = number(before["finished_accuracy"]) if s0 > 0 else 0.0
+    a_c0 = cut_off_accuracy(before) if s0 < 1 else 0.0
+    return number(after["pass_at_1"]) - number(before["pass_at_1"]), (s1 - s0) * (a_f0 - a_c0)
 
 
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values)
+def _mean(values: Sequence[float | None]) -> float:
+    """The mean of the defined values (NaN when none is)."""
+    defined = [number(v) for v in values if not math.isnan(number(v))]
+    return sum(defined) / len(defined) if defined else math.nan
 
 
 def _cut_off(finished_share: float) -> str:
     return f"{100 * (1 - finished_share):.0f}%"
 
 
-def _accuracy(value: float) -> str:
-    return "—" if math.isnan(value) else f"{value:.2f}"
+def _accuracy(value: float | None) -> str:
+    return "—" if math.isnan(number(value)) else f"{number(value):.2f}"
 
 
 def default_job_table(data: Mapping) -> str:
@@ -279,13 +298,15 @@ def what_the_gain_is(data: Mapping) -> str:
     cut_after = _mean([1 - s["after"]["finished_share"] for s in seeds])
     acc_before = _mean([s["before"]["finished_accuracy"] for s in seeds])
     acc_after = _mean([s["after"]["finished_accuracy"] for s in seeds])
+    cut_accuracy = _mean([cut_off_accuracy(s["before"]) for s in seeds])
     mostly = "mostly learning to finish within the budget" if finishing > gain / 2 else "mostly answering right more often"
     return (
-        f"What the gain consists of: a sample cut off at {setting['max_new_tokens']} tokens rarely holds a gradable "
-        f"answer. Before training {100 * cut_before:.0f}% of the samples are cut off (mean over seeds), after "
-        f"training {100 * cut_after:.0f}%; the accuracy of the answers that finish goes from {acc_before:.2f} to "
-        f"{acc_after:.2f}. Finishing more often at the base model's accuracy would have gained {finishing:.2f} of "
-        f"the mean gain of {gain:.2f}: the gain is {mostly}."
+        f"What the gain consists of (means over the seeds): before training {100 * cut_before:.0f}% of the samples "
+        f"are cut off at {setting['max_new_tokens']} tokens, after training {100 * cut_after:.0f}%. A cut-off "
+        f"sample is graded on the last number it reached; before training {_accuracy(cut_accuracy)} of them are "
+        f"right, against {_accuracy(acc_before)} of the answers that finish, and after training "
+        f"{_accuracy(acc_after)} of the finished answers are right. Finishing more often at the base model's "
+        f"accuracies would have gained {finishing:.2f} of the gain of {gain:.2f}: the gain is {mostly}."
     )
 
 
@@ -299,10 +320,11 @@ def default_job_section(data: Mapping) -> str:
         f"{s['prompts_per_step']} prompts × {s['samples']} samples, {s['max_new_tokens']} new tokens, temperature "
         f"{s['temperature']}, lr {s['lr']:g}, gradient clipping {s['max_grad_norm']}, {kl}. It is evaluated before "
         f"and after training on {s['eval_problems']} held-out level-{s['level']} expressions, each sampled "
-        f"{s['eval_n']} times at temperature {s['eval_temperature']}, with k ∈ {{{ks}}}. Level 1 is where the base "
-        "model gets some but not all answers right, so most groups hold both and GRPO has a learning signal (at "
-        "level 2, a ± b up to 99, a 32-sample check of the base model found 0.03; `dataset.arith.level=2` is "
-        "there for longer runs).\n\n"
+        f"{s['eval_n']} times at temperature {s['eval_temperature']}, with k ∈ {{{ks}}}. Level 1 was chosen because "
+        f"the base model's pass@1 there ({_mean([x['before']['pass_at_1'] for x in data['seeds']]):.2f}, the mean "
+        "over the seeds below) gives groups with both right and wrong answers, which GRPO needs for a learning "
+        "signal (at level 2, a ± b up to 99, a 32-sample check of the base model found 0.03; "
+        "`dataset.arith.level=2` is there for longer runs).\n\n"
         f"Measured at commit {short(data['commit'])} on {data['date']} ({data['machine']}) by "
         f"`make readme-figures`, each seed by `{data['command']}` "
         "([results/default_job.md](results/default_job.md), [results/default_job.json](results/default_job.json)); "
@@ -369,6 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--default-runs", type=Path, default=None, help="a folder with seed0/, seed1/, seed2/")
     parser.add_argument("--sweep", type=Path, default=None, help="the comparison sweep's folder")
     parser.add_argument("--render", action="store_true", help="only rewrite README.md from the committed result files")
+    parser.add_argument("--note", default="", help="added to the machine line, e.g. 'shared with other jobs'")
     args = parser.parse_args(argv)
     todo = [args.only] if args.only else ["default_job", "comparison"]
     if not args.render:
@@ -381,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if "comparison" in todo:
                 args.sweep = run_sweep(folder / "example", env)
         if "default_job" in todo:
-            write_results(collect_default_job(args.default_runs))
+            write_results(collect_default_job(args.default_runs, args.note))
         if "comparison" in todo:
             collect_comparison(args.sweep, EXAMPLE)
     README.write_text(render_readme(README.read_text()))
