@@ -351,7 +351,8 @@ def comparison_section(example: Path) -> str:
     table = (example / "table.md").read_text()
     steps = re.search(r"trainer\.steps=(\d+)", stamp["commands"][0]).group(1)
     figures = [name for name in ("passk_curves.png", "training_curves.png") if (example / name).exists()]
-    links = " ".join(f"![{name[:-4].replace('_', ' ')}](results/compare/example/{name})" for name in figures)
+    titles = {"passk_curves.png": "pass@k against k", "training_curves.png": "training curves"}
+    links = "\n\n".join(f"![{titles[name]}](results/compare/example/{name})" for name in figures)
     return (
         "One sweep, one command: 3 algorithms × 2 seeds of SmolLM2-135M on the arithmetic task (the default job "
         f"cut to {steps} steps), each evaluated after training on its held-out problems, so pass@k and maj@k are "

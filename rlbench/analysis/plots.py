@@ -63,8 +63,13 @@ def _style(ax) -> None:
 
 
 def _legend(fig, axes) -> None:
-    """One legend for the figure, under the panels."""
+    """One legend for the figure, under the panels, its entries in the groups' sorted order (as their
+    colours are), whatever order they were drawn in."""
+    from rlbench.analysis.runs import natural_key
+
     handles, labels = axes[0].get_legend_handles_labels()
+    order = sorted(range(len(labels)), key=lambda i: natural_key(labels[i].rsplit(" (", 1)[0]))
+    handles, labels = [handles[i] for i in order], [labels[i] for i in order]
     fig.legend(handles, labels, loc="outside lower center", ncols=min(len(labels), 3), fontsize=FONT_SIZE - 1, frameon=False)
 
 
@@ -141,11 +146,12 @@ def panel_metric(groups: Mapping[str, Sequence[Run]], candidates: Sequence[str])
 
 
 def is_flat(curves: Sequence[pd.DataFrame]) -> bool:
-    """Whether every curve of a panel is one constant value (e.g. KL without a KL term, the clip
-    fraction of a single update per batch): such a panel says nothing a caption cannot."""
+    """Whether every curve of a panel is one constant value, to 1 part in 10⁴ of its magnitude (e.g.
+    KL without a KL term, the clip fraction of a single update per batch, the entropy of a random
+    model a few steps in): such a panel says nothing a caption cannot."""
     values = np.concatenate([c[["mean", "min", "max"]].to_numpy(dtype=float).ravel() for c in curves])
     values = values[~np.isnan(values)]
-    return values.size == 0 or bool(np.ptp(values) <= 1e-9 * max(1.0, float(np.abs(values).max())))
+    return values.size == 0 or bool(np.ptp(values) <= 1e-4 * float(np.abs(values).max()))
 
 
 def plot_training_curves(groups: Mapping[str, Sequence[Run]], path: Path, budget: str = "step") -> bool:
@@ -164,7 +170,7 @@ def plot_training_curves(groups: Mapping[str, Sequence[Run]], path: Path, budget
         if not curves:
             continue
         if is_flat(list(curves.values())):
-            flat.append(f"{title} {float(next(iter(curves.values()))['mean'].iloc[0]):g}")
+            flat.append(f"{title} {float(next(iter(curves.values()))['mean'].iloc[0]):.4g}")
         else:
             panels.append((title, metric, curves))
     if not panels:
