@@ -178,22 +178,31 @@ def setting_of(config: Mapping) -> dict:
     }
 
 
-def collect_default_job(folder: Path, note: str = "") -> dict:
+def finished(run: Path) -> bool:
+    path = run / "summary.json"
+    return path.exists() and json.loads(path.read_text()).get("status", "finished") == "finished"
+
+
+def collect_default_job(folder: Path, note: str = "", allow_missing: bool = False) -> dict:
     """results/default_job.json's content from the finished runs under ``folder`` (seed<s>/). The machine
     line reads this process's environment, which the runs inherit (``note``: anything to add, such as
-    other jobs sharing the machine)."""
-    runs = [folder / f"seed{seed}" for seed in SEEDS]
+    other jobs sharing the machine). ``allow_missing``: collect the seeds that finished (at least
+    one), and the section names the others as not measured."""
+    measured = [seed for seed in SEEDS if finished(folder / f"seed{seed}")] if allow_missing else list(SEEDS)
+    if not measured:
+        raise StaleFigure(f"no finished default-job run under {folder}")
+    runs = [folder / f"seed{seed}" for seed in measured]
     summaries = [read_summary(run) for run in runs]
     seeds = []
-    for seed, run, summary in zip(SEEDS, runs, summaries):
+    for seed, run, summary in zip(measured, runs, summaries):
         passk = pd.read_csv(run / "eval" / "passk.csv")
         seeds.append({"seed": seed, "before": phase_numbers(passk, "before"), "after": phase_numbers(passk, "after"),
                       "wall_seconds": round(float(summary["wall_seconds"]), 1)})
     config = yaml.safe_load((runs[0] / "config.yaml").read_text())
-    measured = dt.datetime.fromtimestamp(max((r / "summary.json").stat().st_mtime for r in runs), dt.timezone.utc)
+    day = dt.datetime.fromtimestamp(max((r / "summary.json").stat().st_mtime for r in runs), dt.timezone.utc)
     return {
         "commit": commit_of(summaries),
-        "date": measured.date().isoformat(),
+        "date": day.date().isoformat(),
         "machine": f"{os.cpu_count()} CPU cores, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, "
                    f"device {summaries[0].get('device', '?')}, torch {summaries[0].get('versions', {}).get('torch', '?')}"
                    + (f"; {note}" if note else ""),
@@ -203,9 +212,11 @@ def collect_default_job(folder: Path, note: str = "") -> dict:
     }
 
 
-def collect_comparison(sweep: Path, out: Path) -> None:
-    """rlbench-compare over the sweep into a fresh folder, which then replaces ``out`` (with stamp.json)."""
-    summaries = [read_summary(p.parent) for p in sorted(sweep.glob("*/summary.json"))]
+def collect_comparison(sweep: Path, out: Path, allow_missing: bool = False) -> None:
+    """rlbench-compare over the sweep into a fresh folder, which then replaces ``out`` (with stamp.json).
+    ``allow_missing``: compare the runs that finished (rlbench-compare leaves the others out)."""
+    summaries = [read_summary(p.parent) for p in sorted(sweep.glob("*/summary.json"))
+                 if not allow_missing or finished(p.parent)]
     if not summaries:
         raise StaleFigure(f"no finished runs under {sweep}")
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
@@ -216,6 +227,7 @@ def collect_comparison(sweep: Path, out: Path) -> None:
             raise SystemExit(f"readme-figures: rlbench-compare failed:\n{code.stderr[-3000:]}")
         measured = dt.datetime.fromtimestamp(max(p.stat().st_mtime for p in sweep.glob("*/summary.json")), dt.timezone.utc)
         stamp = {"commit": commit_of(summaries), "date": measured.date().isoformat(), "runs": len(summaries),
+                 "runs_planned": SWEEP_RUNS,
                  "commands": [SWEEP_COMMAND, COMPARE_COMMAND]}
         (fresh / STAMP_FILE).write_text(json.dumps(stamp, indent=1) + "\n")
         shutil.rmtree(out, ignore_errors=True)
@@ -284,7 +296,8 @@ def improvement_claim(data: Mapping) -> str:
     gains = {s["seed"]: s["after"]["pass_at_1"] - s["before"]["pass_at_1"] for s in data["seeds"]}
     worse = [seed for seed, gain in gains.items() if gain <= 0]
     if not worse:
-        return f"Every seed improves pass@1, by {min(gains.values()):.2f} to {max(gains.values()):.2f}."
+        low, high = f"{min(gains.values()):.2f}", f"{max(gains.values()):.2f}"
+        return f"Every seed improves pass@1, by {low}." if low == high else f"Every seed improves pass@1, by {low} to {high}."
     listed = ", ".join(f"seed {seed} ({gains[seed]:+.3f})" for seed in worse)
     return f"Not every seed improves pass@1: {listed} does not."
 
@@ -310,6 +323,16 @@ def what_the_gain_is(data: Mapping) -> str:
     )
 
 
+def missing_seeds_note(data: Mapping) -> str:
+    """'' when every seed of :data:`SEEDS` was measured, else the sentence that says which were not."""
+    missing = [seed for seed in SEEDS if seed not in {s["seed"] for s in data["seeds"]}]
+    if not missing:
+        return ""
+    listed = ", ".join(str(seed) for seed in missing)
+    return (f" Seed{'s' if len(missing) > 1 else ''} {listed} did not finish in the time this measurement had; "
+            "`make readme-figures` measures all of them.")
+
+
 def default_job_section(data: Mapping) -> str:
     s = data["setting"]
     ks = ", ".join(str(k) for k in s["eval_k"])
@@ -329,14 +352,15 @@ def default_job_section(data: Mapping) -> str:
         f"`make readme-figures`, each seed by `{data['command']}` "
         "([results/default_job.md](results/default_job.md), [results/default_job.json](results/default_job.json)); "
         "cut off: samples that reached the token budget without finishing:\n\n"
-        + default_job_table(data) + "\n" + improvement_claim(data) + " " + what_the_gain_is(data) + "\n"
+        + default_job_table(data) + "\n" + improvement_claim(data) + " " + what_the_gain_is(data)
+        + missing_seeds_note(data) + "\n"
     )
 
 
 def default_job_markdown(data: Mapping) -> str:
     """results/default_job.md: the section, with the per-seed detail a README leaves out."""
     return (
-        "# The default job (`make run`), three seeds\n\n"
+        f"# The default job (`make run`), seeds {', '.join(str(s['seed']) for s in data['seeds'])}\n\n"
         "Generated by `make readme-figures` (bench/readme_figures.py) from [default_job.json](default_job.json); "
         "do not edit by hand.\n\n" + default_job_section(data).replace("](results/", "](")
         + "\npass@1 is the unbiased estimate from the samples of each problem (`eval/passk.csv` in each run "
@@ -350,18 +374,27 @@ def comparison_section(example: Path) -> str:
     stamp = json.loads((example / STAMP_FILE).read_text())
     table = (example / "table.md").read_text()
     steps = re.search(r"trainer\.steps=(\d+)", stamp["commands"][0]).group(1)
+    runs = pd.read_csv(example / "runs.csv")
+    seeds_of = runs.groupby("group", sort=False)["seed"].apply(lambda s: ", ".join(str(x) for x in sorted(s)))
+    if seeds_of.nunique() == 1:  # every method has the same seeds
+        which = f"{', '.join(seeds_of.index[:-1])} and {seeds_of.index[-1]} × seeds {seeds_of.iloc[0]}"
+    else:
+        which = "; ".join(f"{group} × seeds {seeds}" for group, seeds in seeds_of.items())
     figures = [name for name in ("passk_curves.png", "training_curves.png") if (example / name).exists()]
     titles = {"passk_curves.png": "pass@k against k", "training_curves.png": "training curves"}
     links = "\n\n".join(f"![{titles[name]}](results/compare/example/{name})" for name in figures)
     return (
-        "One sweep, one command: 3 algorithms × 2 seeds of SmolLM2-135M on the arithmetic task (the default job "
+        f"One sweep, one command: {which} ({len(runs)} runs), SmolLM2-135M on the arithmetic task (the default job "
         f"cut to {steps} steps), each evaluated after training on its held-out problems, so pass@k and maj@k are "
         "arithmetic accuracy; a fourth, misspelt algorithm (`dr-grpo`) is "
         "refused before the first run starts and the others run ([results/compare/example](results/compare/example), "
-        "[docs/compare.md](docs/compare.md)):\n\n"
+        "[docs/compare.md](docs/compare.md))" + (
+            f"; {stamp['runs_planned'] - len(runs)} of its {stamp['runs_planned']} runs did not finish in the time this "
+            "measurement had (`make readme-figures` runs them all)" if len(runs) < stamp.get("runs_planned", 0) else "")
+        + ":\n\n"
         "```bash\n" + stamp["commands"][0].replace(" hydra.sweep.dir", " \\\n  hydra.sweep.dir") + "\n"
         + stamp["commands"][1] + "\n```\n\n"
-        f"Measured at commit {short(stamp['commit'])} on {stamp['date']} ({stamp['runs']} runs) by "
+        f"Measured at commit {short(stamp['commit'])} on {stamp['date']} by "
         "`make readme-figures`. Cells: mean over seeds ± half the 95% bootstrap interval (seeds × problems); "
         "Δ: the paired difference to the baseline with its 95% interval and the sign-flip p; bold: a Δ whose "
         "interval excludes 0.\n\n" + table + "\n" + links + "\n"
@@ -393,6 +426,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sweep", type=Path, default=None, help="the comparison sweep's folder")
     parser.add_argument("--render", action="store_true", help="only rewrite README.md from the committed result files")
     parser.add_argument("--note", default="", help="added to the machine line, e.g. 'shared with other jobs'")
+    parser.add_argument("--allow-missing", action="store_true",
+                        help="with --collect: use the default-job seeds and sweep runs that finished, say which did not")
     args = parser.parse_args(argv)
     todo = [args.only] if args.only else ["default_job", "comparison"]
     if not args.render:
@@ -405,9 +440,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if "comparison" in todo:
                 args.sweep = run_sweep(folder / "example", env)
         if "default_job" in todo:
-            write_results(collect_default_job(args.default_runs, args.note))
+            write_results(collect_default_job(args.default_runs, args.note, args.allow_missing))
         if "comparison" in todo:
-            collect_comparison(args.sweep, EXAMPLE)
+            collect_comparison(args.sweep, EXAMPLE, args.allow_missing)
     README.write_text(render_readme(README.read_text()))
     print("readme-figures: README.md, results/default_job.{json,md} and results/compare/example are current")
     return 0
