@@ -88,3 +88,9 @@ def test_claims_follow_the_numbers():
     for seed in answering["seeds"]:
         seed["after"] = _phase(seed["before"]["pass_at_1"] + 0.2, 0.5, seed["before"]["finished_accuracy"] + 0.4)
     assert "the gain is mostly answering right more often" in figures.what_the_gain_is(answering)
+
+
+def test_a_missing_section_marker_is_refused():
+    text = figures.README.read_text().replace("<!-- readme-figures:comparison -->", "", 1)
+    with pytest.raises(figures.StaleFigure, match=r"generated sections \['default_job'\]"):
+        figures.render_readme(text)
