@@ -5,14 +5,14 @@ Re-runs what the README shows, then rewrites its generated sections and the resu
 1. **The default job** (``make run``) for seeds 0, 1, 2 through the command line
    (``rlbench logger=files trainer.save_model=false seed=<s>``), one after the other. Its measured numbers go to
    ``results/default_job.json`` (with the commit and the date they were measured at), rendered as
-   ``results/default_job.md`` and as the README section between ``<!-- readme-figures:default_job -->`` and
-   ``<!-- /readme-figures -->``. Besides pass@1 before and after it records what the gain consists of: the
+   ``results/default_job.md`` and as the README section between ``<!-- BEGIN GENERATED: default-job -->`` and
+   its END line (the markers of docs/gen_tables.py). Besides pass@1 before and after it records what the gain consists of: the
    share of samples cut off by the 16-token budget and the accuracy on the answers that finished (the
    ``finished_share`` and ``finished_accuracy`` columns of each run's ``eval/passk.csv``).
 2. **The comparison example**: the sweep of :data:`SWEEP_COMMAND` (3 algorithms × 2 seeds on arith with
    SmolLM2, a few steps each, plus one misspelt algorithm that is refused up front), then ``rlbench-compare``;
    its folder becomes ``results/compare/example`` (with ``stamp.json``) and its table the README section
-   between ``<!-- readme-figures:comparison -->`` and ``<!-- /readme-figures -->``.
+   ``comparison``.
 
 Every sentence of a generated section that states a number is written from the measured numbers (e.g.
 "every seed improves ..." becomes "seed 1 does not improve ..." when that is what was measured), so a
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib.util
 import json
 import math
 import os
@@ -63,7 +64,14 @@ COMPARE_COMMAND = f"rlbench-compare results/multirun/example --baseline {BASELIN
 # elsewhere (docs, tests, the comparison's rendering) measured the same code.
 RUN_CODE = ("rlbench", "conf", "hydra_plugins", "pyproject.toml", ":(exclude)rlbench/analysis")
 
-SECTION = re.compile(r"(<!-- readme-figures:(?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- /readme-figures -->)", re.DOTALL)
+
+
+def _gen_tables():
+    """docs/gen_tables.py, whose ``replace_region`` rewrites a page's ``<!-- BEGIN/END GENERATED: name -->`` region."""
+    spec = importlib.util.spec_from_file_location("gen_tables", ROOT / "docs" / "gen_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 class StaleFigure(RuntimeError):
@@ -118,9 +126,9 @@ def run_sweep(folder: Path, env: Mapping[str, str]) -> Path:
     args = SWEEP_COMMAND.split()
     args = [executable("rlbench"), *args[1:-1], f"hydra.sweep.dir={folder}"]
     run_cli(args, folder.parent / "sweep.log", env, accept=(0, 1))  # 1: the misspelt point, refused as intended
-    finished = len(list(folder.glob("*/summary.json")))
-    if finished != SWEEP_RUNS:
-        raise SystemExit(f"readme-figures: {finished} of the sweep's {SWEEP_RUNS} runs finished; see {folder.parent / 'sweep.log'}")
+    done = sum(finished(p.parent) for p in folder.glob("*/summary.json"))
+    if done != SWEEP_RUNS:
+        raise SystemExit(f"readme-figures: {done} of the sweep's {SWEEP_RUNS} runs finished; see {folder.parent / 'sweep.log'}")
     return folder
 
 
@@ -401,16 +409,17 @@ def comparison_section(example: Path) -> str:
     )
 
 
-SECTIONS = {"default_job": lambda: default_job_section(json.loads(DEFAULT_JOB_JSON.read_text())),
+SECTIONS = {"default-job": lambda: default_job_section(json.loads(DEFAULT_JOB_JSON.read_text())),
             "comparison": lambda: comparison_section(EXAMPLE)}
 
 
 def render_readme(text: str) -> str:
-    """``text`` (the README) with every generated section rewritten from the committed result files."""
-    found = [m.group("name") for m in SECTION.finditer(text)]
-    if sorted(found) != sorted(SECTIONS):
-        raise StaleFigure(f"README.md has the generated sections {found}, expected {sorted(SECTIONS)}")
-    return SECTION.sub(lambda m: m.group(1) + SECTIONS[m.group("name")]() + m.group(4), text)
+    """``text`` (the README) with every generated section (``<!-- BEGIN GENERATED: default-job -->`` to its
+    END line, and ``comparison``) rewritten from the committed result files; ValueError when one is missing."""
+    replace_region = _gen_tables().replace_region
+    for name, body in SECTIONS.items():
+        text = replace_region(text, name, body())
+    return text
 
 
 def write_results(data: Mapping) -> None:
