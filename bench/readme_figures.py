@@ -417,6 +417,8 @@ def render_readme(text: str) -> str:
     """``text`` (the README) with every generated section (``<!-- BEGIN GENERATED: default-job -->`` to its
     END line, and ``comparison``) rewritten from the committed result files; ValueError when one is missing."""
     replace_region = _gen_tables().replace_region
+    for name in SECTIONS:  # every marker first: a missing one is the error, before any result file is read
+        replace_region(text, name, "")
     for name, body in SECTIONS.items():
         text = replace_region(text, name, body())
     return text
