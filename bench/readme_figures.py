@@ -288,8 +288,7 @@ def _accuracy(value: float | None) -> str:
 
 
 def default_job_table(data: Mapping) -> str:
-    lines = [("| seed | pass@1 before | pass@1 after | cut off before | cut off after | "
-              "accuracy of finished answers before | after | wall time |"),
+    lines = ["| seed | pass@1 before | after | cut off before | after | finished right before | after | wall time |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for s in data["seeds"]:
         b, a = s["before"], s["after"]
@@ -322,12 +321,11 @@ def what_the_gain_is(data: Mapping) -> str:
     cut_accuracy = _mean([cut_off_accuracy(s["before"]) for s in seeds])
     mostly = "mostly learning to finish within the budget" if finishing > gain / 2 else "mostly answering right more often"
     return (
-        f"What the gain consists of (means over the seeds): before training {100 * cut_before:.0f}% of the samples "
-        f"are cut off at {setting['max_new_tokens']} tokens, after training {100 * cut_after:.0f}%. A cut-off "
-        f"sample is graded on the last number it reached; before training {_accuracy(cut_accuracy)} of them are "
-        f"right, against {_accuracy(acc_before)} of the answers that finish, and after training "
-        f"{_accuracy(acc_after)} of the finished answers are right. Finishing more often at the base model's "
-        f"accuracies would have gained {finishing:.2f} of the gain of {gain:.2f}: the gain is {mostly}."
+        f"Means over the seeds: before training {100 * cut_before:.0f}% of the samples are cut off at "
+        f"{setting['max_new_tokens']} tokens (graded on the last number reached: {_accuracy(cut_accuracy)} right, "
+        f"against {_accuracy(acc_before)} of finished answers), after training {100 * cut_after:.0f}%, with "
+        f"{_accuracy(acc_after)} of finished answers right. Finishing more often at the base model's accuracies "
+        f"accounts for {finishing:.2f} of the {gain:.2f} gain: the gain is {mostly}."
     )
 
 
@@ -341,7 +339,8 @@ def missing_seeds_note(data: Mapping) -> str:
             "`make readme-figures` measures all of them.")
 
 
-def default_job_section(data: Mapping) -> str:
+def default_job_section(data: Mapping, detail: bool = False) -> str:
+    """The README's section (``detail``: results/default_job.md's, with why level 1 and the JSON's link)."""
     s = data["setting"]
     ks = ", ".join(str(k) for k in s["eval_k"])
     kl = "no KL" if not s["kl_coef"] else f"KL coefficient {s['kl_coef']}"
@@ -351,15 +350,17 @@ def default_job_section(data: Mapping) -> str:
         f"{s['prompts_per_step']} prompts × {s['samples']} samples, {s['max_new_tokens']} new tokens, temperature "
         f"{s['temperature']}, lr {s['lr']:g}, gradient clipping {s['max_grad_norm']}, {kl}. It is evaluated before "
         f"and after training on {s['eval_problems']} held-out level-{s['level']} expressions, each sampled "
-        f"{s['eval_n']} times at temperature {s['eval_temperature']}, with k ∈ {{{ks}}}. Level 1 was chosen because "
-        f"the base model's pass@1 there ({_mean([x['before']['pass_at_1'] for x in data['seeds']]):.2f}, the mean "
-        "over the seeds below) gives groups with both right and wrong answers, which GRPO needs for a learning "
-        "signal (at level 2, a ± b up to 99, a 32-sample check of the base model found 0.03; "
-        "`dataset.arith.level=2` is there for longer runs).\n\n"
-        f"Measured at commit {short(data['commit'])} on {data['date']} ({data['machine']}) by "
+        f"{s['eval_n']} times at temperature {s['eval_temperature']}, with k ∈ {{{ks}}}."
+        + (" Level 1 was chosen because the base model's pass@1 there "
+           f"({_mean([x['before']['pass_at_1'] for x in data['seeds']]):.2f}, the mean over the seeds below) gives "
+           "groups with both right and wrong answers, which GRPO needs for a learning signal (at level 2, a ± b up "
+           "to 99, a 32-sample check of the base model found 0.03; `dataset.arith.level=2` is there for longer "
+           "runs)." if detail else "")
+        + f"\n\nMeasured at commit {short(data['commit'])} on {data['date']} ({data['machine']}) by "
         f"`make readme-figures`, each seed by `{data['command']}` "
-        "([results/default_job.md](results/default_job.md), [results/default_job.json](results/default_job.json)); "
-        "cut off: samples that reached the token budget without finishing:\n\n"
+        + ("([default_job.json](default_job.json))" if detail else "([results/default_job.md](results/default_job.md))")
+        + "; cut off: samples that reached the token budget without finishing; finished right: the share of "
+        "the finished samples graded right:\n\n"
         + default_job_table(data) + "\n" + improvement_claim(data) + " " + what_the_gain_is(data)
         + missing_seeds_note(data) + "\n"
     )
@@ -370,7 +371,7 @@ def default_job_markdown(data: Mapping) -> str:
     return (
         f"# The default job (`make run`), seeds {', '.join(str(s['seed']) for s in data['seeds'])}\n\n"
         "Generated by `make readme-figures` (bench/readme_figures.py) from [default_job.json](default_job.json); "
-        "do not edit by hand.\n\n" + default_job_section(data).replace("](results/", "](")
+        "do not edit by hand.\n\n" + default_job_section(data, detail=True)
         + "\npass@1 is the unbiased estimate from the samples of each problem (`eval/passk.csv` in each run "
         "folder has its 95% interval and the other k); the finished share and the accuracy of finished answers "
         "are its `finished_share` and `finished_accuracy` columns. Wall time includes model loading and both "
@@ -392,20 +393,18 @@ def comparison_section(example: Path) -> str:
     titles = {"passk_curves.png": "pass@k against k", "training_curves.png": "training curves"}
     links = "\n\n".join(f"![{titles[name]}](results/compare/example/{name})" for name in figures)
     return (
-        f"One sweep, one command: {which} ({len(runs)} runs), SmolLM2-135M on the arithmetic task (the default job "
-        f"cut to {steps} steps), each evaluated after training on its held-out problems, so pass@k and maj@k are "
-        "arithmetic accuracy; a fourth, misspelt algorithm (`dr-grpo`) is "
-        "refused before the first run starts and the others run ([results/compare/example](results/compare/example), "
+        f"One sweep, one command: {which} ({len(runs)} runs), the default job cut to {steps} steps, each evaluated "
+        "after training, so pass@k and maj@k are arithmetic accuracy; a fourth, misspelt algorithm (`dr-grpo`) is "
+        "refused before the first run starts ([results/compare/example](results/compare/example), "
         "[docs/compare.md](docs/compare.md))" + (
             f"; {stamp['runs_planned'] - len(runs)} of its {stamp['runs_planned']} runs did not finish in the time this "
             "measurement had (`make readme-figures` runs them all)" if len(runs) < stamp.get("runs_planned", 0) else "")
         + ":\n\n"
         "```bash\n" + stamp["commands"][0].replace(" hydra.sweep.dir", " \\\n  hydra.sweep.dir") + "\n"
         + stamp["commands"][1] + "\n```\n\n"
-        f"Measured at commit {short(stamp['commit'])} on {stamp['date']} by "
-        "`make readme-figures`. Cells: mean over seeds ± half the 95% bootstrap interval (seeds × problems); "
-        "Δ: the paired difference to the baseline with its 95% interval and the sign-flip p; bold: a Δ whose "
-        "interval excludes 0.\n\n" + table + "\n" + links + "\n"
+        f"Measured at commit {short(stamp['commit'])} on {stamp['date']} by `make readme-figures`. Cells: mean "
+        "over seeds ± half the 95% interval; Δ: paired difference to the baseline [95% interval], sign-flip p; "
+        "bold: a Δ whose interval excludes 0.\n\n" + table + "\n" + links + "\n"
     )
 
 
