@@ -302,6 +302,9 @@ def improvement_claim(data: Mapping) -> str:
     """"Every seed improves ..." or the seeds that do not, from the numbers."""
     gains = {s["seed"]: s["after"]["pass_at_1"] - s["before"]["pass_at_1"] for s in data["seeds"]}
     worse = [seed for seed, gain in gains.items() if gain <= 0]
+    if not worse and len(gains) == 1:
+        seed, gain = next(iter(gains.items()))
+        return f"Seed {seed} improves pass@1 by {gain:.2f}."
     if not worse:
         low, high = f"{min(gains.values()):.2f}", f"{max(gains.values()):.2f}"
         return f"Every seed improves pass@1, by {low}." if low == high else f"Every seed improves pass@1, by {low} to {high}."
@@ -335,8 +338,8 @@ def missing_seeds_note(data: Mapping) -> str:
     if not missing:
         return ""
     listed = ", ".join(str(seed) for seed in missing)
-    return (f" Seed{'s' if len(missing) > 1 else ''} {listed} did not finish in the time this measurement had; "
-            "`make readme-figures` measures all of them.")
+    return (f" Seed{'s' if len(missing) > 1 else ''} {listed} {'were' if len(missing) > 1 else 'was'} not measured "
+            "in the time this measurement had; `make readme-figures` measures all of them.")
 
 
 def default_job_section(data: Mapping, detail: bool = False) -> str:
