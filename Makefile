@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 
 PYTEST := HF_HUB_OFFLINE=1 WANDB_MODE=offline $(VENV)/bin/pytest
 
-.PHONY: run run-ddp run-swarm test test-fast test-integration test-learning bench bench-eval bench-rollout gpu-wheels setup sandbox-tools clean
+.PHONY: readme-figures run run-ddp run-swarm test test-fast test-integration test-learning bench bench-eval bench-rollout gpu-wheels setup sandbox-tools clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,14 @@ test-integration: $(STAMP) sandbox-tools
 
 test-learning: $(STAMP)
 	$(PYTEST) -q -rs -n 2 --maxschedchunk 1 tests/learning
+
+# The README's generated sections, re-measured at the current (committed) code and stamped with it:
+# the default job for seeds 0, 1, 2 and the comparison sweep (3 algorithms x 2 seeds, 4 steps), then
+# README.md, results/default_job.{json,md} and results/compare/example rewritten (bench/readme_figures.py).
+# About 30-35 min on an idle 2-core CPU machine (3 x ~6 min + 6 x ~2 min); longer when it is shared.
+# ARGS="--render" only rewrites the README from the committed result files (seconds).
+readme-figures: $(STAMP)
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=2 $(PY) bench/readme_figures.py $(ARGS)
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) bench/compare_trl.py

@@ -27,7 +27,7 @@ from rlbench.analysis.statistics import (
 )
 from rlbench.analysis.paper import paper_reference
 from rlbench.analysis.plots import budget_axis, training_curve_stats
-from rlbench.analysis.tables import MACRO, build_table, markdown_table, wide_cells, wide_markdown
+from rlbench.analysis.tables import MACRO, build_table, markdown_table, wide_cells, wide_latex, wide_markdown
 from rlbench.errors import ConfigError, DataError
 from rlbench.eval.metrics import ProblemResult, pass_at_k, summarize
 from rlbench.logger.run_logger import RunLogger
@@ -330,16 +330,72 @@ def test_wide_table_numbers_equal_the_runs_own_files(two_groups):
     rloo = cells.loc[("rloo", "alpha", "pass@1")]
     long_row = table.query("group == 'rloo' and benchmark == 'alpha' and k == 1").iloc[0]
     assert rloo["diff"] == long_row["diff"] and rloo["p_value"] == long_row["p_value"]
-    for (bench, metric), column in cells.groupby(level=["benchmark", "metric"]):
-        assert column["mean"].nunique() > 1  # no column ties here
-        assert list(column["best"]) == list(column["mean"] == column["mean"].max()), (bench, metric)
-    tied = wide_cells(table.assign(pass_at_k=0.5), groups, n_resamples=50)
-    assert not tied[tied["metric"] == "pass@1"]["best"].any()  # a column where every group ties has no best
+    for cell in cells.itertuples():  # significant: a Δ whose interval excludes 0, nothing else
+        assert cell.significant == (cell.diff_ci_low > 0 or cell.diff_ci_high < 0)
     markdown = wide_markdown(cells.reset_index())
     grpo_line = next(line for line in markdown.splitlines() if line.startswith("| grpo |"))
     rloo_line = next(line for line in markdown.splitlines() if line.startswith("| rloo |"))
-    assert "(baseline)" in grpo_line and "**0.583 ± " in rloo_line  # rloo's alpha pass@1 = 7/12, the best
-    assert f"+{7 / 12 - 0.25:.3f} (p 0.250)" in rloo_line
+    assert "(baseline)" in grpo_line and "| 0.583 ± " in rloo_line  # rloo's alpha pass@1 = 7/12: a mean, not bold
+    # the Δ with its 95% interval beside the p-value, bold exactly when the interval excludes 0
+    delta = f"+{7 / 12 - 0.25:.3f} [{rloo['diff_ci_low']:.3f}, {rloo['diff_ci_high']:.3f}], p 0.250"
+    assert (f"**{delta}**" if rloo["significant"] else f"| {delta} |") in rloo_line
+    assert markdown.count("**") == 2 * int(cells.xs("pass@1", level="metric")["significant"].sum())  # Δ columns: pass@1
+
+
+def test_wide_table_bolds_only_significant_differences_and_leaves_out_zero_columns(two_groups):
+    """A best mean is not bold; a Δ is bold when its 95% interval excludes 0 (whatever its sign); a
+    column that is 0 for every method (maj@k without extracted answers) is left out and named under
+    the table, in Markdown and LaTeX alike."""
+    runs, _ = two_groups
+    groups = group_runs(runs, ["algorithm"])
+    table = build_table(groups, baseline="grpo", ks=[1, 2], n_resamples=50)
+    cells = wide_cells(table, groups, n_resamples=50)
+    rloo_alpha = (cells["group"] == "rloo") & (cells["benchmark"] == "alpha") & (cells["metric"] == "pass@1")
+    rloo_beta = (cells["group"] == "rloo") & (cells["benchmark"] == "beta") & (cells["metric"] == "pass@1")
+    cells.loc[rloo_alpha, ["diff", "diff_ci_low", "diff_ci_high"]] = [-0.2, -0.3, -0.1]  # excludes 0: significant
+    cells.loc[rloo_beta, ["diff", "diff_ci_low", "diff_ci_high"]] = [0.2, -0.01, 0.4]    # includes 0: not
+    cells["significant"] = (cells["diff_ci_low"] > 0) | (cells["diff_ci_high"] < 0)
+    cells.loc[cells["metric"] == "maj@2", "mean"] = 0.0
+    markdown = wide_markdown(cells)
+    header, _, grpo_line, rloo_line = markdown.splitlines()[:4]
+    assert header == "| method | alpha pass@1 | alpha Δ pass@1 vs grpo | alpha pass@2 | beta pass@1 | " \
+                     "beta Δ pass@1 vs grpo | beta pass@2 | macro pass@1 | macro Δ pass@1 vs grpo | macro pass@2 |"
+    assert "**-0.200 [-0.300, -0.100], p " in rloo_line and "| +0.200 [-0.010, 0.400], p " in rloo_line
+    assert "**" not in grpo_line
+    assert markdown.endswith("\nLeft out, 0 (or undefined) for every method: alpha maj@2, beta maj@2, macro maj@2.\n")
+    tex = wide_latex(cells)
+    assert "maj@2" not in tex and tex.count("\\textbf{") == markdown.count("**") // 2
+
+
+def test_figures_share_colours_leave_out_flat_panels_and_fit_a_column(tmp_path, monkeypatch):
+    """One colour per method in both figures of a comparison (whatever order each draws them in); a
+    training panel whose curves are all constant (KL 0 here) is named in the caption, not drawn; the
+    figures are one paper column wide."""
+    import rlbench.analysis.plots as plots
+
+    figures = {}
+    monkeypatch.setattr(plots, "_save_figure", lambda fig, path: figures.__setitem__(path.name, fig))
+    for algorithm, seed in (("rloo", 0), ("grpo", 0), ("dr_grpo", 0)):
+        write_run(tmp_path / "runs", f"{algorithm}-s{seed}", algorithm=algorithm, seed=seed,
+                  problems={"alpha": counts("alpha", [1, 2, 3])},
+                  step_metrics=[{"outcome_mean": 0.1 * i + len(algorithm) / 10, "kl": 0.0, "entropy": 1.0 - 0.1 * i}
+                                for i in range(3)])
+    groups = group_runs([load_run(d) for d in find_run_dirs([tmp_path / "runs"])], ["algorithm"])
+    table = build_table(groups, baseline="grpo", ks=[1, 2], n_resamples=20)
+    plots.plot_passk_curves(table, tmp_path / "passk_curves.png")
+    assert plots.plot_training_curves({label: groups[label] for label in ("rloo", "dr_grpo", "grpo")},
+                                      tmp_path / "training_curves.png")
+    colours = []
+    for name in ("passk_curves.png", "training_curves.png"):
+        fig = figures[name]
+        assert fig.get_size_inches()[0] == pytest.approx(plots.COLUMN_WIDTH_IN)
+        lines = [line for ax in fig.axes for line in ax.get_lines()]
+        colours.append({line.get_label().split(" (")[0]: line.get_color() for line in lines})
+    assert colours[0] == colours[1] and len(set(colours[0].values())) == 3
+    training = figures["training_curves.png"]
+    titles = [ax.get_title() for ax in training.axes if ax.get_visible()]
+    assert titles == ["accuracy (outcome): outcome_mean", "entropy: entropy"]
+    assert "constant, not drawn: KL 0" in training.get_suptitle()
 
 
 def test_budget_axis_interpolates_seeds_onto_a_common_grid(tmp_path):

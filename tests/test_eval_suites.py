@@ -14,7 +14,13 @@ from rlbench.config.typed import typed_config
 from rlbench.dataset import load_problems
 from rlbench.dataset.base import Problem
 from rlbench.errors import DataError
-from rlbench.eval.evaluate import Benchmark, evaluate, problem_seed, usable_problems
+from rlbench.eval.evaluate import (
+    Benchmark,
+    evaluate,
+    finish_rates,
+    problem_seed,
+    usable_problems,
+)
 from rlbench.model import load_policy
 from rlbench.reward import MathReward
 from rlbench.rollout.engines.base import GenerationRequest, SamplingParams
@@ -53,6 +59,22 @@ def test_suite_does_not_change_a_benchmarks_samples(engine_and_tokenizer):
     assert len(set(of_b(alone))) > 1  # really sampled, not one repeated string
     rows_b = [[r for r in result.rows if r["benchmark"] == "b"] for result in (alone, in_suite, after)]
     assert rows_b[0] == rows_b[1] == rows_b[2]  # pass@k, intervals, maj@k: the same table rows
+
+
+def test_finish_rates_tell_cut_off_samples_from_wrong_answers(engine_and_tokenizer):
+    """finished_share: samples that ended within the budget; finished_accuracy: the right share of
+    those; every table row carries its benchmark's (the macro row: all samples')."""
+    samples = [{"finished": True, "correct": True}, {"finished": True, "correct": False},
+               {"finished": False, "correct": False}, {"finished": False, "correct": True}]
+    assert finish_rates(samples) == {"finished_share": 0.5, "finished_accuracy": 0.5}
+    cut_off = finish_rates(samples[2:])
+    assert cut_off["finished_share"] == 0.0 and cut_off["finished_accuracy"] != cut_off["finished_accuracy"]  # NaN
+    result = _run(engine_and_tokenizer, [_benchmark("a", 4), _benchmark("b", 5)])
+    for row in result.rows:
+        own = [s for s in result.samples if row["benchmark"] in ("macro_avg", s["benchmark"])]
+        expected = finish_rates(own)
+        assert row["finished_share"] == expected["finished_share"], row
+        assert row["finished_accuracy"] == pytest.approx(expected["finished_accuracy"], nan_ok=True), row
 
 
 def test_seed_and_benchmark_name_change_the_samples(engine_and_tokenizer):

@@ -1,7 +1,8 @@
 """The comparison tables. The long table (:func:`build_table`): per (group, benchmark, k) pass@k
 with bootstrap intervals and the paired difference against a baseline group (CSV, Markdown). The
-wide table (:func:`wide_cells`): methods × benchmarks with pass@1, its Δ, pass@k and maj@k at the
-largest k, mean ± CI, the best in bold (Markdown, booktabs LaTeX, CSV)."""
+wide table (:func:`wide_cells`): methods × benchmarks with pass@1, its Δ with its interval and p, pass@k
+and maj@k at the largest k, mean ± CI, a Δ whose interval excludes 0 in bold, columns that are 0 for
+every method left out (Markdown, booktabs LaTeX, CSV)."""
 
 from __future__ import annotations
 
@@ -189,7 +190,7 @@ def runs_table(groups: Mapping[str, Sequence[Run]]) -> pd.DataFrame:
 # --------------------------------------------------------------------------- the wide (paper) table
 
 CELL_COLUMNS = ["group", "benchmark", "metric", "mean", "ci_low", "ci_high", "seeds",
-                "baseline", "diff", "diff_ci_low", "diff_ci_high", "p_value", "best"]
+                "baseline", "diff", "diff_ci_low", "diff_ci_high", "p_value", "significant"]
 
 
 def run_maj_at_k(run: Run, phase: str, benchmark: str, k: int) -> float:
@@ -211,8 +212,9 @@ def wide_cells(table: pd.DataFrame, groups: Mapping[str, Sequence[Run]], *, phas
     at the smallest and the largest k of ``table`` (the long table of :func:`build_table`) and maj@k
     at the largest k. pass@k cells are the long table's rows (mean, bootstrap interval, Δ and p);
     a maj@k cell is the mean over seeds of the runs' own maj@k (per-sample votes are not kept, so
-    its interval resamples seeds only, and it has no paired test). ``best`` marks the highest mean
-    of each (benchmark, metric) column (ties: all of them; none when the whole column ties)."""
+    its interval resamples seeds only, and it has no paired test). ``significant`` marks a Δ whose
+    95% interval excludes 0 (the only cells the tables set in bold: a best mean that is not
+    distinguishable from the baseline is not marked)."""
     ks = sorted(table["k"].unique())
     k_low, k_high = int(ks[0]), int(ks[-1])
     cells = []
@@ -234,10 +236,7 @@ def wide_cells(table: pd.DataFrame, groups: Mapping[str, Sequence[Run]], *, phas
                           "ci_low": low, "ci_high": high, "seeds": len(values), "baseline": table["baseline"].iloc[0],
                           "diff": math.nan, "diff_ci_low": math.nan, "diff_ci_high": math.nan, "p_value": math.nan})
     frame = pd.DataFrame(cells)
-    columns = frame.groupby(["benchmark", "metric"])["mean"]
-    column_best, column_worst = columns.transform("max"), columns.transform("min")
-    frame["best"] = (frame["mean"].notna() & np.isclose(frame["mean"], column_best, rtol=0, atol=1e-12)
-                     & ~np.isclose(column_best, column_worst, rtol=0, atol=1e-12))
+    frame["significant"] = (frame["diff_ci_low"] > 0) | (frame["diff_ci_high"] < 0)  # NaN compares False
     metrics = list(dict.fromkeys([f"pass@{k_low}", f"pass@{k_high}", f"maj@{k_high}"]))
     frame["_metric"] = frame["metric"].map({m: i for i, m in enumerate(metrics)})
     frame["_bench"] = frame["benchmark"].map({b: i for i, b in enumerate(dict.fromkeys(table["benchmark"]))})
@@ -246,14 +245,25 @@ def wide_cells(table: pd.DataFrame, groups: Mapping[str, Sequence[Run]], *, phas
     return frame.drop(columns=["_metric", "_bench", "_group"]).reset_index(drop=True)[CELL_COLUMNS]
 
 
+def zero_columns(cells: pd.DataFrame) -> list[tuple[str, str]]:
+    """(benchmark, metric) of the columns that are 0 (or undefined) for every group, e.g. maj@k
+    when no response has an answer to vote on: the wide table leaves them out and says so."""
+    zero = cells.groupby(["benchmark", "metric"], sort=False)["mean"].agg(lambda m: bool((m.fillna(0) == 0).all()))
+    return [key for key, is_zero in zero.items() if is_zero]
+
+
 def wide_columns(cells: pd.DataFrame) -> list[tuple[str, str, bool]]:
     """(benchmark, metric, is_delta) per column of the wide table, in order: per benchmark each
-    metric, and after the first pass@k the Δ vs the baseline when there is one."""
+    metric that is not 0 for every group, and after the first pass@k the Δ vs the baseline when
+    there is one."""
     has_baseline = bool(cells["baseline"].iloc[0])
     first_pass = next(m for m in cells["metric"] if m.startswith("pass@"))
+    left_out = set(zero_columns(cells))
     columns = []
     for bench in dict.fromkeys(cells["benchmark"]):
         for metric in dict.fromkeys(cells["metric"]):
+            if (bench, metric) in left_out:
+                continue
             columns.append((bench, metric, False))
             if has_baseline and metric == first_pass:
                 columns.append((bench, metric, True))
@@ -267,15 +277,17 @@ def _mean_pm(mean: float, low: float, high: float) -> str:
 
 
 def _delta_text(cell: Mapping) -> str:
+    """Δ [95% interval], p: the interval beside the p-value, as docs/compare.md tells readers to read them."""
     if not cell["baseline"] or cell["group"] == cell["baseline"]:
         return "(baseline)" if cell["baseline"] else ""
     if math.isnan(cell["diff"]):
         return "—"
-    return f"{cell['diff']:+.3f} (p {_p_text(cell['p_value'])})"
+    return f"{_interval_text(cell['diff'], cell['diff_ci_low'], cell['diff_ci_high'], True)}, p {_p_text(cell['p_value'])}"
 
 
 def wide_display(cells: pd.DataFrame) -> tuple[list[tuple[str, str, bool]], list[tuple[str, list[tuple[str, bool]]]]]:
-    """The wide table's columns and, per group, its cells as (text, bold)."""
+    """The wide table's columns and, per group, its cells as (text, bold): bold is a Δ whose
+    interval excludes 0."""
     columns = wide_columns(cells)
     index = cells.set_index(["group", "benchmark", "metric"])
     rows = []
@@ -284,9 +296,9 @@ def wide_display(cells: pd.DataFrame) -> tuple[list[tuple[str, str, bool]], list
         for bench, metric, is_delta in columns:
             cell = {**index.loc[(label, bench, metric)].to_dict(), "group": label}
             if is_delta:
-                line.append((_delta_text(cell), False))
+                line.append((_delta_text(cell), bool(cell["significant"]) and cell["group"] != cell["baseline"]))
             else:
-                line.append((_mean_pm(cell["mean"], cell["ci_low"], cell["ci_high"]), bool(cell["best"])))
+                line.append((_mean_pm(cell["mean"], cell["ci_low"], cell["ci_high"]), False))
         rows.append((str(label), line))
     return columns, rows
 
@@ -295,9 +307,18 @@ def _column_title(metric: str, is_delta: bool, baseline: str) -> str:
     return f"Δ {metric} vs {baseline}" if is_delta else metric
 
 
+def left_out_note(cells: pd.DataFrame) -> str:
+    """The sentence under a wide table naming the columns left out as 0 for every group ('' if none)."""
+    zero = zero_columns(cells)
+    if not zero:
+        return ""
+    return "Left out, 0 (or undefined) for every method: " + ", ".join(f"{bench} {metric}" for bench, metric in zero) + ".\n"
+
+
 def wide_markdown(cells: pd.DataFrame) -> str:
-    """Methods × benchmarks: per benchmark pass@1, its Δ vs the baseline (paired sign-flip p),
-    pass@k and maj@k at the largest k; mean ± half the 95% interval, the best of a column in bold."""
+    """Methods × benchmarks: per benchmark pass@1, its Δ vs the baseline [95% interval] with the paired
+    sign-flip p, pass@k and maj@k at the largest k; mean ± half the 95% interval; a Δ whose interval
+    excludes 0 in bold; columns that are 0 for every method left out, named under the table."""
     columns, rows = wide_display(cells)
     baseline = cells["baseline"].iloc[0]
     header = ["method"] + [f"{bench} {_column_title(metric, delta, baseline)}" for bench, metric, delta in columns]
@@ -305,12 +326,13 @@ def wide_markdown(cells: pd.DataFrame) -> str:
     for label, line in rows:
         texts = [f"**{text}**" if bold else text for text, bold in line]
         lines.append("| " + " | ".join([label, *texts]) + " |")
-    return "\n".join(lines) + "\n"
+    note = left_out_note(cells)
+    return "\n".join(lines) + "\n" + (f"\n{note}" if note else "")
 
 
 def wide_latex(cells: pd.DataFrame) -> str:
     """The wide table as a booktabs ``tabular`` (``\\usepackage{booktabs}``): one column block per
-    benchmark under a ``\\cmidrule``, the best of a column in ``\\textbf``."""
+    benchmark under a ``\\cmidrule``, a Δ whose interval excludes 0 in ``\\textbf``."""
     columns, rows = wide_display(cells)
     baseline = cells["baseline"].iloc[0]
     benchmarks = list(dict.fromkeys(bench for bench, _, _ in columns))

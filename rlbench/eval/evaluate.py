@@ -195,6 +195,7 @@ def evaluate(
     for row in rows:  # a broken grader or skipped records read as a low score: keep the counts beside it
         row["grader_errors"] = errors.get(row["benchmark"], sum(errors.values()))
         row["skipped"] = skipped.get(row["benchmark"], sum(skipped.values()))
+        row.update(finish_rates([s for s in samples if s["benchmark"] == row["benchmark"]] if row["benchmark"] in errors else samples))
         row["empty"] = row["problems"] == 0
     for name, count in errors.items():
         if count:
@@ -210,6 +211,18 @@ def evaluate(
         grader_errors=errors,
         skipped=skipped,
     )
+
+
+def finish_rates(samples: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Whether a score is about finishing or about answering: ``finished_share``, the share of
+    samples that ended (EOS or a stop string) within the token budget, the rest being cut off, and
+    ``finished_accuracy``, the share of those finished samples graded correct (NaN when none
+    finished). A gain in accuracy that is all in ``finished_share`` is learning the budget."""
+    finished = [s for s in samples if s["finished"]]
+    return {
+        "finished_share": len(finished) / len(samples) if samples else math.nan,
+        "finished_accuracy": sum(bool(s["correct"]) for s in finished) / len(finished) if finished else math.nan,
+    }
 
 
 def in_problem_order(
