@@ -63,6 +63,7 @@ def test_run_folder_and_comparison_files_apply_the_umask(tmp_path, umask):
     config = {"algorithm": {"name": "grpo"}, "seed": 0, "run_name": "run", "mode": "train"}
     logger = RunLogger(run, config, OmegaConf.to_yaml(OmegaConf.create(config)), {"name": "files"})
     logger.log_step(1, {"reward_mean": 0.5, "response_length": 3.0, "entropy": 1.0})
+    logger.log_step(2, {"reward_mean": 0.75, "response_length": 4.0, "entropy": 0.9})  # curves that change: a figure
     results = [ProblemResult("arith", f"arith/{i}", [True, i == 0], ["x", "y"]) for i in range(2)]
     rows = [{**row, "phase": "after"} for row in summarize(results, [1, 2])]
     problems = [{"phase": "after", "benchmark": "arith", "uid": r.uid, "n": 2, "correct": sum(r.correct)} for r in results]

@@ -88,7 +88,7 @@ def test_unknown_group_option_from_the_command_line(tmp_path):
     assert proc.returncode != 0
     out = proc.stderr + proc.stdout
     assert "algorithm" in out and "nope" in out
-    assert "grpo" in out and "dr_grpo" in out, "the error should list the available options"
+    assert "did you mean" in out and "rlbench-list shows all" in out, "the error should name the nearest options and where all are"
 
 
 def test_config_error_from_command_line_exits_2_with_message(tmp_path):
