@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tests.conftest import smoke_cli_steps
+from conftest import smoke_cli_steps
 
 
 @pytest.mark.slow
