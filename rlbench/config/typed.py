@@ -62,10 +62,17 @@ def plain(value: Any, annotation: Any) -> Any:
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if typing.get_origin(annotation) is tuple and isinstance(value, (list, tuple)):  # tuple[int, ...] or tuple[X, Y]
-        args = typing.get_args(annotation)
-        items = args[:1] * len(value) if len(args) == 2 and args[1] is Ellipsis else args
+        items = item_annotations(annotation, len(value))
         return tuple(value) if len(items) != len(value) else tuple(plain(item, arg) for item, arg in zip(value, items))
     return value
+
+
+def item_annotations(annotation: Any, count: int) -> tuple:
+    """The annotation of each of ``count`` items of a ``tuple[...]`` or ``list[X]`` field: ``tuple[X, ...]``
+    and ``list[X]`` repeat X, ``tuple[X, Y]`` names each (its length may differ from ``count``)."""
+    args = typing.get_args(annotation)
+    repeated = typing.get_origin(annotation) is list or (len(args) == 2 and args[1] is Ellipsis)
+    return args[:1] * count if repeated else args
 
 
 def settings_block(values: Mapping[str, Any] | None, options_class: type[Schema], where: str) -> Schema:
@@ -103,7 +110,7 @@ def of_type(value: Any, annotation: Any) -> bool:
     if origin in (tuple, list):
         if not isinstance(value, (tuple, list)):
             return False
-        items = args[:1] * len(value) if origin is list or (len(args) == 2 and args[1] is Ellipsis) else args
+        items = item_annotations(annotation, len(value))
         return len(items) == len(value) and all(of_type(v, a) for v, a in zip(value, items))
     return not isinstance(annotation, type) or is_instance(value, annotation)
 

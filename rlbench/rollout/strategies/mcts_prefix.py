@@ -85,7 +85,7 @@ class MCTSPrefix(RolloutStrategy):
     def config_options(cls, rollout: RolloutConfig) -> dict:
         options = strategy_options(rollout, "mcts_prefix", MCTSPrefixOptions)
         needs_groups("mcts_prefix", rollout, "trains GRPO groups of completions of one prefix")
-        search = TreeOptions.from_config(dataclasses.replace(rollout, strategy=SEARCH, settings={SEARCH: dict(options.search or {})}))
+        search = TreeOptions.from_config(dataclasses.replace(rollout, strategy=SEARCH, settings={SEARCH: dict(options.search)}))
         depths, steps = list(options.stage_depths), options.steps_per_stage
         if not depths or min(depths) < 0:
             raise ConfigError(f"rollout.mcts_prefix.stage_depths must be a non-empty list of depths >= 0, got {depths}")
