@@ -287,6 +287,7 @@ def prepare(cfg: DictConfig, algorithm: Algorithm, started: float) -> Run:
     if cfg.trainer.parallelism == "swarm":  # SAPO's actor: a single-process run with its own seed and folder (training/swarm.py)
         cfg = actor_config(cfg, launched_rank())
     config = typed_config(cfg)
+    notice_inactive_terms(config, algorithm)  # one line when the loss's distinguishing term cannot act in this run
     if config.trainer.parallelism == "swarm" and external_groups(config.trainer):
         pool = join_swarm()
     resolved = OmegaConf.to_container(cfg, resolve=True)
@@ -425,7 +426,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     :class:`rlbench.training.interrupt.Interrupted` after writing an interrupted summary."""
     started = time.perf_counter()
     algorithm = validate_config(cfg)  # every check before anything expensive
-    notice_inactive_terms(cfg, algorithm)  # one line when the loss's distinguishing term cannot act in this run
     run = prepare(cfg, algorithm, started)
     if run.config.mode == "generate":  # graded traces for the guided methods (rlbench/guidance/generate.py)
         from rlbench.guidance.generate import write_traces

@@ -25,6 +25,7 @@ from test_paper_presets import algorithm_of  # noqa: E402
 
 from rlbench.algorithm import Algorithm  # noqa: E402
 from rlbench.algorithm.registry import POLICY_LOSSES  # noqa: E402
+from rlbench.config.typed import typed_config  # noqa: E402
 from rlbench.validation import notice_inactive_terms  # noqa: E402
 
 NOTICE = "acts only where pi_theta / pi_old differs from 1"
@@ -84,7 +85,7 @@ def test_the_affected_paper_presets_are_the_ones_whose_outcome_is_stated():
 
 def _notice(overrides: list[str], tmp_path: Path) -> str | None:
     cfg = compose_config(overrides, tmp_path / "run")
-    return notice_inactive_terms(cfg, Algorithm.from_config(cfg.algorithm))
+    return notice_inactive_terms(typed_config(cfg), Algorithm.from_config(cfg.algorithm))
 
 
 def test_notice_names_the_term_and_the_way_to_exercise_it(tmp_path, caplog):

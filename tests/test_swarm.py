@@ -71,7 +71,7 @@ def test_a_swarm_actor_checkpoints_and_takes_samplers_and_stages_but_not_stalene
 def test_group_arithmetic_and_what_cannot_be_shared_are_refused(make_cfg, overrides, message):
     cfg = make_cfg("experiment=smoke", "trainer.parallelism=swarm", *overrides)
     with pytest.raises(ConfigError, match=message):
-        check_swarm(cfg, Algorithm.from_config(cfg.algorithm), actors=2)
+        check_swarm(typed_config(cfg), Algorithm.from_config(cfg.algorithm), actors=2)
 
 
 def test_the_draw_is_a_function_of_seed_and_step_without_replacement():
