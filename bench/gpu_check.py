@@ -302,6 +302,7 @@ def synthetic_batch(vocab_size: int, device: str):
     import torch
 
     from rlbench.algorithm import Algorithm
+    from rlbench.config.typed import algorithm_settings
     from rlbench.rollout.engines.base import Completion
     from rlbench.training.batch import collate
 
@@ -315,8 +316,9 @@ def synthetic_batch(vocab_size: int, device: str):
             group.append(Completion(i, prompt, torch.randint(3, vocab_size, (length,), generator=g).tolist(),
                                     [0.0] * length, finished=True))
         groups.append(group)
-    algorithm = Algorithm.from_config({"name": "gpu_check", "advantage": {"name": "grpo"}, "loss": {"name": "ppo_clip"},
-                                       "aggregation": {"name": "token_mean"}, "update": {"epochs": 1, "minibatches": 1}})
+    algorithm = Algorithm.from_config(algorithm_settings({
+        "name": "gpu_check", "advantage": {"name": "grpo"}, "loss": {"name": "ppo_clip"}, "aggregation": {"name": "token_mean"},
+        "update": {"epochs": 1, "minibatches": 1}}))
     batch = collate(groups, pad_token_id=0, device=device)
     batch.rewards = torch.rand(batch.size, generator=g).to(device)
     batch.advantages = algorithm.compute_advantages(batch.rewards, batch.group_index, batch.response_mask)

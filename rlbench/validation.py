@@ -21,7 +21,7 @@ from rlbench.algorithm.shaping import REWARD_SHAPING
 from rlbench.config.fit import check_fits_here
 from rlbench.config.origin import ValueOrigins, with_origins
 from rlbench.config.schema import DatasetConfig, RunConfig, SandboxConfig
-from rlbench.config.typed import typed_config
+from rlbench.config.typed import algorithm_settings, typed_config
 from rlbench.config.walk import Registered, check_against_schema
 from rlbench.dataset import validate_spec
 from rlbench.errors import ConfigError
@@ -287,7 +287,7 @@ def check_run(cfg: DictConfig, origins: ValueOrigins) -> Algorithm:
     check_against_schema(cfg, registered(), origins)
     config = typed_config(cfg)
     device = resolve_device(config.device)
-    algorithm = Algorithm.from_config(cfg.algorithm)
+    algorithm = Algorithm.from_config(algorithm_settings(config.algorithm))
 
     rollout = config.rollout
     if rollout.engine == "vllm" and device.type != "cuda":

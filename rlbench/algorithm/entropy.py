@@ -53,7 +53,7 @@ class AdaptiveEntropy:
 
     @classmethod
     def from_config(cls, node: Any) -> "AdaptiveEntropy":
-        params = dict(node)
+        params = {key: value for key, value in dict(node).items() if value is not None}  # null: left out
         unknown = set(params) - ADAPTIVE_ENTROPY_KEYS
         if unknown or "target" not in params:
             raise ConfigError(
