@@ -128,9 +128,11 @@ def compose_config(tmp_dir: str, seed: int = SEED) -> DictConfig:
 
 
 def load_model(cfg: DictConfig):
+    from rlbench.config.typed import typed_config
     from rlbench.model import load_policy
 
-    return load_policy(cfg.model, device="cpu", dtype=torch.float32, seed=int(cfg.seed), cache_dir=cfg.cache_dir)
+    config = typed_config(cfg)
+    return load_policy(config.model, device="cpu", dtype=torch.float32, seed=config.seed, cache_dir=config.cache_dir)
 
 
 def summarize(values: list[float]) -> dict[str, float]:

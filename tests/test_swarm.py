@@ -212,7 +212,7 @@ def actor(tmp_path, index: int, store, external: int = 1):
     """Actor ``index`` of two (a step context on the tiny model) with its swarm rollout on ``store``."""
     cfg = actor_config(compose_config(["experiment=smoke", "trainer.parallelism=swarm", f"trainer.swarm.external={external}"],
                                       tmp_path), index)
-    model, tokenizer = load_policy(cfg.model, device=torch.device("cpu"), dtype=torch.float32, seed=cfg.seed,
+    model, tokenizer = load_policy(typed_config(cfg).model, device=torch.device("cpu"), dtype=torch.float32, seed=cfg.seed,
                                    cache_dir=cfg.cache_dir)
     ctx = make_step_context(typed_config(cfg), algorithm_from(cfg.algorithm), model, tokenizer,
                             make_engine(typed_config(cfg).rollout, model, tokenizer, torch.device("cpu")), torch.device("cpu"),

@@ -18,7 +18,7 @@ from typing import Any, Literal, Mapping, TypeVar, Union
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from rlbench.config.schema import AlgorithmConfig, RolloutConfig, RunConfig, config_fields
+from rlbench.config.schema import AlgorithmConfig, ModelConfig, RolloutConfig, RunConfig, config_fields
 from rlbench.config.walk import describe, is_instance, nearest
 from rlbench.errors import ConfigError
 
@@ -127,7 +127,17 @@ def type_name(annotation: Any) -> str:
 def rollout_config(values: Mapping[str, Any]) -> RolloutConfig:
     """The typed ``rollout`` of a plain mapping (tests and scripts build one so): its fields, and each
     strategy's settings block under the strategy's name; missing keys at the schema's defaults."""
-    return typed_node(values if isinstance(values, DictConfig) else OmegaConf.create(dict(values)), RolloutConfig)
+    return node_config(values, RolloutConfig)
+
+
+def model_config(values: Mapping[str, Any]) -> ModelConfig:
+    """The typed ``model`` of a mapping (a loaded ``conf/model/<name>.yaml``: tests and scripts load one so)."""
+    return node_config(values, ModelConfig)
+
+
+def node_config(values: Mapping[str, Any], schema: type[Schema]) -> Schema:
+    """A plain mapping or a DictConfig as the node ``schema``, missing keys at the schema's defaults."""
+    return typed_node(values if isinstance(values, DictConfig) else OmegaConf.create(dict(values)), schema)
 
 
 def algorithm_settings(algorithm: AlgorithmConfig | Mapping[str, Any]) -> dict[str, Any]:
