@@ -300,7 +300,7 @@ def prepare(cfg: DictConfig, algorithm: Algorithm, started: float) -> Run:
         return Run(cfg, config, algorithm, started, resolved, resumed, pool, world, device, [], [], SilentLogger())
     train_problems = load_problems(cfg.dataset, seed=config.seed, data_dir=config.data_dir, source=config.data_source) if training else []
     benchmarks = load_benchmarks(cfg, config)
-    logger = RunLogger(Path(config.output_dir), resolved, OmegaConf.to_yaml(cfg, resolve=True), cfg.logger,
+    logger = RunLogger(Path(config.output_dir), resolved, OmegaConf.to_yaml(cfg, resolve=True), config.logger,
                        job_type="train" if training else "eval", in_sweep=in_sweep(),
                        resume_id=(resumed.manifest.get("run_id") or "") if resumed else None) if world.is_main else SilentLogger()
     return Run(cfg, config, algorithm, started, resolved, resumed, pool, world, device, train_problems, benchmarks, logger)

@@ -487,8 +487,8 @@ class LoggerConfig:
     """``logger``: files only, or Weights & Biases as well."""
 
     name: Literal["files", "wandb"] = knob(None, "the logger")
-    mode: Optional[str] = knob(None, "auto | online | offline | disabled (wandb)")
-    project: Optional[str] = knob(None, "W&B project")
+    mode: str = knob("auto", "wandb: auto (online when WANDB_API_KEY is set, else offline) | online | offline | disabled")
+    project: str = knob("rlbench", "W&B project")
     entity: Optional[str] = knob(None, "W&B entity")
     group: Optional[str] = knob(None, "W&B group")
     tags: list = knob([], "W&B tags")
