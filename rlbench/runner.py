@@ -76,13 +76,14 @@ def load_benchmarks(cfg: DictConfig, config: RunConfig) -> list[Benchmark]:
     return benchmarks
 
 
-def load_run_guidance(cfg: DictConfig, train_problems: list, tokenizer: Any, grader: Any) -> Any:
+def load_run_guidance(run: Run, tokenizer: Any, grader: Any) -> Any:
     """The checked guidance traces of the run (guidance=<source>), or None without a source; bad
     traces are counted and logged, or refuse the run here, before training (guidance.on_bad)."""
-    options = GuidanceOptions.from_config(cfg.get("guidance"))
+    options = GuidanceOptions.from_config(run.config.guidance)
     if options.source == "none":
         return None
-    return load_guidance(options, train_problems, tokenizer, grader, cfg.rollout.max_new_tokens, cfg.dataset, cfg.seed)
+    return load_guidance(options, run.train_problems, tokenizer, grader, run.config.rollout.max_new_tokens, run.cfg.dataset,
+                         run.config.seed)
 
 
 def git_commit() -> str:
@@ -318,7 +319,7 @@ def load_policy_and_engine(run: Run) -> Policy:
     if config.trainer.gradient_checkpointing:
         enable_activation_checkpointing(model)
     engine = make_engine(config.rollout, model, tokenizer, run.device)
-    guidance = load_run_guidance(run.cfg, run.train_problems, tokenizer, training_grader(run.config)) if run.training else None  # before any evaluation
+    guidance = load_run_guidance(run, tokenizer, training_grader(run.config)) if run.training else None  # before any evaluation
     return Policy(model, tokenizer, engine, guidance)
 
 

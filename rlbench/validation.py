@@ -315,7 +315,7 @@ def check_run(cfg: DictConfig, origins: ValueOrigins) -> Algorithm:
         check_swarm(config, algorithm)
         validate_spec(cfg.dataset, source=config.data_source, data_dir=config.data_dir)
         check_reward_matches_dataset(config.reward.name, config.dataset)
-        guidance = GuidanceOptions.from_config(cfg.get("guidance"))
+        guidance = GuidanceOptions.from_config(config.guidance)
         if rollout.strategy == "references" and guidance.source == "none":
             raise ConfigError(
                 "rollout=references (algorithm=otr) trains on guidance references only and guidance=none gives "
