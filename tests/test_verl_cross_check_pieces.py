@@ -216,7 +216,7 @@ def test_sampling_correction_is_a_no_op_without_sampler_logprobs_or_config():
 def test_sampling_correction_config():
     assert algorithm_from(_cfg()).sampling_correction is None
     assert algorithm_from(_cfg(sampling_correction={})).sampling_correction == SamplingCorrection(2.0)
-    with pytest.raises(ConfigError, match="takes only cap"):
+    with pytest.raises(ConfigError, match=r"algorithm.sampling_correction has no key\(s\) \['capp'\]"):
         algorithm_from(_cfg(sampling_correction={"capp": 2.0}))
     with pytest.raises(ConfigError, match="must be > 0"):
         algorithm_from(_cfg(sampling_correction={"cap": 0.0}))
