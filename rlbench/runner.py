@@ -76,13 +76,14 @@ def load_benchmarks(cfg: DictConfig, config: RunConfig) -> list[Benchmark]:
     return benchmarks
 
 
-def load_run_guidance(cfg: DictConfig, train_problems: list, tokenizer: Any, grader: Any) -> Any:
+def load_run_guidance(run: Run, tokenizer: Any, grader: Any) -> Any:
     """The checked guidance traces of the run (guidance=<source>), or None without a source; bad
     traces are counted and logged, or refuse the run here, before training (guidance.on_bad)."""
-    options = GuidanceOptions.from_config(cfg.get("guidance"))
+    options = GuidanceOptions.from_config(run.config.guidance)
     if options.source == "none":
         return None
-    return load_guidance(options, train_problems, tokenizer, grader, cfg.rollout.max_new_tokens, cfg.dataset, cfg.seed)
+    return load_guidance(options, run.train_problems, tokenizer, grader, run.config.rollout.max_new_tokens, run.cfg.dataset,
+                         run.config.seed)
 
 
 def git_commit() -> str:
@@ -287,6 +288,7 @@ def prepare(cfg: DictConfig, algorithm: Algorithm, started: float) -> Run:
     if cfg.trainer.parallelism == "swarm":  # SAPO's actor: a single-process run with its own seed and folder (training/swarm.py)
         cfg = actor_config(cfg, launched_rank())
     config = typed_config(cfg)
+    notice_inactive_terms(config, algorithm)  # one line when the loss's distinguishing term cannot act in this run
     if config.trainer.parallelism == "swarm" and external_groups(config.trainer):
         pool = join_swarm()
     resolved = OmegaConf.to_container(cfg, resolve=True)
@@ -299,7 +301,7 @@ def prepare(cfg: DictConfig, algorithm: Algorithm, started: float) -> Run:
         return Run(cfg, config, algorithm, started, resolved, resumed, pool, world, device, [], [], SilentLogger())
     train_problems = load_problems(cfg.dataset, seed=config.seed, data_dir=config.data_dir, source=config.data_source) if training else []
     benchmarks = load_benchmarks(cfg, config)
-    logger = RunLogger(Path(config.output_dir), resolved, OmegaConf.to_yaml(cfg, resolve=True), cfg.logger,
+    logger = RunLogger(Path(config.output_dir), resolved, OmegaConf.to_yaml(cfg, resolve=True), config.logger,
                        job_type="train" if training else "eval", in_sweep=in_sweep(),
                        resume_id=(resumed.manifest.get("run_id") or "") if resumed else None) if world.is_main else SilentLogger()
     return Run(cfg, config, algorithm, started, resolved, resumed, pool, world, device, train_problems, benchmarks, logger)
@@ -308,7 +310,7 @@ def prepare(cfg: DictConfig, algorithm: Algorithm, started: float) -> Run:
 def load_policy_and_engine(run: Run) -> Policy:
     """The policy (LoRA adapters, FSDP's check, activation checkpointing), its engine and the guidance traces."""
     config = run.config
-    model, tokenizer = load_policy(run.cfg.model, device=run.device, dtype=torch.float32,  # bf16 enters through autocast
+    model, tokenizer = load_policy(run.config.model, device=run.device, dtype=torch.float32,  # bf16 enters through autocast
                                    seed=config.seed, cache_dir=config.cache_dir)
     if config.model.lora is not None:
         model = apply_lora(model, run.cfg.model.lora)
@@ -317,7 +319,7 @@ def load_policy_and_engine(run: Run) -> Policy:
     if config.trainer.gradient_checkpointing:
         enable_activation_checkpointing(model)
     engine = make_engine(config.rollout, model, tokenizer, run.device)
-    guidance = load_run_guidance(run.cfg, run.train_problems, tokenizer, training_grader(run.config)) if run.training else None  # before any evaluation
+    guidance = load_run_guidance(run, tokenizer, training_grader(run.config)) if run.training else None  # before any evaluation
     return Policy(model, tokenizer, engine, guidance)
 
 
@@ -425,7 +427,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     :class:`rlbench.training.interrupt.Interrupted` after writing an interrupted summary."""
     started = time.perf_counter()
     algorithm = validate_config(cfg)  # every check before anything expensive
-    notice_inactive_terms(cfg, algorithm)  # one line when the loss's distinguishing term cannot act in this run
     run = prepare(cfg, algorithm, started)
     if run.config.mode == "generate":  # graded traces for the guided methods (rlbench/guidance/generate.py)
         from rlbench.guidance.generate import write_traces

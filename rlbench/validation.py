@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 import torch
+from omegaconf import DictConfig
 
 from rlbench.algorithm import Algorithm
 from rlbench.algorithm.pieces import PIECE_KINDS
@@ -19,8 +20,8 @@ from rlbench.algorithm.registry import ADVANTAGES, POLICY_LOSSES
 from rlbench.algorithm.shaping import REWARD_SHAPING
 from rlbench.config.fit import check_fits_here
 from rlbench.config.origin import ValueOrigins, with_origins
-from rlbench.config.schema import RolloutConfig, SandboxConfig, TrainerConfig
-from rlbench.config.typed import typed_node
+from rlbench.config.schema import DatasetConfig, RunConfig, SandboxConfig
+from rlbench.config.typed import algorithm_settings, typed_config
 from rlbench.config.walk import Registered, check_against_schema
 from rlbench.dataset import validate_spec
 from rlbench.errors import ConfigError
@@ -80,36 +81,38 @@ def check_batch_arithmetic(prompts_per_step: int, n: int, micro_batch_size: int,
         )
 
 
-def check_curriculum(cfg: Any, algorithm: Algorithm) -> None:
+def check_curriculum(config: RunConfig, algorithm: Algorithm) -> None:
     """The prompt sampler's options, and the stages (ordered, known keys) with every stage's batch."""
-    sampler_options(typed_node(cfg.trainer, TrainerConfig).prompt_sampler)
-    stages = parse_stages(cfg.trainer.get("stages"), cfg.trainer.steps)
-    for stage, settings in zip(stages, stage_settings(cfg, stages)):
+    trainer = config.trainer
+    sampler_options(trainer.prompt_sampler)
+    stages = parse_stages(trainer.stages, trainer.steps)
+    for stage, settings in zip(stages, stage_settings(config, stages)):
         try:
             check_batch_arithmetic(settings["trainer.prompts_per_step"], settings["rollout.n"],
-                                   cfg.trainer.micro_batch_size, algorithm.minibatches)
+                                   trainer.micro_batch_size, algorithm.minibatches)
             algorithm.check_group_size(settings["rollout.n"], settings["trainer.prompts_per_step"] * settings["rollout.n"])
         except ConfigError as err:
             raise ConfigError(f"from trainer.stages at step {stage.at}: {err}") from None
 
 
-def check_sharded_run_features(cfg: Any) -> None:
+def check_sharded_run_features(config: RunConfig) -> None:
     """Under trainer.parallelism=ddp|fsdp|swarm the asynchronous pipeline is not carried to several
     processes yet (refused). Under ddp|fsdp every stage's trainer.prompts_per_step must split into
     whole groups per rank. (Prompt samplers work: the ranks gather their groups' statistics every step;
     a swarm's actors are whole runs, each with its own sampler, checkpoints and stages, and
     rlbench.training.swarm.check_swarm checks every stage's shared groups.)"""
-    strategy = cfg.trainer.get("parallelism", "single")
+    trainer = config.trainer
+    strategy = trainer.parallelism
     if strategy == "single":
         return
-    if cfg.trainer.get("max_staleness") is not None:
+    if trainer.max_staleness is not None:
         raise ConfigError(f"trainer.parallelism={strategy} does not support trainer.max_staleness yet; "
                           "use trainer.parallelism=single for it")
     if strategy == "swarm":  # every actor is a whole run of its own: nothing is split over the ranks
         return
     world_size = launched_world_size()
-    stages = parse_stages(cfg.trainer.get("stages"), cfg.trainer.steps)
-    for stage, settings in zip(stages, stage_settings(cfg, stages)):
+    stages = parse_stages(trainer.stages, trainer.steps)
+    for stage, settings in zip(stages, stage_settings(config, stages)):
         if settings["trainer.prompts_per_step"] % world_size:
             raise ConfigError(
                 f"from trainer.stages at step {stage.at}: the world size {world_size} does not divide "
@@ -118,16 +121,17 @@ def check_sharded_run_features(cfg: Any) -> None:
             )
 
 
-def check_staleness(cfg: Any, algorithm: Algorithm) -> None:
+def check_staleness(config: RunConfig, algorithm: Algorithm) -> None:
     """Training on stale data (trainer.max_staleness >= 1) is refused with a piece that needs on-policy
     data, advantage inputs that sample at the learner, stages and periodic evaluation
     (rlbench/training/async_pipeline.py says why)."""
-    k = cfg.trainer.get("max_staleness")
-    if k is not None and (cfg.trainer.get("checkpoint_every") or cfg.get("resume")):
+    trainer = config.trainer
+    k = trainer.max_staleness
+    if k is not None and (trainer.checkpoint_every or config.resume):
         raise ConfigError(f"trainer.max_staleness={k} runs the asynchronous pipeline, which writes no checkpoint "
                           "(its generator runs ahead of the learner): drop trainer.checkpoint_every and resume, "
                           "or use trainer.max_staleness=null")
-    j = int(cfg.trainer.get("weight_sync_every") or 1)
+    j = trainer.weight_sync_every
     if j > 1 and k is None:
         raise ConfigError(f"trainer.weight_sync_every={j} syncs the generator thread's weights every {j} versions, "
                           "but trainer.max_staleness=null runs no generator thread: set trainer.max_staleness >= "
@@ -146,26 +150,26 @@ def check_staleness(cfg: Any, algorithm: Algorithm) -> None:
     if "baseline_rewards" in ADVANTAGES.accepted_inputs(algorithm.advantage.name):
         raise ConfigError(f"{where}; advantage '{algorithm.advantage.name}' samples baseline rollouts at the learner, "
                           "which shares the engine with the generator thread: use trainer.max_staleness=null or 0")
-    if cfg.trainer.get("stages"):
+    if trainer.stages:
         raise ConfigError(f"{where}; trainer.stages would change the sampling settings while older batches are "
                           "trained: use stages only with trainer.max_staleness=null or 0")
-    if cfg.eval.get("every"):
+    if config.eval.every:
         raise ConfigError(f"{where}; eval.every evaluates during training on the engine the generator thread "
                           "samples with: set eval.every=null (the evaluation after training still runs)")
-    if cfg.algorithm.get("reincarnate_at") is not None:
+    if config.algorithm.reincarnate_at is not None:
         raise ConfigError(f"{where}; algorithm.reincarnate_at switches to on-policy data at a step the generator "
                           "thread has already sampled ahead of: use it with trainer.max_staleness=null or 0")
 
 
-def notice_inactive_terms(cfg: Any, algorithm: Algorithm) -> str | None:
+def notice_inactive_terms(config: RunConfig, algorithm: Algorithm) -> str | None:
     """The start-up line of a training run whose loss's distinguishing term cannot act: the loss declares
     a term that acts only where pi_theta / pi_old differs from 1 (registry.Needs.ratio_term) and the run
     takes one update per batch (``Algorithm.updates_per_batch``) on fresh data (no trainer.max_staleness),
     so every token the policy sampled has ratio 1 and the run trains the base loss. Logged as a warning
     and returned; None (nothing logged) when the term can act or the run does not train."""
     term = POLICY_LOSSES.ratio_term(algorithm.loss.name, algorithm.loss.params)
-    stale = (cfg.trainer.get("max_staleness") or 0) >= 1
-    if term is None or stale or algorithm.updates_per_batch != 1 or cfg.mode != "train" or not cfg.trainer.steps:
+    stale = (config.trainer.max_staleness or 0) >= 1
+    if term is None or stale or algorithm.updates_per_batch != 1 or config.mode != "train" or not config.trainer.steps:
         return None
     line = (f"algorithm '{algorithm.name}': {term} (loss '{algorithm.loss.name}') acts only where pi_theta / pi_old "
             "differs from 1, and this run takes one update per batch on fresh data (algorithm.update epochs x "
@@ -176,25 +180,25 @@ def notice_inactive_terms(cfg: Any, algorithm: Algorithm) -> str | None:
     return line
 
 
-def check_reincarnation(cfg: Any) -> None:
+def check_reincarnation(config: RunConfig) -> None:
     """ReMix's policy reincarnation (algorithm.reincarnate_at) copies the policy into the KL reference:
     not with a LoRA policy, whose reference is the adapter-free base (a view, no copy to overwrite)."""
-    at = cfg.algorithm.get("reincarnate_at")
-    if at is not None and cfg.algorithm.get("reference_soup"):
+    at = config.algorithm.reincarnate_at
+    if at is not None and config.algorithm.reference_soup is not None:
         raise ConfigError(f"algorithm.reincarnate_at={at} and algorithm.reference_soup both set the KL reference "
                           "(ReMix's reincarnated policy, SALSA's weight soup): choose one")
-    if at is not None and cfg.model.get("lora") and cfg.algorithm.kl.coef > 0:
+    if at is not None and config.model.lora is not None and config.algorithm.kl.coef > 0:
         raise ConfigError(f"algorithm.reincarnate_at={at} makes the policy the new KL reference, but a LoRA policy's "
                           "reference is its adapter-free base: drop model.lora, algorithm.kl.coef or reincarnate_at")
 
 
-def check_masked_rollout(cfg: Any, algorithm: Algorithm) -> None:
+def check_masked_rollout(config: RunConfig, algorithm: Algorithm) -> None:
     """rollout=masked changes every forward of the step to the masked distribution (rlbench/rollout/strategies/masked.py):
     refused where a batch could be trained under another mask than it was sampled with, or where a term
     reads the whole vocabulary's log-probs, -inf outside the mask."""
-    if cfg.rollout.get("strategy") != "masked":
+    if config.rollout.strategy != "masked":
         return
-    k = cfg.trainer.get("max_staleness")
+    k = config.trainer.max_staleness
     if k:
         raise ConfigError(f"trainer.max_staleness={k}: rollout=masked trains a batch with the mask of the policy copy "
                           "that sampled it, which the generator thread may have refreshed since: use "
@@ -204,16 +208,17 @@ def check_masked_rollout(cfg: Any, algorithm: Algorithm) -> None:
                           "over the whole vocabulary is undefined: use another update schedule")
 
 
-def check_difficulty_rollout(cfg: Any, algorithm: Algorithm) -> None:
+def check_difficulty_rollout(config: RunConfig, algorithm: Algorithm) -> None:
     """rollout=difficulty_adaptive (rlbench/rollout/guided/difficulty_adaptive.py) at every stage's group size,
     the smallest batch it can form (every prompt easy: prompts_per_step * n_min responses) against the
     mini-batches, and response budgets that vary against reward shaping that reads the budget."""
-    if cfg.rollout.get("strategy") != "difficulty_adaptive":
+    rollout, trainer = config.rollout, config.trainer
+    if rollout.strategy != "difficulty_adaptive":
         return
-    options = DifficultyOptions.from_config(typed_node(cfg.rollout, RolloutConfig))
-    stages = parse_stages(cfg.trainer.get("stages"), cfg.trainer.steps)
-    settings = [{"rollout.n": cfg.rollout.n, "trainer.prompts_per_step": cfg.trainer.prompts_per_step}]
-    for stage, setting in zip(stages, stage_settings(cfg, stages)):
+    options = DifficultyOptions.from_config(rollout)
+    stages = parse_stages(trainer.stages, trainer.steps)
+    settings = [{"rollout.n": rollout.n, "trainer.prompts_per_step": trainer.prompts_per_step}]
+    for stage, setting in zip(stages, stage_settings(config, stages)):
         try:
             options.check(int(setting["rollout.n"]))
         except ConfigError as err:
@@ -249,10 +254,10 @@ def check_sandbox(sandbox: SandboxConfig) -> None:
         raise ConfigError(f"sandbox.workers must be a positive integer or null (one per core), got {workers!r}")
 
 
-def check_reward_matches_dataset(reward: str, dataset: Any) -> None:
+def check_reward_matches_dataset(reward: str, dataset: DatasetConfig) -> None:
     """reward=code trains on code datasets (tests), reward=math on answer datasets; the toy reward
-    (even_tokens) ignores answers and goes with any dataset."""
-    answer_type = dataset.get("answer_type", "math")
+    (even_tokens) ignores answers and goes with any dataset (a dataset without answer_type is read as math)."""
+    answer_type = dataset.answer_type or "math"
     if reward == "code" and answer_type != "code":
         raise ConfigError(
             f"reward=code runs tests, but dataset={dataset.name} has answers (answer_type {answer_type}); "
@@ -264,7 +269,7 @@ def check_reward_matches_dataset(reward: str, dataset: Any) -> None:
         )
 
 
-def validate_config(cfg: Any) -> Algorithm:
+def validate_config(cfg: DictConfig) -> Algorithm:
     """Check the whole run configuration. Returns the built Algorithm. Every refusal says where the
     keys it names were set (the command line, or a YAML file and its group option)."""
     origins = ValueOrigins.from_hydra()
@@ -274,65 +279,68 @@ def validate_config(cfg: Any) -> Algorithm:
         raise ConfigError(with_origins(str(err), cfg, origins)) from None
 
 
-def check_run(cfg: Any, origins: ValueOrigins) -> Algorithm:
+def check_run(cfg: DictConfig, origins: ValueOrigins) -> Algorithm:
     """The schema walk checks every key, type, choice and bound (rlbench/config/schema.py); the
-    checks here relate several keys, or need the registry, the files or the device."""
+    checks here relate several keys, or need the registry, the files or the device. They read the
+    config as the schema's dataclasses (rlbench.config.typed, the run's one conversion); the dataset
+    specs go to their loader's check as composed."""
     check_against_schema(cfg, registered(), origins)
-    device = resolve_device(str(cfg.device))
-    algorithm = Algorithm.from_config(cfg.algorithm)
+    config = typed_config(cfg)
+    device = resolve_device(config.device)
+    algorithm = Algorithm.from_config(algorithm_settings(config.algorithm))
 
-    rollout = cfg.rollout
+    rollout = config.rollout
     if rollout.engine == "vllm" and device.type != "cuda":
         raise ConfigError("rollout.engine=vllm needs a CUDA device; use rollout.engine=hf on CPU")
 
-    if cfg.mode == "train":
-        trainer = cfg.trainer
+    if config.mode == "train":
+        trainer = config.trainer
         if algorithm.group_relative and rollout.n < 2:
             raise ConfigError(
                 f"algorithm '{algorithm.name}' uses the group-relative advantage '{algorithm.advantage.name}', "
                 f"which needs rollout.n >= 2 responses per prompt (got {rollout.n})"
             )
         check_batch_arithmetic(trainer.prompts_per_step, rollout.n, trainer.micro_batch_size, algorithm.minibatches)
-        check_curriculum(cfg, algorithm)
-        check_staleness(cfg, algorithm)
-        check_reincarnation(cfg)
-        check_masked_rollout(cfg, algorithm)
-        check_difficulty_rollout(cfg, algorithm)
+        check_curriculum(config, algorithm)
+        check_staleness(config, algorithm)
+        check_reincarnation(config)
+        check_masked_rollout(config, algorithm)
+        check_difficulty_rollout(config, algorithm)
         algorithm.check_batch_size(trainer.prompts_per_step * rollout.n)
         algorithm.check_group_size(rollout.n, trainer.prompts_per_step * rollout.n)
-        validate_step_options(cfg, algorithm)
-        validate_reference_soup(cfg, algorithm.kl_coef)
+        validate_step_options(config, algorithm)
+        validate_reference_soup(config, algorithm.kl_coef)
         check_parallelism(trainer.parallelism, trainer.prompts_per_step, algorithm, rollout.strategy)
-        check_sharded_run_features(cfg)
-        check_swarm(cfg, algorithm)
-        validate_spec(cfg.dataset, source=cfg.data_source, data_dir=cfg.data_dir)
-        check_reward_matches_dataset(cfg.reward.name, cfg.dataset)
-        guidance = GuidanceOptions.from_config(cfg.get("guidance"))
-        if rollout.get("strategy") == "references" and guidance.source == "none":
+        check_sharded_run_features(config)
+        check_swarm(config, algorithm)
+        validate_spec(cfg.dataset, source=config.data_source, data_dir=config.data_dir)
+        check_reward_matches_dataset(config.reward.name, config.dataset)
+        guidance = GuidanceOptions.from_config(config.guidance)
+        if rollout.strategy == "references" and guidance.source == "none":
             raise ConfigError(
                 "rollout=references (algorithm=otr) trains on guidance references only and guidance=none gives "
                 "none; choose guidance=dataset or guidance=jsonl guidance.path=<file>"
             )
-    if cfg.mode == "generate":
-        if not cfg.get("out"):
+    if config.mode == "generate":
+        if not config.out:
             raise ConfigError("mode=generate writes graded traces to a file: set out=<path>.jsonl")
-        validate_spec(cfg.dataset, source=cfg.data_source, data_dir=cfg.data_dir)
-        check_reward_matches_dataset(cfg.reward.name, cfg.dataset)
+        validate_spec(cfg.dataset, source=config.data_source, data_dir=config.data_dir)
+        check_reward_matches_dataset(config.reward.name, config.dataset)
 
-    ev = cfg.eval
+    ev = config.eval
     ks = list(ev.k)
     if not ks:
         raise ConfigError("eval.k is empty; give at least one k, e.g. eval.k=[1]")
     for k in ks:
         if k < 1 or k > ev.n:
             raise ConfigError(f"eval.k contains {k}, but pass@k needs 1 <= k <= eval.n = {ev.n}; raise eval.n or drop k")
-    if not ev.get("benchmarks"):
+    if not ev.benchmarks:
         raise ConfigError("eval.benchmarks is empty; pick a suite with eval=<name>")
-    for name, spec in ev.benchmarks.items():
-        validate_spec(spec, source=cfg.data_source, data_dir=cfg.data_dir)
+    for spec in cfg.eval.benchmarks.values():
+        validate_spec(spec, source=config.data_source, data_dir=config.data_dir)
 
-    check_sandbox(typed_node(cfg.sandbox, SandboxConfig) if cfg.get("sandbox") is not None else SandboxConfig())  # reward values: the schema walk
+    check_sandbox(config.sandbox if config.sandbox is not None else SandboxConfig())  # reward values: the schema walk
 
-    validate_model_config(cfg.model)
-    check_fits_here(cfg, device, training=cfg.mode == "train" and cfg.trainer.steps > 0)
+    validate_model_config(config.model)
+    check_fits_here(config, device, training=config.mode == "train" and config.trainer.steps > 0)
     return algorithm

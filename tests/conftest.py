@@ -41,6 +41,24 @@ def compose_config(overrides, output_dir):
         return compose("config", overrides=[*overrides, f"output_dir={output_dir}"])
 
 
+def algorithm_from(values):
+    """Algorithm.from_config of an algorithm mapping (a test's partial dict, or a composed cfg.algorithm) with
+    the schema's defaults filled in, as the run fills them (rlbench.config.typed.algorithm_settings)."""
+    from rlbench.algorithm import Algorithm
+    from rlbench.config.typed import algorithm_settings
+
+    return Algorithm.from_config(algorithm_settings(values))
+
+
+def model_preset(name):
+    """conf/model/<name>.yaml as the typed node load_policy takes (rlbench.config.schema.ModelConfig)."""
+    from omegaconf import OmegaConf
+
+    from rlbench.config.typed import model_config
+
+    return model_config(OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml"))
+
+
 @pytest.fixture
 def make_cfg(tmp_path):
     return lambda *overrides: compose_config(list(overrides), tmp_path / "run")

@@ -1,15 +1,20 @@
 """Closed-form checks of every algorithm piece on hand-built tensors."""
 
 import math
+import re
 
 import pytest
 import torch
+
+from conftest import algorithm_from, compose_config
 
 from rlbench.algorithm import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, Algorithm
 from rlbench.algorithm.advantages import dr_grpo_advantage, grpo_advantage, group_mean_std
 from rlbench.algorithm.aggregation import seq_mean_token_mean, seq_mean_token_sum, seq_mean_token_sum_norm, token_mean
 from rlbench.algorithm.kl import kl_k1, kl_k2, kl_k3
 from rlbench.algorithm.losses import ppo_clip_loss
+from rlbench.config.schema import AlgorithmConfig, KLConfig, TokenMaskConfig, UpdateConfig
+from rlbench.config.typed import algorithm_settings, typed_config
 from rlbench.errors import ConfigError
 
 # Two groups of four: [1,0,0,0] has mean 1/4 and unbiased std exactly 1/2; [1,1,1,1] is all-equal.
@@ -168,7 +173,7 @@ def _cfg(advantage="grpo", aggregation="seq_mean_token_mean", **extra):
 
 
 def test_grpo_loss_equals_hand_formula_and_reinforce_gradient():
-    algo = Algorithm.from_config(_cfg())
+    algo = algorithm_from(_cfg())
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
     groups = torch.tensor([0, 0, 1, 1])
@@ -188,7 +193,7 @@ def test_grpo_loss_equals_hand_formula_and_reinforce_gradient():
 
 
 def test_dr_grpo_loss_constant_normaliser():
-    algo = Algorithm.from_config(_cfg("dr_grpo", "seq_mean_token_sum_norm"))
+    algo = algorithm_from(_cfg("dr_grpo", "seq_mean_token_sum_norm"))
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
     adv = algo.compute_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), mask)
     logp = torch.zeros(2, 3, requires_grad=True)
@@ -203,7 +208,7 @@ def test_dr_grpo_loss_constant_normaliser():
 
 
 def test_kl_term_added_to_loss():
-    algo = Algorithm.from_config(_cfg(kl={"coef": 0.1, "estimator": "k1"}, aggregation="token_mean"))
+    algo = algorithm_from(_cfg(kl={"coef": 0.1, "estimator": "k1"}, aggregation="token_mean"))
     mask = torch.ones(1, 2)
     logp = torch.tensor([[-1.0, -2.0]])
     loss, metrics = algo.compute_loss(
@@ -212,23 +217,54 @@ def test_kl_term_added_to_loss():
     )
     assert metrics["kl"] == pytest.approx(0.5)
     assert loss.item() == pytest.approx(0.05)
-    assert algo.needs_reference and not Algorithm.from_config(_cfg()).needs_reference
+    assert algo.needs_reference and not algorithm_from(_cfg()).needs_reference
 
 
 def test_unknown_piece_and_parameter_are_config_errors():
     with pytest.raises(ConfigError, match="unknown advantage estimator 'nope'.*grpo"):
-        Algorithm.from_config(_cfg(advantage="nope"))
+        algorithm_from(_cfg(advantage="nope"))
     bad = _cfg()
     bad["loss"]["clip_hgih"] = 0.3
     with pytest.raises(ConfigError, match="clip_hgih"):
-        Algorithm.from_config(bad)
+        algorithm_from(bad)
     with pytest.raises(ConfigError, match="KL estimator"):
-        Algorithm.from_config(_cfg(kl={"coef": 0.1, "estimator": "k9"}))
+        algorithm_from(_cfg(kl={"coef": 0.1, "estimator": "k9"}))
+
+
+@pytest.mark.parametrize("path", [("name",), ("entropy_coef",), ("kl",), ("kl", "coef"), ("kl", "placement"),
+                                  ("update", "minibatches"), ("update", "schedule"), ("token_mask",), ("critic",)])
+def test_a_missing_key_is_an_error_not_a_default(path):
+    """Algorithm.from_config writes no default of its own: the schema's are filled once (algorithm_settings),
+    and a mapping without one of its keys is refused, naming the key."""
+    settings = algorithm_settings(_cfg())
+    node = settings
+    for key in path[:-1]:
+        node = node[key]
+    del node[path[-1]]
+    with pytest.raises(ConfigError, match=re.escape(f"algorithm.{'.'.join(path)} is missing")):
+        Algorithm.from_config(settings)
+
+
+def test_the_filled_defaults_are_the_schemas():
+    """Every key the test leaves out takes the schema's default; the nodes kl, update and token_mask, left
+    out, take their schema node's defaults; a given node keeps its values and gets the rest."""
+    settings = algorithm_settings({"advantage": {"name": "grpo"}, "kl": {"coef": 0.1}})
+    assert settings["name"] == AlgorithmConfig().name and settings["entropy_coef"] == AlgorithmConfig().entropy_coef
+    assert settings["kl"] == {**KLConfig().__dict__, "coef": 0.1, "adaptive": None}
+    assert settings["update"] == {**UpdateConfig().__dict__, "sfpo": None, "trpo": None}
+    assert settings["token_mask"] == TokenMaskConfig().__dict__ and settings["critic"] is None
+
+
+@pytest.mark.parametrize("preset", ["grpo", "ppo", "sfpo", "d3s", "dapo", "remix"])
+def test_the_typed_config_and_the_composed_node_build_the_same_algorithm(preset, tmp_path):
+    """The run builds the algorithm from the typed config; a composed cfg.algorithm (tests, scripts) gives the same."""
+    cfg = compose_config(["experiment=smoke", f"algorithm={preset}"], tmp_path / "run")
+    assert Algorithm.from_config(algorithm_settings(typed_config(cfg).algorithm)) == algorithm_from(cfg.algorithm)
 
 
 def test_group_relative_flag_comes_from_the_estimator():
-    assert Algorithm.from_config(_cfg()).group_relative
-    assert Algorithm.from_config(_cfg("dr_grpo")).group_relative
+    assert algorithm_from(_cfg()).group_relative
+    assert algorithm_from(_cfg("dr_grpo")).group_relative
 
 
 def test_registry_rejects_conflicting_registration():

@@ -101,7 +101,7 @@ def test_evaluation_grades_real_programs_into_pass_at_k(make_cfg):
 
     cfg = make_cfg("mode=eval", "eval=code", "eval.limit=2", "eval.n=2", "eval.k=[1,2]", "model=tiny")
     benchmarks = load_benchmarks(cfg, typed_config(cfg))
-    _, tokenizer = load_policy(cfg.model, device="cpu", seed=0)
+    _, tokenizer = load_policy(typed_config(cfg).model, device="cpu", seed=0)
     he, mb = benchmarks[0].problems, benchmarks[1].problems
 
     def fenced(code):

@@ -30,6 +30,7 @@ from rlbench.analysis.plots import budget_axis, training_curve_stats
 from rlbench.analysis.tables import MACRO, build_table, markdown_table, wide_cells, wide_latex, wide_markdown
 from rlbench.errors import ConfigError, DataError
 from rlbench.eval.metrics import ProblemResult, pass_at_k, summarize
+from rlbench.config.schema import LoggerConfig
 from rlbench.logger.run_logger import RunLogger
 
 from conftest import CONF_DIR, ROOT
@@ -125,7 +126,7 @@ def write_run(root, name, *, algorithm="grpo", seed=0, model="tiny", clip_high=0
     out = root / name
     config = {"algorithm": {"name": algorithm, "loss": {"clip_high": clip_high}}, "model": {"name": model},
               "dataset": {"name": "arith"}, "seed": seed, "run_name": name, "mode": mode}
-    logger = RunLogger(out, config, OmegaConf.to_yaml(OmegaConf.create(config)), {"name": "files"})
+    logger = RunLogger(out, config, OmegaConf.to_yaml(OmegaConf.create(config)), LoggerConfig(name="files"))
     for step, (reward, length, entropy) in enumerate(steps, 1):
         logger.log_step(step, {"reward_mean": reward, "response_length": length, "entropy": entropy})
     for step, metrics in enumerate(step_metrics, 1):

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from rlbench.algorithm import Algorithm
+from conftest import algorithm_from
 from rlbench.algorithm.critic import ValueHead, make_value_head, value_targets
 from rlbench.errors import ConfigError
 from rlbench.training.batch import collate
@@ -18,7 +18,7 @@ from test_trainer import RecordingOptimizer, completions, tiny_lm
 
 
 def critic_algorithm(loss="ppo_clip", clip=0.2, coef=0.5, **update):
-    return Algorithm.from_config({
+    return algorithm_from({
         "name": "t", "advantage": {"name": "gae", "gamma": 1.0, "lam": 0.95}, "loss": {"name": loss},
         "aggregation": {"name": "token_mean"}, "critic": {"coef": coef, "clip": clip},
         "update": update or {"epochs": 1, "minibatches": 1},
@@ -188,7 +188,7 @@ def test_update_state_keeps_a_value_head_only_with_a_critic():
     state = make_update_state(critic_algorithm(), model)
     assert isinstance(state.value_head, ValueHead)
     assert len(state.parameters(model)) == len(list(model.parameters())) + 2
-    grpo = Algorithm.from_config({"name": "g", "advantage": {"name": "grpo"}, "loss": {"name": "ppo_clip"},
+    grpo = algorithm_from({"name": "g", "advantage": {"name": "grpo"}, "loss": {"name": "ppo_clip"},
                                   "aggregation": {"name": "token_mean"}})
     assert make_update_state(grpo, model).value_head is None
 
@@ -210,5 +210,5 @@ def _config(**changes):
 ])
 def test_critic_compositions_that_cannot_run_are_refused_naming_the_conflict(changes, message):
     with pytest.raises(ConfigError, match=message):
-        Algorithm.from_config(_config(**changes))
+        algorithm_from(_config(**changes))
 

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from rlbench.algorithm import Algorithm
+from conftest import algorithm_from
 from rlbench.algorithm.downsampling import (
     DownSampling,
     advantage_entropy_score,
@@ -28,7 +28,7 @@ def _algorithm(loss="ppo_clip", advantage="grpo", aggregation="seq_mean_token_me
     cfg = {"name": "t", "advantage": {"name": advantage}, "loss": {"name": loss},
            "aggregation": {"name": aggregation}, "kl": {"coef": 0.0}}
     cfg.update(extra)
-    return Algorithm.from_config(cfg)
+    return algorithm_from(cfg)
 
 
 def kept(advantages, fraction, groups=None):

@@ -23,8 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # conftest
 from conftest import ROOT, compose_config  # noqa: E402
 from test_paper_presets import algorithm_of  # noqa: E402
 
-from rlbench.algorithm import Algorithm  # noqa: E402
+from conftest import algorithm_from  # noqa: E402
 from rlbench.algorithm.registry import POLICY_LOSSES  # noqa: E402
+from rlbench.config.typed import typed_config  # noqa: E402
 from rlbench.validation import notice_inactive_terms  # noqa: E402
 
 NOTICE = "acts only where pi_theta / pi_old differs from 1"
@@ -84,7 +85,7 @@ def test_the_affected_paper_presets_are_the_ones_whose_outcome_is_stated():
 
 def _notice(overrides: list[str], tmp_path: Path) -> str | None:
     cfg = compose_config(overrides, tmp_path / "run")
-    return notice_inactive_terms(cfg, Algorithm.from_config(cfg.algorithm))
+    return notice_inactive_terms(typed_config(cfg), algorithm_from(cfg.algorithm))
 
 
 def test_notice_names_the_term_and_the_way_to_exercise_it(tmp_path, caplog):
@@ -127,7 +128,7 @@ def test_one_step_exercises_the_term_or_says_it_is_inactive(tmp_path, caplog, sp
 
     torch.set_num_threads(1)
     cfg = compose_config([spec, *TOY_STEP], tmp_path / "run")
-    algorithm = Algorithm.from_config(cfg.algorithm)
+    algorithm = algorithm_from(cfg.algorithm)
     metric = POLICY_LOSSES.needs(algorithm.loss.name).ratio_term_metric
     term = POLICY_LOSSES.ratio_term(algorithm.loss.name, algorithm.loss.params)
     with caplog.at_level(logging.WARNING, logger="rlbench.validation"):

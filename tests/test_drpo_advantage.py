@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from rlbench.algorithm import ADVANTAGES, Algorithm
+from rlbench.algorithm import ADVANTAGES
+from conftest import algorithm_from
 from rlbench.algorithm.advantages import drpo_advantage, drpo_length_weights, grpo_advantage
 
 
@@ -58,7 +59,7 @@ def test_a_correct_but_longest_answer_never_gets_a_negative_advantage():
 
 
 def test_drpo_is_wired_as_a_group_relative_estimator_reading_correctness():
-    algo = Algorithm.from_config({
+    algo = algorithm_from({
         "name": "t", "advantage": {"name": "drpo", "temperature": 0.2}, "loss": {"name": "ppo_clip"},
         "aggregation": {"name": "token_mean"},
     })

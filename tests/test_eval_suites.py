@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
+
+from conftest import model_preset
 
 from rlbench.config.typed import typed_config
 from rlbench.dataset import load_problems
@@ -32,7 +33,7 @@ PARAMS = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=6)
 
 @pytest.fixture(scope="module")
 def engine_and_tokenizer():
-    model, tokenizer = load_policy(OmegaConf.load(ROOT / "conf" / "model" / "tiny.yaml"), seed=0)
+    model, tokenizer = load_policy(model_preset("tiny"), seed=0)
     return HFGenerateEngine(model, tokenizer, batch_size=64, progress=False), tokenizer
 
 

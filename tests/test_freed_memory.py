@@ -54,12 +54,12 @@ CPU_TRAINING_SETUP = """
 import sys, torch
 from hydra import compose, initialize_config_dir
 from rlbench.algorithm import Algorithm
-from rlbench.config.typed import typed_config
+from rlbench.config.typed import algorithm_settings, typed_config
 from rlbench.reward.graders import training_grader
 from rlbench.training.step import make_step_context
 with initialize_config_dir(config_dir=sys.argv[1], version_base="1.3"):
     cfg = compose("config", overrides=["experiment=smoke", f"trainer.reuse_freed_memory={sys.argv[2]}", f"output_dir={sys.argv[3]}"])
-make_step_context(typed_config(cfg), Algorithm.from_config(cfg.algorithm), torch.nn.Linear(2, 2), None, None, torch.device("cpu"),
+make_step_context(typed_config(cfg), Algorithm.from_config(algorithm_settings(typed_config(cfg).algorithm)), torch.nn.Linear(2, 2), None, None, torch.device("cpu"),
                   training_grader(typed_config(cfg)))
 """
 

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from rlbench.config.schema import GuidanceConfig
 from rlbench.config.typed import rollout_config
 from rlbench.algorithm.losses import ppo_clip_loss
 from rlbench.algorithm.losses.off_policy import policy_shaping_loss, shaping_gamma
@@ -112,11 +113,11 @@ def test_wrong_traces_are_kept_only_when_asked_and_stop_refuses_before_training(
 
 def test_guidance_options_refuse_bad_settings(tmp_path):
     with pytest.raises(ConfigError, match="guidance.path"):
-        GuidanceOptions.from_config({"source": "jsonl"})
+        GuidanceOptions.from_config(GuidanceConfig(source="jsonl"))
     with pytest.raises(DataError, match="no such file"):
-        GuidanceOptions.from_config({"source": "jsonl", "path": str(tmp_path / "missing.jsonl")})
+        GuidanceOptions.from_config(GuidanceConfig(source="jsonl", path=str(tmp_path / "missing.jsonl")))
     with pytest.raises(ConfigError, match="on_bad"):
-        GuidanceOptions.from_config({"source": "dataset", "on_bad": "ignore"})
+        GuidanceOptions.from_config(GuidanceConfig(source="dataset", on_bad="ignore"))
     bad = write_traces(tmp_path / "bad.jsonl", [{"text": "no uid"}])
     with pytest.raises(DataError, match="bad.jsonl:1: a trace record needs a string 'uid'"):
         load_guidance(GuidanceOptions("jsonl", path=bad), [], CharTokenizer(), MathReward(), 8)

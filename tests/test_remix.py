@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rlbench.config.typed import rollout_config
-from rlbench.algorithm import Algorithm
+from conftest import algorithm_from
 from rlbench.validation import validate_config
 from rlbench.errors import ConfigError
 from rlbench.rollout import validate_strategy
@@ -32,7 +32,7 @@ def k3(logp, ref):
 
 
 def convex_kl_algorithm(previous_weight, coef=0.5):
-    return Algorithm.from_config(OmegaConf.create({
+    return algorithm_from(OmegaConf.create({
         "advantage": {"name": "grpo"}, "loss": {"name": "ppo_clip"}, "aggregation": {"name": "token_mean"},
         "kl": {"coef": coef, "estimator": "k3", "previous_weight": previous_weight},
     }))

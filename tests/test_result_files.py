@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 
 from rlbench.analysis.cli import main as compare_main
 from rlbench.eval.metrics import ProblemResult, summarize
+from rlbench.config.schema import LoggerConfig
 from rlbench.logger.run_logger import RunLogger
 from rlbench.model.loading import _atomic_build
 from rlbench.utils import atomic_write_bytes, atomic_write_json, atomic_write_text
@@ -61,7 +62,7 @@ def test_atomic_write_replaces_and_a_failed_write_keeps_the_old_file(tmp_path):
 def test_run_folder_and_comparison_files_apply_the_umask(tmp_path, umask):
     run = tmp_path / "run"
     config = {"algorithm": {"name": "grpo"}, "seed": 0, "run_name": "run", "mode": "train"}
-    logger = RunLogger(run, config, OmegaConf.to_yaml(OmegaConf.create(config)), {"name": "files"})
+    logger = RunLogger(run, config, OmegaConf.to_yaml(OmegaConf.create(config)), LoggerConfig(name="files"))
     logger.log_step(1, {"reward_mean": 0.5, "response_length": 3.0, "entropy": 1.0})
     logger.log_step(2, {"reward_mean": 0.75, "response_length": 4.0, "entropy": 0.9})  # curves that change: a figure
     results = [ProblemResult("arith", f"arith/{i}", [True, i == 0], ["x", "y"]) for i in range(2)]

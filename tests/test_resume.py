@@ -19,6 +19,7 @@ import torch
 from conftest import ROOT, compose_config
 from rlbench import faults
 from rlbench.cli import resume_arguments
+from rlbench.config.schema import LoggerConfig
 from rlbench.errors import ConfigError
 from rlbench.training import checkpoint
 from rlbench.training.checkpoint import CheckpointError
@@ -209,7 +210,7 @@ def test_logger_resumes_its_wandb_run_and_marks_an_interrupted_one(tmp_path, mon
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    first = RunLogger(tmp_path, CONFIG, "{}", {"name": "wandb", "mode": "auto"})
+    first = RunLogger(tmp_path, CONFIG, "{}", LoggerConfig(name="wandb", mode="auto"))
     first.log_step(1, {"reward_mean": 0.5})
     state = first.state_dict()
     first.log_step(2, {"reward_mean": 0.7})  # after the checkpoint: dropped on resume
@@ -222,7 +223,7 @@ def test_logger_resumes_its_wandb_run_and_marks_an_interrupted_one(tmp_path, mon
             break
         time.sleep(0.1)
     assert exits == [130]
-    second = RunLogger(tmp_path, CONFIG, "{}", {"name": "wandb", "mode": "auto"}, resume_id=state["run_id"])
+    second = RunLogger(tmp_path, CONFIG, "{}", LoggerConfig(name="wandb", mode="auto"), resume_id=state["run_id"])
     second.load_state_dict(state)
     assert second.run_id == state["run_id"]
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]

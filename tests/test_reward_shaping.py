@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import rlbench.runner as runner
-from rlbench.algorithm import Algorithm
+from conftest import algorithm_from
 from rlbench.errors import ConfigError
 from rlbench.algorithm.shaping import (
     R1_TEMPLATE,
@@ -30,7 +30,7 @@ def test_dapo_overlong_penalty_closed_form():
 
 
 def _algorithm(shaping):
-    return Algorithm.from_config({
+    return algorithm_from({
         "name": "t", "advantage": {"name": "grpo"}, "loss": {"name": "ppo_clip"},
         "aggregation": {"name": "token_mean"}, "reward_shaping": shaping,
     })

@@ -28,7 +28,7 @@ from rlbench.rollout.engines.vllm import (
     vllm_sampling_kwargs,
 )
 
-from conftest import has_vllm_gpu
+from conftest import has_vllm_gpu, model_preset
 
 ROOT = Path(__file__).resolve().parents[1]
 EOS_BIAS = 8.0  # makes EOS ~6% likely per step under the random tiny model
@@ -36,7 +36,7 @@ EOS_BIAS = 8.0  # makes EOS ~6% likely per step under the random tiny model
 
 @pytest.fixture(scope="module")
 def tiny():
-    return load_policy(OmegaConf.load(ROOT / "conf" / "model" / "tiny.yaml"), seed=0)
+    return load_policy(model_preset("tiny"), seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -587,7 +587,7 @@ def test_vllm_engine_with_stand_in_llm(tiny):
 def test_vllm_engine_gpu(tmp_path):
     """vLLM samples from the converted SmolLM2 with log-probs that match the HF model, and
     sync_weights changes what it samples."""
-    model, tokenizer = load_policy(OmegaConf.load(ROOT / "conf" / "model" / "smollm2_135m.yaml"), device="cuda")
+    model, tokenizer = load_policy(model_preset("smollm2_135m"), device="cuda")
     engine = VLLMEngine(model, tokenizer, gpu_memory_utilization=0.2, enforce_eager=True)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True, return_dict=False)
     reqs = [GenerationRequest(tuple(ids), n=4), GenerationRequest(tuple(ids), n=2, prefix_ids=tuple(ids[-3:]))]

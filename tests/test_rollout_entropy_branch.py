@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from rlbench.config.typed import rollout_config
 from rlbench.dataset.base import Problem
@@ -24,7 +23,7 @@ from rlbench.rollout.strategies.entropy_branch import (
     segment_entropies,
 )
 
-from conftest import smoke_cli_steps
+from conftest import smoke_cli_steps, model_preset
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,7 +117,7 @@ def test_no_branch_leaves_global_samples_only(monkeypatch):
 
 
 def test_on_the_tiny_model_branches_continue_a_global_sample_from_a_boundary():
-    model, tokenizer = load_policy(OmegaConf.load(ROOT / "conf" / "model" / "tiny.yaml"), seed=0)
+    model, tokenizer = load_policy(model_preset("tiny"), seed=0)
     engine = HFGenerateEngine(model, tokenizer, batch_size=16, progress=False)
     sampler = GroupSampler(engine, EvenTokenReward(), tokenizer, {"user": "{problem}"}, lambda r, _: r)
     setup = RolloutSetup(sampler, 4, SamplingParams(1.0, 1.0, 6), torch.Generator().manual_seed(0))

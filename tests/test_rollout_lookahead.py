@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from rlbench.config.typed import rollout_config
 from rlbench.dataset.base import Problem
@@ -17,7 +16,7 @@ from rlbench.rollout import GroupSampler, HFGenerateEngine, RolloutSetup, make_s
 from rlbench.rollout.engines.base import Completion, PositionStats, SamplingParams
 from rlbench.rollout.strategies.lookahead import LookaheadOptions, LookaheadRollout, branch_points, rouge_l_f1, too_similar
 
-from conftest import smoke_cli_steps
+from conftest import smoke_cli_steps, model_preset
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -138,7 +137,7 @@ def test_prompts_beyond_the_share_are_sampled_iid_and_the_step_count_is_state(mo
 
 @pytest.fixture(scope="module")
 def tiny():
-    return load_policy(OmegaConf.load(ROOT / "conf" / "model" / "tiny.yaml"), seed=0)
+    return load_policy(model_preset("tiny"), seed=0)
 
 
 def test_on_the_tiny_model_branches_share_the_trunk_up_to_their_branch_token(tiny):

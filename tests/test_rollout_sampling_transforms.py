@@ -15,7 +15,6 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from rlbench.config.typed import rollout_config
 from rlbench.algorithm.losses.ratio_clipped import EntropyScale
@@ -23,7 +22,7 @@ from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.model import load_policy
 from rlbench.reward.toy import EvenTokenReward
-from rlbench.rollout import GroupSampler, HFGenerateEngine, RolloutSetup, make_strategy, validate_strategy
+from rlbench.rollout import GroupSampler, HFGenerateEngine, RolloutSetup, validate_strategy
 from rlbench.rollout.strategies.adaptive_temperature import (
     AdaptiveTemperatureRollout,
     AdaptiveTemperatureTransform,
@@ -37,14 +36,14 @@ from rlbench.rollout.strategies.masked import MaskedRollout, MaskedSampling, app
 from rlbench.training.batch import collate
 from rlbench.training.forward import token_outputs, training_logits_transform
 
-from conftest import smoke_cli_steps
+from conftest import smoke_cli_steps, model_preset
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    return load_policy(OmegaConf.load(ROOT / "conf" / "model" / "tiny.yaml"), seed=0)
+    return load_policy(model_preset("tiny"), seed=0)
 
 
 def hf_setup(model, tokenizer, n=4, max_new_tokens=6, seed=0, temperature=1.0):

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from rlbench.config.typed import rollout_config
 from rlbench.dataset.base import Problem
@@ -31,7 +30,7 @@ from rlbench.rollout.strategies.speculative import (
 )
 from rlbench.rollout.continuation import budget_bucket
 
-from conftest import smoke_cli_steps
+from conftest import smoke_cli_steps, model_preset
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, LENGTH = 3, 3  # every sequence of 3 tokens over a 3-token vocabulary: 27 sequences
@@ -179,7 +178,7 @@ def problems(*uids):
 
 @pytest.fixture(scope="module")
 def tiny():
-    return load_policy(OmegaConf.load(ROOT / "conf" / "model" / "tiny.yaml"), seed=0)
+    return load_policy(model_preset("tiny"), seed=0)
 
 
 def hf_setup(tiny, n=3, max_new_tokens=6, seed=0):

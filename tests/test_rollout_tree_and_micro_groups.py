@@ -12,7 +12,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from rlbench.config.typed import rollout_config
 from rlbench.algorithm.advantages import grpo_advantage, reinforce_pp_baseline_advantage
@@ -22,7 +21,7 @@ from rlbench.model import build_tiny_model, load_policy
 from rlbench.rollout import GroupSampler, HFGenerateEngine, RolloutSetup, SamplingParams, make_strategy, validate_strategy
 from rlbench.rollout.strategies.tree import TreeOptions, split_budget
 
-from conftest import has_vllm_gpu
+from conftest import has_vllm_gpu, model_preset
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -134,7 +133,7 @@ def test_config_refusals(make_cfg):
 
 @pytest.fixture(scope="module")
 def tiny():
-    return load_policy(OmegaConf.load(ROOT / "conf" / "model" / "tiny.yaml"), seed=0)
+    return load_policy(model_preset("tiny"), seed=0)
 
 
 def _strategy(model, tokenizer, n=8, max_new_tokens=8, seed=0, cfg=None, prefix_cache_mb=0, **tree):
@@ -270,7 +269,7 @@ def test_strategy_on_the_vllm_engine_gpu(strategy):
     from rlbench.reward.toy import EvenTokenReward
     from rlbench.rollout.engines.vllm import VLLMEngine
 
-    model, tokenizer = load_policy(OmegaConf.load(ROOT / "conf" / "model" / "smollm2_135m.yaml"), device="cuda")
+    model, tokenizer = load_policy(model_preset("smollm2_135m"), device="cuda")
     engine = VLLMEngine(model, tokenizer, gpu_memory_utilization=0.2, enforce_eager=True)
     sampler = GroupSampler(engine, EvenTokenReward(), tokenizer, {"system": None, "user": "{problem}"}, lambda r, i: r)
     block = {"micro_groups": {"size": 2}} if strategy == "micro_groups" else {strategy: {"segment_tokens": 4}}

@@ -12,9 +12,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from conftest import has_vllm_gpu, smoke_cli_steps
+from conftest import has_vllm_gpu, smoke_cli_steps, model_preset
 from rlbench.config.typed import rollout_config
 from rlbench.algorithm.advantages import dr_grpo_advantage
 from rlbench.algorithm.advantages.vine import step_runs, vine_advantage
@@ -200,7 +199,7 @@ def test_revealed_length():
 
 @pytest.fixture(scope="module")
 def tiny():
-    return load_policy(OmegaConf.load(ROOT / "conf" / "model" / "tiny.yaml"), seed=0)
+    return load_policy(model_preset("tiny"), seed=0)
 
 
 def _strategy(tiny, cfg, temperature=1.0, seed=0):
@@ -324,7 +323,7 @@ def test_strategy_on_the_vllm_engine_gpu(strategy):
     every group has its n responses within the budget; vine's values are rewards' means, in [0, 1]."""
     from rlbench.rollout.engines.vllm import VLLMEngine
 
-    model, tokenizer = load_policy(OmegaConf.load(ROOT / "conf" / "model" / "smollm2_135m.yaml"), device="cuda")
+    model, tokenizer = load_policy(model_preset("smollm2_135m"), device="cuda")
     engine = VLLMEngine(model, tokenizer, gpu_memory_utilization=0.2, enforce_eager=True)
     sampler = GroupSampler(engine, EvenTokenReward(), tokenizer, {"system": None, "user": "{problem}"}, lambda r, i: r)
     cfg = _vine_cfg() if strategy == "vine" else _mcts_cfg()

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from rlbench.dataset.base import Problem
 from rlbench.model import load_policy
@@ -20,7 +19,7 @@ from rlbench.rollout.strategies.entropy_branch import EntropyBranchOptions, Entr
 from rlbench.rollout.strategies.lookahead import LookaheadOptions, LookaheadRollout
 from rlbench.rollout.strategies.speculative import SpeculativeOptions, SpeculativeRollout
 
-from conftest import has_vllm_gpu
+from conftest import has_vllm_gpu, model_preset
 
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET = 16
@@ -35,7 +34,7 @@ def engines():
     """``{"hf": ..., "vllm": ...}`` on one SmolLM2 policy (the vLLM engine scores on that same model)."""
     from rlbench.rollout.engines.vllm import VLLMEngine
 
-    model, tokenizer = load_policy(OmegaConf.load(ROOT / "conf" / "model" / "smollm2_135m.yaml"), device="cuda")
+    model, tokenizer = load_policy(model_preset("smollm2_135m"), device="cuda")
     vllm_engine = VLLMEngine(model, tokenizer, gpu_memory_utilization=0.2, enforce_eager=True)
     assert vllm_engine.logits_transforms
     return {"hf": HFGenerateEngine(model, tokenizer, progress=False), "vllm": vllm_engine}

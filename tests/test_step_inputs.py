@@ -149,9 +149,9 @@ def test_entries_are_declared_once():
 
 def test_the_loss_step_passes_only_step_inputs():
     """compute_loss takes the loss step's inputs by name (readers loss and objective): another name is refused."""
-    from rlbench.algorithm import Algorithm
+    from conftest import algorithm_from
 
-    algorithm = Algorithm.from_config(OmegaConf.create({
+    algorithm = algorithm_from(OmegaConf.create({
         "advantage": {"name": "grpo"}, "loss": {"name": "ppo_clip"}, "aggregation": {"name": "token_mean"}}))
     logp = torch.zeros(1, 2)
     norms = {"batch_tokens": 2, "batch_sequences": 1, "norm_length": 2}

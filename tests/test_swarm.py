@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from conftest import compose_config
 
-from rlbench.algorithm import Algorithm
+from conftest import algorithm_from
 from rlbench.validation import validate_config
 from rlbench.errors import ConfigError
 from rlbench.model import load_policy
@@ -71,7 +71,7 @@ def test_a_swarm_actor_checkpoints_and_takes_samplers_and_stages_but_not_stalene
 def test_group_arithmetic_and_what_cannot_be_shared_are_refused(make_cfg, overrides, message):
     cfg = make_cfg("experiment=smoke", "trainer.parallelism=swarm", *overrides)
     with pytest.raises(ConfigError, match=message):
-        check_swarm(cfg, Algorithm.from_config(cfg.algorithm), actors=2)
+        check_swarm(typed_config(cfg), algorithm_from(cfg.algorithm), actors=2)
 
 
 def test_the_draw_is_a_function_of_seed_and_step_without_replacement():
@@ -212,9 +212,9 @@ def actor(tmp_path, index: int, store, external: int = 1):
     """Actor ``index`` of two (a step context on the tiny model) with its swarm rollout on ``store``."""
     cfg = actor_config(compose_config(["experiment=smoke", "trainer.parallelism=swarm", f"trainer.swarm.external={external}"],
                                       tmp_path), index)
-    model, tokenizer = load_policy(cfg.model, device=torch.device("cpu"), dtype=torch.float32, seed=cfg.seed,
+    model, tokenizer = load_policy(typed_config(cfg).model, device=torch.device("cpu"), dtype=torch.float32, seed=cfg.seed,
                                    cache_dir=cfg.cache_dir)
-    ctx = make_step_context(typed_config(cfg), Algorithm.from_config(cfg.algorithm), model, tokenizer,
+    ctx = make_step_context(typed_config(cfg), algorithm_from(cfg.algorithm), model, tokenizer,
                             make_engine(typed_config(cfg).rollout, model, tokenizer, torch.device("cpu")), torch.device("cpu"),
                             training_grader(typed_config(cfg)))
     ctx.policy_version = 3 + index  # versions told apart: the receiver's is not the sender's

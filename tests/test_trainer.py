@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlbench.algorithm import Algorithm
+from conftest import algorithm_from
 from rlbench.rollout.engines.base import Completion
 from rlbench.training.batch import collate, mask_truncated, trainable_tokens
 from rlbench.training.forward import batch_outputs, groups_share_prompts, token_outputs
@@ -53,7 +53,7 @@ class RecordingOptimizer:
 
 
 def algo(aggregation, advantage="grpo", **update):
-    return Algorithm.from_config({
+    return algorithm_from({
         "name": "t", "advantage": {"name": advantage}, "loss": {"name": "ppo_clip"},
         "aggregation": {"name": aggregation}, "update": update or {"epochs": 1, "minibatches": 1},
     })
@@ -325,7 +325,7 @@ def test_groups_that_pool_several_prompts_run_each_row_with_its_own_prompt():
 def test_entropy_bonus_reaches_the_gradient():
     grads = []
     for coef in (0.0, 0.5):
-        algorithm = Algorithm.from_config({
+        algorithm = algorithm_from({
             "name": "t", "advantage": {"name": "grpo"}, "loss": {"name": "ppo_clip"},
             "aggregation": {"name": "token_mean"}, "entropy_coef": coef,
         })

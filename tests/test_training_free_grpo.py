@@ -9,7 +9,7 @@ import torch
 
 from conftest import CharTokenizer, smoke_cli_steps
 from rlbench.config.typed import rollout_config
-from rlbench.algorithm import Algorithm
+from conftest import algorithm_from
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.eval.evaluate import Benchmark
@@ -139,7 +139,7 @@ def test_settings_are_checked_before_the_model_loads():
 
 def test_schedule_none_never_steps_the_optimizer(make_cfg):
     cfg = make_cfg("algorithm=training_free_grpo")
-    algorithm = Algorithm.from_config(cfg.algorithm)
+    algorithm = algorithm_from(cfg.algorithm)
     assert algorithm.schedule == "none" and not algorithm.uses_optimizer
     model = torch.nn.Linear(2, 2)
     before = [p.detach().clone() for p in model.parameters()]

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from rlbench.algorithm import Algorithm
+from conftest import algorithm_from
 from rlbench.algorithm.schedules import (
     SFPOSettings,
     SFPOSwitch,
@@ -33,7 +33,7 @@ from test_trainer import prepared_batch, tiny_lm
 
 
 def algorithm_with(loss="ppo_clip", aggregation="token_mean", **update):
-    return Algorithm.from_config({
+    return algorithm_from({
         "name": "t", "advantage": {"name": "grpo"}, "loss": {"name": loss}, "aggregation": {"name": aggregation},
         "update": update,
     })

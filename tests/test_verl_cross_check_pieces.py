@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from rlbench.algorithm import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, Algorithm
+from rlbench.algorithm import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from conftest import algorithm_from
 from rlbench.algorithm.aggregation import token_sum
 from rlbench.algorithm.kl import kl_abs, kl_k1, kl_k1_straight_through, kl_k3, kl_k3_straight_through
 from rlbench.algorithm.losses import covariance_selection_count
@@ -193,7 +194,7 @@ def _loss(algorithm, sampling_logp):
 
 
 def test_sampling_correction_weights_the_policy_loss_per_token():
-    corrected = Algorithm.from_config(_cfg(sampling_correction={"cap": 2.0}))
+    corrected = algorithm_from(_cfg(sampling_correction={"cap": 2.0}))
     sampler = torch.tensor([[-1.0 - math.log(3), -2.0 + math.log(2), -0.5]], dtype=F64)  # w = 2 (capped), 0.5, 1
     loss, grad, metrics = _loss(corrected, sampler)
     # at ratio 1: l_t = -A_t w_t, token mean over 3 tokens
@@ -204,21 +205,21 @@ def test_sampling_correction_weights_the_policy_loss_per_token():
 
 
 def test_sampling_correction_is_a_no_op_without_sampler_logprobs_or_config():
-    plain = _loss(Algorithm.from_config(_cfg()), None)
+    plain = _loss(algorithm_from(_cfg()), None)
     sampler = torch.tensor([[-3.0, -3.0, -3.0]], dtype=F64)
-    absent = _loss(Algorithm.from_config(_cfg(sampling_correction={"cap": 2.0})), None)  # HF engine: no sampler logp
+    absent = _loss(algorithm_from(_cfg(sampling_correction={"cap": 2.0})), None)  # HF engine: no sampler logp
     assert absent[0] == plain[0] and torch.equal(absent[1], plain[1]) and "sampling_weight_mean" not in absent[2]
-    unconfigured = _loss(Algorithm.from_config(_cfg()), sampler)
+    unconfigured = _loss(algorithm_from(_cfg()), sampler)
     assert unconfigured[0] == plain[0] and torch.equal(unconfigured[1], plain[1])
 
 
 def test_sampling_correction_config():
-    assert Algorithm.from_config(_cfg()).sampling_correction is None
-    assert Algorithm.from_config(_cfg(sampling_correction={})).sampling_correction == SamplingCorrection(2.0)
-    with pytest.raises(ConfigError, match="takes only cap"):
-        Algorithm.from_config(_cfg(sampling_correction={"capp": 2.0}))
+    assert algorithm_from(_cfg()).sampling_correction is None
+    assert algorithm_from(_cfg(sampling_correction={})).sampling_correction == SamplingCorrection(2.0)
+    with pytest.raises(ConfigError, match=r"algorithm.sampling_correction has no key\(s\) \['capp'\]"):
+        algorithm_from(_cfg(sampling_correction={"capp": 2.0}))
     with pytest.raises(ConfigError, match="must be > 0"):
-        Algorithm.from_config(_cfg(sampling_correction={"cap": 0.0}))
+        algorithm_from(_cfg(sampling_correction={"cap": 0.0}))
 
 
 # --------------------------------------------------------------------------------------------
@@ -228,27 +229,27 @@ def test_sampling_correction_config():
 
 def test_kl_clamp_reaches_the_estimator_and_default_is_unclamped():
     logp, ref = torch.zeros(1, 1), torch.full((1, 1), 3.0)
-    assert Algorithm.from_config(_cfg()).kl_matrix(logp, ref).item() == pytest.approx(math.exp(3) - 4)
-    clamped = Algorithm.from_config(_cfg(kl={"coef": 0.1, "estimator": "k3", "clamp": 10.0}))
+    assert algorithm_from(_cfg()).kl_matrix(logp, ref).item() == pytest.approx(math.exp(3) - 4)
+    clamped = algorithm_from(_cfg(kl={"coef": 0.1, "estimator": "k3", "clamp": 10.0}))
     assert clamped.kl_matrix(logp, ref).item() == pytest.approx(10.0)
-    plus = Algorithm.from_config(_cfg(kl={"coef": 0.1, "estimator": "k3+", "clamp": 10.0}))
+    plus = algorithm_from(_cfg(kl={"coef": 0.1, "estimator": "k3+", "clamp": 10.0}))
     assert plus.kl_matrix(logp, ref).item() == pytest.approx(10.0)
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "abs", "k1+"])
 def test_kl_clamp_is_refused_for_estimators_without_one(estimator):
     with pytest.raises(ConfigError, match="no parameter"):
-        Algorithm.from_config(_cfg(kl={"coef": 0.1, "estimator": estimator, "clamp": 10.0}))
+        algorithm_from(_cfg(kl={"coef": 0.1, "estimator": estimator, "clamp": 10.0}))
 
 
 def test_kl_clamp_must_be_positive():
     with pytest.raises(ConfigError, match="kl.clamp must be > 0"):
-        Algorithm.from_config(_cfg(kl={"coef": 0.1, "estimator": "k3", "clamp": -1.0}))
+        algorithm_from(_cfg(kl={"coef": 0.1, "estimator": "k3", "clamp": -1.0}))
 
 
 @pytest.mark.parametrize("estimator", ["abs", "k1+", "k3+"])
 def test_new_estimators_are_selectable(estimator):
-    algorithm = Algorithm.from_config(_cfg(kl={"coef": 0.1, "estimator": estimator}))
+    algorithm = algorithm_from(_cfg(kl={"coef": 0.1, "estimator": estimator}))
     assert algorithm.kl_matrix(torch.zeros(1, 1), torch.zeros(1, 1)).item() == 0.0
 
 
@@ -279,7 +280,7 @@ def test_a_loss_that_reads_sampling_logp_receives_it(monkeypatch):
 
     monkeypatch.setitem(POLICY_LOSSES._functions, "reads_sampler", reads_sampler)
     monkeypatch.setitem(POLICY_LOSSES._needs, "reads_sampler", Needs())
-    algorithm = Algorithm.from_config(_cfg(loss={"name": "reads_sampler"}))  # validation: the trainer provides it
+    algorithm = algorithm_from(_cfg(loss={"name": "reads_sampler"}))  # validation: the trainer provides it
     sampler = torch.tensor([[-3.0, -3.0, -3.0]], dtype=F64)
     _loss(algorithm, sampler)
     assert seen["sampling_logp"] is sampler

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
+from rlbench.config.schema import LoggerConfig
 from rlbench.logger import RunLogger
 from rlbench.logger.run_logger import eval_keys, wandb_group, wandb_key, wandb_run_name, wandb_tags
 
@@ -115,7 +116,7 @@ def test_an_offline_eval_run_has_its_job_type_tags_and_group(tmp_path, monkeypat
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     config = {**CONFIG, "mode": "eval", "eval": {"name": "gsm8k"}}
-    logger = RunLogger(tmp_path, config, "{}", {"name": "wandb", "mode": "auto", "tags": ["mine"]}, job_type="eval")
+    logger = RunLogger(tmp_path, config, "{}", LoggerConfig(name="wandb", mode="auto", tags=["mine"]), job_type="eval")
     logger.log_evaluation(0, [{"benchmark": "arith", "k": 1, "pass_at_k": 0.25, "maj_at_k": 0.25, "phase": "eval"}])
     logger.finish()
     run, history = read_offline_run(tmp_path)

@@ -22,7 +22,7 @@ from rlbench.training.advantage_inputs import (
     mean_abs_logp_change,
     token_jaccard_distance,
 )
-from rlbench.algorithm import Algorithm
+from conftest import algorithm_from
 from rlbench.algorithm.advantages import SPOTracker
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
@@ -52,7 +52,7 @@ def graded(rewards_per_group, uids=None, prompts=None, extracted=None, finished=
 
 
 def algorithm(advantage, **params):
-    return Algorithm.from_config({"name": "t", "advantage": {"name": advantage, **params},
+    return algorithm_from({"name": "t", "advantage": {"name": advantage, **params},
                                   "loss": {"name": "ppo_clip"}, "aggregation": {"name": "token_mean"}})
 
 
@@ -311,7 +311,7 @@ def test_overlong_filter_zeroes_the_loss_and_gradient_of_truncated_responses():
 def test_two_grpo_equals_grpo_with_two_responses_per_prompt(make_cfg):
     two, grpo = make_cfg("algorithm=two_grpo"), make_cfg("algorithm=grpo", "rollout.n=2")
     assert two.rollout.n == grpo.rollout.n == 2
-    a, b = Algorithm.from_config(two.algorithm), Algorithm.from_config(grpo.algorithm)
+    a, b = algorithm_from(two.algorithm), algorithm_from(grpo.algorithm)
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.3, 0.9])
     groups = torch.tensor([0, 0, 1, 1, 2, 2])
     mask = torch.tensor([[1.0, 1.0, 1.0]] * 3 + [[1.0, 0.0, 0.0]] * 3)

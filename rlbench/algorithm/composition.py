@@ -47,6 +47,16 @@ from rlbench.errors import ConfigError
 STEP_COMPUTED_PRODUCERS = ("forward", "graded", "step")
 
 
+def setting(node: Mapping[str, Any], key: str, where: str = "") -> Any:
+    """``node[key]`` of the algorithm config, a ConfigError when it is missing: the caller passes every key
+    (rlbench.config.typed.algorithm_settings), so no default is written in this layer."""
+    if key not in node:
+        path = ".".join(part for part in ("algorithm", where, key) if part)
+        raise ConfigError(f"{path} is missing: Algorithm.from_config reads every key of the algorithm config, with the "
+                          "schema's defaults filled in (rlbench.config.typed.algorithm_settings)")
+    return node[key]
+
+
 @dataclass(frozen=True)
 class Piece:
     """A registered function name plus its YAML parameters."""
@@ -103,38 +113,37 @@ class Algorithm:
             object.__setattr__(self, "coefficients", Coefficients(kl=self.kl_coef, entropy=self.entropy_coef))
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "Algorithm":
-        """Build from ``cfg.algorithm`` and check every piece and parameter exists."""
-        kl = cfg.get("kl") or {}
-        update = cfg.get("update") or {}
-        token_mask = dict(cfg.get("token_mask") or {})
+    def from_config(cls, cfg: Mapping[str, Any]) -> "Algorithm":
+        """Build from ``algorithm`` with every key present (rlbench.config.typed.algorithm_settings fills the
+        schema's defaults: they are written there once), and check every piece and parameter exists. A
+        missing key is a ConfigError, never a default of this layer's own."""
+        kl, update = setting(cfg, "kl"), setting(cfg, "update")
+        token_mask = dict(setting(cfg, "token_mask"))
         if set(token_mask) - {"top_entropy_quantile"}:
             raise ConfigError(f"algorithm.token_mask takes only top_entropy_quantile, got {sorted(token_mask)}")
         quantile = token_mask.get("top_entropy_quantile")
-        schedule, schedule_settings = schedule_from_config(update)
-        proximal_decay = update.get("proximal_decay")
+        schedule, schedule_settings = schedule_from_config(setting(update, "schedule", "update"), update)
+        proximal_decay, clamp = setting(update, "proximal_decay", "update"), setting(kl, "clamp", "kl")
         algorithm = cls(
-            name=str(cfg.get("name", "custom")),
-            advantage=Piece.from_config(cfg.get("advantage"), "advantage"),
-            loss=Piece.from_config(cfg.get("loss"), "loss"),
-            aggregation=Piece.from_config(cfg.get("aggregation"), "aggregation"),
-            kl_coef=float(kl.get("coef", 0.0)),
-            kl_estimator=str(kl.get("estimator", "k3")),
-            kl_clamp=None if kl.get("clamp") is None else float(kl["clamp"]),
-            entropy_coef=float(cfg.get("entropy_coef", 0.0)),
-            epochs=int(update.get("epochs", 1)),
-            minibatches=int(update.get("minibatches", 1)),
-            reward_shaping=tuple(Piece.from_config(node, "reward_shaping") for node in cfg.get("reward_shaping") or ()),
-            kl_placement=str(kl.get("placement", "loss")),
-            kl_adaptive=AdaptiveKL.from_config(kl["adaptive"]) if kl.get("adaptive") is not None else None,
-            kl_previous_weight=float(kl.get("previous_weight", 0.0)),
-            entropy_adaptive=(
-                AdaptiveEntropy.from_config(cfg["entropy_adaptive"]) if cfg.get("entropy_adaptive") is not None else None
-            ),
+            name=str(setting(cfg, "name")),
+            advantage=Piece.from_config(setting(cfg, "advantage"), "advantage"),
+            loss=Piece.from_config(setting(cfg, "loss"), "loss"),
+            aggregation=Piece.from_config(setting(cfg, "aggregation"), "aggregation"),
+            kl_coef=float(setting(kl, "coef", "kl")),
+            kl_estimator=str(setting(kl, "estimator", "kl")),
+            kl_clamp=None if clamp is None else float(clamp),
+            entropy_coef=float(setting(cfg, "entropy_coef")),
+            epochs=int(setting(update, "epochs", "update")),
+            minibatches=int(setting(update, "minibatches", "update")),
+            reward_shaping=tuple(Piece.from_config(node, "reward_shaping") for node in setting(cfg, "reward_shaping")),
+            kl_placement=str(setting(kl, "placement", "kl")),
+            kl_adaptive=None if (adaptive := setting(kl, "adaptive", "kl")) is None else AdaptiveKL.from_config(adaptive),
+            kl_previous_weight=float(setting(kl, "previous_weight", "kl")),
+            entropy_adaptive=None if (entropy := setting(cfg, "entropy_adaptive")) is None else AdaptiveEntropy.from_config(entropy),
             top_entropy_quantile=None if quantile is None else float(quantile),
-            sampling_correction=SamplingCorrection.from_config(cfg.get("sampling_correction")),
-            downsampling=DownSampling.from_config(cfg.get("downsampling")),
-            critic=CriticSettings.from_config(cfg.get("critic")),
+            sampling_correction=SamplingCorrection.from_config(setting(cfg, "sampling_correction")),
+            downsampling=DownSampling.from_config(setting(cfg, "downsampling")),
+            critic=CriticSettings.from_config(setting(cfg, "critic")),
             schedule=schedule,
             schedule_settings=schedule_settings,
             proximal_decay=None if proximal_decay is None else float(proximal_decay),

@@ -27,6 +27,7 @@ from typing import Any, Mapping
 import torch
 
 from rlbench.algorithm.advantages import gae_returns
+from rlbench.algorithm.schedules import settings_from_block
 from rlbench.errors import ConfigError
 
 # The advantage estimator whose value targets this module computes (its gamma and lam define them).
@@ -44,20 +45,15 @@ class CriticSettings:
     @classmethod
     def from_config(cls, node: Any) -> "CriticSettings | None":
         """None when ``algorithm.critic`` is absent or null (no value head)."""
-        if node is None:
-            return None
-        unknown = set(dict(node)) - {"coef", "clip"}
-        if unknown:
-            raise ConfigError(f"algorithm.critic has no key(s) {sorted(unknown)}; it takes coef and clip")
-        clip = node.get("clip", cls.clip)
-        settings = cls(coef=float(node.get("coef", cls.coef)), clip=None if clip is None else float(clip))
-        if settings.coef <= 0:
+        return None if node is None else settings_from_block(cls, node, "algorithm.critic")
+
+    def check(self) -> None:
+        if self.coef <= 0:
             raise ConfigError(
-                f"algorithm.critic.coef must be > 0 (got {settings.coef}); remove algorithm.critic to run without a value head"
+                f"algorithm.critic.coef must be > 0 (got {self.coef}); remove algorithm.critic to run without a value head"
             )
-        if settings.clip is not None and settings.clip <= 0:
-            raise ConfigError(f"algorithm.critic.clip must be > 0 or null (no clipping), got {settings.clip}")
-        return settings
+        if self.clip is not None and self.clip <= 0:
+            raise ConfigError(f"algorithm.critic.clip must be > 0 or null (no clipping), got {self.clip}")
 
 
 class ValueHead(torch.nn.Module):

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from rlbench.algorithm.schedules import settings_from_block
 from rlbench.errors import ConfigError
 
 
@@ -53,25 +54,20 @@ class AdaptiveEntropy:
 
     @classmethod
     def from_config(cls, node: Any) -> "AdaptiveEntropy":
-        params = dict(node)
+        params = {key: value for key, value in dict(node).items() if value is not None}  # null: left out
         unknown = set(params) - ADAPTIVE_ENTROPY_KEYS
         if unknown or "target" not in params:
             raise ConfigError(
                 f"algorithm.entropy_adaptive takes target (required) and {sorted(ADAPTIVE_ENTROPY_KEYS - {'target'})}; "
                 f"got {sorted(params)}"
             )
-        settings = cls(
-            target=float(params["target"]),
-            delta=float(params.get("delta", cls.delta)),
-            min_coef=float(params.get("min_coef", cls.min_coef)),
-            max_coef=float(params.get("max_coef", cls.max_coef)),
-            gate=bool(params.get("gate", cls.gate)),
-        )
-        if settings.target < 0 or settings.delta <= 0 or not 0 <= settings.min_coef <= settings.max_coef:
+        return settings_from_block(cls, params, "algorithm.entropy_adaptive")
+
+    def check(self) -> None:
+        if self.target < 0 or self.delta <= 0 or not 0 <= self.min_coef <= self.max_coef:
             raise ConfigError(
-                f"algorithm.entropy_adaptive needs target >= 0, delta > 0 and 0 <= min_coef <= max_coef; got {settings}"
+                f"algorithm.entropy_adaptive needs target >= 0, delta > 0 and 0 <= min_coef <= max_coef; got {self}"
             )
-        return settings
 
     def next_coefficient(self, coef: float, entropy: float) -> float:
         return adaptive_entropy_coefficient(coef, entropy, self.target, self.delta, self.min_coef, self.max_coef)

@@ -159,7 +159,7 @@ class AdaptiveKL:
 
     @classmethod
     def from_config(cls, node: Any) -> "AdaptiveKL":
-        params = dict(node)
+        params = {key: value for key, value in dict(node).items() if value is not None}  # null: left out
         unknown = set(params) - {"target", "horizon"}
         if unknown or not {"target", "horizon"} <= set(params):
             raise ConfigError(

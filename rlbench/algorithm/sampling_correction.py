@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from rlbench.algorithm.schedules import settings_from_block
 from rlbench.errors import ConfigError
 
 #: The truncation cap C of Yao et al. 2025 (their default).
@@ -79,23 +80,15 @@ class SamplingCorrection:
 
     @classmethod
     def from_config(cls, node: Any) -> "SamplingCorrection | None":
-        if node is None:
-            return None
-        params = dict(node)
-        unknown = set(params) - {"cap", "mode", "low"}
-        if unknown:
-            raise ConfigError(
-                f"algorithm.sampling_correction takes only cap (Yao et al. 2025: 2.0), mode and low; got {sorted(params)}"
-            )
-        low = params.get("low")
-        settings = cls(float(params.get("cap", DEFAULT_TIS_CAP)), str(params.get("mode", "truncate")), None if low is None else float(low))
-        if settings.cap <= 0:
-            raise ConfigError(f"algorithm.sampling_correction.cap must be > 0, got {settings.cap}")
-        if settings.mode not in MODES:
-            raise ConfigError(f"algorithm.sampling_correction.mode={settings.mode!r} is unknown; choose one of {list(MODES)}")
-        if settings.low is not None and not 0 <= settings.low <= settings.cap:
-            raise ConfigError(f"algorithm.sampling_correction.low must lie in [0, cap], got {settings.low}")
-        return settings
+        return None if node is None else settings_from_block(cls, node, "algorithm.sampling_correction")
+
+    def check(self) -> None:
+        if self.cap <= 0:
+            raise ConfigError(f"algorithm.sampling_correction.cap must be > 0 (Yao et al. 2025: 2.0), got {self.cap}")
+        if self.mode not in MODES:
+            raise ConfigError(f"algorithm.sampling_correction.mode={self.mode!r} is unknown; choose one of {list(MODES)}")
+        if self.low is not None and not 0 <= self.low <= self.cap:
+            raise ConfigError(f"algorithm.sampling_correction.low must lie in [0, cap], got {self.low}")
 
     @property
     def lower_bound(self) -> float:

@@ -81,10 +81,10 @@ class TRPOSettings:
 SCHEDULE_SETTINGS = {"sfpo": SFPOSettings, "trpo": TRPOSettings}
 
 
-def schedule_from_config(update: Mapping[str, Any]) -> tuple[str, SFPOSettings | TRPOSettings | None]:
-    """(schedule name, its settings) from ``algorithm.update``. A settings block for a schedule that
-    is not selected is refused, so that it cannot be silently ignored."""
-    name = str(update.get("schedule", "standard"))
+def schedule_from_config(name: str, update: Mapping[str, Any]) -> tuple[str, SFPOSettings | TRPOSettings | None]:
+    """(schedule name, its settings) from ``algorithm.update`` and its ``schedule`` ``name``. A settings
+    block for a schedule that is not selected is refused, so that it cannot be silently ignored."""
+    name = str(name)
     if name not in SCHEDULES:
         raise ConfigError(f"algorithm.update.schedule={name} is unknown; choose one of {', '.join(SCHEDULES)}")
     for other in SCHEDULE_SETTINGS:

@@ -9,10 +9,10 @@ Activations come on top, so a run that passes can still run out of memory; one t
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 
+from rlbench.config.schema import RunConfig
 from rlbench.errors import ConfigError
 
 BYTES_PER_PARAMETER_TRAINING = 16  # fp32 weights, gradients, AdamW's first and second moments
@@ -35,32 +35,33 @@ def memory_needed_bytes(parameters: int, training: bool, reference_model: bool) 
     return parameters * per_parameter
 
 
-def check_fits_here(cfg: Any, device: torch.device, training: bool, available_bytes: int | None = None) -> None:
+def check_fits_here(config: RunConfig, device: torch.device, training: bool, available_bytes: int | None = None) -> None:
     """ConfigError when the model cannot fit the device, or a paper preset samples responses too short
     for its task. ``available_bytes`` defaults to :func:`device_memory_bytes`."""
-    parameters = cfg.model.get("parameters")
+    parameters = config.model.parameters
     if parameters:
-        needed = memory_needed_bytes(int(parameters), training, float(cfg.algorithm.kl.coef) > 0)
+        reference_model = config.algorithm.kl.coef > 0
+        needed = memory_needed_bytes(int(parameters), training, reference_model)
         available = device_memory_bytes(device) if available_bytes is None else available_bytes
         if needed > available:
             what = ("training needs about 16 bytes per parameter (fp32 weights, gradients and AdamW's two "
-                    "moments" + (", plus 4 for the KL reference model)" if float(cfg.algorithm.kl.coef) > 0 else ")")
+                    "moments" + (", plus 4 for the KL reference model)" if reference_model else ")")
                     if training else "evaluation needs about 4 bytes per parameter (fp32 weights)")
             raise ConfigError(
-                f"model {cfg.model.name} has about {int(parameters) / 1e9:.1f}B parameters: {what}, about "
+                f"model {config.model.name} has about {int(parameters) / 1e9:.1f}B parameters: {what}, about "
                 f"{needed / 2**30:.0f} GiB, more than the {available / 2**30:.0f} GiB of this {device.type}. "
                 f"Choose a smaller model (model=qwen2_5_0_5b_instruct, model=smollm2_135m) or a larger device; "
                 f"experiment=smoke runs the setting on the tiny model"
             )
-    if cfg.get("paper") and parameters and cfg.dataset.name not in SHORT_ANSWER_DATASETS:
-        lengths = {"eval.max_new_tokens": cfg.eval.max_new_tokens}
+    if config.paper and parameters and config.dataset.name not in SHORT_ANSWER_DATASETS:
+        lengths = {"eval.max_new_tokens": config.eval.max_new_tokens}
         if training:
-            lengths["rollout.max_new_tokens"] = cfg.rollout.max_new_tokens
+            lengths["rollout.max_new_tokens"] = config.rollout.max_new_tokens
         short = {key: value for key, value in lengths.items() if value < MIN_REASONING_TOKENS}
         if short:
             shown = ", ".join(f"{key}={value}" for key, value in short.items())
             raise ConfigError(
-                f"paper={cfg.paper.name} samples {shown} new tokens on {cfg.dataset.name}, too few for a reasoning "
+                f"paper={config.paper['name']} samples {shown} new tokens on {config.dataset.name}, too few for a reasoning "
                 f"answer (where the paper's sources give no length, the preset keeps rlbench's default, made for the arith "
                 f"toy); "
                 f"set rollout.max_new_tokens=1024 (eval.max_new_tokens follows it), at least {MIN_REASONING_TOKENS}"

@@ -373,9 +373,9 @@ class DatasetConfig:
         "(answer[0], meta.answer) or a list of candidates", open=True
     )
     prompt: PromptConfig = node(PromptConfig, "prompt templates ({problem} and, for JSONL records, any record field: {unit})")
-    answer_format: Optional[str] = knob(None, "how reference answers are written")
+    answer_format: Optional[str] = knob("raw", "how reference answers are written: raw | gsm8k (after '####') | boxed")
     answer_type: Optional[str] = knob(
-        None, "how the reference is read: math (decided from the answer) | number (a lone letter after it is a unit) | "
+        "math", "how the reference is read: math (decided from the answer) | number (a lone letter after it is a unit) | "
         "expression | set (unordered) | text (exact, no letter case) | code (tests)"
     )
     tolerance: Optional[float] = knob(None, "relative tolerance of numeric answers; null: reward.tolerance", ge=0)
@@ -397,13 +397,13 @@ class DatasetConfig:
     )
     allow_empty: bool = knob(False, "zero usable problems: false = an error before the model loads, true = a row marked empty")
     reward_extraction: Optional[str] = knob(None, "how the answer is extracted from a response")
-    id_field: Optional[str] = knob(None, "field that identifies a problem")
+    id_field: Optional[str] = knob("id", "field that identifies a problem; null (JSONL math sets): uids by position")
     id_range: dict = knob({}, "split -> [first, last] id", open=True)
     meta_fields: list = knob([], "fields kept as metadata")
     limit: Optional[int] = knob(None, "read at most this many problems", ge=1)
     skip_bad_answers: bool = knob(False, "skip problems whose answer cannot be parsed")
     example_test_in_prompt: bool = knob(False, "show one test in the prompt (code)")
-    test_format: Optional[str] = knob(None, "how tests are written (code)")
+    test_format: Optional[str] = knob("assert_list", "how tests are written (code): assert_list | check_function")
     arith: Optional[ArithConfig] = node(ArithConfig, "settings of loader=arith")
 
 
@@ -487,8 +487,8 @@ class LoggerConfig:
     """``logger``: files only, or Weights & Biases as well."""
 
     name: Literal["files", "wandb"] = knob(None, "the logger")
-    mode: Optional[str] = knob(None, "auto | online | offline | disabled (wandb)")
-    project: Optional[str] = knob(None, "W&B project")
+    mode: str = knob("auto", "wandb: auto (online when WANDB_API_KEY is set, else offline) | online | offline | disabled")
+    project: str = knob("rlbench", "W&B project")
     entity: Optional[str] = knob(None, "W&B entity")
     group: Optional[str] = knob(None, "W&B group")
     tags: list = knob([], "W&B tags")

@@ -18,7 +18,7 @@ from typing import Any, Literal, Mapping, TypeVar, Union
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from rlbench.config.schema import RolloutConfig, RunConfig, config_fields
+from rlbench.config.schema import AlgorithmConfig, ModelConfig, RolloutConfig, RunConfig, config_fields
 from rlbench.config.walk import describe, is_instance, nearest
 from rlbench.errors import ConfigError
 
@@ -127,4 +127,39 @@ def type_name(annotation: Any) -> str:
 def rollout_config(values: Mapping[str, Any]) -> RolloutConfig:
     """The typed ``rollout`` of a plain mapping (tests and scripts build one so): its fields, and each
     strategy's settings block under the strategy's name; missing keys at the schema's defaults."""
-    return typed_node(values if isinstance(values, DictConfig) else OmegaConf.create(dict(values)), RolloutConfig)
+    return node_config(values, RolloutConfig)
+
+
+def model_config(values: Mapping[str, Any]) -> ModelConfig:
+    """The typed ``model`` of a mapping (a loaded ``conf/model/<name>.yaml``: tests and scripts load one so)."""
+    return node_config(values, ModelConfig)
+
+
+def node_config(values: Mapping[str, Any], schema: type[Schema]) -> Schema:
+    """A plain mapping or a DictConfig as the node ``schema``, missing keys at the schema's defaults."""
+    return typed_node(values if isinstance(values, DictConfig) else OmegaConf.create(dict(values)), schema)
+
+
+def algorithm_settings(algorithm: AlgorithmConfig | Mapping[str, Any]) -> dict[str, Any]:
+    """What ``Algorithm.from_config`` reads: the typed ``algorithm`` (or a partial mapping: tests and scripts)
+    as a plain mapping holding every key at the schema's default where it was left out. The algorithm
+    layer imports nothing outside itself, so its defaults are filled here and it reads no default of its own."""
+    values = dataclasses.asdict(algorithm) if dataclasses.is_dataclass(algorithm) else algorithm
+    return with_defaults(values, AlgorithmConfig)
+
+
+def with_defaults(values: Mapping[str, Any] | None, schema: type) -> dict[str, Any]:
+    """``values`` with every key of ``schema``: a key left out at the field's default, a node left out (or
+    null where the field is not optional) at its own defaults, a given node filled likewise. Keys the
+    schema lacks are kept, for the reader's check to refuse with its message."""
+    filled = dict(values or {})
+    hints = typing.get_type_hints(schema)
+    for spec in config_fields(schema):
+        value = filled.get(spec.name)
+        node = spec.metadata.get("node")
+        if node is not None:
+            optional = typing.get_origin(hints[spec.name]) in (Union, types.UnionType)
+            filled[spec.name] = with_defaults(value, node) if value is not None or not optional else None
+        elif spec.name not in filled:
+            filled[spec.name] = spec.default_factory() if spec.default is dataclasses.MISSING else spec.default
+    return filled

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field
 from typing import Any
+
+from rlbench.config.schema import DatasetConfig
 
 
 @dataclass(frozen=True)
@@ -29,3 +32,13 @@ class ProblemList(list):
     def __init__(self, problems=(), skipped: int = 0) -> None:
         super().__init__(problems)
         self.skipped = int(skipped)
+
+
+
+def spec_value(spec: Mapping[str, Any], key: str) -> Any:
+    """``spec[key]`` of a dataset or benchmark spec, or the schema's default where the spec leaves the key out
+    (declared once, on rlbench.config.schema.DatasetConfig)."""
+    if key in spec:
+        return spec[key]
+    default = DatasetConfig.__dataclass_fields__[key]
+    return default.default_factory() if default.default is MISSING else default.default

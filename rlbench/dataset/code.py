@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from rlbench.dataset.base import Problem
+from rlbench.dataset.base import Problem, spec_value
 from rlbench.dataset.jsonl import as_name_list, pick_field
 from rlbench.errors import ConfigError, DataError
 
@@ -46,7 +46,7 @@ def validate_code_spec(spec: Mapping[str, Any], name: str, split: str) -> None:
             f"benchmark {name!r}: unknown code field(s) {unknown}; "
             f"known: {list(CODE_FIELDS_REQUIRED + CODE_FIELDS_OPTIONAL)}"
         )
-    test_format = spec.get("test_format", "assert_list")
+    test_format = spec_value(spec, "test_format")
     if test_format not in TEST_FORMATS:
         raise ConfigError(f"benchmark {name!r}: test_format {test_format!r} is unknown; choose one of {list(TEST_FORMATS)}")
     if test_format == "check_function" and not fields.get("entry_point"):
@@ -110,7 +110,7 @@ def records_to_code_problems(
     a distinct id, else ``"{name}/{split}/{position}"`` for all (so uids are always unique).
     """
     fields = spec["fields"]
-    test_format = spec.get("test_format", "assert_list")
+    test_format = spec_value(spec, "test_format")
     id_field = spec.get("id_field") or "id"
     bounds = (spec.get("id_range") or {}).get(split)
     problems: list[Problem] = []

@@ -49,7 +49,7 @@ from rlbench.config.walk import nearest
 from rlbench.dataset.arith import LEVELS as ARITH_LEVELS
 from rlbench.dataset.arith import SPLITS as ARITH_SPLITS
 from rlbench.dataset.arith import generate_arith_levels
-from rlbench.dataset.base import Problem, ProblemList
+from rlbench.dataset.base import Problem, ProblemList, spec_value
 from rlbench.dataset.code import records_to_code_problems, validate_code_spec
 from rlbench.dataset.jsonl import ANSWER_FORMATS, iter_jsonl, records_to_problems
 from rlbench.dataset.prompts import check_template, template_fields
@@ -215,7 +215,7 @@ def validate_spec(
     if source not in SOURCES:
         raise ConfigError(f"source must be one of {list(SOURCES)}, got {source!r}")
     name, split = _validate_static(spec, split)
-    if spec.get("loader", "jsonl") != "jsonl":
+    if spec_value(spec, "loader") != "jsonl":
         return
     if source == "hub":
         if not spec.get("hub_id"):
@@ -239,7 +239,7 @@ def _validate_static(spec: Mapping[str, Any], split: str | None) -> tuple[str, s
     """All checks of :func:`validate_spec` except file existence; returns ``(name, split)``."""
     name = _spec_name(spec)
     _check_keys(spec, name)
-    loader = spec.get("loader", "jsonl")
+    loader = spec_value(spec, "loader")
     if loader not in LOADERS:
         raise ConfigError(f"dataset {name!r}: unknown loader {loader!r}; choose one of {list(LOADERS)}")
     split = _spec_split(spec, split)
@@ -258,7 +258,7 @@ def _validate_static(spec: Mapping[str, Any], split: str | None) -> tuple[str, s
         _validate_arith(spec, name, split)
         return name, split
 
-    answer_type = spec.get("answer_type", "math")
+    answer_type = spec_value(spec, "answer_type")
     if answer_type not in ANSWER_TYPES:
         raise ConfigError(f"dataset {name!r}: answer_type {answer_type!r} is unknown; choose one of {list(ANSWER_TYPES)}")
     if answer_type == "code":
@@ -266,7 +266,7 @@ def _validate_static(spec: Mapping[str, Any], split: str | None) -> tuple[str, s
         _check_files(spec, name, split)
         return name, split
     _check_grading_keys(spec, name)
-    answer_format = spec.get("answer_format", "raw")
+    answer_format = spec_value(spec, "answer_format")
     if answer_format not in ANSWER_FORMATS:
         raise ConfigError(
             f"dataset {name!r}: unknown answer_format {answer_format!r}; choose one of "
@@ -381,7 +381,7 @@ def load_problems(
     name, split = _validate_static(plain, split)
     limit = _check_limit(plain)
 
-    if plain.get("loader", "jsonl") == "arith":
+    if spec_value(plain, "loader") == "arith":
         arith = plain["arith"]
         arith_seed = arith.get("seed")
         problems = generate_arith_levels(
@@ -437,7 +437,7 @@ def _convert(
     records: Iterator[tuple[str, dict[str, Any]]],
     limit: int | None,
 ) -> list[Problem]:
-    if spec.get("answer_type", "math") == "code":
+    if spec_value(spec, "answer_type") == "code":
         return records_to_code_problems(records, spec, name=name, split=split, limit=limit)
     fields = spec["fields"]
     return records_to_problems(
@@ -446,11 +446,11 @@ def _convert(
         split=split,
         problem_field=fields["problem"],
         answer_field=fields["answer"],
-        answer_format=spec.get("answer_format", "raw"),
-        id_field=spec.get("id_field", "id"),
+        answer_format=spec_value(spec, "answer_format"),
+        id_field=spec_value(spec, "id_field"),
         meta_fields=list(spec.get("meta_fields") or ()),
         limit=limit,
-        skip_bad_answers=bool(spec.get("skip_bad_answers", False)),
+        skip_bad_answers=bool(spec_value(spec, "skip_bad_answers")),
         tolerance_field=fields.get("tolerance"),
         solution_field=fields.get("solution"),
         prompt_fields=template_fields((spec.get("prompt") or {}).get("user")),

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from rlbench.dataset.base import Problem
+from rlbench.dataset.base import Problem, spec_value
 from rlbench.errors import DataError
 from rlbench.eval.metrics import METRIC_COLUMNS, ProblemResult, summarize
 from rlbench.prompting import encode_prompts
@@ -153,7 +153,7 @@ def evaluate(
             groups = engine.generate(requests, params)
             flat = [c for group in groups for c in group]
             all_grades = grade_completions(bench.grader, [p for p, g in zip(chunk, groups) for _ in g], flat)
-            votable = bench.spec.get("answer_type", "math") != "code"  # programs cannot vote
+            votable = spec_value(bench.spec, "answer_type") != "code"  # programs cannot vote
             offset = 0
             for position, (problem, group) in enumerate(zip(chunk, groups), start=lo):
                 if position >= real:  # padding of this rank's share (scored by another rank)

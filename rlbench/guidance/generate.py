@@ -54,7 +54,7 @@ def write_traces(cfg: DictConfig, config: RunConfig, device: torch.device) -> di
     rollout = config.rollout
     out = Path(str(cfg.out)).expanduser()
     problems = load_problems(cfg.dataset, seed=cfg.seed, data_dir=cfg.data_dir, source=cfg.data_source)
-    model, tokenizer = load_policy(cfg.model, device=device, dtype=torch.float32, seed=cfg.seed, cache_dir=cfg.cache_dir)
+    model, tokenizer = load_policy(config.model, device=device, dtype=torch.float32, seed=config.seed, cache_dir=config.cache_dir)
     engine = make_engine(rollout, model, tokenizer, device)
     grader = training_grader(config)
     params = SamplingParams(rollout.temperature, rollout.top_p, rollout.max_new_tokens)

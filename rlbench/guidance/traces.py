@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from rlbench.config.schema import GuidanceConfig
 from rlbench.dataset.arith import derivation
 from rlbench.dataset.base import Problem
 from rlbench.dataset.jsonl import iter_jsonl
@@ -69,15 +70,10 @@ class GuidanceOptions:
     max_tokens: int | None = None
 
     @classmethod
-    def from_config(cls, node: Any) -> "GuidanceOptions":
-        node = dict(node or {})
-        options = cls(
-            source=str(node.get("source", "none")),
-            path=node.get("path"),
-            keep_incorrect=bool(node.get("keep_incorrect", False)),
-            on_bad=str(node.get("on_bad", "skip")),
-            max_tokens=node.get("max_tokens"),
-        )
+    def from_config(cls, guidance: GuidanceConfig | None) -> "GuidanceOptions":
+        """The typed ``guidance`` node, checked (a run without the node: the schema's defaults, no guidance)."""
+        guidance = guidance if guidance is not None else GuidanceConfig()
+        options = cls(guidance.source, guidance.path, guidance.keep_incorrect, guidance.on_bad, guidance.max_tokens)
         options.validate()
         return options
 

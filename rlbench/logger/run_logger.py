@@ -30,6 +30,7 @@ from typing import Any, Mapping, Sequence
 import pandas as pd
 
 from rlbench.config.identity import run_identity
+from rlbench.config.schema import LoggerConfig
 from rlbench.logger.run_status import config_key, group_key
 from rlbench.utils import atomic_write_json, atomic_write_text
 
@@ -99,7 +100,7 @@ class RunLogger:
     """``resume_id``: a resumed run's wandb run id (its metrics.jsonl and curve come back with
     :meth:`load_state_dict`); None starts a new run and empties metrics.jsonl."""
 
-    def __init__(self, out_dir: str | Path, config: Mapping[str, Any], config_yaml: str, logger_cfg: Mapping[str, Any],
+    def __init__(self, out_dir: str | Path, config: Mapping[str, Any], config_yaml: str, logger: LoggerConfig,
                  *, job_type: str = "train", in_sweep: bool = False, resume_id: str | None = None):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -111,17 +112,17 @@ class RunLogger:
         if resume_id is None:
             self.metrics_path.write_text("")
         self.wandb_run = None
-        if logger_cfg.get("name") == "wandb":
-            mode = wandb_mode(str(logger_cfg.get("mode", "auto")))
+        if logger.name == "wandb":
+            mode = wandb_mode(logger.mode)
             if mode != "disabled":
                 import wandb
 
                 options = dict(
-                    project=logger_cfg.get("project", "rlbench"),
-                    entity=logger_cfg.get("entity"),
-                    group=logger_cfg.get("group") or wandb_group(config),
+                    project=logger.project,
+                    entity=logger.entity,
+                    group=logger.group or wandb_group(config),
                     job_type=job_type,
-                    tags=[*(logger_cfg.get("tags") or []), *wandb_tags(config)],
+                    tags=[*logger.tags, *wandb_tags(config)],
                     name=wandb_run_name(config, in_sweep),
                     config=dict(config),
                     dir=str(self.out_dir),

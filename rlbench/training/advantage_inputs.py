@@ -46,7 +46,6 @@ from rlbench.config.schema import (
     RunConfig,
     TrackerConfig,
 )
-from rlbench.config.typed import typed_node
 from rlbench.errors import ConfigError
 from rlbench.reward.math import canonical_answer
 from rlbench.rollout import GradedGroups, GroupSampler, validate_strategy
@@ -202,14 +201,14 @@ def check_strategy_inputs(rollout: RolloutConfig, advantage: str, needs: set[str
         )
 
 
-def validate_step_options(cfg: Any, algorithm: Algorithm) -> None:
+def validate_step_options(config: RunConfig, algorithm: Algorithm) -> None:
     """Refuse impossible combinations of the rollout-dependent options before anything is loaded."""
-    n = int(cfg.rollout.n)
+    rollout = config.rollout
+    n = rollout.n
     name = algorithm.advantage.name
-    prescribed = cfg.algorithm.get("rollout_n")
-    if prescribed is not None and int(prescribed) != n:
+    prescribed = config.algorithm.rollout_n
+    if prescribed is not None and prescribed != n:
         log.warning("algorithm '%s' prescribes rollout.n=%s; this run uses rollout.n=%d", algorithm.name, prescribed, n)
-    rollout = typed_node(cfg.rollout, RolloutConfig)
     validate_strategy(rollout, name)
     if name == "polychromic":
         diversity_from = advantage_param(algorithm, "diversity_from")
@@ -219,10 +218,10 @@ def validate_step_options(cfg: Any, algorithm: Algorithm) -> None:
             )
     needs = needed_inputs(algorithm)
     check_strategy_inputs(rollout, name, needs)
-    if not isinstance(cfg.algorithm.get("overlong_filter", False), bool):
-        raise ConfigError(f"algorithm.overlong_filter must be true or false, got {cfg.algorithm.get('overlong_filter')!r}")
+    if not isinstance(config.algorithm.overlong_filter, bool):
+        raise ConfigError(f"algorithm.overlong_filter must be true or false, got {config.algorithm.overlong_filter!r}")
     for source in source_classes(needs):
-        source.validate(cfg, algorithm)
+        source.validate(config, algorithm)
     if name == "polychromic":
         set_size = int(advantage_param(algorithm, "set_size"))
         if n <= set_size:
@@ -260,7 +259,7 @@ class StepInputSource:
     checkpoint_key: ClassVar[str | None] = None
 
     @classmethod
-    def validate(cls, cfg: Any, algorithm: Algorithm) -> None:
+    def validate(cls, config: RunConfig, algorithm: Algorithm) -> None:
         """Refuse impossible options before the model loads (ConfigError)."""
 
     @classmethod
@@ -407,14 +406,14 @@ class SPOStream(StepInputSource):
         self.last_change: torch.Tensor | None = None  # D of the last update's responses
 
     @classmethod
-    def validate(cls, cfg: Any, algorithm: Algorithm) -> None:
+    def validate(cls, config: RunConfig, algorithm: Algorithm) -> None:
         """The tracker's settings, and rewards that stay in [0, 1] (a Beta posterior over successes)."""
-        tracker_from_config(typed_node(cfg.algorithm, AlgorithmConfig))
-        low_high = reward_range(typed_node(cfg.reward, RewardConfig))
+        tracker_from_config(config.algorithm)
+        low_high = reward_range(config.reward)
         if algorithm.reward_shaping or low_high is None or not (0.0 <= low_high[0] and low_high[1] <= 1.0):
             raise ConfigError(
                 f"advantage 'spo' tracks a success probability (a Beta posterior over rewards in [0, 1]); reward "
-                f"'{cfg.reward.name}' with range {low_high} and reward shaping "
+                f"'{config.reward.name}' with range {low_high} and reward shaping "
                 f"{[s.name for s in algorithm.reward_shaping]} can leave [0, 1]. Use rewards in [0, 1] "
                 "(reward.correct_reward=1 reward.incorrect_reward=0 reward.format_weight=0) and no reward_shaping"
             )
@@ -499,8 +498,8 @@ class BaselineRewards(StepInputSource):
         self.baseline = baseline
 
     @classmethod
-    def validate(cls, cfg: Any, algorithm: Algorithm) -> None:
-        BaselineOptions.from_config(typed_node(cfg.algorithm, AlgorithmConfig), algorithm.advantage.name)
+    def validate(cls, config: RunConfig, algorithm: Algorithm) -> None:
+        BaselineOptions.from_config(config.algorithm, algorithm.advantage.name)
 
     @classmethod
     def build(cls, config: RunConfig, algorithm: Algorithm, context: SourceContext) -> "BaselineRewards":

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from rlbench.config.schema import ReferenceSoupConfig
+from rlbench.config.schema import ReferenceSoupConfig, RunConfig
 from rlbench.errors import ConfigError
 
 
@@ -84,20 +84,20 @@ class ReferenceSoup:
             param.copy_(state["weights"][name])
 
 
-def validate_reference_soup(cfg: Any, kl_coef: float) -> None:
+def validate_reference_soup(config: RunConfig, kl_coef: float) -> None:
     """``algorithm.reference_soup`` before anything loads: the soup is the KL reference, so the KL must be
     on; LoRA's reference is the base weights with adapters off (no copy to average into) and sharded
     runs hold the reference in pieces: both are refused."""
-    options = cfg.algorithm.get("reference_soup")
+    options = config.algorithm.reference_soup
     if options is None:
         return
     if kl_coef <= 0:
         raise ConfigError("algorithm.reference_soup makes the KL reference a weight soup (SALSA), but the KL term "
                           "is off: set algorithm.kl.coef > 0, or algorithm.reference_soup=null")
-    if int(options.get("models", 2)) < 1 or int(options.get("every", 1)) < 1:
+    if options.models < 1 or options.every < 1:
         raise ConfigError("algorithm.reference_soup.models and .every must be >= 1")
-    if cfg.model.get("lora") is not None:
+    if config.model.lora is not None:
         raise ConfigError("algorithm.reference_soup needs a full copy of the weights as reference; under LoRA the "
                           "reference is the base model with adapters off: drop model/lora")
-    if cfg.trainer.get("parallelism", "single") != "single":
+    if config.trainer.parallelism != "single":
         raise ConfigError("algorithm.reference_soup is not supported under trainer.parallelism=ddp|fsdp yet")

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rlbench.config.schema import RunConfig
 from rlbench.errors import ConfigError
 
 STAGE_KEYS = ("rollout.n", "rollout.max_new_tokens", "rollout.temperature", "trainer.prompts_per_step")
@@ -22,7 +23,7 @@ class Stage:
     changes: dict[str, Any]
 
 
-def parse_stages(stages_cfg: Any, steps: int) -> list[Stage]:
+def parse_stages(stages_cfg: list | None, steps: int) -> list[Stage]:
     """``trainer.stages`` as Stages, refused unless each has ``at`` (2 <= at <= trainer.steps) and
     only keys of STAGE_KEYS, and the steps strictly increase (no two stages at one step)."""
     stages = []
@@ -58,10 +59,10 @@ def _flatten(entry: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def stage_settings(cfg: Any, stages: list[Stage]) -> list[dict[str, Any]]:
+def stage_settings(config: RunConfig, stages: list[Stage]) -> list[dict[str, Any]]:
     """The value of every stage key in force at each stage (the run's config, then each stage's
     changes on top of the previous ones): what validation checks (batch arithmetic) for every stage."""
-    current = {key: _select(cfg, key) for key in STAGE_KEYS}
+    current = {key: _select(config, key) for key in STAGE_KEYS}
     out = []
     for stage in stages:
         current = {**current, **stage.changes}
@@ -69,8 +70,9 @@ def stage_settings(cfg: Any, stages: list[Stage]) -> list[dict[str, Any]]:
     return out
 
 
-def _select(cfg: Any, dotted: str) -> Any:
-    node = cfg
+def _select(config: RunConfig, dotted: str) -> Any:
+    """The value at ``dotted`` (``rollout.n``): the attribute path through the typed config."""
+    value: Any = config
     for part in dotted.split("."):
-        node = node[part]
-    return node
+        value = getattr(value, part)
+    return value

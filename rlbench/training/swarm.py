@@ -49,9 +49,10 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 import torch
+from omegaconf import DictConfig, open_dict
 
+from rlbench.algorithm import Algorithm
 from rlbench.config.schema import RunConfig, TrainerConfig
-from rlbench.config.typed import typed_node
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.training.checkpoint import CheckpointError, actor_folder, checkpoint_dirs, read_checkpoint
@@ -73,11 +74,11 @@ def external_groups(trainer: TrainerConfig) -> int:
     return trainer.swarm.external if trainer.swarm is not None else 0
 
 
-def check_swarm(cfg: Any, algorithm: Any, actors: int | None = None) -> None:
+def check_swarm(config: RunConfig, algorithm: Algorithm, actors: int | None = None) -> None:
     """Bad swarm settings, refused before anything loads: shared groups outside a swarm or with one
     actor, I + J not the step's prompts (at least one local prompt), more shared groups than the
     other actors publish, a rollout strategy other than iid, and pieces that need on-policy data."""
-    trainer = typed_node(cfg.trainer, TrainerConfig)
+    trainer = config.trainer
     strategy = trainer.parallelism
     J = external_groups(trainer)
     if strategy != "swarm":
@@ -91,7 +92,7 @@ def check_swarm(cfg: Any, algorithm: Any, actors: int | None = None) -> None:
                           "start several with torchrun --nproc_per_node N, or set trainer.swarm.external=0")
     stages = parse_stages(trainer.stages, trainer.steps)
     for stage, settings in [(None, {"trainer.prompts_per_step": trainer.prompts_per_step}),
-                            *zip(stages, stage_settings(cfg, stages))]:
+                            *zip(stages, stage_settings(config, stages))]:
         where = "" if stage is None else f"from trainer.stages at step {stage.at}: "
         prompts = int(settings["trainer.prompts_per_step"])
         I = prompts - J
@@ -102,7 +103,7 @@ def check_swarm(cfg: Any, algorithm: Any, actors: int | None = None) -> None:
         if J > (N - 1) * I:
             raise ConfigError(f"{where}trainer.swarm.external={J}: the other {N - 1} actor(s) publish (N-1) * I = "
                               f"{(N - 1) * I} groups per step (I = trainer.prompts_per_step - J = {I}); use J <= {(N - 1) * I}")
-    rollout = cfg.rollout.strategy
+    rollout = config.rollout.strategy
     if rollout != "iid":
         raise ConfigError(f"trainer.parallelism=swarm shares the groups of rollout=iid only (got rollout={rollout})")
     if J and algorithm.on_policy_requirements:
@@ -111,11 +112,9 @@ def check_swarm(cfg: Any, algorithm: Any, actors: int | None = None) -> None:
                           + ". Use trainer.swarm.external=0")
 
 
-def actor_config(cfg: Any, actor: int) -> Any:
+def actor_config(cfg: DictConfig, actor: int) -> DictConfig:
     """The configuration of actor ``actor``: its own seed (rank_stream_seed; actor 0 keeps ``seed``)
     and run folder ``<output_dir>/actor<r>``; everything else is the swarm's."""
-    from omegaconf import open_dict
-
     own = cfg.copy()
     with open_dict(own):
         own.seed = rank_stream_seed(int(cfg.seed), actor)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from rlbench.algorithm import Algorithm
+from conftest import algorithm_from
 
 from conftest import compose_config
 from toy_check import TOY_DIR, all_presets, check_preset, judge, rollout_presets, seeds_from_env, toy_run
@@ -58,7 +58,7 @@ def test_toy_budget_selects_its_preset_and_states_the_lr_rule(tmp_path, preset):
     that takes several optimizer steps per batch divides the toy lr by their number (each batch then moves
     the policy about as far as one GRPO step does; see conf/experiment/toy_learning.yaml)."""
     cfg = compose_config([f"experiment=toy_learning/{preset}"], tmp_path / "compose")
-    algorithm = Algorithm.from_config(cfg.algorithm)
+    algorithm = algorithm_from(cfg.algorithm)
     if preset in rollout_presets():  # a rollout strategy's check: grpo with that strategy
         assert cfg.algorithm.name == "grpo" and cfg.rollout.strategy == preset
     else:

@@ -159,9 +159,10 @@ def toy_run(out: Path, preset: str, *overrides: str) -> Path:
 def control_overrides(preset: str, scratch: Path) -> list[str]:
     """No parameter change: lr -> 1e-12, or for a schedule without optimizer steps (TRPO) max_kl -> 1e-12."""
     from rlbench.algorithm import Algorithm
+    from rlbench.config.typed import algorithm_settings, typed_config
 
     cfg = compose([f"experiment=toy_learning/{preset}"], scratch)
-    if Algorithm.from_config(cfg.algorithm).uses_optimizer:
+    if Algorithm.from_config(algorithm_settings(typed_config(cfg).algorithm)).uses_optimizer:
         return ["trainer.lr=1e-12"]
     return ["algorithm.update.trpo.max_kl=1e-12", "algorithm.update.trpo.cg_iters=1",
             "algorithm.update.trpo.line_search_steps=1"]
