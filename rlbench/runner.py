@@ -82,7 +82,7 @@ def load_run_guidance(run: Run, tokenizer: Any, grader: Any) -> Any:
     options = GuidanceOptions.from_config(run.config.guidance)
     if options.source == "none":
         return None
-    return load_guidance(options, run.train_problems, tokenizer, grader, run.config.rollout.max_new_tokens, run.cfg.dataset,
+    return load_guidance(options, run.train_problems, tokenizer, grader, run.config.rollout.max_new_tokens, run.config.dataset,
                          run.config.seed)
 
 

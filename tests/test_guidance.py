@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from rlbench.config.schema import GuidanceConfig
+from rlbench.config.schema import DatasetConfig, GuidanceConfig
 from rlbench.config.typed import rollout_config
 from rlbench.algorithm.losses import ppo_clip_loss
 from rlbench.algorithm.losses.off_policy import policy_shaping_loss, shaping_gamma
@@ -67,7 +67,7 @@ def test_dataset_solutions_become_responses():
 
 def test_arith_derivations_are_graded_correct_and_carry_eos():
     problems = [arith("a/0", "2 + 3 * 4", "14"), arith("a/1", "7 + 8", "15")]
-    library = load_guidance(GuidanceOptions("dataset"), problems, CharTokenizer(), MathReward(extraction="last_number"), 64, {"loader": "arith"})
+    library = load_guidance(GuidanceOptions("dataset"), problems, CharTokenizer(), MathReward(extraction="last_number"), 64, DatasetConfig(loader="arith"))
     assert library.counts == {"kept": 2, "unknown_uid": 0, "empty": 0, "too_long": 0, "tokenizer_mismatch": 0, "incorrect": 0}
     trace = library.for_problem(problems[0])[0]
     assert trace.text == "2 + 3 * 4 = 2 + 12 = 14" and trace.token_ids[-1] == 0 and trace.finished

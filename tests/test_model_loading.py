@@ -55,6 +55,18 @@ def test_tiny_model_is_deterministic_in_seed(tiny):
     assert any(not torch.equal(sd[k], sd_other[k]) for k in sd)
 
 
+def test_the_tiny_sizes_in_tiny_yaml_are_the_loaders_defaults():
+    """conf/model/tiny.yaml writes each size out and TINY_DEFAULTS is what a key left out of model.tiny takes
+    (build_tiny_model(tokenizer, None) in tests): the two agree, key by key, and a tiny model without
+    gguf_package reads its tokenizer from the package tiny.yaml names."""
+    from rlbench.config.schema import ModelConfig
+
+    written = dict(_cfg("tiny").tiny)
+    assert written.pop("vocab_size") is None  # null: the tokenizer's whole vocabulary, not a LlamaConfig size
+    assert written == loading.TINY_DEFAULTS
+    assert loading.tokenizer_package(ModelConfig(source="tiny")) == _cfg("tiny").gguf_package
+
+
 def test_tiny_model_leaves_global_rng_alone(tiny):
     _, tokenizer = tiny
     state = torch.get_rng_state()

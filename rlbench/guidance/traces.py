@@ -22,6 +22,7 @@ training when any was found, ``on_bad=skip`` leaves them out and goes on.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import random
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from rlbench.config.schema import GuidanceConfig
+from rlbench.config.schema import DatasetConfig, GuidanceConfig
 from rlbench.dataset.arith import derivation
 from rlbench.dataset.base import Problem
 from rlbench.dataset.jsonl import iter_jsonl
@@ -59,21 +60,15 @@ class Trace:
     reward: float = 1.0
 
 
-@dataclass
-class GuidanceOptions:
-    """The ``guidance`` config node (conf/guidance/<source>.yaml)."""
-
-    source: str = "none"
-    path: str | None = None
-    keep_incorrect: bool = False
-    on_bad: str = "skip"
-    max_tokens: int | None = None
+class GuidanceOptions(GuidanceConfig):
+    """The ``guidance`` config node (conf/guidance/<source>.yaml): the schema's GuidanceConfig (its fields and
+    defaults are declared there only) with the checks that need the disk."""
 
     @classmethod
-    def from_config(cls, guidance: GuidanceConfig | None) -> "GuidanceOptions":
+    def from_config(cls, guidance: GuidanceConfig | None) -> GuidanceOptions:
         """The typed ``guidance`` node, checked (a run without the node: the schema's defaults, no guidance)."""
         guidance = guidance if guidance is not None else GuidanceConfig()
-        options = cls(guidance.source, guidance.path, guidance.keep_incorrect, guidance.on_bad, guidance.max_tokens)
+        options = cls(**{spec.name: getattr(guidance, spec.name) for spec in dataclasses.fields(GuidanceConfig)})
         options.validate()
         return options
 
@@ -130,10 +125,10 @@ def solution_trace_text(solution: str) -> str:
     return text.strip()
 
 
-def dataset_solution(problem: Problem, dataset_cfg: Any) -> str:
+def dataset_solution(problem: Problem, dataset: DatasetConfig | None) -> str:
     """The problem's worked solution: arith's derivation, else ``meta["solution"]`` (the dataset
     config's ``fields.solution``), else ""."""
-    if (dataset_cfg or {}).get("loader") == "arith":
+    if dataset is not None and dataset.loader == "arith":
         return derivation(problem.prompt)
     solution = problem.meta.get("solution")
     return solution_trace_text(solution) if isinstance(solution, str) else ""
@@ -208,7 +203,7 @@ def load_guidance(
     tokenizer: Any,
     grader: Any,
     max_tokens: int,
-    dataset_cfg: Any = None,
+    dataset: DatasetConfig | None = None,
     seed: int = 0,
 ) -> GuidanceLibrary:
     """The checked traces of ``options.source`` for the training ``problems`` (see the module
@@ -221,7 +216,7 @@ def load_guidance(
     label = SOURCE_LABELS[options.source]
     by_uid = {p.uid: p for p in problems}
     if options.source == "dataset":
-        candidates = [_Candidate(p.uid, p.uid, text=dataset_solution(p, dataset_cfg)) for p in problems]
+        candidates = [_Candidate(p.uid, p.uid, text=dataset_solution(p, dataset)) for p in problems]
     elif options.source == "even_tokens":
         candidates = []
         for p in problems:

@@ -30,7 +30,7 @@ from typing import Any, Mapping, Sequence
 import pandas as pd
 
 from rlbench.config.identity import run_identity
-from rlbench.config.schema import LoggerConfig
+from rlbench.config.schema import LoggerConfig, RolloutConfig
 from rlbench.logger.run_status import config_key, group_key
 from rlbench.utils import atomic_write_json, atomic_write_text
 
@@ -69,7 +69,8 @@ def eval_keys(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
 def wandb_tags(config: Mapping[str, Any]) -> list[str]:
     """The run identity's tags (rlbench/config/identity.py) and ``rollout:<strategy>``."""
     rollout = config.get("rollout") or {}
-    strategy = rollout.get("strategy", "iid") if isinstance(rollout, Mapping) else "iid"
+    default = RolloutConfig.strategy  # the schema's: a config without rollout.strategy samples iid
+    strategy = rollout.get("strategy", default) if isinstance(rollout, Mapping) else default
     return [*run_identity(config).tags(), f"rollout:{strategy}"]
 
 
