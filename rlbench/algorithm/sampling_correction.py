@@ -16,9 +16,12 @@ Two more modes (``mode``), for the same ratio rho_t = pi_old / pi_sampler:
     mask    (masked importance sampling)  w_t = rho_t if low <= rho_t <= C else 0
     reject  (per-token rejection)         w_t = 1     if low <= rho_t <= C else 0
 
-``low`` defaults to 1 / C. ``reject`` drops tokens whose sampler and trainer disagree too much and
-leaves the others' loss as it is, so it composes with any loss (verl's ``rollout_is`` mask mode and its
-token-level rejection sampling are the same two rules). On off-policy tokens (guidance traces, hinted
+``low`` defaults to 1 / C. ``reject`` gives weight 0 to tokens whose sampler and trainer disagree too
+much and leaves the others' loss as it is, so it composes with any loss. verl's ``rollout_is`` mask
+mode and its token-level rejection sampling (``rollout_rs``, verl/trainer/ppo/rollout_corr_helper.py)
+keep and reject the same tokens, but verl removes the rejected tokens from the response mask, so they
+leave the aggregation's token count too; here they stay in the count with weight 0, so under
+``token_mean`` the gradient is verl's x N_kept / N_tok. On off-policy tokens (guidance traces, hinted
 responses) pi_old is the stored behaviour log-prob, which is also what the sampler's log-probs hold,
 so rho = 1 there: the correction never counts a trace twice.
 

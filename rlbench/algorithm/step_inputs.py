@@ -225,5 +225,5 @@ _declare("norm_length", "int", "the constant L of Dr. GRPO's normaliser: rollout
 # ------------------------------------------------------------------------ declared by pieces, not provided
 _declare("control_mask", "[B,T]", "1 on control tokens (degrpo; default: each response's first token)", "default",
          {"loss"})
-_declare("generator", "torch.Generator", "random stream of clip_cov's token selection (default: deterministic)",
+_declare("generator", "torch.Generator", "random stream of clip_cov's token selection; never provided, so runs take the top-covariance pick",
          "default", {"loss"})

@@ -74,9 +74,12 @@ def clip_cov_loss(
             candidates; none if clip_cov_ratio = 0), see covariance_selection_count
         l_t = sg(ppo_clip_t) for t in S,   ppo_clip_t otherwise
     The selected tokens keep their loss value but get zero gradient (the paper "detaches" them).
-    Selection: uniformly at random from ``generator`` when the trainer passes one (reproducible
-    from the run seed); with generator=None it is deterministic: the S candidates with the
-    largest covariance (ties by position). Means and N_valid are over this micro-batch.
+    Selection: with generator=None it is deterministic: the S candidates with the largest
+    covariance (ties by position). The trainer never provides the ``generator`` step input (it is
+    declared with producer "default", step_inputs.py), so every run takes this top-covariance pick,
+    not the paper's uniformly random one; the random pick (uniform without replacement from
+    ``generator``) is reached only by calling this function with a generator. Means and N_valid
+    are over this micro-batch.
     Metrics: as ppo_clip, cov_detached_fraction.
     """
     lr = log_ratio(logp, old_logp)
