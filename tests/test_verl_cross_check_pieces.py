@@ -222,6 +222,54 @@ def test_sampling_correction_config():
         algorithm_from(_cfg(sampling_correction={"cap": 0.0}))
 
 
+
+# rho = pi_old / pi_sampler per token: 1, 3 (above cap 2), 1, 1/4 (below low 1/2): tokens 1 and 3 rejected
+REJECT_LOGP = torch.tensor([[-1.0, -2.0, -0.5, -1.5]], dtype=F64)
+REJECT_SAMPLER = REJECT_LOGP - torch.log(torch.tensor([[1.0, 3.0, 1.0, 0.25]], dtype=F64))
+REJECT_ADV = torch.tensor([[1.0, -1.0, 2.0, 0.5]], dtype=F64)
+
+
+def _token_mean_loss(algorithm, mask, sampling_logp):
+    """Loss and d/dlogp at ratio 1 under token_mean with N_tok = the mask's tokens."""
+    logp = REJECT_LOGP.clone().requires_grad_(True)
+    tokens = int(mask.sum().item())
+    loss, metrics = algorithm.compute_loss(
+        logp=logp, old_logp=logp.detach(), advantages=REJECT_ADV, response_mask=mask,
+        norms={"batch_tokens": tokens, "batch_sequences": 1, "norm_length": 4}, sampling_logp=sampling_logp,
+    )
+    loss.backward()
+    return loss.item(), logp.grad, metrics
+
+
+@pytest.mark.parametrize("mode", ["reject", "mask"])
+def test_dropped_rejected_tokens_leave_the_token_count(mode):
+    block = {"cap": 2.0, "mode": mode}
+    zero_weight = algorithm_from(_cfg(sampling_correction=block))
+    drop = algorithm_from(_cfg(sampling_correction={**block, "rejected_tokens": "drop"}))
+    assert zero_weight.sampling_correction.rejected_tokens == "zero_weight"  # the default: today's behaviour
+    full = torch.ones(1, 4, dtype=F64)
+    kept, dropped = drop.sampling_correction.drop_rejected(full, REJECT_LOGP, REJECT_SAMPLER)
+    assert kept.tolist() == [[1.0, 0.0, 1.0, 0.0]] and dropped == {"sampling_dropped_fraction": 0.5}
+    # zero_weight: l_t = -A_t on kept tokens, 0 on rejected, / N_tok = 4;  drop: the same sum / N_kept = 2
+    loss_zero, grad_zero, _ = _token_mean_loss(zero_weight, full, REJECT_SAMPLER)
+    loss_drop, grad_drop, _ = _token_mean_loss(drop, kept, REJECT_SAMPLER)
+    assert loss_zero == pytest.approx(-(1.0 + 2.0) / 4) and loss_drop == pytest.approx(-(1.0 + 2.0) / 2)
+    assert grad_zero[0].tolist() == pytest.approx([-1.0 / 4, 0.0, -2.0 / 4, 0.0])
+    assert torch.allclose(grad_drop, grad_zero * 4 / 2)  # x N_tok / N_kept
+    # ... and drop is the plain loss on the kept tokens only
+    loss_kept, grad_kept, _ = _token_mean_loss(algorithm_from(_cfg()), kept, None)
+    assert loss_drop == pytest.approx(loss_kept) and torch.allclose(grad_drop, grad_kept)
+
+
+def test_dropping_rejected_tokens_stores_old_logprobs_and_is_refused_where_nothing_is_rejected():
+    drop = algorithm_from(_cfg(sampling_correction={"mode": "reject", "rejected_tokens": "drop"}))
+    assert drop.drops_rejected_tokens and drop.needs_old_logp and drop.needs_sampling_pass
+    assert not algorithm_from(_cfg(sampling_correction={"mode": "reject"})).drops_rejected_tokens
+    with pytest.raises(ConfigError, match="rejected_tokens=drop needs mode mask or reject"):
+        algorithm_from(_cfg(sampling_correction={"rejected_tokens": "drop"}))
+    with pytest.raises(ConfigError, match=r"rejected_tokens='dorp' is unknown"):
+        algorithm_from(_cfg(sampling_correction={"mode": "reject", "rejected_tokens": "dorp"}))
+
 # --------------------------------------------------------------------------------------------
 # algorithm.kl.clamp and the new estimators through the composition
 # --------------------------------------------------------------------------------------------

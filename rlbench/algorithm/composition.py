@@ -383,8 +383,14 @@ class Algorithm:
     @property
     def needs_old_logp(self) -> bool:
         """Stored old log-probs are needed only when a batch is reused for several updates (epochs,
-        minibatches, or a schedule other than standard)."""
-        return self.epochs > 1 or self.minibatches > 1 or self.schedule != "standard"
+        minibatches, or a schedule other than standard), or when the sampling correction drops
+        rejected tokens (decided on these log-probs before the update)."""
+        return self.epochs > 1 or self.minibatches > 1 or self.schedule != "standard" or self.drops_rejected_tokens
+
+    @property
+    def drops_rejected_tokens(self) -> bool:
+        """algorithm.sampling_correction.rejected_tokens=drop: the trainer removes them from the mask."""
+        return self.sampling_correction is not None and self.sampling_correction.drops_rejected
 
     @property
     def needs_vocabulary_log_probs(self) -> bool:

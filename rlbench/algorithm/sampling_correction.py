@@ -20,8 +20,13 @@ Two more modes (``mode``), for the same ratio rho_t = pi_old / pi_sampler:
 much and leaves the others' loss as it is, so it composes with any loss. verl's ``rollout_is`` mask
 mode and its token-level rejection sampling (``rollout_rs``, verl/trainer/ppo/rollout_corr_helper.py)
 keep and reject the same tokens, but verl removes the rejected tokens from the response mask, so they
-leave the aggregation's token count too; here they stay in the count with weight 0, so under
-``token_mean`` the gradient is verl's x N_kept / N_tok. On off-policy tokens (guidance traces, hinted
+leave the aggregation's token count too; by default (``rejected_tokens: zero_weight``) they stay in
+the count with weight 0, so under ``token_mean`` the gradient is verl's x N_kept / N_tok.
+``rejected_tokens: drop`` (mask and reject only) does what verl does: before the advantage, the tokens
+outside [low, C] leave the batch's response mask (:meth:`SamplingCorrection.drop_rejected`), so every
+aggregation counts only the kept ones (N_tok becomes N_kept), and the advantage, KL and entropy terms
+see the reduced mask as verl's do. The rejection is decided once per step on the old log-probs (the
+trainer stores them), the same set every epoch and micro-batch sees. On off-policy tokens (guidance traces, hinted
 responses) pi_old is the stored behaviour log-prob, which is also what the sampler's log-probs hold,
 so rho = 1 there: the correction never counts a trace twice.
 
@@ -70,16 +75,20 @@ def bounded_importance_weights(
 
 
 MODES = ("truncate", "mask", "reject")
+#: What a token outside [low, cap] becomes under mask / reject: weight 0 in the count, or out of the mask.
+REJECTED_TOKENS = ("zero_weight", "drop")
 
 
 @dataclass(frozen=True)
 class SamplingCorrection:
-    """``algorithm.sampling_correction``: {cap, mode, low}: :func:`truncated_importance_weights`
-    (mode truncate) or :func:`bounded_importance_weights` (mask, reject)."""
+    """``algorithm.sampling_correction``: {cap, mode, low, rejected_tokens}: :func:`truncated_importance_weights`
+    (mode truncate) or :func:`bounded_importance_weights` (mask, reject); ``rejected_tokens`` says
+    whether a rejected token keeps its place in the token count (zero_weight) or leaves it (drop)."""
 
     cap: float = DEFAULT_TIS_CAP
     mode: str = "truncate"
     low: float | None = None
+    rejected_tokens: str = "zero_weight"
 
     @classmethod
     def from_config(cls, node: Any) -> "SamplingCorrection | None":
@@ -92,6 +101,27 @@ class SamplingCorrection:
             raise ConfigError(f"algorithm.sampling_correction.mode={self.mode!r} is unknown; choose one of {list(MODES)}")
         if self.low is not None and not 0 <= self.low <= self.cap:
             raise ConfigError(f"algorithm.sampling_correction.low must lie in [0, cap], got {self.low}")
+        if self.rejected_tokens not in REJECTED_TOKENS:
+            raise ConfigError(f"algorithm.sampling_correction.rejected_tokens={self.rejected_tokens!r} is unknown; "
+                              f"choose one of {list(REJECTED_TOKENS)}")
+        if self.drops_rejected and self.mode == "truncate":
+            raise ConfigError("algorithm.sampling_correction.rejected_tokens=drop needs mode mask or reject "
+                              "(truncate rejects no token)")
+
+    @property
+    def drops_rejected(self) -> bool:
+        """Rejected tokens leave the response mask (verl's rejection sampling) instead of weighing 0."""
+        return self.rejected_tokens == "drop"
+
+    def drop_rejected(
+        self, response_mask: torch.Tensor, old_logp: torch.Tensor, sampling_logp: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The response mask without the tokens whose ratio lies outside [low, cap], and the share of
+        the trained tokens dropped (``sampling_dropped_fraction``)."""
+        inside = bounded_importance_weights(old_logp, sampling_logp, self.lower_bound, self.cap, keep_ratio=False)
+        kept = response_mask * inside.to(response_mask.dtype)
+        dropped = 1.0 - float(kept.sum().item()) / max(float(response_mask.sum().item()), 1.0)
+        return kept, {"sampling_dropped_fraction": dropped}
 
     @property
     def lower_bound(self) -> float:

@@ -110,6 +110,10 @@ class SamplingCorrectionConfig:
         "truncate", "truncate (TIS) | mask: weight rho inside [low, cap], 0 outside | reject: weight 1 inside, 0 outside"
     )
     low: Optional[float] = knob(None, "mask / reject: the lower bound of the kept ratios; null: 1 / cap", ge=0)
+    rejected_tokens: Literal["zero_weight", "drop"] = knob(
+        "zero_weight", "mask / reject: zero_weight: a rejected token weighs 0 and stays in the token count | "
+        "drop: it leaves the response mask before the advantage, so aggregations count only the kept tokens (verl)"
+    )
 
 
 @dataclass
@@ -212,7 +216,7 @@ class AlgorithmConfig:
     entropy_adaptive: Optional[AdaptiveEntropyConfig] = node(AdaptiveEntropyConfig, "null: fixed entropy_coef; {target, ...}: adaptive")
     token_mask: TokenMaskConfig = node(TokenMaskConfig, "which tokens get a policy gradient")
     sampling_correction: Optional[SamplingCorrectionConfig] = node(
-        SamplingCorrectionConfig, "null: none; {cap, mode, low}: truncated / masked importance sampling or per-token rejection between sampler and trainer"
+        SamplingCorrectionConfig, "null: none; {cap, mode, low, rejected_tokens}: truncated / masked importance sampling or per-token rejection between sampler and trainer"
     )
     downsampling: Optional[DownSamplingConfig] = node(
         DownSamplingConfig, "null: off; {samples, tokens, schedule, horizon, scope}: D3S's annealed sample and token down-sampling"

@@ -152,7 +152,9 @@ class _Walk:
         if typing.get_origin(annotation) is Literal:
             choices = typing.get_args(annotation)
             if value not in choices:
-                self.fail(path, f"{path}={value!r} is unknown; choose one of: {', '.join(map(str, choices))}")
+                suggestion = nearest(str(value), map(str, choices))
+                hint = f"did you mean '{suggestion}'? " if suggestion else ""
+                self.fail(path, f"{path}={value!r} is unknown; {hint}choose one of: {', '.join(map(str, choices))}")
             return
         if not is_instance(value, annotation):
             self.fail(path, f"{path} must be {describe(annotation)}, got {value!r}")

@@ -357,7 +357,9 @@ def advantage_inputs(ctx: StepContext, graded: GradedGroups, batch: TrainBatch) 
     A no-grad pass of the sampling policy runs only when the estimator reads log-probs or entropies,
     the batch is reused for several updates, or the KL / token mask / KL controller needs them; it
     stores old log-probs and values on the batch. Reference log-probs only when the KL term is
-    active. Then the inputs that need more than the batch (:class:`AdvantageInputSources`)."""
+    active. With algorithm.sampling_correction.rejected_tokens=drop the rejected tokens then leave the
+    response mask (sampling_correction.py). Then the inputs that need more than the batch
+    (:class:`AdvantageInputSources`)."""
     algorithm = ctx.algorithm
     inputs: dict[str, Any] = {"correct": graded.correct.to(ctx.device).bool(), "max_length": ctx.params.max_new_tokens}
     if algorithm.needs_sampling_pass or batch.has_off_policy:
@@ -372,7 +374,13 @@ def advantage_inputs(ctx: StepContext, graded: GradedGroups, batch: TrainBatch) 
         if algorithm.needs_old_logp or batch.has_off_policy:
             batch.old_logp = old_logp
         batch.old_values = before.values
+    dropped: dict[str, float] = {}
+    if algorithm.drops_rejected_tokens and batch.sampling_logp is not None:  # verl's rejection sampling
+        batch.response_mask, dropped = algorithm.sampling_correction.drop_rejected(
+            batch.response_mask, batch.old_logp, batch.sampling_logp
+        )
     provided, metrics = ctx.inputs.before_advantage(graded, batch)
+    metrics = {**metrics, **dropped}
     inputs.update(provided)
     if ctx.reference is not None:
         batch.ref_logp = batch_outputs(ctx.reference, batch, ctx.micro_batch_size, ctx.temperature).logp
