@@ -125,6 +125,7 @@ def test_abs_estimator_closed_form():
     [
         ("k1+", lambda d: d),
         ("k3+", lambda d: math.exp(-d) + d - 1),
+        ("abs+", abs),
     ],
 )
 def test_straight_through_estimators_have_the_value_of_kx_and_the_gradient_of_k2(estimator, value):
@@ -284,7 +285,7 @@ def test_kl_clamp_reaches_the_estimator_and_default_is_unclamped():
     assert plus.kl_matrix(logp, ref).item() == pytest.approx(10.0)
 
 
-@pytest.mark.parametrize("estimator", ["k1", "k2", "abs", "k1+"])
+@pytest.mark.parametrize("estimator", ["k1", "k2", "abs", "k1+", "abs+"])
 def test_kl_clamp_is_refused_for_estimators_without_one(estimator):
     with pytest.raises(ConfigError, match="no parameter"):
         algorithm_from(_cfg(kl={"coef": 0.1, "estimator": estimator, "clamp": 10.0}))
@@ -295,7 +296,7 @@ def test_kl_clamp_must_be_positive():
         algorithm_from(_cfg(kl={"coef": 0.1, "estimator": "k3", "clamp": -1.0}))
 
 
-@pytest.mark.parametrize("estimator", ["abs", "k1+", "k3+"])
+@pytest.mark.parametrize("estimator", ["abs", "k1+", "k3+", "abs+"])
 def test_new_estimators_are_selectable(estimator):
     algorithm = algorithm_from(_cfg(kl={"coef": 0.1, "estimator": estimator}))
     assert algorithm.kl_matrix(torch.zeros(1, 1), torch.zeros(1, 1)).item() == 0.0

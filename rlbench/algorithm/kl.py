@@ -7,7 +7,8 @@ delta_t = logp_t - ref_logp_t and samples o_t ~ pi_theta, each k estimates KL(pi
     k2  = delta^2 / 2                  (biased, low variance; its gradient is the true KL gradient
                                         for small delta)
     k3  = exp(-delta) + delta - 1      (unbiased, low variance, always >= 0; GRPO's choice)
-    k1+, k3+                           value of k1 / k3, gradient of k2 (straight-through)
+    k1+, k3+, abs+                     value of k1 / k3 / abs, gradient of k2 (straight-through; verl's
+                                        ``kl_penalty`` with a "+" suffix, verl/trainer/ppo/core_algos.py)
 
 Every estimator takes (logp, ref_logp); k3 and k3+ also take ``clamp`` (``algorithm.kl.clamp``).
 """
@@ -86,6 +87,14 @@ def kl_k3_straight_through(logp: torch.Tensor, ref_logp: torch.Tensor, clamp: fl
     """k3+ = k2 + sg(k3 - k2): the value of k3 (with the optional ``clamp`` of :func:`kl_k3`), the
     gradient of k2 (verl's ``k3+`` / ``low_var_kl+``); why k2's gradient: see kl_k1_straight_through."""
     return straight_through(kl_k3(logp, ref_logp, clamp), kl_k2(logp, ref_logp))
+
+
+@KL_ESTIMATORS.register("abs+")
+def kl_abs_straight_through(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """abs+ = k2 + sg(abs - k2): the value of |logp - ref_logp|, the gradient of k2 (verl's ``abs+``:
+    its ``kl_penalty`` gives any estimator but k2 the k2 gradient when the name ends in "+");
+    why k2's gradient: see kl_k1_straight_through."""
+    return straight_through(kl_abs(logp, ref_logp), kl_k2(logp, ref_logp))
 
 
 # --------------------------------------------------------------------------------------------
