@@ -1,6 +1,7 @@
 """Pieces added or fixed after a cross-check against verl's core_algos: Clip-Cov/KL-Cov token
 counts, the k3 clamp, the abs and straight-through KL estimators, token_sum aggregation and the
-truncated importance-sampling correction between sampler and trainer. Closed forms throughout."""
+truncated importance-sampling correction between sampler and trainer (and its rejected_tokens=drop).
+Closed forms throughout, and one command-line run (slow)."""
 
 import math
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from rlbench.algorithm import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
-from conftest import algorithm_from
+from conftest import algorithm_from, smoke_cli_steps
 from rlbench.algorithm.aggregation import token_sum
 from rlbench.algorithm.kl import kl_abs, kl_k1, kl_k1_straight_through, kl_k3, kl_k3_straight_through
 from rlbench.algorithm.losses import covariance_selection_count
@@ -333,3 +334,18 @@ def test_a_loss_that_reads_sampling_logp_receives_it(monkeypatch):
     sampler = torch.tensor([[-3.0, -3.0, -3.0]], dtype=F64)
     _loss(algorithm, sampler)
     assert seen["sampling_logp"] is sampler
+
+
+@pytest.mark.slow
+def test_the_trainer_drops_the_tokens_zero_weight_rejects(tmp_path):
+    # top_p < 1: the sampler's log-probs are those of the truncated distribution, so rho = the kept mass < 1;
+    # low = 0.93 rejects the tokens where it is below 0.93. Same seed, same first-step rollouts.
+    def run(rejected_tokens):
+        block = f"{{cap: 2.0, low: 0.93, mode: reject, rejected_tokens: {rejected_tokens}}}"
+        return smoke_cli_steps(tmp_path / rejected_tokens, f"algorithm.sampling_correction={block}", "rollout.top_p=0.9",
+                               "trainer.steps=1", "eval.before_training=false")[0]
+
+    zero_weight, drop = run("zero_weight"), run("drop")
+    assert "sampling_dropped_fraction" not in zero_weight
+    assert drop["sampling_dropped_fraction"] == pytest.approx(zero_weight["sampling_rejected_fraction"])
+    assert drop["sampling_dropped_fraction"] > 0
