@@ -64,7 +64,7 @@ test-learning: $(STAMP)
 # The README's generated sections, re-measured at the current (committed) code and stamped with it:
 # the default job for seeds 0, 1, 2 and the comparison sweep (3 algorithms x 2 seeds, 4 steps), then
 # README.md, results/default_job.{json,md} and results/compare/example rewritten (bench/readme_figures.py).
-# About 30-35 min on an idle 2-core CPU machine (3 x ~6 min + 6 x ~2 min); longer when it is shared.
+# About 14 min on an idle 2-core CPU machine (3 x ~3 min + the sweep ~4 min; 804 s at ebc7ea9); longer when shared.
 # ARGS="--render" only rewrites the README from the committed result files (seconds).
 readme-figures: $(STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=2 $(PY) bench/readme_figures.py $(ARGS)

@@ -19,7 +19,7 @@ Every sentence of a generated section that states a number is written from the m
 section cannot drift from its data; ``tests/test_readme_figures.py`` checks that the README equals what
 :func:`render_readme` makes of the committed result files, so a hand edit or a stale table fails.
 
-    python bench/readme_figures.py                 # everything (~35 min on an idle 2-core CPU machine)
+    python bench/readme_figures.py                 # everything (~14 min on an idle 2-core CPU machine)
     python bench/readme_figures.py --only default_job
     python bench/readme_figures.py --collect --default-runs DIR --sweep DIR   # from finished runs, no new runs
     python bench/readme_figures.py --render        # rewrite the README from the committed result files
