@@ -75,7 +75,8 @@ SKIPS = (
 )
 
 # A command that reads benchmark files (every dataset and suite but the generated arith and the custom
-# or own-JSONL ones) skips when the data folder is missing, as the tests that read it do.
+# or own-JSONL ones, and every run of a paper preset) skips when the data folder is missing, as the tests
+# that read it do (Command.reads_data).
 NEEDS_DATA = r"\b(dataset|eval)=(?!arith\b|custom\b|jsonl\b)\w+"
 
 # Commands the documentation says are refused, in whole or in part: (exact command, text the output must
@@ -144,9 +145,17 @@ class Command:
         for pattern, reason in SKIPS:
             if re.search(pattern, self.text):
                 return reason
-        if not data and re.search(NEEDS_DATA, self.text):
+        if not data and self.reads_data():
             return "benchmark data not found (set RLBENCH_DATA_DIR)"
         return None
+
+    def reads_data(self) -> bool:
+        """Whether the command reads benchmark files: it names a dataset or suite that is not generated, or
+        runs a paper preset (each trains on its paper's data) or compares runs with one."""
+        if re.search(NEEDS_DATA, self.text):
+            return True
+        paper = re.search(r"\bpaper=|--paper\b", self.text)
+        return bool(paper) and (self.starts_run() or self.text in REFUSALS or self.text.startswith("rlbench-compare"))
 
     def starts_run(self) -> bool:
         words = shlex.split(self.text)
@@ -304,6 +313,9 @@ def test_the_mechanism():
     assert Command("x", 1, "make test").skip_reason(data=True)
     assert Command("x", 1, "rlbench eval=all").skip_reason(data=False)
     assert Command("x", 1, "rlbench eval=custom").skip_reason(data=False) is None
+    assert Command("x", 1, "rlbench paper=dapo experiment=smoke").skip_reason(data=False)
+    assert Command("x", 1, "rlbench paper=dapo --cfg job").skip_reason(data=False) is None
+    assert Command("x", 1, "rlbench-compare results/multirun/<time> --paper dapo").skip_reason(data=False)
     assert _strip_comment("rlbench 'a=[#x]' # note") == "rlbench 'a=[#x]'"
 
 
