@@ -108,6 +108,8 @@ def test_override_keys(override, key):
     (["algorithm.kl.placement=rewad"], "algorithm.kl.placement='rewad' is unknown; did you mean 'reward'? choose one of: loss, reward"),
     (["algorithm=dart", "+algorithm.sampling_correction.rejected_tokens=dorp"],
      "algorithm.sampling_correction.rejected_tokens='dorp' is unknown; did you mean 'drop'? choose one of: zero_weight, drop"),
+    (["algorithm=dart", "+algorithm.sampling_correction.level=sequense"],
+     "algorithm.sampling_correction.level='sequense' is unknown; did you mean 'sequence'? choose one of: token, sequence"),
     (["algorithm.update.schedule=natural"], "choose one of: standard, sfpo, trpo"),
     (["mode=evaluate"], "mode='evaluate' is unknown; did you mean 'eval'? choose one of: train, eval"),
     (["algorithm.kl.estimator=k4"], "algorithm.kl.estimator=k4: no KL estimator of that name"),
