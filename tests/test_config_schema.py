@@ -167,6 +167,16 @@ def test_validate_config_runs_the_schema_walk_first(make_cfg):
         validate_config(make_cfg("experiment=smoke", "++trainer.lrr=1"))
 
 
+def test_sampling_correction_level_and_normalize_pass_the_config_check_and_refuse_mask(make_cfg):
+    """From the command line: truncate at level sequence with normalisation is accepted; level
+    sequence with mode mask is refused before anything loads (verl has it only for truncated IS)."""
+    validate_config(make_cfg("experiment=smoke", "+algorithm.sampling_correction={cap: 2.0, level: sequence, normalize: true}"))
+    with pytest.raises(ConfigError, match="level=sequence needs mode truncate"):
+        validate_config(make_cfg("experiment=smoke", "+algorithm.sampling_correction={mode: mask, level: sequence}"))
+    assert "normalize must be true or false" in refused(
+        make_cfg("experiment=smoke", "+algorithm.sampling_correction={normalize: maybe}"))
+
+
 def test_every_schema_field_has_a_help_string():
     def fields(schema):
         for spec in dataclasses.fields(schema):
