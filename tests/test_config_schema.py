@@ -108,6 +108,8 @@ def test_override_keys(override, key):
     (["algorithm.kl.placement=rewad"], "algorithm.kl.placement='rewad' is unknown; did you mean 'reward'? choose one of: loss, reward"),
     (["algorithm=dart", "+algorithm.sampling_correction.rejected_tokens=dorp"],
      "algorithm.sampling_correction.rejected_tokens='dorp' is unknown; did you mean 'drop'? choose one of: zero_weight, drop"),
+    (["algorithm=dart", "+algorithm.sampling_correction.level=sequense"],
+     "algorithm.sampling_correction.level='sequense' is unknown; did you mean 'sequence'? choose one of: token, sequence"),
     (["algorithm.update.schedule=natural"], "choose one of: standard, sfpo, trpo"),
     (["mode=evaluate"], "mode='evaluate' is unknown; did you mean 'eval'? choose one of: train, eval"),
     (["algorithm.kl.estimator=k4"], "algorithm.kl.estimator=k4: no KL estimator of that name"),
@@ -163,6 +165,16 @@ def test_a_key_that_moved_says_where_to(make_cfg):
 def test_validate_config_runs_the_schema_walk_first(make_cfg):
     with pytest.raises(ConfigError, match="did you mean 'lr'"):
         validate_config(make_cfg("experiment=smoke", "++trainer.lrr=1"))
+
+
+def test_sampling_correction_level_and_normalize_pass_the_config_check_and_refuse_mask(make_cfg):
+    """From the command line: truncate at level sequence with normalisation is accepted; level
+    sequence with mode mask is refused before anything loads (verl has it only for truncated IS)."""
+    validate_config(make_cfg("experiment=smoke", "+algorithm.sampling_correction={cap: 2.0, level: sequence, normalize: true}"))
+    with pytest.raises(ConfigError, match="level=sequence needs mode truncate"):
+        validate_config(make_cfg("experiment=smoke", "+algorithm.sampling_correction={mode: mask, level: sequence}"))
+    assert "normalize must be true or false" in refused(
+        make_cfg("experiment=smoke", "+algorithm.sampling_correction={normalize: maybe}"))
 
 
 def test_every_schema_field_has_a_help_string():

@@ -1,6 +1,7 @@
 """Pieces added or fixed after a cross-check against verl's core_algos: Clip-Cov/KL-Cov token
 counts, the k3 clamp, the abs and straight-through KL estimators, token_sum aggregation and the
-truncated importance-sampling correction between sampler and trainer (and its rejected_tokens=drop).
+truncated importance-sampling correction between sampler and trainer (and its rejected_tokens=drop,
+sequence-level weights and batch normalisation).
 Closed forms throughout, and one command-line run (slow)."""
 
 import math
@@ -13,7 +14,9 @@ from conftest import algorithm_from, smoke_cli_steps
 from rlbench.algorithm.aggregation import token_sum
 from rlbench.algorithm.kl import kl_abs, kl_k1, kl_k1_straight_through, kl_k3, kl_k3_straight_through
 from rlbench.algorithm.losses import covariance_selection_count
-from rlbench.algorithm.sampling_correction import SamplingCorrection, truncated_importance_weights
+from rlbench.algorithm.sampling_correction import (
+    SamplingCorrection, batch_normalized_weights, sequence_importance_weights, truncated_importance_weights,
+)
 from rlbench.errors import ConfigError
 
 F64 = torch.float64
@@ -271,6 +274,85 @@ def test_dropping_rejected_tokens_stores_old_logprobs_and_is_refused_where_nothi
         algorithm_from(_cfg(sampling_correction={"rejected_tokens": "drop"}))
     with pytest.raises(ConfigError, match=r"rejected_tokens='dorp' is unknown"):
         algorithm_from(_cfg(sampling_correction={"mode": "reject", "rejected_tokens": "dorp"}))
+
+# two responses, the second padded after 2 tokens; token log-ratios log(rho_t), padding's made huge
+SEQ_RATIO_LOGS = torch.tensor([[0.1, 0.2, -0.4], [0.3, 0.2, 50.0]], dtype=F64)
+SEQ_MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=F64)
+SEQ_SAMPLER = torch.full((2, 3), -1.0, dtype=F64)
+SEQ_OLD = SEQ_SAMPLER + SEQ_RATIO_LOGS
+
+
+def test_sequence_level_weights_are_the_truncated_product_of_the_token_ratios():
+    old = SEQ_OLD.clone().requires_grad_(True)
+    weights = sequence_importance_weights(old, SEQ_SAMPLER, SEQ_MASK, cap=1.5)
+    # response 0: exp(0.1 + 0.2 - 0.4) = exp(-0.1); response 1: exp(0.5) = 1.6487 -> cap 1.5; padding 0
+    assert not weights.requires_grad
+    assert torch.allclose(weights, torch.tensor([[math.exp(-0.1)] * 3, [1.5, 1.5, 0.0]], dtype=F64))
+    setting = SamplingCorrection(1.5, level="sequence")
+    assert torch.equal(setting.weights(SEQ_OLD, SEQ_SAMPLER, SEQ_MASK), weights)
+    assert torch.allclose(setting.weights(SEQ_OLD[:1], SEQ_SAMPLER[:1]), weights[:1])  # no mask: every token valid
+    # level token (the default) is unchanged: min(rho_t, cap) per token
+    token = SamplingCorrection(1.5).weights(SEQ_OLD, SEQ_SAMPLER, SEQ_MASK)
+    assert torch.equal(token, truncated_importance_weights(SEQ_OLD, SEQ_SAMPLER, 1.5))
+    assert torch.equal(SamplingCorrection(1.5).normalized(token, SEQ_MASK), token)  # normalize off: as they are
+
+
+def test_batch_normalised_weights_average_one_over_the_valid_positions():
+    token_setting = SamplingCorrection(1.5, normalize=True)
+    raw = token_setting.weights(SEQ_OLD, SEQ_SAMPLER, SEQ_MASK)
+    token = token_setting.normalized(raw, SEQ_MASK)
+    # token level: divided by the mean over the 5 valid tokens; the capped padding token does not count
+    valid_mean = (math.exp(0.1) + math.exp(0.2) + math.exp(-0.4) + math.exp(0.3) + math.exp(0.2)) / 5
+    assert torch.allclose(token, raw / valid_mean)
+    assert ((token * SEQ_MASK).sum() / SEQ_MASK.sum()).item() == pytest.approx(1.0, abs=1e-12)
+    # sequence level: the mean of the 2 response weights, not of their 5 tokens; an empty response is ignored
+    mask = torch.cat([SEQ_MASK, torch.zeros(1, 3, dtype=F64)])
+    old = torch.cat([SEQ_OLD, SEQ_SAMPLER[:1] + 3.0])
+    sampler = torch.cat([SEQ_SAMPLER, SEQ_SAMPLER[:1]])
+    sequence_setting = SamplingCorrection(1.5, level="sequence", normalize=True)
+    sequence = sequence_setting.normalized(sequence_setting.weights(old, sampler, mask), mask)
+    response_mean = (math.exp(-0.1) + 1.5) / 2
+    expected = torch.tensor([[math.exp(-0.1) / response_mean] * 3, [1.5 / response_mean] * 2 + [0.0], [0.0] * 3], dtype=F64)
+    assert torch.allclose(sequence, expected)
+    assert sequence[:2, 0].mean().item() == pytest.approx(1.0, abs=1e-12)
+    # a zero mean leaves the weights as they are
+    zeros = torch.zeros(2, 3, dtype=F64)
+    assert torch.equal(batch_normalized_weights(zeros, SEQ_MASK, "token"), zeros)
+
+
+def test_normalised_sequence_weights_reach_the_policy_loss():
+    algorithm = algorithm_from(_cfg(sampling_correction={"cap": 1.5, "level": "sequence", "normalize": True}))
+    logp = SEQ_OLD.clone().requires_grad_(True)
+    advantages = torch.ones(2, 3, dtype=F64)
+    loss, metrics = algorithm.compute_loss(
+        logp=logp, old_logp=SEQ_OLD, advantages=advantages, response_mask=SEQ_MASK,
+        norms={"batch_tokens": 5, "batch_sequences": 2, "norm_length": 3}, sampling_logp=SEQ_SAMPLER,
+    )
+    loss.backward()
+    response_mean = (math.exp(-0.1) + 1.5) / 2
+    weights = [math.exp(-0.1) / response_mean, 1.5 / response_mean]
+    # at ratio 1: l_t = -A_t w_i, token mean over the 5 valid tokens
+    assert loss.item() == pytest.approx(-(3 * weights[0] + 2 * weights[1]) / 5)
+    expected_grad = torch.tensor([[-weights[0] / 5] * 3, [-weights[1] / 5] * 2 + [0.0]], dtype=F64)
+    assert torch.allclose(logp.grad, expected_grad)
+    # the metrics are the weights' before the division: 2 of 5 tokens at the cap
+    assert metrics["sampling_weight_capped_fraction"] == pytest.approx(2 / 5)
+    assert metrics["sampling_weight_mean"] == pytest.approx((3 * math.exp(-0.1) + 2 * 1.5) / 5)
+
+
+def test_level_and_normalize_config():
+    default = algorithm_from(_cfg(sampling_correction={})).sampling_correction
+    assert default.level == "token" and default.normalize is False  # today's behaviour
+    with pytest.raises(ConfigError, match=r"level='sequense' is unknown"):
+        algorithm_from(_cfg(sampling_correction={"level": "sequense"}))
+    with pytest.raises(ConfigError, match="normalize must be true or false"):
+        algorithm_from(_cfg(sampling_correction={"normalize": "yes"}))
+    for mode in ("mask", "reject"):
+        with pytest.raises(ConfigError, match="level=sequence needs mode truncate"):
+            algorithm_from(_cfg(sampling_correction={"mode": mode, "level": "sequence"}))
+        with pytest.raises(ConfigError, match="normalize=true needs mode truncate"):
+            algorithm_from(_cfg(sampling_correction={"mode": mode, "normalize": True}))
+
 
 # --------------------------------------------------------------------------------------------
 # algorithm.kl.clamp and the new estimators through the composition

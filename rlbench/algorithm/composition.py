@@ -498,11 +498,11 @@ class Algorithm:
             loss_matrix = loss_matrix * token_weights
         metrics = dict(metrics)
         if self.sampling_correction is not None:
-            sampler_weights = self.sampling_correction.weights(old_logp, sampling_logp)
+            sampler_weights = self.sampling_correction.weights(old_logp, sampling_logp, mask)
             if sampler_weights is not None:
-                loss_matrix = loss_matrix * sampler_weights
                 metrics["sampling_weight_mean"] = masked_mean(sampler_weights, mask).item()
                 metrics.update(self.sampling_correction.metrics(sampler_weights, mask))
+                loss_matrix = loss_matrix * self.sampling_correction.normalized(sampler_weights, mask)
         policy_loss = self.aggregate(loss_matrix, mask, norms)
         total = policy_loss
         metrics["policy_loss"] = policy_loss.item()

@@ -30,6 +30,22 @@ trainer stores them), the same set every epoch and micro-batch sees. On off-poli
 responses) pi_old is the stored behaviour log-prob, which is also what the sampler's log-probs hold,
 so rho = 1 there: the correction never counts a trace twice.
 
+Two options follow verl's ``rollout_is`` weights (``compute_rollout_correction_weights`` in
+verl/trainer/ppo/rollout_corr_helper.py), both for ``mode: truncate`` only, as verl has them only for
+its truncated weights:
+
+``level: sequence`` (default ``token``) gives each response one weight from the sum of its valid
+tokens' log-ratios, w_i = min(exp(sum_t (old_logp_t - sampling_logp_t)), C) (the log sum clamped to
++-20 first), broadcast to the response's tokens and 0 on padding: the product of the token ratios,
+truncated, not masked. verl has no geometric-mean weight level, so neither does this.
+
+``normalize: true`` (default false) divides the truncated weights by their mean so that they average 1
+(verl's ``rollout_is_batch_normalize``, applied after truncation, so a weight may exceed C): at token
+level the mean over the valid tokens, at sequence level the mean of the response weights over the
+responses with at least one valid token. A mean <= 1e-8 leaves the weights as they are. verl takes
+the mean over the whole step's batch; here it is taken over the batch the loss sees, which is the
+micro-batch when the optimizer batch is split. The metrics are those of the weights before the division.
+
 ``algorithm.sampling_correction: {cap: C}`` turns it on; absent (the default) it is off, and the
 presets leave it off. With it on, a batch without ``sampling_logp`` is left unchanged (no-op). The
 trainer passes ``sampling_logp`` = each Completion's ``logprobs`` (TrainBatch.sampling_logp). With
@@ -74,21 +90,54 @@ def bounded_importance_weights(
         return inside * ratio if keep_ratio else inside
 
 
+def sequence_importance_weights(
+    old_logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor, cap: float
+) -> torch.Tensor:
+    """w_i = min(exp(sum_t mask_t (old_logp_t - sampling_logp_t)), cap) per response, the log sum
+    clamped to +-20, broadcast over its tokens and 0 on padding; [B,T], no gradient (verl's
+    ``rollout_is: sequence``, verl/trainer/ppo/rollout_corr_helper.py)."""
+    with torch.no_grad():
+        log_ratio_sum = ((old_logp - sampling_logp) * mask).sum(dim=-1, keepdim=True)
+        weight = torch.exp(log_ratio_sum.clamp(-SAMPLING_LOG_RATIO_LIMIT, SAMPLING_LOG_RATIO_LIMIT)).clamp(max=cap)
+        return weight.expand_as(old_logp) * mask
+
+
+def batch_normalized_weights(weights: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """The weights divided by their mean: over the valid tokens (``level`` token) or over the
+    responses with a valid token, one weight each (sequence); unchanged when that mean is <= 1e-8
+    (verl's ``rollout_is_batch_normalize``, verl/trainer/ppo/rollout_corr_helper.py)."""
+    with torch.no_grad():
+        if level == "token":
+            mean = (weights * mask).sum() / mask.sum().clamp(min=1)
+        else:
+            valid = mask.sum(dim=-1)
+            response_weight = (weights * mask).sum(dim=-1) / valid.clamp(min=1)
+            has_tokens = (valid > 0).to(weights.dtype)
+            mean = (response_weight * has_tokens).sum() / has_tokens.sum().clamp(min=1)
+        return weights / mean if mean > 1e-8 else weights
+
+
 MODES = ("truncate", "mask", "reject")
+#: One weight per token, or one per response from the sum of its log-ratios (truncate only).
+LEVELS = ("token", "sequence")
 #: What a token outside [low, cap] becomes under mask / reject: weight 0 in the count, or out of the mask.
 REJECTED_TOKENS = ("zero_weight", "drop")
 
 
 @dataclass(frozen=True)
 class SamplingCorrection:
-    """``algorithm.sampling_correction``: {cap, mode, low, rejected_tokens}: :func:`truncated_importance_weights`
-    (mode truncate) or :func:`bounded_importance_weights` (mask, reject); ``rejected_tokens`` says
-    whether a rejected token keeps its place in the token count (zero_weight) or leaves it (drop)."""
+    """``algorithm.sampling_correction``: {cap, mode, low, rejected_tokens, level, normalize}:
+    :func:`truncated_importance_weights` (mode truncate; :func:`sequence_importance_weights` at
+    ``level`` sequence) or :func:`bounded_importance_weights` (mask, reject); ``rejected_tokens`` says
+    whether a rejected token keeps its place in the token count (zero_weight) or leaves it (drop);
+    ``normalize`` divides the truncated weights by their batch mean (:func:`batch_normalized_weights`)."""
 
     cap: float = DEFAULT_TIS_CAP
     mode: str = "truncate"
     low: float | None = None
     rejected_tokens: str = "zero_weight"
+    level: str = "token"
+    normalize: bool = False
 
     @classmethod
     def from_config(cls, node: Any) -> "SamplingCorrection | None":
@@ -107,6 +156,14 @@ class SamplingCorrection:
         if self.drops_rejected and self.mode == "truncate":
             raise ConfigError("algorithm.sampling_correction.rejected_tokens=drop needs mode mask or reject "
                               "(truncate rejects no token)")
+        if self.level not in LEVELS:
+            raise ConfigError(f"algorithm.sampling_correction.level={self.level!r} is unknown; choose one of {list(LEVELS)}")
+        if not isinstance(self.normalize, bool):
+            raise ConfigError(f"algorithm.sampling_correction.normalize must be true or false, got {self.normalize!r}")
+        for name, changed in (("level=sequence", self.level != "token"), ("normalize=true", self.normalize)):
+            if changed and self.mode != "truncate":
+                raise ConfigError(f"algorithm.sampling_correction.{name} needs mode truncate "
+                                  "(verl has sequence-level and batch-normalised weights only for its truncated IS)")
 
     @property
     def drops_rejected(self) -> bool:
@@ -128,13 +185,24 @@ class SamplingCorrection:
         """The lowest ratio kept by mask and reject: ``low``, else 1 / cap."""
         return self.low if self.low is not None else 1.0 / self.cap
 
-    def weights(self, old_logp: torch.Tensor, sampling_logp: torch.Tensor | None) -> torch.Tensor | None:
-        """The per-token weights for this batch, or None when there is nothing to correct."""
+    def weights(
+        self, old_logp: torch.Tensor, sampling_logp: torch.Tensor | None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """The per-token weights for this batch before :meth:`normalized`, or None when there is
+        nothing to correct; ``mask`` (default: every token valid) says which tokens a response's
+        sequence-level weight sums over."""
         if sampling_logp is None:
             return None
+        if self.level == "sequence":
+            valid = torch.ones_like(old_logp) if mask is None else mask.to(old_logp.dtype)
+            return sequence_importance_weights(old_logp, sampling_logp, valid, self.cap)
         if self.mode == "truncate":
             return truncated_importance_weights(old_logp, sampling_logp, self.cap)
         return bounded_importance_weights(old_logp, sampling_logp, self.lower_bound, self.cap, keep_ratio=self.mode == "mask")
+
+    def normalized(self, weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The weights divided by their batch mean with ``normalize``, else as they are."""
+        return batch_normalized_weights(weights, mask.to(weights.dtype), self.level) if self.normalize else weights
 
     def metrics(self, weights: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
         """The share of trained tokens at the cap (truncate) or rejected (mask, reject)."""

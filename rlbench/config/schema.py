@@ -114,6 +114,11 @@ class SamplingCorrectionConfig:
         "zero_weight", "mask / reject: zero_weight: a rejected token weighs 0 and stays in the token count | "
         "drop: it leaves the response mask before the advantage, so aggregations count only the kept tokens (verl)"
     )
+    level: Literal["token", "sequence"] = knob(
+        "token", "truncate: token: one weight per token | sequence: one per response, min(exp(sum of its log-ratios), cap) (verl)"
+    )
+    normalize: bool = knob(False, "truncate: divide the weights by their batch mean so they average 1, over the valid tokens "
+                           "(level token) or the responses (level sequence) (verl's rollout_is_batch_normalize)")
 
 
 @dataclass
@@ -216,7 +221,7 @@ class AlgorithmConfig:
     entropy_adaptive: Optional[AdaptiveEntropyConfig] = node(AdaptiveEntropyConfig, "null: fixed entropy_coef; {target, ...}: adaptive")
     token_mask: TokenMaskConfig = node(TokenMaskConfig, "which tokens get a policy gradient")
     sampling_correction: Optional[SamplingCorrectionConfig] = node(
-        SamplingCorrectionConfig, "null: none; {cap, mode, low, rejected_tokens}: truncated / masked importance sampling or per-token rejection between sampler and trainer"
+        SamplingCorrectionConfig, "null: none; {cap, mode, low, rejected_tokens, level, normalize}: truncated / masked importance sampling or per-token rejection between sampler and trainer"
     )
     downsampling: Optional[DownSamplingConfig] = node(
         DownSamplingConfig, "null: off; {samples, tokens, schedule, horizon, scope}: D3S's annealed sample and token down-sampling"
