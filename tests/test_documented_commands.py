@@ -38,6 +38,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import pytest
@@ -141,6 +142,10 @@ class Command:
     line: int
     text: str  # as written, without its comment
 
+    @cached_property
+    def words(self) -> list[str]:
+        return shlex.split(self.text)
+
     def skip_reason(self, data: bool) -> str | None:
         for pattern, reason in SKIPS:
             if re.search(pattern, self.text):
@@ -158,7 +163,7 @@ class Command:
         return bool(paper) and (self.starts_run() or self.text in REFUSALS or self.text.startswith("rlbench-compare"))
 
     def starts_run(self) -> bool:
-        words = shlex.split(self.text)
+        words = self.words
         program = next((w for w in words if "=" not in w or w.startswith("-")), "")
         if program not in ("rlbench", "torchrun"):
             return False
@@ -166,7 +171,7 @@ class Command:
                        for w in words)
 
     def single_run(self) -> bool:
-        words = shlex.split(self.text)
+        words = self.words
         return self.starts_run() and "-m" not in words and "--multirun" not in words and words[0] == "rlbench"
 
     def as_run(self, workdir: Path) -> str:
@@ -177,7 +182,7 @@ class Command:
                 text = text.replace(placeholder, value(workdir))
         if not self.starts_run() or self.text in REFUSED_AS_WRITTEN:
             return text
-        words = shlex.split(self.text)
+        words = self.words
         extra = [] if any(w.startswith("experiment=") for w in words) else list(SMOKE_SUFFIX)
         if not any(w.startswith(("logger=", "logger.")) for w in words):
             extra.append(FILES_LOGGER)
@@ -257,7 +262,7 @@ def _run(command: str, workdir: Path) -> subprocess.CompletedProcess:
                           timeout=900)
 
 
-def _problem(command: Command, run: str, result: subprocess.CompletedProcess, workdir: Path) -> str | None:
+def _problem(command: Command, result: subprocess.CompletedProcess, workdir: Path) -> str | None:
     """What is wrong with a finished command, or None."""
     output = result.stdout + result.stderr
     if command.text in REFUSALS:
@@ -340,7 +345,7 @@ def test_documented_commands_run(page, tmp_path):
         started = time.monotonic()
         result = _run(run, tmp_path)
         ran += 1
-        problem = _problem(command, run, result, tmp_path)
+        problem = _problem(command, result, tmp_path)
         print(f"{page}:{command.line} [{time.monotonic() - started:.0f} s] {run}" + (f"  FAILED: {problem}" if problem else ""))
         if problem:
             tail = "\n".join((result.stdout + result.stderr).splitlines()[-15:])
