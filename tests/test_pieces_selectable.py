@@ -30,6 +30,7 @@ COMPANIONS = {
     ("advantage", "gae"): ["algorithm=ppo"],  # needs the value head of the ppo preset
     ("advantage", "polychromic"): ["rollout.n=8"],  # needs rollout.n > set_size=4
     ("loss", "degrpo"): ["algorithm/aggregation=seq_mean_token_sum"],
+    **{("loss", name): ["algorithm/aggregation=group_mean"] for name in ("dpo", "ipo", "simpo")},  # pairwise losses
     ("advantage", "tree"): ["rollout=tree"],  # reads the tree of a tree rollout
     ("advantage", "treerpo"): ["rollout=treerpo"],
     ("advantage", "vine"): ["rollout=vine"],  # reads the Monte-Carlo step values of rollout=vine

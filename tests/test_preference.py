@@ -1,0 +1,161 @@
+"""The pairwise preference losses (rlbench/algorithm/losses/preference.py): the pairs a group gives, each loss
+against its closed form, the mean over groups, and the update that keeps a group in one micro-batch."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import algorithm_from, compose_config
+from rlbench.algorithm.aggregation import group_mean
+from rlbench.algorithm.losses.preference import dpo_loss, ipo_loss, preference_pairs, simpo_loss
+from rlbench.errors import ConfigError
+from rlbench.training.batch import group_minibatches, whole_group_chunks
+
+# two groups: group 0 rewards 1, 0, 0.5 (rows 0-2); group 1 all tied (rows 3-4): no pair
+REWARDS = torch.tensor([1.0, 0.0, 0.5, 1.0, 1.0])
+GROUPS = torch.tensor([0, 0, 0, 1, 1])
+
+
+def pairs(pairing, rewards=REWARDS, groups=GROUPS):
+    winners, losers, weights = preference_pairs(rewards, groups, pairing)
+    return sorted(zip(winners.tolist(), losers.tolist())), weights.tolist()
+
+
+def test_pairs_of_each_pairing_and_no_pair_from_ties():
+    assert pairs("best_worst") == ([(0, 1)], [1.0])
+    found, weights = pairs("all")
+    assert found == [(0, 1), (0, 2), (2, 1)] and weights == pytest.approx([1 / 3] * 3)
+    assert pairs("adjacent")[0] == [(0, 2), (2, 1)]
+    # levels 1 > 0.5 > 0 with a tie at the top: every response of a level against every one of the next
+    found, _ = pairs("adjacent", torch.tensor([1.0, 1.0, 0.5, 0.0]), torch.zeros(4, dtype=torch.long))
+    assert found == [(0, 2), (1, 2), (2, 3)]
+    # the first of tied best and tied worst responses is taken
+    assert pairs("best_worst", torch.tensor([0.0, 1.0, 1.0, 0.0]), torch.zeros(4, dtype=torch.long))[0] == [(1, 0)]
+    with pytest.raises(ValueError, match="pairing must be one of"):
+        preference_pairs(REWARDS, GROUPS, "random")
+
+
+def batch_terms(seed=0, rows=5, tokens=4):
+    gen = torch.Generator().manual_seed(seed)
+    logp = (-torch.rand(rows, tokens, generator=gen) * 2).requires_grad_()
+    ref = -torch.rand(rows, tokens, generator=gen) * 2
+    mask = torch.ones(rows, tokens)
+    mask[1, 2:] = 0  # a shorter loser
+    return logp, ref, mask
+
+
+def test_dpo_matches_its_closed_form_value_and_gradient():
+    logp, ref, mask = batch_terms()
+    beta = 0.1
+    matrix, metrics = dpo_loss(logp, ref, mask, REWARDS, GROUPS, beta=beta, pairing="all")
+    loss = group_mean(matrix, mask, batch_groups=2)
+    delta = ((logp - ref) * mask).sum(-1)
+    expected = sum(-F.logsigmoid(beta * (delta[w] - delta[lo])) for w, lo in [(0, 1), (0, 2), (2, 1)]) / 3 / 2
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert metrics["preference_accuracy"] == pytest.approx(float(sum(delta[w] > delta[lo] for w, lo in [(0, 1), (0, 2), (2, 1)])) / 3)
+    (grad,) = torch.autograd.grad(loss, logp)
+    # d/d logp_0t = -(1/2)(1/3) beta [sigma(-beta z_01) + sigma(-beta z_02)] on every token of response 0
+    z = lambda w, lo: beta * (delta[w] - delta[lo]).detach()  # noqa: E731
+    g0 = -(beta / 6) * (torch.sigmoid(-z(0, 1)) + torch.sigmoid(-z(0, 2)))
+    assert torch.allclose(grad[0], g0.expand(4), atol=1e-7)
+    g1 = (beta / 6) * (torch.sigmoid(-z(0, 1)) + torch.sigmoid(-z(2, 1)))  # the loser: pushed down, masked tokens 0
+    assert torch.allclose(grad[1], torch.stack([g1, g1, torch.tensor(0.0), torch.tensor(0.0)]), atol=1e-7)
+    assert torch.count_nonzero(grad[3:]) == 0  # the tied group gives no gradient
+
+
+def test_ipo_is_minimised_where_the_log_ratio_gap_is_one_over_two_tau():
+    tau = 0.25
+    logp, ref, mask = batch_terms(rows=2)
+    groups, rewards = torch.zeros(2, dtype=torch.long), torch.tensor([1.0, 0.0])
+    # set the winner's log-ratio sum exactly 1/(2 tau) = 2 above the loser's
+    with torch.no_grad():
+        gap = ((logp - ref) * mask).sum(-1)
+        logp[0, 0] += 2.0 - (gap[0] - gap[1])
+    matrix, metrics = ipo_loss(logp, ref, mask, rewards, groups, tau=tau)
+    loss = group_mean(matrix, mask, batch_groups=1)
+    assert loss.item() == pytest.approx(0.0, abs=1e-10)
+    assert metrics["preference_margin"] == pytest.approx(2.0, abs=1e-5)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert grad.abs().max().item() < 1e-5
+    matrix, _ = ipo_loss(logp.detach() + torch.tensor([[1.0, 0, 0, 0], [0, 0, 0, 0]]), ref, mask, rewards, groups, tau=tau)
+    assert group_mean(matrix, mask, batch_groups=1).item() == pytest.approx(1.0, rel=1e-5)  # (3 - 2)^2
+
+
+def test_simpo_is_reference_free_and_length_normalised():
+    logp, _, mask = batch_terms(rows=2)
+    groups, rewards = torch.zeros(2, dtype=torch.long), torch.tensor([0.0, 1.0])  # row 1 is preferred
+    beta, gamma = 2.0, 0.5
+    matrix, _ = simpo_loss(logp, mask, rewards, groups, beta=beta, gamma=gamma)
+    s = (logp * mask).sum(-1) / mask.sum(-1)
+    expected = -F.logsigmoid(beta * (s[1] - s[0]) - gamma)
+    assert group_mean(matrix, mask, batch_groups=1).item() == pytest.approx(expected.item(), rel=1e-6)
+    # repeating every response's tokens (same mean log-likelihood) leaves the loss unchanged
+    doubled, _ = simpo_loss(logp.repeat(1, 2), mask.repeat(1, 2), rewards, groups, beta=beta, gamma=gamma)
+    assert group_mean(doubled, mask.repeat(1, 2), batch_groups=1).item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_micro_batches_of_whole_groups_add_up_to_the_full_batch_loss():
+    gen = torch.Generator().manual_seed(3)
+    groups = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2])
+    rewards = torch.rand(9, generator=gen)
+    logp, ref = -torch.rand(9, 5, generator=gen), -torch.rand(9, 5, generator=gen)
+    mask = torch.ones(9, 5)
+    full = group_mean(dpo_loss(logp, ref, mask, rewards, groups, pairing="all")[0], mask, batch_groups=3)
+    chunks = whole_group_chunks(torch.arange(9), groups, 4)
+    assert [c.tolist() for c in chunks] == [[0, 1, 2], [3, 4], [5, 6, 7, 8]]  # 3 + 2 > 4: no group is cut
+    parts = sum(
+        group_mean(dpo_loss(logp[c], ref[c], mask[c], rewards[c], groups[c], pairing="all")[0], mask[c], batch_groups=3)
+        for c in chunks
+    )
+    assert parts.item() == pytest.approx(full.item(), rel=1e-6)
+
+
+def test_mini_batches_are_whole_groups_seeded_and_cover_the_batch():
+    groups = torch.tensor([0, 0, 1, 1, 1, 2, 2, 3])
+    splits = group_minibatches(groups, 2, torch.Generator().manual_seed(0))
+    again = group_minibatches(groups, 2, torch.Generator().manual_seed(0))
+    assert [s.tolist() for s in splits] == [s.tolist() for s in again]
+    assert sorted(torch.cat(splits).tolist()) == list(range(8))
+    for split in splits:
+        for g in torch.unique(groups[split]).tolist():
+            assert set((groups == g).nonzero().squeeze(-1).tolist()) <= set(split.tolist())
+    assert len(splits) == 2 and all(len(torch.unique(groups[s])) == 2 for s in splits)
+
+
+@pytest.mark.parametrize("preset,reference", [("dpo", True), ("ipo", True), ("simpo", False)])
+def test_presets_compose_and_load_a_reference_only_when_the_loss_reads_it(tmp_path, preset, reference):
+    cfg = compose_config([f"algorithm={preset}"], tmp_path)
+    algorithm = algorithm_from(cfg.algorithm)
+    assert algorithm.loss_reads_whole_groups and algorithm.needs_reference is reference
+
+
+@pytest.mark.parametrize("override,named", [
+    ({"kl": {"coef": 0.05}}, "algorithm.kl.coef > 0"),
+    ({"entropy_coef": 0.01}, "algorithm.entropy_coef > 0"),
+    ({"update": {"schedule": "sfpo"}}, "algorithm.update.schedule=sfpo"),
+])
+def test_terms_that_change_the_pairwise_objective_are_refused(tmp_path, override, named):
+    from omegaconf import OmegaConf
+
+    cfg = compose_config(["algorithm=dpo"], tmp_path)
+    values = OmegaConf.merge(cfg.algorithm, override)
+    with pytest.raises(ConfigError, match="pairwise preference loss") as raised:
+        algorithm_from(values)
+    assert named in str(raised.value)
+
+
+def test_the_aggregation_must_be_the_mean_over_groups(tmp_path):
+    cfg = compose_config(["algorithm=dpo", "algorithm/aggregation=token_mean"], tmp_path)
+    with pytest.raises(ConfigError, match="group_mean"):
+        algorithm_from(cfg.algorithm)
+
+
+def test_dpo_loss_at_the_reference_is_log_two():
+    logp, _, mask = batch_terms(rows=2)
+    matrix, metrics = dpo_loss(logp, logp.detach(), mask, torch.tensor([1.0, 0.0]), torch.zeros(2, dtype=torch.long))
+    assert group_mean(matrix, mask, batch_groups=1).item() == pytest.approx(math.log(2), rel=1e-6)
+    assert metrics["preference_accuracy"] == 0.0  # margin exactly 0: not yet ranked right
