@@ -159,3 +159,122 @@ def test_dpo_loss_at_the_reference_is_log_two():
     matrix, metrics = dpo_loss(logp, logp.detach(), mask, torch.tensor([1.0, 0.0]), torch.zeros(2, dtype=torch.long))
     assert group_mean(matrix, mask, batch_groups=1).item() == pytest.approx(math.log(2), rel=1e-6)
     assert metrics["preference_accuracy"] == 0.0  # margin exactly 0: not yet ranked right
+
+
+# ------------------------------------------------------------------ TRPA, INPO, PRO, REBEL, CoPG, P3O
+
+from rlbench.algorithm.losses.preference import inpo_loss, pro_loss, trpa_loss  # noqa: E402
+from rlbench.algorithm.losses.relative_rewards import copg_loss, p3o_loss, rebel_loss  # noqa: E402
+
+TWO = torch.zeros(2, dtype=torch.long)
+
+
+def total(matrix, mask, groups=1):
+    return group_mean(matrix, mask, batch_groups=groups)
+
+
+def test_trpa_equals_online_dpo_with_equal_betas_and_the_reference_as_pi_old():
+    logp, ref, mask = batch_terms()
+    for pairing in ("best_worst", "all", "adjacent"):
+        trpa, _ = trpa_loss(logp, ref, ref, mask, REWARDS, GROUPS, beta_win=0.3, beta_lose=0.3, pairing=pairing)
+        dpo, _ = dpo_loss(logp, ref, mask, REWARDS, GROUPS, beta=0.3, pairing=pairing)
+        assert total(trpa, mask, 2).item() == pytest.approx(total(dpo, mask, 2).item(), rel=1e-6)
+    # anisotropic weights: the loss moves the winner up and the loser down (gradient signs)
+    matrix, _ = trpa_loss(logp, logp.detach(), ref, mask, REWARDS, GROUPS, beta_win=0.5, beta_lose=0.1, pairing="best_worst")
+    (grad,) = torch.autograd.grad(total(matrix, mask, 2), logp)
+    assert (grad[0] < 0).all() and (grad[1, :2] > 0).all()  # descent raises log pi(y_w), lowers log pi(y_l)
+    # the KL term adds lambda (KL(y_w) + KL(y_l)) / 2 per pair
+    with_kl, _ = trpa_loss(logp, logp.detach(), ref, mask, REWARDS, GROUPS, kl_coef=2.0, pairing="best_worst")
+    without, _ = trpa_loss(logp, logp.detach(), ref, mask, REWARDS, GROUPS, pairing="best_worst")
+    k3 = lambda row: ((torch.exp(ref[row] - logp[row]) - (ref[row] - logp[row]) - 1) * mask[row]).sum()  # noqa: E731
+    added = total(with_kl, mask, 2) - total(without, mask, 2)
+    assert added.item() == pytest.approx((2.0 * (k3(0) + k3(1)) / 2 / 2).item(), rel=1e-5)
+
+
+def test_inpo_vanishes_at_the_mirror_descent_step_and_reduces_its_residual():
+    eta, tau = 1.0, 0.2
+    logp, ref, mask = batch_terms(rows=2)
+    old = -torch.rand(2, 4, generator=torch.Generator().manual_seed(5))
+    rewards = torch.tensor([1.0, 0.0])
+    # the OMD closed form: log pi(y_w)/pi(y_l) = eta tau log ref ratio + (1 - eta tau) log pi_t ratio + eta / 2
+    seq = lambda x: (x * mask).sum(-1)  # noqa: E731
+    target = eta * tau * (seq(ref)[0] - seq(ref)[1]) + (1 - eta * tau) * (seq(old)[0] - seq(old)[1]) + eta / 2
+    with torch.no_grad():
+        logp[0, 0] += target - (seq(logp)[0] - seq(logp)[1])
+    matrix, _ = inpo_loss(logp, old, ref, mask, rewards, TWO, eta=eta, tau=tau)
+    assert total(matrix, mask).item() == pytest.approx(0.0, abs=1e-9)
+    (grad,) = torch.autograd.grad(total(matrix, mask), logp)
+    assert grad.abs().max().item() < 1e-4
+
+
+def test_pro_with_two_responses_is_bradley_terry_on_mean_log_likelihood_plus_sft():
+    logp, _, mask = batch_terms(rows=2)
+    rewards = torch.tensor([0.0, 1.0])  # row 1 ranks first
+    matrix, metrics = pro_loss(logp, mask, rewards, TWO, sft_coef=0.05)
+    s = (logp * mask).sum(-1) / mask.sum(-1)
+    expected = -F.logsigmoid(1.0 * (s[1] - s[0])) - 0.05 * s[1]  # T = 1 / (1 - 0)
+    assert total(matrix, mask).item() == pytest.approx(expected.item(), rel=1e-6)
+    assert metrics["preference_margin"] == pytest.approx((s[1] - s[0]).item(), rel=1e-6)
+
+
+def test_pro_dynamic_temperatures_follow_the_reward_gaps():
+    s = torch.tensor([0.3, -0.2, -1.0])
+    r = torch.tensor([1.0, 0.5, 0.0])  # sorted best first
+    from rlbench.algorithm.losses.preference import plackett_luce_terms
+
+    first = -torch.log_softmax(torch.tensor([0.3 * 1.0, -0.2 * 0.5, -1.0 * 1.0]), 0)[0]  # T_1^1 = min(1/0.5, 1/1) = 1
+    second = -torch.log_softmax(torch.tensor([-0.2 * 0.5, -1.0 * 0.5]), 0)[0]  # T_2^2 = T_2^3 = 1/0.5
+    assert plackett_luce_terms(s, r).item() == pytest.approx((first + second).item(), rel=1e-6)
+    assert plackett_luce_terms(torch.tensor([1.0, 0.0, -1.0]), r) < plackett_luce_terms(torch.tensor([-1.0, 0.0, 1.0]), r)
+
+
+def test_rebel_is_zero_at_eta_times_the_reward_gap_and_shift_invariant():
+    eta = 0.5
+    logp, _, mask = batch_terms(rows=2)
+    old = -torch.rand(2, 4, generator=torch.Generator().manual_seed(7))
+    rewards = torch.tensor([1.0, 0.25])
+    change = ((logp - old) * mask).sum(-1)
+    with torch.no_grad():
+        logp[0, 0] += eta * 0.75 - (change[0] - change[1])
+    assert total(rebel_loss(logp, old, mask, rewards, TWO, eta=eta)[0], mask).item() == pytest.approx(0.0, abs=1e-9)
+    moved = logp.detach() + 0.3
+    a = total(rebel_loss(moved, old, mask, rewards, TWO, eta=eta)[0], mask)
+    b = total(rebel_loss(moved, old, mask, rewards + 10.0, TWO, eta=eta)[0], mask)
+    assert a.item() == pytest.approx(b.item(), rel=1e-6) and a.item() > 0
+    # a tie is a pair too (pairing any): its target is an equal change of both log-likelihoods
+    tied, _ = rebel_loss(moved, old, mask, torch.tensor([0.5, 0.5]), TWO, eta=eta)
+    gap = (((moved - old) * mask).sum(-1) @ torch.tensor([1.0, -1.0])) / eta
+    assert total(tied, mask).item() == pytest.approx(gap.item() ** 2, rel=1e-5)
+
+
+def test_copg_squared_loss_gradient_is_the_contrastive_policy_gradient():
+    beta = 0.2
+    logp, ref, mask = batch_terms(rows=2)
+    rewards = torch.tensor([1.0, 0.0])
+    (grad,) = torch.autograd.grad(total(copg_loss(logp, ref, mask, rewards, TWO, beta=beta)[0], mask), logp)
+    drift = ((logp - ref) * mask).sum(-1).detach()
+    regularised = rewards - beta * drift
+    # CoPG ascent direction (R_theta(y) - R_theta(y')) grad (L(y) - L(y')): +c on y's tokens, -c on y''s
+    c = regularised[0] - regularised[1]
+    assert torch.allclose(-grad, torch.stack([c * mask[0], -c * mask[1]]), atol=1e-6)
+    # finite difference of the loss along a direction agrees with autograd
+    direction = torch.randn(2, 4, generator=torch.Generator().manual_seed(1)) * mask
+    f = lambda x: total(copg_loss(x, ref, mask, rewards, TWO, beta=beta)[0], mask).double()  # noqa: E731
+    h = 1e-3
+    numeric = (f(logp.detach() + h * direction) - f(logp.detach() - h * direction)) / (2 * h)
+    assert numeric.item() == pytest.approx((grad * direction).sum().item(), rel=1e-2)
+
+
+@pytest.mark.parametrize("clip", ["separate", "joint"])
+def test_p3o_is_shift_invariant_and_its_gradient_at_ratio_one_is_half_the_gap(clip):
+    logp, _, mask = batch_terms(rows=2)
+    rewards = torch.tensor([1.0, 0.25])
+    matrix, metrics = p3o_loss(logp, logp.detach(), mask, rewards, TWO, clip=clip)
+    (grad,) = torch.autograd.grad(total(matrix, mask), logp)
+    half_gap = 0.5 * 0.75
+    assert torch.allclose(grad, torch.stack([-half_gap * mask[0], half_gap * mask[1]]), atol=1e-6)
+    old = logp.detach() - 0.05
+    a = total(p3o_loss(logp.detach(), old, mask, rewards, TWO, clip=clip)[0], mask)
+    b = total(p3o_loss(logp.detach(), old, mask, rewards - 3.0, TWO, clip=clip)[0], mask)
+    assert a.item() == pytest.approx(b.item(), rel=1e-6)
+    assert metrics["preference_margin"] == pytest.approx(0.75)
