@@ -278,3 +278,49 @@ def test_p3o_is_shift_invariant_and_its_gradient_at_ratio_one_is_half_the_gap(cl
     b = total(p3o_loss(logp.detach(), old, mask, rewards - 3.0, TWO, clip=clip)[0], mask)
     assert a.item() == pytest.approx(b.item(), rel=1e-6)
     assert metrics["preference_margin"] == pytest.approx(0.75)
+
+
+# ------------------------------------------------------------------ tabular convergence (one-token responses)
+
+
+def fit_bandit(loss_of, steps=3000, lr=0.05, arms=3, seed=0):
+    """Minimise ``loss_of(logp [arms, 1])`` over the logits of a softmax policy on ``arms`` one-token
+    responses (every arm is one response of a single group); returns the fitted probabilities."""
+    theta = torch.zeros(arms, requires_grad=True)
+    with torch.no_grad():
+        theta += torch.randn(arms, generator=torch.Generator().manual_seed(seed))
+    optimizer = torch.optim.Adam([theta], lr=lr)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss_of(torch.log_softmax(theta, 0)[:, None]).backward()
+        optimizer.step()
+    return torch.softmax(theta.detach(), 0)
+
+
+def test_copg_reaches_the_reference_tilted_by_the_reward_from_uniform_off_policy_pairs():
+    beta = 0.5
+    rewards = torch.tensor([1.0, 0.4, 0.0])
+    ref = torch.log(torch.tensor([[0.2], [0.5], [0.3]]))
+    mask, group = torch.ones(3, 1), torch.zeros(3, dtype=torch.long)  # every pair of arms once: uniform data
+    fitted = fit_bandit(lambda logp: total(copg_loss(logp, ref, mask, rewards, group, beta=beta)[0], mask))
+    target = torch.softmax(ref.squeeze(1) + rewards / beta, 0)
+    assert torch.allclose(fitted, target, atol=1e-3)
+
+
+def test_rebel_round_reaches_pi_t_tilted_by_eta_times_the_reward():
+    eta = 0.7
+    rewards = torch.tensor([0.0, 1.0, 0.5])
+    pi_t = torch.log(torch.tensor([[0.6], [0.1], [0.3]]))
+    mask, group = torch.ones(3, 1), torch.zeros(3, dtype=torch.long)
+    fitted = fit_bandit(lambda logp: total(rebel_loss(logp, pi_t, mask, rewards, group, eta=eta)[0], mask))
+    assert torch.allclose(fitted, torch.softmax(pi_t.squeeze(1) + eta * rewards, 0), atol=1e-3)
+
+
+def test_dpo_ranks_the_pairs_of_a_bandit_right():
+    rewards = torch.tensor([0.0, 1.0, 0.5])
+    ref = torch.log(torch.tensor([[0.5], [0.2], [0.3]]))
+    mask, group = torch.ones(3, 1), torch.zeros(3, dtype=torch.long)
+    fitted = fit_bandit(lambda logp: total(dpo_loss(logp, ref, mask, rewards, group, beta=1.0, pairing="all")[0], mask),
+                        steps=500)
+    ratio = fitted / ref.squeeze(1).exp()
+    assert ratio[1] > ratio[2] > ratio[0]  # the implicit reward log(pi / pi_ref) follows the ranking
