@@ -65,3 +65,51 @@ def test_hapo_tlga_degenerate_groups_get_zero():
     adv = ADVANTAGES.get("hapo_tlga")(rewards, group, mask)
     assert torch.all(adv == 0)
     assert not torch.isnan(adv).any()
+
+
+# --------------------------------------------------------------------------- CAMPO: repetition penalty
+@pytest.mark.parametrize("text, share", [
+    ("abcabcabc", 1.0),                  # three copies of "abc" cover everything
+    ("xyzabcabc", 6 / 9),                # two copies of "abc" after a 3-character prefix
+    ("The answer is 4. The answer is 4. ", 1.0),  # a sentence twice (period 17)
+    ("Let x = 2. Then y = 3", 0.0),      # no final repeat
+    ("xaaaaa", 4 / 6),                   # the longest period repeating twice ("aa") wins, as in the released code
+    ("", 0.0),
+    ("a", 0.0),
+])
+def test_tail_loop_fraction_on_known_repeats(text, share):
+    from rlbench.algorithm.shaping import tail_loop_fraction
+
+    assert tail_loop_fraction(text) == pytest.approx(share)
+
+
+def test_tail_loop_fraction_min_repeats():
+    """"pqpqpq" + "r" ends in no loop; "rpqpqpq" ends in 3 copies of "pq" (6/7) and also 1 copy of the
+    rest; with min_repeats = 4 nothing repeats 4 times (0)."""
+    from rlbench.algorithm.shaping import tail_loop_fraction
+
+    assert tail_loop_fraction("pqpqpqr") == 0.0
+    assert tail_loop_fraction("rpqpqpq") == pytest.approx(6 / 7)
+    assert tail_loop_fraction("rpqpqpq", min_repeats=4) == 0.0
+    assert tail_loop_fraction("rpqpqpqpq", min_repeats=4) == pytest.approx(8 / 9)
+    assert tail_loop_fraction(list(range(5)) + [7, 8] * 10) == pytest.approx(20 / 25)  # any sequence (token ids)
+
+
+def test_campo_repetition_penalty_modes_and_the_truncated_scan():
+    """Eq. 6: r - f(o); the released code: r - 0.1 when f > 0; only truncated responses are scanned
+    unless truncated_only is false."""
+    from rlbench.algorithm.shaping import REWARD_SHAPING, apply_shaping
+
+    texts = ["abcabcabc", "xyzabcabc", "no loop here", "okok"]
+    finished = torch.tensor([False, False, False, True])
+    inputs = {"response_texts": texts, "finished": finished}
+    fraction = REWARD_SHAPING.call("campo_repetition", inputs, {})
+    assert fraction.tolist() == pytest.approx([-1.0, -2 / 3, 0.0, 0.0])  # "okok" ended with EOS: not scanned
+    every = REWARD_SHAPING.call("campo_repetition", inputs, {"truncated_only": False})
+    assert every.tolist() == pytest.approx([-1.0, -2 / 3, 0.0, -1.0])
+    flag = REWARD_SHAPING.call("campo_repetition", inputs, {"mode": "flag", "weight": 0.1})
+    assert flag.tolist() == pytest.approx([-0.1, -0.1, 0.0, 0.0])
+    shaped = apply_shaping(torch.tensor([1.0, 0.0, 1.0, 1.0]), [("campo_repetition", {})], inputs)
+    assert shaped.tolist() == pytest.approx([0.0, -2 / 3, 1.0, 1.0])
+    with pytest.raises(ValueError, match="mode"):
+        REWARD_SHAPING.call("campo_repetition", inputs, {"mode": "loop"})
