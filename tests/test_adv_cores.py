@@ -113,3 +113,81 @@ def test_campo_repetition_penalty_modes_and_the_truncated_scan():
     assert shaped.tolist() == pytest.approx([0.0, -2 / 3, 1.0, 1.0])
     with pytest.raises(ValueError, match="mode"):
         REWARD_SHAPING.call("campo_repetition", inputs, {"mode": "loop"})
+
+
+# --------------------------------------------------------------------------- M2PO: the mask and the adaptive clip
+def _m2po(lr: list[float], adv: list[float], **params):
+    from rlbench.algorithm.registry import POLICY_LOSSES
+
+    old = torch.zeros(1, len(lr), dtype=torch.float64)
+    logp = torch.tensor([lr], dtype=torch.float64, requires_grad=True)
+    matrix, metrics = POLICY_LOSSES.get("m2po")(
+        logp, old, torch.tensor([adv], dtype=torch.float64), torch.ones(1, len(lr), dtype=torch.float64), **params)
+    matrix.sum().backward()
+    return matrix[0].detach(), logp.grad[0], metrics
+
+
+def test_m2po_mask_drops_only_the_largest_log_ratios():
+    """(log rho)^2 = [0.25, 0.01, 0.01, 0]: mean 0.0675 > 0.04; without the first the rest has mean
+    0.02 / 3 <= 0.04, so only the first token is masked; the others keep -rho A."""
+    lr, adv = [0.5, 0.1, -0.1, 0.0], [1.0, 1.0, -1.0, 1.0]
+    loss, grad, metrics = _m2po(lr, adv, m2_threshold=0.04)
+    assert loss[0].item() == 0.0 and grad[0].item() == 0.0
+    expected = [-math.exp(0.1), math.exp(-0.1), -1.0]
+    assert loss[1:].tolist() == pytest.approx(expected)
+    assert grad[1:].tolist() == pytest.approx(expected)  # d(-rho A)/d logp = -rho A
+    assert metrics["masked_fraction"] == pytest.approx(0.25)
+    assert metrics["m2"] == pytest.approx(0.0675) and metrics["m2_masked"] == pytest.approx(0.02 / 3)
+
+
+def test_m2po_clip_bounds_from_the_harmful_tokens():
+    """Harmful tokens (A > 0, rho > 1 or A < 0, rho < 1): indices 0, 1, 2, 5 with (log rho)^2 sorted
+    [0.0025, 0.01, 0.04, 0.25]: M2 = 0.075625 > 0.04. Capping at the k-th value gives sums 0.01,
+    0.0325, 0.0925 (< 4 x 0.04 = 0.16) and 0.3025: tau^2 = 0.04, tau = 0.2, M2 after = (0.0525 + 0.04) / 4.
+    Bounds [e^-0.2, e^0.2] without floors: only token 1 (A > 0, rho = e^0.5 > e^0.2) is clipped."""
+    lr, adv = [0.1, 0.5, -0.2, 0.3, -0.4, -0.05], [1.0, 1.0, -1.0, -1.0, 1.0, -1.0]
+    loss, grad, metrics = _m2po(lr, adv, mode="clip", min_clip_low=0.0, min_clip_high=0.0)
+    assert metrics["m2"] == pytest.approx(0.075625)
+    assert metrics["m2_masked"] == pytest.approx(0.023125)
+    assert metrics["clip_low"] == pytest.approx(1 - math.exp(-0.2))
+    assert metrics["clip_high"] == pytest.approx(math.exp(0.2) - 1)
+    assert loss[1].item() == pytest.approx(-math.exp(0.2)) and grad[1].item() == 0.0
+    for i in (0, 3, 4, 5):  # inside the bounds, or on the side the clip does not bind
+        assert loss[i].item() == pytest.approx(-adv[i] * math.exp(lr[i]))
+        assert grad[i].item() == pytest.approx(-adv[i] * math.exp(lr[i]))
+    assert metrics["masked_fraction"] == pytest.approx(1 / 6)
+    # the released floors: e_l >= 0.3, e_h >= 0.5, so the range is [0.7, 1.5] and token 1 (1.65) still clips
+    _, _, floored = _m2po(lr, adv, mode="clip")
+    assert (floored["clip_low"], floored["clip_high"]) == (pytest.approx(0.3), pytest.approx(0.5))
+
+
+def test_m2po_clip_within_budget_is_the_plain_surrogate():
+    """Every (log rho)^2 <= 0.01 < 0.04: no constraint, l = -rho A everywhere (and all rho = 1 gives -A)."""
+    lr, adv = [0.1, -0.1, 0.05, 0.0], [1.0, -1.0, -2.0, 3.0]
+    loss, _, metrics = _m2po(lr, adv, mode="clip")
+    assert loss.tolist() == pytest.approx([-a * math.exp(r) for r, a in zip(lr, adv)])
+    assert metrics["masked_fraction"] == 0.0 and metrics["clip_high"] == math.inf
+    loss, _, _ = _m2po([0.0] * 4, adv, mode="clip")
+    assert loss.tolist() == pytest.approx([-a for a in adv])
+
+
+def test_m2po_clip_caps_the_second_moment_of_a_heavy_tailed_batch():
+    """On random heavy-tailed log-ratios the harmful tokens' capped second moment is within the budget,
+    and tau is one of the observed |log rho| (the largest that fits)."""
+    from rlbench.algorithm.losses.soft_trust_region import m2po_clip_bounds
+
+    generator = torch.Generator().manual_seed(0)
+    lr = 0.1 * torch.randn(4, 64, generator=generator) / torch.randn(4, 64, generator=generator).abs().clamp(min=0.05)
+    adv = torch.randn(4, 64, generator=generator)
+    tau, m2, after = m2po_clip_bounds(lr, adv, torch.ones(4, 64, dtype=torch.bool), 0.04)
+    assert m2 > 0.04 >= after
+    harmful = ((adv > 0) & (lr > 0)) | ((adv < 0) & (lr < 0))
+    assert torch.isclose(lr[harmful].abs().double(), torch.tensor(tau, dtype=torch.float64)).any()
+
+
+def test_m2po_paper_preset_trains_on_stale_data_with_the_released_clip(tmp_path):
+    from conftest import compose_config
+
+    cfg = compose_config(["paper=m2po"], tmp_path)
+    assert cfg.trainer.max_staleness == 64  # stale_iteration = 64 rollout batches (256 model updates)
+    assert cfg.algorithm.loss.mode == "clip" and cfg.algorithm.loss.m2_threshold == 0.04
