@@ -191,3 +191,72 @@ def test_m2po_paper_preset_trains_on_stale_data_with_the_released_clip(tmp_path)
     cfg = compose_config(["paper=m2po"], tmp_path)
     assert cfg.trainer.max_staleness == 64  # stale_iteration = 64 rollout batches (256 model updates)
     assert cfg.algorithm.loss.mode == "clip" and cfg.algorithm.loss.m2_threshold == 0.04
+
+
+# --------------------------------------------------------------------------- A2C: the preset is PPO's 1 x 1 special case
+def test_a2c_preset_gradient_equals_the_ppo_preset_with_one_full_batch_update(tmp_path):
+    """algorithm=a2c and algorithm=ppo with A2C's settings (1 epoch x 1 full mini-batch, lambda = 1, no
+    whitening) give the same gradient on one batch (Huang et al. 2022, arXiv:2205.09123): rho = 1 and
+    V = V_old, so PPO's ratio and value clips are inactive. The a2c preset's loss is REINFORCE."""
+    from conftest import algorithm_from, compose_config
+    from test_critic import critic_batch, first_update_gradient, random_head
+    from test_trainer import tiny_lm
+
+    a2c_cfg = compose_config(["algorithm=a2c"], tmp_path / "a2c")
+    ppo_cfg = compose_config(["algorithm=ppo", "algorithm.update.epochs=1", "algorithm.update.minibatches=1",
+                              "algorithm.advantage.lam=1.0", "algorithm.advantage.whiten=false"], tmp_path / "ppo")
+    a2c, ppo = algorithm_from(a2c_cfg.algorithm), algorithm_from(ppo_cfg.algorithm)
+    assert a2c.loss.name == "reinforce" and ppo.loss.name == "ppo_clip"
+    base_model = tiny_lm()
+    base_head = random_head(base_model)
+    batch = critic_batch(base_model, base_head, a2c)
+    assert torch.count_nonzero(batch.advantages) > 0
+    grads = [first_update_gradient(base_model, base_head, batch, algorithm) for algorithm in (a2c, ppo)]
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+    assert any(g.abs().sum() > 0 for g in grads[0])
+
+
+# --------------------------------------------------------------------------- D-PPO: the variance-bound dropout
+def _dppo(ratios: list[float], adv: list[float], **params):
+    from rlbench.algorithm.registry import POLICY_LOSSES
+
+    mask = torch.tensor([[1.0] * len(ratios) + [0.0]], dtype=torch.float64)
+    logp = torch.tensor([[math.log(r) for r in ratios] + [0.0]], dtype=torch.float64, requires_grad=True)
+    advantages = torch.tensor([adv + [5.0]], dtype=torch.float64)
+    matrix, metrics = POLICY_LOSSES.get("dppo")(logp, torch.zeros_like(logp), advantages, mask, **params)
+    matrix.sum().backward()
+    return matrix[0].detach(), logp.grad[0], metrics
+
+
+def test_dppo_variance_bound_drops_what_lowers_the_correlation_term():
+    """rho = [1.5, 1.1, 0.8, 1.0, 1.3], A = [1, 1, 1, 2, -1]: x = (rho - 1) A = [0.5, 0.1, -0.2, 0, -0.3],
+    S = 0.1, c = x (S - x) = [-0.2, 0, -0.06, 0, -0.12]. drop_fraction 0.4 of 5 tokens: the two smallest
+    c (tokens 0 and 4) are dropped; the kept ones keep PPO-clip's value and gradient (-rho A inside
+    [0.8, 1.2]). The identity: Var(x) = S^2 (N-1)/N^2 - C/N = 0.0016 + 0.38/5 = 0.0776, and the kept
+    x = [0.1, -0.2, 0] have variance 0.05/3 - (1/30)^2 = 0.01556."""
+    ratios, adv = [1.5, 1.1, 0.8, 1.0, 1.3], [1.0, 1.0, 1.0, 2.0, -1.0]
+    loss, grad, metrics = _dppo(ratios, adv, rule="variance_bound", drop_fraction=0.4)
+    assert loss[[0, 4]].tolist() == [0.0, 0.0] and grad[[0, 4]].tolist() == [0.0, 0.0]
+    assert loss[1:4].tolist() == pytest.approx([-1.1, -0.8, -2.0])
+    assert grad[1:4].tolist() == pytest.approx([-1.1, -0.8, -2.0])
+    assert metrics["dropped_fraction"] == pytest.approx(0.4)
+    x = torch.tensor([0.5, 0.1, -0.2, 0.0, -0.3], dtype=torch.float64)
+    assert x.var(unbiased=False).item() == pytest.approx(0.0776)
+    assert x[1:4].var(unbiased=False).item() == pytest.approx(0.05 / 3 - (1 / 30) ** 2)
+    # one token: the smallest c (token 0); a large fraction drops only the three tokens with c < 0
+    assert _dppo(ratios, adv, rule="variance_bound", drop_fraction=0.2)[2]["dropped_fraction"] == pytest.approx(0.2)
+    loss, _, metrics = _dppo(ratios, adv, rule="variance_bound", drop_fraction=0.8)
+    assert metrics["dropped_fraction"] == pytest.approx(0.6) and loss[[0, 2, 4]].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_dppo_variance_bound_drops_nothing_at_ratio_one():
+    _, grad, metrics = _dppo([1.0] * 4, [1.0, -1.0, 2.0, -2.0], rule="variance_bound", drop_fraction=0.5)
+    assert metrics["dropped_fraction"] == 0.0 and grad[:4].tolist() == pytest.approx([-1.0, 1.0, -2.0, 2.0])
+
+
+def test_dppo_preset_uses_the_variance_bound_rule(tmp_path):
+    from conftest import compose_config
+
+    cfg = compose_config(["algorithm=dppo"], tmp_path)
+    assert cfg.algorithm.loss.rule == "variance_bound"
