@@ -57,6 +57,45 @@ def test_hapo_tlga_falls_back_to_grpo_when_some_advantage_reaches_the_threshold(
     assert unsmoothed[0, 0].item() == pytest.approx(math.sqrt(300), rel=1e-5)
 
 
+def _released_tlga(rewards, group, lengths, epsilon=1e-6):
+    """The released algorithm as its README describes it, written per group with Python lists: the
+    token scores are each reward repeated |o_i| times; mean and population std over them; the
+    group's GRPO advantage (unbiased std) if any normalised value reaches 5."""
+    out = []
+    for i, (r, g) in enumerate(zip(rewards, group)):
+        members = [j for j in range(len(rewards)) if group[j] == g]
+        tokens = [rewards[j] for j in members for _ in range(lengths[j])]
+        mean = sum(tokens) / len(tokens)
+        std = (sum((t - mean) ** 2 for t in tokens) / len(tokens)) ** 0.5
+        normed = [(rewards[j] - mean) / (std + epsilon) for j in members]
+        if any(abs(v) >= 5 for v in normed):
+            values = [rewards[j] for j in members]
+            m = sum(values) / len(values)
+            s = (sum((v - m) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+            out.append((r - m) / (s + epsilon))
+        else:
+            out.append((r - mean) / (std + epsilon))
+    return out
+
+
+def test_hapo_tlga_matches_the_released_algorithm_on_random_binary_batches():
+    """Binary rewards (the verifier's), random lengths 1..40, 8 groups of 4: equal to the per-group
+    reference above (where the released code also tests padding positions, a zero reward's value, the
+    verdict is the same for binary rewards)."""
+    generator = torch.Generator().manual_seed(3)
+    rewards = (torch.rand(32, generator=generator) < 0.3).double()
+    lengths = torch.randint(1, 41, (32,), generator=generator)
+    group = torch.arange(8).repeat_interleave(4)
+    adv = ADVANTAGES.get("hapo_tlga")(rewards, group, _mask(lengths.tolist()).double())
+    expected = _released_tlga(rewards.tolist(), group.tolist(), lengths.tolist())
+    for i in range(32):
+        if rewards[group == group[i]].std() > 0:  # mixed groups (all-equal ones: 0 on both sides)
+            assert adv[i, 0].item() == pytest.approx(expected[i], rel=1e-6)
+        else:
+            assert adv[i, 0].item() == 0.0
+    assert any(rewards[group == g].std() > 0 for g in range(8))
+
+
 def test_hapo_tlga_degenerate_groups_get_zero():
     """A singleton group, an all-equal group and a group whose responses are all empty get A = 0."""
     rewards = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0])
