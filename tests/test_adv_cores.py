@@ -251,6 +251,39 @@ def test_m2po_clip_caps_the_second_moment_of_a_heavy_tailed_batch():
     assert torch.isclose(lr[harmful].abs().double(), torch.tensor(tau, dtype=torch.float64)).any()
 
 
+def _released_tau(harmful_squares: list[float], budget: float) -> tuple[float, float]:
+    """The released solver as described: walk the ascending squares; at the first k where capping the
+    rest at the k-th value reaches n x budget, tau^2 is the (k-1)-th value (0 at k = 0)."""
+    values = sorted(harmful_squares)
+    n, target = len(values), budget * len(values)
+    if sum(values) / n <= budget:
+        return math.inf, sum(values) / n
+    prefix = 0.0
+    for k, value in enumerate(values):
+        prefix += value
+        if value * (n - k - 1) + prefix >= target:
+            if k == 0:  # every square is above the budget (the released code then reports the uncapped mean)
+                return 0.0, 0.0
+            cap = values[k - 1]
+            return math.sqrt(cap), (sum(values[:k]) + cap * (n - k)) / n
+    raise AssertionError("unreachable: k = n - 1 always reaches the total")
+
+
+def test_m2po_clip_bounds_equal_the_released_solver_on_random_batches():
+    from rlbench.algorithm.losses.soft_trust_region import m2po_clip_bounds
+
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        lr = 0.3 * torch.randn(3, 16, generator=generator, dtype=torch.float64)
+        adv = torch.randn(3, 16, generator=generator, dtype=torch.float64)
+        valid = torch.rand(3, 16, generator=generator) < 0.8
+        harmful = valid & (((adv > 0) & (lr > 0)) | ((adv < 0) & (lr < 0)))
+        tau, m2, after = m2po_clip_bounds(lr, adv, valid, 0.04)
+        expected_tau, expected_after = _released_tau((lr[harmful] ** 2).tolist(), 0.04)
+        assert m2 == pytest.approx((lr[harmful] ** 2).mean().item())
+        assert tau == pytest.approx(expected_tau) and after == pytest.approx(expected_after)
+
+
 def test_m2po_paper_preset_trains_on_stale_data_with_the_released_clip(tmp_path):
     from conftest import compose_config
 
