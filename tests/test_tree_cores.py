@@ -1,5 +1,6 @@
-"""The cores of the tree rollouts on scripted engines and in closed form: TreePO's divergence schedule,
-early stops and fallback (rollout=tree, rlbench/rollout/strategies/tree.py, arXiv:2508.17445)."""
+"""The cores of the tree and scheduling rollouts on scripted engines and in closed form: TreePO's divergence
+schedule, early stops and fallback (rollout=tree, rlbench/rollout/strategies/tree.py, arXiv:2508.17445), and
+Infinite Sampling's length-aware micro-group scheduler (rollout=micro_groups, arXiv:2506.22950)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from rlbench.errors import ConfigError
 from rlbench.reward.toy import EvenTokenReward
 from rlbench.rollout import GroupSampler, RolloutSetup, make_strategy
 from rlbench.rollout.engines.base import Completion, SamplingParams
+from rlbench.rollout.strategies.micro_groups import pack_by_length
 from rlbench.rollout.strategies.tree import (
     TreePOOptions,
     TreePOSampling,
@@ -253,3 +255,80 @@ def test_random_root_divergence_stays_in_its_range():
     strategy, engine = tree_setup(n=3, max_new_tokens=4, root_branching=2, root_branching_max=8)  # capped at n
     grow(strategy, prompts=24)
     assert {n for _, n, _ in engine.calls[0]} == {2, 3}
+
+
+# ------------------------------------------------------------------ micro-groups: the length-aware scheduler
+
+
+class SeededEngine:
+    """Each response is a function of its request's seed: as many tokens as the prompt's single id (its
+    length, capped by the budget), token j = (seed + j) % 50 + 3. Calls are recorded as row counts."""
+
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, requests, params, generator=None):
+        assert all(r.seed is not None and r.n == 1 for r in requests)
+        self.calls.append(len(requests))
+        out = []
+        for i, r in enumerate(requests):
+            ids = [(r.seed + j) % 50 + 3 for j in range(min(r.prompt_ids[0], params.max_new_tokens))]
+            out.append([Completion(i, r.prompt_ids, ids, [-1.0] * len(ids), False)])
+        return out
+
+
+def micro_setup(n=4, seed=0, **micro):
+    class Sampler(GroupSampler):
+        def encode(self, problems):
+            return [(int(p.uid),) for p in problems]
+
+    sampler = Sampler(SeededEngine(), EvenTokenReward(), ScriptedTokenizer(), {}, lambda r, _: r)
+    setup = RolloutSetup(sampler, n, SamplingParams(1.0, 1.0, 8), torch.Generator().manual_seed(seed))
+    return make_strategy(rollout_config({"strategy": "micro_groups", "n": n, "micro_groups": micro}), setup), sampler.engine
+
+
+def test_packing_by_length_by_hand_and_against_every_order():
+    import itertools
+
+    predicted = [5.0, 1.0, 9.0, 3.0, 7.0]
+    rounds = pack_by_length(predicted, 2)
+    assert rounds == [[1], [0, 3], [2, 4]]  # longest together; the rounds shortest first
+    cost = sum(max(predicted[j] for j in r) for r in rounds)
+    best = min(sum(max(predicted[j] for j in order[k : k + 2]) for k in range(0, 5, 2))
+               for order in itertools.permutations(range(5)))
+    assert cost == best == 15.0
+    assert pack_by_length([2.0, 2.0, 2.0], 2) == [[2], [0, 1]]  # ties by index
+
+
+def test_length_aware_schedule_is_a_permutation_within_the_budget():
+    strategy, _ = micro_setup(n=6, size=2, max_sequences=4, length_aware=True)
+    problems = [Problem(str(u), "q", "a") for u in (8, 1, 5)]
+    strategy.lengths = {"8": 8.0, "1": 1.0, "5": 5.0}
+    rounds = strategy.schedule(problems)
+    jobs = [job for r in rounds for job in r]
+    assert sorted(jobs) == [(p, start) for p in range(3) for start in (0, 2, 4)]  # each micro-group once
+    assert all(len(r) * 2 <= 4 for r in rounds)  # max_sequences rows per call
+    # 9 jobs longest first: 8 8 8 5 5 5 1 1 1 in rounds of 2, the partial round (a 1) first, then shortest first
+    assert [[p for p, _ in r] for r in rounds] == [[1], [1, 1], [2, 2], [0, 2], [0, 0]]
+    with pytest.raises(ConfigError, match="cannot hold one micro-group"):
+        micro_setup(n=4, size=4, max_sequences=2)
+
+
+def test_scheduled_micro_groups_give_the_unscheduled_responses_and_less_padding():
+    """Same seeds -> the same responses in every group, whatever the schedule; once the prompts' lengths
+    are known, the length-aware rounds pair long with long and leave no slot unused."""
+    problems = [Problem(str(u), "q", "a") for u in (8, 1, 8, 1)]
+    plain, plain_engine = micro_setup(n=4, size=2, max_sequences=4)
+    aware, aware_engine = micro_setup(n=4, size=2, max_sequences=4, length_aware=True)
+    whole, _ = micro_setup(n=4, size=4)
+    for step in range(2):
+        (a, a_metrics), (p, p_metrics), (w, _) = (s.rollout(problems) for s in (aware, plain, whole))
+        responses = [[c.response_ids for c in g] for g in w.groups]
+        assert [[c.response_ids for c in g] for g in a.groups] == responses == [[c.response_ids for c in g] for g in p.groups]
+        assert torch.equal(a.rewards, w.rewards) and torch.equal(p.rewards, w.rewards)
+        assert all(len(set(map(tuple, g))) == 4 for g in responses)  # a group's responses differ
+        assert a_metrics["micro_group_rounds"] == p_metrics["micro_group_rounds"] == 4
+        assert p_metrics["micro_group_padding"] == pytest.approx(1 - 18 / 32)  # every round: 8, 8, 1, 1 tokens
+        assert a_metrics["micro_group_padding"] == (pytest.approx(1 - 18 / 32) if step == 0 else 0.0)
+    assert aware.state_dict() == {"lengths": {"8": 8.0, "1": 1.0}} and plain.state_dict() is None
+    assert all(rows <= 4 for rows in aware_engine.calls + plain_engine.calls)
