@@ -332,3 +332,91 @@ def test_scheduled_micro_groups_give_the_unscheduled_responses_and_less_padding(
         assert a_metrics["micro_group_padding"] == (pytest.approx(1 - 18 / 32) if step == 0 else 0.0)
     assert aware.state_dict() == {"lengths": {"8": 8.0, "1": 1.0}} and plain.state_dict() is None
     assert all(rows <= 4 for rows in aware_engine.calls + plain_engine.calls)
+
+
+# ------------------------------------------------------------------ SPO: prioritised prompts, offline tracker
+
+
+def spo_sampler(problems, init_samples=0, exploration=0.05, tracker=None, seed=0):
+    from types import SimpleNamespace
+
+    from rlbench.algorithm.advantages import SPOTracker
+    from rlbench.training.curricula import TrackerPriorityOptions, TrackerPriorityPrompts
+
+    class Sampler(GroupSampler):
+        def encode(self, problems):
+            return [(int(p.uid),) for p in problems]
+
+    engine = ScriptedEngine()  # fresh token ids per response, in call order
+    group_sampler = Sampler(engine, EvenTokenReward(), ScriptedTokenizer(), {}, lambda r, _: r)
+    tracker = tracker if tracker is not None else SPOTracker(rho_min=0.875)
+    source = SimpleNamespace(tracker=tracker)
+    ctx = SimpleNamespace(sampler=group_sampler, params=SamplingParams(1.0, 1.0, 8), inputs=SimpleNamespace(sources=[source]))
+    sampler = TrackerPriorityPrompts(problems, seed, TrackerPriorityOptions(exploration=exploration, init_samples=init_samples, init_batch=2))
+    sampler.bind(ctx)
+    return sampler, tracker, engine
+
+
+def test_spo_draws_prompts_by_the_trackers_uncertainty():
+    from rlbench.algorithm.advantages import spo_tracker_init
+
+    problems = [Problem(str(u), "q", "a") for u in (3, 5, 7)]
+    tracker_values = {"3": (0.5, 1.0), "5": spo_tracker_init(8, 8, 0.875), "7": spo_tracker_init(1, 8, 0.875)}
+    sampler, tracker, _ = spo_sampler(problems)
+    for uid, (successes, n) in {"5": (8, 8), "7": (1, 8)}.items():
+        tracker.initialise(uid, successes, n)
+    p = [tracker_values[u][0] for u in ("3", "5", "7")]  # 0.5, 8.5 / 9, 1.5 / 9
+    weights = [math.sqrt(v * (1 - v)) + 0.05 for v in p]
+    expected = [w / sum(weights) for w in weights]
+    assert sampler.probabilities().tolist() == pytest.approx(expected)
+    assert expected[0] > expected[2] > expected[1]  # the uncertain prompt most, the near-certain one least
+    draws = sampler.next(20_000)  # with replacement
+    frequency = [sum(d.uid == u for d in draws) / 20_000 for u in ("3", "5", "7")]
+    assert frequency == pytest.approx(expected, abs=0.015)
+
+
+def test_spo_tracker_is_seeded_from_the_initial_policy_before_the_first_draw():
+    from rlbench.algorithm.advantages import spo_tracker_init
+
+    problems = [Problem(str(u), "q", "a") for u in (3, 5, 7)]
+    sampler, tracker, engine = spo_sampler(problems, init_samples=4)
+    assert len(tracker) == 0
+    sampler.next(2)
+    assert engine.calls == [[((), 4, 8)] * 2, [((), 4, 8)]]  # init_batch 2 prompts x 4 responses, then the last prompt
+    assert len(tracker) == 3 and sampler.initialised
+    for problem in problems:
+        value, weight = tracker.state_of(problem.uid)
+        assert weight == pytest.approx(1 / (1 - 0.875))  # N_init
+        assert 0 < value < 1
+    # the successes are the graded outcomes: the first prompt's 4 responses again from a fresh engine
+    again, _, _ = spo_sampler(problems, init_samples=4)
+    groups = again.ctx.sampler.sample(problems[:1], 4, again.ctx.params, make_generator_for_test())
+    outcome = again.ctx.sampler.grade(problems[:1], groups, 8).outcome.sum().item()
+    assert tracker.state_of("3")[0] == pytest.approx(spo_tracker_init(outcome, 4, 0.875)[0])
+    # resumed: the initialisation is not repeated
+    state = sampler.state_dict()
+    resumed, _, resumed_engine = spo_sampler(problems, init_samples=4, tracker=tracker)
+    resumed.load_state_dict(state)
+    assert [p.uid for p in resumed.next(5)] == [p.uid for p in sampler.next(5)] and resumed_engine.calls == []
+
+
+def make_generator_for_test():
+    from rlbench.utils import STREAM_CURRICULUM, make_generator
+
+    return make_generator(0, STREAM_CURRICULUM)
+
+
+def test_spo_sampling_needs_the_spo_tracker(make_cfg):
+    from types import SimpleNamespace
+
+    from rlbench.training.curricula import TrackerPriorityOptions, TrackerPriorityPrompts
+    from rlbench.validation import validate_config
+
+    sampler = TrackerPriorityPrompts([Problem("1", "q", "a")], 0, TrackerPriorityOptions())
+    with pytest.raises(ConfigError, match="needs algorithm=spo"):
+        sampler.bind(SimpleNamespace(inputs=SimpleNamespace(sources=[])))
+    with pytest.raises(ConfigError, match="keeps no tracker"):
+        validate_config(make_cfg("experiment=toy_learning/grpo", "prompt_sampler=spo"))
+    with pytest.raises(ConfigError, match="init_samples >= 0"):
+        validate_config(make_cfg("experiment=toy_learning/spo", "prompt_sampler=spo", "trainer.prompt_sampler.spo.init_samples=-1"))
+    validate_config(make_cfg("experiment=toy_learning/spo", "prompt_sampler=spo", "trainer.prompt_sampler.spo.init_samples=4"))

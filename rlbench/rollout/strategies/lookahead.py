@@ -158,7 +158,7 @@ def longest_suffix_inside(a: list[int], b: list[int]) -> int:
 
 def suffix_match(a: list[int], b: list[int]) -> float:
     """LATR's suffix-match score of two equally long continuations (the released
-    ``model/metrics.py::suffix_match_score``, re-implemented): the longest suffix of either that occurs
+    ``suffix_match_score`` of starreeze/latr, re-implemented): the longest suffix of either that occurs
     contiguously in the other, over the length. A branch that rejoins its parent's text scores high."""
     if not a or not b:
         return 0.0

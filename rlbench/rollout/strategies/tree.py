@@ -1,7 +1,9 @@
-"""Tree rollouts: a prompt's group is sampled as a tree of fixed-length segments, so that a prefix
-shared by several responses is generated once. ``rollout=tree`` grows it by TreePO's schedule (Li et al.
-2025, arXiv:2508.17445, section 3.1; :class:`TreePOSampling`: divergence schedule, early stops, fallback);
-``rollout=treerpo`` (TreeRPO, Yang et al. 2025, arXiv:2506.05183, section 3.1) and the search tree of
+"""Tree rollouts (``rollout=tree``: TreePO's segment tree with its divergence schedule, early stops and
+fallback, Li et al. 2025, arXiv:2508.17445, section 3.1; ``rollout=treerpo``: TreeRPO's leaf-budget tree,
+Yang et al. 2025, arXiv:2506.05183, section 3.1): a prompt's group is sampled as a tree of fixed-length
+segments, so that a prefix shared by several responses is generated once.
+
+``rollout=tree`` is :class:`TreePOSampling`; ``rollout=treerpo`` and the search tree of
 ``rollout=mcts_prefix`` grow the leaf-budget tree of :class:`TreeSampling`, described here.
 
 Configuration of the leaf-budget tree (``rollout.treerpo``; conf/rollout/treerpo.yaml):
