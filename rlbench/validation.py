@@ -85,6 +85,11 @@ def check_curriculum(config: RunConfig, algorithm: Algorithm) -> None:
     """The prompt sampler's options, and the stages (ordered, known keys) with every stage's batch."""
     trainer = config.trainer
     sampler_options(trainer.prompt_sampler)
+    if trainer.prompt_sampler is not None and trainer.prompt_sampler.name == "spo" and algorithm.advantage.name != "spo":
+        raise ConfigError(
+            f"trainer.prompt_sampler=spo draws prompts by the SPO value tracker's uncertainty, and advantage "
+            f"'{algorithm.advantage.name}' keeps no tracker: use algorithm=spo, or another prompt_sampler"
+        )
     stages = parse_stages(trainer.stages, trainer.steps)
     for stage, settings in zip(stages, stage_settings(config, stages)):
         try:

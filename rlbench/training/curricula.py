@@ -6,7 +6,8 @@
   shuffled passes, :class:`PromptSampler`), ``weighted`` (draw by pass rate:
   a Gaussian around a target pass rate, or easy / medium / hard bucket weights) and ``hard_focus``
   (DRIVE's stage-2 rule: after every phase, keep the hardest share of the pool), ``lspo`` (prompts whose
-  mean response length is at the extremes, LSPO). Each has
+  mean response length is at the extremes, LSPO), ``spo`` (SPO's draw by the value tracker's
+  uncertainty, seeded from the initial policy). Each has
   ``next(count)``, ``state_dict()`` and ``load_state_dict()``; a new one is a class registered with
   :func:`register_prompt_sampler` and a YAML in conf/prompt_sampler/.
 * Stages (``trainer.stages``, parsed by rlbench.training.stages): from step ``at`` on, the listed
@@ -22,6 +23,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from rlbench.algorithm.advantages import SPOTracker
 from rlbench.config.schema import PromptSamplerConfig, TrainerConfig
 from rlbench.config.typed import settings_block
 from rlbench.dataset.base import Problem
@@ -32,7 +34,7 @@ from rlbench.training.prompt_stats import PromptStatsStore
 from rlbench.training.stages import Stage, parse_stages
 from rlbench.training.step import StepContext
 from rlbench.training.swarm import own_groups
-from rlbench.utils import STREAM_CURRICULUM, STREAM_DATA_ORDER
+from rlbench.utils import STREAM_CURRICULUM, STREAM_DATA_ORDER, Progress, make_generator
 
 
 # -------------------------------------------------------------------------------------- samplers
@@ -292,6 +294,94 @@ class HardFocusPrompts:
 # ------------------------------------------------------------------------------- the data side
 
 
+@dataclass(frozen=True)
+class TrackerPriorityOptions:
+    """The ``trainer.prompt_sampler.spo`` block (conf/prompt_sampler/spo.yaml)."""
+
+    exploration: float = 0.05  # w = sqrt(p_hat (1 - p_hat)) + exploration
+    init_samples: int = 0  # responses per prompt of the initial policy that seed the tracker (0: Beta(0.5, 0.5))
+    init_batch: int = 64  # prompts per sampling call of the initialisation
+
+    def check(self) -> None:
+        if self.exploration < 0 or self.init_samples < 0 or self.init_batch < 1:
+            raise ConfigError(
+                "trainer.prompt_sampler.spo: exploration >= 0, init_samples >= 0 and init_batch >= 1 are required, got "
+                f"{self.exploration}, {self.init_samples}, {self.init_batch}"
+            )
+
+
+@register_prompt_sampler("spo")
+class TrackerPriorityPrompts:
+    """SPO's prompt sampling (Xu & Ding 2025, arXiv:2509.13232; re-implemented from the paper and the
+    verl recipe's spo trainer): each step's prompts are drawn with replacement with probability
+    proportional to w = sqrt(p_hat (1 - p_hat)) + ``exploration``, where p_hat is the SPO value tracker's
+    success probability of the prompt (``algorithm=spo``; rlbench.algorithm.advantages.SPOTracker), so the
+    prompts the tracker is least sure of come most often. With ``init_samples`` = N > 0 the tracker is
+    first seeded from the initial policy: before the first step every training prompt gets N responses
+    (the run's sampler and sampling settings), and its s successes (outcome rewards, in [0, 1] under spo)
+    set (alpha, beta) = N_init ((s + 0.5), (N - s + 0.5)) / (N + 1) with N_init = 1 / (1 - rho_min)
+    (``spo_tracker_init``). The run binds the tracker (:meth:`bind`); a checkpoint keeps the draw
+    position and whether the initialisation ran (the tracker's state is saved with the advantage inputs)."""
+
+    Options = TrackerPriorityOptions
+
+    def __init__(self, problems: list[Problem], seed: int, options: TrackerPriorityOptions):
+        self.problems, self.options, self.seed = problems, options, seed
+        self.rng = np.random.default_rng([seed, STREAM_CURRICULUM])
+        self.tracker: Any = None
+        self.ctx: StepContext | None = None
+        self.initialised = False
+
+    @classmethod
+    def build(cls, problems, seed, stats, options):
+        return cls(problems, seed, options)
+
+    def bind(self, ctx: StepContext) -> None:
+        """Find the run's SPO tracker among its advantage-input sources (``algorithm=spo``)."""
+        trackers = [source.tracker for source in ctx.inputs.sources if isinstance(getattr(source, "tracker", None), SPOTracker)]
+        if not trackers:
+            raise ConfigError("trainer.prompt_sampler=spo draws by the SPO tracker's uncertainty: it needs algorithm=spo")
+        self.tracker, self.ctx = trackers[0], ctx
+
+    def initialise(self) -> None:
+        """Seed the tracker from ``init_samples`` responses of the current (initial) policy per prompt."""
+        n, ctx = self.options.init_samples, self.ctx
+        assert ctx is not None
+        generator = make_generator(self.seed, STREAM_CURRICULUM)
+        progress = Progress("spo tracker init", len(self.problems), min_interval=2.0)
+        for start in range(0, len(self.problems), self.options.init_batch):
+            chunk = self.problems[start : start + self.options.init_batch]
+            groups = ctx.sampler.sample(chunk, n, ctx.params, generator)
+            graded = ctx.sampler.grade(chunk, groups, ctx.params.max_new_tokens)
+            for problem, outcomes in zip(chunk, graded.outcome.view(len(chunk), n).tolist()):
+                self.tracker.initialise(problem.uid, sum(outcomes), n)
+            progress.update(len(chunk))
+
+    def probabilities(self) -> np.ndarray:
+        """The probability of each problem on one draw."""
+        weights = self.tracker.sampling_weights([p.uid for p in self.problems], self.options.exploration).numpy()
+        if weights.sum() == 0:  # exploration 0 and every prompt certain: uniform
+            weights = np.ones(len(self.problems))
+        return weights / weights.sum()
+
+    def next(self, count: int) -> list[Problem]:
+        if self.tracker is None:
+            raise RuntimeError("TrackerPriorityPrompts.next before bind(ctx): the run binds the SPO tracker")
+        if not self.initialised:
+            if self.options.init_samples:
+                self.initialise()
+            self.initialised = True
+        chosen = self.rng.choice(len(self.problems), size=count, replace=True, p=self.probabilities())
+        return [self.problems[i] for i in chosen]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": self.rng.bit_generator.state, "initialised": self.initialised}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rng.bit_generator.state = state["rng"]
+        self.initialised = bool(state["initialised"])
+
+
 class Curriculum:
     """The data side of the training loop: the prompt sampler, the statistics store it reads and the
     stages. Per step: :meth:`prompts` (entering a stage first), the rollout, :meth:`observe`, :meth:`end_step`.
@@ -302,6 +392,11 @@ class Curriculum:
         self.sampler = make_prompt_sampler(trainer.prompt_sampler, problems, seed, self.stats)
         self.stages = {stage.at: stage for stage in parse_stages(trainer.stages, trainer.steps)}
         self.prompts_per_step = trainer.prompts_per_step
+
+    def bind(self, ctx: StepContext) -> None:
+        """Give the prompt sampler the run's step context, when it reads it (``spo``: the tracker)."""
+        if hasattr(self.sampler, "bind"):
+            self.sampler.bind(ctx)
 
     def prompts(self, step: int, ctx: StepContext) -> list[Problem]:
         """Step ``step``'s prompts, after entering the stage that starts at it (if any)."""

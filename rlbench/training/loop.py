@@ -61,6 +61,7 @@ class TrainingRun:
         self.ctx, self.logger = ctx, logger
         self.peers = ctx.world if peers is None else peers
         self.curriculum = Curriculum(config.trainer, config.seed, problems, ctx.prompt_stats)
+        self.curriculum.bind(ctx)
         self.untrained = UntrainedSteps()
         self.step = 0  # steps completed
         self.after_step_done = 0  # the last step whose after_step (periodic evaluation) ran
