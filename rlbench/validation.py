@@ -33,7 +33,7 @@ from rlbench.training.advantage_inputs import validate_step_options
 from rlbench.training.curricula import PROMPT_SAMPLERS, sampler_options
 from rlbench.training.distributed import check_parallelism, launched_world_size
 from rlbench.training.reference_soup import validate_reference_soup
-from rlbench.training.stages import parse_stages, stage_settings
+from rlbench.training.stages import SAMPLER_KEY, parse_stages, stage_settings
 from rlbench.training.swarm import check_swarm
 
 
@@ -88,6 +88,7 @@ def check_curriculum(config: RunConfig, algorithm: Algorithm) -> None:
     stages = parse_stages(trainer.stages, trainer.steps)
     for stage, settings in zip(stages, stage_settings(config, stages)):
         try:
+            sampler_options(settings[SAMPLER_KEY])
             check_batch_arithmetic(settings["trainer.prompts_per_step"], settings["rollout.n"],
                                    trainer.micro_batch_size, algorithm.minibatches)
             algorithm.check_group_size(settings["rollout.n"], settings["trainer.prompts_per_step"] * settings["rollout.n"])
