@@ -9,15 +9,30 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # conftest and test_curricula, also as a script
 from conftest import compose_config
 from test_curricula import graded
+from test_guidance import CharTokenizer
 
-from rlbench.config.typed import typed_config
+from rlbench.config.typed import rollout_config, typed_config
 from rlbench.dataset.base import Problem
-from rlbench.rollout.engines.base import SamplingParams
+from rlbench.errors import ConfigError
+from rlbench.guidance import GuidanceLibrary, Trace
+from rlbench.reward.toy import EvenTokenReward
+from rlbench.rollout import GroupSampler, make_strategy
+from rlbench.rollout.engines.base import Completion, SamplingParams
 from rlbench.rollout.strategy import RolloutSetup
+from rlbench.training.advantage_inputs import (
+    AdvantageInputSources,
+    BaselineOptions,
+    BaselineRewards,
+    ReferenceAnchor,
+)
 from rlbench.training.curricula import Curriculum, HardFocusPrompts, PromptSampler
+from rlbench.training.prompt_stats import PromptStatsStore
 
 # ------------------------------------------------------------------------------------------ DRIVE
 
@@ -108,3 +123,125 @@ def test_drive_resume_after_the_switch_continues_with_the_stage_two_sampler(tmp_
     assert isinstance(resumed.sampler, HardFocusPrompts) and ctx.strategy.setup.n == 64
     assert [p.uid for p in resumed.sampler.pool] == [p.uid for p in curriculum.sampler.pool]
     assert [p.uid for p in resumed.prompts(7, ctx)] == [p.uid for p in curriculum.prompts(7, step_context(n=64))]
+
+
+# ------------------------------------------------------------------------------------------- PVPO
+
+
+class ScriptedEngine:
+    """A stand-in for the model (deterministic): prompt id (u,) answers with even tokens (toy reward 1, correct)
+    in the k-th sample of a request when ``solved(u, k)``, else odd tokens (reward 0); records its requests and
+    the weights it was synced to."""
+
+    def __init__(self, solved):
+        self.solved, self.requests, self.synced = solved, [], []
+
+    def generate(self, requests, params, generator=None):
+        self.requests.append([(r.prompt_ids, r.n) for r in requests])
+        return [[Completion(i, r.prompt_ids, [2, 4] if self.solved(r.prompt_ids[0], k) else [1, 3], [-0.1, -0.1], True)
+                 for k in range(r.n)] for i, r in enumerate(requests)]
+
+    def sync_weights(self, model):
+        self.synced.append(model)
+
+
+class UidSampler(GroupSampler):
+    def encode(self, problems):
+        return [(int(p.uid),) for p in problems]
+
+
+def scripted_sampler(solved) -> UidSampler:
+    return UidSampler(ScriptedEngine(solved), EvenTokenReward(), CharTokenizer(), {}, lambda rewards, _: rewards)
+
+
+# the reference solves prompt 0 in every sample, prompt 1 in none, prompt 2 in every other one, prompt 3 in 1 of 4
+REFERENCE_SOLVES = {0: lambda k: True, 1: lambda k: False, 2: lambda k: k % 2 == 0, 3: lambda k: k == 0}
+PVPO_PROBLEMS = [Problem(str(u), f"q{u}", "a") for u in range(4)]
+
+
+def reference_anchor(refresh_every=None, samples=4):
+    sampler = scripted_sampler(lambda u, k: REFERENCE_SOLVES[u](k))
+    options = BaselineOptions("reference", samples, refresh_every, presample=True)
+    anchor = ReferenceAnchor(sampler, sampler.engine, "policy", "reference", options, SamplingParams(1.0, 1.0, 2),
+                             torch.Generator().manual_seed(0))
+    return anchor, sampler
+
+
+def test_pvpo_presampling_drops_what_the_reference_always_solves_and_records_its_pass_rates():
+    anchor, sampler = reference_anchor()
+    stats = PromptStatsStore()
+    sources = AdvantageInputSources({"baseline_rewards"}, [BaselineRewards(anchor)])
+    kept = sources.before_training(PVPO_PROBLEMS, stats)
+    assert [p.uid for p in kept] == ["1", "2", "3"]  # prompt 0: 4 of 4 right
+    assert [stats.get(p.uid).reference_pass_rate for p in PVPO_PROBLEMS] == [1.0, 0.0, 0.5, 0.25]
+    assert [anchor.cache.mean(p.uid) for p in PVPO_PROBLEMS] == [1.0, 0.0, 0.5, 0.25]  # V_ref: the mean reward
+    assert sampler.engine.synced == ["reference", "policy"]  # sampled from the reference, then back
+    assert sampler.engine.requests == [[((u,), 4) for u in range(4)]]  # one pass, before any step
+    # a resumed run's sources (their state loaded) filter the same problems without sampling again
+    resumed, resumed_sampler = reference_anchor()
+    resumed.load_state_dict(anchor.state_dict())
+    assert [p.uid for p in resumed.presample(PVPO_PROBLEMS, PromptStatsStore())] == ["1", "2", "3"]
+    assert resumed_sampler.engine.requests == []
+
+
+def test_pvpo_prompts_the_reference_always_solves_never_appear(tmp_path):
+    anchor, _ = reference_anchor()
+    stats = PromptStatsStore()
+    kept = anchor.presample(PVPO_PROBLEMS, stats)
+    cfg = compose_config(["algorithm=pvpo", "experiment=smoke", "trainer.steps=40", "trainer.prompts_per_step=2"],
+                         tmp_path / "run")
+    curriculum = Curriculum(typed_config(cfg).trainer, 0, kept, stats)
+    drawn = [p.uid for step in range(1, 41) for p in curriculum.prompts(step, step_context(n=2))]
+    assert "0" not in drawn and set(drawn) == {"1", "2", "3"}
+
+
+def test_pvpo_everything_solved_by_the_reference_is_refused():
+    anchor, _ = reference_anchor()
+    with pytest.raises(ConfigError, match="solves every one of the 1 training problems"):
+        anchor.presample([PVPO_PROBLEMS[0]], PromptStatsStore())
+
+
+def test_pvpo_ground_truth_trajectory_only_for_prompts_the_reference_never_solved():
+    library = GuidanceLibrary()
+    for u in range(5):
+        library.add(Trace(str(u), "", (2, 4), "dataset"))
+    stats = PromptStatsStore()
+    for uid, rate in {"0": 0.0, "1": 0.5, "2": 0.0, "3": 0.25}.items():  # prompt 4: never measured
+        stats.set_reference(uid, rate)
+    sampler = scripted_sampler(lambda u, k: False)  # the policy never solves anything
+    setup = RolloutSetup(sampler, 4, SamplingParams(1.0, 1.0, 2), None, guidance=library, prompt_stats=stats)
+    cfg = {"strategy": "mixed_traces", "n": 4, "mixed_traces": {"traces_per_group": 1, "when": "reference_unsolved"}}
+    problems = [Problem(str(u), f"q{u}", "a") for u in range(5)]
+    graded, metrics = make_strategy(rollout_config(cfg), setup).rollout(problems)
+    # reference pass rate 0: 3 samples + the trajectory in place of the fourth; every other prompt: 4 samples
+    assert sampler.engine.requests == [[((0,), 3), ((1,), 4), ((2,), 3), ((3,), 4), ((4,), 4)]]
+    assert [[c.behaviour for c in group].count("dataset") for group in graded.groups] == [1, 0, 1, 0, 0]
+    assert all(len(group) == 4 for group in graded.groups) and metrics["groups_with_trace"] == 2.0
+    trace = graded.groups[0][-1]
+    assert trace.off_policy == [1, 1] and trace.behaviour_logprobs == [0.0, 0.0]  # mu = 1: the source's probability unknown
+
+
+def test_pvpo_anchor_is_refreshed_on_schedule():
+    anchor, sampler = reference_anchor(refresh_every=2)
+    anchor.presample(PVPO_PROBLEMS, PromptStatsStore())  # every anchor estimated at step 0
+    policy = scripted_sampler(lambda u, k: True)
+    batch = policy([PVPO_PROBLEMS[2]], 2, SamplingParams(1.0, 1.0, 2), None)
+    generated = []
+    for _ in range(5):  # training steps 1..5 (the anchor's steps 0..4)
+        anchor(batch)
+        generated.append(anchor.generated)
+    # re-estimated 2 steps after its last estimate: at the anchor's steps 2 and 4
+    assert generated == [0, 0, 4, 0, 4]
+    assert len(sampler.engine.requests) == 3  # the pre-sampling pass and the two refreshes
+
+
+def test_ground_truth_rollout_needs_pvpo_presampling(tmp_path):
+    from rlbench.validation import validate_config
+
+    cfg = compose_config(["algorithm=grpo", "rollout=ground_truth", "guidance=dataset", "experiment=smoke"], tmp_path / "a")
+    with pytest.raises(ConfigError, match="when=reference_unsolved .* only PVPO's pre-sampling"):
+        validate_config(cfg)
+    validate_config(compose_config(["algorithm=pvpo", "experiment=smoke"], tmp_path / "b"))
+    cfg = compose_config(["algorithm=pvpo", "experiment=smoke", "algorithm.baseline.presample=false"], tmp_path / "c")
+    with pytest.raises(ConfigError, match="when=reference_unsolved"):
+        validate_config(cfg)

@@ -192,6 +192,8 @@ class BaselineConfig:
     source: Optional[str] = knob(None, "greedy | reference (null: the estimator's default)")
     samples: int = knob(8, "reference-policy samples per prompt")
     refresh_every: Optional[int] = knob(None, "steps between recomputing cached baselines; null: never")
+    presample: bool = knob(False, "reference only: before step 1, estimate every training problem's baseline, drop "
+                           "the problems the reference solves in every sample (PVPO's pre-sampling)")
 
 
 @dataclass

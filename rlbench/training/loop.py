@@ -60,7 +60,9 @@ class TrainingRun:
         self.trainer, self.output_dir = config.trainer, config.output_dir
         self.ctx, self.logger = ctx, logger
         self.peers = ctx.world if peers is None else peers
+        self.seed, self.problems = config.seed, problems
         self.curriculum = Curriculum(config.trainer, config.seed, problems, ctx.prompt_stats)
+        self.presampled = False
         self.untrained = UntrainedSteps()
         self.step = 0  # steps completed
         self.after_step_done = 0  # the last step whose after_step (periodic evaluation) ran
@@ -125,6 +127,7 @@ class TrainingRun:
         state = saved.load(checkpoint.state_file(world.rank), device)
         self.ctx.load_state_dict(state["context"])
         self.ctx.engine.sync_weights(self.ctx.model)
+        self.presample()  # from the restored sources' state: the same problems, nothing sampled
         self.step = self.saved_step = int(state["step"])
         self.curriculum.load_state_dict(state["curriculum"], self.ctx, self.step)
         self.untrained.count = int(state["untrained_steps"])
@@ -156,6 +159,15 @@ class TrainingRun:
                         problem or f"another rank cannot load checkpoint {saved.path}", previous.path)
             saved = previous
 
+    def presample(self) -> None:
+        """The advantage inputs' work before the first step (PVPO's pre-sampling,
+        rlbench.training.advantage_inputs.StepInputSource.before_training): when it drops training
+        problems, the curriculum draws from the rest."""
+        kept = self.ctx.inputs.before_training(self.problems, self.ctx.prompt_stats)
+        if len(kept) != len(self.problems):
+            self.curriculum = Curriculum(self.trainer, self.seed, kept, self.ctx.prompt_stats)
+        self.presampled = True
+
     def checkpoint_due(self, step: int) -> bool:
         every = self.trainer.checkpoint_every
         return bool(every) and (step % every == 0 or step == self.trainer.steps)
@@ -167,6 +179,8 @@ class TrainingRun:
         (:class:`rlbench.training.interrupt.StopSignals`). Returns what the run's summary reports
         about training."""
         steps = self.trainer.steps
+        if not self.presampled:
+            self.presample()
         progress = Progress("train", steps)
         progress.done = self.step
         if after_step is not None and self.after_step_done < self.step:  # checkpointed before it ran

@@ -1,6 +1,7 @@
 """Per-prompt statistics of every response graded in training: per prompt uid, the responses graded so
 far (attempts), how many were correct (pass rate), their mean length, the last step that saw the prompt
-and that step's own attempts and correct ones (the recent pass rate). The curriculum
+and that step's own attempts and correct ones (the recent pass rate), and the reference policy's pass rate
+measured before training (PVPO's pre-sampling). The curriculum
 (rlbench.training.curricula) feeds the store every step's graded groups; prompt samplers and rollout
 strategies (difficulty_adaptive) read it.
 """
@@ -24,6 +25,7 @@ class PromptStats:
     last_seen: int = 0
     recent_attempts: int = 0  # the responses of the last step that saw the prompt
     recent_correct: int = 0
+    reference_pass_rate: float = math.nan  # the reference policy's pass rate before training (PVPO's pre-sampling)
 
     @property
     def pass_rate(self) -> float:
@@ -66,6 +68,12 @@ class PromptStatsStore:
             entry.correct += right
             entry.length_sum += length_sum
             entry.last_seen = step
+
+    def set_reference(self, uid: str, pass_rate: float) -> None:
+        """Record the reference policy's pass rate on prompt ``uid`` (PVPO's pre-sampling,
+        rlbench.training.advantage_inputs.ReferenceAnchor.presample); strategies read it
+        (rollout.mixed_traces.when=reference_unsolved)."""
+        self.stats.setdefault(uid, PromptStats()).reference_pass_rate = float(pass_rate)
 
     def get(self, uid: str) -> PromptStats:
         return self.stats.get(uid, PromptStats())
