@@ -82,9 +82,17 @@ def check_batch_arithmetic(prompts_per_step: int, n: int, micro_batch_size: int,
 
 
 def check_curriculum(config: RunConfig, algorithm: Algorithm) -> None:
-    """The prompt sampler's options, and the stages (ordered, known keys) with every stage's batch."""
+    """The prompt sampler's options, the difficulty filter's band, and the stages (ordered, known keys) with every
+    stage's batch and sampler."""
     trainer = config.trainer
     sampler_options(trainer.prompt_sampler)
+    band = trainer.difficulty_filter
+    if band is not None and band.min_pass_rate > band.max_pass_rate:
+        raise ConfigError(f"trainer.difficulty_filter: min_pass_rate={band.min_pass_rate} is above "
+                          f"max_pass_rate={band.max_pass_rate}, so no problem could be kept")
+    if band is not None and trainer.parallelism != "single":
+        raise ConfigError(f"trainer.difficulty_filter is not supported with trainer.parallelism={trainer.parallelism} "
+                          "(each process would filter the problems by its own samples)")
     stages = parse_stages(trainer.stages, trainer.steps)
     for stage, settings in zip(stages, stage_settings(config, stages)):
         try:

@@ -13,10 +13,12 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # conftest and test_curricula, also as a script
-from conftest import compose_config
+from conftest import algorithm_from, compose_config
 from test_curricula import graded
 from test_guidance import CharTokenizer
 
+from rlbench.algorithm.shaping import apply_shaping, length_target_penalty
+from rlbench.config.schema import DifficultyFilterConfig
 from rlbench.config.typed import rollout_config, typed_config
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
@@ -24,6 +26,7 @@ from rlbench.guidance import GuidanceLibrary, Trace
 from rlbench.reward.toy import EvenTokenReward
 from rlbench.rollout import GroupSampler, make_strategy
 from rlbench.rollout.engines.base import Completion, SamplingParams
+from rlbench.rollout.groups import prompt_key
 from rlbench.rollout.strategy import RolloutSetup
 from rlbench.training.advantage_inputs import (
     AdvantageInputSources,
@@ -31,7 +34,12 @@ from rlbench.training.advantage_inputs import (
     BaselineRewards,
     ReferenceAnchor,
 )
-from rlbench.training.curricula import Curriculum, HardFocusPrompts, PromptSampler
+from rlbench.training.curricula import (
+    Curriculum,
+    HardFocusPrompts,
+    PromptSampler,
+    difficulty_filter,
+)
 from rlbench.training.prompt_stats import PromptStatsStore
 
 # ------------------------------------------------------------------------------------------ DRIVE
@@ -244,4 +252,73 @@ def test_ground_truth_rollout_needs_pvpo_presampling(tmp_path):
     validate_config(compose_config(["algorithm=pvpo", "experiment=smoke"], tmp_path / "b"))
     cfg = compose_config(["algorithm=pvpo", "experiment=smoke", "algorithm.baseline.presample=false"], tmp_path / "c")
     with pytest.raises(ConfigError, match="when=reference_unsolved"):
+        validate_config(cfg)
+
+
+# ------------------------------------------------------------------------------------- INTELLECT-2
+
+
+def test_length_target_reward_in_closed_form():
+    lengths = torch.tensor([0, 4, 8, 12, 8, 3])
+    keys = torch.tensor([0, 0, 0, 0, 1, 7])  # key mod 2: targets 4, 4, 4, 4, 8, 8
+    reward = length_target_penalty(lengths, keys, targets=[4, 8], alpha=0.5)
+    assert reward.tolist() == [-2.0, 0.0, -2.0, -4.0, 0.0, -2.5]  # -0.5 |L - L_target|
+    assert reward[1] == reward[:4].max()  # the most at L = L_target
+    with pytest.raises(ValueError, match="non-empty list"):
+        length_target_penalty(lengths, keys, targets=[], alpha=0.5)
+
+
+def test_length_target_reward_in_the_preset_keeps_one_target_per_prompt(tmp_path):
+    """Through the grader: every response of a prompt is compared with the same target, the prompt's."""
+    cfg = compose_config(["algorithm=intellect2", "experiment=smoke"], tmp_path / "run")
+    shaping = [(s.name, s.params) for s in algorithm_from(cfg.algorithm).reward_shaping]
+    assert shaping == [("length_target", {"targets": [1000, 2000, 3000, 4000], "alpha": 0.001})]
+    sampler = UidSampler(ScriptedEngine(lambda u, k: True), EvenTokenReward(), CharTokenizer(), {},
+                         lambda rewards, inputs: apply_shaping(rewards, shaping, inputs))
+    graded = sampler(PVPO_PROBLEMS, 2, SamplingParams(1.0, 1.0, 2), None)
+    targets = torch.tensor([[1000, 2000, 3000, 4000][prompt_key((u,)) % 4] for u in range(4)]).repeat_interleave(2)
+    assert graded.rewards.tolist() == pytest.approx((1.0 - 0.001 * (2 - targets).abs()).tolist())  # 2 tokens, all even
+    assert prompt_key((3,)) == prompt_key([3]) != prompt_key((4,))  # a stable key of the token ids
+
+
+def test_difficulty_filter_keeps_exactly_the_problems_in_the_band():
+    # initial pass rates (4 samples): prompt 0 -> 1, 1 -> 0, 2 -> 1/2, 3 -> 1/4
+    sampler = scripted_sampler(lambda u, k: REFERENCE_SOLVES[u](k))
+    sample = lambda chunk: sampler(chunk, 4, SamplingParams(1.0, 1.0, 2), None)
+    band = DifficultyFilterConfig(samples=4, min_pass_rate=0.25, max_pass_rate=0.75)
+    stats = PromptStatsStore()
+    assert [p.uid for p in difficulty_filter(PVPO_PROBLEMS, sample, stats, band)] == ["2", "3"]  # both ends inclusive
+    assert [stats.get(p.uid).reference_pass_rate for p in PVPO_PROBLEMS] == [1.0, 0.0, 0.5, 0.25]
+    # INTELLECT-2's band: drop 8 of 8 (and 4 of 4) solved, keep everything else
+    again = difficulty_filter(PVPO_PROBLEMS, sample, stats, DifficultyFilterConfig(4, 0.0, 0.875))
+    assert [p.uid for p in again] == ["1", "2", "3"]
+    assert len(sampler.engine.requests) == 1  # rates already measured (as on resume): nothing sampled again
+    with pytest.raises(ConfigError, match="none of the 4 training problems"):
+        difficulty_filter(PVPO_PROBLEMS, sample, stats, DifficultyFilterConfig(4, 0.3, 0.4))
+
+
+def test_intellect2_online_filter_drops_exactly_the_groups_without_signal(tmp_path):
+    cfg = compose_config(["algorithm=intellect2", "experiment=smoke"], tmp_path / "run")
+    assert cfg.rollout.strategy == "dynamic_sampling" and cfg.rollout.dynamic_sampling.metric == "correct"
+    # the policy solves prompt 0 always, 1 never, 2 and 3 sometimes: only 2 and 3 are kept
+    sampler = scripted_sampler(lambda u, k: REFERENCE_SOLVES[u](k))
+    setup = RolloutSetup(sampler, 4, SamplingParams(1.0, 1.0, 2), None)
+    graded, metrics = make_strategy(typed_config(cfg).rollout, setup).rollout(
+        PVPO_PROBLEMS[:2] + PVPO_PROBLEMS[2:], lambda count: PVPO_PROBLEMS[2:][:count])
+    assert [p.uid for p in graded.problems] == ["2", "3", "2", "3"]
+    assert metrics["dynamic_sampling_dropped_groups"] == 2.0 and metrics["dynamic_sampling_filled_groups"] == 0.0
+
+
+def test_paper_intellect2_filters_offline_and_trains_on_stale_rollouts(tmp_path):
+    cfg = typed_config(compose_config(["paper=intellect2"], tmp_path / "run"))
+    assert cfg.trainer.difficulty_filter == DifficultyFilterConfig(samples=8, min_pass_rate=0.0, max_pass_rate=0.875)
+    assert cfg.trainer.max_staleness == 2  # the delta cap acts on stale ratios
+
+
+def test_a_difficulty_band_that_keeps_nothing_is_refused_before_the_model_loads(tmp_path):
+    from rlbench.validation import validate_config
+
+    cfg = compose_config(["experiment=smoke", "+trainer.difficulty_filter={min_pass_rate:0.9,max_pass_rate:0.1}"],
+                         tmp_path / "run")
+    with pytest.raises(ConfigError, match="min_pass_rate=0.9 is above max_pass_rate=0.1"):
         validate_config(cfg)

@@ -58,8 +58,8 @@ from rlbench.rollout.guided.mixed_traces import traces_when
 from rlbench.rollout.strategy import STRATEGIES, strategy_class
 from rlbench.training.batch import TrainBatch, collate
 from rlbench.training.forward import batch_outputs
-from rlbench.training.prompt_stats import PromptStatsStore
-from rlbench.utils import STREAM_GREEDY, STREAM_REFERENCE, Progress, make_generator
+from rlbench.training.prompt_stats import PromptStatsStore, measure_before_training
+from rlbench.utils import STREAM_GREEDY, STREAM_REFERENCE, make_generator
 
 log = logging.getLogger(__name__)
 
@@ -357,8 +357,6 @@ class ReferenceAnchor:
     store, where ``rollout.mixed_traces.when=reference_unsolved`` reads it (ground-truth trajectories
     for the problems the reference never solves)."""
 
-    PRESAMPLE_CHUNK = 64  # prompts per engine call of the pre-sampling pass
-
     def __init__(
         self,
         sample: GroupSampler,
@@ -388,16 +386,11 @@ class ReferenceAnchor:
         """PVPO's pre-sampling: the reference's ``samples`` responses for every problem not estimated yet
         (on resume every one is: nothing is sampled), cached as its anchor at step 0; its pass rate is
         recorded in ``stats``; returns the problems whose pass rate is below 1 (ConfigError when none is)."""
-        todo = list({p.uid: p for p in problems if p.uid not in self.accuracy}.values())
-        progress = Progress("pvpo presample", len(todo), enabled=bool(todo))
-        for start in range(0, len(todo), self.PRESAMPLE_CHUNK):
-            chunk = todo[start:start + self.PRESAMPLE_CHUNK]
-            reference = self.reference_groups(chunk, None)
-            for k, problem in enumerate(chunk):
-                member = reference.group_index == k
-                self.cache.put(problem.uid, reference.rewards[member].tolist(), 0)
-                self.accuracy[problem.uid] = float(reference.correct[member].float().mean().item())
-            progress.update(len(chunk))
+        todo = [p for p in problems if p.uid not in self.accuracy]
+        for uid, (rewards, pass_rate) in measure_before_training(todo, lambda chunk: self.reference_groups(chunk, None),
+                                                                 "pvpo presample").items():
+            self.cache.put(uid, rewards, 0)
+            self.accuracy[uid] = pass_rate
         for uid, rate in self.accuracy.items():
             stats.set_reference(uid, rate)
         kept = [p for p in problems if self.accuracy[p.uid] < 1]

@@ -5,10 +5,13 @@
 * Prompt samplers (``prompt_sampler=<name>``, the node ``trainer.prompt_sampler``): ``uniform`` (the default:
   shuffled passes, :class:`PromptSampler`), ``weighted`` (draw by pass rate:
   a Gaussian around a target pass rate, or easy / medium / hard bucket weights) and ``hard_focus``
-  (DRIVE's stage-2 rule: after every phase, keep the hardest share of the pool), ``lspo`` (prompts whose
-  mean response length is at the extremes, LSPO). Each has
+  (DRIVE's stage-2 rule: after every phase, keep the hardest share of the pool; ``prompt_sampler=drive``
+  switches to it in a stage). LSPO's length filter works on a step's own rollouts, so it is a rollout
+  (``rollout=lspo``, rlbench/rollout/strategies/dynamic_sampling.py), not a sampler. Each has
   ``next(count)``, ``state_dict()`` and ``load_state_dict()``; a new one is a class registered with
   :func:`register_prompt_sampler` and a YAML in conf/prompt_sampler/.
+* Filters before training: ``trainer.difficulty_filter`` (INTELLECT-2's offline filter by the initial
+  policy's pass rate, :func:`difficulty_filter`), run by the loop (rlbench.training.loop) before step 1.
 * Stages (``trainer.stages``, parsed by rlbench.training.stages): from step ``at`` on, the listed
   settings change; :meth:`Curriculum.prompts` enters a stage at its step (:func:`apply_stage`), and a
   stage naming a sampler switches to it (DRIVE: ``prompt_sampler=drive``, uniform then hard_focus).
@@ -17,6 +20,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,17 +28,23 @@ from typing import Any
 
 import numpy as np
 
-from rlbench.config.schema import PromptSamplerConfig, TrainerConfig
+from rlbench.config.schema import (
+    DifficultyFilterConfig,
+    PromptSamplerConfig,
+    TrainerConfig,
+)
 from rlbench.config.typed import settings_block
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.groups import GradedGroups
 from rlbench.training.distributed import SINGLE, World
-from rlbench.training.prompt_stats import PromptStatsStore
+from rlbench.training.prompt_stats import PromptStatsStore, measure_before_training
 from rlbench.training.stages import SAMPLER_KEY, Stage, parse_stages
 from rlbench.training.step import StepContext
 from rlbench.training.swarm import own_groups
 from rlbench.utils import STREAM_CURRICULUM, STREAM_DATA_ORDER
+
+log = logging.getLogger(__name__)
 
 # -------------------------------------------------------------------------------------- samplers
 
@@ -179,50 +189,6 @@ class WeightedPrompts:
 
 
 @dataclass(frozen=True)
-class LengthExtremesOptions:
-    """``trainer.prompt_sampler.lspo``: the length quantiles of LSPO's filter (Chen, Koenig & Dilkina 2025,
-    arXiv:2510.01459: thresholds L_low, L_high, L_max over the batch's mean lengths; the default values
-    0.3 / 0.65 / 0.95 are not verified)."""
-
-    low: float = 0.3  # keep prompts whose mean response length is <= the low quantile ...
-    high: float = 0.65  # ... or between the high and the max quantile
-    max: float = 0.95  # (above it: near-truncated responses, left out)
-
-    def check(self) -> None:
-        if not 0 < self.low < self.high < self.max <= 1:
-            raise ConfigError(f"trainer.prompt_sampler.lspo: 0 < low < high < max <= 1 is required, got {self}")
-
-
-def length_extremes(lengths: Sequence[float], options: LengthExtremesOptions) -> np.ndarray:
-    """LSPO's filter on mean response lengths L (NaN: not seen yet): with Q the quantiles of the seen
-    lengths (linear interpolation), a prompt is kept when L <= Q(low) or Q(high) <= L <= Q(max); an
-    unseen prompt is kept (its length is not known yet). Returns the boolean mask."""
-    values = np.asarray(lengths, dtype=np.float64)
-    seen = ~np.isnan(values)
-    if not seen.any():
-        return np.ones(len(values), dtype=bool)
-    q_low, q_high, q_max = np.quantile(values[seen], [options.low, options.high, options.max])
-    with np.errstate(invalid="ignore"):
-        extreme = (values <= q_low) | ((values >= q_high) & (values <= q_max))
-    return ~seen | extreme
-
-
-@register_prompt_sampler("lspo")
-class LengthExtremesPrompts(WeightedPrompts):
-    """LSPO's length-aware sampling (arXiv:2510.01459): prompts drawn
-    uniformly among those whose mean response length so far is at the extremes of the seen prompts'
-    lengths (:func:`length_extremes`), from the statistics store. The paper filters the step's own
-    rollouts after generating them (over-sampling until the batch is full); this sampler decides from
-    the lengths of earlier steps, so no response is generated to be thrown away."""
-
-    Options = LengthExtremesOptions
-
-    def probabilities(self) -> np.ndarray:
-        kept = length_extremes([self.stats.get(p.uid).mean_length for p in self.problems], self.options)
-        return kept / kept.sum()
-
-
-@dataclass(frozen=True)
 class HardFocusOptions:
     """``trainer.prompt_sampler.hard_focus``: DRIVE's stage-2 curriculum (arXiv:2511.06307)."""
 
@@ -304,6 +270,28 @@ class HardFocusPrompts:
         self.started_after = int(state["started_after"])
         self.rng.bit_generator.state = state["rng"]
         self.stats.load_state_dict(state["stats"])
+
+
+# ----------------------------------------------------------------------- filters before training
+
+
+def difficulty_filter(problems: list[Problem], sample: Callable[[list[Problem]], GradedGroups],
+                      stats: PromptStatsStore, band: DifficultyFilterConfig) -> list[Problem]:
+    """INTELLECT-2's offline difficulty filter (Prime Intellect Team 2025, arXiv:2505.07291: problems the base
+    model solves in 8 of 8 samples are left out before training; ``trainer.difficulty_filter``): every problem
+    without a reference pass rate in ``stats`` is answered by ``sample`` (the initial policy's ``band.samples``
+    responses) and its pass rate recorded there; the problems whose rate lies in [min_pass_rate, max_pass_rate]
+    are returned (a resumed run's statistics hold every rate: nothing is sampled). ConfigError when none is."""
+    todo = [p for p in problems if math.isnan(stats.get(p.uid).reference_pass_rate)]
+    for uid, (_, pass_rate) in measure_before_training(todo, sample, "difficulty filter").items():
+        stats.set_reference(uid, pass_rate)
+    kept = [p for p in problems if band.min_pass_rate <= stats.get(p.uid).reference_pass_rate <= band.max_pass_rate]
+    log.info("difficulty filter: %d of %d training problems have an initial pass rate in [%g, %g]",
+             len(kept), len(problems), band.min_pass_rate, band.max_pass_rate)
+    if not kept:
+        raise ConfigError(f"trainer.difficulty_filter: none of the {len(problems)} training problems has an initial pass rate "
+                          f"in [{band.min_pass_rate}, {band.max_pass_rate}] ({band.samples} samples each); widen the band")
+    return kept
 
 
 # ------------------------------------------------------------------------------- the data side

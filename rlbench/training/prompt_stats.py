@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rlbench.dataset.base import Problem
 from rlbench.rollout.groups import GradedGroups
 from rlbench.training.distributed import SINGLE, World
+from rlbench.utils import Progress
+
+PRESAMPLE_CHUNK = 64  # prompts per engine call of a pass before training
 
 
 @dataclass
@@ -83,3 +88,21 @@ class PromptStatsStore:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.stats = {uid: PromptStats(**entry) for uid, entry in state.items()}
+
+
+def measure_before_training(problems: Sequence[Problem], sample: Callable[[list[Problem]], GradedGroups],
+                            phase: str) -> dict[str, tuple[list[float], float]]:
+    """uid -> (rewards, pass rate) of ``sample``'s graded responses to each of ``problems`` (each uid once), in
+    chunks of PRESAMPLE_CHUNK prompts with a progress line: the pass before training of PVPO's pre-sampling
+    and of the offline difficulty filter (``trainer.difficulty_filter``)."""
+    todo = list({p.uid: p for p in problems}.values())
+    progress = Progress(phase, len(todo), enabled=bool(todo))
+    measured: dict[str, tuple[list[float], float]] = {}
+    for start in range(0, len(todo), PRESAMPLE_CHUNK):
+        chunk = todo[start:start + PRESAMPLE_CHUNK]
+        graded = sample(chunk)
+        for k, problem in enumerate(chunk):
+            member = graded.group_index == k
+            measured[problem.uid] = (graded.rewards[member].tolist(), float(graded.correct[member].float().mean().item()))
+        progress.update(len(chunk))
+    return measured

@@ -86,6 +86,11 @@ ROLLOUT_STRATEGIES_WITHOUT_TOY_CHECK = {
     "multiround": "the toy's later rounds do not depend on the first round",
     # training_free_grpo's rollout; see ALGORITHM_PRESETS_WITHOUT_TOY_CHECK
     "experience_library": "the toy's random model does not follow in-context examples",
+    # LSPO's length filter on dynamic sampling: the toy's responses all have 8 tokens (no EOS), so every
+    # quantile is 8 and the filter keeps every informative group; grpo with rollout=lspo (max_rounds 2) gave, on
+    # seeds 0-2 and the control (2026-12-04), the per-step curves of intellect2's check exactly (peak rise
+    # +0.302, +0.202, +0.459; control +0.005): what it runs is dynamic sampling, which dapo and intellect2 check.
+    "lspo": "every toy response has 8 tokens, so the length filter keeps every group",
 }
 
 
