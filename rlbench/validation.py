@@ -33,7 +33,7 @@ from rlbench.training.advantage_inputs import validate_step_options
 from rlbench.training.curricula import PROMPT_SAMPLERS, sampler_options
 from rlbench.training.distributed import check_parallelism, launched_world_size
 from rlbench.training.reference_soup import validate_reference_soup
-from rlbench.training.stages import parse_stages, stage_settings
+from rlbench.training.stages import SAMPLER_KEY, parse_stages, stage_settings
 from rlbench.training.swarm import check_swarm
 
 
@@ -82,7 +82,8 @@ def check_batch_arithmetic(prompts_per_step: int, n: int, micro_batch_size: int,
 
 
 def check_curriculum(config: RunConfig, algorithm: Algorithm) -> None:
-    """The prompt sampler's options, and the stages (ordered, known keys) with every stage's batch."""
+    """The prompt sampler's options, the difficulty filter's band, and the stages (ordered, known keys) with every
+    stage's batch and sampler."""
     trainer = config.trainer
     sampler_options(trainer.prompt_sampler)
     if trainer.prompt_sampler is not None and trainer.prompt_sampler.name == "spo" and algorithm.advantage.name != "spo":
@@ -90,9 +91,17 @@ def check_curriculum(config: RunConfig, algorithm: Algorithm) -> None:
             f"trainer.prompt_sampler=spo draws prompts by the SPO value tracker's uncertainty, and advantage "
             f"'{algorithm.advantage.name}' keeps no tracker: use algorithm=spo, or another prompt_sampler"
         )
+    band = trainer.difficulty_filter
+    if band is not None and band.min_pass_rate > band.max_pass_rate:
+        raise ConfigError(f"trainer.difficulty_filter: min_pass_rate={band.min_pass_rate} is above "
+                          f"max_pass_rate={band.max_pass_rate}, so no problem could be kept")
+    if band is not None and trainer.parallelism != "single":
+        raise ConfigError(f"trainer.difficulty_filter is not supported with trainer.parallelism={trainer.parallelism} "
+                          "(each process would filter the problems by its own samples)")
     stages = parse_stages(trainer.stages, trainer.steps)
     for stage, settings in zip(stages, stage_settings(config, stages)):
         try:
+            sampler_options(settings[SAMPLER_KEY])
             check_batch_arithmetic(settings["trainer.prompts_per_step"], settings["rollout.n"],
                                    trainer.micro_batch_size, algorithm.minibatches)
             algorithm.check_group_size(settings["rollout.n"], settings["trainer.prompts_per_step"] * settings["rollout.n"])

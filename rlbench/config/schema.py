@@ -192,6 +192,8 @@ class BaselineConfig:
     source: Optional[str] = knob(None, "greedy | reference (null: the estimator's default)")
     samples: int = knob(8, "reference-policy samples per prompt")
     refresh_every: Optional[int] = knob(None, "steps between recomputing cached baselines; null: never")
+    presample: bool = knob(False, "reference only: before step 1, estimate every training problem's baseline, drop "
+                           "the problems the reference solves in every sample (PVPO's pre-sampling)")
 
 
 @dataclass
@@ -266,10 +268,21 @@ class PromptSamplerConfig:
     """``trainer.prompt_sampler`` (``prompt_sampler=<name>``): which prompts each step trains on (rlbench/training/curricula.py)."""
 
     name: str = knob(
-        "uniform", "prompt sampler: uniform (shuffled passes) | weighted (by pass rate) | hard_focus (DRIVE) | lspo (length extremes)",
+        "uniform", "prompt sampler: uniform (shuffled passes) | weighted (by pass rate) | hard_focus (DRIVE)",
         settings_blocks=True,
     )
     settings: dict = knob({}, "the settings blocks beside name, by sampler (filled by rlbench.config.typed)", derived=True)
+
+
+@dataclass
+class DifficultyFilterConfig:
+    """``trainer.difficulty_filter``: an offline filter before step 1 (INTELLECT-2, arXiv:2505.07291): the initial
+    policy answers every training problem ``samples`` times, and only the problems whose pass rate lies in
+    [min_pass_rate, max_pass_rate] are trained on (rlbench/training/curricula.py)."""
+
+    samples: int = knob(8, "responses of the initial policy per training problem", ge=1)
+    min_pass_rate: float = knob(0.0, "drop the problems solved less often than this", ge=0, le=1)
+    max_pass_rate: float = knob(1.0, "drop the problems solved more often than this (7/8 = 0.875: drop 8 of 8)", ge=0, le=1)
 
 
 @dataclass
@@ -299,6 +312,9 @@ class TrainerConfig:
         "the last, into <run>/checkpoints/; null: only when the run is interrupted (docs/resume.md)", ge=1)
     keep_checkpoints: int = knob(2, "keep the last K checkpoints (an unreadable newest one falls back to the previous)", ge=1)
     prompt_sampler: PromptSamplerConfig = node(PromptSamplerConfig, "which prompts each step trains on (prompt_sampler=<name>, conf/prompt_sampler/)")
+    difficulty_filter: Optional[DifficultyFilterConfig] = node(
+        DifficultyFilterConfig, "null: train on every problem; {samples, min_pass_rate, max_pass_rate}: keep only the "
+        "problems the initial policy solves at a pass rate in the band, measured before step 1 (INTELLECT-2)")
     stages: list = knob(
         [], "[{at: step, rollout.n: .., rollout.max_new_tokens: .., rollout.temperature: .., trainer.prompts_per_step: ..}]: "
         "settings that change from step `at` on (strictly increasing steps)"
