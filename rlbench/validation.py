@@ -201,25 +201,37 @@ def fidelity_blocks(config: RunConfig) -> list[tuple[str, FidelityConfig]]:
 
 
 def check_fidelity(config: RunConfig) -> None:
-    """Each stated fidelity carries the text its status needs: ``missing`` (what is not built and what runs
+    """Each stated fidelity of the run carries the text its status needs (:func:`fidelity_problem`)."""
+    for label, block in fidelity_blocks(config):
+        problem = fidelity_problem(block)
+        if problem:
+            raise ConfigError(f"{label}: fidelity.status={block.status} {problem}")
+
+
+def fidelity_problem(block: FidelityConfig) -> str | None:
+    """What a fidelity block lacks or holds wrongly, or None: ``missing`` (what is not built and what runs
     instead) with partial and only with it, ``adapted`` (how the setting changed) with adapted (a partial
     preset may say it too), neither with faithful (docs/papers.md, "Fidelity")."""
-    for label, block in fidelity_blocks(config):
-        where = f"{label}: fidelity.status={block.status}"
-        if (block.status == "partial") != bool(block.missing and block.missing.strip()):
-            raise ConfigError(f"{where} " + ("needs fidelity.missing: what part of the method is not built and what "
-                                             "runs instead" if block.status == "partial" else
-                                             "takes no fidelity.missing (only a partial preset lacks part of its method)"))
-        if block.status == "adapted" and not (block.adapted and block.adapted.strip()):
-            raise ConfigError(f"{where} needs fidelity.adapted: how the method was carried to another setting")
-        if block.status == "faithful" and block.adapted:
-            raise ConfigError(f"{where} takes no fidelity.adapted (an adapted setting is status adapted)")
+    def said(text: str | None) -> bool:
+        return bool(text and text.strip())
+
+    if block.status is None:
+        return "needs fidelity.status: faithful, partial or adapted"
+    if block.status == "partial" and not said(block.missing):
+        return "needs fidelity.missing: what part of the method is not built and what runs instead"
+    if block.status != "partial" and block.missing is not None:
+        return "takes no fidelity.missing (only a partial preset lacks part of its method)"
+    if block.status == "adapted" and not said(block.adapted):
+        return "needs fidelity.adapted: how the method was carried to another setting than the paper's"
+    if block.status == "faithful" and block.adapted is not None:
+        return "takes no fidelity.adapted (a preset carried to another setting is status adapted)"
+    return None
 
 
 def notice_fidelity(config: RunConfig) -> list[str]:
     """The start-up lines of a run that composes a partial or adapted preset, one per preset (logged as
-    warnings and returned; none outside mode=train): ``paper=pvpo is partial: <missing>``, ``paper=aepo is
-    adapted: <how>``. A user who runs a preset named after a method learns before training that the run is
+    warnings and returned; none outside mode=train): ``paper=pvpo is partial: <missing>``, ``paper=edit_grpo
+    is adapted: <how>``. A user who runs a preset named after a method learns before training that the run is
     not all of that method, or not in its setting."""
     if config.mode != "train":
         return []
