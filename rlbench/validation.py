@@ -20,7 +20,12 @@ from rlbench.algorithm.registry import ADVANTAGES, POLICY_LOSSES
 from rlbench.algorithm.shaping import REWARD_SHAPING
 from rlbench.config.fit import check_fits_here
 from rlbench.config.origin import ValueOrigins, with_origins
-from rlbench.config.schema import DatasetConfig, RunConfig, SandboxConfig
+from rlbench.config.schema import (
+    DatasetConfig,
+    FidelityConfig,
+    RunConfig,
+    SandboxConfig,
+)
 from rlbench.config.typed import algorithm_settings, typed_config
 from rlbench.config.walk import Registered, check_against_schema
 from rlbench.dataset import validate_spec
@@ -194,6 +199,66 @@ def notice_inactive_terms(config: RunConfig, algorithm: Algorithm) -> str | None
     return line
 
 
+def fidelity_blocks(config: RunConfig) -> list[tuple[str, FidelityConfig]]:
+    """(how the preset is named in a message, its block) for every preset of the run that states its fidelity:
+    the paper (``paper=<name>``), the algorithm, the rollout strategy and the prompt sampler, in that order.
+    A block's ``method`` names the method where the node's own name does not (``prompt_sampler=clpo`` composes
+    the sampler ``weighted``)."""
+    paper = config.paper or {}
+    nodes = [
+        (f"paper={paper.get('name')}", paper.get("fidelity")),
+        (f"algorithm={config.algorithm.name}", config.algorithm.fidelity),
+        (f"rollout={config.rollout.strategy}", config.rollout.fidelity),
+        (f"prompt_sampler={config.trainer.prompt_sampler.name}", config.trainer.prompt_sampler.fidelity),
+    ]
+    return [(f"{label} ({block.method})" if block.method else label, block) for label, block in nodes if block is not None]
+
+
+def check_fidelity(config: RunConfig) -> None:
+    """Each stated fidelity of the run carries the text its status needs (:func:`fidelity_problem`)."""
+    for label, block in fidelity_blocks(config):
+        problem = fidelity_problem(block)
+        if problem:
+            raise ConfigError(f"{label}: fidelity.status={block.status} {problem}")
+
+
+def fidelity_problem(block: FidelityConfig) -> str | None:
+    """What a fidelity block lacks or holds wrongly, or None: ``missing`` (what is not built and what runs
+    instead) with partial and only with it, ``adapted`` (how the setting changed) with adapted (a partial
+    preset may say it too), neither with faithful (docs/papers.md, "Fidelity")."""
+    def said(text: str | None) -> bool:
+        return bool(text and text.strip())
+
+    if block.status is None:
+        return "needs fidelity.status: faithful, partial or adapted"
+    if block.status == "partial" and not said(block.missing):
+        return "needs fidelity.missing: what part of the method is not built and what runs instead"
+    if block.status != "partial" and block.missing is not None:
+        return "takes no fidelity.missing (only a partial preset lacks part of its method)"
+    if block.status == "adapted" and not said(block.adapted):
+        return "needs fidelity.adapted: how the method was carried to another setting than the paper's"
+    if block.status == "faithful" and block.adapted is not None:
+        return "takes no fidelity.adapted (a preset carried to another setting is status adapted)"
+    return None
+
+
+def notice_fidelity(config: RunConfig) -> list[str]:
+    """The start-up lines of a run that composes a partial or adapted preset, one per preset (logged as
+    warnings and returned; none outside mode=train): ``paper=pvpo is partial: <missing>``, ``paper=edit_grpo
+    is adapted: <how>``. A user who runs a preset named after a method learns before training that the run is
+    not all of that method, or not in its setting."""
+    if config.mode != "train":
+        return []
+    lines = []
+    for label, block in fidelity_blocks(config):
+        if block.status != "faithful":
+            text = block.missing if block.status == "partial" else block.adapted
+            lines.append(f"{label} is {block.status}: {' '.join(text.split())}")
+    for line in lines:
+        log.warning(line)
+    return lines
+
+
 def check_reincarnation(config: RunConfig) -> None:
     """ReMix's policy reincarnation (algorithm.reincarnate_at) copies the policy into the KL reference:
     not with a LoRA policy, whose reference is the adapter-free base (a view, no copy to overwrite)."""
@@ -300,6 +365,7 @@ def check_run(cfg: DictConfig, origins: ValueOrigins) -> Algorithm:
     specs go to their loader's check as composed."""
     check_against_schema(cfg, registered(), origins)
     config = typed_config(cfg)
+    check_fidelity(config)
     device = resolve_device(config.device)
     algorithm = Algorithm.from_config(algorithm_settings(config.algorithm))
 

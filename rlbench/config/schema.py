@@ -23,6 +23,8 @@ Field metadata:
   derived       not a config key: filled by the conversion to these dataclasses (rlbench/config/typed.py),
                 e.g. the settings blocks of a settings_blocks choice
   open          a mapping whose keys are free (paper metadata, dataset field maps, LlamaConfig fields)
+  typed_keys    with open: {key: schema} for the keys of the free mapping that are schema nodes all the same
+                (paper.fidelity)
 """
 
 from __future__ import annotations
@@ -207,6 +209,22 @@ class TrackerConfig:
 
 
 @dataclass
+class FidelityConfig:
+    """How much of its method a preset builds (docs/papers.md, "Fidelity"): the same block on a paper preset
+    (``paper.fidelity``) and on the algorithm, rollout and prompt-sampler presets named after a method
+    (``algorithm.fidelity``, ``rollout.fidelity``, ``trainer.prompt_sampler.fidelity``). A run that composes a
+    partial or adapted preset says so in one line at start-up (rlbench.validation.notice_fidelity)."""
+
+    status: Literal["faithful", "partial", "adapted"] = knob(
+        None, "faithful: every mechanism that defines the method is built and active (model, data and size "
+        "substitutions are deviations) | partial: part of it is missing or replaced by a stand-in | adapted: the "
+        "mechanism is complete, the paper's setting (domain, modality, tool environment) is replaced")
+    missing: Optional[str] = knob(None, "status partial: what part of the mechanism is not built and what runs instead")
+    adapted: Optional[str] = knob(None, "status adapted: how the method was carried to another setting than the paper's")
+    method: Optional[str] = knob(None, "the method's name in the start-up line (null: the preset's name)")
+
+
+@dataclass
 class AlgorithmConfig:
     """``algorithm``: advantage x loss x aggregation x KL x entropy x update schedule (composition.py)."""
 
@@ -240,6 +258,7 @@ class AlgorithmConfig:
     baseline: Optional[BaselineConfig] = node(BaselineConfig, "baseline_rewards source (remax, pvpo)")
     tracker: Optional[TrackerConfig] = node(TrackerConfig, "SPO's tracker (advantage spo)")
     deviations: list = knob([], "where the preset departs from the paper, one sentence each")
+    fidelity: Optional[FidelityConfig] = node(FidelityConfig, "null: not stated; how much of its method the preset builds")
 
 
 # Bounds of piece parameters that mean the same in every piece that takes them (a clip range is a width).
@@ -271,6 +290,7 @@ class PromptSamplerConfig:
         "uniform", "prompt sampler: uniform (shuffled passes) | weighted (by pass rate) | hard_focus (DRIVE)",
         settings_blocks=True,
     )
+    fidelity: Optional[FidelityConfig] = node(FidelityConfig, "null: not stated; how much of its method the sampler builds")
     settings: dict = knob({}, "the settings blocks beside name, by sampler (filled by rlbench.config.typed)", derived=True)
 
 
@@ -361,6 +381,7 @@ class RolloutConfig:
         0.0, "hf engine: MiB of KV kept across generate calls, so a request extending a kept sequence prefills only its "
         "new tokens (tree rounds; docs/rollout.md); 0: off; emptied when the weights change", ge=0
     )
+    fidelity: Optional[FidelityConfig] = node(FidelityConfig, "null: not stated; how much of its method the strategy builds")
     settings: dict = knob({}, "the settings blocks rollout.<strategy>, by strategy (filled by rlbench.config.typed)", derived=True)
 
 
@@ -566,4 +587,7 @@ class RunConfig:
     logger: LoggerConfig = node(LoggerConfig, "where metrics go (logger=<option>)")
     trainer: TrainerConfig = node(TrainerConfig, "the optimisation loop (trainer=<option>)")
     guidance: GuidanceConfig = node(GuidanceConfig, "traces the guided methods learn from (guidance=<source>)")
-    paper: Optional[dict] = knob(None, "a paper's setting with its reference numbers and deviations (paper=<name>)", open=True)
+    paper: Optional[dict] = knob(
+        None, "a paper's setting with its reference numbers, deviations and fidelity (paper=<name>)", open=True,
+        typed_keys={"fidelity": FidelityConfig},
+    )
