@@ -178,7 +178,7 @@ def test_a_partial_paper_without_missing_is_refused(tmp_path):
 
 
 def test_the_typed_config_holds_the_block_as_its_dataclass(tmp_path):
-    config = typed_config(compose_config(["paper=pvpo"], tmp_path / "run"))
+    config = typed_config(compose_config(["paper=intellect2"], tmp_path / "run"))
     assert isinstance(config.paper["fidelity"], FidelityConfig) and config.paper["fidelity"].status == "partial"
     assert isinstance(config.algorithm.fidelity, FidelityConfig) and config.rollout.fidelity is None
 
@@ -199,9 +199,9 @@ def _lines(overrides: list[str], tmp_path: Path, caplog) -> list[str]:
 
 
 def test_a_partial_paper_says_so_once_per_partial_preset(tmp_path, caplog):
-    lines = _lines(["paper=pvpo"], tmp_path, caplog)
-    paper, algorithm = (paper_fidelity("pvpo")["missing"], preset_file("algorithm", "pvpo")["fidelity"]["missing"])
-    assert lines == [f"paper=pvpo is partial: {paper}", f"algorithm=pvpo (PVPO) is partial: {algorithm}"]
+    lines = _lines(["paper=intellect2"], tmp_path, caplog)
+    paper, algorithm = (paper_fidelity("intellect2")["missing"], preset_file("algorithm", "intellect2")["fidelity"]["missing"])
+    assert lines == [f"paper=intellect2 is partial: {paper}", f"algorithm=intellect2 (INTELLECT-2) is partial: {algorithm}"]
     assert all("\n" not in line for line in lines)
 
 
@@ -222,7 +222,7 @@ def test_a_user_composition_names_each_partial_preset_and_its_method(tmp_path, c
 
 
 def test_no_line_outside_training(tmp_path, caplog):
-    assert _lines(["paper=pvpo", "mode=eval"], tmp_path, caplog) == []
+    assert _lines(["paper=intellect2", "mode=eval"], tmp_path, caplog) == []
 
 
 # ------------------------------------------------------------------------------------ the papers table
