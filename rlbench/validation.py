@@ -306,6 +306,8 @@ def check_run(cfg: DictConfig, origins: ValueOrigins) -> Algorithm:
         check_reincarnation(config)
         check_masked_rollout(config, algorithm)
         check_difficulty_rollout(config, algorithm)
+        if algorithm.sampling_correction is not None:
+            algorithm.sampling_correction.check_rollout(rollout.top_p)
         algorithm.check_batch_size(trainer.prompts_per_step * rollout.n)
         algorithm.check_group_size(rollout.n, trainer.prompts_per_step * rollout.n)
         validate_step_options(config, algorithm)

@@ -4,10 +4,12 @@ reductions to REINFORCE / PPO-clip at ratio 1 and to the unclipped IS surrogate 
 without a mask; and the sampling correction's bypass mode (verl's rollout_correction.bypass_mode)."""
 
 import math
+import time
 
 import pytest
 import torch
 from conftest import algorithm_from
+from test_trainer import completions, tiny_lm
 
 from rlbench.algorithm import POLICY_LOSSES
 from rlbench.algorithm.losses.divergence_trust_region import (
@@ -15,6 +17,17 @@ from rlbench.algorithm.losses.divergence_trust_region import (
     binary_kl,
     binary_total_variation,
 )
+from rlbench.algorithm.sampling_correction import SamplingCorrection
+from rlbench.config.typed import typed_config
+from rlbench.dataset.base import Problem
+from rlbench.errors import ConfigError
+from rlbench.reward.graders import training_grader
+from rlbench.reward.math import Grade
+from rlbench.rollout.groups import GradedGroups
+from rlbench.training import step
+from rlbench.training.batch import collate
+from rlbench.training.forward import batch_outputs
+from rlbench.validation import validate_config
 
 F64 = torch.float64
 
@@ -182,3 +195,118 @@ def test_dppo_losses_compose_and_declare_their_ratio_term(loss_name):
     needs = POLICY_LOSSES.needs(loss_name)
     assert needs.ratio_level == "token" and needs.ratio_term_metric == "dppo_masked_fraction"
     assert POLICY_LOSSES.get("dppo") is not POLICY_LOSSES.get(loss_name)  # D-PPO (dropout) is another loss
+
+
+# --------------------------------------------------------------------------------------------
+# bypass mode: pi_old is the rollout engine's log-probs (verl's rollout_correction.bypass_mode)
+# --------------------------------------------------------------------------------------------
+
+BYPASS = "algorithm.sampling_correction={bypass: true}"
+
+
+class PadTokenizer:
+    pad_token_id = 0
+
+
+class WeightSyncEngine:
+    """The engine as the step meets it after the rollout (the groups are given): it takes the weights."""
+
+    def __init__(self):
+        self.syncs = 0
+
+    def sync_weights(self, model):
+        self.syncs += 1
+
+
+def _graded_with_engine_logprobs(model, temperature, micro_batch_size, shift=0.0):
+    """test_trainer's groups, graded with rewards that differ within each group, whose engine log-probs
+    are the trainer's own for the same weights (minus ``shift``): an engine that agrees with the trainer."""
+    groups = completions(seed=3)
+    trainer_logp = batch_outputs(model, collate(groups, 0), micro_batch_size, temperature).logp
+    flat = [c for group in groups for c in group]
+    for row, completion in enumerate(flat):
+        completion.logprobs = (trainer_logp[row, : len(completion.response_ids)] - shift).tolist()
+    rewards = [float(i % 2) for i in range(len(flat))]
+    grades = [Grade(correct=bool(r), extracted=None, reward=r, format_ok=True) for r in rewards]
+    return GradedGroups([Problem(str(g), "q", "a") for g in range(len(groups))], groups, grades,
+                        torch.tensor(rewards), torch.tensor(rewards), torch.ones(len(flat), dtype=torch.bool),
+                        list(range(len(groups))))
+
+
+def _learn_once(make_cfg, monkeypatch, *overrides, shift=0.0):
+    """One learn_step of GRPO (ppo_clip) on the tiny Llama from the same weights and groups; returns the
+    step's metrics, the weights after it and how often the no-grad pass that recomputes pi_old ran."""
+    cfg = make_cfg("experiment=smoke", "algorithm=grpo", *overrides)
+    config = typed_config(cfg)
+    model = tiny_lm(seed=0)
+    ctx = step.make_step_context(config, algorithm_from(cfg.algorithm), model, PadTokenizer(), WeightSyncEngine(),
+                                 torch.device("cpu"), training_grader(config))
+    graded = _graded_with_engine_logprobs(model, ctx.temperature, ctx.micro_batch_size, shift)
+    passes = []
+    counted = step.batch_outputs
+
+    def counting_batch_outputs(*args, **kwargs):
+        passes.append(1)
+        return counted(*args, **kwargs)
+
+    monkeypatch.setattr(step, "batch_outputs", counting_batch_outputs)
+    metrics = step.learn_step(ctx, graded, {}, 0.0, 0.0, started=time.perf_counter(), generation_cost={})
+    return metrics, [p.detach().clone() for p in model.parameters()], len(passes)
+
+
+def _same_training(a, b):
+    timing = {"generate_s", "update_s", "step_s", "tokens_per_s", "peak_memory_mb"}
+    same_metrics = {k: v for k, v in a[0].items() if k not in timing} == {k: v for k, v in b[0].items() if k not in timing}
+    return same_metrics and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+
+
+@pytest.mark.parametrize("epochs", [1, 2], ids=["one_update", "two_epochs"])
+def test_bypass_skips_the_old_logprob_pass_and_equals_the_default_when_engine_and_trainer_agree(make_cfg, monkeypatch, epochs):
+    update = f"algorithm.update.epochs={epochs}"
+    default = _learn_once(make_cfg, monkeypatch, update)
+    bypass = _learn_once(make_cfg, monkeypatch, update, BYPASS)
+    # one update per batch: pi_old is the detached current policy, no pass; two epochs: one pass recomputes it
+    assert default[2] == (0 if epochs == 1 else 1)
+    assert bypass[2] == 0  # bypass never recomputes pi_old
+    assert default[0]["policy_loss"] != 0.0 and (epochs > 1 or default[0]["ratio_mean"] == 1.0)
+    assert _same_training(default, bypass)  # bit for bit: the engine's log-probs are the trainer's
+
+
+def test_bypass_takes_the_engines_logprobs_as_pi_old(make_cfg, monkeypatch):
+    # the engine's log-probs 0.1 below the trainer's: under bypass every first-update ratio is e^0.1 (inside
+    # ppo_clip's [0.8, 1.2]); without bypass one update per batch has ratio 1 and ignores the engine
+    bypass = _learn_once(make_cfg, monkeypatch, BYPASS, shift=0.1)
+    default = _learn_once(make_cfg, monkeypatch, shift=0.1)
+    assert bypass[0]["ratio_mean"] == pytest.approx(math.exp(0.1), rel=1e-5)
+    assert default[0]["ratio_mean"] == 1.0
+    assert bypass[0]["policy_loss"] == pytest.approx(default[0]["policy_loss"] * math.exp(0.1), rel=1e-5)
+    assert bypass[2] == 0 and "sampling_weight_mean" not in bypass[0]  # the weights pi_old / pi_sampler are 1, not applied
+
+
+def test_bypass_config():
+    base = {"name": "t", "advantage": {"name": "grpo"}, "loss": {"name": "ppo_clip"}, "aggregation": {"name": "token_mean"}}
+    default = algorithm_from({**base, "sampling_correction": {}})
+    assert default.sampling_correction.bypass is False and not default.bypasses_old_logp
+    several_updates = {**base, "update": {"epochs": 2}}
+    assert algorithm_from(several_updates).needs_sampling_pass
+    bypass = algorithm_from({**several_updates, "sampling_correction": {"bypass": True}})
+    assert bypass.bypasses_old_logp and bypass.needs_old_logp and not bypass.needs_sampling_pass
+    kl_in_reward = algorithm_from({**base, "kl": {"coef": 0.1, "placement": "reward"}, "sampling_correction": {"bypass": True}})
+    assert not kl_in_reward.needs_sampling_pass  # its pi_old is the engine's too
+    entropy = algorithm_from({**several_updates, "advantage": {"name": "edge_grpo"}, "sampling_correction": {"bypass": True}})
+    assert "entropy" in entropy.advantage_inputs and entropy.needs_sampling_pass  # the pass still runs for entropies
+    for inert in ({"mode": "reject"}, {"low": 0.5}, {"normalize": True}, {"level": "sequence"}):
+        with pytest.raises(ConfigError, match=r"bypass=true takes pi_old from the rollout engine.*cispo_upper"):
+            algorithm_from({**base, "sampling_correction": {"bypass": True, **inert}})
+    with pytest.raises(ConfigError, match="bypass must be true or false"):
+        SamplingCorrection(bypass="yes").check()
+    SamplingCorrection(bypass=True).check_rollout(1.0)
+    SamplingCorrection().check_rollout(0.9)  # the weights alone are allowed with top-p (their docstring says why not)
+    with pytest.raises(ConfigError, match=r"bypass=true needs rollout.top_p=1 \(got 0.9\)"):
+        SamplingCorrection(bypass=True).check_rollout(0.9)
+
+
+def test_bypass_is_refused_with_top_p_before_the_run(make_cfg):
+    validate_config(make_cfg("experiment=smoke", BYPASS))
+    with pytest.raises(ConfigError, match="needs rollout.top_p=1"):
+        validate_config(make_cfg("experiment=smoke", BYPASS, "rollout.top_p=0.9"))

@@ -119,6 +119,8 @@ class SamplingCorrectionConfig:
     )
     normalize: bool = knob(False, "truncate: divide the weights by their batch mean so they average 1, over the valid tokens "
                            "(level token) or the responses (level sequence) (verl's rollout_is_batch_normalize)")
+    bypass: bool = knob(False, "pi_old is the rollout engine's log-probs: the trainer does not recompute it "
+                        "(verl's rollout_correction.bypass_mode); the weights are then 1, so only with the defaults of the other keys")
 
 
 @dataclass
