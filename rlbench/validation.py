@@ -169,6 +169,8 @@ def notice_inactive_terms(config: RunConfig, algorithm: Algorithm) -> str | None
     and returned; None (nothing logged) when the term can act or the run does not train."""
     term = POLICY_LOSSES.ratio_term(algorithm.loss.name, algorithm.loss.params)
     stale = (config.trainer.max_staleness or 0) >= 1
+    # bypass: pi_old is the engine's, off 1 by the engine/trainer mismatch (near 0 only with the HF engine)
+    stale = stale or (algorithm.bypasses_old_logp and config.rollout.engine != "hf")
     if term is None or stale or algorithm.updates_per_batch != 1 or config.mode != "train" or not config.trainer.steps:
         return None
     line = (f"algorithm '{algorithm.name}': {term} (loss '{algorithm.loss.name}') acts only where pi_theta / pi_old "

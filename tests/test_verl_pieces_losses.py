@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from conftest import algorithm_from
+from conftest import algorithm_from, smoke_cli_steps
 from test_trainer import completions, tiny_lm
 
 from rlbench.algorithm import POLICY_LOSSES
@@ -27,7 +27,7 @@ from rlbench.rollout.groups import GradedGroups
 from rlbench.training import step
 from rlbench.training.batch import collate
 from rlbench.training.forward import batch_outputs
-from rlbench.validation import validate_config
+from rlbench.validation import notice_inactive_terms, validate_config
 
 F64 = torch.float64
 
@@ -310,3 +310,22 @@ def test_bypass_is_refused_with_top_p_before_the_run(make_cfg):
     validate_config(make_cfg("experiment=smoke", BYPASS))
     with pytest.raises(ConfigError, match="needs rollout.top_p=1"):
         validate_config(make_cfg("experiment=smoke", BYPASS, "rollout.top_p=0.9"))
+
+
+def test_the_inactive_term_notice_knows_bypass(make_cfg):
+    def notice(*overrides):
+        cfg = make_cfg("experiment=smoke", "algorithm/loss=dppo_tv", *overrides)
+        return notice_inactive_terms(typed_config(cfg), algorithm_from(cfg.algorithm))
+
+    assert "loss 'dppo_tv'" in notice()  # one update per batch on fresh data: every ratio 1
+    assert "loss 'dppo_tv'" in notice(BYPASS)  # the HF engine samples with the trainer's weights and kernels
+    assert notice(BYPASS, "rollout.engine=vllm") is None  # pi_theta / pi_vllm is off 1 from the first update
+
+
+@pytest.mark.slow
+def test_dppo_with_bypass_runs_from_the_command_line(tmp_path):
+    """The paper's setting (DPPO anchored on the rollout policy) on the smoke model: one step, two epochs."""
+    metrics = smoke_cli_steps(tmp_path, "algorithm/loss=dppo_tv", BYPASS, "algorithm.update.epochs=2", "trainer.steps=1",
+                              "eval.before_training=false")[0]
+    assert 0.0 <= metrics["dppo_masked_fraction"] <= 1.0 and math.isfinite(metrics["policy_loss"])
+    assert "sampling_weight_mean" not in metrics
