@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from conftest import algorithm_from, smoke_cli_steps
+from conftest import algorithm_from
 from test_trainer import completions, tiny_lm
 
 from rlbench.algorithm import POLICY_LOSSES
@@ -321,11 +321,3 @@ def test_the_inactive_term_notice_knows_bypass(make_cfg):
     assert "loss 'dppo_tv'" in notice(BYPASS)  # the HF engine samples with the trainer's weights and kernels
     assert notice(BYPASS, "rollout.engine=vllm") is None  # pi_theta / pi_vllm is off 1 from the first update
 
-
-@pytest.mark.slow
-def test_dppo_with_bypass_runs_from_the_command_line(tmp_path):
-    """The paper's setting (DPPO anchored on the rollout policy) on the smoke model: one step, two epochs."""
-    metrics = smoke_cli_steps(tmp_path, "algorithm/loss=dppo_tv", BYPASS, "algorithm.update.epochs=2", "trainer.steps=1",
-                              "eval.before_training=false")[0]
-    assert 0.0 <= metrics["dppo_masked_fraction"] <= 1.0 and math.isfinite(metrics["policy_loss"])
-    assert "sampling_weight_mean" not in metrics

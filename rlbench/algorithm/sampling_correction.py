@@ -46,8 +46,8 @@ responses with at least one valid token. A mean <= 1e-8 leaves the weights as th
 the mean over the whole step's batch; here it is taken over the batch the loss sees, which is the
 micro-batch when the optimizer batch is split. The metrics are those of the weights before the division.
 
-``bypass: true`` (default false) is verl's ``rollout_correction.bypass_mode`` (docs/algo/rollout_corr.md
-in verl: "two policies, pi_old = pi_rollout"): pi_old is the rollout engine's log-probs (``sampling_logp``;
+``bypass: true`` (default false) is verl's ``rollout_correction.bypass_mode`` (its Rollout Correction
+guide: "two policies, pi_old = pi_rollout"): pi_old is the rollout engine's log-probs (``sampling_logp``;
 on off-policy tokens the stored behaviour log-probs, as always), the trainer's no-grad pass that would
 recompute pi_old is skipped (it still runs when an entropy, a value or the previous policy is needed), and
 the loss's ratio is pi_theta / pi_sampler from the first update on: the loss's own clip or trust region
