@@ -432,6 +432,8 @@ class EvalConfig:
     before_training: bool = knob(True, "also evaluate the model before training")
     every: Optional[int] = knob(None, "also evaluate every N training steps (pass@k curves: eval/curve.csv, wandb); null: before and after only", ge=1)
     benchmarks: dict = knob({}, "benchmark name -> dataset spec", values=DatasetConfig)
+    rounds: int = knob(1, "rounds of MOTIF's multi-round inference per sample (rollout=multiround's progress prompts; "
+                       "graded on the last round); 1: one response", ge=1)
 
 
 @dataclass
