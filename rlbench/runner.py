@@ -268,7 +268,7 @@ class Run:
         shown = self.benchmarks if self.training_run is None else in_strategy_context(self.benchmarks, self.training_run.ctx.strategy)
         result = evaluate(policy.engine, policy.tokenizer, shown, n=ev.n, ks=ev.k,
                           params=SamplingParams(ev.temperature, ev.top_p, ev.max_new_tokens),
-                          seed=make_generator(self.config.seed, STREAM_EVAL).initial_seed(), world=self.world)
+                          seed=make_generator(self.config.seed, STREAM_EVAL).initial_seed(), world=self.world, rounds=ev.rounds)
         self.logger.log_evaluation(step, result.with_phase(phase).rows)
         faults.kill_point("eval", step)
         return result

@@ -188,6 +188,8 @@ def notice_inactive_terms(config: RunConfig, algorithm: Algorithm) -> str | None
     and returned; None (nothing logged) when the term can act or the run does not train."""
     term = POLICY_LOSSES.ratio_term(algorithm.loss.name, algorithm.loss.params)
     stale = (config.trainer.max_staleness or 0) >= 1
+    # bypass: pi_old is the engine's, off 1 by the engine/trainer mismatch (near 0 only with the HF engine)
+    stale = stale or (algorithm.bypasses_old_logp and config.rollout.engine != "hf")
     if term is None or stale or algorithm.updates_per_batch != 1 or config.mode != "train" or not config.trainer.steps:
         return None
     line = (f"algorithm '{algorithm.name}': {term} (loss '{algorithm.loss.name}') acts only where pi_theta / pi_old "
@@ -386,6 +388,8 @@ def check_run(cfg: DictConfig, origins: ValueOrigins) -> Algorithm:
         check_reincarnation(config)
         check_masked_rollout(config, algorithm)
         check_difficulty_rollout(config, algorithm)
+        if algorithm.sampling_correction is not None:
+            algorithm.sampling_correction.check_rollout(rollout.top_p)
         algorithm.check_batch_size(trainer.prompts_per_step * rollout.n)
         algorithm.check_group_size(rollout.n, trainer.prompts_per_step * rollout.n)
         validate_step_options(config, algorithm)

@@ -400,11 +400,20 @@ class Algorithm:
 
     @property
     def needs_sampling_pass(self) -> bool:
-        """A no-grad pass over the sampled batch (old log-probs, entropies) before the advantage."""
-        return any((
-            self.advantage_inputs & {"entropy", "old_logp", "values"}, self.needs_old_logp, self.needs_sampling_entropy,
-            self.kl_in_reward, self.kl_adaptive is not None, self.kl_previous_weight > 0,
+        """A no-grad pass over the sampled batch (old log-probs, entropies) before the advantage; the
+        old log-probs alone do not need it under bypass (they are the rollout engine's)."""
+        reads_old_logp = any((
+            self.advantage_inputs & {"old_logp"}, self.needs_old_logp, self.kl_in_reward, self.kl_adaptive is not None,
         ))
+        return any((
+            reads_old_logp and not self.bypasses_old_logp, self.advantage_inputs & {"entropy", "values"},
+            self.needs_sampling_entropy, self.kl_previous_weight > 0,
+        ))
+
+    @property
+    def bypasses_old_logp(self) -> bool:
+        """algorithm.sampling_correction.bypass: pi_old is the rollout engine's log-probs, never recomputed."""
+        return self.sampling_correction is not None and self.sampling_correction.bypass
 
     @property
     def needs_sampling_entropy(self) -> bool:

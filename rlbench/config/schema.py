@@ -121,6 +121,8 @@ class SamplingCorrectionConfig:
     )
     normalize: bool = knob(False, "truncate: divide the weights by their batch mean so they average 1, over the valid tokens "
                            "(level token) or the responses (level sequence) (verl's rollout_is_batch_normalize)")
+    bypass: bool = knob(False, "pi_old is the rollout engine's log-probs: the trainer does not recompute it "
+                        "(verl's rollout_correction.bypass_mode); the weights are then 1, so only with the defaults of the other keys")
 
 
 @dataclass
@@ -467,6 +469,8 @@ class EvalConfig:
     before_training: bool = knob(True, "also evaluate the model before training")
     every: Optional[int] = knob(None, "also evaluate every N training steps (pass@k curves: eval/curve.csv, wandb); null: before and after only", ge=1)
     benchmarks: dict = knob({}, "benchmark name -> dataset spec", values=DatasetConfig)
+    rounds: int = knob(1, "rounds of MOTIF's multi-round inference per sample (rollout=multiround's progress prompts; "
+                       "graded on the last round); 1: one response", ge=1)
 
 
 @dataclass
