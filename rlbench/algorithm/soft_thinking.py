@@ -18,32 +18,19 @@ log-likelihood under ``theta`` is the Gumbel log-density of that noise,
 so the PPO ratio of a soft step is ``exp(log p_theta - log p_old)`` and its gradient reaches the logits
 of the top-k tokens through ``log pi_k,theta``.
 
-This module holds the math and the step inputs a soft-thinking rollout stores per response token
-(registered here, read by the training forward: rlbench/training/forward.py); the rollout is
-rlbench/rollout/strategies/soft_thinking.py.
+This module holds the math; the step inputs a soft-thinking rollout stores per response token are declared in
+rlbench/algorithm/step_inputs.py and read by the training forward (rlbench/training/soft_tokens.py); the
+rollout is rlbench/rollout/strategies/soft_thinking.py.
 """
 
 from __future__ import annotations
 
 import torch
 
-from rlbench.algorithm.step_inputs import STEP_INPUTS, StepInput
+from rlbench.algorithm.step_inputs import STEP_INPUTS
 
-#: [B,T,K] long: the top-k token ids of a soft step (any value on a discrete token).
-SOFT_IDS = STEP_INPUTS.register(StepInput(
-    "soft_ids", "[B,T,K] long", "SofT-GRPO: the top-k token ids a soft thinking step mixes (rollout=soft_thinking)",
-    producer="strategy", readers=frozenset({"objective"}), dtype=torch.long, pad=0,
-))
-#: [B,T,K]: y = log pi_k,old(v) + g_v, the Gumbel-perturbed top-k log-probs of a soft step.
-SOFT_NOISY_LOGP = STEP_INPUTS.register(StepInput(
-    "soft_noisy_logp", "[B,T,K]", "SofT-GRPO: y = log pi_k,old(v) + g_v, the Gumbel-perturbed top-k log-probs of a soft step",
-    producer="strategy", readers=frozenset({"objective"}),
-))
-#: [B,T,K]: the mixture weights softmax(y / tau_g) of a soft step's input embedding; all 0 on a discrete token.
-SOFT_WEIGHTS = STEP_INPUTS.register(StepInput(
-    "soft_weights", "[B,T,K]", "SofT-GRPO: the mixture weights softmax(y / tau_g) of a soft step's input embedding (0: a discrete token)",
-    producer="strategy", readers=frozenset({"objective"}),
-))
+# The step inputs a soft-thinking rollout stores per response token, declared in rlbench/algorithm/step_inputs.py.
+SOFT_IDS, SOFT_NOISY_LOGP, SOFT_WEIGHTS = STEP_INPUTS["soft_ids"], STEP_INPUTS["soft_noisy_logp"], STEP_INPUTS["soft_weights"]
 SOFT_INPUT_NAMES = (SOFT_IDS.name, SOFT_NOISY_LOGP.name, SOFT_WEIGHTS.name)
 
 

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from rlbench.algorithm.soft_thinking import (
-    SOFT_IDS, SOFT_NOISY_LOGP, SOFT_WEIGHTS, gumbel_softmax_weights, sample_gumbel, soft_token_log_prob, top_k_log_probs,
+    SOFT_IDS, SOFT_INPUT_NAMES, SOFT_NOISY_LOGP, SOFT_WEIGHTS, gumbel_softmax_weights, sample_gumbel, soft_token_log_prob, top_k_log_probs,
 )
 from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
@@ -155,6 +155,8 @@ def soft_think_and_answer(
 @register_strategy("soft_thinking")
 class SoftThinking(RolloutStrategy):
     """SofT-GRPO's rollout (module docstring)."""
+
+    provides = frozenset(SOFT_INPUT_NAMES)  # read by the training forward (rlbench/training/soft_tokens.py)
 
     def __init__(self, setup: RolloutSetup, options: SoftThinkingOptions):
         super().__init__(setup)
