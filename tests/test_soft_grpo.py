@@ -183,6 +183,7 @@ def test_discrete_tokens_carrying_soft_inputs_score_as_plain_tokens(tiny):
     assert torch.equal(a.logp, b.logp) and torch.equal(a.entropy, b.entropy)
 
 
+@pytest.mark.slow
 def test_soft_grpo_without_thinking_trains_exactly_as_grpo(tmp_path):
     """The discrete-only path (think_tokens 0) of algorithm=soft_grpo is GRPO: the same steps, metric for metric."""
     timing = {"generate_s", "update_s", "step_s", "tokens_per_s", "engine_s", "peak_memory_mb"}
@@ -191,6 +192,7 @@ def test_soft_grpo_without_thinking_trains_exactly_as_grpo(tmp_path):
     assert [{k: v for k, v in s.items() if k not in timing} for s in soft] == [{k: v for k, v in s.items() if k not in timing} for s in grpo]
 
 
+@pytest.mark.slow
 def test_soft_grpo_runs_from_the_command_line_with_soft_steps(tmp_path):
     steps = smoke_cli_steps(tmp_path / "run", "algorithm=soft_grpo", "rollout.soft_thinking.think_tokens=3")
     assert len(steps) == 2 and all(s["soft_thinking_steps"] == 3.0 for s in steps)
