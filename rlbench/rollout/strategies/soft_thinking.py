@@ -27,7 +27,7 @@ Configuration (conf/rollout/soft_thinking.yaml):
     soft_thinking:
       think_tokens: 4          # soft steps per response at most
       top_k: 5                 # tokens mixed per soft step
-      gumbel_temperature: 0.25 # tau_g
+      gumbel_temperature: 0.1  # tau_g
       end_of_thinking: ""      # a one-token marker that ends thinking when it is the top token ("" = budget only)
 """
 
@@ -59,7 +59,7 @@ class SoftThinkingOptions:
 
     think_tokens: int = 4
     top_k: int = 5
-    gumbel_temperature: float = 0.25
+    gumbel_temperature: float = 0.1
     end_of_thinking: str = ""
 
 
