@@ -192,13 +192,6 @@ def test_soft_grpo_without_thinking_trains_exactly_as_grpo(tmp_path):
     assert [{k: v for k, v in s.items() if k not in timing} for s in soft] == [{k: v for k, v in s.items() if k not in timing} for s in grpo]
 
 
-@pytest.mark.slow
-def test_soft_grpo_runs_from_the_command_line_with_soft_steps(tmp_path):
-    steps = smoke_cli_steps(tmp_path / "run", "algorithm=soft_grpo", "rollout.soft_thinking.think_tokens=3")
-    assert len(steps) == 2 and all(s["soft_thinking_steps"] == 3.0 for s in steps)
-    assert all(math.isfinite(s["policy_loss"]) and s["grad_norm"] > 0 for s in steps)
-
-
 def test_settings_are_checked_before_the_model_loads(make_cfg):
     validate_strategy(rollout_config(make_cfg("algorithm=soft_grpo").rollout), "grpo")
 
