@@ -49,7 +49,7 @@ PAPER_OUTCOMES = {
     "hapo": "exercised",  # the authors' script: 16 mini-batches
     "intellect2": "notice",  # the paper trains on ~2-step stale data; the preset keeps fresh rollouts
     "kl_cov": "exercised",  # the authors' script: 8 mini-batches
-    "m2po": "exercised",  # the authors' script: 4 mini-batches (its stale data is not reproduced)
+    "m2po": "exercised",  # the authors' script: 4 mini-batches on data 64 versions stale (trainer.max_staleness)
     "mdpo": "exercised",  # the paper's 10 SGD steps per batch
     "rec": "notice",  # the example trains on 20-step stale data; the preset keeps fresh rollouts
     "soft_sapo": "notice",  # the paper's update schedule was not found

@@ -117,6 +117,72 @@ def format_reward(response_texts: Sequence[str], pattern: str = R1_TEMPLATE, wei
     return torch.tensor([weight if compiled.fullmatch(text) else 0.0 for text in response_texts], dtype=torch.float32)
 
 
+def tail_loop_fraction(units: Sequence, min_repeats: int = 2) -> float:
+    """The share of a sequence that lies inside the loop it ends in (CAMPO's repetition critic f(o),
+    Li et al. 2025, "MiroMind-M1", arXiv:2507.14683, sec. 4.3 eq. 6; the loop is the released
+    ``find_infinite_loop_start``'s, MiroMindAsia/MiroMind-M1).
+
+    The loop is the longest period L whose last L units repeat at least ``min_repeats`` times back to
+    back at the end; with c such copies, f = c L / n (0 without a loop). "abcabcabc" gives 1,
+    "xyzabcabc" 6/9, "xaaaaa" 4/6 (period 2 twice: the longest period wins, as in the released code,
+    although period 1 covers 5/6). Computed in O(n) with the Z-function of the reversed sequence:
+    Z[L] is how far the sequence and its shift by L agree backwards from the end, so c = 1 + Z[L] // L.
+    """
+    if min_repeats < 2:
+        raise ValueError(f"min_repeats must be >= 2, got {min_repeats}")
+    backwards = list(reversed(units))
+    n = len(backwards)
+    z = [0] * n
+    left = right = 0
+    for i in range(1, n):
+        if i < right:
+            z[i] = min(right - i, z[i - left])
+        while i + z[i] < n and backwards[z[i]] == backwards[i + z[i]]:
+            z[i] += 1
+        if i + z[i] > right:
+            left, right = i, i + z[i]
+    covered = 0
+    for period in range(1, n // min_repeats + 1):
+        copies = 1 + z[period] // period
+        if copies >= min_repeats:
+            covered = copies * period
+    return covered / n if n else 0.0
+
+
+@REWARD_SHAPING.register("campo_repetition")
+def campo_repetition_penalty(
+    response_texts: Sequence[str],
+    finished: torch.Tensor,
+    weight: float = 1.0,
+    mode: str = "fraction",
+    min_repeats: int = 2,
+    truncated_only: bool = True,
+) -> torch.Tensor:
+    """CAMPO's repetition penalty (Li et al. 2025, "MiroMind-M1: An Open-Source Advancement in
+    Mathematical Reasoning via Context-Aware Multi-Stage Policy Optimization", arXiv:2507.14683,
+    sec. 4.3, eq. 6 and sec. 4.3.2). With f(o) = :func:`tail_loop_fraction` of the response's characters:
+
+        term(o) = -weight f(o)          mode "fraction" (eq. 6: the advantage is GRPO's on r - f;
+                                        an earlier loop covers more of the response and costs more)
+        term(o) = -weight 1[f(o) > 0]   mode "flag" (the released compute_campo_outcome_advantage,
+                                        weight 0.1)
+
+    truncated_only (the released code's choice): only responses that hit the length budget without
+    EOS are scanned, which is where a loop that never ends goes; false scans every response. The loop
+    is found on the decoded text (one unit per character; the released code compares token ids).
+    """
+    if mode not in ("fraction", "flag"):
+        raise ValueError(f"campo_repetition: mode must be 'fraction' or 'flag', got {mode!r}")
+    if weight < 0:
+        raise ValueError(f"campo_repetition: weight must be >= 0, got {weight}")
+    scanned = [not (truncated_only and bool(done)) for done in finished.tolist()]
+    if len(scanned) != len(response_texts):
+        raise ValueError(f"campo_repetition: {len(response_texts)} texts for {len(scanned)} responses")
+    share = [tail_loop_fraction(text, min_repeats) if scan else 0.0 for text, scan in zip(response_texts, scanned)]
+    values = [(float(f > 0) if mode == "flag" else f) for f in share]
+    return -weight * torch.tensor(values, dtype=torch.float32)
+
+
 @REWARD_SHAPING.register("thinkless_mode")
 def thinkless_mode_reward(
     correct: torch.Tensor,

@@ -144,14 +144,16 @@ def _declare(name: str, shape: str, doc: str, producer: str, readers: set[str], 
 
 
 # ------------------------------------------------------------------------ the batch and the graded groups
-_declare("rewards", "[B]", "each response's outcome reward after the algorithm's reward shaping", "batch", {"advantage"})
+_declare("rewards", "[B]", "each response's outcome reward after the algorithm's reward shaping (a pairwise loss "
+         "ranks a group's responses by it)", "batch", {"advantage", "loss"})
 _declare("group_index", "[B] long", "responses sharing a prompt share an index (0..G-1); group sizes may differ",
-         "batch", {"advantage", "shaping"})
+         "batch", {"advantage", "shaping", "loss"})
 _declare("response_mask", "[B,T]", "1 on trained response tokens, 0 on padding and context tokens (a row may be all 0)",
          "batch", {"advantage", "loss", "aggregation", "objective"})
 _declare("advantages", "[B,T]", "the advantage estimator's per-token advantages", "batch", {"loss"})
 _declare("ref_logp", "[B,T]", "log pi_ref of the frozen reference model", "batch", {"loss", "kl", "objective"},
-         when="the KL term is on: algorithm.kl.coef > 0", available=lambda algorithm: algorithm.kl_coef > 0)
+         when="the KL term is on (algorithm.kl.coef > 0) or the loss reads it (dpo, ipo)",
+         available=lambda algorithm: algorithm.needs_reference)
 _declare("sampling_logp", "[B,T]", "the rollout engine's log-probs of the sampled tokens (Completion.logprobs; "
          "train/inference-mismatch corrections)", "batch", {"loss", "objective"})
 _declare("off_policy", "[B,T]", "1 on tokens pi_old did not sample (traces, replay, stale data), else 0", "batch",
@@ -226,6 +228,8 @@ _declare("batch_tokens", "int", "trained tokens of the optimizer batch (summed o
          {"aggregation"})
 _declare("batch_sequences", "int", "responses of the optimizer batch (summed over ranks)", "objective",
          {"aggregation"})
+_declare("batch_groups", "int", "groups (prompts) of the optimizer batch (summed over ranks): a pairwise loss's "
+         "normaliser", "objective", {"aggregation"})
 _declare("norm_length", "int", "the constant L of Dr. GRPO's normaliser: rollout.max_new_tokens", "objective",
          {"aggregation"})
 

@@ -86,6 +86,10 @@ ROLLOUT_STRATEGIES_WITHOUT_TOY_CHECK = {
     "multiround": "the toy's later rounds do not depend on the first round",
     # training_free_grpo's rollout; see ALGORITHM_PRESETS_WITHOUT_TOY_CHECK
     "experience_library": "the toy's random model does not follow in-context examples",
+    # rollout=offline samples nothing: the per-step rewards the criterion reads are those of the file's fixed
+    # responses, not of the policy. tests/test_preference_offline.py trains DPO on a generated file and checks
+    # that the same pairs' loss falls and their ranking turns right (preference_accuracy > 0.5 after 3 steps).
+    "offline": "its per-step rewards are the file's, not the policy's samples",
 }
 
 
