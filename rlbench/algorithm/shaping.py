@@ -49,6 +49,29 @@ def dapo_overlong_penalty(
     return torch.where(finished.bool(), penalty, torch.full_like(lengths, -1.0))
 
 
+@REWARD_SHAPING.register("length_target")
+def length_target_penalty(
+    response_lengths: torch.Tensor, prompt_keys: torch.Tensor, targets: list[int] | None = None, alpha: float = 0.001,
+) -> torch.Tensor:
+    """INTELLECT-2's length-control reward (Prime Intellect Team 2025, arXiv:2505.07291): each prompt gets a
+    target length L_target drawn from the set ``targets``, and
+
+        R_len(y) = -alpha * |  |y| - L_target(x)  |          (0 at |y| = L_target, the most)
+
+    added to the task reward (targets default: 1000, 2000, 3000, 4000). The target of a prompt is
+    ``targets[key mod |targets|]`` with the prompt's
+    key (a CRC-32 of its token ids, :func:`rlbench.rollout.groups.prompt_key`): uniform over the set across
+    prompts, the same each time a prompt is drawn (resume-proof, no random state). The set and alpha are
+    unverified (the paper's, recalled: targets of 1000-4000 tokens, alpha small).
+    """
+    targets = [1000, 2000, 3000, 4000] if targets is None else targets
+    if not targets or any(int(t) < 0 for t in targets) or alpha < 0:
+        raise ValueError(f"targets must be a non-empty list of lengths >= 0 and alpha >= 0, got {list(targets)}, {alpha}")
+    table = torch.tensor([int(t) for t in targets], dtype=torch.float32)
+    target = table[prompt_keys.long() % len(table)]
+    return -alpha * (response_lengths.to(torch.float32) - target).abs()
+
+
 def _as_float(values: torch.Tensor) -> torch.Tensor:
     return values.to(torch.float32)
 
@@ -234,7 +257,7 @@ def check_shapers(shapers: Sequence[tuple[str, Mapping[str, Any]]]) -> None:
     probe = {
         "response_lengths": torch.tensor([1]), "finished": torch.tensor([True]), "max_length": 8,
         "correct": torch.tensor([True]), "group_index": torch.tensor([0]), "response_texts": [""],
-        "first_tokens": [""],
+        "first_tokens": [""], "prompt_keys": torch.tensor([0]),
     }
     for name, params in shapers:
         REWARD_SHAPING.validate_params(name, params)
