@@ -215,6 +215,13 @@ _declare("step_index", "[B,T] long", "the step (0, 1, ...) of every response tok
          "strategy", {"advantage"}, dtype=torch.long, pad=-1)
 _declare("step_values", "[B,T] float64", "V^ of the state where the token's step starts: the mean reward of "
          "continuations sampled from there (rollout=vine)", "strategy", {"advantage"}, dtype=torch.float64)
+# SofT-GRPO (arXiv:2511.06411): K values per token, read by the training forward (rlbench/training/soft_tokens.py)
+_declare("soft_ids", "[B,T,K] long", "the top-k token ids a soft thinking step mixes (rollout=soft_thinking)",
+         "strategy", {"objective"}, dtype=torch.long, pad=0)
+_declare("soft_noisy_logp", "[B,T,K]", "y = log pi_k,old(v) + g_v: a soft step's Gumbel-perturbed top-k log-probs "
+         "(rollout=soft_thinking)", "strategy", {"objective"})
+_declare("soft_weights", "[B,T,K]", "softmax(y / tau_g): the mixture weights of a soft step's input embedding, all 0 "
+         "on a discrete token (rollout=soft_thinking)", "strategy", {"objective"})
 
 # ------------------------------------------------------------------------ the composition
 _declare("loss_matrix", "[B,T]", "the policy loss's per-token matrix (or the KL / entropy / value term's)",

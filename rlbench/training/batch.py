@@ -142,23 +142,27 @@ def collate(
 
 
 def padded_extras(completions: Sequence[Completion], width: int) -> dict[str, torch.Tensor]:
-    """name -> [B, width]: each strategy input the completions carry (``Completion.extras``, one value per
-    response token), padded with its STEP_INPUTS entry's ``pad`` in its ``dtype``. Every completion must
-    carry the same inputs."""
+    """name -> [B, width] (or [B, width, K] for an input with K values per token, e.g. SofT-GRPO's top-k ids):
+    each strategy input the completions carry (``Completion.extras``, one value per response token),
+    padded with its STEP_INPUTS entry's ``pad`` in its ``dtype``. Every completion must carry the same inputs."""
     names = {name for c in completions for name in c.extras}
     out = {}
     for name in sorted(names):
         if name not in STEP_INPUTS or STEP_INPUTS[name].producer != "strategy":
             raise ValueError(f"Completion.extras[{name!r}] is not a strategy input of STEP_INPUTS (rlbench/algorithm/step_inputs.py)")
         entry = STEP_INPUTS[name]
-        column = torch.full((len(completions), width), entry.pad, dtype=entry.dtype)
-        for row, c in enumerate(completions):
+        values = []
+        for c in completions:
             if name not in c.extras:
                 raise ValueError(f"a response without extras[{name!r}] is batched with responses that carry it")
-            values = c.extras[name]
-            if len(values) != len(c.response_ids):
-                raise ValueError(f"extras[{name!r}] has {len(values)} values for {len(c.response_ids)} response tokens")
-            column[row, : len(values)] = torch.tensor(values, dtype=entry.dtype)
+            values.append(torch.tensor(c.extras[name], dtype=entry.dtype))
+            if len(values[-1]) != len(c.response_ids):
+                raise ValueError(f"extras[{name!r}] has {len(values[-1])} values for {len(c.response_ids)} response tokens")
+        per_token = next((v.shape[1:] for v in values if len(v)), ())
+        column = torch.full((len(completions), width, *per_token), entry.pad, dtype=entry.dtype)
+        for row, v in enumerate(values):
+            if len(v):
+                column[row, : len(v)] = v
         out[name] = column
     return out
 
