@@ -277,8 +277,11 @@ class SwarmConfig:
     """``trainer.swarm``: SAPO's swarm (arXiv:2509.08721), with trainer.parallelism=swarm (docs/scaling.md)."""
 
     external: int = knob(
-        0, "J: groups per step taken from what the other actors published (their decoded text, off-policy with "
-        "the sender's log-probs); the actor samples I = prompts_per_step - J itself. 0: no sharing", ge=0)
+        0, "J: groups per step taken from what the other actors published (their decoded text and token ids, pi_old "
+        "as old_logprobs says); the actor samples I = prompts_per_step - J itself. 0: no sharing", ge=0)
+    old_logprobs: Literal["receiver", "sender"] = knob(
+        "receiver", "pi_old of a shared response: receiver (the paper: recomputed by the receiving actor's policy, as its "
+        "own samples) | sender (off-policy, pi_old = the sender's sampling log-probs: the ratio pi_receiver / mu_sender)")
 
 
 @dataclass
