@@ -155,10 +155,14 @@ class TRPOConfig:
 
 @dataclass
 class ReferenceSoupConfig:
-    """SALSA (arXiv:2411.01798): the KL reference is a weight soup of policy snapshots (rlbench/training/reference_soup.py)."""
+    """SALSA (arXiv:2411.01798): the KL reference is a weight soup of fine-tuned checkpoints, or of policy snapshots (rlbench/training/reference_soup.py)."""
 
     models: int = knob(2, "ingredients of the soup: the initial policy and models - 1 snapshots of the policy (1: the plain reference)", ge=1)
     every: int = knob(1, "policy updates between two snapshots added to the soup", ge=1)
+    checkpoints: list = knob(
+        [], "SALSA's ingredients: fine-tuned checkpoints (Hugging Face folders of the policy's architecture, e.g. two runs' "
+        "policy/ folders) whose parameter average is the KL reference, fixed for the run; empty: the stand-in, the "
+        "initial policy and snapshots of the policy (models, every)")
 
 
 @dataclass
