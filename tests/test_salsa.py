@@ -155,3 +155,23 @@ def test_a_checkpoint_of_another_architecture_or_a_single_one_is_refused(tmp_pat
     with pytest.raises(ConfigError, match="missing is not a Hugging Face checkpoint folder"):
         validate_config(compose_config([*base, f"algorithm.reference_soup.checkpoints=[{tmp_path / 'a'},{tmp_path / 'missing'}]"],
                                        tmp_path / "c2"))
+
+
+@pytest.mark.slow
+def test_salsa_soup_of_two_checkpoints_from_the_command_line(tmp_path):
+    """Two checkpoints of the smoke model (its tiny architecture at seeds 1 and 2) as SALSA's ingredients:
+    the run starts with the soup as reference, so the first step's KL is already above 0 and the soup is
+    full (2 ingredients) from the first step."""
+    from rlbench.config.typed import typed_config
+    from rlbench.model import load_policy
+
+    paths = []
+    for seed in (1, 2):
+        cfg = compose_config(["experiment=smoke", f"seed={seed}"], tmp_path / f"cfg{seed}")
+        model, _ = load_policy(typed_config(cfg).model, device=torch.device("cpu"), dtype=torch.float32, seed=seed,
+                               cache_dir=cfg.cache_dir)
+        model.save_pretrained(tmp_path / f"sft{seed}")
+        paths.append(str(tmp_path / f"sft{seed}"))
+    steps = smoke_cli_steps(tmp_path / "run", "algorithm=salsa", f"algorithm.reference_soup.checkpoints=[{','.join(paths)}]")
+    assert [s["soup_models"] for s in steps] == [2.0, 2.0]
+    assert steps[0]["kl"] > 1e-3  # the reference is not the initial policy
