@@ -112,7 +112,7 @@ def test_the_sft_loss_is_ppo_clip_plus_lambda_times_the_cross_entropy_of_the_sft
     total.backward()
     assert logp.grad[1].tolist() == pytest.approx([-0.25 / 2 / 2] * 2)  # d/dlogp of lambda (-logp) / T / B
     assert logp.grad[0, 0].item() == 0.0 and logp.grad[0, 1].item() == pytest.approx(-1 / 2 / 2)  # clipped; ratio 1
-    assert metrics["sft_nll"] == pytest.approx((2.0 + 0.25) / 2) and metrics["sft_tokens"] == 2.0
+    assert metrics["sft_nll"] == pytest.approx((2.0 + 0.25) / 2) and metrics["sft_token_fraction"] == 0.5
 
 
 def test_stage_problem_substitutes_texts_with_braces():

@@ -33,10 +33,10 @@ def ppo_clip_sft_loss(
     The aggregation then averages l as it averages any loss matrix, so the two terms share its
     normalisation (under seq_mean_token_mean: each response's token mean, averaged over every response
     of the batch, SFT ones included). Metrics: ppo_clip's, ``sft_nll`` (the mean -log pi over SFT tokens)
-    and ``sft_tokens``."""
+    and ``sft_token_fraction`` (the share of trained tokens that are SFT tokens)."""
     ppo, metrics = ppo_clip_loss(logp, old_logp, advantages, response_mask, clip_low, clip_high)
     sft = sft_target.to(logp.dtype) * response_mask
     loss = ppo * (1 - sft) + sft_coef * sft * (-logp)
     tokens = float(sft.sum().item())
     nll = float((-(logp.detach()) * sft).sum().item() / tokens) if tokens else 0.0
-    return loss, {**metrics, "sft_nll": nll, "sft_tokens": tokens}
+    return loss, {**metrics, "sft_nll": nll, "sft_token_fraction": tokens / max(float(response_mask.sum().item()), 1.0)}
