@@ -27,7 +27,7 @@ CONF_DIR = ROOT / "conf"
 DOCS_DIR = ROOT / "docs"
 
 ALGORITHMS_HEADER = "| name | advantage | loss | aggregation | KL | update | paper | run |"
-PAPERS_HEADER = "| paper | preset | verified numbers | run |"
+PAPERS_HEADER = "| paper | preset | verified numbers | status | run |"
 STRATEGIES_HEADER = "| strategy | module | provides | what it does |"
 FIRST_ROWS = ["grpo", "dr_grpo"]  # the baselines lead the algorithm table; the rest is alphabetical
 
@@ -91,16 +91,26 @@ def algorithms_table(cfgs: dict[str, DictConfig]) -> str:
     return "\n".join(rows) + "\n"
 
 
+def fidelity_cell(fidelity) -> str:
+    """A preset's fidelity block as a table cell: "faithful", "partial: <missing>", "adapted: <how>"
+    (docs/papers.md, "Fidelity"); "not stated" without a block (tests/test_preset_status.py refuses that)."""
+    if fidelity is None:
+        return "not stated"
+    text = {"partial": fidelity.get("missing"), "adapted": fidelity.get("adapted")}.get(fidelity.status)
+    return f"{fidelity.status}: {' '.join(str(text).split())}" if text else str(fidelity.status)
+
+
 def papers_table(cfgs: dict[str, DictConfig]) -> str:
     """The Markdown table of docs/papers.md: paper, preset, how many reference numbers are verified,
-    the command (name -> run config composed with ``paper=<name>``)."""
-    rows = [PAPERS_HEADER, "|---|---|---|---|"]
+    the fidelity, the command (name -> run config composed with ``paper=<name>``)."""
+    rows = [PAPERS_HEADER, "|" + "---|" * (PAPERS_HEADER.count("|") - 1)]
     for name in sorted(cfgs):
         paper = cfgs[name].paper
         verified = sum(bool(entry.verified) for entry in paper.reference)
         cell = f"yes ({verified} of {len(paper.reference)})" if verified else "no"
         title = f"{paper.title} (arXiv:{paper.arxiv})"
-        rows.append(_cells_row([title, f"`{cfgs[name].algorithm.name}`", cell, f"`rlbench paper={name}`"]))
+        rows.append(_cells_row([title, f"`{cfgs[name].algorithm.name}`", cell, fidelity_cell(paper.get("fidelity")),
+                                f"`rlbench paper={name}`"]))
     return "\n".join(rows) + "\n"
 
 

@@ -17,3 +17,7 @@ if not OmegaConf.has_resolver("rlbench.run_name"):
         return run_identity(_root_).name
 
     OmegaConf.register_new_resolver("rlbench.run_name", _run_name)
+# ${rlbench.halfway:${trainer.steps}}: the first step of the second half of training, at least 2 (the
+# first step a stage can start at; prompt_sampler=drive switches to its second stage there).
+if not OmegaConf.has_resolver("rlbench.halfway"):
+    OmegaConf.register_new_resolver("rlbench.halfway", lambda steps: max(2, int(steps) // 2 + 1))

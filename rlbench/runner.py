@@ -58,7 +58,7 @@ from rlbench.training.swarm import (
     swarm_rollout, valid_checkpoint_steps,
 )
 from rlbench.utils import STREAM_EVAL, atomic_write_text, make_generator, seed_everything
-from rlbench.validation import notice_inactive_terms, resolve_device, validate_config
+from rlbench.validation import notice_fidelity, notice_inactive_terms, resolve_device, validate_config
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +268,7 @@ class Run:
         shown = self.benchmarks if self.training_run is None else in_strategy_context(self.benchmarks, self.training_run.ctx.strategy)
         result = evaluate(policy.engine, policy.tokenizer, shown, n=ev.n, ks=ev.k,
                           params=SamplingParams(ev.temperature, ev.top_p, ev.max_new_tokens),
-                          seed=make_generator(self.config.seed, STREAM_EVAL).initial_seed(), world=self.world)
+                          seed=make_generator(self.config.seed, STREAM_EVAL).initial_seed(), world=self.world, rounds=ev.rounds)
         self.logger.log_evaluation(step, result.with_phase(phase).rows)
         faults.kill_point("eval", step)
         return result
@@ -288,6 +288,7 @@ def prepare(cfg: DictConfig, algorithm: Algorithm, started: float) -> Run:
     if cfg.trainer.parallelism == "swarm":  # SAPO's actor: a single-process run with its own seed and folder (training/swarm.py)
         cfg = actor_config(cfg, launched_rank())
     config = typed_config(cfg)
+    notice_fidelity(config)  # one line per composed preset that is partial or adapted (docs/papers.md)
     notice_inactive_terms(config, algorithm)  # one line when the loss's distinguishing term cannot act in this run
     if config.trainer.parallelism == "swarm" and external_groups(config.trainer):
         pool = join_swarm()

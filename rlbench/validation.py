@@ -20,7 +20,12 @@ from rlbench.algorithm.registry import ADVANTAGES, POLICY_LOSSES
 from rlbench.algorithm.shaping import REWARD_SHAPING
 from rlbench.config.fit import check_fits_here
 from rlbench.config.origin import ValueOrigins, with_origins
-from rlbench.config.schema import DatasetConfig, RunConfig, SandboxConfig
+from rlbench.config.schema import (
+    DatasetConfig,
+    FidelityConfig,
+    RunConfig,
+    SandboxConfig,
+)
 from rlbench.config.typed import algorithm_settings, typed_config
 from rlbench.config.walk import Registered, check_against_schema
 from rlbench.dataset import validate_spec
@@ -35,7 +40,7 @@ from rlbench.training.advantage_inputs import validate_step_options
 from rlbench.training.curricula import PROMPT_SAMPLERS, sampler_options
 from rlbench.training.distributed import check_parallelism, launched_world_size
 from rlbench.training.reference_soup import validate_reference_soup
-from rlbench.training.stages import parse_stages, stage_settings
+from rlbench.training.stages import SAMPLER_KEY, parse_stages, stage_settings
 from rlbench.training.swarm import check_swarm
 
 
@@ -84,12 +89,26 @@ def check_batch_arithmetic(prompts_per_step: int, n: int, micro_batch_size: int,
 
 
 def check_curriculum(config: RunConfig, algorithm: Algorithm) -> None:
-    """The prompt sampler's options, and the stages (ordered, known keys) with every stage's batch."""
+    """The prompt sampler's options, the difficulty filter's band, and the stages (ordered, known keys) with every
+    stage's batch and sampler."""
     trainer = config.trainer
     sampler_options(trainer.prompt_sampler)
+    if trainer.prompt_sampler is not None and trainer.prompt_sampler.name == "spo" and algorithm.advantage.name != "spo":
+        raise ConfigError(
+            f"trainer.prompt_sampler=spo draws prompts by the SPO value tracker's uncertainty, and advantage "
+            f"'{algorithm.advantage.name}' keeps no tracker: use algorithm=spo, or another prompt_sampler"
+        )
+    band = trainer.difficulty_filter
+    if band is not None and band.min_pass_rate > band.max_pass_rate:
+        raise ConfigError(f"trainer.difficulty_filter: min_pass_rate={band.min_pass_rate} is above "
+                          f"max_pass_rate={band.max_pass_rate}, so no problem could be kept")
+    if band is not None and trainer.parallelism != "single":
+        raise ConfigError(f"trainer.difficulty_filter is not supported with trainer.parallelism={trainer.parallelism} "
+                          "(each process would filter the problems by its own samples)")
     stages = parse_stages(trainer.stages, trainer.steps)
     for stage, settings in zip(stages, stage_settings(config, stages)):
         try:
+            sampler_options(settings[SAMPLER_KEY])
             check_batch_arithmetic(settings["trainer.prompts_per_step"], settings["rollout.n"],
                                    trainer.micro_batch_size, algorithm.minibatches)
             algorithm.check_group_size(settings["rollout.n"], settings["trainer.prompts_per_step"] * settings["rollout.n"])
@@ -171,6 +190,8 @@ def notice_inactive_terms(config: RunConfig, algorithm: Algorithm) -> str | None
     and returned; None (nothing logged) when the term can act or the run does not train."""
     term = POLICY_LOSSES.ratio_term(algorithm.loss.name, algorithm.loss.params)
     stale = (config.trainer.max_staleness or 0) >= 1
+    # bypass: pi_old is the engine's, off 1 by the engine/trainer mismatch (near 0 only with the HF engine)
+    stale = stale or (algorithm.bypasses_old_logp and config.rollout.engine != "hf")
     if term is None or stale or algorithm.updates_per_batch != 1 or config.mode != "train" or not config.trainer.steps:
         return None
     line = (f"algorithm '{algorithm.name}': {term} (loss '{algorithm.loss.name}') acts only where pi_theta / pi_old "
@@ -180,6 +201,66 @@ def notice_inactive_terms(config: RunConfig, algorithm: Algorithm) -> str | None
             "trainer.max_staleness, to exercise it")
     log.warning(line)
     return line
+
+
+def fidelity_blocks(config: RunConfig) -> list[tuple[str, FidelityConfig]]:
+    """(how the preset is named in a message, its block) for every preset of the run that states its fidelity:
+    the paper (``paper=<name>``), the algorithm, the rollout strategy and the prompt sampler, in that order.
+    A block's ``method`` names the method where the node's own name does not (``prompt_sampler=clpo`` composes
+    the sampler ``weighted``)."""
+    paper = config.paper or {}
+    nodes = [
+        (f"paper={paper.get('name')}", paper.get("fidelity")),
+        (f"algorithm={config.algorithm.name}", config.algorithm.fidelity),
+        (f"rollout={config.rollout.strategy}", config.rollout.fidelity),
+        (f"prompt_sampler={config.trainer.prompt_sampler.name}", config.trainer.prompt_sampler.fidelity),
+    ]
+    return [(f"{label} ({block.method})" if block.method else label, block) for label, block in nodes if block is not None]
+
+
+def check_fidelity(config: RunConfig) -> None:
+    """Each stated fidelity of the run carries the text its status needs (:func:`fidelity_problem`)."""
+    for label, block in fidelity_blocks(config):
+        problem = fidelity_problem(block)
+        if problem:
+            raise ConfigError(f"{label}: fidelity.status={block.status} {problem}")
+
+
+def fidelity_problem(block: FidelityConfig) -> str | None:
+    """What a fidelity block lacks or holds wrongly, or None: ``missing`` (what is not built and what runs
+    instead) with partial and only with it, ``adapted`` (how the setting changed) with adapted (a partial
+    preset may say it too), neither with faithful (docs/papers.md, "Fidelity")."""
+    def said(text: str | None) -> bool:
+        return bool(text and text.strip())
+
+    if block.status is None:
+        return "needs fidelity.status: faithful, partial or adapted"
+    if block.status == "partial" and not said(block.missing):
+        return "needs fidelity.missing: what part of the method is not built and what runs instead"
+    if block.status != "partial" and block.missing is not None:
+        return "takes no fidelity.missing (only a partial preset lacks part of its method)"
+    if block.status == "adapted" and not said(block.adapted):
+        return "needs fidelity.adapted: how the method was carried to another setting than the paper's"
+    if block.status == "faithful" and block.adapted is not None:
+        return "takes no fidelity.adapted (a preset carried to another setting is status adapted)"
+    return None
+
+
+def notice_fidelity(config: RunConfig) -> list[str]:
+    """The start-up lines of a run that composes a partial or adapted preset, one per preset (logged as
+    warnings and returned; none outside mode=train): ``paper=pvpo is partial: <missing>``, ``paper=edit_grpo
+    is adapted: <how>``. A user who runs a preset named after a method learns before training that the run is
+    not all of that method, or not in its setting."""
+    if config.mode != "train":
+        return []
+    lines = []
+    for label, block in fidelity_blocks(config):
+        if block.status != "faithful":
+            text = block.missing if block.status == "partial" else block.adapted
+            lines.append(f"{label} is {block.status}: {' '.join(text.split())}")
+    for line in lines:
+        log.warning(line)
+    return lines
 
 
 def check_reincarnation(config: RunConfig) -> None:
@@ -288,6 +369,7 @@ def check_run(cfg: DictConfig, origins: ValueOrigins) -> Algorithm:
     specs go to their loader's check as composed."""
     check_against_schema(cfg, registered(), origins)
     config = typed_config(cfg)
+    check_fidelity(config)
     device = resolve_device(config.device)
     algorithm = Algorithm.from_config(algorithm_settings(config.algorithm))
 
@@ -308,6 +390,8 @@ def check_run(cfg: DictConfig, origins: ValueOrigins) -> Algorithm:
         check_reincarnation(config)
         check_masked_rollout(config, algorithm)
         check_difficulty_rollout(config, algorithm)
+        if algorithm.sampling_correction is not None:
+            algorithm.sampling_correction.check_rollout(rollout.top_p)
         algorithm.check_batch_size(trainer.prompts_per_step * rollout.n)
         algorithm.check_group_size(rollout.n, trainer.prompts_per_step * rollout.n)
         validate_step_options(config, algorithm)

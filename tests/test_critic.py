@@ -137,6 +137,17 @@ def test_policy_update_trains_the_value_head_toward_the_returns():
 # ------------------------------------------------------------------------------ A2C = PPO (1 x 1 update)
 
 
+def first_update_gradient(base_model, base_head, batch, algorithm):
+    """The gradient of the first optimizer step of ``algorithm`` on ``batch`` (copies of the model and
+    head), one tensor per parameter, the head's last; the update is checked to take one step."""
+    model, head = copy.deepcopy(base_model), copy.deepcopy(base_head)
+    recorder = RecordingOptimizer([*model.parameters(), *head.parameters()])
+    stats = standard_update(model, recorder, batch, algorithm, micro_batch_size=5, max_grad_norm=None,
+                            temperature=1.0, norm_length=6, value_head=head)
+    assert stats["optimizer_steps"] == 1 and stats["value_loss"] > 0
+    return recorder.steps[0]
+
+
 def test_a2c_equals_ppo_with_one_epoch_and_one_full_batch():
     """A2C (REINFORCE loss -A logp, unclipped value loss) and PPO (clipped ratio, clipped value loss)
     with one epoch over one full mini-batch give the same gradient: at the first step rho = 1 and
@@ -147,14 +158,7 @@ def test_a2c_equals_ppo_with_one_epoch_and_one_full_batch():
     base_head = random_head(base_model)
     batch = critic_batch(base_model, base_head, ppo)
     assert torch.count_nonzero(batch.advantages) > 0 and torch.count_nonzero(batch.returns - batch.old_values) > 0
-    grads = []
-    for algorithm in (a2c, ppo):
-        model, head = copy.deepcopy(base_model), copy.deepcopy(base_head)
-        recorder = RecordingOptimizer([*model.parameters(), *head.parameters()])
-        stats = standard_update(model, recorder, batch, algorithm, micro_batch_size=5, max_grad_norm=None,
-                                temperature=1.0, norm_length=6, value_head=head)
-        assert stats["optimizer_steps"] == 1 and stats["value_loss"] > 0
-        grads.append(recorder.steps[0])
+    grads = [first_update_gradient(base_model, base_head, batch, algorithm) for algorithm in (a2c, ppo)]
     for a, b in zip(*grads):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
     head_grads = grads[0][-2:]

@@ -36,7 +36,9 @@ TOY_STEP = ["experiment=toy_learning", "dataset=arith", "trainer.steps=1", "eval
             "eval.max_new_tokens=8"]
 
 # What each paper preset whose loss declares a ratio term does, and why (docs/papers.md, "Distinguishing terms").
-# exercised: the paper takes several updates per batch and so does the preset; notice: the paper's schedule
+# exercised: the paper takes several updates per batch and so does the preset; stale: the paper trains on
+# stale data and so does the preset (trainer.max_staleness), so no notice, and its steps after the first k are
+# stale (whether the term binds on them depends on how far the policy moved); notice: the paper's schedule
 # was not found (or its setting is stale data this preset does not reproduce), so the run says the term is
 # inactive.
 PAPER_OUTCOMES = {
@@ -47,9 +49,9 @@ PAPER_OUTCOMES = {
     "gmpo": "exercised",  # the authors' script: 8 mini-batches
     "gspo": "exercised",  # 4 mini-batches
     "hapo": "exercised",  # the authors' script: 16 mini-batches
-    "intellect2": "notice",  # the paper trains on ~2-step stale data; the preset keeps fresh rollouts
+    "intellect2": "stale",  # the paper trains on ~2-step stale data; so does the preset (trainer.max_staleness=2)
     "kl_cov": "exercised",  # the authors' script: 8 mini-batches
-    "m2po": "exercised",  # the authors' script: 4 mini-batches (its stale data is not reproduced)
+    "m2po": "exercised",  # the authors' script: 4 mini-batches on data 64 versions stale (trainer.max_staleness)
     "mdpo": "exercised",  # the paper's 10 SGD steps per batch
     "rec": "notice",  # the example trains on 20-step stale data; the preset keeps fresh rollouts
     "soft_sapo": "notice",  # the paper's update schedule was not found
@@ -105,6 +107,7 @@ def test_notice_names_the_term_and_the_way_to_exercise_it(tmp_path, caplog):
     ["algorithm=grpo"],  # PPO-clip's clip is the shared trust region, not a distinguishing term
     ["algorithm=exgrpo"],  # its shaping acts on replayed tokens at their stored behaviour ratio
     ["algorithm=grpo", "algorithm/loss=dppo", "algorithm.update.schedule=sfpo"],  # K fast passes + the slow one
+    ["paper=intellect2"],  # rollouts up to 2 versions stale: the delta cap can act
 ])
 def test_no_notice_where_the_term_can_act_or_is_not_ratio_bound(tmp_path, overrides):
     assert _notice(overrides, tmp_path) is None
@@ -113,7 +116,7 @@ def test_no_notice_where_the_term_can_act_or_is_not_ratio_bound(tmp_path, overri
 @pytest.mark.parametrize("overrides", [
     ["algorithm=dppo", "trainer.max_staleness=0"],  # the pipeline without overlap: still fresh data
     ["algorithm=grpo", "algorithm/loss=gspo_token"],  # a user composition, not only presets
-    ["paper=intellect2"],
+    ["paper=intellect2", "trainer.max_staleness=null"],  # its stale data removed
 ])
 def test_notice_where_every_ratio_is_one(tmp_path, overrides):
     assert NOTICE in (_notice(overrides, tmp_path) or "")
@@ -127,15 +130,22 @@ def test_one_step_exercises_the_term_or_says_it_is_inactive(tmp_path, caplog, sp
     from rlbench.runner import run
 
     torch.set_num_threads(1)
+    kind, name = spec.split("=", 1)
+    stale = kind == "paper" and PAPER_OUTCOMES[name] == "stale"
     cfg = compose_config([spec, *TOY_STEP], tmp_path / "run")
+    if stale:  # past the first k steps, whose batches are sampled by version 0 and so fresh
+        cfg = compose_config([spec, *TOY_STEP, f"trainer.steps={cfg.trainer.max_staleness + 2}"], tmp_path / "run")
     algorithm = algorithm_from(cfg.algorithm)
     metric = POLICY_LOSSES.needs(algorithm.loss.name).ratio_term_metric
     term = POLICY_LOSSES.ratio_term(algorithm.loss.name, algorithm.loss.params)
     with caplog.at_level(logging.WARNING, logger="rlbench.validation"):
         run(cfg)
     notices = [r.getMessage() for r in caplog.records if NOTICE in r.getMessage()]
-    step = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
-    kind, name = spec.split("=", 1)
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    step = steps[0]
+    if stale:  # no notice, and the last step trained on a batch sampled by an older policy
+        assert not notices and steps[-1]["staleness"] >= 1, (spec, notices, [s["staleness"] for s in steps])
+        return
     if kind == "paper":
         assert ("notice" if notices else "exercised") == PAPER_OUTCOMES[name], (spec, notices, step.get(metric))
     if term is None:  # the preset's parameters make the term act at ratio 1 too (dppo's surrogate_variance rule)

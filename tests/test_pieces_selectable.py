@@ -20,6 +20,7 @@ from rlbench.algorithm.schedules import SCHEDULES
 from rlbench.validation import validate_config
 from rlbench.listing import group_options, main as list_main
 from rlbench.algorithm.pieces import PIECE_KINDS
+from rlbench.algorithm.registry import POLICY_LOSSES
 from rlbench.rollout import STRATEGIES
 
 from conftest import CONF_DIR, ROOT
@@ -30,6 +31,8 @@ COMPANIONS = {
     ("advantage", "gae"): ["algorithm=ppo"],  # needs the value head of the ppo preset
     ("advantage", "polychromic"): ["rollout.n=8"],  # needs rollout.n > set_size=4
     ("loss", "degrpo"): ["algorithm/aggregation=seq_mean_token_sum"],
+    # the pairwise losses read whole groups and take only their mean over groups
+    **{("loss", name): ["algorithm/aggregation=group_mean"] for name in POLICY_LOSSES.names() if POLICY_LOSSES.needs(name).whole_groups},
     ("advantage", "tree"): ["rollout=tree"],  # reads the tree of a tree rollout
     ("advantage", "treerpo"): ["rollout=treerpo"],
     ("advantage", "vine"): ["rollout=vine"],  # reads the Monte-Carlo step values of rollout=vine

@@ -279,6 +279,8 @@ STATEFUL_PRESETS = {
     # SALSA's soup takes its snapshots at updates 1 and 2, before the checkpoint; the experience library
     "salsa": ["algorithm=salsa", "algorithm.reference_soup.every=1", "algorithm.reference_soup.models=3"],
     "training_free_grpo": ["algorithm=training_free_grpo"],
+    # a pairwise loss: the reference model, mini-batches of whole groups drawn from the mini-batch stream
+    "dpo": ["algorithm=dpo", "algorithm.loss.pairing=all", "algorithm.update.minibatches=2"],
 }
 
 

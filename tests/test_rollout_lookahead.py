@@ -14,7 +14,14 @@ from rlbench.model import load_policy
 from rlbench.reward.toy import EvenTokenReward
 from rlbench.rollout import GroupSampler, HFGenerateEngine, RolloutSetup, make_strategy, validate_strategy
 from rlbench.rollout.engines.base import Completion, PositionStats, SamplingParams
-from rlbench.rollout.strategies.lookahead import LookaheadOptions, LookaheadRollout, branch_points, rouge_l_f1, too_similar
+from rlbench.rollout.strategies.lookahead import (
+    LookaheadOptions,
+    LookaheadRollout,
+    branch_points,
+    rouge_l_f1,
+    suffix_match,
+    too_similar,
+)
 
 from conftest import smoke_cli_steps, model_preset
 
@@ -54,7 +61,7 @@ def test_rouge_l_f1_and_the_pruning_rule():
     assert too_similar([9, 7, 2, 3, 0, 10], trunk, 1, (2, 4), 0.5)  # similar at checkpoint 2 (F1 2/3)
 
 
-def test_the_share_of_latr_prompts_follows_the_schedule():
+def test_the_share_of_each_group_follows_the_schedule():
     options = LookaheadOptions(mix_schedule=((0, 1.0), (100, 0.75), (200, 0.5)))
     assert [options.share(s) for s in (0, 99, 100, 150, 200, 10_000)] == [1.0, 1.0, 0.75, 0.75, 0.5, 0.5]
 
@@ -105,7 +112,7 @@ def test_branches_look_ahead_from_the_trunk_and_similar_ones_are_pruned(monkeypa
     # lookahead: min(2, budget - t - 1) tokens after trunk[:t] + [branch token], one call per budget
     assert calls[1:3] == [[((10, 11, 12, 13, 24), 1, 1)], [((10, 21), 1, 2), ((10, 11, 12, 23), 1, 2)]]
     assert metrics == {"lookahead_share": 1.0, "lookahead_prompts": 1.0, "lookahead_candidates": 3.0,
-                       "lookahead_pruned": 1.0, "lookahead_branches": 2.0, "lookahead_filled": 0.0}
+                       "lookahead_pruned": 1.0, "lookahead_branches": 2.0, "lookahead_levels": 1.0, "lookahead_filled": 0.0}
     responses = [c.response_ids for c in groups.groups[0]]
     assert responses[0] == [10, 11, 12, 13, 14, 15]
     # both survivors filled the budget in their lookahead: no completion call
@@ -123,16 +130,72 @@ def test_no_branch_point_gives_plain_sampling(monkeypatch):
     assert all(c.prefix_len == 0 and c.behaviour == "policy" for g in groups.groups for c in g)
 
 
-def test_prompts_beyond_the_share_are_sampled_iid_and_the_step_count_is_state(monkeypatch):
+def test_the_share_is_of_each_group_and_the_step_count_is_state(monkeypatch):
+    """mix_schedule gives the share of each group that LATR's tree holds (the released mix_ratio): with
+    n = 4 and share 0.5, a trunk, its tree of 2 (no branch point here: filled i.i.d.) and 2 i.i.d."""
     monkeypatch.setattr(ScriptedEngine, "position_stats", raising=False, value=
                         lambda engine, items, params: [stats([(10, 0.99, 20, 0.01)] * 6) for _ in items])
-    setup = scripted_setup({}, n=2)
-    strategy = LookaheadRollout(setup, LookaheadOptions(mix_schedule=((0, 1.0), (1, 0.5))))
+    setup = scripted_setup({}, n=4)
+    strategy = LookaheadRollout(setup, LookaheadOptions(mix_schedule=((0, 1.0), (1, 0.5), (2, 0.25))))
     strategy.load_state_dict({"steps": 1})
-    _, metrics = strategy.rollout([Problem(str(i), "q", "a") for i in range(4)])
-    assert metrics["lookahead_share"] == 0.5 and metrics["lookahead_prompts"] == 2
-    assert setup.sampler.engine.calls[0] == [((), 1, 6), ((), 1, 6), ((), 2, 6), ((), 2, 6)]
-    assert strategy.state_dict() == {"steps": 2}
+    groups, metrics = strategy.rollout([Problem(str(i), "q", "a") for i in range(2)])
+    assert metrics["lookahead_share"] == 0.5 and metrics["lookahead_prompts"] == 2 and metrics["lookahead_filled"] == 2
+    assert setup.sampler.engine.calls[0] == [((), 3, 6), ((), 3, 6)]  # the trunk and the 2 i.i.d. responses
+    assert setup.sampler.engine.calls[-1] == [((), 1, 6), ((), 1, 6)]  # the fill
+    assert [len(g) for g in groups.groups] == [4, 4]
+    setup.sampler.engine.calls.clear()
+    _, metrics = strategy.rollout([Problem(str(i), "q", "a") for i in range(2)])  # share 0.25: a tree of 1 is no tree
+    assert metrics["lookahead_prompts"] == 0 and setup.sampler.engine.calls == [[((), 4, 6), ((), 4, 6)]]
+    assert strategy.state_dict() == {"steps": 3}
+
+
+TRUNK, FIRST, SECOND = (10, 11, 12, 13, 14, 15), (10, 21, 30, 31, 32, 33), (10, 21, 30, 40, 50, 51)
+
+
+def two_level_stats(engine, items, params):
+    """The trunk hesitates at t = 1 (runner-up 21); its branch FIRST hesitates at t = 3 (runner-up 40)."""
+    out = []
+    for _, response in items:
+        rows = [(token, 0.99, 0, 0.01) for token in response]
+        if tuple(response) == TRUNK:
+            rows[1] = (11, 0.4, 21, 0.35)
+        if tuple(response) == FIRST:
+            rows[3] = (31, 0.4, 40, 0.35)
+        out.append(stats(rows))
+    return out
+
+
+@pytest.mark.parametrize("window", [1024, 3])
+def test_branches_branch_again_within_the_branch_window(monkeypatch, window):
+    """More than one level: the trunk's branch FIRST is completed, scored, and branches at its own branch
+    point after its birth (SECOND); with branch_window 3 that point (t = 3) is past the window and the
+    tree is filled with i.i.d. responses instead."""
+    monkeypatch.setattr(ScriptedEngine, "position_stats", raising=False, value=two_level_stats)
+    setup = scripted_setup({21: [30, 31], 31: [32, 33], 40: [50], 50: [51]}, n=4)
+    options = LookaheadOptions(checkpoints=(2,), branch_window=window)
+    groups, metrics = LookaheadRollout(setup, options).rollout([Problem("7", "q", "a")])
+    responses = [tuple(c.response_ids) for c in groups.groups[0]]
+    if window == 1024:
+        assert responses == [TRUNK, FIRST, SECOND, TRUNK]  # the fourth: one i.i.d. fill
+        assert metrics["lookahead_levels"] == 2 and metrics["lookahead_branches"] == 2 and metrics["lookahead_filled"] == 1
+        # SECOND shares FIRST up to its branch token, which is FIRST's runner-up at t = 3
+        assert SECOND[:3] == FIRST[:3] and SECOND[3] == 40
+    else:
+        assert responses == [TRUNK, FIRST, TRUNK, TRUNK]
+        assert metrics["lookahead_levels"] == 1 and metrics["lookahead_filled"] == 2
+    assert [c.behaviour for c in groups.groups[0]][:2] == ["policy", "branch"]
+
+
+def test_suffix_match_by_hand_and_as_a_pruning_rule():
+    assert suffix_match([1, 2, 3, 4], [9, 3, 4, 8]) == pytest.approx(0.5)  # the suffix [3, 4] occurs in b
+    assert suffix_match([9, 3, 4, 8], [1, 2, 3, 4]) == pytest.approx(0.5)  # b's suffix [3, 4] occurs in a: symmetric
+    assert suffix_match([1, 2, 3], [4, 5, 6]) == 0.0 and suffix_match([], [1]) == 0.0
+    assert suffix_match([7, 2, 3, 4], [1, 2, 3, 4]) == pytest.approx(0.75)  # a branch that rejoins its parent's text
+    trunk = [9, 1, 2, 3, 4, 5]
+    branch = [9, 7, 2, 3, 4, 5]  # ROUGE-L F1 of t..t+2 = [7, 2, 3] / [1, 2, 3]: 2/3; suffix match 2/3
+    assert not too_similar(branch, trunk, 1, (2,), 0.9)
+    assert too_similar(branch, trunk, 1, (2,), 0.9, suffix_threshold=0.2)
+    assert not too_similar([9, 7, 8, 6, 0, 10], trunk, 1, (2, 4), 0.9, suffix_threshold=0.2)
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +210,8 @@ def test_on_the_tiny_model_branches_share_the_trunk_up_to_their_branch_token(tin
     params = SamplingParams(1.0, 1.0, 6)
     setup = RolloutSetup(sampler, 4, params, torch.Generator().manual_seed(0))
     # every position a branch point, and no pruning: 3 branches per trunk
-    options = LookaheadOptions(abs_threshold=0.0, rel_threshold=1.0, checkpoints=(2,), rouge_l_threshold=1.0)
+    options = LookaheadOptions(abs_threshold=0.0, rel_threshold=1.0, checkpoints=(2,), rouge_l_threshold=1.0,
+                               suffix_match_threshold=1.0)
     groups, metrics = LookaheadRollout(setup, options).rollout([Problem("a", "question a", "0")])
     trunk, *branches = groups.groups[0]
     assert metrics["lookahead_branches"] == 3 and len(branches) == 3
@@ -174,6 +238,10 @@ def test_settings_are_checked_before_the_model_loads(make_cfg):
     validate_strategy(rollout_config({**base, "engine": "vllm"}), "grpo")  # the engine interface serves both
     with pytest.raises(ConfigError, match="mix_schedule must be"):
         validate_strategy(rollout_config({**base, "lookahead": {"mix_schedule": [[5, 1.0]]}}), "grpo")
+    with pytest.raises(ConfigError, match="suffix_match_threshold must be in"):
+        validate_strategy(rollout_config({**base, "lookahead": {"suffix_match_threshold": 2}}), "grpo")
+    with pytest.raises(ConfigError, match="branch_window must be >= 1"):
+        validate_strategy(rollout_config({**base, "lookahead": {"branch_window": 0}}), "grpo")
     with pytest.raises(ConfigError, match="abs_threshold must be in"):
         validate_strategy(rollout_config({**base, "lookahead": {"abs_threshold": 1.5}}), "grpo")
     with pytest.raises(ConfigError, match=r"no key\(s\) \['depth'\]"):
@@ -183,11 +251,11 @@ def test_settings_are_checked_before_the_model_loads(make_cfg):
 @pytest.mark.slow
 def test_cli_run_branches_and_logs_what_it_did(tmp_path):
     """`rlbench experiment=smoke rollout=lookahead` with thresholds that make every position a branch
-    point and prune nothing."""
+    point and prune nothing (n = 3: a trunk and 2 branches per prompt, at the first level)."""
     steps = smoke_cli_steps(
         tmp_path / "run", "rollout=lookahead", "rollout.n=3", "rollout.lookahead.abs_threshold=0",
         "rollout.lookahead.rel_threshold=1", "rollout.lookahead.checkpoints=[2]",
-        "rollout.lookahead.rouge_l_threshold=1"
+        "rollout.lookahead.rouge_l_threshold=1", "rollout.lookahead.suffix_match_threshold=1"
     )
     for step in steps:  # 2 prompts, 2 branches each
         assert step["lookahead_share"] == 1.0 and step["lookahead_branches"] == 4 and step["responses_branch"] == 4

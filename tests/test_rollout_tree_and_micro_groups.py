@@ -194,9 +194,10 @@ def test_tree_logprobs_are_the_policys(tiny):
         assert torch.allclose(torch.tensor(leaf.logprobs), ref, atol=1e-4)
 
 
-def test_fallback_fills_the_budget_when_branches_end_early(tiny):
-    """Responses that end at EOS before their subtree is full hand their leaves back: every prompt still
-    gets n leaves."""
+def test_groups_are_full_when_branches_end_early(tiny):
+    """Responses that end at EOS early pass their branching to the survivors, or a fallback restarts paths
+    (rollout=tree: TreePO's schedule; the scripted cases are in tests/test_tree_cores.py): every prompt
+    still gets n leaves."""
     _, tokenizer = tiny
     model = build_tiny_model(tokenizer, None, seed=1)
     bias = torch.zeros(len(tokenizer))
@@ -205,8 +206,7 @@ def test_fallback_fills_the_budget_when_branches_end_early(tiny):
     strategy, _, problems = _strategy(model, tokenizer, n=8, max_new_tokens=12, seed=3)
     graded, metrics = strategy.rollout(problems)
     _check_tree(graded.groups, 8, 12, tokenizer.eos_token_id)
-    assert metrics["tree_fallback_leaves"] > 0
-    assert any(c.finished for g in graded.groups for c in g)
+    assert metrics["tree_stop_eos"] == sum(c.finished for g in graded.groups for c in g) > 0
 
 
 @pytest.mark.parametrize("eos_bias", [0.0, 9.0])

@@ -10,6 +10,7 @@ Inputs offered by the trainer:
     response_mask    [B,T]
     batch_tokens     number of response tokens in the optimizer batch (N_tok)
     batch_sequences  number of responses in the optimizer batch (N_seq)
+    batch_groups     number of groups (prompts) in the optimizer batch (N_grp)
 """
 
 from __future__ import annotations
@@ -32,6 +33,13 @@ def token_sum(loss_matrix: torch.Tensor, response_mask: torch.Tensor) -> torch.T
     The gradient grows with the number of tokens in the optimizer batch, so the learning rate has
     to absorb the batch's size. Summed over micro-batches it equals the full-batch sum."""
     return (loss_matrix * response_mask).sum()
+
+
+@AGGREGATIONS.register("group_mean")
+def group_mean(loss_matrix: torch.Tensor, response_mask: torch.Tensor, batch_groups: int) -> torch.Tensor:
+    """L = (1/N_grp) sum_i sum_t m_it l_it: a mean over the optimizer batch's groups, for a loss whose matrix
+    carries each group's loss (the pairwise preference losses: a group's mean pair loss, losses/preference.py)."""
+    return (loss_matrix * response_mask).sum() / max(batch_groups, 1)
 
 
 @AGGREGATIONS.register("seq_mean_token_mean")

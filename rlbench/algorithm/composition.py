@@ -173,6 +173,7 @@ class Algorithm:
             raise ConfigError("algorithm.kl.coef and algorithm.entropy_coef must be >= 0")
         self._check_kl_and_entropy_settings()
         self._check_downsampling()
+        self._check_whole_group_loss()
         if self.epochs < 1 or self.minibatches < 1:
             raise ConfigError("algorithm.update.epochs and algorithm.update.minibatches must be >= 1")
 
@@ -230,6 +231,29 @@ class Algorithm:
                 f"loss '{self.loss.name}' forms one importance ratio per response, so a token mask cannot select "
                 f"tokens of its policy gradient; D3S's token level (algorithm.downsampling.tokens={settings.tokens}) needs "
                 "a token-level loss (e.g. algorithm/loss=gspo_token), or set algorithm.downsampling.tokens=1.0"
+            )
+
+    def _check_whole_group_loss(self) -> None:
+        """A pairwise loss (registry.Needs.whole_groups) is a mean over groups of its pairs' losses: the
+        terms that weigh tokens (a token mask, D3S, the sampler's importance weights, an entropy bonus or a
+        KL term aggregated like the loss) would change that objective, and its own coefficient (beta) is
+        already the strength of its KL to pi_ref; sfpo and trpo split the batch without regard to groups."""
+        if not self.loss_reads_whole_groups:
+            return
+        conflicting = {
+            "algorithm.kl.coef > 0": self.kl_coef > 0,
+            "algorithm.entropy_coef > 0 (or entropy_adaptive)": self.uses_entropy_bonus,
+            "algorithm.token_mask.top_entropy_quantile": self.top_entropy_quantile is not None,
+            "algorithm.downsampling": self.downsampling is not None,
+            "algorithm.sampling_correction": self.sampling_correction is not None,
+            f"algorithm.update.schedule={self.schedule}": self.schedule != "standard",
+        }
+        found = [name for name, present in conflicting.items() if present]
+        if found:
+            raise ConfigError(
+                f"loss '{self.loss.name}' is a pairwise preference loss ({POLICY_LOSSES.needs(self.loss.name).whole_groups}); "
+                f"it does not combine with {', '.join(found)}: its beta is already its KL to pi_ref, and the mean "
+                "over groups of the pairs' losses is its objective (docs/preference.md)"
             )
 
     def _check_critic_and_schedule(self) -> None:
@@ -316,8 +340,15 @@ class Algorithm:
 
     @property
     def needs_reference(self) -> bool:
-        """A frozen reference model is loaded only when the KL term is active (in the loss or the reward)."""
-        return self.kl_coef > 0
+        """A frozen reference model is loaded only when the KL term is active (in the loss or the reward) or
+        the policy loss reads pi_ref itself (dpo, ipo)."""
+        return self.kl_coef > 0 or "ref_logp" in POLICY_LOSSES.accepted_inputs(self.loss.name)
+
+    @property
+    def loss_reads_whole_groups(self) -> bool:
+        """The policy loss compares a group's responses with each other (registry.Needs.whole_groups): the
+        update keeps every group in one micro-batch and one mini-batch."""
+        return POLICY_LOSSES.needs(self.loss.name).whole_groups is not None
 
     @property
     def kl_in_loss(self) -> bool:
@@ -369,11 +400,20 @@ class Algorithm:
 
     @property
     def needs_sampling_pass(self) -> bool:
-        """A no-grad pass over the sampled batch (old log-probs, entropies) before the advantage."""
-        return any((
-            self.advantage_inputs & {"entropy", "old_logp", "values"}, self.needs_old_logp, self.needs_sampling_entropy,
-            self.kl_in_reward, self.kl_adaptive is not None, self.kl_previous_weight > 0,
+        """A no-grad pass over the sampled batch (old log-probs, entropies) before the advantage; the
+        old log-probs alone do not need it under bypass (they are the rollout engine's)."""
+        reads_old_logp = any((
+            self.advantage_inputs & {"old_logp"}, self.needs_old_logp, self.kl_in_reward, self.kl_adaptive is not None,
         ))
+        return any((
+            reads_old_logp and not self.bypasses_old_logp, self.advantage_inputs & {"entropy", "values"},
+            self.needs_sampling_entropy, self.kl_previous_weight > 0,
+        ))
+
+    @property
+    def bypasses_old_logp(self) -> bool:
+        """algorithm.sampling_correction.bypass: pi_old is the rollout engine's log-probs, never recomputed."""
+        return self.sampling_correction is not None and self.sampling_correction.bypass
 
     @property
     def needs_sampling_entropy(self) -> bool:

@@ -51,6 +51,9 @@ class Needs:
                        region of the PPO family, not a term that sets a loss apart: ppo_clip declares none)
     ratio_term_metric  policy loss: the metric (a fraction of tokens) that is above 0 where that term
                        acted, e.g. "dropped_fraction" (None: the term has no such metric)
+    whole_groups       policy loss: why it reads the responses of a group together (a pairwise preference
+                       loss): the trainer then keeps every group in one micro-batch and one mini-batch
+                       (rlbench.training.batch.group_micro_batches). None: rows are independent
     """
 
     advantage_level: str | None = None
@@ -61,6 +64,7 @@ class Needs:
     on_policy: str | None = None
     ratio_term: str | Callable[[Mapping[str, Any]], str | None] | None = None  # or of the YAML params
     ratio_term_metric: str | None = None
+    whole_groups: str | None = None
 
     def __post_init__(self) -> None:
         for key in ("advantage_level", "ratio_level"):

@@ -46,6 +46,21 @@ responses with at least one valid token. A mean <= 1e-8 leaves the weights as th
 the mean over the whole step's batch; here it is taken over the batch the loss sees, which is the
 micro-batch when the optimizer batch is split. The metrics are those of the weights before the division.
 
+``bypass: true`` (default false) is verl's ``rollout_correction.bypass_mode`` (its Rollout Correction
+guide: "two policies, pi_old = pi_rollout"): pi_old is the rollout engine's log-probs (``sampling_logp``;
+on off-policy tokens the stored behaviour log-probs, as always), the trainer's no-grad pass that would
+recompute pi_old is skipped (it still runs when an entropy, a value or the previous policy is needed), and
+the loss's ratio is pi_theta / pi_sampler from the first update on: the loss's own clip or trust region
+then does the correction (verl's bypass + ``loss_type: ppo_clip``). The weights above compare pi_old with
+pi_sampler, which are then the same, so they are 1 and not applied: ``mode``, ``low``,
+``rejected_tokens``, ``level`` and ``normalize`` are refused with bypass (``cap`` is unused). verl's bypass
++ ``loss_type: reinforce`` with token-level truncated weights, -sg(min(pi_theta / pi_sampler, C)) A logp,
+is ``loss=cispo_upper`` (``ratio_max`` = C) with bypass; its sequence-level variant has no counterpart.
+The KL-in-reward term then reads pi_sampler as pi_old too, as verl's does. With one update per batch and
+an engine whose log-probs equal the trainer's, bypass trains exactly as the default (tested bit for bit);
+the engine's log-probs must be those of the distribution the trainer scores, so bypass is refused with
+``rollout.top_p`` < 1.
+
 ``algorithm.sampling_correction: {cap: C}`` turns it on; absent (the default) it is off, and the
 presets leave it off. With it on, a batch without ``sampling_logp`` is left unchanged (no-op). The
 trainer passes ``sampling_logp`` = each Completion's ``logprobs`` (TrainBatch.sampling_logp). With
@@ -126,11 +141,12 @@ REJECTED_TOKENS = ("zero_weight", "drop")
 
 @dataclass(frozen=True)
 class SamplingCorrection:
-    """``algorithm.sampling_correction``: {cap, mode, low, rejected_tokens, level, normalize}:
+    """``algorithm.sampling_correction``: {cap, mode, low, rejected_tokens, level, normalize, bypass}:
     :func:`truncated_importance_weights` (mode truncate; :func:`sequence_importance_weights` at
     ``level`` sequence) or :func:`bounded_importance_weights` (mask, reject); ``rejected_tokens`` says
     whether a rejected token keeps its place in the token count (zero_weight) or leaves it (drop);
-    ``normalize`` divides the truncated weights by their batch mean (:func:`batch_normalized_weights`)."""
+    ``normalize`` divides the truncated weights by their batch mean (:func:`batch_normalized_weights`);
+    ``bypass`` takes pi_old from the rollout engine instead of recomputing it (verl's bypass mode)."""
 
     cap: float = DEFAULT_TIS_CAP
     mode: str = "truncate"
@@ -138,6 +154,7 @@ class SamplingCorrection:
     rejected_tokens: str = "zero_weight"
     level: str = "token"
     normalize: bool = False
+    bypass: bool = False
 
     @classmethod
     def from_config(cls, node: Any) -> "SamplingCorrection | None":
@@ -164,6 +181,24 @@ class SamplingCorrection:
             if changed and self.mode != "truncate":
                 raise ConfigError(f"algorithm.sampling_correction.{name} needs mode truncate "
                                   "(verl has sequence-level and batch-normalised weights only for its truncated IS)")
+        if not isinstance(self.bypass, bool):
+            raise ConfigError(f"algorithm.sampling_correction.bypass must be true or false, got {self.bypass!r}")
+        inert = [name for name, changed in (
+            ("mode", self.mode != "truncate"), ("low", self.low is not None), ("rejected_tokens", self.drops_rejected),
+            ("level", self.level != "token"), ("normalize", self.normalize),
+        ) if changed]
+        if self.bypass and inert:
+            raise ConfigError(f"algorithm.sampling_correction.bypass=true takes pi_old from the rollout engine, so the "
+                              f"weights pi_old / pi_sampler are all 1 and {inert} would change nothing; drop them "
+                              "(truncated weights on pi_theta / pi_sampler, verl's bypass with loss_type reinforce: "
+                              "algorithm/loss=cispo_upper)")
+
+    def check_rollout(self, top_p: float) -> None:
+        """Bypass takes the engine's log-probs as pi_old: they must score the distribution the trainer scores."""
+        if self.bypass and top_p < 1.0:
+            raise ConfigError(f"algorithm.sampling_correction.bypass=true needs rollout.top_p=1 (got {top_p}): the "
+                              "engine's log-probs are those of the top-p truncated distribution, above the trainer's, "
+                              "so every ratio pi_theta / pi_old would start below 1")
 
     @property
     def drops_rejected(self) -> bool:
@@ -191,7 +226,7 @@ class SamplingCorrection:
         """The per-token weights for this batch before :meth:`normalized`, or None when there is
         nothing to correct; ``mask`` (default: every token valid) says which tokens a response's
         sequence-level weight sums over."""
-        if sampling_logp is None:
+        if sampling_logp is None or self.bypass:  # bypass: pi_old is pi_sampler, the weights are 1
             return None
         if self.level == "sequence":
             valid = torch.ones_like(old_logp) if mask is None else mask.to(old_logp.dtype)

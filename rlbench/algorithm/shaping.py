@@ -49,6 +49,29 @@ def dapo_overlong_penalty(
     return torch.where(finished.bool(), penalty, torch.full_like(lengths, -1.0))
 
 
+@REWARD_SHAPING.register("length_target")
+def length_target_penalty(
+    response_lengths: torch.Tensor, prompt_keys: torch.Tensor, targets: list[int] | None = None, alpha: float = 0.001,
+) -> torch.Tensor:
+    """INTELLECT-2's length-control reward (Prime Intellect Team 2025, arXiv:2505.07291): each prompt gets a
+    target length L_target drawn from the set ``targets``, and
+
+        R_len(y) = -alpha * |  |y| - L_target(x)  |          (0 at |y| = L_target, the most)
+
+    added to the task reward (targets default: 1000, 2000, 3000, 4000). The target of a prompt is
+    ``targets[key mod |targets|]`` with the prompt's
+    key (a CRC-32 of its token ids, :func:`rlbench.rollout.groups.prompt_key`): uniform over the set across
+    prompts, the same each time a prompt is drawn (resume-proof, no random state). The set and alpha are
+    unverified (the paper's, recalled: targets of 1000-4000 tokens, alpha small).
+    """
+    targets = [1000, 2000, 3000, 4000] if targets is None else targets
+    if not targets or any(int(t) < 0 for t in targets) or alpha < 0:
+        raise ValueError(f"targets must be a non-empty list of lengths >= 0 and alpha >= 0, got {list(targets)}, {alpha}")
+    table = torch.tensor([int(t) for t in targets], dtype=torch.float32)
+    target = table[prompt_keys.long() % len(table)]
+    return -alpha * (response_lengths.to(torch.float32) - target).abs()
+
+
 def _as_float(values: torch.Tensor) -> torch.Tensor:
     return values.to(torch.float32)
 
@@ -117,6 +140,72 @@ def format_reward(response_texts: Sequence[str], pattern: str = R1_TEMPLATE, wei
     return torch.tensor([weight if compiled.fullmatch(text) else 0.0 for text in response_texts], dtype=torch.float32)
 
 
+def tail_loop_fraction(units: Sequence, min_repeats: int = 2) -> float:
+    """The share of a sequence that lies inside the loop it ends in (CAMPO's repetition critic f(o),
+    Li et al. 2025, "MiroMind-M1", arXiv:2507.14683, sec. 4.3 eq. 6; the loop is the released
+    ``find_infinite_loop_start``'s, MiroMindAsia/MiroMind-M1).
+
+    The loop is the longest period L whose last L units repeat at least ``min_repeats`` times back to
+    back at the end; with c such copies, f = c L / n (0 without a loop). "abcabcabc" gives 1,
+    "xyzabcabc" 6/9, "xaaaaa" 4/6 (period 2 twice: the longest period wins, as in the released code,
+    although period 1 covers 5/6). Computed in O(n) with the Z-function of the reversed sequence:
+    Z[L] is how far the sequence and its shift by L agree backwards from the end, so c = 1 + Z[L] // L.
+    """
+    if min_repeats < 2:
+        raise ValueError(f"min_repeats must be >= 2, got {min_repeats}")
+    backwards = list(reversed(units))
+    n = len(backwards)
+    z = [0] * n
+    left = right = 0
+    for i in range(1, n):
+        if i < right:
+            z[i] = min(right - i, z[i - left])
+        while i + z[i] < n and backwards[z[i]] == backwards[i + z[i]]:
+            z[i] += 1
+        if i + z[i] > right:
+            left, right = i, i + z[i]
+    covered = 0
+    for period in range(1, n // min_repeats + 1):
+        copies = 1 + z[period] // period
+        if copies >= min_repeats:
+            covered = copies * period
+    return covered / n if n else 0.0
+
+
+@REWARD_SHAPING.register("campo_repetition")
+def campo_repetition_penalty(
+    response_texts: Sequence[str],
+    finished: torch.Tensor,
+    weight: float = 1.0,
+    mode: str = "fraction",
+    min_repeats: int = 2,
+    truncated_only: bool = True,
+) -> torch.Tensor:
+    """CAMPO's repetition penalty (Li et al. 2025, "MiroMind-M1: An Open-Source Advancement in
+    Mathematical Reasoning via Context-Aware Multi-Stage Policy Optimization", arXiv:2507.14683,
+    sec. 4.3, eq. 6 and sec. 4.3.2). With f(o) = :func:`tail_loop_fraction` of the response's characters:
+
+        term(o) = -weight f(o)          mode "fraction" (eq. 6: the advantage is GRPO's on r - f;
+                                        an earlier loop covers more of the response and costs more)
+        term(o) = -weight 1[f(o) > 0]   mode "flag" (the released compute_campo_outcome_advantage,
+                                        weight 0.1)
+
+    truncated_only (the released code's choice): only responses that hit the length budget without
+    EOS are scanned, which is where a loop that never ends goes; false scans every response. The loop
+    is found on the decoded text (one unit per character; the released code compares token ids).
+    """
+    if mode not in ("fraction", "flag"):
+        raise ValueError(f"campo_repetition: mode must be 'fraction' or 'flag', got {mode!r}")
+    if weight < 0:
+        raise ValueError(f"campo_repetition: weight must be >= 0, got {weight}")
+    scanned = [not (truncated_only and bool(done)) for done in finished.tolist()]
+    if len(scanned) != len(response_texts):
+        raise ValueError(f"campo_repetition: {len(response_texts)} texts for {len(scanned)} responses")
+    share = [tail_loop_fraction(text, min_repeats) if scan else 0.0 for text, scan in zip(response_texts, scanned)]
+    values = [(float(f > 0) if mode == "flag" else f) for f in share]
+    return -weight * torch.tensor(values, dtype=torch.float32)
+
+
 @REWARD_SHAPING.register("thinkless_mode")
 def thinkless_mode_reward(
     correct: torch.Tensor,
@@ -168,7 +257,7 @@ def check_shapers(shapers: Sequence[tuple[str, Mapping[str, Any]]]) -> None:
     probe = {
         "response_lengths": torch.tensor([1]), "finished": torch.tensor([True]), "max_length": 8,
         "correct": torch.tensor([True]), "group_index": torch.tensor([0]), "response_texts": [""],
-        "first_tokens": [""],
+        "first_tokens": [""], "prompt_keys": torch.tensor([0]),
     }
     for name, params in shapers:
         REWARD_SHAPING.validate_params(name, params)

@@ -144,14 +144,16 @@ def _declare(name: str, shape: str, doc: str, producer: str, readers: set[str], 
 
 
 # ------------------------------------------------------------------------ the batch and the graded groups
-_declare("rewards", "[B]", "each response's outcome reward after the algorithm's reward shaping", "batch", {"advantage"})
+_declare("rewards", "[B]", "each response's outcome reward after the algorithm's reward shaping (a pairwise loss "
+         "ranks a group's responses by it)", "batch", {"advantage", "loss"})
 _declare("group_index", "[B] long", "responses sharing a prompt share an index (0..G-1); group sizes may differ",
-         "batch", {"advantage", "shaping"})
+         "batch", {"advantage", "shaping", "loss"})
 _declare("response_mask", "[B,T]", "1 on trained response tokens, 0 on padding and context tokens (a row may be all 0)",
          "batch", {"advantage", "loss", "aggregation", "objective"})
 _declare("advantages", "[B,T]", "the advantage estimator's per-token advantages", "batch", {"loss"})
 _declare("ref_logp", "[B,T]", "log pi_ref of the frozen reference model", "batch", {"loss", "kl", "objective"},
-         when="the KL term is on: algorithm.kl.coef > 0", available=lambda algorithm: algorithm.kl_coef > 0)
+         when="the KL term is on (algorithm.kl.coef > 0) or the loss reads it (dpo, ipo)",
+         available=lambda algorithm: algorithm.needs_reference)
 _declare("sampling_logp", "[B,T]", "the rollout engine's log-probs of the sampled tokens (Completion.logprobs; "
          "train/inference-mismatch corrections)", "batch", {"loss", "objective"})
 _declare("off_policy", "[B,T]", "1 on tokens pi_old did not sample (traces, replay, stale data), else 0", "batch",
@@ -168,6 +170,8 @@ _declare("max_length", "int", "the generation budget, rollout.max_new_tokens", "
 _declare("response_lengths", "[B] long", "the number of response tokens", "graded", {"shaping"})
 _declare("finished", "[B] bool", "True when the response ended with EOS, False when truncated", "graded", {"shaping"})
 _declare("response_texts", "list[str]", "the decoded responses (special tokens skipped)", "graded", {"shaping"})
+_declare("prompt_keys", "[B] long", "a stable key of each response's prompt (CRC-32 of its token ids): one prompt, "
+         "one key (INTELLECT-2's per-prompt length target)", "graded", {"shaping"})
 _declare("first_tokens", "list[str]", "each response's first token decoded with special tokens kept (\"\" when "
          "empty): Thinkless' control token", "graded", {"shaping"})
 
@@ -213,6 +217,13 @@ _declare("step_values", "[B,T] float64", "V^ of the state where the token's step
          "continuations sampled from there (rollout=vine)", "strategy", {"advantage"}, dtype=torch.float64)
 _declare("sft_target", "[B,T]", "1 on the tokens of a response trained by supervised fine-tuning (Cog-Rethinker's "
          "stage successes under the direct prompt: rollout=rethink, successes sft), 0 elsewhere", "strategy", {"loss"})
+# SofT-GRPO (arXiv:2511.06411): K values per token, read by the training forward (rlbench/training/soft_tokens.py)
+_declare("soft_ids", "[B,T,K] long", "the top-k token ids a soft thinking step mixes (rollout=soft_thinking)",
+         "strategy", {"objective"}, dtype=torch.long, pad=0)
+_declare("soft_noisy_logp", "[B,T,K]", "y = log pi_k,old(v) + g_v: a soft step's Gumbel-perturbed top-k log-probs "
+         "(rollout=soft_thinking)", "strategy", {"objective"})
+_declare("soft_weights", "[B,T,K]", "softmax(y / tau_g): the mixture weights of a soft step's input embedding, all 0 "
+         "on a discrete token (rollout=soft_thinking)", "strategy", {"objective"})
 
 # ------------------------------------------------------------------------ the composition
 _declare("loss_matrix", "[B,T]", "the policy loss's per-token matrix (or the KL / entropy / value term's)",
@@ -221,6 +232,8 @@ _declare("batch_tokens", "int", "trained tokens of the optimizer batch (summed o
          {"aggregation"})
 _declare("batch_sequences", "int", "responses of the optimizer batch (summed over ranks)", "objective",
          {"aggregation"})
+_declare("batch_groups", "int", "groups (prompts) of the optimizer batch (summed over ranks): a pairwise loss's "
+         "normaliser", "objective", {"aggregation"})
 _declare("norm_length", "int", "the constant L of Dr. GRPO's normaliser: rollout.max_new_tokens", "objective",
          {"aggregation"})
 

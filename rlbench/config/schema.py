@@ -23,6 +23,8 @@ Field metadata:
   derived       not a config key: filled by the conversion to these dataclasses (rlbench/config/typed.py),
                 e.g. the settings blocks of a settings_blocks choice
   open          a mapping whose keys are free (paper metadata, dataset field maps, LlamaConfig fields)
+  typed_keys    with open: {key: schema} for the keys of the free mapping that are schema nodes all the same
+                (paper.fidelity)
 """
 
 from __future__ import annotations
@@ -119,6 +121,8 @@ class SamplingCorrectionConfig:
     )
     normalize: bool = knob(False, "truncate: divide the weights by their batch mean so they average 1, over the valid tokens "
                            "(level token) or the responses (level sequence) (verl's rollout_is_batch_normalize)")
+    bypass: bool = knob(False, "pi_old is the rollout engine's log-probs: the trainer does not recompute it "
+                        "(verl's rollout_correction.bypass_mode); the weights are then 1, so only with the defaults of the other keys")
 
 
 @dataclass
@@ -196,6 +200,8 @@ class BaselineConfig:
     source: Optional[str] = knob(None, "greedy | reference (null: the estimator's default)")
     samples: int = knob(8, "reference-policy samples per prompt")
     refresh_every: Optional[int] = knob(None, "steps between recomputing cached baselines; null: never")
+    presample: bool = knob(False, "reference only: before step 1, estimate every training problem's baseline, drop "
+                           "the problems the reference solves in every sample (PVPO's pre-sampling)")
 
 
 @dataclass
@@ -206,6 +212,22 @@ class TrackerConfig:
     rho_min: float = knob(0.875, "lower bound of the adaptive decay")
     rho_max: float = knob(0.96, "upper bound of the adaptive decay")
     d_half: float = knob(0.06, "KL distance at which the decay is halfway")
+
+
+@dataclass
+class FidelityConfig:
+    """How much of its method a preset builds (docs/papers.md, "Fidelity"): the same block on a paper preset
+    (``paper.fidelity``) and on the algorithm, rollout and prompt-sampler presets named after a method
+    (``algorithm.fidelity``, ``rollout.fidelity``, ``trainer.prompt_sampler.fidelity``). A run that composes a
+    partial or adapted preset says so in one line at start-up (rlbench.validation.notice_fidelity)."""
+
+    status: Literal["faithful", "partial", "adapted"] = knob(
+        None, "faithful: every mechanism that defines the method is built and active (model, data and size "
+        "substitutions are deviations) | partial: part of it is missing or replaced by a stand-in | adapted: the "
+        "mechanism is complete, the paper's setting (domain, modality, tool environment) is replaced")
+    missing: Optional[str] = knob(None, "status partial: what part of the mechanism is not built and what runs instead")
+    adapted: Optional[str] = knob(None, "status adapted: how the method was carried to another setting than the paper's")
+    method: Optional[str] = knob(None, "the method's name in the start-up line (null: the preset's name)")
 
 
 @dataclass
@@ -242,6 +264,7 @@ class AlgorithmConfig:
     baseline: Optional[BaselineConfig] = node(BaselineConfig, "baseline_rewards source (remax, pvpo)")
     tracker: Optional[TrackerConfig] = node(TrackerConfig, "SPO's tracker (advantage spo)")
     deviations: list = knob([], "where the preset departs from the paper, one sentence each")
+    fidelity: Optional[FidelityConfig] = node(FidelityConfig, "null: not stated; how much of its method the preset builds")
 
 
 # Bounds of piece parameters that mean the same in every piece that takes them (a clip range is a width).
@@ -270,10 +293,22 @@ class PromptSamplerConfig:
     """``trainer.prompt_sampler`` (``prompt_sampler=<name>``): which prompts each step trains on (rlbench/training/curricula.py)."""
 
     name: str = knob(
-        "uniform", "prompt sampler: uniform (shuffled passes) | weighted (by pass rate) | hard_focus (DRIVE) | lspo (length extremes)",
+        "uniform", "prompt sampler: uniform (shuffled passes) | weighted (by pass rate) | hard_focus (DRIVE)",
         settings_blocks=True,
     )
+    fidelity: Optional[FidelityConfig] = node(FidelityConfig, "null: not stated; how much of its method the sampler builds")
     settings: dict = knob({}, "the settings blocks beside name, by sampler (filled by rlbench.config.typed)", derived=True)
+
+
+@dataclass
+class DifficultyFilterConfig:
+    """``trainer.difficulty_filter``: an offline filter before step 1 (INTELLECT-2, arXiv:2505.07291): the initial
+    policy answers every training problem ``samples`` times, and only the problems whose pass rate lies in
+    [min_pass_rate, max_pass_rate] are trained on (rlbench/training/curricula.py)."""
+
+    samples: int = knob(8, "responses of the initial policy per training problem", ge=1)
+    min_pass_rate: float = knob(0.0, "drop the problems solved less often than this", ge=0, le=1)
+    max_pass_rate: float = knob(1.0, "drop the problems solved more often than this (7/8 = 0.875: drop 8 of 8)", ge=0, le=1)
 
 
 @dataclass
@@ -306,6 +341,9 @@ class TrainerConfig:
         "the last, into <run>/checkpoints/; null: only when the run is interrupted (docs/resume.md)", ge=1)
     keep_checkpoints: int = knob(2, "keep the last K checkpoints (an unreadable newest one falls back to the previous)", ge=1)
     prompt_sampler: PromptSamplerConfig = node(PromptSamplerConfig, "which prompts each step trains on (prompt_sampler=<name>, conf/prompt_sampler/)")
+    difficulty_filter: Optional[DifficultyFilterConfig] = node(
+        DifficultyFilterConfig, "null: train on every problem; {samples, min_pass_rate, max_pass_rate}: keep only the "
+        "problems the initial policy solves at a pass rate in the band, measured before step 1 (INTELLECT-2)")
     stages: list = knob(
         [], "[{at: step, rollout.n: .., rollout.max_new_tokens: .., rollout.temperature: .., trainer.prompts_per_step: ..}]: "
         "settings that change from step `at` on (strictly increasing steps)"
@@ -352,6 +390,7 @@ class RolloutConfig:
         0.0, "hf engine: MiB of KV kept across generate calls, so a request extending a kept sequence prefills only its "
         "new tokens (tree rounds; docs/rollout.md); 0: off; emptied when the weights change", ge=0
     )
+    fidelity: Optional[FidelityConfig] = node(FidelityConfig, "null: not stated; how much of its method the strategy builds")
     settings: dict = knob({}, "the settings blocks rollout.<strategy>, by strategy (filled by rlbench.config.typed)", derived=True)
 
 
@@ -437,6 +476,8 @@ class EvalConfig:
     before_training: bool = knob(True, "also evaluate the model before training")
     every: Optional[int] = knob(None, "also evaluate every N training steps (pass@k curves: eval/curve.csv, wandb); null: before and after only", ge=1)
     benchmarks: dict = knob({}, "benchmark name -> dataset spec", values=DatasetConfig)
+    rounds: int = knob(1, "rounds of MOTIF's multi-round inference per sample (rollout=multiround's progress prompts; "
+                       "graded on the last round); 1: one response", ge=1)
 
 
 @dataclass
@@ -557,4 +598,7 @@ class RunConfig:
     logger: LoggerConfig = node(LoggerConfig, "where metrics go (logger=<option>)")
     trainer: TrainerConfig = node(TrainerConfig, "the optimisation loop (trainer=<option>)")
     guidance: GuidanceConfig = node(GuidanceConfig, "traces the guided methods learn from (guidance=<source>)")
-    paper: Optional[dict] = knob(None, "a paper's setting with its reference numbers and deviations (paper=<name>)", open=True)
+    paper: Optional[dict] = knob(
+        None, "a paper's setting with its reference numbers, deviations and fidelity (paper=<name>)", open=True,
+        typed_keys={"fidelity": FidelityConfig},
+    )

@@ -4,9 +4,10 @@ down the run as typed objects (``RunConfig``, ``TrainerConfig``, ``RolloutConfig
 Every default is the schema's: a key the composed config leaves out takes the field's default here,
 so no reader repeats it. Nodes become their dataclass; open-ended values stay plain containers: the
 algorithm's pieces (``{name, <parameters>}``, checked against the registered function), mappings
-marked ``open`` (dataset field maps, LlamaConfig fields, paper metadata) and lists. The settings
-blocks of a ``settings_blocks`` choice (``rollout.<strategy>``, ``trainer.prompt_sampler.<name>``) are
-collected into the node's ``settings`` field, a mapping from the choice to its block.
+marked ``open`` (dataset field maps, LlamaConfig fields, paper metadata: only their ``typed_keys``, such as
+``paper.fidelity``, become their dataclass) and lists. The settings blocks of a ``settings_blocks`` choice
+(``rollout.<strategy>``, ``trainer.prompt_sampler.<name>``) are collected into the node's ``settings`` field, a
+mapping from the choice to its block.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def typed_node(node: Any, schema: type[Schema]) -> Schema:
             values[spec.name] = {str(key): typed_node(entry, meta["values"]) for key, entry in value.items()}
         else:
             values[spec.name] = plain(value, hints[spec.name])
+            for name, key_schema in meta.get("typed_keys", {}).items():  # typed keys of a free mapping (paper.fidelity)
+                if value is not None and value.get(name) is not None:
+                    values[spec.name][name] = typed_node(value[name], key_schema)
     blocks = [key for key in node.keys() if key not in {spec.name for spec in keys}]
     if blocks:  # the walk allowed them: settings blocks of registered choices
         values["settings"] = {str(key): plain(node[key], dict) for key in blocks}

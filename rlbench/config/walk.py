@@ -120,6 +120,10 @@ class _Walk:
                 self.unknown_name(path, value, registry)
         elif not meta.get("open") or not isinstance(value, DictConfig):
             self.value(value, annotation, spec.default is None, meta, path)
+        else:  # a free mapping: only its typed keys are checked (paper.fidelity)
+            for name, schema in meta.get("typed_keys", {}).items():
+                if value.get(name) is not None:
+                    self.node(value[name], schema, _join(path, name))
 
     def only_with(
         self, parent: DictConfig, siblings: typing.Mapping[str, dataclasses.Field], choice: tuple[str, str], path: str

@@ -15,7 +15,8 @@ from rlbench.errors import DataError
 from rlbench.eval.metrics import METRIC_COLUMNS, ProblemResult, summarize
 from rlbench.prompting import encode_prompts
 from rlbench.reward import canonical_answer, grade_completions
-from rlbench.rollout.engines.base import GenerationRequest, RolloutEngine, SamplingParams
+from rlbench.rollout.engines.base import Completion, GenerationRequest, RolloutEngine, SamplingParams
+from rlbench.rollout.strategies.multiround import round_problem
 from rlbench.utils import Progress
 
 log = logging.getLogger(__name__)
@@ -118,8 +119,12 @@ def evaluate(
     chunk_prompts: int = 16,
     world: Any = None,
     progress_interval: float = 5.0,
+    rounds: int = 1,
 ) -> EvalResult:
     """Sample ``n`` completions per problem, grade them and summarise pass@k / maj@k / accuracy.
+
+    ``rounds`` > 1 (``eval.rounds``): each sample is MOTIF's multi-round inference, graded on its last
+    round (:func:`final_rounds`).
 
     Each problem's samples draw from their own stream, :func:`problem_seed` (seed, benchmark,
     uid): the evaluation before and after training draws the same random numbers (a paired
@@ -138,7 +143,7 @@ def evaluate(
     results: list[ProblemResult] = []
     samples: list[dict] = []
     shares = [world.shard_padded(b.problems) if world is not None and b.problems else (b.problems, len(b.problems)) for b in benchmarks]
-    progress = BudgetProgress(sum(len(own) for own, _ in shares), n, params.max_new_tokens, progress_interval,
+    progress = BudgetProgress(sum(len(own) for own, _ in shares), n * rounds, params.max_new_tokens, progress_interval,
                               enabled=world is None or world.is_main)  # rank 0 speaks for its share
     params = dataclasses.replace(params, on_budget=progress.used)
     for bench, (own, real) in zip(benchmarks, shares):
@@ -151,6 +156,8 @@ def evaluate(
             ]
             progress.begin(bench.name, len(chunk))
             groups = engine.generate(requests, params)
+            if rounds > 1:
+                groups = final_rounds(engine, tokenizer, bench, chunk, groups, rounds, params, seed)
             flat = [c for group in groups for c in group]
             all_grades = grade_completions(bench.grader, [p for p, g in zip(chunk, groups) for _ in g], flat)
             votable = spec_value(bench.spec, "answer_type") != "code"  # programs cannot vote
@@ -211,6 +218,28 @@ def evaluate(
         grader_errors=errors,
         skipped=skipped,
     )
+
+
+def final_rounds(
+    engine: RolloutEngine, tokenizer: Any, bench: Benchmark, problems: Sequence[Problem], groups: list[list[Completion]],
+    rounds: int, params: SamplingParams, seed: int,
+) -> list[list[Completion]]:
+    """MOTIF's multi-round inference (Mitra & Ulukus 2025, arXiv:2507.02851, section 3; rollout=multiround's
+    prompts, :func:`rlbench.rollout.strategies.multiround.round_problem`): round r + 1 of a sample is one
+    response to the problem followed by "Progress in round r: <round r's response>" (and, in the last round,
+    the note that it is the last), in the benchmark's template; the last round's response stands for the
+    sample and is what is graded. Each continuation draws from its own stream, :func:`problem_seed` of the
+    benchmark, the round and the sample's index, so before and after training draw the same numbers."""
+    for round_number in range(1, rounds):
+        final = round_number == rounds - 1
+        flat = [(problem, k, c) for problem, group in zip(problems, groups) for k, c in enumerate(group)]
+        round_problems = [round_problem(problem, round_number, c.text, final) for problem, _, c in flat]
+        prompt_ids = encode_prompts(tokenizer, round_problems, bench.spec["prompt"])
+        requests = [GenerationRequest(prompt_ids=ids, n=1, seed=problem_seed(seed, f"{bench.name}/round{round_number}/{k}", problem.uid))
+                    for ids, (problem, k, _) in zip(prompt_ids, flat)]
+        answers = iter(response[0] for response in engine.generate(requests, params))
+        groups = [[next(answers) for _ in group] for group in groups]
+    return groups
 
 
 def finish_rates(samples: Sequence[Mapping[str, Any]]) -> dict[str, float]:

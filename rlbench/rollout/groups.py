@@ -11,6 +11,7 @@ greedy baseline, PVPO's reference anchor) call the same sampler.
 from __future__ import annotations
 
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -97,6 +98,11 @@ class GradedGroups:
         )
 
 
+def prompt_key(prompt_ids: Sequence[int]) -> int:
+    """A stable key of a prompt: the CRC-32 of its token ids (the same in every process and run)."""
+    return zlib.crc32(b"".join(int(t).to_bytes(4, "little", signed=True) for t in prompt_ids))
+
+
 def shaping_inputs(groups: Sequence[Sequence[Completion]], grades: Sequence[Grade], max_length: int, tokenizer: Any) -> dict[str, Any]:
     """What reward-shaping functions may read (the ``shaping`` entries of rlbench.algorithm.step_inputs)."""
     flat = [c for group in groups for c in group]
@@ -109,6 +115,7 @@ def shaping_inputs(groups: Sequence[Sequence[Completion]], grades: Sequence[Grad
         "group_index": torch.arange(len(groups)).repeat_interleave(sizes),
         "response_texts": [c.text for c in flat],
         "first_tokens": [tokenizer.decode(c.response_ids[:1]) if c.response_ids else "" for c in flat],
+        "prompt_keys": torch.tensor([prompt_key(c.prompt_ids) for c in flat], dtype=torch.long),
     }
 
 

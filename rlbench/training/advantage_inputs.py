@@ -17,6 +17,8 @@ Configuration (under ``algorithm``):
       source: greedy      # greedy | reference (default: greedy for remax, reference for pvpo)
       samples: 8          # reference responses per prompt (reference only)
       refresh_every: null # re-estimate a prompt's reference mean after this many steps; null: never
+      presample: false    # reference only: estimate every training problem before step 1 and drop those
+                          # the reference solves in every sample (PVPO's pre-sampling)
     tracker:              # SPO's value tracker (spo only; see SPOTracker)
       rho_min: 0.875
       rho_max: 0.96
@@ -29,8 +31,9 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Hashable, Sequence
+from typing import Any, ClassVar
 
 import torch
 
@@ -46,13 +49,16 @@ from rlbench.config.schema import (
     RunConfig,
     TrackerConfig,
 )
+from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.reward.math import canonical_answer
 from rlbench.rollout import GradedGroups, GroupSampler, validate_strategy
 from rlbench.rollout.engines.base import Completion, RolloutEngine, SamplingParams
+from rlbench.rollout.guided.mixed_traces import traces_when
 from rlbench.rollout.strategy import STRATEGIES, strategy_class
 from rlbench.training.batch import TrainBatch, collate
 from rlbench.training.forward import batch_outputs
+from rlbench.training.prompt_stats import PromptStatsStore, measure_before_training
 from rlbench.utils import STREAM_GREEDY, STREAM_REFERENCE, make_generator
 
 log = logging.getLogger(__name__)
@@ -120,9 +126,10 @@ class BaselineOptions:
     source: str
     samples: int = 8
     refresh_every: int | None = None
+    presample: bool = False
 
     @classmethod
-    def from_config(cls, algorithm: AlgorithmConfig, advantage: str) -> "BaselineOptions":
+    def from_config(cls, algorithm: AlgorithmConfig, advantage: str) -> BaselineOptions:
         """From ``algorithm.baseline`` (typed; its keys were checked by the schema walk)."""
         node = algorithm.baseline or BaselineConfig()
         source = node.source or DEFAULT_BASELINE_SOURCE.get(advantage)
@@ -131,11 +138,14 @@ class BaselineOptions:
                 f"advantage '{advantage}' reads baseline_rewards; set algorithm.baseline.source to one of "
                 f"{BASELINE_SOURCES} (got {source!r})"
             )
-        options = cls(str(source), node.samples, node.refresh_every)
+        options = cls(str(source), node.samples, node.refresh_every, node.presample)
         if options.samples < 1:
             raise ConfigError(f"algorithm.baseline.samples must be >= 1, got {options.samples}")
         if options.refresh_every is not None and int(options.refresh_every) < 1:
             raise ConfigError(f"algorithm.baseline.refresh_every must be >= 1 or null, got {options.refresh_every}")
+        if options.presample and options.source != "reference":
+            raise ConfigError(f"algorithm.baseline.presample=true pre-samples the reference policy; it needs "
+                              f"algorithm.baseline.source=reference, not {options.source!r}")
         return options
 
 
@@ -222,6 +232,12 @@ def validate_step_options(config: RunConfig, algorithm: Algorithm) -> None:
         raise ConfigError(f"algorithm.overlong_filter must be true or false, got {config.algorithm.overlong_filter!r}")
     for source in source_classes(needs):
         source.validate(config, algorithm)
+    if rollout.strategy == "mixed_traces" and traces_when(rollout) == "reference_unsolved":
+        presampled = "baseline_rewards" in needs and BaselineOptions.from_config(config.algorithm, name).presample
+        if not presampled:
+            raise ConfigError("rollout.mixed_traces.when=reference_unsolved gives traces to the prompts the reference never "
+                              "solved before training, which only PVPO's pre-sampling measures: use it with algorithm=pvpo "
+                              "(algorithm.baseline.presample=true)")
     if name == "polychromic":
         set_size = int(advantage_param(algorithm, "set_size"))
         if n <= set_size:
@@ -263,8 +279,13 @@ class StepInputSource:
         """Refuse impossible options before the model loads (ConfigError)."""
 
     @classmethod
-    def build(cls, config: RunConfig, algorithm: Algorithm, context: SourceContext) -> "StepInputSource":
+    def build(cls, config: RunConfig, algorithm: Algorithm, context: SourceContext) -> StepInputSource:
         return cls()
+
+    def before_training(self, problems: list[Problem], stats: PromptStatsStore) -> list[Problem]:
+        """Called once before the first step (and again on resume, after :meth:`load_state_dict`): the training
+        problems the run draws from (PVPO's pre-sampling drops some); may record per-prompt facts in ``stats``."""
+        return problems
 
     def before_advantage(self, graded: GradedGroups, batch: TrainBatch) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """(inputs by name, metrics) for this step's batch."""
@@ -325,8 +346,16 @@ class ReferenceAnchor:
     """PVPO's static anchor (Feng et al. 2025, arXiv:2508.21104): V_ref(x) = mean reward of
     ``samples`` responses of the reference policy (the frozen initial policy), sampled with the
     training rollout's parameters once per prompt uid and cached (:class:`PVPOBaselineCache`);
-    re-estimated after ``refresh_every`` steps when set. The engine samples from the reference while
-    it generates them (``sync_weights``) and from the policy again afterwards."""
+    re-estimated ``refresh_every`` steps after its last estimate when set (the paper's Figure 1: the
+    reference updates R_ref at fixed steps). The engine samples from the reference while it generates
+    them (``sync_weights``) and from the policy again afterwards.
+
+    With ``presample`` (:meth:`presample`, PVPO's pre-sampling, the ACL version's abstract: "before
+    training begins, PVPO performs a single round of rollouts" giving the static V and each sample's
+    accuracy): every training problem is estimated before step 1, problems the reference solves in every
+    sample are dropped from training, and each problem's reference pass rate goes to the statistics
+    store, where ``rollout.mixed_traces.when=reference_unsolved`` reads it (ground-truth trajectories
+    for the problems the reference never solves)."""
 
     def __init__(
         self,
@@ -343,6 +372,36 @@ class ReferenceAnchor:
         self.cache = PVPOBaselineCache(options.refresh_every)
         self.step = 0
         self.generated = 0
+        self.accuracy: dict[Hashable, float] = {}  # uid -> the reference's pass rate at pre-sampling
+
+    def reference_groups(self, problems: Sequence[Problem], prompt_ids: Sequence[tuple[int, ...]] | None) -> GradedGroups:
+        """``samples`` graded responses of the reference policy per problem."""
+        self.engine.sync_weights(self.reference)
+        try:
+            return self.sample(problems, self.options.samples, self.params, self.generator, prompt_ids)
+        finally:
+            self.engine.sync_weights(self.policy)
+
+    def presample(self, problems: list[Problem], stats: PromptStatsStore) -> list[Problem]:
+        """PVPO's pre-sampling: the reference's ``samples`` responses for every problem not estimated yet
+        (on resume every one is: nothing is sampled), cached as its anchor at step 0; its pass rate is
+        recorded in ``stats``; returns the problems whose pass rate is below 1 (ConfigError when none is)."""
+        todo = [p for p in problems if p.uid not in self.accuracy]
+        for uid, (rewards, pass_rate) in measure_before_training(todo, lambda chunk: self.reference_groups(chunk, None),
+                                                                 "pvpo presample").items():
+            self.cache.put(uid, rewards, 0)
+            self.accuracy[uid] = pass_rate
+        for uid, rate in self.accuracy.items():
+            stats.set_reference(uid, rate)
+        kept = [p for p in problems if self.accuracy[p.uid] < 1]
+        unsolved = sum(1 for p in kept if self.accuracy[p.uid] == 0)
+        log.info("PVPO pre-sampling: %d of %d training problems kept (%d solved in all %d reference samples dropped); "
+                 "%d never solved", len(kept), len(problems), len(problems) - len(kept), self.options.samples, unsolved)
+        if not kept:
+            raise ConfigError(f"PVPO pre-sampling: the reference solves every one of the {len(problems)} training problems in "
+                              f"all {self.options.samples} samples, so none is left to train on; use harder problems, or "
+                              "algorithm.baseline.presample=false")
+        return kept
 
     def __call__(self, graded: GradedGroups) -> torch.Tensor:
         due: dict[Hashable, int] = {}
@@ -352,14 +411,7 @@ class ReferenceAnchor:
         if due:
             groups = list(due.values())
             prompt_ids = prompt_ids_of(graded)
-            self.engine.sync_weights(self.reference)
-            try:
-                reference = self.sample(
-                    [graded.problems[g] for g in groups], self.options.samples, self.params, self.generator,
-                    [prompt_ids[g] for g in groups],
-                )
-            finally:
-                self.engine.sync_weights(self.policy)
+            reference = self.reference_groups([graded.problems[g] for g in groups], [prompt_ids[g] for g in groups])
             for k, uid in enumerate(due):
                 self.cache.put(uid, reference.rewards[reference.group_index == k].tolist(), self.step)
             self.generated = len(reference.rewards)
@@ -369,12 +421,14 @@ class ReferenceAnchor:
         return self.cache.baseline([p.uid for p in graded.problems])
 
     def state_dict(self) -> dict[str, Any]:
-        return {"generator": self.generator.get_state(), "cache": self.cache.state_dict(), "step": self.step}
+        return {"generator": self.generator.get_state(), "cache": self.cache.state_dict(), "step": self.step,
+                "accuracy": dict(self.accuracy)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.generator.set_state(state["generator"])
         self.cache.load_state_dict(state["cache"])
         self.step = int(state["step"])
+        self.accuracy = {uid: float(rate) for uid, rate in state["accuracy"].items()}
 
 
 @register_source
@@ -419,7 +473,7 @@ class SPOStream(StepInputSource):
             )
 
     @classmethod
-    def build(cls, config: RunConfig, algorithm: Algorithm, context: SourceContext) -> "SPOStream":
+    def build(cls, config: RunConfig, algorithm: Algorithm, context: SourceContext) -> SPOStream:
         temperature = context.params.temperature if context.params.temperature > 0 else 1.0
         return cls(tracker_from_config(config.algorithm), context.model, context.sampler.tokenizer.pad_token_id,
                    context.micro_batch_size, temperature, context.device)
@@ -499,10 +553,18 @@ class BaselineRewards(StepInputSource):
 
     @classmethod
     def validate(cls, config: RunConfig, algorithm: Algorithm) -> None:
-        BaselineOptions.from_config(config.algorithm, algorithm.advantage.name)
+        options = BaselineOptions.from_config(config.algorithm, algorithm.advantage.name)
+        if options.presample and config.trainer.parallelism != "single":
+            raise ConfigError(f"algorithm.baseline.presample=true is not supported with trainer.parallelism="
+                              f"{config.trainer.parallelism} (each process would filter the problems by its own samples)")
+
+    def before_training(self, problems: list[Problem], stats: PromptStatsStore) -> list[Problem]:
+        if isinstance(self.baseline, ReferenceAnchor) and self.baseline.options.presample:
+            return self.baseline.presample(problems, stats)
+        return problems
 
     @classmethod
-    def build(cls, config: RunConfig, algorithm: Algorithm, context: SourceContext) -> "BaselineRewards":
+    def build(cls, config: RunConfig, algorithm: Algorithm, context: SourceContext) -> BaselineRewards:
         """The greedy baseline, or PVPO's anchor sampling from ``context.reference`` (a frozen copy of the
         initial policy when the algorithm keeps no reference)."""
         options = BaselineOptions.from_config(config.algorithm, algorithm.advantage.name)
@@ -568,11 +630,17 @@ class AdvantageInputSources:
         reference: torch.nn.Module | None,
         micro_batch_size: int,
         device: torch.device,
-    ) -> "AdvantageInputSources":
+    ) -> AdvantageInputSources:
         """The sources the estimator of ``algorithm`` needs (:class:`SourceContext` for the arguments)."""
         needs = needed_inputs(algorithm)
         context = SourceContext(sampler, params, model, reference, micro_batch_size, device)
         return cls(needs, [source.build(config, algorithm, context) for source in source_classes(needs)])
+
+    def before_training(self, problems: list[Problem], stats: PromptStatsStore) -> list[Problem]:
+        """The training problems after every source's :meth:`StepInputSource.before_training`, in turn."""
+        for source in self.sources:
+            problems = source.before_training(problems, stats)
+        return problems
 
     def before_advantage(self, graded: GradedGroups, batch: TrainBatch) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """(inputs for the estimator, metrics) of this step's batch."""

@@ -142,23 +142,27 @@ def collate(
 
 
 def padded_extras(completions: Sequence[Completion], width: int) -> dict[str, torch.Tensor]:
-    """name -> [B, width]: each strategy input the completions carry (``Completion.extras``, one value per
-    response token), padded with its STEP_INPUTS entry's ``pad`` in its ``dtype``. Every completion must
-    carry the same inputs."""
+    """name -> [B, width] (or [B, width, K] for an input with K values per token, e.g. SofT-GRPO's top-k ids):
+    each strategy input the completions carry (``Completion.extras``, one value per response token),
+    padded with its STEP_INPUTS entry's ``pad`` in its ``dtype``. Every completion must carry the same inputs."""
     names = {name for c in completions for name in c.extras}
     out = {}
     for name in sorted(names):
         if name not in STEP_INPUTS or STEP_INPUTS[name].producer != "strategy":
             raise ValueError(f"Completion.extras[{name!r}] is not a strategy input of STEP_INPUTS (rlbench/algorithm/step_inputs.py)")
         entry = STEP_INPUTS[name]
-        column = torch.full((len(completions), width), entry.pad, dtype=entry.dtype)
-        for row, c in enumerate(completions):
+        values = []
+        for c in completions:
             if name not in c.extras:
                 raise ValueError(f"a response without extras[{name!r}] is batched with responses that carry it")
-            values = c.extras[name]
-            if len(values) != len(c.response_ids):
-                raise ValueError(f"extras[{name!r}] has {len(values)} values for {len(c.response_ids)} response tokens")
-            column[row, : len(values)] = torch.tensor(values, dtype=entry.dtype)
+            values.append(torch.tensor(c.extras[name], dtype=entry.dtype))
+            if len(values[-1]) != len(c.response_ids):
+                raise ValueError(f"extras[{name!r}] has {len(values[-1])} values for {len(c.response_ids)} response tokens")
+        per_token = next((v.shape[1:] for v in values if len(v)), ())
+        column = torch.full((len(completions), width, *per_token), entry.pad, dtype=entry.dtype)
+        for row, v in enumerate(values):
+            if len(v):
+                column[row, : len(v)] = v
         out[name] = column
     return out
 
@@ -192,12 +196,54 @@ def micro_batches(rows: torch.Tensor, micro_batch_size: int) -> list[torch.Tenso
     return [rows[i : i + micro_batch_size] for i in range(0, len(rows), micro_batch_size)]
 
 
+def group_order(group_index: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """The batch's rows with whole groups kept together: the groups in a random order drawn from
+    ``generator`` (in their batch order without one), each group's rows in batch order. Chunking it into
+    mini-batches may still cut a group; ``whole_group_chunks`` does not."""
+    groups = torch.unique(group_index)
+    if generator is not None:
+        groups = groups[torch.randperm(len(groups), generator=generator).to(groups.device)]
+    return torch.cat([(group_index == g).nonzero().squeeze(-1) for g in groups.tolist()])
+
+
+def whole_group_chunks(rows: torch.Tensor, group_index: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """``rows`` (whole groups, each contiguous) cut into consecutive chunks of at most ``size`` rows that
+    never split a group; a group larger than ``size`` is a chunk of its own (a pairwise loss reads a group
+    at once: registry.Needs.whole_groups)."""
+    chunks: list[torch.Tensor] = []
+    current: list[torch.Tensor] = []
+    filled = 0
+    groups = group_index[rows]
+    boundaries = [0] + [k for k in range(1, len(rows)) if groups[k] != groups[k - 1]] + [len(rows)]
+    for start, end in zip(boundaries, boundaries[1:]):
+        if current and filled + (end - start) > size:
+            chunks.append(torch.cat(current))
+            current, filled = [], 0
+        current.append(rows[start:end])
+        filled += end - start
+    if current:
+        chunks.append(torch.cat(current))
+    return chunks
+
+
+def group_minibatches(group_index: torch.Tensor, minibatches: int, generator: torch.Generator | None) -> list[torch.Tensor]:
+    """The batch split into ``minibatches`` mini-batches of whole groups (the groups shuffled by
+    ``generator``), as even in groups as the group count allows."""
+    order = group_order(group_index, generator)
+    groups = group_index[order]
+    starts = [0] + [k for k in range(1, len(order)) if groups[k] != groups[k - 1]]
+    bounds = [starts[round(j * len(starts) / minibatches)] for j in range(minibatches)] + [len(order)]
+    return [order[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
 def batch_norms(batch: TrainBatch, rows: torch.Tensor, norm_length: int) -> dict[str, int]:
     """The optimizer batch's counts every aggregation normalises by (see rlbench.algorithm.aggregation);
     under trainer.parallelism=ddp|fsdp summed over the ranks, so the loss is one function of the whole
     batch (rlbench.training.distributed)."""
-    tokens, sequences = global_counts(int(batch.response_mask[rows].sum().item()), len(rows))
-    return {"batch_tokens": tokens, "batch_sequences": sequences, "norm_length": norm_length}
+    tokens, sequences, groups = global_counts(
+        int(batch.response_mask[rows].sum().item()), len(rows), len(torch.unique(batch.group_index[rows]))
+    )
+    return {"batch_tokens": tokens, "batch_sequences": sequences, "batch_groups": groups, "norm_length": norm_length}
 
 
 def mask_truncated(batch: TrainBatch, finished: torch.Tensor) -> TrainBatch:

@@ -5,35 +5,48 @@
 * Prompt samplers (``prompt_sampler=<name>``, the node ``trainer.prompt_sampler``): ``uniform`` (the default:
   shuffled passes, :class:`PromptSampler`), ``weighted`` (draw by pass rate:
   a Gaussian around a target pass rate, or easy / medium / hard bucket weights) and ``hard_focus``
-  (DRIVE's stage-2 rule: after every phase, keep the hardest share of the pool), ``lspo`` (prompts whose
-  mean response length is at the extremes, LSPO). Each has
+  (DRIVE's stage-2 rule: after every phase, keep the hardest share of the pool; ``prompt_sampler=drive``
+  switches to it in a stage), ``spo`` (SPO's draw by the value tracker's uncertainty, seeded from the
+  initial policy). LSPO's length filter works on a step's own rollouts, so it is a rollout
+  (``rollout=lspo``, rlbench/rollout/strategies/dynamic_sampling.py), not a sampler. Each has
   ``next(count)``, ``state_dict()`` and ``load_state_dict()``; a new one is a class registered with
   :func:`register_prompt_sampler` and a YAML in conf/prompt_sampler/.
+* Filters before training: ``trainer.difficulty_filter`` (INTELLECT-2's offline filter by the initial
+  policy's pass rate, :func:`difficulty_filter`), run by the loop (rlbench.training.loop) before step 1.
 * Stages (``trainer.stages``, parsed by rlbench.training.stages): from step ``at`` on, the listed
-  settings change; :meth:`Curriculum.prompts` enters a stage at its step (:func:`apply_stage`).
+  settings change; :meth:`Curriculum.prompts` enters a stage at its step (:func:`apply_stage`), and a
+  stage naming a sampler switches to it (DRIVE: ``prompt_sampler=drive``, uniform then hard_focus).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
-from rlbench.config.schema import PromptSamplerConfig, TrainerConfig
+from rlbench.algorithm.advantages import SPOTracker
+from rlbench.config.schema import (
+    DifficultyFilterConfig,
+    PromptSamplerConfig,
+    TrainerConfig,
+)
 from rlbench.config.typed import settings_block
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.groups import GradedGroups
 from rlbench.training.distributed import SINGLE, World
-from rlbench.training.prompt_stats import PromptStatsStore
-from rlbench.training.stages import Stage, parse_stages
+from rlbench.training.prompt_stats import PromptStatsStore, measure_before_training
+from rlbench.training.stages import SAMPLER_KEY, Stage, parse_stages
 from rlbench.training.step import StepContext
 from rlbench.training.swarm import own_groups
-from rlbench.utils import STREAM_CURRICULUM, STREAM_DATA_ORDER
+from rlbench.utils import STREAM_CURRICULUM, STREAM_DATA_ORDER, Progress, make_generator
 
+log = logging.getLogger(__name__)
 
 # -------------------------------------------------------------------------------------- samplers
 
@@ -91,7 +104,7 @@ class PromptSampler:
         self.order: list[int] = []
 
     @classmethod
-    def build(cls, problems: list[Problem], seed: int, stats: PromptStatsStore, options: None) -> "PromptSampler":
+    def build(cls, problems: list[Problem], seed: int, stats: PromptStatsStore, options: None) -> PromptSampler:
         return cls(problems, seed)
 
     def next(self, count: int) -> list[Problem]:
@@ -178,50 +191,6 @@ class WeightedPrompts:
 
 
 @dataclass(frozen=True)
-class LengthExtremesOptions:
-    """``trainer.prompt_sampler.lspo``: the length quantiles of LSPO's filter (Chen, Koenig & Dilkina 2025,
-    arXiv:2510.01459: thresholds L_low, L_high, L_max over the batch's mean lengths; the default values
-    0.3 / 0.65 / 0.95 are not verified)."""
-
-    low: float = 0.3  # keep prompts whose mean response length is <= the low quantile ...
-    high: float = 0.65  # ... or between the high and the max quantile
-    max: float = 0.95  # (above it: near-truncated responses, left out)
-
-    def check(self) -> None:
-        if not 0 < self.low < self.high < self.max <= 1:
-            raise ConfigError(f"trainer.prompt_sampler.lspo: 0 < low < high < max <= 1 is required, got {self}")
-
-
-def length_extremes(lengths: Sequence[float], options: LengthExtremesOptions) -> np.ndarray:
-    """LSPO's filter on mean response lengths L (NaN: not seen yet): with Q the quantiles of the seen
-    lengths (linear interpolation), a prompt is kept when L <= Q(low) or Q(high) <= L <= Q(max); an
-    unseen prompt is kept (its length is not known yet). Returns the boolean mask."""
-    values = np.asarray(lengths, dtype=np.float64)
-    seen = ~np.isnan(values)
-    if not seen.any():
-        return np.ones(len(values), dtype=bool)
-    q_low, q_high, q_max = np.quantile(values[seen], [options.low, options.high, options.max])
-    with np.errstate(invalid="ignore"):
-        extreme = (values <= q_low) | ((values >= q_high) & (values <= q_max))
-    return ~seen | extreme
-
-
-@register_prompt_sampler("lspo")
-class LengthExtremesPrompts(WeightedPrompts):
-    """LSPO's length-aware sampling (arXiv:2510.01459): prompts drawn
-    uniformly among those whose mean response length so far is at the extremes of the seen prompts'
-    lengths (:func:`length_extremes`), from the statistics store. The paper filters the step's own
-    rollouts after generating them (over-sampling until the batch is full); this sampler decides from
-    the lengths of earlier steps, so no response is generated to be thrown away."""
-
-    Options = LengthExtremesOptions
-
-    def probabilities(self) -> np.ndarray:
-        kept = length_extremes([self.stats.get(p.uid).mean_length for p in self.problems], self.options)
-        return kept / kept.sum()
-
-
-@dataclass(frozen=True)
 class HardFocusOptions:
     """``trainer.prompt_sampler.hard_focus``: DRIVE's stage-2 curriculum (arXiv:2511.06307)."""
 
@@ -236,25 +205,32 @@ class HardFocusOptions:
                               "max_pass_rate in [0, 1] and min_pool >= 1 are required")
 
 
-def hardest(pool: Sequence[Problem], stats: PromptStatsStore, options: HardFocusOptions) -> list[Problem]:
-    """The pool after one phase: prompts with pass rate <= max_pass_rate (unseen prompts stay), the
-    hardest ceil(keep_fraction * |pool|) of them (lowest pass rate first, unseen as 0, ties in pool
-    order), never fewer than min_pool (then the hardest of the whole pool)."""
-    rate = lambda p: 0.0 if math.isnan(stats.get(p.uid).pass_rate) else stats.get(p.uid).pass_rate
+def hardest(pool: Sequence[Problem], stats: PromptStatsStore, options: HardFocusOptions,
+            unseen: float = 0.0) -> list[Problem]:
+    """The pool after one phase: prompts with pass rate <= max_pass_rate, the hardest
+    ceil(keep_fraction * |pool|) of them (lowest pass rate first, ties in pool order), never fewer than
+    min_pool (then the hardest of the rest). A prompt not seen yet counts as pass rate ``unseen``: 0 within
+    the stage (it stays until it has been measured), inf when the pool is first cut from an earlier
+    stage's measurements (:meth:`HardFocusPrompts.enter`: measured hard prompts first, unmeasured ones
+    only to fill the pool)."""
+    rate = lambda p: unseen if math.isnan(stats.get(p.uid).pass_rate) else stats.get(p.uid).pass_rate
     eligible = [p for p in pool if rate(p) <= options.max_pass_rate]
     keep = max(math.ceil(options.keep_fraction * len(pool)), min(options.min_pool, len(pool)))
     ranked = sorted(eligible, key=rate)
     if len(ranked) < keep:
         ranked = ranked + sorted([p for p in pool if p not in eligible], key=rate)
-    kept = set(id(p) for p in ranked[:keep])
+    kept = {id(p) for p in ranked[:keep]}
     return [p for p in pool if id(p) in kept]
 
 
 @register_prompt_sampler("hard_focus")
 class HardFocusPrompts:
     """Shuffled passes over a pool that starts as every problem and, after every ``phase_steps``
-    steps, keeps only its hardest part (:func:`hardest`); the pool never grows, so its pass rates
-    only rise in difficulty (DRIVE, arXiv:2511.06307: stage 2 keeps retaining the hardest problems)."""
+    steps of its own, keeps only its hardest part (:func:`hardest`); the pool never grows, so its pass
+    rates only rise in difficulty (DRIVE, arXiv:2511.06307, section 3: stage 2 keeps retaining the
+    hardest problems). Entered by a stage (``trainer.stages`` with ``trainer.prompt_sampler.name:
+    hard_focus``, DRIVE's switch from its uniform stage 1), the pool is first cut to the hardest
+    part by the pass rates measured so far (:meth:`enter`)."""
 
     Options = HardFocusOptions
 
@@ -262,52 +238,190 @@ class HardFocusPrompts:
         self.pool, self.stats, self.options = list(problems), stats, options
         self.rng = np.random.default_rng([seed, STREAM_CURRICULUM])
         self.order: list[int] = []
-        self.drawn_steps = 0
+        self.started_after = 0  # the step before this sampler's first step: its phases count from there
 
     @classmethod
     def build(cls, problems, seed, stats, options):
         return cls(problems, seed, stats, options)
+
+    def enter(self, step: int) -> None:
+        """Called when a stage switches to this sampler at ``step``: the pool becomes the hardest part of
+        every problem by the pass rates measured so far (prompts not measured only fill it up to its
+        size), and its phases count from ``step``."""
+        self.pool = hardest(self.pool, self.stats, self.options, unseen=math.inf)
+        self.order = []
+        self.started_after = step - 1
 
     def next(self, count: int) -> list[Problem]:
         return shuffled_passes(self.pool, self.order, self.rng, count)
 
     def end_step(self, step: int) -> None:
         """Called by the loop after each step: cut the pool at the end of a phase."""
-        if step % self.options.phase_steps == 0:
+        if (step - self.started_after) % self.options.phase_steps == 0:
             self.pool = hardest(self.pool, self.stats, self.options)
             self.order = []
 
     def state_dict(self) -> dict[str, Any]:
         return {"pool": [p.uid for p in self.pool], "order": list(self.order), "rng": self.rng.bit_generator.state,
-                "stats": self.stats.state_dict()}
+                "stats": self.stats.state_dict(), "started_after": self.started_after}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         by_uid = {p.uid: p for p in self.pool}
         self.pool = [by_uid[uid] for uid in state["pool"]]
         self.order = list(state["order"])
+        self.started_after = int(state["started_after"])
         self.rng.bit_generator.state = state["rng"]
         self.stats.load_state_dict(state["stats"])
+
+
+# ----------------------------------------------------------------------- filters before training
+
+
+def difficulty_filter(problems: list[Problem], sample: Callable[[list[Problem]], GradedGroups],
+                      stats: PromptStatsStore, band: DifficultyFilterConfig) -> list[Problem]:
+    """INTELLECT-2's offline difficulty filter (Prime Intellect Team 2025, arXiv:2505.07291: problems the base
+    model solves in 8 of 8 samples are left out before training; ``trainer.difficulty_filter``): every problem
+    without a reference pass rate in ``stats`` is answered by ``sample`` (the initial policy's ``band.samples``
+    responses) and its pass rate recorded there; the problems whose rate lies in [min_pass_rate, max_pass_rate]
+    are returned (a resumed run's statistics hold every rate: nothing is sampled). ConfigError when none is."""
+    todo = [p for p in problems if math.isnan(stats.get(p.uid).reference_pass_rate)]
+    for uid, (_, pass_rate) in measure_before_training(todo, sample, "difficulty filter").items():
+        stats.set_reference(uid, pass_rate)
+    kept = [p for p in problems if band.min_pass_rate <= stats.get(p.uid).reference_pass_rate <= band.max_pass_rate]
+    log.info("difficulty filter: %d of %d training problems have an initial pass rate in [%g, %g]",
+             len(kept), len(problems), band.min_pass_rate, band.max_pass_rate)
+    if not kept:
+        raise ConfigError(f"trainer.difficulty_filter: none of the {len(problems)} training problems has an initial pass rate "
+                          f"in [{band.min_pass_rate}, {band.max_pass_rate}] ({band.samples} samples each); widen the band")
+    return kept
 
 
 # ------------------------------------------------------------------------------- the data side
 
 
+@dataclass(frozen=True)
+class TrackerPriorityOptions:
+    """The ``trainer.prompt_sampler.spo`` block (conf/prompt_sampler/spo.yaml)."""
+
+    exploration: float = 0.05  # w = sqrt(p_hat (1 - p_hat)) + exploration
+    init_samples: int = 0  # responses per prompt of the initial policy that seed the tracker (0: Beta(0.5, 0.5))
+    init_batch: int = 64  # prompts per sampling call of the initialisation
+
+    def check(self) -> None:
+        if self.exploration < 0 or self.init_samples < 0 or self.init_batch < 1:
+            raise ConfigError(
+                "trainer.prompt_sampler.spo: exploration >= 0, init_samples >= 0 and init_batch >= 1 are required, got "
+                f"{self.exploration}, {self.init_samples}, {self.init_batch}"
+            )
+
+
+@register_prompt_sampler("spo")
+class TrackerPriorityPrompts:
+    """SPO's prompt sampling (Xu & Ding 2025, arXiv:2509.13232; re-implemented from the paper and the
+    verl recipe's spo trainer): each step's prompts are drawn with replacement with probability
+    proportional to w = sqrt(p_hat (1 - p_hat)) + ``exploration``, where p_hat is the SPO value tracker's
+    success probability of the prompt (``algorithm=spo``; rlbench.algorithm.advantages.SPOTracker), so the
+    prompts the tracker is least sure of come most often. With ``init_samples`` = N > 0 the tracker is
+    first seeded from the initial policy: before the first step every training prompt gets N responses
+    (the run's sampler and sampling settings), and its s successes (outcome rewards, in [0, 1] under spo)
+    set (alpha, beta) = N_init ((s + 0.5), (N - s + 0.5)) / (N + 1) with N_init = 1 / (1 - rho_min)
+    (``spo_tracker_init``). The run binds the tracker (:meth:`bind`); a checkpoint keeps the draw
+    position and whether the initialisation ran (the tracker's state is saved with the advantage inputs)."""
+
+    Options = TrackerPriorityOptions
+
+    def __init__(self, problems: list[Problem], seed: int, options: TrackerPriorityOptions):
+        self.problems, self.options, self.seed = problems, options, seed
+        self.rng = np.random.default_rng([seed, STREAM_CURRICULUM])
+        self.tracker: Any = None
+        self.ctx: StepContext | None = None
+        self.initialised = False
+
+    @classmethod
+    def build(cls, problems, seed, stats, options):
+        return cls(problems, seed, options)
+
+    def bind(self, ctx: StepContext) -> None:
+        """Find the run's SPO tracker among its advantage-input sources (``algorithm=spo``)."""
+        trackers = [source.tracker for source in ctx.inputs.sources if isinstance(getattr(source, "tracker", None), SPOTracker)]
+        if not trackers:
+            raise ConfigError("trainer.prompt_sampler=spo draws by the SPO tracker's uncertainty: it needs algorithm=spo")
+        self.tracker, self.ctx = trackers[0], ctx
+
+    def initialise(self) -> None:
+        """Seed the tracker from ``init_samples`` responses of the current (initial) policy per prompt."""
+        n, ctx = self.options.init_samples, self.ctx
+        assert ctx is not None
+        generator = make_generator(self.seed, STREAM_CURRICULUM)
+        progress = Progress("spo tracker init", len(self.problems), min_interval=2.0)
+        for start in range(0, len(self.problems), self.options.init_batch):
+            chunk = self.problems[start : start + self.options.init_batch]
+            groups = ctx.sampler.sample(chunk, n, ctx.params, generator)
+            graded = ctx.sampler.grade(chunk, groups, ctx.params.max_new_tokens)
+            for problem, outcomes in zip(chunk, graded.outcome.view(len(chunk), n).tolist()):
+                self.tracker.initialise(problem.uid, sum(outcomes), n)
+            progress.update(len(chunk))
+
+    def probabilities(self) -> np.ndarray:
+        """The probability of each problem on one draw."""
+        weights = self.tracker.sampling_weights([p.uid for p in self.problems], self.options.exploration).numpy()
+        if weights.sum() == 0:  # exploration 0 and every prompt certain: uniform
+            weights = np.ones(len(self.problems))
+        return weights / weights.sum()
+
+    def next(self, count: int) -> list[Problem]:
+        if self.tracker is None:
+            raise RuntimeError("TrackerPriorityPrompts.next before bind(ctx): the run binds the SPO tracker")
+        if not self.initialised:
+            if self.options.init_samples:
+                self.initialise()
+            self.initialised = True
+        chosen = self.rng.choice(len(self.problems), size=count, replace=True, p=self.probabilities())
+        return [self.problems[i] for i in chosen]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": self.rng.bit_generator.state, "initialised": self.initialised}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rng.bit_generator.state = state["rng"]
+        self.initialised = bool(state["initialised"])
+
+
 class Curriculum:
     """The data side of the training loop: the prompt sampler, the statistics store it reads and the
     stages. Per step: :meth:`prompts` (entering a stage first), the rollout, :meth:`observe`, :meth:`end_step`.
-    The synchronous loop calls them between updates, the asynchronous generator in its own thread."""
+    The synchronous loop calls them between updates, the asynchronous generator in its own thread.
+    A stage with a ``trainer.prompt_sampler`` node replaces the sampler from its step on with a new one
+    built from that node, which reads the same statistics; one with an ``enter(step)`` hook is told the
+    step (hard_focus cuts its pool)."""
 
     def __init__(self, trainer: TrainerConfig, seed: int, problems: list[Problem], stats: PromptStatsStore | None = None):
         self.stats = PromptStatsStore() if stats is None else stats  # the step context's (strategies read it too)
+        self.problems, self.seed = problems, seed
         self.sampler = make_prompt_sampler(trainer.prompt_sampler, problems, seed, self.stats)
         self.stages = {stage.at: stage for stage in parse_stages(trainer.stages, trainer.steps)}
         self.prompts_per_step = trainer.prompts_per_step
 
+    def bind(self, ctx: StepContext) -> None:
+        """Give the prompt sampler the run's step context, when it reads it (``spo``: the tracker)."""
+        if hasattr(self.sampler, "bind"):
+            self.sampler.bind(ctx)
+
+    def switch_sampler(self, sampler: PromptSamplerConfig) -> None:
+        """The sampler of a stage's ``trainer.prompt_sampler`` node in place of the current one."""
+        self.sampler = make_prompt_sampler(sampler, self.problems, self.seed, self.stats)
+
     def prompts(self, step: int, ctx: StepContext) -> list[Problem]:
         """Step ``step``'s prompts, after entering the stage that starts at it (if any)."""
         if step in self.stages:
-            apply_stage(ctx, self.stages[step])
-            self.prompts_per_step = int(self.stages[step].changes.get("trainer.prompts_per_step", self.prompts_per_step))
+            stage = self.stages[step]
+            apply_stage(ctx, stage)
+            self.prompts_per_step = int(stage.changes.get("trainer.prompts_per_step", self.prompts_per_step))
+            if SAMPLER_KEY in stage.changes:
+                self.switch_sampler(stage.changes[SAMPLER_KEY])
+                self.bind(ctx)
+                if hasattr(self.sampler, "enter"):
+                    self.sampler.enter(step)
         return self.sampler.next(self.prompts_per_step)
 
     def draw(self, count: int) -> list[Problem]:
@@ -329,14 +443,16 @@ class Curriculum:
                 "prompts_per_step": self.prompts_per_step}
 
     def load_state_dict(self, state: dict[str, Any], ctx: StepContext, step: int) -> None:
-        """Continue after ``step`` steps: the saved state, and every stage entered by then put back
-        into the step context (in order, as the run entered them)."""
-        self.sampler.load_state_dict(state["sampler"])
-        self.stats.load_state_dict(state["stats"])
-        self.prompts_per_step = int(state["prompts_per_step"])
+        """Continue after ``step`` steps: every stage entered by then put back into the step context
+        (in order, as the run entered them), the sampler in force after ``step``, and the saved state."""
         for at in sorted(self.stages):
             if at <= step:
                 apply_stage(ctx, self.stages[at])
+                if SAMPLER_KEY in self.stages[at].changes:
+                    self.switch_sampler(self.stages[at].changes[SAMPLER_KEY])
+        self.sampler.load_state_dict(state["sampler"])
+        self.stats.load_state_dict(state["stats"])
+        self.prompts_per_step = int(state["prompts_per_step"])
 
 
 # ---------------------------------------------------------------------------------------- stages

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from rlbench.training.batch import TrainBatch, micro_batches
 from rlbench.training.distributed import several_ranks, unwrap
 from rlbench.training.packing import check_attention_calls, pack_groups, packed_attention, packing_supported
+from rlbench.training.soft_tokens import soft_input_embeddings, soft_step_mask, with_soft_log_probs
 from rlbench.training.token_log_probs import token_log_probs
 
 
@@ -87,14 +88,19 @@ def _last_hidden(out: object, with_hidden: bool) -> torch.Tensor | None:
 
 
 def _logits_per_row(
-    model: torch.nn.Module, batch: TrainBatch, with_hidden: bool = False
+    model: torch.nn.Module, batch: TrainBatch, with_hidden: bool = False, soft: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logits that predict each response token, [B, T, V], one forward over every full row; with
-    ``with_hidden`` also the final hidden states at the same positions ([B, T, H])."""
+    ``with_hidden`` also the final hidden states at the same positions ([B, T, H]); ``soft`` [B, T]: the
+    soft thinking steps, whose inputs are mixtures of embeddings (rlbench/training/soft_tokens.py)."""
     T = batch.response_mask.shape[1]
     position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    inputs = (
+        {"input_ids": batch.input_ids} if soft is None
+        else {"inputs_embeds": soft_input_embeddings(unwrap(model).get_input_embeddings(), batch, soft)}
+    )
     out = model(
-        input_ids=batch.input_ids,
+        **inputs,
         attention_mask=batch.attention_mask,
         position_ids=position_ids,
         logits_to_keep=T + 1,
@@ -200,11 +206,12 @@ def token_outputs(
     ``share_prompts`` the micro-batch runs as one packed sequence, each distinct prompt once and no
     padding (see :func:`_logits_packed`); the result is the same up to float rounding."""
     P, T = batch.prompt_width, batch.response_mask.shape[1]
+    soft = soft_step_mask(batch)  # SofT-GRPO's soft thinking steps (rollout=soft_thinking), None: none
     # Under DDP / FSDP every rank must run the same forwards (their collectives pair up): one forward
     # per row there. Activation checkpointing recomputes the attention in backward, outside the
     # packed layout's scope.
     packed = (
-        share_prompts and not several_ranks() and not activation_checkpointing(model)
+        share_prompts and soft is None and not several_ranks() and not activation_checkpointing(model)
         and int(torch.unique(batch.group_index).numel()) < batch.size and groups_share_prompts(batch)
         and packing_supported(innermost(model), int(batch.attention_mask.sum(-1).max()))
     )
@@ -212,7 +219,7 @@ def token_outputs(
         if packed:
             logits, hidden, index = _logits_packed(model, batch, value_head is not None)
         else:
-            (logits, hidden), index = _logits_per_row(model, batch, with_hidden=value_head is not None), None
+            (logits, hidden), index = _logits_per_row(model, batch, with_hidden=value_head is not None, soft=soft), None
     targets = batch.input_ids[:, P : P + T]
     valid = None if index is None else index >= 0
 
@@ -236,6 +243,8 @@ def token_outputs(
         logp, entropy, log_probs = _full_log_softmax(
             gather_rows(logits).float(), targets, temperature, transform, batch, with_entropy, entropy_requires_grad
         )
+    if soft is not None:  # a soft step's likelihood is the Gumbel density of its noise (arXiv:2511.06411, section 3)
+        logp = with_soft_log_probs(logp, logits, batch, soft, temperature)
     if entropy is not None and not entropy_requires_grad:
         entropy = entropy.detach()  # only an entropy bonus needs its gradient; logging and entropy-aware pieces detach it
     values = None if value_head is None else gather_rows(value_head(hidden))

@@ -5,17 +5,18 @@ token in the loss)."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from rlbench import faults
 from rlbench.config.schema import RunConfig
 from rlbench.dataset.base import Problem
 from rlbench.training import checkpoint
 from rlbench.training.async_pipeline import AsyncPipeline
-from rlbench.training.curricula import Curriculum
+from rlbench.training.curricula import Curriculum, difficulty_filter
 from rlbench.training.interrupt import StopSignals
 from rlbench.training.step import StepContext, train_step
-from rlbench.utils import Progress
+from rlbench.utils import STREAM_DIFFICULTY_FILTER, Progress, make_generator
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,10 @@ class TrainingRun:
         self.trainer, self.output_dir = config.trainer, config.output_dir
         self.ctx, self.logger = ctx, logger
         self.peers = ctx.world if peers is None else peers
+        self.seed, self.problems = config.seed, problems
         self.curriculum = Curriculum(config.trainer, config.seed, problems, ctx.prompt_stats)
+        self.curriculum.bind(ctx)
+        self.presampled = False
         self.untrained = UntrainedSteps()
         self.step = 0  # steps completed
         self.after_step_done = 0  # the last step whose after_step (periodic evaluation) ran
@@ -125,6 +129,8 @@ class TrainingRun:
         state = saved.load(checkpoint.state_file(world.rank), device)
         self.ctx.load_state_dict(state["context"])
         self.ctx.engine.sync_weights(self.ctx.model)
+        self.ctx.prompt_stats.load_state_dict(state["curriculum"]["stats"])  # the pass rates measured before step 1
+        self.presample()  # from the restored state: the same problems, nothing sampled
         self.step = self.saved_step = int(state["step"])
         self.curriculum.load_state_dict(state["curriculum"], self.ctx, self.step)
         self.untrained.count = int(state["untrained_steps"])
@@ -156,6 +162,23 @@ class TrainingRun:
                         problem or f"another rank cannot load checkpoint {saved.path}", previous.path)
             saved = previous
 
+    def presample(self) -> None:
+        """The work before the first step: the advantage inputs' (PVPO's pre-sampling,
+        rlbench.training.advantage_inputs.StepInputSource.before_training), then the offline difficulty
+        filter (``trainer.difficulty_filter``, rlbench.training.curricula.difficulty_filter); when they drop
+        training problems, the curriculum draws from the rest. A resumed run repeats it from the restored
+        state (the sources' and the statistics'), so nothing is sampled again."""
+        ctx = self.ctx
+        kept = ctx.inputs.before_training(self.problems, ctx.prompt_stats)
+        band = self.trainer.difficulty_filter
+        if band is not None:
+            generator = make_generator(self.seed, STREAM_DIFFICULTY_FILTER)
+            sample = lambda chunk: ctx.strategy.setup.sampler(chunk, band.samples, ctx.params, generator)
+            kept = difficulty_filter(kept, sample, ctx.prompt_stats, band)
+        if len(kept) != len(self.problems):
+            self.curriculum = Curriculum(self.trainer, self.seed, kept, self.ctx.prompt_stats)
+        self.presampled = True
+
     def checkpoint_due(self, step: int) -> bool:
         every = self.trainer.checkpoint_every
         return bool(every) and (step % every == 0 or step == self.trainer.steps)
@@ -167,6 +190,8 @@ class TrainingRun:
         (:class:`rlbench.training.interrupt.StopSignals`). Returns what the run's summary reports
         about training."""
         steps = self.trainer.steps
+        if not self.presampled:
+            self.presample()
         progress = Progress("train", steps)
         progress.done = self.step
         if after_step is not None and self.after_step_done < self.step:  # checkpointed before it ran

@@ -1,6 +1,7 @@
 """Per-prompt statistics of every response graded in training: per prompt uid, the responses graded so
 far (attempts), how many were correct (pass rate), their mean length, the last step that saw the prompt
-and that step's own attempts and correct ones (the recent pass rate). The curriculum
+and that step's own attempts and correct ones (the recent pass rate), and the reference policy's pass rate
+measured before training (PVPO's pre-sampling). The curriculum
 (rlbench.training.curricula) feeds the store every step's graded groups; prompt samplers and rollout
 strategies (difficulty_adaptive) read it.
 """
@@ -9,11 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rlbench.dataset.base import Problem
 from rlbench.rollout.groups import GradedGroups
 from rlbench.training.distributed import SINGLE, World
+from rlbench.utils import Progress
+
+PRESAMPLE_CHUNK = 64  # prompts per engine call of a pass before training
 
 
 @dataclass
@@ -24,6 +30,7 @@ class PromptStats:
     last_seen: int = 0
     recent_attempts: int = 0  # the responses of the last step that saw the prompt
     recent_correct: int = 0
+    reference_pass_rate: float = math.nan  # the reference policy's pass rate before training (PVPO's pre-sampling)
 
     @property
     def pass_rate(self) -> float:
@@ -67,6 +74,12 @@ class PromptStatsStore:
             entry.length_sum += length_sum
             entry.last_seen = step
 
+    def set_reference(self, uid: str, pass_rate: float) -> None:
+        """Record the reference policy's pass rate on prompt ``uid`` (PVPO's pre-sampling,
+        rlbench.training.advantage_inputs.ReferenceAnchor.presample); strategies read it
+        (rollout.mixed_traces.when=reference_unsolved)."""
+        self.stats.setdefault(uid, PromptStats()).reference_pass_rate = float(pass_rate)
+
     def get(self, uid: str) -> PromptStats:
         return self.stats.get(uid, PromptStats())
 
@@ -75,3 +88,21 @@ class PromptStatsStore:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.stats = {uid: PromptStats(**entry) for uid, entry in state.items()}
+
+
+def measure_before_training(problems: Sequence[Problem], sample: Callable[[list[Problem]], GradedGroups],
+                            phase: str) -> dict[str, tuple[list[float], float]]:
+    """uid -> (rewards, pass rate) of ``sample``'s graded responses to each of ``problems`` (each uid once), in
+    chunks of PRESAMPLE_CHUNK prompts with a progress line: the pass before training of PVPO's pre-sampling
+    and of the offline difficulty filter (``trainer.difficulty_filter``)."""
+    todo = list({p.uid: p for p in problems}.values())
+    progress = Progress(phase, len(todo), enabled=bool(todo))
+    measured: dict[str, tuple[list[float], float]] = {}
+    for start in range(0, len(todo), PRESAMPLE_CHUNK):
+        chunk = todo[start:start + PRESAMPLE_CHUNK]
+        graded = sample(chunk)
+        for k, problem in enumerate(chunk):
+            member = graded.group_index == k
+            measured[problem.uid] = (graded.rewards[member].tolist(), float(graded.correct[member].float().mean().item()))
+        progress.update(len(chunk))
+    return measured

@@ -1,5 +1,8 @@
 """Stages (``trainer.stages``): ``[{at: 10, rollout.n: 16, rollout.max_new_tokens: 32}, ...]``: from
 step ``at`` on, the listed settings change (DRIVE's and CAMPO's schedules of group size and length).
+``trainer.prompt_sampler: {name: hard_focus, hard_focus: {...}}`` switches the prompt sampler: a whole
+``trainer.prompt_sampler`` node, its settings block beside its name (DRIVE's uniform stage 1, then its
+hard-focus stage 2, conf/prompt_sampler/drive.yaml).
 Steps must be strictly increasing (an unordered or repeated step is refused before the model loads).
 
 This module parses and checks them (validation reads every stage's settings, :func:`stage_settings`);
@@ -11,10 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rlbench.config.schema import RunConfig
+from rlbench.config.schema import PromptSamplerConfig, RunConfig
+from rlbench.config.typed import typed_node
 from rlbench.errors import ConfigError
 
-STAGE_KEYS = ("rollout.n", "rollout.max_new_tokens", "rollout.temperature", "trainer.prompts_per_step")
+SAMPLER_KEY = "trainer.prompt_sampler"  # a whole sampler node (its name checked by rlbench.validation)
+STAGE_KEYS = ("rollout.n", "rollout.max_new_tokens", "rollout.temperature", "trainer.prompts_per_step", SAMPLER_KEY)
 
 
 @dataclass(frozen=True)
@@ -38,7 +43,12 @@ def parse_stages(stages_cfg: list | None, steps: int) -> list[Stage]:
         if unknown or not entry:
             raise ConfigError(f"trainer.stages[{i}] may change {list(STAGE_KEYS)}; got {sorted(entry) or 'nothing'}")
         for key, value in entry.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            if key == SAMPLER_KEY:
+                if not hasattr(value, "items") or not isinstance(value.get("name"), str):
+                    raise ConfigError(f"trainer.stages[{i}].{key}={value!r} must be a prompt sampler node "
+                                      "{name: <sampler>, <sampler>: {<its settings>}}")
+                entry[key] = typed_node(dict(value), PromptSamplerConfig)
+            elif isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(f"trainer.stages[{i}].{key}={value!r} must be a positive number")
         if stages and at <= stages[-1].at:
             what = "overlaps" if at == stages[-1].at else "comes before"
@@ -49,10 +59,10 @@ def parse_stages(stages_cfg: list | None, steps: int) -> list[Stage]:
 
 
 def _flatten(entry: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{rollout: {n: 16}} and {"rollout.n": 16} alike -> {"rollout.n": 16}."""
+    """{rollout: {n: 16}} and {"rollout.n": 16} alike -> {"rollout.n": 16}; a prompt sampler node stays whole."""
     flat: dict[str, Any] = {}
     for key, value in entry.items():
-        if hasattr(value, "items"):
+        if hasattr(value, "items") and f"{prefix}{key}" != SAMPLER_KEY:
             flat.update(_flatten(dict(value), f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value

@@ -356,24 +356,32 @@ def advantage_inputs(ctx: StepContext, graded: GradedGroups, batch: TrainBatch) 
 
     A no-grad pass of the sampling policy runs only when the estimator reads log-probs or entropies,
     the batch is reused for several updates, or the KL / token mask / KL controller needs them; it
-    stores old log-probs and values on the batch. Reference log-probs only when the KL term is
+    stores old log-probs and values on the batch. Under algorithm.sampling_correction.bypass the old
+    log-probs are the rollout engine's, and the pass runs only for what else needs it. Reference log-probs only when the KL term is
     active. With algorithm.sampling_correction.rejected_tokens=drop the rejected tokens then leave the
     response mask (sampling_correction.py). Then the inputs that need more than the batch
     (:class:`AdvantageInputSources`)."""
     algorithm = ctx.algorithm
+    bypass = algorithm.bypasses_old_logp
     inputs: dict[str, Any] = {"correct": graded.correct.to(ctx.device).bool(), "max_length": ctx.params.max_new_tokens}
-    if algorithm.needs_sampling_pass or batch.has_off_policy:
+    policy_logp = None  # pi_old on the policy's own tokens
+    if algorithm.needs_sampling_pass or (batch.has_off_policy and not bypass):
         before = batch_outputs(
             ctx.model, batch, ctx.micro_batch_size, ctx.temperature, with_entropy=algorithm.needs_sampling_entropy,
             value_head=ctx.update_state.value_head,
         )
-        old_logp = behaviour_old_logp(batch, before.logp)
+        policy_logp = before.logp
         if algorithm.kl_previous_weight > 0:  # pi_prev: the policy before this update, on every token
             batch.prev_logp = before.logp
-        inputs.update(old_logp=old_logp, entropy=before.entropy, values=before.values)
-        if algorithm.needs_old_logp or batch.has_off_policy:
-            batch.old_logp = old_logp
+        inputs.update(entropy=before.entropy, values=before.values)
         batch.old_values = before.values
+    if bypass:  # verl's bypass mode: pi_old is the rollout engine's log-probs (sampling_correction.py)
+        policy_logp = batch.sampling_logp
+    if policy_logp is not None:
+        old_logp = behaviour_old_logp(batch, policy_logp)
+        inputs["old_logp"] = old_logp
+        if algorithm.needs_old_logp or batch.has_off_policy or bypass:
+            batch.old_logp = old_logp
     dropped: dict[str, float] = {}
     if algorithm.drops_rejected_tokens and batch.sampling_logp is not None:  # verl's rejection sampling
         batch.response_mask, dropped = algorithm.sampling_correction.drop_rejected(

@@ -11,7 +11,7 @@ import torch
 
 from rlbench.algorithm import Algorithm
 from rlbench.algorithm.step_inputs import STEP_INPUTS
-from rlbench.training.batch import TrainBatch, batch_norms, micro_batches
+from rlbench.training.batch import TrainBatch, batch_norms, group_minibatches, micro_batches, whole_group_chunks
 from rlbench.training.distributed import backward, gradient_norm, reshard
 from rlbench.training.forward import TokenOutputs, token_outputs
 
@@ -127,15 +127,22 @@ def standard_update(
     parameters = [*model.parameters(), *(value_head.parameters() if value_head is not None else ())]
     metrics_total = UpdateMetrics()
     grad_norms: list[float] = []
+    whole_groups = algorithm.loss_reads_whole_groups  # a pairwise loss: no group is split (registry.Needs)
     for _ in range(algorithm.epochs):
-        order = (
-            torch.randperm(batch.size, generator=generator).to(device)
-            if algorithm.minibatches > 1
-            else torch.arange(batch.size, device=device)
-        )
-        for minibatch in order.chunk(algorithm.minibatches):
+        if whole_groups:
+            splits = group_minibatches(batch.group_index, algorithm.minibatches, generator if algorithm.minibatches > 1 else None)
+        else:
+            order = (
+                torch.randperm(batch.size, generator=generator).to(device)
+                if algorithm.minibatches > 1
+                else torch.arange(batch.size, device=device)
+            )
+            splits = order.chunk(algorithm.minibatches)
+        for minibatch in splits:
             norms = batch_norms(batch, minibatch, norm_length)
-            for rows in micro_batches(minibatch, micro_batch_size):
+            parts = (whole_group_chunks(minibatch, batch.group_index, micro_batch_size) if whole_groups
+                     else micro_batches(minibatch, micro_batch_size))
+            for rows in parts:
                 sub = batch.select(rows)
                 loss, metrics, _ = micro_batch_loss(
                     model, sub, algorithm, norms, temperature, track_entropy=track_entropy, progress=progress,

@@ -78,6 +78,11 @@ def rollouts_checked_by_presets() -> set[str]:
 
 # Strategies the toy cannot judge, with the measurement that says why (docs/testing.md).
 ROLLOUT_STRATEGIES_WITHOUT_TOY_CHECK = {
+    # LSPO's length filter on dynamic sampling: the toy's responses all have 8 tokens (no EOS), so every
+    # quantile is 8 and the filter keeps every informative group; grpo with rollout=lspo (max_rounds 2) gave, on
+    # seeds 0-2 and the control (2026-12-04), the per-step curves of intellect2's check exactly (peak rise
+    # +0.302, +0.202, +0.459; control +0.005): what it runs is dynamic sampling, which dapo and intellect2 check.
+    "lspo": "every toy response has 8 tokens, so the length filter keeps every group",
     # MOTIF rewards a first-round response by the final-round accuracy of the rounds that continue from its
     # progress; on the toy the next round's tokens barely depend on the first round's, so the reward carries
     # no signal about the trained tokens: corr(first-round toy reward, MOTIF reward) = 0.09 on average over
@@ -86,6 +91,10 @@ ROLLOUT_STRATEGIES_WITHOUT_TOY_CHECK = {
     "multiround": "the toy's later rounds do not depend on the first round",
     # training_free_grpo's rollout; see ALGORITHM_PRESETS_WITHOUT_TOY_CHECK
     "experience_library": "the toy's random model does not follow in-context examples",
+    # rollout=offline samples nothing: the per-step rewards the criterion reads are those of the file's fixed
+    # responses, not of the policy. tests/test_preference_offline.py trains DPO on a generated file and checks
+    # that the same pairs' loss falls and their ranking turns right (preference_accuracy > 0.5 after 3 steps).
+    "offline": "its per-step rewards are the file's, not the policy's samples",
 }
 
 

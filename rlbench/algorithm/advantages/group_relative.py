@@ -444,3 +444,51 @@ def dmpo_advantage(
     weights = group_softmax(rewards.to(torch.float64) / alpha, group_index)
     advantage = count * weights - (1.0 if baseline else 0.0)
     return _broadcast(advantage.float(), response_mask)
+
+
+@ADVANTAGES.register("hapo_tlga")
+def hapo_tlga_advantage(
+    rewards: torch.Tensor,
+    group_index: torch.Tensor,
+    response_mask: torch.Tensor,
+    epsilon: float = 1e-6,
+    fallback_threshold: float = 5.0,
+) -> torch.Tensor:
+    """HAPO's Token-Level Group Average (Liu et al. 2025, "From Uniform to Heterogeneous: Tailoring
+    Policy Optimization to Every Token's Nature", arXiv:2509.16591, sec. 3; the released
+    ``compute_hapo_outcome_advantage``, starriver030515/HAPO). Each response's reward is repeated on
+    each of its |o_i| tokens and the group statistics are over those tokens:
+
+        mu_tok    = sum_j |o_j| r_j / sum_j |o_j|                            (OPO's length-weighted baseline)
+        sigma_tok = sqrt( sum_j |o_j| (r_j - mu_tok)^2 / sum_j |o_j| )        (population std over tokens)
+        A_i       = (r_i - mu_tok) / (sigma_tok + epsilon)
+
+    A long response weighs its reward in the group's statistics by its length: {r = 1 with 10 tokens,
+    r = 0 with 30} has mu_tok = 0.25 (GRPO's mean: 0.5). A group in which some |A_i| >= fallback_threshold
+    (a rare reward among many tokens) takes GRPO's advantage instead (the paper's smoothing). The
+    released code also tests the padding positions of its [B, T] score matrix against the threshold
+    (there the normalised value of a zero reward); only response tokens are tested here. Groups of one
+    response, all-equal rewards and groups without tokens get A = 0.
+    """
+    if fallback_threshold <= 0:
+        raise ConfigError(f"hapo_tlga fallback_threshold must be > 0, got {fallback_threshold}")
+    index = group_index.long()
+    num_groups = int(index.max().item()) + 1 if index.numel() else 0
+    values = rewards.to(torch.float64)
+    lengths = _valid(response_mask).sum(dim=1).to(torch.float64)
+
+    def per_group_sum(x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(num_groups, dtype=torch.float64, device=values.device).index_add_(0, index, x)[index]
+
+    tokens = per_group_sum(lengths)
+    has_tokens = tokens > 0
+    mean = torch.where(has_tokens, per_group_sum(lengths * values) / tokens.clamp(min=1), 0.0)
+    std = torch.where(has_tokens, (per_group_sum(lengths * (values - mean) ** 2) / tokens.clamp(min=1)).sqrt(), 0.0)
+    centred = values - mean
+    tlga = torch.where(std > 0, centred / (std + epsilon), torch.zeros_like(centred))
+    too_large = ((tlga.abs() >= fallback_threshold) & (lengths > 0)).to(torch.float64)
+    fallback = per_group_sum(too_large) > 0
+    advantage = torch.where(fallback, _sequence_grpo(rewards, group_index, epsilon), tlga)
+    _, _, count = group_mean_std(values, group_index)
+    advantage = torch.where((count > 1) & has_tokens, advantage, torch.zeros_like(advantage))
+    return _broadcast(advantage.float(), response_mask)

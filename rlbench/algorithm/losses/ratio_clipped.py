@@ -333,9 +333,13 @@ def ppo_ewma_loss(
 
 
 def _dppo_ratio_term(params) -> str | None:
-    """The rule ratio_deviation drops only tokens whose ratio left 1; surrogate_variance drops at ratio 1 too."""
-    if params.get("rule", "ratio_deviation") == "surrogate_variance":
+    """The rules ratio_deviation and variance_bound drop only tokens whose ratio left 1;
+    surrogate_variance drops at ratio 1 too."""
+    rule = params.get("rule", "ratio_deviation")
+    if rule == "surrogate_variance":
         return None
+    if rule == "variance_bound":
+        return "its dropout of the tokens whose importance-sampling term (rho - 1) A lowers the variance bound's correlation term (rule variance_bound)"
     return "its dropout of tokens whose ratio left [1 - drop_threshold, 1 + drop_threshold] (rule ratio_deviation)"
 
 
@@ -356,16 +360,25 @@ def dppo_loss(
     in Policy Optimization Methods", arXiv:2310.20380).
 
         l_t = keep_t * ppo_clip_t(rho, A, e_l, e_h)
+        rule "variance_bound":     x_t = (rho_t - 1) A_t, what importance sampling adds to the surrogate
+                                   (rho A = A + x). Over the N valid tokens, with S = sum_t x_t,
+                                       Var(x) = S^2 (N - 1) / N^2 - C / N,   C = sum_{i != j} x_i x_j
+                                   (from (sum x)^2 = sum x^2 + C): the variance grows quadratically
+                                   with the surrogate S and falls as the cross-sample (correlation)
+                                   term C grows. Dropping token t changes C by -2 c_t, c_t = x_t (S - x_t),
+                                   so of the tokens with c_t < 0 the floor(drop_fraction * N) with the
+                                   smallest c_t are dropped (the paper's rule: keep the samples that
+                                   maximise the correlation term of its variance bound). At rho = 1
+                                   every c_t = 0 and nothing is dropped
         rule "ratio_deviation":    keep_t = |rho_t - 1| <= drop_threshold   (Sample Dropout,
                                    Lin et al. 2023, arXiv:2302.02299)
         rule "surrogate_variance": drop the floor(drop_fraction * N) valid tokens with the largest
-                                   (rho_t A_t - mean(rho A))^2, i.e. the largest contributions to
-                                   the empirical variance of the surrogate rho A
-    The paper states no exact per-token bound for this rule (verify against it), so
-    "surrogate_variance" is a design stand-in built on the stated idea (Var[rho A] grows
-    quadratically with the surrogate). Dropped tokens get zero loss and gradient; they still
-    count in the aggregation's normaliser. At rho = 1 "ratio_deviation" drops nothing.
-    Metrics: as ppo_clip, dropped_fraction.
+                                   (x_t - mean(x))^2 (rlbench's earlier stand-in)
+    variance_bound follows the paper's derivation as summarised (its bound in terms of the
+    correlation term); its exact per-sample statistic and dropout rate were not read in the full
+    text. Dropped tokens get zero loss and gradient; they still count in the aggregation's
+    normaliser. At rho = 1 "variance_bound" and "ratio_deviation" drop nothing. Metrics: as ppo_clip,
+    dropped_fraction.
     """
     lr = log_ratio(logp, old_logp)
     ratio = torch.exp(lr)
@@ -375,12 +388,16 @@ def dppo_loss(
     with torch.no_grad():
         if rule == "ratio_deviation":
             keep = (ratio - 1.0).abs() <= drop_threshold
+        elif rule == "variance_bound":
+            excess = torch.where(valid, (ratio - 1.0) * advantages, 0.0).double()
+            share = excess * (excess.sum() - excess)
+            keep = ~_top_k_mask(-share, valid & (share < 0), _count(drop_fraction, valid.sum().item()))
         elif rule == "surrogate_variance":
             surrogate = ratio * advantages
             score = (surrogate - masked_mean(surrogate, mask)) ** 2
             keep = ~_top_k_mask(score, valid, _count(drop_fraction, valid.sum().item()))
         else:
-            raise ValueError(f"dppo rule must be 'ratio_deviation' or 'surrogate_variance', got {rule!r}")
+            raise ValueError(f"dppo rule must be 'variance_bound', 'ratio_deviation' or 'surrogate_variance', got {rule!r}")
     metrics = _ppo_metrics(lr, ratio, is_clipped, mask)
     metrics["dropped_fraction"] = masked_mean((~keep).to(mask.dtype), mask).item()
     return loss * keep * mask, metrics

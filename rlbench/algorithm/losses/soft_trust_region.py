@@ -1,12 +1,20 @@
 """Ratio-based surrogates with a soft trust region instead of PPO's hard clip: SAPO's sigmoid gate,
-SPO's quadratic penalty, M2PO's second-moment masking and on-policy MDPO.
+SPO's quadratic penalty, M2PO's second-moment masking (or its adaptive clip) and on-policy MDPO.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from rlbench.algorithm.losses.common import _ratio_metrics, _top_k_mask, log_ratio, masked_mean
+from rlbench.algorithm.losses.common import (
+    _ppo_terms,
+    _ratio_metrics,
+    _top_k_mask,
+    log_ratio,
+    masked_mean,
+)
 from rlbench.algorithm.registry import POLICY_LOSSES
 
 
@@ -64,7 +72,35 @@ def spo_simple_loss(
     return -objective * mask, _ratio_metrics(lr, ratio, mask, outside_fraction=(ratio - 1.0).abs() > eps)
 
 
-@POLICY_LOSSES.register("m2po", paper_aggregation="token_mean", ratio_term="its second-moment mask",
+def m2po_clip_bounds(
+    log_ratio_: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor, m2_threshold: float
+) -> tuple[float, float, float]:
+    """The adaptive-clip variant's trust region (the released ``kpo_clip_harmful_tokens``,
+    Infini-AI-Lab/M2PO verl/trainer/ppo/core_algos.py; arXiv:2510.01161). Over the harmful tokens
+    H = {A > 0 and rho > 1} u {A < 0 and rho < 1} with d_t = (log rho_t)^2 sorted ascending
+    d_(1) <= ... <= d_(n):
+
+        M2 = mean_H d;  if M2 <= m2_threshold: tau = inf (no constraint)
+        else k = the first index with sum_{i<=k} d_(i) + (n - k) d_(k) >= n m2_threshold,
+             tau = sqrt(d_(k-1)) (0 when k = 1): the largest observed |log rho| whose cap keeps the
+             capped mean of H within the budget
+
+    Returns (tau, M2, M2 after capping at tau), float64 statistics of this micro-batch."""
+    harmful = valid & (((advantages > 0) & (log_ratio_ > 0)) | ((advantages < 0) & (log_ratio_ < 0)))
+    values = torch.sort(log_ratio_.detach().double()[harmful] ** 2).values
+    n = values.numel()
+    m2 = values.mean().item() if n else 0.0
+    if n == 0 or m2 <= m2_threshold + 1e-12:
+        return float("inf"), m2, m2
+    capped_sums = values.cumsum(0) + values * torch.arange(n - 1, -1, -1, dtype=values.dtype, device=values.device)
+    k = int((capped_sums < n * m2_threshold - 1e-12).sum().item())  # capped_sums is non-decreasing
+    if k == 0:
+        return 0.0, m2, 0.0
+    tau_sq = values[k - 1].item()
+    return tau_sq**0.5, m2, (values[:k].sum().item() + tau_sq * (n - k)) / n
+
+
+@POLICY_LOSSES.register("m2po", paper_aggregation="token_mean", ratio_term="its second-moment trust region",
                         ratio_term_metric="masked_fraction")
 def m2po_loss(
     logp: torch.Tensor,
@@ -72,23 +108,43 @@ def m2po_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     m2_threshold: float = 0.04,
+    mode: str = "mask",
+    min_clip_low: float = 0.3,
+    min_clip_high: float = 0.5,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """M2PO second-moment trust region, masking variant (Zheng, Zhao & Chen 2025, "Prosperity
-    before Collapse: How Far Can Off-Policy RL Reach with Stale Data on LLMs?", arXiv:2510.01161).
+    """M2PO second-moment trust region (Zheng, Zhao & Chen 2025, "Prosperity before Collapse: How Far
+    Can Off-Policy RL Reach with Stale Data on LLMs?", arXiv:2510.01161).
 
+    mode "mask" (the paper's algorithm):
         M2 = mean over unmasked valid tokens of (log rho_t)^2
         while M2 > m2_threshold: mask the token with the largest (log rho_t)^2, recompute M2
         l_t = -M_t rho_t A_t                                                   (no other clipping)
-    Computed in one pass: sort (log rho)^2 descending and mask the smallest prefix k whose
-    removal brings the mean of the rest to <= m2_threshold (ties by position). The statistic is
-    over this micro-batch. The paper aggregates with token_mean. The released code's adaptive-clip
-    variant is not implemented. Metrics: approx_kl, ratio_mean, m2 (before masking),
-    m2_masked (after), masked_fraction.
+      computed in one pass: sort (log rho)^2 descending and mask the smallest prefix k whose removal
+      brings the mean of the rest to <= m2_threshold (ties by position).
+    mode "clip" (the released code's compute_m2po_policy_loss): tau from :func:`m2po_clip_bounds`,
+        e_l = max(1 - exp(-tau), min_clip_low),  e_h = max(exp(tau) - 1, min_clip_high)
+        l_t = ppo_clip(rho_t, A_t, 1 - e_l, 1 + e_h)    (one pair of bounds for the micro-batch)
+      within budget tau = inf: e_l = 1, e_h = inf, the unclipped surrogate -rho A.
+    The statistics are over this micro-batch. The paper aggregates with token_mean. Metrics:
+    approx_kl, ratio_mean, m2 (mask: all tokens; clip: the harmful ones), m2_masked (after masking /
+    capping), masked_fraction (tokens without gradient: masked, or clipped), and in clip mode
+    clip_low / clip_high (e_l, e_h).
     """
+    if mode not in ("mask", "clip"):
+        raise ValueError(f"m2po mode must be 'mask' or 'clip', got {mode!r}")
     lr = log_ratio(logp, old_logp)
     ratio = torch.exp(lr)
     mask = response_mask.to(ratio.dtype)
     valid = mask > 0
+    if mode == "clip":
+        with torch.no_grad():
+            tau, m2, m2_capped = m2po_clip_bounds(lr, advantages, valid, m2_threshold)
+        eps_low = max(1.0 - math.exp(-tau), min_clip_low)
+        eps_high = max(math.expm1(tau) if tau < 700 else math.inf, min_clip_high)
+        loss, is_clipped = _ppo_terms(ratio, advantages, 1.0 - eps_low, 1.0 + eps_high)
+        metrics = _ratio_metrics(lr, ratio, mask, masked_fraction=is_clipped)
+        metrics.update(m2=m2, m2_masked=m2_capped, clip_low=eps_low, clip_high=eps_high)
+        return loss * mask, metrics
     with torch.no_grad():
         squares = lr.detach().double() ** 2
         values = torch.sort(squares[valid], descending=True).values

@@ -12,11 +12,17 @@ Configuration (conf/rollout/mixed_traces.yaml; ``algorithm=luffy`` selects it):
     strategy: mixed_traces
     mixed_traces:
       traces_per_group: 1   # traces per group (the paper: 1 of 8)
-      when: always          # always (LUFFY) | unsolved (DaGRPO's anchors, below)
+      when: always          # always (LUFFY) | unsolved (DaGRPO's anchors, below) | reference_unsolved (PVPO)
 
 ``when: unsolved`` (DaGRPO's off-policy anchors, Xie et al. 2025, arXiv:2512.06337, ``rollout=anchors``):
 every prompt gets ``rollout.n`` policy samples, and a group none of whose responses is correct gets
 ``traces_per_group`` traces added (a group of n + k), graded with it; solved groups are left alone.
+
+``when: reference_unsolved`` (PVPO's ground-truth trajectories, Feng et al. 2025, arXiv:2508.21104): as
+``always``, but only for the prompts whose reference pass rate measured before training is 0
+(``algorithm.baseline.presample``, recorded in the statistics store); every other prompt gets ``rollout.n``
+samples. The trace takes one sample's place, with behaviour log-prob 0 (the ratio's denominator, the
+trace's probability under its source, is unknown and taken as 1).
 
 With an empty library (``guidance=none``) the requests are exactly ``rollout=iid``'s, so the groups,
 and the run, are the iid ones. A prompt with several traces uses them in turn over the steps it is
@@ -43,7 +49,7 @@ from rlbench.rollout.strategy import (
     strategy_options,
 )
 
-WHEN = ("always", "unsolved")
+WHEN = ("always", "unsolved", "reference_unsolved")
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,7 @@ class MixedTracesOptions:
 
     traces_per_group: int = 1  # LUFFY: 1 trace + 7 on-policy samples of a group of 8
     when: str = "always"  # always (LUFFY) | unsolved: traces only for groups with no correct response (DaGRPO)
+    # | reference_unsolved: traces only for prompts the reference never solved before training (PVPO)
 
 
 def traces_per_group(rollout: RolloutConfig) -> int:
@@ -61,7 +68,8 @@ def traces_per_group(rollout: RolloutConfig) -> int:
 def traces_when(rollout: RolloutConfig) -> str:
     when = strategy_options(rollout, "mixed_traces", MixedTracesOptions).when
     if when not in WHEN:
-        raise ConfigError(f"rollout.mixed_traces.when={when!r} is unknown; choose always (LUFFY) or unsolved (DaGRPO's anchors)")
+        raise ConfigError(f"rollout.mixed_traces.when={when!r} is unknown; choose always (LUFFY), unsolved (DaGRPO's "
+                          "anchors) or reference_unsolved (PVPO)")
     return when
 
 
@@ -93,8 +101,18 @@ class MixedTraces(RolloutStrategy):
     def load_state_dict(self, state: dict) -> None:
         self.uses = dict(state["uses"])
 
+    def gets_traces(self, problem: Problem) -> bool:
+        """Whether ``problem``'s group holds traces: always, or (reference_unsolved) when the reference's pass
+        rate on it before training was 0 (not measured: NaN, no trace)."""
+        if self.when != "reference_unsolved":
+            return True
+        stats = self.setup.prompt_stats
+        return stats is not None and stats.get(problem.uid).reference_pass_rate == 0
+
     def pick_traces(self, problem: Problem) -> list[Trace]:
         """The next ``per_group`` traces of ``problem`` (in turn over the steps), [] without any."""
+        if not self.gets_traces(problem):
+            return []
         library = self.setup.guidance
         traces = library.for_problem(problem) if library is not None else []
         if not traces:

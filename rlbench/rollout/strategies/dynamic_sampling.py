@@ -1,5 +1,8 @@
 """DAPO's dynamic sampling (``rollout=dynamic_sampling``; Yu et al. 2025, arXiv:2503.14476, section
-3.2): keep only groups whose responses differ, drawing more prompts until the batch is full.
+3.2): keep only groups whose responses differ, drawing more prompts until the batch is full; with
+``length_extremes`` also LSPO's length filter on the same groups (``rollout=lspo``; Chen, Koenig & Dilkina
+2025, arXiv:2510.01459): of the informative groups of a round, only those whose mean response length is at
+the extremes of that round's lengths (:func:`length_extremes`).
 
 Configuration (conf/rollout/dynamic_sampling.yaml; ``algorithm=dapo`` selects it):
 
@@ -7,11 +10,13 @@ Configuration (conf/rollout/dynamic_sampling.yaml; ``algorithm=dapo`` selects it
     dynamic_sampling:
       max_rounds: 16      # generation rounds per step at most (verl: max_num_gen_batches)
       metric: correct     # correct: 0 < #correct < G (the paper) | reward: the rewards differ
+      length_extremes: null  # [low, high, max] quantiles: LSPO's length filter (conf/rollout/lspo.yaml)
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -49,12 +54,30 @@ def informative_groups(values: torch.Tensor, group_index: torch.Tensor) -> torch
     return high > low
 
 
+def length_extremes(lengths: Sequence[float], low: float, high: float, top: float) -> torch.Tensor:
+    """LSPO's filter (Chen, Koenig & Dilkina 2025, arXiv:2510.01459) on the mean response lengths L of a
+    round's candidate groups: with Q the quantiles of these lengths (linear interpolation), a group is kept
+    when L <= Q(low) or Q(high) <= L <= Q(top) (above Q(top): near-truncated responses, left out).
+    Returns the [G] bool mask; no candidates: an empty mask."""
+    values = torch.as_tensor(list(lengths), dtype=torch.float64)
+    if not len(values):
+        return torch.zeros(0, dtype=torch.bool)
+    q_low, q_high, q_top = torch.quantile(values, torch.tensor([low, high, top], dtype=torch.float64)).tolist()
+    return (values <= q_low) | ((values >= q_high) & (values <= q_top))
+
+
+def mean_lengths(graded: GradedGroups) -> list[float]:
+    """Each group's mean response length (tokens)."""
+    return [sum(len(c.response_ids) for c in group) / len(group) for group in graded.groups]
+
+
 @dataclass(frozen=True)
 class DynamicSamplingOptions:
     """The ``rollout.dynamic_sampling`` block."""
 
     max_rounds: int = 16  # generation rounds per step at most
     metric: str = "correct"  # what must differ within a kept group: correct | reward
+    length_extremes: tuple[float, float, float] | None = None  # LSPO's (low, high, max) quantiles; None: no length filter
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig) -> "DynamicSamplingOptions":
@@ -63,10 +86,27 @@ class DynamicSamplingOptions:
             raise ConfigError(f"rollout.dynamic_sampling.max_rounds must be >= 1, got {options.max_rounds}")
         if options.metric not in FILTER_METRICS:
             raise ConfigError(f"rollout.dynamic_sampling.metric={options.metric!r} is unknown; choose one of {FILTER_METRICS}")
+        bounds = options.length_extremes
+        if bounds is not None and (len(bounds) != 3 or not 0 < bounds[0] < bounds[1] < bounds[2] <= 1):
+            raise ConfigError(f"rollout.dynamic_sampling.length_extremes=[low, high, max] needs 0 < low < high < max <= 1, "
+                              f"got {list(bounds)}")
         return options
 
     def filter_values(self, graded: GradedGroups) -> torch.Tensor:
         return graded.correct if self.metric == "correct" else graded.rewards
+
+    def kept_groups(self, graded: GradedGroups) -> tuple[torch.Tensor, int]:
+        """[G] bool: the round's groups kept (informative; with length_extremes, LSPO's length filter on the
+        informative ones, by this round's own lengths), and how many informative groups the length filter left out."""
+        informative = informative_groups(self.filter_values(graded), graded.group_index)
+        if self.length_extremes is None:
+            return informative, 0
+        candidates = informative.nonzero(as_tuple=True)[0]
+        lengths = mean_lengths(graded)
+        extreme = length_extremes([lengths[g] for g in candidates.tolist()], *self.length_extremes)
+        kept = torch.zeros_like(informative)
+        kept[candidates[extreme]] = True
+        return kept, int(informative.sum().item()) - int(kept.sum().item())
 
 
 def sample_informative_groups(
@@ -88,7 +128,7 @@ def sample_informative_groups(
     target = len(first_prompts)
     kept: list[GradedGroups] = []
     dropped: list[GradedGroups] = []
-    kept_count = dropped_count = rounds = generated = 0
+    kept_count = dropped_count = rounds = generated = length_dropped = 0
     sampled_rewards: list[torch.Tensor] = []
     sampled_outcomes: list[torch.Tensor] = []
     prompts = first_prompts
@@ -98,7 +138,8 @@ def sample_informative_groups(
         generated += len(graded.groups)
         sampled_rewards.append(graded.rewards)
         sampled_outcomes.append(graded.outcome)
-        informative = informative_groups(options.filter_values(graded), graded.group_index)
+        informative, left_out = options.kept_groups(graded)
+        length_dropped += left_out
         kept.append(graded.select(informative.nonzero(as_tuple=True)[0].tolist()))
         dropped.append(graded.select((~informative).nonzero(as_tuple=True)[0].tolist()))
         kept_count += int(informative.sum().item())
@@ -120,6 +161,7 @@ def sample_informative_groups(
         "dynamic_sampling_rounds": float(rounds),
         "dynamic_sampling_dropped_groups": float(dropped_count),
         "dynamic_sampling_filled_groups": float(filled),
+        **({"lspo_length_dropped_groups": float(length_dropped)} if options.length_extremes is not None else {}),
         # the policy's reward on all responses generated this step, before the selection
         "rollout_reward_mean": float(torch.cat(sampled_rewards).mean().item()),
         "rollout_outcome_mean": float(torch.cat(sampled_outcomes).mean().item()),  # the same, before shaping

@@ -4,24 +4,32 @@ arXiv:2510.24302): a group's responses branch where the policy hesitates between
 branch whose lookahead stays too similar to its parent is pruned, so the group holds trajectories
 that differ beyond one token.
 
-Per prompt that uses LATR this step (a decaying share of the prompts, ``mix_schedule``):
+Per prompt, ``k = round(n * share)`` of its ``n`` responses come from LATR's tree (``share``: a decaying
+fraction, ``mix_schedule``, the released ``mix_ratio``) and the other ``n - k`` are i.i.d.:
 
 1. one response, the trunk, is sampled;
-2. the trunk is scored (the engine's ``position_stats``): position t is a branch point
+2. a response is scored (the engine's ``position_stats``): position t is a branch point
    when the runner-up token is likely and close to the top one,
    ``p(a2) > abs_threshold and p(a1) - p(a2) < rel_threshold``; the branch takes the top-two token the
-   trunk did not take;
-3. each branch (the earliest ``2 (n - 1)`` branch points) continues ``max(checkpoints)`` tokens from
-   ``trunk[:t] + [branch token]`` (the prefix is the request's ``prefix_ids``, counted as reused);
-4. a branch is pruned when, at any checkpoint c, the ROUGE-L F1 of its tokens t..t+c against the
-   trunk's is above ``rouge_l_threshold``;
-5. the first ``n - 1`` surviving branches are completed to the budget; a group with fewer survivors is
-   filled with i.i.d. responses (metric ``lookahead_filled``).
+   response did not take there;
+3. each branch (the earliest ``2 (k - members)`` branch points of the level) continues
+   ``max(checkpoints)`` tokens from ``parent[:t] + [branch token]`` (the prefix is the request's
+   ``prefix_ids``, counted as reused);
+4. a branch is pruned when, at any checkpoint c, its tokens t..t+c are too similar to its parent's:
+   ROUGE-L F1 above ``rouge_l_threshold`` or suffix-match score above ``suffix_match_threshold``
+   (:func:`suffix_match`);
+5. the surviving branches, earliest first, join the tree until it holds ``k`` members, and are
+   completed to the budget; then they are scored in turn and branch again at their own branch points
+   after their birth (**more than one level**: a level's branch points are processed before the next
+   level's, until the tree is full or no branch point is left);
+6. **fallback**: branch points lie within the first ``branch_window`` tokens (the released
+   ``force_return_step``: after it the released rollout samples the rest plainly); a tree that stays
+   short of ``k`` is filled with i.i.d. responses (metric ``lookahead_filled``).
 
-The other prompts get ``n`` i.i.d. responses. Deviations from the released code (starreeze/latr): the
-branches grow from the trunk only (one level; LATR branches every active branch again), pruning uses
-ROUGE-L alone (LATR's suffix-match filter is not implemented), and the branch points are read off a
-sampled trunk rather than found while decoding.
+Deviations from the released code (starreeze/latr): the branch points are read off a sampled response
+level by level rather than found token by token while decoding (where the major candidate is the top-1
+token and branches of all levels compete for capacity in time order), and a short tree is filled with
+i.i.d. responses where the released code repeats the first member.
 
 Behaviour bookkeeping (the choice): as in LATR, whose trainer is unchanged, the branches are trained
 as the policy's samples (pi_old recomputed); the branch token was chosen, not sampled, so a group is
@@ -40,15 +48,18 @@ Configuration (conf/rollout/lookahead.yaml):
       abs_threshold: 0.15        # p(a2) above this ...
       rel_threshold: 0.25        # ... and p(a1) - p(a2) below this: a branch point
       checkpoints: [4]           # lookahead lengths at which similarity is checked (< max_new_tokens)
-      rouge_l_threshold: 0.5     # prune a branch whose ROUGE-L F1 to the trunk exceeds this
-      mix_schedule: [[0, 1.0], [100, 0.75], [200, 0.5], [300, 0.25]]  # [step, share of prompts with LATR]
+      rouge_l_threshold: 0.5     # prune a branch whose ROUGE-L F1 to its parent exceeds this
+      suffix_match_threshold: 0.2  # ... or whose suffix-match score exceeds this (1: off)
+      branch_window: 1024        # branch points only before this many tokens
+      mix_schedule: [[0, 1.0], [100, 0.75], [200, 0.5], [300, 0.25]]  # [step, share of each group from LATR]
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
@@ -77,16 +88,20 @@ class LookaheadOptions:
     rel_threshold: float = 0.25
     checkpoints: tuple[int, ...] = (4,)
     rouge_l_threshold: float = 0.5
+    suffix_match_threshold: float = 0.2
+    branch_window: int = 1024
     mix_schedule: tuple[tuple[int, float], ...] = ((0, 1.0), (100, 0.75), (200, 0.5), (300, 0.25))
 
     @classmethod
-    def from_config(cls, rollout: RolloutConfig) -> "LookaheadOptions":
+    def from_config(cls, rollout: RolloutConfig) -> LookaheadOptions:
         options = strategy_options(rollout, "lookahead", cls)
-        for key in ("abs_threshold", "rel_threshold", "rouge_l_threshold"):
+        for key in ("abs_threshold", "rel_threshold", "rouge_l_threshold", "suffix_match_threshold"):
             if not 0.0 <= getattr(options, key) <= 1.0:
                 raise ConfigError(f"rollout.lookahead.{key} must be in [0, 1], got {getattr(options, key)}")
         if not options.checkpoints or list(options.checkpoints) != sorted(set(options.checkpoints)) or options.checkpoints[0] < 1:
             raise ConfigError(f"rollout.lookahead.checkpoints must be increasing lengths >= 1, got {list(options.checkpoints)}")
+        if options.branch_window < 1:
+            raise ConfigError(f"rollout.lookahead.branch_window must be >= 1 token, got {options.branch_window}")
         steps = [s for s, _ in options.mix_schedule]
         if not steps or steps[0] != 0 or steps != sorted(set(steps)) or not all(0.0 <= r <= 1.0 for _, r in options.mix_schedule):
             raise ConfigError(
@@ -96,7 +111,7 @@ class LookaheadOptions:
         return options
 
     def share(self, step: int) -> float:
-        """The share of prompts sampled with LATR at ``step`` (0-based): the last entry at or before it."""
+        """The share of each group sampled with LATR at ``step`` (0-based): the last entry at or before it."""
         return [r for s, r in self.mix_schedule if s <= step][-1]
 
 
@@ -129,10 +144,42 @@ def rouge_l_f1(candidate: list[int], reference: list[int]) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def too_similar(branch: list[int], trunk: list[int], t: int, checkpoints: tuple[int, ...], threshold: float) -> bool:
-    """True when, at some checkpoint c, tokens t..t+c of the branch and of the trunk have ROUGE-L F1
-    above ``threshold`` (checked on the tokens both have)."""
-    return any(rouge_l_f1(branch[t : t + c + 1], trunk[t : t + c + 1]) > threshold for c in checkpoints)
+def longest_suffix_inside(a: list[int], b: list[int]) -> int:
+    """The length of the longest suffix of ``a`` that occurs as a contiguous run somewhere in ``b``."""
+    best = 0
+    for length in range(1, len(a) + 1):
+        suffix = a[len(a) - length :]
+        if any(b[s : s + length] == suffix for s in range(len(b) - length + 1)):
+            best = length
+        else:
+            break  # a longer suffix contains this one, so it cannot occur either
+    return best
+
+
+def suffix_match(a: list[int], b: list[int]) -> float:
+    """LATR's suffix-match score of two equally long continuations (the released
+    ``suffix_match_score`` of starreeze/latr, re-implemented): the longest suffix of either that occurs
+    contiguously in the other, over the length. A branch that rejoins its parent's text scores high."""
+    if not a or not b:
+        return 0.0
+    return max(longest_suffix_inside(a, b), longest_suffix_inside(b, a)) / len(a)
+
+
+def too_similar(
+    branch: list[int], parent: list[int], t: int, checkpoints: tuple[int, ...], threshold: float,
+    suffix_threshold: float = 1.0,
+) -> bool:
+    """True when, at some checkpoint c, tokens t..t+c of the branch and of its parent have ROUGE-L F1
+    above ``threshold`` or a suffix-match score above ``suffix_threshold`` (checked on the tokens both
+    have)."""
+    for c in checkpoints:
+        a, b = branch[t : t + c + 1], parent[t : t + c + 1]
+        if rouge_l_f1(a, b) > threshold:
+            return True
+        both = min(len(a), len(b))
+        if suffix_match(a[:both], b[:both]) > suffix_threshold:
+            return True
+    return False
 
 
 @register_strategy("lookahead")
@@ -166,6 +213,51 @@ class LookaheadRollout(RolloutStrategy):
     def load_state_dict(self, state: dict) -> None:
         self.steps = int(state["steps"])
 
+    def _branch(
+        self, prompts: list[tuple[int, ...]], parents: list[tuple[int, Completion, int]], room: list[int]
+    ) -> tuple[list[tuple[int, Completion, int]], int, int]:
+        """One level: the branch points of each ``(prompt, parent, birth)`` after its birth, looked ahead
+        and pruned; the survivors (earliest first, at most ``room[i]`` per prompt) completed to the budget.
+        Returns the new members as ``(prompt, completion, birth)``, the candidates tried and those pruned."""
+        setup, sampler, options = self.setup, self.setup.sampler, self.options
+        params, budget = setup.params, setup.params.max_new_tokens
+        stats = sampler.engine.position_stats([(prompts[i], tuple(c.response_ids)) for i, c, _ in parents], params)
+        found: list[tuple[int, int, int, int]] = []  # (t, prompt i, parent index, branch token)
+        for k, ((i, parent, birth), s) in enumerate(zip(parents, stats)):
+            points = branch_points(s, parent.response_ids, options.abs_threshold, options.rel_threshold)
+            found += [(t, i, k, a) for t, a in points if birth < t and t + 1 < budget and t < options.branch_window]
+        found.sort(key=lambda x: (x[1], x[0], x[2]))  # per prompt, earliest first
+        tried = [0] * len(room)
+        candidates = []
+        for t, i, k, a in found:
+            if tried[i] < CANDIDATES_PER_BRANCH * room[i]:
+                tried[i] += 1
+                candidates.append((t, i, k, a))
+        look = continue_with_budgets(
+            sampler,
+            [(GenerationRequest(prompts[i], 1, tuple(parents[k][1].response_ids[:t]) + (a,)),
+              min(options.checkpoints[-1], budget - t - 1)) for t, i, k, a in candidates],
+            params, setup.generator,
+        )
+        kept: list[tuple[int, Completion, int]] = []
+        taken = [0] * len(room)
+        pruned = 0
+        for (t, i, k, _), (branch,) in zip(candidates, look):
+            parent = parents[k][1].response_ids
+            if too_similar(branch.response_ids, parent, t, options.checkpoints, options.rouge_l_threshold,
+                           options.suffix_match_threshold):
+                pruned += 1
+            elif taken[i] < room[i]:
+                taken[i] += 1
+                kept.append((i, branch, t))
+        open_ended = [(i, b, t) for i, b, t in kept if not (b.finished or len(b.response_ids) >= budget)]
+        completed = continue_with_budgets(
+            sampler, [(GenerationRequest(prompts[i], 1, tuple(b.response_ids)), budget - len(b.response_ids)) for i, b, _ in open_ended],
+            params, setup.generator,
+        )
+        done = {id(b): c for (_, b, _), (c,) in zip(open_ended, completed)}
+        return [(i, done.get(id(b), b), t) for i, b, t in kept], len(candidates), pruned
+
     def rollout(
         self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None = None
     ) -> tuple[GradedGroups, dict[str, float]]:
@@ -173,62 +265,46 @@ class LookaheadRollout(RolloutStrategy):
         params, n, budget = setup.params, setup.n, setup.params.max_new_tokens
         share = options.share(self.steps)
         self.steps += 1
-        latr = round(share * len(problems))
+        tree_size = round(share * n)  # responses per group from LATR's tree; the rest are i.i.d.
+        latr = len(problems) if tree_size >= 2 else 0
         prompts = sampler.encode(problems)
-        # 1. trunks of the LATR prompts and the other prompts' i.i.d. groups, in one call
+        # 1. each LATR group's trunk and the i.i.d. responses, in one call
         first = sampler.generate(
-            [GenerationRequest(ids, n=1 if i < latr else n) for i, ids in enumerate(prompts)], params, setup.generator
+            [GenerationRequest(ids, n=n - tree_size + 1 if i < latr else n) for i, ids in enumerate(prompts)], params, setup.generator
         )
         groups: list[list[Completion]] = [list(g) for g in first]
-        trunks = [groups[i][0] for i in range(latr)]
-        # 2. branch points along each trunk
-        stats = sampler.engine.position_stats([(prompts[i], tuple(c.response_ids)) for i, c in enumerate(trunks)], params)
-        candidates = []  # (prompt i, t, branch token)
-        for i, (trunk, s) in enumerate(zip(trunks, stats)):
-            points = [(t, a) for t, a in branch_points(s, trunk.response_ids, options.abs_threshold, options.rel_threshold)
-                      if t + 1 < budget]
-            candidates += [(i, t, a) for t, a in points[: CANDIDATES_PER_BRANCH * (n - 1)]]
-        # 3. lookahead from trunk[:t] + [branch token]
-        look = continue_with_budgets(
-            sampler,
-            [(GenerationRequest(prompts[i], 1, tuple(trunks[i].response_ids[:t]) + (a,)), min(options.checkpoints[-1], budget - t - 1))
-             for i, t, a in candidates],
-            params, setup.generator,
-        )
-        # 4. prune; keep the first n - 1 survivors per prompt
-        kept: list[list[Completion]] = [[] for _ in range(latr)]
-        pruned = 0
-        for (i, t, _), (branch,) in zip(candidates, look):
-            if too_similar(branch.response_ids, trunks[i].response_ids, t, options.checkpoints, options.rouge_l_threshold):
-                pruned += 1
-            elif len(kept[i]) < n - 1:
-                kept[i].append(branch)
-        # 5. complete the survivors; fill short groups with i.i.d. responses
-        requests, places = [], []
-        for i, branches in enumerate(kept):
-            for branch in branches:
-                if branch.finished or len(branch.response_ids) >= budget:
-                    groups[i].append(branch)
-                else:
-                    requests.append((GenerationRequest(prompts[i], 1, tuple(branch.response_ids)), budget - len(branch.response_ids)))
-                    places.append(i)
-            if len(branches) < n - 1:
-                requests.append((GenerationRequest(prompts[i], n - 1 - len(branches)), budget))
-                places.append(i)
-        filled = sum(n - 1 - len(b) for b in kept)
-        for i, completions in zip(places, continue_with_budgets(sampler, requests, params, setup.generator)):
-            groups[i].extend(completions)
+        trees: list[list[Completion]] = [[groups[i][0]] for i in range(latr)]
+        # 2-5. level by level: branch the last level's members until the trees are full
+        level = [(i, trees[i][0], -1) for i in range(latr)]
+        tried = pruned = levels = 0
+        while level:
+            room = [tree_size - len(tree) for tree in trees]
+            level = [(i, c, birth) for i, c, birth in level if room[i] > 0]
+            if not level:
+                break
+            level, level_tried, level_pruned = self._branch(prompts, level, room)
+            tried, pruned = tried + level_tried, pruned + level_pruned
+            levels += bool(level)
+            for i, branch, _ in level:
+                branch.behaviour = "branch"
+                trees[i].append(branch)
+        # 6. fill short trees with i.i.d. responses
+        short = [(i, tree_size - len(tree)) for i, tree in enumerate(trees) if len(tree) < tree_size]
+        if short:
+            fill = sampler.generate([GenerationRequest(prompts[i], m) for i, m in short], params, setup.generator)
+            for (i, _), completions in zip(short, fill):
+                trees[i].extend(completions)
         for i in range(latr):
-            for c in groups[i][1:]:
+            groups[i] = [trees[i][0], *trees[i][1:], *groups[i][1:]]
+            for c in groups[i]:
                 c.request_index = i
-                if c.prefix_len:
-                    c.behaviour = "branch"
         metrics = {
             "lookahead_share": share,
             "lookahead_prompts": float(latr),
-            "lookahead_candidates": float(len(candidates)),
+            "lookahead_candidates": float(tried),
             "lookahead_pruned": float(pruned),
-            "lookahead_branches": float(sum(len(b) for b in kept)),
-            "lookahead_filled": float(filled),
+            "lookahead_branches": float(sum(len(t) - 1 for t in trees) - sum(m for _, m in short)),
+            "lookahead_levels": float(levels),
+            "lookahead_filled": float(sum(m for _, m in short)),
         }
         return sampler.grade(problems, groups, budget), metrics

@@ -6,7 +6,10 @@ statistics) stays whole.
 Configuration (conf/rollout/micro_groups.yaml):
 
     micro_groups:
-      size: 4     # responses per prompt decoded in one round (rollout.n must be a multiple)
+      size: 4            # responses per prompt decoded in one micro-group (rollout.n must be a multiple)
+      max_sequences: 0   # responses decoded per engine call, micro-groups of any prompts (continuous
+                         # sampling); 0: one micro-group of every prompt per call
+      length_aware: false  # schedule the micro-groups by predicted length (below)
 
 Every response draws its tokens from a random stream of its own: the step draws one seed per prompt
 from the rollout's stream, and response k of the prompt samples with ``sample_seed(seed, k)`` (the
@@ -14,14 +17,27 @@ engine's per-request seeds), so its tokens do not depend on which round decodes 
 therefore the same whatever ``size`` (on one device; up to the float effects of batch composition),
 and so are its rewards and group statistics; ``size = n`` is full-group sampling. In each round the
 prompt is prefilled once and its KV cache shared by the round's rows (the HF engine shares the prefill
-of equal inputs). Not implemented from the paper: continuous sampling across groups and the
-length-aware scheduler.
+of equal inputs).
+
+**Length-aware scheduling** (the paper's section 3: continuous sampling with a length-aware scheduler).
+The step's micro-groups are jobs of ``size`` responses; each engine call (a round) decodes up to
+``max_sequences`` responses, micro-groups of any prompts, and lasts as long as its longest response. With
+``length_aware`` a micro-group's length is predicted as the mean response length of its prompt when it
+was last sampled (unknown: ``max_new_tokens``; the strategy keeps these per prompt, checkpointed), and
+:func:`pack_by_length` groups the jobs into rounds (longest together: the sorted packing minimises the
+sum of the rounds' predicted maxima, which the paper approximates with an FPTAS) and runs the rounds
+shortest first (the paper's shortest-job-first). The schedule changes when a response is decoded,
+never what is decoded: every response keeps its own seed, so the groups equal the unscheduled ones.
+Metric ``micro_group_padding``: the share of the rounds' decode slots (rows x the round's longest
+response) that no token used, what the scheduler lowers. Not implemented: the refill of a finished
+row's slot within an engine call (the engines decode a call's rows to its end).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
@@ -42,47 +58,91 @@ class MicroGroupsOptions:
     """The ``rollout.micro_groups`` block."""
 
     size: int = 4  # responses per prompt decoded per round; divides rollout.n
+    max_sequences: int = 0  # responses per engine call (0: one micro-group of every prompt)
+    length_aware: bool = False
 
 
-def micro_group_size(rollout: RolloutConfig) -> int:
-    """``rollout.micro_groups.size``, checked against ``rollout.n``."""
-    size, n = strategy_options(rollout, "micro_groups", MicroGroupsOptions).size, rollout.n
+def micro_groups_options(rollout: RolloutConfig) -> MicroGroupsOptions:
+    """``rollout.micro_groups``, checked against ``rollout.n``."""
+    options, n = strategy_options(rollout, "micro_groups", MicroGroupsOptions), rollout.n
+    size = options.size
     if size < 1 or n % size:
         divisors = [d for d in range(1, n + 1) if n % d == 0]
         raise ConfigError(
             f"rollout.micro_groups.size={size} must divide rollout.n={n} (each round decodes the same number of "
             f"responses per prompt); use one of {divisors}"
         )
-    return size
+    if options.max_sequences and options.max_sequences < size:
+        raise ConfigError(
+            f"rollout.micro_groups.max_sequences={options.max_sequences} cannot hold one micro-group of size={size}: "
+            f"use 0 (one micro-group of every prompt per call) or a value >= {size}"
+        )
+    return options
+
+
+def pack_by_length(predicted: list[float], capacity: int) -> list[list[int]]:
+    """Rounds of job indices: the jobs sorted by predicted length, longest first (ties by index), cut into
+    rounds of ``capacity`` jobs (the last, partial round holds the shortest), the rounds in shortest-first
+    order. With equal-size rounds this minimises the sum over rounds of the longest predicted job."""
+    order = sorted(range(len(predicted)), key=lambda j: (-predicted[j], j))
+    rounds = [order[start : start + capacity] for start in range(0, len(order), capacity)]
+    return rounds[::-1]
 
 
 @register_strategy("micro_groups")
 class MicroGroupSampling(RolloutStrategy):
-    def __init__(self, setup: RolloutSetup, size: int):
-        self.setup, self.size = setup, size
+    def __init__(self, setup: RolloutSetup, options: MicroGroupsOptions):
+        self.setup, self.options = setup, options
+        self.lengths: dict[str, float] = {}  # mean response length of each prompt when last sampled
 
     @classmethod
     def config_options(cls, rollout: RolloutConfig) -> dict[str, Any]:
-        return {"size": micro_group_size(rollout)}
+        return {"options": micro_groups_options(rollout)}
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return {"lengths": dict(self.lengths)} if self.options.length_aware else None
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        if state:
+            self.lengths = {str(k): float(v) for k, v in state["lengths"].items()}
+
+    def schedule(self, problems: list[Problem]) -> list[list[tuple[int, int]]]:
+        """The rounds: each a list of micro-groups ``(prompt index, first response index)``."""
+        size, n = self.options.size, self.setup.n
+        jobs = [(p, start) for start in range(0, n, size) for p in range(len(problems))]
+        capacity = self.options.max_sequences // size if self.options.max_sequences else len(problems)
+        if not self.options.length_aware:
+            return [jobs[k : k + capacity] for k in range(0, len(jobs), capacity)]
+        default = float(self.setup.params.max_new_tokens)
+        predicted = [self.lengths.get(problems[p].uid, default) for p, _ in jobs]
+        return [[jobs[j] for j in round_] for round_ in pack_by_length(predicted, capacity)]
 
     def rollout(
         self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None = None
     ) -> tuple[GradedGroups, dict[str, float]]:
-        sampler, n = self.setup.sampler, self.setup.n
+        sampler, size = self.setup.sampler, self.options.size
         prompt_ids = sampler.encode(problems)
         seeds = [draw_seed(self.setup.generator) % (2**31 - 1) for _ in problems]
-        groups: list[list] = [[] for _ in problems]
-        rounds = 0
-        for start in range(0, n, self.size):
-            rounds += 1
+        placed: list[dict[int, Any]] = [{} for _ in problems]  # response index -> completion
+        rounds = self.schedule(problems)
+        slots = used = 0
+        for round_ in rounds:
             requests = [
-                GenerationRequest(prompt_ids=ids, n=1, seed=sample_seed(seed, k))
-                for ids, seed in zip(prompt_ids, seeds)
-                for k in range(start, start + self.size)
+                GenerationRequest(prompt_ids=prompt_ids[p], n=1, seed=sample_seed(seeds[p], k))
+                for p, start in round_ for k in range(start, start + size)
             ]
             out = sampler.generate(requests, self.setup.params, None)
-            for index, completions in enumerate(out):
-                for completion in completions:
-                    completion.request_index = index // self.size
-                    groups[index // self.size].append(completion)
-        return sampler.grade(problems, groups, self.setup.params.max_new_tokens), {"micro_group_rounds": float(rounds)}
+            index = [(p, k) for p, start in round_ for k in range(start, start + size)]
+            lengths = []
+            for (p, k), (completion,) in zip(index, out):
+                completion.request_index = p
+                placed[p][k] = completion
+                lengths.append(len(completion.response_ids))
+            slots += max(lengths) * len(lengths)
+            used += sum(lengths)
+        groups = [[group[k] for k in sorted(group)] for group in placed]
+        if self.options.length_aware:
+            for problem, group in zip(problems, groups):
+                self.lengths[problem.uid] = sum(len(c.response_ids) for c in group) / len(group)
+        metrics = {"micro_group_rounds": float(len(rounds)), "micro_group_padding": 1.0 - used / slots if slots else 0.0}
+        return sampler.grade(problems, groups, self.setup.params.max_new_tokens), metrics

@@ -1,0 +1,324 @@
+"""The sampling-side cores of four methods (issue 33): DRIVE's two RL stages (prompt_sampler=drive,
+algorithm=drive), PVPO's pre-sampling filter, ground-truth injection and refreshed anchor, INTELLECT-2's
+offline and online difficulty filters and length-target reward, and LSPO's filter on the step's own
+rollouts. Each against hand-made statistics, groups and closed forms."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # conftest and test_curricula, also as a script
+from conftest import algorithm_from, compose_config
+from test_curricula import graded
+from test_guidance import CharTokenizer
+
+from rlbench.algorithm.shaping import apply_shaping, length_target_penalty
+from rlbench.config.schema import DifficultyFilterConfig
+from rlbench.config.typed import rollout_config, typed_config
+from rlbench.dataset.base import Problem
+from rlbench.errors import ConfigError
+from rlbench.guidance import GuidanceLibrary, Trace
+from rlbench.reward.toy import EvenTokenReward
+from rlbench.rollout import GroupSampler, make_strategy
+from rlbench.rollout.engines.base import Completion, SamplingParams
+from rlbench.rollout.groups import prompt_key
+from rlbench.rollout.strategy import RolloutSetup
+from rlbench.training.advantage_inputs import (
+    AdvantageInputSources,
+    BaselineOptions,
+    BaselineRewards,
+    ReferenceAnchor,
+)
+from rlbench.training.curricula import (
+    Curriculum,
+    HardFocusPrompts,
+    PromptSampler,
+    difficulty_filter,
+)
+from rlbench.training.prompt_stats import PromptStatsStore
+
+# ------------------------------------------------------------------------------------------ DRIVE
+
+
+def step_context(n: int) -> SimpleNamespace:
+    """The two fields of the step context a stage changes: the sampling parameters and the strategy's setup."""
+    params = SamplingParams(1.0, 1.0, 8)
+    return SimpleNamespace(params=params, strategy=SimpleNamespace(setup=RolloutSetup(None, n, params, None)))
+
+
+def drive_trainer(tmp_path, steps: int):
+    cfg = compose_config(["algorithm=drive", "experiment=smoke", f"trainer.steps={steps}", "trainer.prompts_per_step=4"],
+                         tmp_path / "run")
+    return typed_config(cfg).trainer
+
+
+def accuracy_of(uid: str) -> int:
+    """Correct responses out of 4 for prompt ``uid``: a fixed difficulty per prompt, 0..4."""
+    return int(uid) % 5
+
+
+def train_stage_one(curriculum: Curriculum, ctx, steps: int) -> set[str]:
+    """Steps 1..steps of the curriculum, each prompt graded with :func:`accuracy_of` correct of 4; returns the
+    prompts seen."""
+    seen = set()
+    for step in range(1, steps + 1):
+        prompts = curriculum.prompts(step, ctx)
+        seen |= {p.uid for p in prompts}
+        correct = [[1] * accuracy_of(p.uid) + [0] * (4 - accuracy_of(p.uid)) for p in prompts]
+        curriculum.observe(step, graded(prompts, [[3] * 4 for _ in prompts], correct))
+        curriculum.end_step(step)
+    return seen
+
+
+def test_drive_switches_at_the_configured_step_and_keeps_the_hardest_measured_prompts(tmp_path):
+    trainer = drive_trainer(tmp_path, steps=8)
+    [stage] = trainer.stages
+    assert stage["at"] == 5  # the first step of the second half of 8 (rlbench.halfway)
+    problems = [Problem(str(i), f"q{i}", "a") for i in range(40)]
+    curriculum = Curriculum(trainer, 0, problems)
+    ctx = step_context(n=8)
+    seen = train_stage_one(curriculum, ctx, steps=4)  # stage 1: uniform shuffled passes, n = 8
+    assert isinstance(curriculum.sampler, PromptSampler) and ctx.strategy.setup.n == 8
+    assert len(seen) == 16  # 4 steps x 4 prompts, the first pass of the shuffled order: no repeats
+
+    prompts = curriculum.prompts(5, ctx)  # the switch
+    assert ctx.strategy.setup.n == 64
+    assert isinstance(curriculum.sampler, HardFocusPrompts)
+    # the pool: ceil(0.5 * 40) = 20 prompts; first every measured one with pass rate <= 0.8 (accuracy 0..3 of 4),
+    # hardest first; then the measured ones above 0.8, then unmeasured ones, up to 20
+    measured_hard = {uid for uid in seen if accuracy_of(uid) <= 3}
+    measured_easy = {uid for uid in seen if accuracy_of(uid) == 4}
+    pool = {p.uid for p in curriculum.sampler.pool}
+    assert len(pool) == 20
+    assert measured_hard <= pool
+    assert pool - measured_hard <= measured_easy | {p.uid for p in problems if p.uid not in seen}
+    if len(measured_hard) + len(measured_easy) >= 20:
+        assert pool <= seen  # unmeasured prompts only fill a pool the measured ones cannot
+    assert {p.uid for p in prompts} <= pool
+
+
+def test_drive_stage_two_pool_is_the_hardest_half_by_measured_accuracy(tmp_path):
+    """Every prompt measured before the switch and no floor on the pool: exactly the hardest half stays,
+    and the next phase cut keeps the hardest of what is left."""
+    stage = "[{at:3,rollout:{n:64},trainer:{prompt_sampler:{name:hard_focus,hard_focus:{phase_steps:2,min_pool:1}}}}]"
+    cfg = compose_config(["algorithm=drive", "experiment=smoke", "trainer.steps=6", "trainer.prompts_per_step=4",
+                          f"trainer.stages={stage}"], tmp_path / "run")
+    problems = [Problem(str(i), f"q{i}", "a") for i in range(8)]
+    curriculum = Curriculum(typed_config(cfg).trainer, 0, problems)
+    ctx = step_context(n=8)
+    train_stage_one(curriculum, ctx, steps=2)  # 2 steps x 4 prompts: each of the 8 once
+    curriculum.prompts(3, ctx)
+    # pass rates of uids 0..7: 0, 1/4, 2/4, 3/4, 1, 0, 1/4, 2/4: the hardest 4 are 0 and 5 (0), 1 and 6 (1/4)
+    assert [p.uid for p in curriculum.sampler.pool] == ["0", "1", "5", "6"]
+    curriculum.end_step(3)
+    assert len(curriculum.sampler.pool) == 4  # a phase is 2 steps of stage 2: no cut after its first step
+    curriculum.end_step(4)
+    assert [p.uid for p in curriculum.sampler.pool] == ["0", "5"]
+
+
+def test_drive_resume_after_the_switch_continues_with_the_stage_two_sampler(tmp_path):
+    trainer = drive_trainer(tmp_path, steps=8)
+    problems = [Problem(str(i), f"q{i}", "a") for i in range(40)]
+    curriculum = Curriculum(trainer, 0, problems)
+    train_stage_one(curriculum, step_context(n=8), steps=6)  # past the switch at step 5
+    resumed, ctx = Curriculum(trainer, 0, problems), step_context(n=8)
+    resumed.load_state_dict(curriculum.state_dict(), ctx, step=6)
+    assert isinstance(resumed.sampler, HardFocusPrompts) and ctx.strategy.setup.n == 64
+    assert [p.uid for p in resumed.sampler.pool] == [p.uid for p in curriculum.sampler.pool]
+    assert [p.uid for p in resumed.prompts(7, ctx)] == [p.uid for p in curriculum.prompts(7, step_context(n=64))]
+
+
+# ------------------------------------------------------------------------------------------- PVPO
+
+
+class ScriptedEngine:
+    """A stand-in for the model (deterministic): prompt id (u,) answers with even tokens (toy reward 1, correct)
+    in the k-th sample of a request when ``solved(u, k)``, else odd tokens (reward 0); records its requests and
+    the weights it was synced to."""
+
+    def __init__(self, solved):
+        self.solved, self.requests, self.synced = solved, [], []
+
+    def generate(self, requests, params, generator=None):
+        self.requests.append([(r.prompt_ids, r.n) for r in requests])
+        return [[Completion(i, r.prompt_ids, [2, 4] if self.solved(r.prompt_ids[0], k) else [1, 3], [-0.1, -0.1], True)
+                 for k in range(r.n)] for i, r in enumerate(requests)]
+
+    def sync_weights(self, model):
+        self.synced.append(model)
+
+
+class UidSampler(GroupSampler):
+    def encode(self, problems):
+        return [(int(p.uid),) for p in problems]
+
+
+def scripted_sampler(solved) -> UidSampler:
+    return UidSampler(ScriptedEngine(solved), EvenTokenReward(), CharTokenizer(), {}, lambda rewards, _: rewards)
+
+
+# the reference solves prompt 0 in every sample, prompt 1 in none, prompt 2 in every other one, prompt 3 in 1 of 4
+REFERENCE_SOLVES = {0: lambda k: True, 1: lambda k: False, 2: lambda k: k % 2 == 0, 3: lambda k: k == 0}
+PVPO_PROBLEMS = [Problem(str(u), f"q{u}", "a") for u in range(4)]
+
+
+def reference_anchor(refresh_every=None, samples=4):
+    sampler = scripted_sampler(lambda u, k: REFERENCE_SOLVES[u](k))
+    options = BaselineOptions("reference", samples, refresh_every, presample=True)
+    anchor = ReferenceAnchor(sampler, sampler.engine, "policy", "reference", options, SamplingParams(1.0, 1.0, 2),
+                             torch.Generator().manual_seed(0))
+    return anchor, sampler
+
+
+def test_pvpo_presampling_drops_what_the_reference_always_solves_and_records_its_pass_rates():
+    anchor, sampler = reference_anchor()
+    stats = PromptStatsStore()
+    sources = AdvantageInputSources({"baseline_rewards"}, [BaselineRewards(anchor)])
+    kept = sources.before_training(PVPO_PROBLEMS, stats)
+    assert [p.uid for p in kept] == ["1", "2", "3"]  # prompt 0: 4 of 4 right
+    assert [stats.get(p.uid).reference_pass_rate for p in PVPO_PROBLEMS] == [1.0, 0.0, 0.5, 0.25]
+    assert [anchor.cache.mean(p.uid) for p in PVPO_PROBLEMS] == [1.0, 0.0, 0.5, 0.25]  # V_ref: the mean reward
+    assert sampler.engine.synced == ["reference", "policy"]  # sampled from the reference, then back
+    assert sampler.engine.requests == [[((u,), 4) for u in range(4)]]  # one pass, before any step
+    # a resumed run's sources (their state loaded) filter the same problems without sampling again
+    resumed, resumed_sampler = reference_anchor()
+    resumed.load_state_dict(anchor.state_dict())
+    assert [p.uid for p in resumed.presample(PVPO_PROBLEMS, PromptStatsStore())] == ["1", "2", "3"]
+    assert resumed_sampler.engine.requests == []
+
+
+def test_pvpo_prompts_the_reference_always_solves_never_appear(tmp_path):
+    anchor, _ = reference_anchor()
+    stats = PromptStatsStore()
+    kept = anchor.presample(PVPO_PROBLEMS, stats)
+    cfg = compose_config(["algorithm=pvpo", "experiment=smoke", "trainer.steps=40", "trainer.prompts_per_step=2"],
+                         tmp_path / "run")
+    curriculum = Curriculum(typed_config(cfg).trainer, 0, kept, stats)
+    drawn = [p.uid for step in range(1, 41) for p in curriculum.prompts(step, step_context(n=2))]
+    assert "0" not in drawn and set(drawn) == {"1", "2", "3"}
+
+
+def test_pvpo_everything_solved_by_the_reference_is_refused():
+    anchor, _ = reference_anchor()
+    with pytest.raises(ConfigError, match="solves every one of the 1 training problems"):
+        anchor.presample([PVPO_PROBLEMS[0]], PromptStatsStore())
+
+
+def test_pvpo_ground_truth_trajectory_only_for_prompts_the_reference_never_solved():
+    library = GuidanceLibrary()
+    for u in range(5):
+        library.add(Trace(str(u), "", (2, 4), "dataset"))
+    stats = PromptStatsStore()
+    for uid, rate in {"0": 0.0, "1": 0.5, "2": 0.0, "3": 0.25}.items():  # prompt 4: never measured
+        stats.set_reference(uid, rate)
+    sampler = scripted_sampler(lambda u, k: False)  # the policy never solves anything
+    setup = RolloutSetup(sampler, 4, SamplingParams(1.0, 1.0, 2), None, guidance=library, prompt_stats=stats)
+    cfg = {"strategy": "mixed_traces", "n": 4, "mixed_traces": {"traces_per_group": 1, "when": "reference_unsolved"}}
+    problems = [Problem(str(u), f"q{u}", "a") for u in range(5)]
+    graded, metrics = make_strategy(rollout_config(cfg), setup).rollout(problems)
+    # reference pass rate 0: 3 samples + the trajectory in place of the fourth; every other prompt: 4 samples
+    assert sampler.engine.requests == [[((0,), 3), ((1,), 4), ((2,), 3), ((3,), 4), ((4,), 4)]]
+    assert [[c.behaviour for c in group].count("dataset") for group in graded.groups] == [1, 0, 1, 0, 0]
+    assert all(len(group) == 4 for group in graded.groups) and metrics["groups_with_trace"] == 2.0
+    trace = graded.groups[0][-1]
+    assert trace.off_policy == [1, 1] and trace.behaviour_logprobs == [0.0, 0.0]  # mu = 1: the source's probability unknown
+
+
+def test_pvpo_anchor_is_refreshed_on_schedule():
+    anchor, sampler = reference_anchor(refresh_every=2)
+    anchor.presample(PVPO_PROBLEMS, PromptStatsStore())  # every anchor estimated at step 0
+    policy = scripted_sampler(lambda u, k: True)
+    batch = policy([PVPO_PROBLEMS[2]], 2, SamplingParams(1.0, 1.0, 2), None)
+    generated = []
+    for _ in range(5):  # training steps 1..5 (the anchor's steps 0..4)
+        anchor(batch)
+        generated.append(anchor.generated)
+    # re-estimated 2 steps after its last estimate: at the anchor's steps 2 and 4
+    assert generated == [0, 0, 4, 0, 4]
+    assert len(sampler.engine.requests) == 3  # the pre-sampling pass and the two refreshes
+
+
+def test_ground_truth_rollout_needs_pvpo_presampling(tmp_path):
+    from rlbench.validation import validate_config
+
+    cfg = compose_config(["algorithm=grpo", "rollout=ground_truth", "guidance=dataset", "experiment=smoke"], tmp_path / "a")
+    with pytest.raises(ConfigError, match="when=reference_unsolved .* only PVPO's pre-sampling"):
+        validate_config(cfg)
+    validate_config(compose_config(["algorithm=pvpo", "experiment=smoke"], tmp_path / "b"))
+    cfg = compose_config(["algorithm=pvpo", "experiment=smoke", "algorithm.baseline.presample=false"], tmp_path / "c")
+    with pytest.raises(ConfigError, match="when=reference_unsolved"):
+        validate_config(cfg)
+
+
+# ------------------------------------------------------------------------------------- INTELLECT-2
+
+
+def test_length_target_reward_in_closed_form():
+    lengths = torch.tensor([0, 4, 8, 12, 8, 3])
+    keys = torch.tensor([0, 0, 0, 0, 1, 7])  # key mod 2: targets 4, 4, 4, 4, 8, 8
+    reward = length_target_penalty(lengths, keys, targets=[4, 8], alpha=0.5)
+    assert reward.tolist() == [-2.0, 0.0, -2.0, -4.0, 0.0, -2.5]  # -0.5 |L - L_target|
+    assert reward[1] == reward[:4].max()  # the most at L = L_target
+    with pytest.raises(ValueError, match="non-empty list"):
+        length_target_penalty(lengths, keys, targets=[], alpha=0.5)
+
+
+def test_length_target_reward_in_the_preset_keeps_one_target_per_prompt(tmp_path):
+    """Through the grader: every response of a prompt is compared with the same target, the prompt's."""
+    cfg = compose_config(["algorithm=intellect2", "experiment=smoke"], tmp_path / "run")
+    shaping = [(s.name, s.params) for s in algorithm_from(cfg.algorithm).reward_shaping]
+    assert shaping == [("length_target", {"targets": [1000, 2000, 3000, 4000], "alpha": 0.001})]
+    sampler = UidSampler(ScriptedEngine(lambda u, k: True), EvenTokenReward(), CharTokenizer(), {},
+                         lambda rewards, inputs: apply_shaping(rewards, shaping, inputs))
+    graded = sampler(PVPO_PROBLEMS, 2, SamplingParams(1.0, 1.0, 2), None)
+    targets = torch.tensor([[1000, 2000, 3000, 4000][prompt_key((u,)) % 4] for u in range(4)]).repeat_interleave(2)
+    assert graded.rewards.tolist() == pytest.approx((1.0 - 0.001 * (2 - targets).abs()).tolist())  # 2 tokens, all even
+    assert prompt_key((3,)) == prompt_key([3]) != prompt_key((4,))  # a stable key of the token ids
+
+
+def test_difficulty_filter_keeps_exactly_the_problems_in_the_band():
+    # initial pass rates (4 samples): prompt 0 -> 1, 1 -> 0, 2 -> 1/2, 3 -> 1/4
+    sampler = scripted_sampler(lambda u, k: REFERENCE_SOLVES[u](k))
+    sample = lambda chunk: sampler(chunk, 4, SamplingParams(1.0, 1.0, 2), None)
+    band = DifficultyFilterConfig(samples=4, min_pass_rate=0.25, max_pass_rate=0.75)
+    stats = PromptStatsStore()
+    assert [p.uid for p in difficulty_filter(PVPO_PROBLEMS, sample, stats, band)] == ["2", "3"]  # both ends inclusive
+    assert [stats.get(p.uid).reference_pass_rate for p in PVPO_PROBLEMS] == [1.0, 0.0, 0.5, 0.25]
+    # INTELLECT-2's band: drop 8 of 8 (and 4 of 4) solved, keep everything else
+    again = difficulty_filter(PVPO_PROBLEMS, sample, stats, DifficultyFilterConfig(4, 0.0, 0.875))
+    assert [p.uid for p in again] == ["1", "2", "3"]
+    assert len(sampler.engine.requests) == 1  # rates already measured (as on resume): nothing sampled again
+    with pytest.raises(ConfigError, match="none of the 4 training problems"):
+        difficulty_filter(PVPO_PROBLEMS, sample, stats, DifficultyFilterConfig(4, 0.3, 0.4))
+
+
+def test_intellect2_online_filter_drops_exactly_the_groups_without_signal(tmp_path):
+    cfg = compose_config(["algorithm=intellect2", "experiment=smoke"], tmp_path / "run")
+    assert cfg.rollout.strategy == "dynamic_sampling" and cfg.rollout.dynamic_sampling.metric == "correct"
+    # the policy solves prompt 0 always, 1 never, 2 and 3 sometimes: only 2 and 3 are kept
+    sampler = scripted_sampler(lambda u, k: REFERENCE_SOLVES[u](k))
+    setup = RolloutSetup(sampler, 4, SamplingParams(1.0, 1.0, 2), None)
+    graded, metrics = make_strategy(typed_config(cfg).rollout, setup).rollout(
+        PVPO_PROBLEMS[:2] + PVPO_PROBLEMS[2:], lambda count: PVPO_PROBLEMS[2:][:count])
+    assert [p.uid for p in graded.problems] == ["2", "3", "2", "3"]
+    assert metrics["dynamic_sampling_dropped_groups"] == 2.0 and metrics["dynamic_sampling_filled_groups"] == 0.0
+
+
+def test_paper_intellect2_filters_offline_and_trains_on_stale_rollouts(tmp_path):
+    cfg = typed_config(compose_config(["paper=intellect2"], tmp_path / "run"))
+    assert cfg.trainer.difficulty_filter == DifficultyFilterConfig(samples=8, min_pass_rate=0.0, max_pass_rate=0.875)
+    assert cfg.trainer.max_staleness == 2  # the delta cap acts on stale ratios
+
+
+def test_a_difficulty_band_that_keeps_nothing_is_refused_before_the_model_loads(tmp_path):
+    from rlbench.validation import validate_config
+
+    cfg = compose_config(["experiment=smoke", "+trainer.difficulty_filter={min_pass_rate:0.9,max_pass_rate:0.1}"],
+                         tmp_path / "run")
+    with pytest.raises(ConfigError, match="min_pass_rate=0.9 is above max_pass_rate=0.1"):
+        validate_config(cfg)
