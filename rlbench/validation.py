@@ -34,6 +34,8 @@ from rlbench.guidance import GuidanceOptions
 from rlbench.model import validate_model_config
 from rlbench.rollout import STRATEGIES
 from rlbench.rollout.guided.difficulty_adaptive import DifficultyOptions
+from rlbench.rollout.guided.replay import check_replay_pool
+from rlbench.rollout.strategies.rethink import check_success_training
 from rlbench.training.advantage_inputs import validate_step_options
 from rlbench.training.curricula import PROMPT_SAMPLERS, sampler_options
 from rlbench.training.distributed import check_parallelism, launched_world_size
@@ -399,6 +401,8 @@ def check_run(cfg: DictConfig, origins: ValueOrigins) -> Algorithm:
         check_swarm(config, algorithm)
         validate_spec(cfg.dataset, source=config.data_source, data_dir=config.data_dir)
         check_reward_matches_dataset(config.reward.name, config.dataset)
+        check_replay_pool(rollout, cfg.dataset, config.seed, config.data_dir, config.data_source)
+        check_success_training(rollout, algorithm.loss.name, POLICY_LOSSES.accepted_inputs(algorithm.loss.name))
         guidance = GuidanceOptions.from_config(config.guidance)
         if rollout.strategy == "references" and guidance.source == "none":
             raise ConfigError(

@@ -251,7 +251,7 @@ def test_strategy_state_round_trip_continues_identically():
 
 
 @pytest.mark.parametrize("block, message", [
-    ({"per_group": 0}, "per_group must be >= 1"),
+    ({"per_group": -1}, "per_group must be >= 1"),
     ({"per_group": 2, "replace_fresh": True}, "per_group must be < rollout.n"),
     ({"questions": "all"}, "questions='all'"),
     ({"behaviour": "fresh"}, "behaviour='fresh'"),

@@ -17,6 +17,7 @@ from rlbench.rollout.engines.base import Completion, SamplingParams
 from rlbench.rollout.strategies.rethink import RethinkOptions, RethinkRollout, stage_problem
 from rlbench.training.batch import collate
 from rlbench.training.step import behaviour_old_logp
+from rlbench.validation import validate_config
 
 
 class Engine:
@@ -45,7 +46,7 @@ def test_unsolved_problems_go_through_decompose_then_refine_and_a_success_joins_
     sampler = GroupSampler(Engine(), Grader(), CharTokenizer(), {"user": "Q: {problem}"}, lambda r, _: r)
     setup = RolloutSetup(sampler, 3, SamplingParams(1.0, 1.0, 4), None)
     options = RethinkOptions(samples=2, shown_attempts=2, decompose_template="Split: {problem}",
-                             refine_template="{problem} | {attempts} | wrong?")
+                             refine_template="{problem} | {attempts} | wrong?", successes="off_policy")
     problems = [Problem("1", "easy", "y"), Problem("2", "hard", "y"), Problem("3", "never", "y")]
     groups, metrics = RethinkRollout(setup, options).rollout(problems)
     assert metrics == {"rethink_zero_accuracy_prompts": 2.0, "rethink_decompose_solved": 0.0, "rethink_refine_solved": 1.0}
@@ -65,6 +66,55 @@ def test_unsolved_problems_go_through_decompose_then_refine_and_a_success_joins_
     assert old[5, 0].item() == -0.5 and old[4, 0].item() == -9.0
 
 
+def test_by_default_a_success_is_an_sft_target_under_the_direct_prompt_in_a_group_of_its_own():
+    """The paper's rule (arXiv:2510.15979, section 3): the direct groups stay as sampled (plain GRPO); the
+    refine stage's success of "hard" comes after them as a group of one under the direct prompt, its
+    tokens marked sft_target 1 (every other token 0), and its GRPO advantage is 0."""
+    from rlbench.algorithm.advantages.group_relative import grpo_advantage
+
+    sampler = GroupSampler(Engine(), Grader(), CharTokenizer(), {"user": "Q: {problem}"}, lambda r, _: r)
+    setup = RolloutSetup(sampler, 3, SamplingParams(1.0, 1.0, 4), None)
+    options = RethinkOptions(samples=2, shown_attempts=2, decompose_template="Split: {problem}",
+                             refine_template="{problem} | {attempts} | wrong?")
+    problems = [Problem("1", "easy", "y"), Problem("2", "hard", "y"), Problem("3", "never", "y")]
+    graded, metrics = RethinkRollout(setup, options).rollout(problems)
+    assert metrics["rethink_refine_solved"] == 1.0
+    assert [p.uid for p in graded.problems] == ["1", "2", "3", "2"] and [len(g) for g in graded.groups] == [3, 3, 3, 1]
+    hard, sft = graded.groups[1], graded.groups[3]
+    assert all(c.behaviour == "policy" for g in graded.groups[:3] for c in g)  # no direct response replaced
+    (success,) = sft
+    assert success.behaviour == "rethink_sft" and success.prompt_ids == hard[0].prompt_ids == tuple(ord(c) for c in "Q: hard")
+    assert success.off_policy is None and success.text == "y"
+    assert graded.rewards.tolist() == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+    batch = collate(graded.groups, pad_token_id=0, current_version=0)
+    assert batch.extras["sft_target"][:, 0].tolist() == [0.0] * 9 + [1.0]  # only verified successes are SFT targets
+    advantages = grpo_advantage(graded.rewards, graded.group_index, batch.response_mask)
+    assert advantages[:, 0].tolist() == [0.0] * 10  # all-equal direct groups and the group of one: A = 0
+
+
+def test_the_sft_loss_is_ppo_clip_plus_lambda_times_the_cross_entropy_of_the_sft_tokens():
+    """l_t = (1 - s_t) ppo_clip_t + lambda s_t (-log pi_t), and through seq_mean_token_mean the combined loss
+    in closed form."""
+    from rlbench.algorithm.aggregation import seq_mean_token_mean
+    from rlbench.algorithm.losses.auxiliary_sft import ppo_clip_sft_loss
+
+    logp = torch.tensor([[-0.5, -1.0], [-2.0, -0.25]], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[-0.7, -1.0], [-2.0, -0.25]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, 1.0], [0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 1.0]], dtype=torch.float64)
+    sft = torch.tensor([[0.0, 0.0], [1.0, 1.0]], dtype=torch.float64)
+    loss, metrics = ppo_clip_sft_loss(logp, old, adv, mask, sft, clip_low=0.2, clip_high=0.2, sft_coef=0.25)
+    ratio = math.exp(0.2)  # > 1.2: the clipped term binds on token (0, 0)
+    assert loss[0].tolist() == pytest.approx([-min(ratio, 1.2), -1.0])  # -A min(rho, clip(rho)), A = 1
+    assert loss[1].tolist() == pytest.approx([0.25 * 2.0, 0.25 * 0.25])  # lambda * (-log pi)
+    total = seq_mean_token_mean(loss, mask, batch_sequences=2)
+    assert total.item() == pytest.approx(((-1.2 - 1.0) / 2 + 0.25 * (2.0 + 0.25) / 2) / 2)
+    total.backward()
+    assert logp.grad[1].tolist() == pytest.approx([-0.25 / 2 / 2] * 2)  # d/dlogp of lambda (-logp) / T / B
+    assert logp.grad[0, 0].item() == 0.0 and logp.grad[0, 1].item() == pytest.approx(-1 / 2 / 2)  # clipped; ratio 1
+    assert metrics["sft_nll"] == pytest.approx((2.0 + 0.25) / 2) and metrics["sft_token_fraction"] == 0.5
+
+
 def test_stage_problem_substitutes_texts_with_braces():
     p = stage_problem(Problem("1", "f(x) = {x}", "1"), "A {problem} B {attempts}", "- \\boxed{2}")
     assert p.prompt == "A f(x) = {x} B - \\boxed{2}"
@@ -81,9 +131,15 @@ def test_settings_are_checked_before_the_model_loads(make_cfg):
         validate_strategy(rollout_config({**base, "rethink": {"decompose_template": "solve"}}), "grpo")
     with pytest.raises(ConfigError, match="must be >= 1"):
         validate_strategy(rollout_config({**base, "rethink": {"samples": 0}}), "grpo")
+    with pytest.raises(ConfigError, match="loss 'ppo_clip' has none: use algorithm/loss=ppo_clip_sft"):
+        validate_config(make_cfg("rollout=rethink"))
+    validate_config(make_cfg("rollout=rethink", "algorithm/loss=ppo_clip_sft"))
+    validate_config(make_cfg("rollout=rethink", "rollout.rethink.successes=off_policy"))
+    with pytest.raises(ConfigError, match="successes='rl'"):
+        validate_strategy(rollout_config({**base, "rethink": {"successes": "rl"}}), "grpo")
 
 
 @pytest.mark.slow
 def test_cli_run_reports_its_stages(tmp_path):
-    steps = smoke_cli_steps(tmp_path / "run", "rollout=rethink", "rollout.rethink.samples=2")
+    steps = smoke_cli_steps(tmp_path / "run", "rollout=rethink", "algorithm/loss=ppo_clip_sft", "rollout.rethink.samples=2")
     assert all("rethink_zero_accuracy_prompts" in s for s in steps)

@@ -1,5 +1,5 @@
-"""SALSA (arXiv:2411.01798): the KL reference as a weight soup of policy snapshots. The soup is the
-parameter average, with one ingredient it is the plain reference, it is saved and restored as state,
+"""SALSA (arXiv:2411.01798): the KL reference as a weight soup of two fine-tuned checkpoints (their exact
+average, fixed for the run), or of policy snapshots. The soup is the parameter average, with one ingredient it is the plain reference, it is saved and restored as state,
 bad options are refused before the model loads, and the preset runs from the command line."""
 
 import copy
@@ -102,3 +102,76 @@ def test_salsa_runs_from_the_command_line_and_fills_its_soup(tmp_path):
     steps = smoke_cli_steps(tmp_path / "run", "algorithm=salsa", "trainer.steps=3", "algorithm.reference_soup.every=2")
     assert [s["soup_models"] for s in steps] == [1.0, 2.0, 2.0]
     assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the first step's policy is the reference
+
+
+def tiny_llama(seed: int, hidden: int = 8):
+    """A small Llama of the transformers library, its weights a function of ``seed``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=32, hidden_size=hidden, intermediate_size=16, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # the norms start at 1 in every model: move them too
+        for param in model.parameters():
+            param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
+def test_the_reference_is_the_average_of_two_fine_tuned_checkpoints(tmp_path):
+    """SALSA's soup (arXiv:2411.01798, section 3): the KL reference is the parameter average of the two
+    checkpoints given, not the initial policy and its snapshot; it stays fixed through the run."""
+    from rlbench.config.schema import ReferenceSoupConfig
+
+    a, b, policy = tiny_llama(1), tiny_llama(2), tiny_llama(0)
+    a.save_pretrained(tmp_path / "a")
+    b.save_pretrained(tmp_path / "b")
+    reference = reference_model(policy)
+    soup = ReferenceSoup.from_config(ReferenceSoupConfig(checkpoints=[str(tmp_path / "a"), str(tmp_path / "b")]), reference)
+    pa, pb, pp = dict(a.named_parameters()), dict(b.named_parameters()), dict(policy.named_parameters())
+    for name, param in reference.named_parameters():
+        expected = ((pa[name].double() + pb[name].double()) / 2).float()
+        assert torch.equal(param, expected), name
+        assert not torch.equal(param, pp[name])  # not the initial policy
+    before = {k: v.clone() for k, v in reference.named_parameters()}
+    assert soup.after_update(policy, 8) == {"soup_models": 2.0}  # full from the start: no snapshot is added
+    assert all(torch.equal(before[k], v) for k, v in reference.named_parameters())
+    restored = ReferenceSoup.from_config(ReferenceSoupConfig(models=2, every=8), reference_model(policy))
+    restored.load_state_dict(soup.state_dict())  # checkpoints of the run: the soup's weights come back
+    assert all(torch.equal(before[k], v) for k, v in restored.reference.named_parameters())
+
+
+def test_a_checkpoint_of_another_architecture_or_a_single_one_is_refused(tmp_path):
+    from rlbench.config.schema import ReferenceSoupConfig
+
+    tiny_llama(1).save_pretrained(tmp_path / "a")
+    tiny_llama(2, hidden=16).save_pretrained(tmp_path / "wide")
+    with pytest.raises(ConfigError, match=r"wide is not a checkpoint of the policy's architecture"):
+        ReferenceSoup.from_config(ReferenceSoupConfig(checkpoints=[str(tmp_path / "a"), str(tmp_path / "wide")]),
+                                  reference_model(tiny_llama(0)))
+    base = ["algorithm=salsa", "experiment=smoke"]
+    with pytest.raises(ConfigError, match="at least two models"):
+        validate_config(compose_config([*base, f"algorithm.reference_soup.checkpoints=[{tmp_path / 'a'}]"], tmp_path / "c1"))
+    with pytest.raises(ConfigError, match="missing is not a Hugging Face checkpoint folder"):
+        validate_config(compose_config([*base, f"algorithm.reference_soup.checkpoints=[{tmp_path / 'a'},{tmp_path / 'missing'}]"],
+                                       tmp_path / "c2"))
+
+
+@pytest.mark.slow
+def test_salsa_soup_of_two_checkpoints_from_the_command_line(tmp_path):
+    """Two checkpoints of the smoke model (its tiny architecture at seeds 1 and 2) as SALSA's ingredients:
+    the run starts with the soup as reference, so the first step's KL is already above 0 and the soup is
+    full (2 ingredients) from the first step."""
+    from rlbench.config.typed import typed_config
+    from rlbench.model import load_policy
+
+    paths = []
+    for seed in (1, 2):
+        cfg = compose_config(["experiment=smoke", f"seed={seed}"], tmp_path / f"cfg{seed}")
+        model, _ = load_policy(typed_config(cfg).model, device=torch.device("cpu"), dtype=torch.float32, seed=seed,
+                               cache_dir=cfg.cache_dir)
+        model.save_pretrained(tmp_path / f"sft{seed}")
+        paths.append(str(tmp_path / f"sft{seed}"))
+    steps = smoke_cli_steps(tmp_path / "run", "algorithm=salsa", f"algorithm.reference_soup.checkpoints=[{','.join(paths)}]")
+    assert [s["soup_models"] for s in steps] == [2.0, 2.0]
+    assert steps[0]["kl"] > 1e-3  # the reference is not the initial policy

@@ -1,12 +1,13 @@
 """SAPO's swarm (trainer.parallelism=swarm, rlbench/training/swarm.py): actors with their own policies
-sharing rollouts. Shared groups keep their origin and are off-policy samples of their sender (pi_old =
-the sender's sampling log-probs, never the receiver's); the draw is a function of the seed; with J = 0
+sharing rollouts. Shared groups keep their origin; pi_old of their tokens is the receiver's own forward
+pass (the paper's rule, the default) or, with old_logprobs=sender, the sender's sampling log-probs; the draw is a function of the seed; with J = 0
 an actor is the single-process run of its seed; bad settings are refused before anything loads. The
 actors agree through the pool on stops and on the step a resume continues from, an actor's prompt
 sampler counts its own groups only, and a swarm stopped by a signal on one actor and resumed equals
 the uninterrupted swarm (docs/scaling.md)."""
 
 import json
+import pickle
 import re
 import shutil
 import threading
@@ -208,10 +209,10 @@ def test_an_actor_has_its_own_seed_and_folder(make_cfg):
     assert one.run_name.endswith(f"-s{one.seed}")
 
 
-def actor(tmp_path, index: int, store, external: int = 1):
+def actor(tmp_path, index: int, store, external: int = 1, old_logprobs: str = "receiver"):
     """Actor ``index`` of two (a step context on the tiny model) with its swarm rollout on ``store``."""
-    cfg = actor_config(compose_config(["experiment=smoke", "trainer.parallelism=swarm", f"trainer.swarm.external={external}"],
-                                      tmp_path), index)
+    cfg = actor_config(compose_config(["experiment=smoke", "trainer.parallelism=swarm", f"trainer.swarm.external={external}",
+                                       f"trainer.swarm.old_logprobs={old_logprobs}"], tmp_path), index)
     model, tokenizer = load_policy(typed_config(cfg).model, device=torch.device("cpu"), dtype=torch.float32, seed=cfg.seed,
                                    cache_dir=cfg.cache_dir)
     ctx = make_step_context(typed_config(cfg), algorithm_from(cfg.algorithm), model, tokenizer,
@@ -226,15 +227,13 @@ def exchange(actors, problems):
     return together(*[lambda i=i: actors[i][1].rollout(problems[i], None) for i in range(2)])
 
 
-def test_shared_groups_carry_their_origin_and_are_never_pi_old_samples_of_the_receiver(tmp_path):
+def test_with_sender_log_probs_shared_groups_carry_their_origin_and_are_never_pi_old_samples_of_the_receiver(tmp_path):
     from rlbench.dataset.base import Problem
 
     store = dist.HashStore()
-    actors = [actor(tmp_path / "a", 0, store), actor(tmp_path / "b", 1, store)]
+    actors = [actor(tmp_path / "a", 0, store, old_logprobs="sender"), actor(tmp_path / "b", 1, store, old_logprobs="sender")]
     problems = [[Problem(f"p{a}{i}", f"{a} + {i} =", str(a + i)) for i in range(2)] for a in range(2)]
     (graded, metrics), _ = exchange(actors, problems)
-    import pickle
-
     published = pickle.loads(store.get("step1/actor1"))  # what actor 1 sent: its one local group (I = 2 - 1)
     assert [g["problem"].uid for g in published] == ["p10"]
     assert [p.uid for p in graded.problems] == ["p00", "p10"]  # I own groups first, then J shared ones
@@ -259,6 +258,34 @@ def test_shared_groups_carry_their_origin_and_are_never_pi_old_samples_of_the_re
     assert torch.equal(old[: len(own)], recomputed[: len(own)])
     assert metrics["swarm_external_reward_mean"] == float(graded.outcome[len(own):].mean())
     assert "swarm_retokenise_mismatch" in metrics
+
+
+def test_by_default_the_receivers_pi_old_of_a_shared_response_is_its_own_forward_pass(tmp_path):
+    """The paper's rule (arXiv:2509.08721, section 3; trainer.swarm.old_logprobs=receiver): shared tokens are
+    on-policy for the receiver, so pi_old is the receiver's forward pass on them, not the sender's log-probs
+    (the two actors' tiny models differ: their seeds do)."""
+    from rlbench.dataset.base import Problem
+    from rlbench.training.forward import batch_outputs
+
+    store = dist.HashStore()
+    actors = [actor(tmp_path / "a", 0, store), actor(tmp_path / "b", 1, store)]
+    problems = [[Problem(f"p{a}{i}", f"{a} + {i} =", str(a + i)) for i in range(2)] for a in range(2)]
+    (graded, _), _ = exchange(actors, problems)
+    own, shared = graded.groups
+    sent = pickle.loads(store.get("step1/actor1"))[0]["responses"]
+    for c, r in zip(shared, sent, strict=True):
+        assert c.behaviour == "swarm:actor1" and c.policy_version == 4 and c.response_ids == r["ids"]
+        assert c.off_policy == [0] * len(r["ids"]) and c.behaviour_logprobs is None
+    receiver = actors[0][0]
+    batch = collate(graded.groups, receiver.tokenizer.pad_token_id, current_version=receiver.policy_version)
+    assert batch.off_policy is None and not batch.has_off_policy  # every token's pi_old is recomputed
+    own_forward = batch_outputs(receiver.model, batch, receiver.micro_batch_size, receiver.temperature).logp
+    old = behaviour_old_logp(batch, own_forward)
+    rows = slice(len(own), len(own) + len(shared))
+    mask = batch.response_mask[rows] > 0
+    assert torch.equal(old[rows], own_forward[rows])
+    sender = torch.nn.utils.rnn.pad_sequence([torch.tensor(r["logprobs"]) for r in sent], batch_first=True)
+    assert not torch.allclose(old[rows][mask], sender[:, :old.shape[1]][mask].to(old.dtype), atol=1e-3)
 
 
 def test_the_exchange_is_deterministic_under_a_seed(tmp_path):
@@ -315,13 +342,13 @@ def swarm_run(tmp_path_factory):
 @pytest.mark.slow
 def test_torchrun_two_actors_share_rollouts_from_the_command_line(swarm_run):
     """torchrun -m rlbench.cli with 2 actors, I = J = 1: each actor writes its run folder and trains on
-    one own group and one of the other actor's (half of its tokens off-policy)."""
+    one own group and one of the other actor's (its pi_old recomputed by the receiver: no token off-policy)."""
     assert json.loads((swarm_run / "status.json").read_text())["status"] == "finished"
     for me, other in ((0, 1), (1, 0)):
         rows = actor_metrics(swarm_run / f"actor{me}")
         assert [(row[f"responses_swarm:actor{other}"], row["responses_policy"]) for row in rows] == [(2, 2), (2, 2), (4, 4)]
         for row in rows:
-            assert row["off_policy_token_fraction"] == 0.5  # every smoke response has max_new_tokens tokens
+            assert row["off_policy_token_fraction"] == 0.0  # shared tokens are the receiver's own (old_logprobs=receiver)
         summary = json.loads((swarm_run / f"actor{me}" / "summary.json").read_text())
         assert summary["seed"] == rank_stream_seed(0, me)
         assert [p.name for p in checkpoint.checkpoint_dirs(swarm_run / f"actor{me}")] == ["step_000002", "step_000003"]

@@ -215,6 +215,8 @@ _declare("step_index", "[B,T] long", "the step (0, 1, ...) of every response tok
          "strategy", {"advantage"}, dtype=torch.long, pad=-1)
 _declare("step_values", "[B,T] float64", "V^ of the state where the token's step starts: the mean reward of "
          "continuations sampled from there (rollout=vine)", "strategy", {"advantage"}, dtype=torch.float64)
+_declare("sft_target", "[B,T]", "1 on the tokens of a response trained by supervised fine-tuning (Cog-Rethinker's "
+         "stage successes under the direct prompt: rollout=rethink, successes sft), 0 elsewhere", "strategy", {"loss"})
 # SofT-GRPO (arXiv:2511.06411): K values per token, read by the training forward (rlbench/training/soft_tokens.py)
 _declare("soft_ids", "[B,T,K] long", "the top-k token ids a soft thinking step mixes (rollout=soft_thinking)",
          "strategy", {"objective"}, dtype=torch.long, pad=0)

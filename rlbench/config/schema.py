@@ -159,10 +159,14 @@ class TRPOConfig:
 
 @dataclass
 class ReferenceSoupConfig:
-    """SALSA (arXiv:2411.01798): the KL reference is a weight soup of policy snapshots (rlbench/training/reference_soup.py)."""
+    """SALSA (arXiv:2411.01798): the KL reference is a weight soup of fine-tuned checkpoints, or of policy snapshots (rlbench/training/reference_soup.py)."""
 
     models: int = knob(2, "ingredients of the soup: the initial policy and models - 1 snapshots of the policy (1: the plain reference)", ge=1)
     every: int = knob(1, "policy updates between two snapshots added to the soup", ge=1)
+    checkpoints: list = knob(
+        [], "SALSA's ingredients: fine-tuned checkpoints (Hugging Face folders of the policy's architecture, e.g. two runs' "
+        "policy/ folders) whose parameter average is the KL reference, fixed for the run; empty: the stand-in, the "
+        "initial policy and snapshots of the policy (models, every)")
 
 
 @dataclass
@@ -312,8 +316,11 @@ class SwarmConfig:
     """``trainer.swarm``: SAPO's swarm (arXiv:2509.08721), with trainer.parallelism=swarm (docs/scaling.md)."""
 
     external: int = knob(
-        0, "J: groups per step taken from what the other actors published (their decoded text, off-policy with "
-        "the sender's log-probs); the actor samples I = prompts_per_step - J itself. 0: no sharing", ge=0)
+        0, "J: groups per step taken from what the other actors published (their decoded text and token ids, pi_old "
+        "as old_logprobs says); the actor samples I = prompts_per_step - J itself. 0: no sharing", ge=0)
+    old_logprobs: Literal["receiver", "sender"] = knob(
+        "receiver", "pi_old of a shared response: receiver (the paper: recomputed by the receiving actor's policy, as its "
+        "own samples) | sender (off-policy, pi_old = the sender's sampling log-probs: the ratio pi_receiver / mu_sender)")
 
 
 @dataclass

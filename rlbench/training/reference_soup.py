@@ -2,23 +2,30 @@
 Adaptation in RLHF", arXiv:2411.01798): the reference model of the KL term is a weight soup, the
 elementwise average of several models' parameters, instead of the frozen initial policy.
 
-The paper averages two independently fine-tuned SFT models. A run here has one starting model, so the
-soup's ingredients are snapshots of the policy itself (``algorithm.reference_soup``): the initial policy,
-then the policy after every ``every`` updates, until the soup holds ``models`` of them (the paper's two by
-default); from then on the reference stays fixed. With ``models: 1`` the soup is the initial policy: the
-plain frozen reference exactly. The soup is kept as a running average (theta_soup <- theta_soup +
+The paper (section 3) averages two independently fine-tuned SFT models: ``algorithm.reference_soup.checkpoints``
+names them (Hugging Face folders of the policy's architecture, e.g. the ``policy/`` folders of two runs);
+their parameter average, computed in float64, is the KL reference for the whole run (:func:`checkpoint_soup`).
+
+Without checkpoints the run says so at start-up and uses the stand-in: the soup's ingredients are
+snapshots of the policy itself: the initial policy, then the policy after every ``every`` updates, until
+the soup holds ``models`` of them; from then on the reference stays fixed. With ``models: 1`` the soup is
+the initial policy: the plain frozen reference exactly. The soup is kept as a running average (theta_soup <- theta_soup +
 (theta - theta_soup) / (k + 1) for the k+1-th ingredient), so only one extra copy of the weights is held,
 and it is saved with checkpoints (:meth:`ReferenceSoup.state_dict`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+import logging
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
 from rlbench.config.schema import ReferenceSoupConfig, RunConfig
 from rlbench.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def soup_average(models: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -51,18 +58,48 @@ def add_to_soup(soup: torch.nn.Module, model: torch.nn.Module, ingredients: int)
         param.add_((theirs[name].detach().to(param.dtype) - param) / (ingredients + 1))
 
 
+@torch.no_grad()
+def checkpoint_soup(reference: torch.nn.Module, checkpoints: Sequence[str | Path]) -> None:
+    """SALSA's reference: load each checkpoint's parameters and set ``reference``'s to their average
+    (:func:`soup_average`). A checkpoint whose parameter names or shapes differ from the policy's is a
+    ConfigError naming it."""
+    from transformers import AutoModelForCausalLM
+
+    mine = dict(reference.named_parameters())
+    ingredients = []
+    for path in checkpoints:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        theirs = dict(model.named_parameters())
+        if set(theirs) != set(mine) or any(theirs[name].shape != param.shape for name, param in mine.items()):
+            raise ConfigError(f"algorithm.reference_soup.checkpoints: {path} is not a checkpoint of the policy's "
+                              "architecture (its parameter names or shapes differ)")
+        ingredients.append({name: theirs[name].detach() for name in mine})
+    for name, value in soup_average(ingredients).items():
+        mine[name].copy_(value.to(mine[name].dtype))
+
+
 class ReferenceSoup:
     """Keeps the KL reference ``reference`` (a frozen copy of the initial policy) as the soup of the
     initial policy and the policy after every ``every`` updates, ``models`` ingredients in all."""
 
-    def __init__(self, reference: torch.nn.Module, every: int, models: int):
+    def __init__(self, reference: torch.nn.Module, every: int, models: int, ingredients: int = 1):
         self.reference, self.every, self.models = reference, int(every), int(models)
-        self.ingredients = 1  # the initial policy
+        self.ingredients = int(ingredients)  # 1: the initial policy; len(checkpoints) for SALSA's soup
 
     @classmethod
     def from_config(cls, options: ReferenceSoupConfig | None, reference: torch.nn.Module | None) -> "ReferenceSoup | None":
+        """The run's soup: of ``options.checkpoints`` (SALSA; full from the start, no snapshot is added),
+        or else of policy snapshots, said in one line at start-up."""
         if options is None or reference is None:
             return None
+        if options.checkpoints:
+            checkpoint_soup(reference, options.checkpoints)
+            log.info("KL reference: the weight soup of %d checkpoints (%s)", len(options.checkpoints),
+                     ", ".join(map(str, options.checkpoints)))
+            return cls(reference, every=1, models=len(options.checkpoints), ingredients=len(options.checkpoints))
+        log.warning("algorithm.reference_soup: no checkpoints given, so the KL reference is the stand-in soup of the "
+                    "initial policy and %d snapshot(s) of the policy every %d updates, not SALSA's soup of fine-tuned "
+                    "models (set algorithm.reference_soup.checkpoints=[<a>,<b>])", options.models - 1, options.every)
         return cls(reference, options.every, options.models)
 
     def after_update(self, policy: torch.nn.Module, updates: int) -> dict[str, float]:
@@ -96,6 +133,14 @@ def validate_reference_soup(config: RunConfig, kl_coef: float) -> None:
                           "is off: set algorithm.kl.coef > 0, or algorithm.reference_soup=null")
     if options.models < 1 or options.every < 1:
         raise ConfigError("algorithm.reference_soup.models and .every must be >= 1")
+    checkpoints = list(options.checkpoints)
+    if len(checkpoints) == 1:
+        raise ConfigError(f"algorithm.reference_soup.checkpoints={checkpoints}: a soup averages at least two models "
+                          "(SALSA: two fine-tuned checkpoints)")
+    for path in checkpoints:
+        if not (Path(str(path)) / "config.json").is_file():
+            raise ConfigError(f"algorithm.reference_soup.checkpoints: {path} is not a Hugging Face checkpoint folder "
+                              "(no config.json there; a run writes one to <run>/policy with trainer.save_model=true)")
     if config.model.lora is not None:
         raise ConfigError("algorithm.reference_soup needs a full copy of the weights as reference; under LoRA the "
                           "reference is the base model with adapters off: drop model/lora")

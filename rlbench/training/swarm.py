@@ -16,13 +16,15 @@ Swarm sAmpling Policy Optimization, Gensyn AI Team (Amico et al.) 2025, arXiv:25
   the step), graded again by its own grader and reward shaping. I + J = prompts_per_step, so a swarm
   step has the batch of a single run and the advantage's groups stay whole (one per prompt).
 
-The choice on the shared tokens (the paper recomputes the old log-probs under the receiver's policy,
-so that shared samples act as its own): here they stay off-policy samples of the SENDER, never
-treated as pi_old samples of the receiver. Each shared response is labelled ``behaviour =
-"swarm:actor<a>"``, off-policy in every token, with the sender's policy version and the sender's
-sampling log-probs as behaviour log-probs; the step then takes pi_old from those log-probs
-(rlbench.training.step.behaviour_old_logp), so the receiver's ratio is pi_receiver / mu_sender, the
-exact importance weight of a sample it did not draw. Every actor loads the same model (one config),
+pi_old of the shared tokens (``trainer.swarm.old_logprobs``). ``receiver`` (the default, the paper's
+rule: section 3, the receiver "re-computes" the log-probs of shared rollouts under its own policy and
+trains on them as its own): the shared tokens are declared on-policy (``off_policy`` all 0), so the
+step takes pi_old from the receiver's own forward pass and the first update's ratio is 1. ``sender``:
+they stay off-policy samples of the SENDER, with the sender's sampling log-probs as behaviour
+log-probs; the step then takes pi_old from those (rlbench.training.step.behaviour_old_logp), so the
+receiver's ratio is pi_receiver / mu_sender, the exact importance weight of a sample it did not draw.
+Either way a shared response is labelled ``behaviour = "swarm:actor<a>"`` and keeps the sender's
+policy version (the step's ``max_staleness`` shows its age). Every actor loads the same model (one config),
 so the sender's token ids are the receiver's tokenisation; the receiver still re-tokenises the decoded
 text and counts the responses whose re-tokenisation differs (``swarm_retokenise_mismatch``): a swarm
 of different tokenizers would have to train on the re-tokenised text without a behaviour log-prob.
@@ -265,15 +267,18 @@ def retokenised(tokenizer: Any, response: dict[str, Any]) -> list[int]:
     return ids
 
 
-def external_completion(shared: dict[str, Any], response: dict[str, Any], prompt_ids: tuple[int, ...]) -> Completion:
-    """A shared response as the receiver's completion: off-policy in every token, pi_old = the sender's
-    sampling log-probs, labelled with the sender and its policy version."""
+def external_completion(shared: dict[str, Any], response: dict[str, Any], prompt_ids: tuple[int, ...],
+                        old_logprobs: str = "receiver") -> Completion:
+    """A shared response as the receiver's completion, labelled with the sender and its policy version.
+    ``old_logprobs="receiver"``: on-policy in every token (pi_old = the receiver's forward pass);
+    ``"sender"``: off-policy in every token, pi_old = the sender's sampling log-probs."""
     ids = list(response["ids"])
+    sender = old_logprobs == "sender"
     return Completion(
         request_index=0, prompt_ids=prompt_ids, response_ids=ids, logprobs=list(response["logprobs"]),
         finished=bool(response["finished"]), text=response["text"],
-        behaviour=f"{SWARM_BEHAVIOUR}:actor{shared['actor']}", off_policy=[1] * len(ids),
-        behaviour_logprobs=list(response["logprobs"]), policy_version=int(shared["version"]),
+        behaviour=f"{SWARM_BEHAVIOUR}:actor{shared['actor']}", off_policy=[int(sender)] * len(ids),
+        behaviour_logprobs=list(response["logprobs"]) if sender else None, policy_version=int(shared["version"]),
     )
 
 
@@ -289,6 +294,7 @@ class SwarmRollout(RolloutStrategy):
     sampler: GroupSampler
     seed: int  # the actor's seed
     policy_version: Callable[[], int]
+    old_logprobs: str = "receiver"  # trainer.swarm.old_logprobs: pi_old of the shared tokens
     step: int = 0  # rollouts done (the pool's round)
 
     @property
@@ -328,7 +334,7 @@ class SwarmRollout(RolloutStrategy):
         tokenizer = self.sampler.tokenizer
         groups, mismatch = [], 0
         for shared, ids in zip(chosen, prompt_ids):
-            groups.append([external_completion(shared, response, ids) for response in shared["responses"]])
+            groups.append([external_completion(shared, response, ids, self.old_logprobs) for response in shared["responses"]])
             mismatch += sum(retokenised(tokenizer, r) != r["ids"] for r in shared["responses"])
         return self.sampler.grade(problems, groups, self.setup.params.max_new_tokens), mismatch
 
@@ -353,7 +359,7 @@ class SwarmRollout(RolloutStrategy):
 def swarm_rollout(ctx: StepContext, config: RunConfig, pool: SwarmPool | None) -> SwarmRollout:
     """Wrap the step context's strategy (``ctx.strategy``) into the actor's swarm rollout."""
     return SwarmRollout(ctx.strategy, pool, external_groups(config.trainer), ctx.sampler, config.seed,
-                        lambda: ctx.policy_version)
+                        lambda: ctx.policy_version, config.trainer.swarm.old_logprobs)
 
 
 def own_groups(graded: GradedGroups) -> GradedGroups:

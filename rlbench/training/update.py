@@ -52,6 +52,7 @@ def micro_batch_loss(
         norms=norms,
         # the loss step's inputs the batch holds (advantages, mask, ref_logp, token_weights, ...); then the forward's
         **{name: getattr(sub, name) for name in STEP_INPUTS.names("loss", "objective", producer="batch")},
+        **{name: sub.extras.get(name) for name in STEP_INPUTS.names("loss", producer="strategy")},  # e.g. sft_target
         logp=out.logp,
         old_logp=sub.old_logp if sub.old_logp is not None else out.logp.detach(),
         entropy=out.entropy,

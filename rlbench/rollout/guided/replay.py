@@ -37,6 +37,11 @@ Configuration (conf/rollout/replay.yaml; ``algorithm=rlep`` and ``algorithm=exgr
       keep: correct           # correct: verified successes | all: every response, so a buffer question comes
                               # back as its whole past group (needs questions=buffer; ReMix)
       window: null            # n: only responses of the last n policy versions stay (ReMix) | null: capacity only
+      pool_save: null         # path: RLEP's first run writes its verified successes there after every rollout
+                              # (rlbench/rollout/guided/replay_pool.py); per_group: 0 collects without replaying
+      pool: null              # path: RLEP's second run replays only that pool (checked against the run's
+                              # problems and tokenizer); nothing enters the buffer online
+      pool_per_question: 16   # pool_save: the newest verified successes kept per question
 
 When the buffer holds fewer responses or questions than asked, the step uses what there is (fresh
 prompts take the place of missing buffer questions, a group gets fewer replayed responses); the
@@ -55,10 +60,17 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from rlbench.config.schema import RolloutConfig
+from rlbench.dataset import load_problems
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.engines.base import Completion
 from rlbench.rollout.groups import GradedGroups
+from rlbench.rollout.guided.replay_pool import (
+    SuccessPool,
+    check_pool_questions,
+    check_pool_tokenizer,
+    read_pool,
+)
 from rlbench.rollout.strategy import (
     RolloutSetup,
     RolloutStrategy,
@@ -95,12 +107,15 @@ class ReplayItem:
         return -sum(self.logprobs) / max(len(self.logprobs), 1)
 
     @staticmethod
-    def from_completion(uid: str, completion: Completion) -> "ReplayItem":
-        if completion.policy_version is None:
+    def from_completion(uid: str, completion: Completion, policy_version: int | None = None) -> "ReplayItem":
+        """``policy_version``: the version to record when the step has not stamped the completion yet
+        (RLEP's pool records the rollout's index)."""
+        version = completion.policy_version if policy_version is None else policy_version
+        if version is None:
             raise ValueError("a response enters the replay buffer only after the step stamped its policy version")
         behaviour = completion.logprobs if completion.behaviour_logprobs is None else completion.behaviour_logprobs
         return ReplayItem(uid, tuple(completion.prompt_ids), list(completion.response_ids), list(behaviour),
-                          bool(completion.finished), completion.text, int(completion.policy_version))
+                          bool(completion.finished), completion.text, int(version))
 
     def completion(self, request_index: int, recompute: bool = False) -> Completion:
         """The stored response as a Completion for a group. ``recompute``: its tokens are declared
@@ -163,6 +178,15 @@ class ReplayBuffer:
             self.items = [item for item in self.items if newest - item.policy_version < self.window]
             self._forget_empty_questions()
 
+    def load_pool(self, questions: dict[str, dict[str, Any]]) -> None:
+        """RLEP's phase 2: hold exactly the pool's successes (rlbench/rollout/guided/replay_pool.py), each
+        with policy version -1 (sampled before this run's first step), and each question's pool accuracy;
+        capacity does not apply (nothing is inserted online)."""
+        self.items = [ReplayItem(**{**item, "uid": uid, "prompt_ids": tuple(item["prompt_ids"]), "policy_version": -1})
+                      for uid, entry in questions.items() for item in entry["responses"]]
+        self.problems = OrderedDict((uid, Problem(uid, entry["prompt"], entry["answer"], dict(entry["meta"]))) for uid, entry in questions.items())
+        self.accuracy = {uid: float(entry["accuracy"]) for uid, entry in questions.items()}
+
     def retire(self, uid: str) -> None:
         self.retired.add(uid)
         self.items = [item for item in self.items if item.uid != uid]
@@ -183,11 +207,15 @@ class ReplayBuffer:
 
     def question_probabilities(self, exclude: Iterable[str] = ()) -> dict[str, float]:
         """The probability of each held question (not in ``exclude``) on one draw. uniform: equal;
-        accuracy_gaussian: a bucket (questions of equal latest accuracy) is drawn with probability
+        accuracy_gaussian (ExGRPO, arXiv:2510.02245, section 3.2): only questions whose latest fresh
+        accuracy is above 0 are eligible (a question that fails every fresh response now is left out
+        though its old successes stay), and a bucket (questions of equal latest accuracy) is drawn with probability
         proportional to :func:`bucket_weight` of its accuracy among the non-empty buckets, then a
         question uniformly inside it."""
         excluded = set(exclude)
         uids = [uid for uid in self.problems if uid not in excluded]
+        if self.weighting == "accuracy_gaussian":  # ExGRPO's eligible questions: 0 < k correct (k = n: retired)
+            uids = [uid for uid in uids if self.accuracy[uid] > 0]
         if not uids:
             return {}
         if self.weighting == "uniform":
@@ -259,6 +287,9 @@ class ReplayOptions:
     behaviour: str = "stored"
     keep: str = "correct"
     window: int | None = None
+    pool_save: str | None = None
+    pool: str | None = None
+    pool_per_question: int = 16
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig) -> "ReplayOptions":
@@ -266,7 +297,14 @@ class ReplayOptions:
         n = int(rollout.n)
         checks = [
             (options.capacity >= 1, f"rollout.replay.capacity must be >= 1, got {options.capacity}"),
-            (options.per_group >= 1, f"rollout.replay.per_group must be >= 1, got {options.per_group}"),
+            (options.per_group >= 0, f"rollout.replay.per_group must be >= 1, got {options.per_group}"),
+            (options.per_group >= 1 or options.pool_save is not None,
+             ("rollout.replay.per_group=0 replays nothing: it is RLEP's first run (rollout=replay_rlep_collect), which "
+              "writes its verified successes to a pool file: set rollout.replay.pool_save=<file>")),
+            (options.pool is None or options.pool_save is None,
+             ("rollout.replay.pool (RLEP's second run replays a pool) and pool_save (the first run writes one) "
+              "are two runs: set one of them")),
+            (options.pool_per_question >= 1, f"rollout.replay.pool_per_question must be >= 1, got {options.pool_per_question}"),
             (options.questions in QUESTION_MODES, f"rollout.replay.questions={options.questions!r}: choose one of {QUESTION_MODES}"),
             (0 < options.buffer_share <= 1, f"rollout.replay.buffer_share must be in (0, 1], got {options.buffer_share}"),
             (options.weighting in WEIGHTINGS, f"rollout.replay.weighting={options.weighting!r}: choose one of {WEIGHTINGS}"),
@@ -286,11 +324,24 @@ class ReplayOptions:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        if options.pool is not None:
+            read_pool(options.pool)
         return options
 
     def make_buffer(self, seed: int) -> ReplayBuffer:
         return ReplayBuffer(self.capacity, seed, self.weighting, self.weight_mean, self.weight_std,
                             self.trajectory, self.retire_solved, self.keep, self.window)
+
+
+def check_replay_pool(rollout: RolloutConfig, dataset: Any, seed: int, data_dir: str | None, source: str) -> None:
+    """RLEP's second run (``rollout.replay.pool``), before the model loads: the pool's questions must be
+    the training problems of this run (``dataset``: its spec, loaded as the run loads it;
+    rlbench.rollout.guided.replay_pool.check_pool_questions)."""
+    if rollout.strategy != "replay":
+        return
+    options = ReplayOptions.from_config(rollout)
+    if options.pool is not None:
+        check_pool_questions(options.pool, load_problems(dataset, seed=seed, data_dir=data_dir, source=source))
 
 
 class StoredSuccesses(RolloutStrategy):
@@ -325,6 +376,18 @@ def inject_successes(buffer: ReplayBuffer, problems: Sequence[Problem], groups: 
     return added
 
 
+def fresh_results(problems: Sequence[Problem], graded: GradedGroups,
+                  fresh_counts: Sequence[int]) -> list[tuple[Problem, list[Completion], list[bool]]]:
+    """Each group's fresh responses (the first ``fresh_counts[g]`` of group g; replayed ones follow them
+    and are never stored again) with whether the grader marked each correct."""
+    correct = graded.correct.tolist()
+    out, start = [], 0
+    for problem, group, count in zip(problems, graded.groups, fresh_counts):
+        out.append((problem, group[:count], [c > 0 for c in correct[start : start + count]]))
+        start += len(group)
+    return out
+
+
 class PendingInsertions:
     """Fresh responses wait here until the step that sampled them has stamped their policy version;
     the next rollout moves them into the buffer (so a step never replays its own responses)."""
@@ -333,13 +396,8 @@ class PendingInsertions:
         self.entries: list[tuple[Problem, list[Completion], list[bool]]] = []
 
     def add_groups(self, problems: Sequence[Problem], graded: GradedGroups, fresh_counts: Sequence[int]) -> None:
-        """Queue the fresh responses of each group (the first ``fresh_counts[g]`` of group g; replayed
-        ones follow them and are not stored again) with their correctness."""
-        correct = graded.correct.tolist()
-        start = 0
-        for problem, group, count in zip(problems, graded.groups, fresh_counts):
-            self.entries.append((problem, group[:count], [c > 0 for c in correct[start : start + count]]))
-            start += len(group)
+        """Queue the fresh responses of each group with their correctness (:func:`fresh_results`)."""
+        self.entries.extend(fresh_results(problems, graded, fresh_counts))
 
     def flush(self, buffer: ReplayBuffer) -> None:
         for problem, completions, correct in self.entries:
@@ -374,6 +432,14 @@ class ReplaySampling(RolloutStrategy):
         self.shortfall_log = ShortfallLog("rollout=replay")
         self.started = options.start_accuracy <= 0
         self.stopped = False  # stop_replay: on-policy from then on (ReMix's reincarnation)
+        # RLEP's two phases (rlbench/rollout/guided/replay_pool.py): the first run writes its successes to a
+        # pool file; the second replays that pool only, so nothing enters the buffer online
+        tokenizer = setup.sampler.tokenizer
+        self.collect = SuccessPool(options.pool_save, options.pool_per_question, tokenizer) if options.pool_save else None
+        if options.pool is not None:
+            pool = read_pool(options.pool)
+            check_pool_tokenizer(options.pool, pool, tokenizer)
+            self.buffer.load_pool(pool["questions"])
 
     @classmethod
     def config_options(cls, rollout: RolloutConfig) -> dict[str, Any]:
@@ -386,7 +452,8 @@ class ReplaySampling(RolloutStrategy):
         self.pending.flush(self.buffer)
         shortfall = 0
         prompts, drawn = list(problems), []
-        if not self.started or self.stopped:  # before the accuracy threshold (the buffer fills) or after stop_replay
+        if not self.started or self.stopped or o.per_group == 0:
+            # before the accuracy threshold (the buffer fills), after stop_replay, or RLEP's first run (collects only)
             return self._fresh_only(prompts)
         if o.questions == "buffer":
             wanted = max(1, round(o.buffer_share * len(problems)))
@@ -406,11 +473,13 @@ class ReplaySampling(RolloutStrategy):
         self.shortfall_log.note(missing, f"{wanted_replays - missing} of {wanted_replays} replayed responses")
         fresh_counts = [n - len(r) if o.replace_fresh else n for r in replayed]
         fresh = self.setup.sampler.sample(prompts, fresh_counts, self.setup.params, self.setup.generator)
+        if o.pool is not None:
+            self._check_pool_prompts(prompts, fresh, replayed)
         recompute = o.behaviour == "recomputed"
         groups = [group + [item.completion(i, recompute) for item in items]
                   for i, (group, items) in enumerate(zip(fresh, replayed))]
         graded = self.setup.sampler.grade(prompts, groups, self.setup.params.max_new_tokens)
-        self.pending.add_groups(prompts, graded, fresh_counts)
+        self._record(prompts, graded, fresh_counts)
         return graded, self._metrics(sum(len(r) for r in replayed), shortfall)
 
     def stop_replay(self) -> None:
@@ -420,9 +489,36 @@ class ReplaySampling(RolloutStrategy):
 
     def _fresh_only(self, prompts: list[Problem]) -> tuple[GradedGroups, dict[str, float]]:
         graded = self.setup.sample(prompts)
-        self.pending.add_groups(prompts, graded, [self.setup.n] * len(prompts))
+        self._record(prompts, graded, [self.setup.n] * len(prompts))
         self.started = self.started or float(graded.correct.mean().item()) >= self.options.start_accuracy
         return graded, self._metrics(0, 0)
+
+    def _record(self, prompts: list[Problem], graded: GradedGroups, fresh_counts: list[int]) -> None:
+        """The fresh responses go to the buffer at the next rollout (not with a pool: RLEP's second run
+        replays the pool only) and, in RLEP's first run, the verified successes to the pool file now."""
+        results = fresh_results(prompts, graded, fresh_counts)
+        if self.options.pool is None:
+            self.pending.entries.extend(results)
+        if self.collect is None:
+            return
+        for problem, completions, correct in results:
+            if completions:
+                successes = [ReplayItem.from_completion(problem.uid, c, self.collect.rollouts)
+                             for c, ok in zip(completions, correct) if ok]
+                self.collect.add(problem, successes, sum(correct) / len(correct))
+        self.collect.write()
+
+    def _check_pool_prompts(self, prompts: list[Problem], fresh: list[list[Completion]],
+                            replayed: list[list[ReplayItem]]) -> None:
+        """A pool response replayed after another prompt than it was sampled under would train on text the
+        policy never saw there: refused (the pool's run used another prompt template or chat template)."""
+        for problem, group, items in zip(prompts, fresh, replayed):
+            for item in items:
+                if group and tuple(group[0].prompt_ids) != item.prompt_ids:
+                    raise ConfigError(
+                        f"rollout.replay.pool={self.options.pool}: question {problem.uid} was sampled under another "
+                        "prompt than this run renders (dataset.prompt or the chat template differ): collect the "
+                        "pool with this run's prompt")
 
     def _metrics(self, replayed: int, shortfall: int) -> dict[str, float]:
         return {
@@ -436,10 +532,13 @@ class ReplaySampling(RolloutStrategy):
 
     def state_dict(self) -> dict[str, Any]:
         self.pending.flush(self.buffer)  # after a step: every pending response is stamped
-        return {"buffer": self.buffer.state_dict(), "started": self.started, "stopped": self.stopped}
+        pool = None if self.collect is None else self.collect.state_dict()
+        return {"buffer": self.buffer.state_dict(), "started": self.started, "stopped": self.stopped, "pool": pool}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.buffer.load_state_dict(state["buffer"])
         self.started = bool(state["started"])
         self.stopped = bool(state.get("stopped", False))
         self.pending = PendingInsertions()
+        if self.collect is not None and state.get("pool") is not None:
+            self.collect.load_state_dict(state["pool"])

@@ -7,14 +7,17 @@ subproblems first; ``samples`` responses) and, for those still unsolved, **refin
 to ``shown_attempts`` of its wrong direct responses inside ``refine_template``). Both stages keep the
 dataset's template around the rewritten problem, so the answer format is unchanged.
 
-Training on the successes (the choice): the paper trains them with supervised fine-tuning under the
-direct template. rlbench keeps the loss unchanged and puts one success back into its problem's group in
-place of a wrong direct response, re-attached to the **direct** prompt (train-test consistency, as in
-the paper) and labelled off-policy: ``behaviour="rethink"``, ``off_policy`` 1 on every token and
-``behaviour_logprobs`` = its sampling log-probs under the stage's prompt, so the ratio is
-pi_theta(y | direct prompt) / pi_old(y | stage prompt), never a silent 1
-(rlbench.training.step.behaviour_old_logp). The group then has a correct response and a non-zero
-group-relative advantage. The SFT term of the paper is not implemented (docs/rollout-sampling.md).
+Training on the successes (``successes``). ``sft`` (the default, the paper's rule, section 3): each
+problem's first stage success is re-attached to the **direct** prompt (train-test consistency) and added
+to the batch as a group of its own (``behaviour="rethink_sft"``), its tokens marked 1 in the step input
+``sft_target`` (0 on every other response): the loss ``ppo_clip_sft`` trains them by cross-entropy,
+L = L_GRPO + lambda * L_SFT (rlbench/algorithm/losses/auxiliary_sft.py), and a group of one response has
+advantage 0 under GRPO's and Dr.GRPO's estimators, so the direct groups' advantages are the plain GRPO
+ones. ``off_policy`` (the earlier stand-in): the success replaces a wrong direct response in its group,
+labelled off-policy: ``behaviour="rethink"``, ``off_policy`` 1 on every token and ``behaviour_logprobs``
+= its sampling log-probs under the stage's prompt, so the ratio is pi_theta(y | direct prompt) /
+pi_old(y | stage prompt), never a silent 1 (rlbench.training.step.behaviour_old_logp); the group then
+has a correct response and a non-zero group-relative advantage.
 
 No state between steps. Configuration (conf/rollout/rethink.yaml):
 
@@ -24,6 +27,7 @@ No state between steps. Configuration (conf/rollout/rethink.yaml):
       shown_attempts: 2        # wrong direct responses shown in the refine prompt
       decompose_template: "..." # must contain {problem}
       refine_template: "..."    # must contain {problem} and {attempts}
+      successes: sft            # sft: trained by the loss's SFT term (ppo_clip_sft) | off_policy: into the group
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ DECOMPOSE_TEMPLATE = (
     "Break the following problem into smaller subproblems, solve them one by one, then give the final answer.\n\n"
     "{problem}"
 )
+SUCCESS_TRAINING = ("sft", "off_policy")
+SFT_TARGET = "sft_target"  # the step input marking SFT tokens (rlbench/algorithm/step_inputs.py)
 REFINE_TEMPLATE = "{problem}\n\nThese attempts are wrong:\n{attempts}\n\nFind the mistakes and solve the problem correctly."
 
 
@@ -58,6 +64,7 @@ class RethinkOptions:
     shown_attempts: int = 2
     decompose_template: str = DECOMPOSE_TEMPLATE
     refine_template: str = REFINE_TEMPLATE
+    successes: str = "sft"
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig) -> "RethinkOptions":
@@ -69,7 +76,20 @@ class RethinkOptions:
             raise ConfigError("rollout.rethink.decompose_template must contain {problem}")
         if "{problem}" not in options.refine_template or "{attempts}" not in options.refine_template:
             raise ConfigError("rollout.rethink.refine_template must contain {problem} and {attempts}")
+        if options.successes not in SUCCESS_TRAINING:
+            raise ConfigError(f"rollout.rethink.successes={options.successes!r}: choose one of {SUCCESS_TRAINING}")
         return options
+
+
+def check_success_training(rollout: RolloutConfig, loss: str, loss_inputs: set[str]) -> None:
+    """``successes: sft`` needs a loss that reads ``sft_target`` (ppo_clip_sft): with another loss the SFT
+    groups would train on nothing (advantage 0, no SFT term)."""
+    if rollout.strategy != "rethink" or SFT_TARGET in loss_inputs:
+        return
+    if RethinkOptions.from_config(rollout).successes == "sft":
+        raise ConfigError(f"rollout.rethink.successes=sft trains the stage successes by the loss's SFT term, but loss "
+                          f"'{loss}' has none: use algorithm/loss=ppo_clip_sft (Cog-Rethinker's L_GRPO + lambda L_SFT) "
+                          "or rollout.rethink.successes=off_policy")
 
 
 def stage_problem(problem: Problem, template: str, attempts: str = "") -> Problem:
@@ -82,13 +102,26 @@ def as_direct_response(success: Completion, direct_prompt: tuple[int, ...], inde
     return dataclasses.replace(
         success, request_index=index, prompt_ids=direct_prompt, prefix_len=0, behaviour="rethink",
         off_policy=[1] * len(success.response_ids), behaviour_logprobs=list(success.logprobs), policy_version=None,
+        extras={**success.extras, SFT_TARGET: [0.0] * len(success.response_ids)},
+    )
+
+
+def as_sft_response(success: Completion, direct_prompt: tuple[int, ...], index: int) -> Completion:
+    """A stage's correct response re-attached to the direct prompt as an SFT target (``sft_target`` 1 on
+    every token; on-policy label: its group of one has advantage 0, so only the SFT term trains it)."""
+    return dataclasses.replace(
+        success, request_index=index, prompt_ids=direct_prompt, prefix_len=0, behaviour="rethink_sft",
+        off_policy=None, behaviour_logprobs=None, policy_version=None,
+        extras={**success.extras, SFT_TARGET: [1.0] * len(success.response_ids)},
     )
 
 
 @register_strategy("rethink")
 class RethinkRollout(RolloutStrategy):
     """Cog-Rethinker (arXiv:2510.15979): zero-accuracy problems re-rolled with a decompose and a refine
-    prompt; a success joins its group off-policy under the direct prompt."""
+    prompt; a success is trained by SFT under the direct prompt (or joins its group off-policy)."""
+
+    provides = frozenset({SFT_TARGET})
 
     def __init__(self, setup: RolloutSetup, options: RethinkOptions):
         self.setup, self.options = setup, options
@@ -125,10 +158,21 @@ class RethinkRollout(RolloutStrategy):
             for i in unsolved
         ]
         refined = self._first_successes(refine, unsolved)
-        groups = [list(g) for g in direct.groups]
-        for i, success in {**decomposed, **refined}.items():
-            groups[i][-1] = as_direct_response(success, groups[i][0].prompt_ids, i)
-        graded = sampler.grade(problems, groups, setup.params.max_new_tokens) if decomposed or refined else direct
+        for group in direct.groups:
+            for completion in group:
+                completion.extras[SFT_TARGET] = [0.0] * len(completion.response_ids)
+        successes = sorted({**decomposed, **refined}.items())
+        graded = direct
+        if successes and options.successes == "sft":  # each success a group of its own, after the direct groups
+            sft = sampler.grade([problems[i] for i, _ in successes],
+                                [[as_sft_response(success, direct.groups[i][0].prompt_ids, len(problems) + k)]
+                                 for k, (i, success) in enumerate(successes)], setup.params.max_new_tokens)
+            graded = GradedGroups.concat([direct.with_group_ids(0), sft.with_group_ids(len(problems))])
+        elif successes:
+            groups = [list(g) for g in direct.groups]
+            for i, success in successes:
+                groups[i][-1] = as_direct_response(success, groups[i][0].prompt_ids, i)
+            graded = sampler.grade(problems, groups, setup.params.max_new_tokens)
         return graded, {
             "rethink_zero_accuracy_prompts": float(len(zero)),
             "rethink_decompose_solved": float(len(decomposed)),
