@@ -159,3 +159,21 @@ def test_pf_ppo_resample_follows_its_seed_and_weights():
         assert set(draw(3, method).tolist()) <= {0, 3}
     # all-zero weights: the batch is kept
     assert torch.equal(pf_ppo_resample(torch.zeros(3), torch.Generator().manual_seed(0)), torch.arange(3))
+
+
+def test_registered_gdpo_splits_outcome_and_shaping():
+    from rlbench.algorithm.registry import ADVANTAGES
+
+    outcome = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    shaping = torch.tensor([0.0, -0.5, -0.1, 0.0])
+    group = torch.zeros(4, dtype=torch.long)
+    mask = torch.ones(4, 2)
+    inputs = {"rewards": outcome + shaping, "outcome": outcome, "group_index": group, "response_mask": mask}
+    params = {"shaping_weight": 0.5, "batch_whiten": False}
+    got = ADVANTAGES.call("gdpo", inputs, params)
+    expected = gdpo_advantage(torch.stack([outcome, shaping], 1), group, mask, [1.0, 0.5], batch_whiten=False)
+    torch.testing.assert_close(got, expected)
+    # no reward shaping: the shaping column is constant, so GDPO is GRPO on the outcome
+    no_shaping = {**inputs, "rewards": outcome}
+    torch.testing.assert_close(ADVANTAGES.call("gdpo", no_shaping, {"batch_whiten": False}),
+                               grpo_advantage(outcome, group, mask))

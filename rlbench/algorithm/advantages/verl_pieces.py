@@ -10,6 +10,7 @@ import torch
 
 from rlbench.algorithm.advantages.common import _tokens, _valid, _whiten
 from rlbench.algorithm.advantages.group_relative import grpo_advantage
+from rlbench.algorithm.registry import ADVANTAGES
 from rlbench.errors import ConfigError
 
 PF_PPO_METHODS = ("pow", "max_min", "max_random")
@@ -182,6 +183,27 @@ def gdpo_advantage(
     if batch_whiten:
         combined = _whiten(combined, _valid(response_mask).any(-1), epsilon)
     return _tokens(combined[:, None].expand_as(response_mask), response_mask)
+
+
+@ADVANTAGES.register("gdpo")
+def gdpo_outcome_shaping_advantage(
+    rewards: torch.Tensor,
+    outcome: torch.Tensor,
+    group_index: torch.Tensor,
+    response_mask: torch.Tensor,
+    outcome_weight: float = 1.0,
+    shaping_weight: float = 1.0,
+    epsilon: float = 1e-6,
+    batch_whiten: bool = True,
+) -> torch.Tensor:
+    """GDPO (``gdpo_advantage``) over the two reward components a step has: the graders' reward
+    (``outcome``) and the algorithm's reward shaping (``rewards - outcome``), weighted by
+    ``outcome_weight`` and ``shaping_weight``. Without reward shaping the shaping component is 0 in
+    every group and GDPO is the batch-whitened GRPO advantage of the outcome."""
+    outcome = outcome.to(rewards.device, torch.float64)
+    components = torch.stack([outcome, rewards.to(torch.float64) - outcome], dim=1)
+    return gdpo_advantage(components, group_index, response_mask, [outcome_weight, shaping_weight], epsilon,
+                          batch_whiten)
 
 
 def pf_ppo_weights(rewards: torch.Tensor, method: str = "pow", weight_pow: float = 2.0) -> torch.Tensor:
