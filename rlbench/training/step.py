@@ -363,7 +363,8 @@ def advantage_inputs(ctx: StepContext, graded: GradedGroups, batch: TrainBatch) 
     (:class:`AdvantageInputSources`)."""
     algorithm = ctx.algorithm
     bypass = algorithm.bypasses_old_logp
-    inputs: dict[str, Any] = {"correct": graded.correct.to(ctx.device).bool(), "max_length": ctx.params.max_new_tokens}
+    inputs: dict[str, Any] = {"correct": graded.correct.to(ctx.device).bool(), "max_length": ctx.params.max_new_tokens,
+                              "outcome": graded.outcome.to(ctx.device)}
     policy_logp = None  # pi_old on the policy's own tokens
     if algorithm.needs_sampling_pass or (batch.has_off_policy and not bypass):
         before = batch_outputs(
