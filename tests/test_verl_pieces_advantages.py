@@ -192,3 +192,30 @@ def test_gdpo_runs_end_to_end_from_the_config(make_cfg, tmp_path):
     for step in steps:  # batch whitening: mean 0, std 1 over the batch's tokens (equal lengths in the smoke run)
         assert abs(step["advantage_mean"]) < 1e-4
         assert step["advantage_std"] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_pf_ppo_is_a_checked_algorithm_block_that_resamples_from_its_stream():
+    from conftest import algorithm_from
+    from rlbench.errors import ConfigError
+
+    algorithm = algorithm_from({"name": "grpo", "advantage": {"name": "grpo"}, "loss": {"name": "ppo_clip"},
+                                "aggregation": {"name": "token_mean"}, "pf_ppo": {"method": "max_min"}})
+    rewards = torch.tensor([0.0, 0.5, 1.0, 0.25])
+    rows = algorithm.pf_ppo.rows(rewards, torch.Generator().manual_seed(0))
+    assert set(rows.tolist()) <= {0, 2} and len(rows) == 4  # only the batch's worst and best responses
+    assert torch.equal(rows, algorithm.pf_ppo.rows(rewards, torch.Generator().manual_seed(0)))
+    with pytest.raises(ConfigError, match="pf_ppo"):
+        algorithm_from({"name": "grpo", "advantage": {"name": "grpo"}, "loss": {"name": "ppo_clip"},
+                        "aggregation": {"name": "token_mean"}, "pf_ppo": {"method": "best"}})
+
+
+@pytest.mark.slow
+def test_pf_ppo_runs_from_the_command_line(tmp_path):
+    import json
+
+    from conftest import compose_config
+    from rlbench.runner import run
+
+    run(compose_config(["experiment=smoke", "+algorithm.pf_ppo={method: max_min}", "logger=files"], tmp_path))
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 2 and all(step["optimizer_steps"] >= 1 for step in steps)

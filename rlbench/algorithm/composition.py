@@ -33,6 +33,7 @@ from rlbench.algorithm.entropy import AdaptiveEntropy, top_entropy_token_mask
 from rlbench.algorithm.kl import KL_PLACEMENTS, AdaptiveKL, kl_penalised_rewards, sequence_kl
 from rlbench.algorithm.advantages import value_loss
 from rlbench.algorithm.critic import CRITIC_ADVANTAGE, CriticSettings
+from rlbench.algorithm.advantages.verl_pieces import PolicyFiltration
 from rlbench.algorithm.downsampling import DownSampling
 from rlbench.algorithm.losses import masked_mean
 from rlbench.algorithm.sampling_correction import SamplingCorrection
@@ -105,6 +106,7 @@ class Algorithm:
     top_entropy_quantile: float | None = None
     sampling_correction: SamplingCorrection | None = None  # TIS weights between sampler and trainer
     downsampling: DownSampling | None = None  # D3S: the responses and tokens a step trains on
+    pf_ppo: PolicyFiltration | None = None  # PF-PPO: the trained batch re-sampled by reward
     # Mutable run state inside the frozen composition: each from_config starts a fresh one.
     coefficients: Coefficients | None = field(default=None, compare=False, repr=False)
 
@@ -143,6 +145,7 @@ class Algorithm:
             top_entropy_quantile=None if quantile is None else float(quantile),
             sampling_correction=SamplingCorrection.from_config(setting(cfg, "sampling_correction")),
             downsampling=DownSampling.from_config(setting(cfg, "downsampling")),
+            pf_ppo=PolicyFiltration.from_config(setting(cfg, "pf_ppo")),
             critic=CriticSettings.from_config(setting(cfg, "critic")),
             schedule=schedule,
             schedule_settings=schedule_settings,
@@ -241,6 +244,7 @@ class Algorithm:
         if not self.loss_reads_whole_groups:
             return
         conflicting = {
+            "algorithm.pf_ppo": self.pf_ppo is not None,
             "algorithm.kl.coef > 0": self.kl_coef > 0,
             "algorithm.entropy_coef > 0 (or entropy_adaptive)": self.uses_entropy_bonus,
             "algorithm.token_mask.top_entropy_quantile": self.top_entropy_quantile is not None,

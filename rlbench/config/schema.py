@@ -137,6 +137,16 @@ class DownSamplingConfig:
 
 
 @dataclass
+class PolicyFiltrationConfig:
+    """PF-PPO's policy filtration (Zhang et al. 2024, arXiv:2409.06957, sec. 4; verl algorithm.pf_ppo): the trained
+    batch re-sampled by reward after the advantages (rlbench/algorithm/advantages/verl_pieces.py)."""
+
+    method: Literal["pow", "max_min", "max_random"] = knob(
+        "pow", "pow: weights |r|^weight_pow; max_min: only the batch's best and worst rewards; max_random: 0.4 for the best, 0.1 else")
+    weight_pow: float = knob(2.0, "the exponent of method pow", ge=0)
+
+
+@dataclass
 class SFPOConfig:
     """Slow-Fast Policy Optimization settings (arXiv:2510.04072); used with schedule=sfpo."""
 
@@ -251,6 +261,9 @@ class AlgorithmConfig:
     )
     downsampling: Optional[DownSamplingConfig] = node(
         DownSamplingConfig, "null: off; {samples, tokens, schedule, horizon, scope}: D3S's annealed sample and token down-sampling"
+    )
+    pf_ppo: Optional[PolicyFiltrationConfig] = node(
+        PolicyFiltrationConfig, "null: off; {method, weight_pow}: PF-PPO's re-sampling of the trained batch by reward"
     )
     update: UpdateConfig = node(UpdateConfig, "update schedule and its settings")
     critic: Optional[CriticConfig] = node(CriticConfig, "null: no value head; {coef, clip}: PPO's value head (advantage gae)")

@@ -431,6 +431,8 @@ def update(
     ``trainable_tokens``: the tokens the loss could move (0: this step learned nothing)."""
     algorithm = ctx.algorithm
     trained = kept_responses(mask_truncated(batch, finished) if ctx.overlong_filter else batch)
+    if algorithm.pf_ppo is not None:  # PF-PPO: the batch re-sampled by reward, from the mini-batch stream
+        trained = trained.select(algorithm.pf_ppo.rows(trained.rewards, ctx.minibatch_generator))
     stats = apply_update_schedule(
         ctx.model,
         ctx.optimizer,

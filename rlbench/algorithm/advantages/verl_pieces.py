@@ -6,6 +6,9 @@ advantage-side pieces") says how each maps to verl's name and what is not wired 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from rlbench.algorithm.advantages.common import _tokens, _valid, _whiten
@@ -236,3 +239,31 @@ def pf_ppo_resample(
     if not bool((weights > 0).any()):
         return torch.arange(rewards.shape[0], device=rewards.device)
     return torch.multinomial(weights, rewards.shape[0], replacement=True, generator=generator)
+
+
+PF_PPO_METHODS = ("pow", "max_min", "max_random")
+
+
+@dataclass(frozen=True)
+class PolicyFiltration:
+    """``algorithm.pf_ppo``: PF-PPO's filter of the trained batch (``pf_ppo_resample``), applied after the
+    advantages and before the update; the draws come from the run's mini-batch stream (saved with checkpoints)."""
+
+    method: str = "pow"
+    weight_pow: float = 2.0
+
+    @classmethod
+    def from_config(cls, node: Any) -> "PolicyFiltration | None":
+        from rlbench.algorithm.schedules import settings_from_block
+
+        return None if node is None else settings_from_block(cls, node, "algorithm.pf_ppo")
+
+    def check(self) -> None:
+        if self.method not in PF_PPO_METHODS:
+            raise ConfigError(f"algorithm.pf_ppo.method={self.method!r} is unknown; choose one of {list(PF_PPO_METHODS)}")
+        if self.weight_pow < 0:
+            raise ConfigError(f"algorithm.pf_ppo.weight_pow must be >= 0, got {self.weight_pow}")
+
+    def rows(self, rewards: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """The re-sampled batch's row indices [B]."""
+        return pf_ppo_resample(rewards, generator, self.method, self.weight_pow)
