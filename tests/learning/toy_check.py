@@ -95,6 +95,9 @@ ROLLOUT_STRATEGIES_WITHOUT_TOY_CHECK = {
     # responses, not of the policy. tests/test_preference_offline.py trains DPO on a generated file and checks
     # that the same pairs' loss falls and their ranking turns right (preference_accuracy > 0.5 after 3 steps).
     "offline": "its per-step rewards are the file's, not the policy's samples",
+    # RLEP's first run replays nothing (replay.per_group 0): it trains as rollout=iid, which grpo's check covers,
+    # and writes its pool file; tests/test_replay_cores.py runs both phases from the command line.
+    "replay_rlep_collect": "it trains as rollout=iid (grpo's check) and only writes the pool",
 }
 
 
