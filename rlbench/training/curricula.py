@@ -284,7 +284,7 @@ def difficulty_filter(problems: list[Problem], sample: Callable[[list[Problem]],
     without a reference pass rate in ``stats`` is answered by ``sample`` (the initial policy's ``band.samples``
     responses) and its pass rate recorded there; the problems whose rate lies in [min_pass_rate, max_pass_rate]
     are returned (a resumed run's statistics hold every rate: nothing is sampled). ConfigError when none is."""
-    todo = [p for p in problems if math.isnan(stats.get(p.uid).reference_pass_rate)]
+    todo = [p for p in problems if stats.get(p.uid).reference_pass_rate is None]
     for uid, (_, pass_rate) in measure_before_training(todo, sample, "difficulty filter").items():
         stats.set_reference(uid, pass_rate)
     kept = [p for p in problems if band.min_pass_rate <= stats.get(p.uid).reference_pass_rate <= band.max_pass_rate]

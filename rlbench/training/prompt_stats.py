@@ -30,7 +30,7 @@ class PromptStats:
     last_seen: int = 0
     recent_attempts: int = 0  # the responses of the last step that saw the prompt
     recent_correct: int = 0
-    reference_pass_rate: float = math.nan  # the reference policy's pass rate before training (PVPO's pre-sampling)
+    reference_pass_rate: float | None = None  # the reference policy's pass rate before training (PVPO's pre-sampling); None: not measured
 
     @property
     def pass_rate(self) -> float:
