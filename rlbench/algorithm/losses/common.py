@@ -16,6 +16,11 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
+def sequence_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-row masked sum of a token matrix: [B,T] -> [B], sum_t m v."""
+    return (values * mask).sum(-1)
+
+
 def sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per-row masked mean of a token matrix: [B,T] -> [B], sum_t m v / max(|o_i|, 1).
 

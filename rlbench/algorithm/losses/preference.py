@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from rlbench.algorithm.losses.common import sequence_mean, sequence_sum
 from rlbench.algorithm.registry import POLICY_LOSSES
 
 PAIRINGS = ("best_worst", "all", "adjacent", "any")
@@ -78,12 +79,12 @@ def _group_pairs(rows: list[int], values: list[float], pairing: str) -> list[tup
 
 def sequence_log_ratio(logp: torch.Tensor, ref_logp: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """Delta(y) = Sum_t m_t (log pi_theta - log pi_ref) [B]: DPO's implicit reward divided by beta."""
-    return ((logp - ref_logp) * response_mask).sum(-1)
+    return sequence_sum(logp - ref_logp, response_mask)
 
 
 def mean_log_likelihood(logp: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """s(y) = (1/|y|) Sum_t m_t log pi_theta [B] (an empty response: 0)."""
-    return (logp * response_mask).sum(-1) / response_mask.sum(-1).clamp(min=1)
+    return sequence_mean(logp, response_mask)
 
 
 def spread_pair_losses(
@@ -227,9 +228,7 @@ def inpo_loss(
 
     The loss vanishes at the OMD step's closed form. The paper runs T rounds of sampling then several epochs;
     here a round is a batch (algorithm.update.epochs passes over it with pi_t = pi_old frozen)."""
-    policy = (logp * response_mask).sum(-1)
-    reference = (ref_logp * response_mask).sum(-1)
-    sampler = (old_logp * response_mask).sum(-1)
+    policy, reference, sampler = (sequence_sum(x, response_mask) for x in (logp, ref_logp, old_logp))
     mix = eta * tau
 
     def pair_loss(w: torch.Tensor, lo: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

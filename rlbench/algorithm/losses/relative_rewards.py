@@ -11,16 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from rlbench.algorithm.losses.common import LOG_RATIO_LIMIT
+from rlbench.algorithm.losses.common import LOG_RATIO_LIMIT, sequence_sum
 from rlbench.algorithm.losses.preference import GROUP_MEAN, WHOLE_GROUPS, pairwise_matrix
 from rlbench.algorithm.registry import POLICY_LOSSES
 
 P3O_CLIPS = ("separate", "joint")
-
-
-def sequence_sum(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """sum_t m_t v_t [B]."""
-    return (values * response_mask).sum(-1)
 
 
 @POLICY_LOSSES.register("rebel", aggregation="group_mean", whole_groups=WHOLE_GROUPS, conflicts=GROUP_MEAN)
