@@ -160,14 +160,14 @@ def bad_file(tmp_path, tokenizer):
         {"prompt": "<|im_start|>user\n1+7<|im_end|>", "chosen": "8", "rejected": "9"},          # templated_prompt
         {"prompt": "1+8", "responses": [{"text": "9", "reward": 1}, {"text": "ten", "reward": 1}]},  # no_pair (ties)
     ]
-    return write_jsonl(tmp_path / "bad.jsonl", [good[0], *bad, good[1]]), len(bad)
+    return write_jsonl(tmp_path / "bad.jsonl", [good[0], *bad, good[1]])
 
 
 def test_each_kind_of_bad_input_is_counted_in_one_line(tmp_path, policy, caplog):
     _, _, tokenizer = policy
-    path, _ = bad_file(tmp_path, tokenizer)
+    path = bad_file(tmp_path, tokenizer)
     with caplog.at_level("INFO", logger="rlbench.rollout.guided.offline"):
-        strategy, problems = offline(tokenizer, path, on_bad="skip", format="pairs")
+        _, problems = offline(tokenizer, path, on_bad="skip", format="pairs")
     counts = {"missing_fields": 3, "empty": 1, "identical": 1, "too_long": 1, "tokenizer_mismatch": 1,
               "chat_template_mismatch": 1, "templated_prompt": 1, "no_pair": 0}
     # format=pairs: the responses record lacks chosen/rejected (missing_fields); auto reads the first record's keys too
@@ -193,7 +193,7 @@ def test_each_kind_of_bad_input_is_counted_in_one_line(tmp_path, policy, caplog)
 
 def test_on_bad_stop_refuses_with_the_counts_and_an_empty_set_is_always_refused(tmp_path, policy):
     _, _, tokenizer = policy
-    path, _ = bad_file(tmp_path, tokenizer)
+    path = bad_file(tmp_path, tokenizer)
     with pytest.raises(DataError, match=r"missing_fields 3 .*identical 1 .*templated_prompt 1.*on_bad=skip"):
         offline(tokenizer, path, on_bad="stop", format="pairs")
     nothing = write_jsonl(tmp_path / "nothing.jsonl", [{"prompt": "1+3", "chosen": "4", "rejected": "4"}])
@@ -207,15 +207,19 @@ def test_a_uid_of_the_dataset_takes_its_problem_and_template(tmp_path, policy):
     _, _, tokenizer = policy
     dataset = [Problem("arith/train/0", "12+30", "42", meta={"level": 2})]
     path = write_jsonl(tmp_path / "uid.jsonl", [{"uid": "arith/train/0", "chosen": "42", "rejected": "41"},
-                                                {"uid": "arith/train/9", "chosen": "1", "rejected": "2"}])
+                                                {"uid": "arith/train/9", "chosen": "1", "rejected": "2"},
+                                                {"prompt": "12+30", "chosen": "42", "rejected": "40"},
+                                                {"prompt": "12+31", "chosen": "43", "rejected": "40"}])
     strategy, problems = offline(tokenizer, path, problems=dataset, on_bad="skip")
-    (problem,) = problems
-    assert (problem.prompt, problem.answer, problem.meta["dataset_uid"], problem.meta["level"]) == ("12+30", "42", "arith/train/0", 2)
+    assert [p.uid for p in problems] == ["offline/0", "offline/1", "offline/2"]
+    for problem in problems[:2]:  # by uid, and by a prompt equal to the dataset problem's statement
+        assert (problem.prompt, problem.answer, problem.meta["dataset_uid"], problem.meta["level"]) == ("12+30", "42", "arith/train/0", 2)
+    assert (problems[2].prompt, problems[2].answer, "dataset_uid" in problems[2].meta) == ("12+31", "", False)
     graded, _ = strategy.rollout(problems)
     sampler = GroupSampler(None, None, tokenizer, ARITH_PROMPT, None)
     assert graded.groups[0][0].prompt_ids == sampler.encode(dataset)[0]  # as the dataset's problem is asked online
     # an unknown uid without a prompt text has no prompt: missing_fields
-    with pytest.raises(DataError, match=r"1 groups kept; left out: missing_fields 1 \(e.g. .*uid.jsonl:2\)"):
+    with pytest.raises(DataError, match=r"3 groups kept; left out: missing_fields 1 \(e.g. .*uid.jsonl:2\)"):
         offline(tokenizer, path, problems=dataset, on_bad="stop")
 
 

@@ -13,7 +13,8 @@ group, in one of the formats (``rollout.offline.format``; ``auto`` reads the fir
                library (rlbench/guidance/traces.py), graded by the run's grader.
 
 A record names its prompt by ``prompt`` (the problem statement) or by ``uid`` (a training problem of the run's
-dataset, whose statement, answer and template fields it then takes). Either way the prompt is templated as an
+dataset, whose statement, answer and template fields it then takes; so does a ``prompt`` equal to a training
+problem's statement). Either way the prompt is templated as an
 online prompt is: the dataset's ``prompt`` (system message, user template) and the model's chat template. In
 CSV files the ``responses`` and ``ranking`` columns hold JSON lists. Optional fields: ``tokenizer`` (the
 fingerprint of rlbench.guidance.traces.tokenizer_fingerprint) and ``chat_template`` (:func:`chat_template_fingerprint`),
@@ -265,18 +266,19 @@ def templated(prompt: str, tokenizer: Any) -> bool:
 
 
 def offline_groups(source: OfflineFile, problems: Sequence[Problem], tokenizer: Any, max_tokens: int) -> list[TokenizedGroup]:
-    """``source``'s groups after the checks that need the run: the prompt resolved (a ``uid`` of ``problems``
-    takes that problem, else the record's ``prompt`` is the statement), the record's tokenizer and chat template
+    """``source``'s groups after the checks that need the run: the prompt resolved (a ``uid`` of ``problems``,
+    or a ``prompt`` equal to one's statement, takes that problem; else the record's ``prompt`` is the statement), the record's tokenizer and chat template
     against the run's, templated prompts, responses over ``max_tokens`` tokens, and again no pair. Counts into
     ``source`` (its ``groups`` become the kept ones); the caller reports and checks (:meth:`OfflineFile.check`)."""
     by_uid = {p.uid: p for p in problems}
+    by_statement = {p.prompt: p for p in problems}
     own_tokenizer = tokenizer_fingerprint(tokenizer) if any(g.tokenizer for g in source.groups) else None
     own_template = chat_template_fingerprint(tokenizer)
     kept: list[OfflineGroup] = []
     built: list[TokenizedGroup] = []
     for group in source.groups:
         counted_before = sum(source.counts.values())
-        dataset_problem = by_uid.get(group.uid) if group.uid else None
+        dataset_problem = by_uid.get(group.uid) if group.uid else by_statement.get(group.prompt)
         if dataset_problem is None and group.prompt is None:  # a uid the dataset does not hold, and no prompt text
             source.reject("missing_fields", group.where)
             continue
