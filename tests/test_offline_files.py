@@ -168,7 +168,7 @@ def test_each_kind_of_bad_input_is_counted_in_one_line(tmp_path, policy, caplog)
     path = bad_file(tmp_path, tokenizer)
     with caplog.at_level("INFO", logger="rlbench.rollout.guided.offline"):
         _, problems = offline(tokenizer, path, on_bad="skip", format="pairs")
-    counts = {"missing_fields": 3, "empty": 1, "identical": 1, "too_long": 1, "tokenizer_mismatch": 1,
+    counts = {"missing_fields": 3, "unknown_uid": 0, "empty": 1, "identical": 1, "too_long": 1, "tokenizer_mismatch": 1,
               "chat_template_mismatch": 1, "templated_prompt": 1, "no_pair": 0}
     # format=pairs: the responses record lacks chosen/rejected (missing_fields); auto reads the first record's keys too
     source = read_offline_file(str(path))
@@ -218,8 +218,8 @@ def test_a_uid_of_the_dataset_takes_its_problem_and_template(tmp_path, policy):
     graded, _ = strategy.rollout(problems)
     sampler = GroupSampler(None, None, tokenizer, ARITH_PROMPT, None)
     assert graded.groups[0][0].prompt_ids == sampler.encode(dataset)[0]  # as the dataset's problem is asked online
-    # an unknown uid without a prompt text has no prompt: missing_fields
-    with pytest.raises(DataError, match=r"3 groups kept; left out: missing_fields 1 \(e.g. .*uid.jsonl:2\)"):
+    # an unknown uid without a prompt text has no prompt
+    with pytest.raises(DataError, match=r"3 groups kept; left out: unknown_uid 1 \(e.g. .*uid.jsonl:2\)"):
         offline(tokenizer, path, problems=dataset, on_bad="stop")
 
 

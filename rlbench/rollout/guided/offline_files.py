@@ -21,7 +21,7 @@ fingerprint of rlbench.guidance.traces.tokenizer_fingerprint) and ``chat_templat
 checked against the run's when present.
 
 Bad input (:data:`BAD_KINDS`) is counted, not trained on: a record or a response entry without its fields
-(``missing_fields``), an empty response (``empty``), a text labelled two ways (``identical``: chosen = rejected,
+(``missing_fields``), a record that names its prompt only by a ``uid`` the dataset does not hold (``unknown_uid``), an empty response (``empty``), a text labelled two ways (``identical``: chosen = rejected,
 a text twice in a ranking or with two rewards; every copy is dropped), a response longer than
 ``rollout.max_new_tokens`` tokens (``too_long``), a record written with another tokenizer or chat template
 (``tokenizer_mismatch``, ``chat_template_mismatch``), a prompt that already carries a chat template's markup
@@ -48,7 +48,7 @@ from rlbench.guidance.traces import text_token_ids, tokenizer_fingerprint
 
 FORMATS = ("auto", "pairs", "responses", "ranking", "traces")
 DATASETS_BUILDERS = {".json": "json", ".parquet": "parquet", ".csv": "csv"}  # suffix -> datasets' packaged builder
-BAD_KINDS = ("missing_fields", "empty", "identical", "too_long", "tokenizer_mismatch", "chat_template_mismatch",
+BAD_KINDS = ("missing_fields", "unknown_uid", "empty", "identical", "too_long", "tokenizer_mismatch", "chat_template_mismatch",
              "templated_prompt", "no_pair")
 # markup of common chat templates (ChatML, Llama 3, Llama 2/Mistral, Gemma, Zephyr/Phi, DeepSeek): a prompt that
 # holds one was written after templating
@@ -280,7 +280,7 @@ def offline_groups(source: OfflineFile, problems: Sequence[Problem], tokenizer: 
         counted_before = sum(source.counts.values())
         dataset_problem = by_uid.get(group.uid) if group.uid else by_statement.get(group.prompt)
         if dataset_problem is None and group.prompt is None:  # a uid the dataset does not hold, and no prompt text
-            source.reject("missing_fields", group.where)
+            source.reject("unknown_uid", group.where)
             continue
         if group.tokenizer and group.tokenizer != own_tokenizer:
             source.reject("tokenizer_mismatch", group.where)
