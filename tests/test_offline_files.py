@@ -140,6 +140,11 @@ def test_json_parquet_and_csv_files_read_as_the_jsonl_file(tmp_path):
         source = read_offline_file(str(tmp_path / name))
         assert content(source) == content(expected), name
         assert source.groups[1].where == f"{tmp_path / name}:row 2"
+    # CSV cells are text as written: a numeric column stays text, an empty cell is an empty response
+    (tmp_path / "numbers.csv").write_text("prompt,chosen,rejected\n2+3,5,6\n4+4,8,\n")
+    source = read_offline_file(str(tmp_path / "numbers.csv"))
+    assert [(g.prompt, g.texts) for g in source.groups] == [("2+3", ("5", "6"))]
+    assert source.counts["empty"] == 1 and source.examples["empty"].endswith("numbers.csv:row 2")
     with pytest.raises(ConfigError, match="reads .jsonl and"):
         read_offline_file(str(write_jsonl(tmp_path / "pairs.txt", records)))
 

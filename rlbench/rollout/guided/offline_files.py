@@ -32,6 +32,7 @@ loads); :func:`offline_groups` checks everything and builds the groups.
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 import math
@@ -134,12 +135,23 @@ def read_records(path: str) -> list[tuple[str, dict[str, Any]]]:
         raise ConfigError(f"rollout.offline.file={path}: reads .jsonl and {sorted(DATASETS_BUILDERS)} files")
     import datasets
 
-    with tempfile.TemporaryDirectory(prefix="rlbench-offline-") as cache:
-        try:
-            table = datasets.load_dataset(builder, data_files=str(file), split="train", cache_dir=cache, keep_in_memory=True)
-        except Exception as exc:  # the builders raise their own parse errors
-            raise DataError(f"rollout.offline.file={path}: datasets cannot read it as {builder}: {exc}") from exc
-        return [(f"{path}:row {i + 1}", dict(row)) for i, row in enumerate(table)]
+    options: dict[str, Any] = {}
+    if builder == "csv":  # every column as text, as written ("5" stays "5", an empty cell "")
+        with file.open(newline="", encoding="utf-8") as handle:
+            columns = next(csv.reader(handle), [])
+        options = {"features": datasets.Features({c: datasets.Value("string") for c in columns}), "na_filter": False}
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        with tempfile.TemporaryDirectory(prefix="rlbench-offline-") as cache:
+            table = datasets.load_dataset(builder, data_files=str(file), split="train", cache_dir=cache, keep_in_memory=True,
+                                          **options)
+            return [(f"{path}:row {i + 1}", dict(row)) for i, row in enumerate(table)]
+    except Exception as exc:  # the builders raise their own parse errors
+        raise DataError(f"rollout.offline.file={path}: datasets cannot read it as {builder}: {exc}") from exc
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
 
 
 def detect_format(record: dict[str, Any], where: str) -> str:
