@@ -270,3 +270,13 @@ def test_a_traces_file_is_read_as_the_guidance_library(tmp_path):
     for row in rows:
         assert row["generated_responses"] == 0 and row["responses_teacher"] == 8 and row["offline_groups"] == 2
     assert rows[0]["policy_loss"] == pytest.approx(math.log(2), abs=1e-4)
+
+
+def test_a_resumed_run_refuses_a_file_that_changed_since_the_checkpoint(tmp_path, policy):
+    _, _, tokenizer = policy
+    path = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in PAIRS])
+    state = offline(tokenizer, path)[0].state_dict()
+    offline(tokenizer, path)[0].load_state_dict(state)  # the same file: restored
+    write_jsonl(path, [{"prompt": p, "chosen": r, "rejected": c} for p, c, r in PAIRS])  # the labels flipped
+    with pytest.raises(DataError, match="changed since the checkpoint"):
+        offline(tokenizer, path)[0].load_state_dict(state)

@@ -27,9 +27,11 @@ SFT loss reads no ratio; a ratio loss would train on that assumption.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from rlbench.config.schema import RolloutConfig
@@ -71,6 +73,15 @@ def library_coverage(traces: dict[str, list[Trace]]) -> tuple[int, int]:
     return sum(1 for ts in traces.values() if ts), with_pair
 
 
+def file_digest(path: str) -> str:
+    """The sha256 of the file's bytes (a resumed run checks that its file is the one it started with)."""
+    digest = hashlib.sha256()
+    with Path(path).expanduser().open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def file_grade(reward: float) -> Grade:
     """A file's label as a grade: its reward, correct when it is the top reward 1 (a pair's chosen, a ranking's
     best, a 0/1 response's 1)."""
@@ -86,6 +97,7 @@ class Offline(RolloutStrategy):
         self.uses: dict[str, int] = {}  # uid -> responses of it used so far (the library's groups)
         self.library = setup.guidance
         self.file_groups: dict[str, TokenizedGroup] | None = None  # uid -> group, set by training_problems (a file)
+        self.file_digest: str | None = None  # the file's sha256, saved with checkpoints
         if file is None:
             self.check_library()
 
@@ -138,12 +150,18 @@ class Offline(RolloutStrategy):
         source.check(self.on_bad)
         (log.warning if source.bad else log.info)("%s", source.summary())
         self.file_groups = {g.problem.uid: g for g in groups}
+        self.file_digest = file_digest(self.file)
         return [g.problem for g in groups]
 
     def state_dict(self) -> dict:
-        return {"uses": dict(self.uses)}
+        return {"uses": dict(self.uses), **({"file_digest": self.file_digest} if self.file_groups is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore the state; a file that changed since the checkpoint (its groups would be others) is refused."""
+        saved = state.get("file_digest")
+        if saved is not None and self.file_groups is not None and saved != self.file_digest:
+            raise DataError(f"rollout.offline.file={self.file} changed since the checkpoint was written (sha256 {saved[:12]}... "
+                            f"then, {self.file_digest[:12]}... now): resume with the file the run started with")
         self.uses = dict(state["uses"])
 
     def has_responses(self, problem: Problem) -> bool:
