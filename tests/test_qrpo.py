@@ -1,0 +1,129 @@
+"""QRPO (arXiv:2507.08068): quantile rewards, the analytic partition function, the loss and its optimum
+(rlbench/algorithm/losses/quantile_reward.py); the reference caches (rlbench/training/reference_cache.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import algorithm_from, compose_config
+from test_preference import fit_bandit
+
+from rlbench.algorithm.aggregation import group_mean
+from rlbench.algorithm.losses.quantile_reward import (
+    group_quantile_rewards,
+    log_uniform_partition,
+    qrpo_loss,
+    quantile_rewards,
+)
+from rlbench.training.batch import whole_group_chunks
+
+
+@pytest.mark.parametrize("beta", [0.05, 0.2, 1.0, 5.0])
+def test_the_analytic_partition_matches_a_monte_carlo_estimate(beta):
+    gen = torch.Generator().manual_seed(0)
+    u = torch.rand(400_000, generator=gen, dtype=torch.float64)  # r_q under pi_ref: U[0, 1]
+    weights = torch.exp(u / beta - 1 / beta)  # exp(r_q / beta), scaled by exp(-1/beta) to stay finite
+    standard_error = (weights.std() / weights.mean()).item() / math.sqrt(len(u))  # of log Z's estimate
+    estimate = weights.mean().log().item() + 1 / beta
+    assert log_uniform_partition(beta) == pytest.approx(estimate, abs=4 * standard_error)
+    assert log_uniform_partition(beta) == pytest.approx(math.log(beta * math.expm1(1 / beta)), rel=1e-12)
+
+
+def test_the_partition_of_quantiles_of_reference_samples_is_the_analytic_one():
+    """The whole path: continuous rewards of K reference samples, fresh pi_ref samples' quantiles among them,
+    E[exp(r_q / beta)] against Z_q. The empirical CDF of K samples is within eps = sqrt(log(2/delta) / (2K)) of
+    the true one with probability 1 - delta (Dvoretzky-Kiefer-Wolfowitz), which moves log Z by at most eps / beta."""
+    beta, gen, k = 0.5, torch.Generator().manual_seed(1), 2000
+    reference = torch.randn(1, k, generator=gen, dtype=torch.float64) * 3 + 1
+    fresh = torch.randn(20_000, generator=gen, dtype=torch.float64) * 3 + 1
+    quantiles = quantile_rewards(fresh, reference.expand(len(fresh), -1))
+    weights = torch.exp(quantiles / beta)
+    standard_error = (weights.std() / weights.mean()).item() / math.sqrt(len(fresh))
+    eps = math.sqrt(math.log(2 / 1e-4) / (2 * k))
+    assert abs(quantiles.mean().item() - 0.5) < eps + 4 * quantiles.std().item() / math.sqrt(len(fresh))
+    assert log_uniform_partition(beta) == pytest.approx(weights.mean().log().item(), abs=eps / beta + 4 * standard_error)
+
+
+def test_a_small_beta_keeps_the_partition_finite():
+    assert log_uniform_partition(1e-4) == pytest.approx(math.log(1e-4) + 1e4, rel=1e-12)
+    with pytest.raises(ValueError, match="beta"):
+        log_uniform_partition(0.0)
+
+
+def test_binary_rewards_get_mid_rank_quantiles():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])  # group 0: 2 of 4 right; group 1: none
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 1, 1])
+    mid = group_quantile_rewards(rewards, groups)
+    assert mid[:4].tolist() == [0.75, 0.25, 0.25, 0.75]  # right: (2 below + 2 tied / 2) / 4; wrong: (0 + 2 / 2) / 4
+    assert mid[4:].tolist() == [0.5] * 6  # all tied: the middle, as the mean of U[0, 1]
+    assert group_quantile_rewards(rewards, groups, ties="at_most")[:4].tolist() == [1.0, 0.5, 0.5, 1.0]  # the paper's <=
+    one_right = group_quantile_rewards(torch.tensor([0.0, 0.0, 0.0, 1.0]), torch.zeros(4, dtype=torch.long))
+    assert one_right.tolist() == [0.375, 0.375, 0.375, 0.875]
+    assert one_right.mean().item() == pytest.approx(0.5)  # mid-rank quantiles average 1/2 under the reference samples
+    with pytest.raises(ValueError, match="ties"):
+        group_quantile_rewards(rewards, groups, ties="min")
+
+
+def test_the_loss_matches_its_closed_form_value_and_gradient():
+    beta = 0.3
+    gen = torch.Generator().manual_seed(2)
+    logp = (-torch.rand(5, 4, generator=gen)).requires_grad_()
+    ref = -torch.rand(5, 4, generator=gen)
+    mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 0]])
+    rewards, groups = torch.tensor([0.2, 0.9, 0.5, 1.0, 0.0]), torch.tensor([0, 0, 0, 1, 1])
+    matrix, metrics = qrpo_loss(logp, ref, mask, rewards, groups, beta=beta)
+    delta = ((logp - ref) * mask).sum(-1)
+    quantiles = torch.tensor([1 / 6, 5 / 6, 1 / 2, 3 / 4, 1 / 4])
+    log_z = math.log(beta * (math.exp(1 / beta) - 1))
+    per_response = (quantiles - beta * log_z - beta * delta) ** 2
+    expected = (per_response[:3].mean() + per_response[3:].mean()) / 2
+    loss = group_mean(matrix, mask, batch_groups=2)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    (grad,) = torch.autograd.grad(loss, logp)
+    (want,) = torch.autograd.grad(expected, logp)
+    assert torch.allclose(grad, want, atol=1e-6)
+    assert metrics["quantile_reward"] == pytest.approx(quantiles.mean().item())
+
+
+def test_micro_batches_of_whole_groups_add_up_to_the_full_batch_loss():
+    gen = torch.Generator().manual_seed(3)
+    groups = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2])
+    rewards = (torch.rand(9, generator=gen) > 0.5).float()
+    logp, ref, mask = -torch.rand(9, 5, generator=gen), -torch.rand(9, 5, generator=gen), torch.ones(9, 5)
+    full = group_mean(qrpo_loss(logp, ref, mask, rewards, groups, beta=0.5)[0], mask, batch_groups=3)
+    parts = sum(group_mean(qrpo_loss(logp[c], ref[c], mask[c], rewards[c], groups[c], beta=0.5)[0], mask[c], batch_groups=3)
+                for c in whole_group_chunks(torch.arange(9), groups, 4))
+    assert parts.item() == pytest.approx(full.item(), rel=1e-6)
+
+
+def test_a_tabular_policy_reaches_the_reference_tilted_by_the_quantile_reward():
+    """Offline QRPO as in the paper: the group is a sample of pi_ref (arm a appears counts[a] times out of N),
+    each response is trained on and is also a reference sample; distinct rewards per arm. The squared loss's
+    minimiser is pi_ref exp(r_q / beta) / Z (mid-rank r_q: the midpoint rule of Z's integral, so the
+    normalisation is Z_q up to O(h^2 / beta^2))."""
+    beta = 1.0
+    counts = torch.tensor([6, 10, 8, 12, 7, 9, 11, 5, 8, 10, 9, 6, 12, 7, 4, 4])
+    arm_rewards = torch.randperm(len(counts), generator=torch.Generator().manual_seed(4)).float()
+    rows = torch.repeat_interleave(torch.arange(len(counts)), counts)  # the N = 128 responses' arms
+    pi_ref = counts / counts.sum()
+    rewards, group = arm_rewards[rows], torch.zeros(len(rows), dtype=torch.long)
+    mask, ref = torch.ones(len(rows), 1), pi_ref.log()[rows][:, None]
+
+    def loss_of(logp_of_arms: torch.Tensor) -> torch.Tensor:
+        return group_mean(qrpo_loss(logp_of_arms[rows], ref, mask, rewards, group, beta=beta)[0], mask, batch_groups=1)
+
+    fitted = fit_bandit(loss_of, steps=2000, lr=0.05, arms=len(counts))
+    quantiles = group_quantile_rewards(rewards, group)
+    per_arm = torch.zeros(len(counts)).index_put_((rows,), quantiles)
+    target = pi_ref * torch.exp(per_arm / beta)
+    assert (target.sum() / math.exp(log_uniform_partition(beta))).item() == pytest.approx(1.0, abs=2e-3)
+    assert torch.allclose(fitted, target / target.sum(), atol=2e-3)
+
+
+def test_the_preset_composes_reads_whole_groups_and_loads_a_reference(tmp_path):
+    cfg = compose_config(["algorithm=qrpo"], tmp_path)
+    algorithm = algorithm_from(cfg.algorithm)
+    assert algorithm.loss_reads_whole_groups and algorithm.needs_reference
+    assert cfg.algorithm.loss.beta == 0.01 and cfg.algorithm.fidelity.status == "partial"
