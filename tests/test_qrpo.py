@@ -127,3 +127,114 @@ def test_the_preset_composes_reads_whole_groups_and_loads_a_reference(tmp_path):
     algorithm = algorithm_from(cfg.algorithm)
     assert algorithm.loss_reads_whole_groups and algorithm.needs_reference
     assert cfg.algorithm.loss.beta == 0.01 and cfg.algorithm.fidelity.status == "partial"
+
+
+# ------------------------------------------------------------------ the reference log-prob cache
+
+from rlbench.errors import DataError
+from rlbench.rollout.engines.base import Completion
+from rlbench.training.batch import collate
+from rlbench.training.forward import batch_outputs
+from rlbench.training.reference_cache import (
+    ReferenceLogProbCache,
+    data_fingerprint,
+    reference_log_probs,
+    weights_fingerprint,
+)
+
+
+def tiny_reference(seed: int = 0) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def offline_batch(groups: list[list[tuple[tuple[int, ...], list[int]]]]):
+    """A batch of (prompt ids, response ids) groups, as the offline strategy's traces become."""
+    return collate([[Completion(0, prompt, list(response), [0.0] * len(response), True) for prompt, response in group]
+                    for group in groups], pad_token_id=0)
+
+
+GROUPS = [[((1, 2, 3), [4, 5, 6]), ((1, 2, 3), [7, 8])], [((9, 10), [11, 12, 13, 14]), ((9, 10), [15])]]
+
+
+class ReferencePasses:
+    """Counts the responses the cache sends through the reference model (its calls of batch_outputs)."""
+
+    def __init__(self, monkeypatch):
+        import rlbench.training.reference_cache as module
+
+        self.rows, real = 0, module.batch_outputs
+
+        def counted(model, batch, *args, **kwargs):
+            self.rows += batch.size
+            return real(model, batch, *args, **kwargs)
+
+        monkeypatch.setattr(module, "batch_outputs", counted)
+
+
+def test_a_cached_response_costs_no_reference_pass_and_keeps_its_log_probs(monkeypatch):
+    reference, batch = tiny_reference(), offline_batch(GROUPS)
+    counter, cache = ReferencePasses(monkeypatch), ReferenceLogProbCache(identity={"model": "m", "data": "d"})
+    direct = batch_outputs(reference, batch, micro_batch_size=8, temperature=1.0).logp
+    first = reference_log_probs(reference, batch, 8, 1.0, cache)
+    assert counter.rows == 4 and (cache.hits, cache.misses) == (0, 4)
+    assert torch.allclose(first, direct, atol=1e-5)
+    again = reference_log_probs(reference, batch, 8, 1.0, cache)
+    assert counter.rows == 4 and (cache.hits, cache.misses) == (4, 4)  # the second epoch: no forward pass
+    assert torch.equal(again, first)
+    # the same responses in another batch (other padding, another group beside them): served from the cache
+    mixed = offline_batch([[((20, 21, 22, 23, 24), [25])], GROUPS[1]])
+    values = reference_log_probs(reference, mixed, 8, 1.0, cache)
+    assert counter.rows == 5 and (cache.hits, cache.misses) == (6, 5)
+    assert torch.allclose(values, batch_outputs(reference, mixed, 8, 1.0).logp, atol=1e-5)
+    assert cache.metrics() == {"reference_cache_hits": 6.0, "reference_cache_misses": 5.0}
+
+
+def test_a_cache_file_of_the_same_identity_is_reused(tmp_path, monkeypatch):
+    reference, batch, path = tiny_reference(), offline_batch(GROUPS), tmp_path / "ref.pt"
+    identity = {"model": weights_fingerprint(reference), "data": "d", "temperature": "1.0"}
+    first = ReferenceLogProbCache.open(identity, path)
+    values = reference_log_probs(reference, batch, 8, 1.0, first)  # saves the new entries
+    assert path.is_file()
+    counter = ReferencePasses(monkeypatch)
+    second = ReferenceLogProbCache.open(identity, path)
+    assert torch.equal(reference_log_probs(reference, batch, 8, 1.0, second), values)
+    assert counter.rows == 0 and (second.hits, second.misses, second.dropped) == (4, 0, 0)
+
+
+@pytest.mark.parametrize("differs", ["model", "data"])
+def test_a_cache_file_of_another_model_or_data_is_recomputed_and_counted_or_refused(tmp_path, caplog, differs):
+    path = tmp_path / "ref.pt"
+    reference, batch = tiny_reference(), offline_batch(GROUPS)
+    identity = {"model": weights_fingerprint(reference), "data": "d", "temperature": "1.0"}
+    reference_log_probs(reference, batch, 8, 1.0, ReferenceLogProbCache.open(identity, path))
+    other_model = tiny_reference(seed=1)
+    other = {**identity, differs: weights_fingerprint(other_model) if differs == "model" else "other data"}
+    with pytest.raises(DataError, match=f"computed for another {differs} than this run's"):
+        ReferenceLogProbCache.open(other, path, on_mismatch="stop")
+    with caplog.at_level("WARNING"):
+        cache = ReferenceLogProbCache.open(other, path)
+    assert cache.dropped == 4 and not cache.entries
+    assert f"computed for another {differs}: its 4 entries are dropped and recomputed" in caplog.text
+    model = other_model if differs == "model" else reference
+    values = reference_log_probs(model, batch, 8, 1.0, cache)
+    assert cache.misses == 4 and torch.allclose(values, batch_outputs(model, batch, 8, 1.0).logp, atol=1e-5)
+    assert ReferenceLogProbCache.open(other, path).entries.keys() == cache.entries.keys()  # the file now holds the new identity's
+
+
+def test_the_identity_follows_the_weights_and_the_data():
+    reference = tiny_reference()
+    before = weights_fingerprint(reference)
+    assert weights_fingerprint(tiny_reference()) == before
+    with torch.no_grad():
+        next(reference.parameters())[0, 0] += 1e-3
+    assert weights_fingerprint(reference) != before
+    data = [("a", (1, 2), 1.0), ("b", (3,), 0.0)]
+    assert data_fingerprint(data) == data_fingerprint(reversed(data))  # the file's order does not matter
+    assert data_fingerprint(data) != data_fingerprint([("a", (1, 2), 1.0), ("b", (3,), 1.0)])  # a reward does
+    with pytest.raises(Exception, match="reference_cache_mismatch"):
+        ReferenceLogProbCache.open({}, None, on_mismatch="ignore")

@@ -56,6 +56,8 @@ class OfflineOptions:
     file: str | None = None  # a file of pairs, responses or rankings (null: the run's guidance library)
     format: Literal["auto", "pairs", "responses", "ranking", "traces"] = "auto"  # auto: the first record's keys
     on_bad: Literal["stop", "skip"] = "stop"  # bad records: stop = refuse before training; skip = count, log, go on
+    reference_cache: str | None = None  # a file keeping log pi_ref of the responses across runs (None: this run only)
+    reference_cache_mismatch: Literal["recompute", "stop"] = "recompute"  # a cache file of another model or data: recompute | stop
 
 
 def offline_options(rollout: RolloutConfig) -> OfflineOptions:
