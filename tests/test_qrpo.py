@@ -238,3 +238,33 @@ def test_the_identity_follows_the_weights_and_the_data():
     assert data_fingerprint(data) != data_fingerprint([("a", (1, 2), 1.0), ("b", (3,), 1.0)])  # a reward does
     with pytest.raises(Exception, match="reference_cache_mismatch"):
         ReferenceLogProbCache.open({}, None, on_mismatch="ignore")
+
+
+# ------------------------------------------------------------------ through the runner (slow tier)
+
+from test_preference_offline import offline_run, traces  # noqa: F401  (traces: the generated file, a fixture)
+
+
+@pytest.mark.slow
+def test_offline_qrpo_computes_each_responses_reference_once_and_reuses_a_cache_file(tmp_path, traces):  # noqa: F811
+    """The same 2 prompts with the file's 4 responses each, 3 steps: pi_ref runs on the 8 responses at the first
+    step only; a second run with the first's cache file runs it on none; a file of another model is refused
+    (reference_cache_mismatch=stop) or dropped and recomputed (the default)."""
+    same = ["dataset.arith.train_size=2", "guidance.on_bad=skip"]
+    rows = offline_run(tmp_path / "plain", traces, "qrpo", *same)
+    assert [r["reference_cache_misses"] for r in rows] == [8, 8, 8]
+    assert [r["reference_cache_hits"] for r in rows] == [0, 8, 16]
+    assert all(r["generated_responses"] == 0 for r in rows)
+    cache = f"rollout.offline.reference_cache={tmp_path / 'ref.pt'}"
+    first = offline_run(tmp_path / "first", traces, "qrpo", *same, cache)
+    assert first[0]["reference_cache_misses"] == 8 and (tmp_path / "ref.pt").is_file()
+    second = offline_run(tmp_path / "second", traces, "qrpo", *same, cache)
+    assert [r["reference_cache_misses"] for r in second] == [0, 0, 0]
+    assert [r["reference_cache_hits"] for r in second] == [8, 16, 24]
+    assert second[0]["policy_loss"] == pytest.approx(first[0]["policy_loss"], rel=1e-5)
+    other_model = ["model.tiny.initializer_range=0.5"]
+    with pytest.raises(DataError, match="computed for another model"):
+        offline_run(tmp_path / "refused", traces, "qrpo", *same, *other_model, cache,
+                    "rollout.offline.reference_cache_mismatch=stop")
+    recomputed = offline_run(tmp_path / "recomputed", traces, "qrpo", *same, *other_model, cache)
+    assert recomputed[0]["reference_cache_misses"] == 8
