@@ -268,3 +268,25 @@ def test_offline_qrpo_computes_each_responses_reference_once_and_reuses_a_cache_
                     "rollout.offline.reference_cache_mismatch=stop")
     recomputed = offline_run(tmp_path / "recomputed", traces, "qrpo", *same, *other_model, cache)
     assert recomputed[0]["reference_cache_misses"] == 8
+
+
+def test_the_runs_cache_is_keyed_by_the_offline_file_and_off_where_the_reference_moves(tmp_path):
+    from rlbench.config.typed import typed_config
+    from rlbench.training.reference_cache import offline_reference_cache
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text('{"prompt": "1+3", "chosen": "4", "rejected": "5"}\n')
+    reference = tiny_reference()
+
+    def cache_of(*overrides):
+        cfg = typed_config(compose_config(["algorithm=qrpo", "rollout=offline", f"rollout.offline.file={data}", *overrides],
+                                          tmp_path / "compose"))
+        return offline_reference_cache(cfg, reference, None, 1.0, sharded=False)
+
+    first = cache_of()
+    assert first.identity["model"] == weights_fingerprint(reference) and first.identity["data"].startswith("file sha256 ")
+    data.write_text('{"prompt": "1+3", "chosen": "4", "rejected": "6"}\n')
+    assert cache_of().identity["data"] != first.identity["data"]  # another file's content: another identity
+    assert cache_of("+algorithm.reincarnate_at=2") is None  # the reference changes during the run
+    assert offline_reference_cache(typed_config(compose_config(["algorithm=qrpo"], tmp_path / "online")), reference, None,
+                                   1.0, sharded=False) is None  # online: each step's responses are new

@@ -8,8 +8,8 @@ positions), so each response costs one reference forward pass per run, not one p
 model and data starts with them.
 
 A cache file is keyed by its identity (:func:`cache_identity`): the reference's weights (a hash of its
-parameters), the data (a hash of the library's responses and rewards) and the temperature the log-probs
-are taken at. A file of another identity is never used: with ``reference_cache_mismatch: recompute`` (the
+parameters), the data (``rollout.offline.file``'s sha256, or a hash of the guidance library's responses and
+rewards) and the temperature the log-probs are taken at. A file of another identity is never used: with ``reference_cache_mismatch: recompute`` (the
 default) its entries are dropped and recomputed, counted in one logged line; with ``stop`` the run is
 refused before training, naming what differs.
 
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from rlbench.errors import ConfigError, DataError
-from rlbench.rollout.guided.offline import offline_options
+from rlbench.rollout.guided.offline import file_digest, offline_options
 from rlbench.training.batch import TrainBatch
 from rlbench.training.forward import batch_outputs
 from rlbench.utils import atomic_write_bytes
@@ -59,9 +59,9 @@ def data_fingerprint(responses: Iterable[tuple[str, Iterable[int], float]]) -> s
     return digest.hexdigest()
 
 
-def cache_identity(model: torch.nn.Module, responses: Iterable[tuple[str, Iterable[int], float]], temperature: float) -> dict[str, str]:
-    """What a cache's entries depend on: the reference's weights, the data and the temperature."""
-    return {"model": weights_fingerprint(model), "data": data_fingerprint(responses), "temperature": repr(float(temperature))}
+def cache_identity(model: torch.nn.Module, data: str, temperature: float) -> dict[str, str]:
+    """What a cache's entries depend on: the reference's weights, the data's fingerprint and the temperature."""
+    return {"model": weights_fingerprint(model), "data": data, "temperature": repr(float(temperature))}
 
 
 def row_key(batch: TrainBatch, row: int) -> str:
@@ -166,12 +166,18 @@ def reference_log_probs(
 def offline_reference_cache(config: Any, reference: torch.nn.Module | None, guidance: Any, temperature: float,
                             sharded: bool) -> ReferenceLogProbCache | None:
     """The run's cache: for ``rollout=offline`` with a reference that stays frozen (no reincarnation, no weight
-    soup, not sharded); None otherwise. ``config``: the typed run config; ``guidance``: its library."""
-    if reference is None or config.rollout.strategy != "offline" or guidance is None or sharded:
+    soup, not sharded); None otherwise. ``config``: the typed run config; ``guidance``: its library (the data
+    when ``rollout.offline.file`` is not set)."""
+    if reference is None or config.rollout.strategy != "offline" or sharded:
         return None
     if config.algorithm.reincarnate_at is not None or config.algorithm.reference_soup is not None:
         return None
     options = offline_options(config.rollout)
-    responses = ((t.uid, t.token_ids, t.reward) for traces in guidance.traces.values() for t in traces)
-    identity = cache_identity(reference, responses, temperature)
+    if options.file is not None:
+        data = f"file sha256 {file_digest(options.file)}"
+    elif guidance is not None:
+        data = data_fingerprint((t.uid, t.token_ids, t.reward) for traces in guidance.traces.values() for t in traces)
+    else:
+        return None
+    identity = cache_identity(reference, data, temperature)
     return ReferenceLogProbCache.open(identity, options.reference_cache, options.reference_cache_mismatch)
