@@ -251,22 +251,27 @@ def test_offline_qrpo_computes_each_responses_reference_once_and_reuses_a_cache_
     step only; a second run with the first's cache file runs it on none; a file of another model is refused
     (reference_cache_mismatch=stop) or dropped and recomputed (the default)."""
     same = ["dataset.arith.train_size=2", "guidance.on_bad=skip"]
-    rows = offline_run(tmp_path / "plain", traces, "qrpo", *same)
+    rows = offline_run(tmp_path / "plain", traces, "grpo", "algorithm=qrpo", "algorithm.loss.beta=0.1", "trainer.lr=2e-4", *same)
+    control = offline_run(tmp_path / "control", traces, "grpo", "algorithm=qrpo", "algorithm.loss.beta=0.1", "trainer.lr=2e-4", *same, "trainer.lr=1e-12")  # after the 1e-3 above: the last lr wins
+    # it learns the file: the same responses' regression loss falls (0.147, 0.055, 0.016 at lr 2e-4; lr 1e-2 overshoots
+    # to 9.1 by step 3); without a parameter change it does not
+    assert rows[-1]["policy_loss"] < 0.9 * rows[0]["policy_loss"]
+    assert control[-1]["policy_loss"] == pytest.approx(control[0]["policy_loss"], rel=1e-4)
     assert [r["reference_cache_misses"] for r in rows] == [8, 8, 8]
     assert [r["reference_cache_hits"] for r in rows] == [0, 8, 16]
     assert all(r["generated_responses"] == 0 for r in rows)
     cache = f"rollout.offline.reference_cache={tmp_path / 'ref.pt'}"
-    first = offline_run(tmp_path / "first", traces, "qrpo", *same, cache)
+    first = offline_run(tmp_path / "first", traces, "grpo", "algorithm=qrpo", "algorithm.loss.beta=0.1", "trainer.lr=2e-4", *same, cache)
     assert first[0]["reference_cache_misses"] == 8 and (tmp_path / "ref.pt").is_file()
-    second = offline_run(tmp_path / "second", traces, "qrpo", *same, cache)
+    second = offline_run(tmp_path / "second", traces, "grpo", "algorithm=qrpo", "algorithm.loss.beta=0.1", "trainer.lr=2e-4", *same, cache)
     assert [r["reference_cache_misses"] for r in second] == [0, 0, 0]
     assert [r["reference_cache_hits"] for r in second] == [8, 16, 24]
     assert second[0]["policy_loss"] == pytest.approx(first[0]["policy_loss"], rel=1e-5)
     other_model = ["model.tiny.initializer_range=0.5"]
     with pytest.raises(DataError, match="computed for another model"):
-        offline_run(tmp_path / "refused", traces, "qrpo", *same, *other_model, cache,
+        offline_run(tmp_path / "refused", traces, "grpo", "algorithm=qrpo", "algorithm.loss.beta=0.1", "trainer.lr=2e-4", *same, *other_model, cache,
                     "rollout.offline.reference_cache_mismatch=stop")
-    recomputed = offline_run(tmp_path / "recomputed", traces, "qrpo", *same, *other_model, cache)
+    recomputed = offline_run(tmp_path / "recomputed", traces, "grpo", "algorithm=qrpo", "algorithm.loss.beta=0.1", "trainer.lr=2e-4", *same, *other_model, cache)
     assert recomputed[0]["reference_cache_misses"] == 8
 
 
