@@ -131,6 +131,9 @@ def check_sharded_run_features(config: RunConfig) -> None:
                           "use trainer.parallelism=single for it")
     if strategy == "swarm":  # every actor is a whole run of its own: nothing is split over the ranks
         return
+    if strategy == "fsdp" and config.algorithm.update.round_steps is not None:
+        raise ConfigError("algorithm.update.round_steps keeps a whole frozen copy of the policy (pi_t) on each rank, which "
+                          "trainer.parallelism=fsdp does not shard yet: use trainer.parallelism=ddp or single")
     world_size = launched_world_size()
     stages = parse_stages(trainer.stages, trainer.steps)
     for stage, settings in zip(stages, stage_settings(config, stages)):

@@ -54,6 +54,10 @@ class Needs:
     whole_groups       policy loss: why it reads the responses of a group together (a pairwise preference
                        loss): the trainer then keeps every group in one micro-batch and one mini-batch
                        (rlbench.training.batch.group_micro_batches). None: rows are independent
+    rounds             policy loss: what its pi_old is in an iterative method's rounds (INPO, REBEL: the frozen
+                       pi_t of a round), when it may be held for several steps (algorithm.update.round_steps,
+                       rlbench/training/rounds.py). None: pi_old is each step's sampling policy and
+                       round_steps is refused
     """
 
     advantage_level: str | None = None
@@ -65,6 +69,7 @@ class Needs:
     ratio_term: str | Callable[[Mapping[str, Any]], str | None] | None = None  # or of the YAML params
     ratio_term_metric: str | None = None
     whole_groups: str | None = None
+    rounds: str | None = None
 
     def __post_init__(self) -> None:
         for key in ("advantage_level", "ratio_level"):

@@ -191,6 +191,10 @@ class UpdateConfig:
     proximal_decay: Optional[float] = knob(
         None, "EWMA decay of the proximal policy of decoupled PPO (loss ppo_ewma only); null: 0"
     )
+    round_steps: Optional[int] = knob(
+        None, "iterative rounds (INPO, REBEL): the loss's pi_t is a frozen copy of the policy taken every round_steps "
+        "steps (rlbench/training/rounds.py); null: pi_t is each step's sampling policy", ge=1
+    )
     sfpo: Optional[SFPOConfig] = node(SFPOConfig, "settings of schedule=sfpo (only with it)", only_with=("schedule", "sfpo"))
     trpo: Optional[TRPOConfig] = node(TRPOConfig, "settings of schedule=trpo (only with it)", only_with=("schedule", "trpo"))
 

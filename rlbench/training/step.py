@@ -62,6 +62,7 @@ from rlbench.training.reference_cache import (
     reference_log_probs,
 )
 from rlbench.training.reference_soup import ReferenceSoup
+from rlbench.training.rounds import RoundPolicy
 from rlbench.training.update_schedules import (
     UpdateState,
     apply_update_schedule,
@@ -102,6 +103,7 @@ class StepContext:
     reference_soup: ReferenceSoup | None = None  # algorithm.reference_soup: the reference as a weight soup (SALSA)
     prompt_stats: PromptStatsStore | None = None  # the run's per-prompt statistics (the curriculum's, read by strategies)
     reference_cache: ReferenceLogProbCache | None = None  # rollout=offline: log pi_ref per response, computed once
+    rounds: RoundPolicy | None = None  # algorithm.update.round_steps: the loss's frozen pi_t (INPO's, REBEL's rounds)
 
     @property
     def reincarnated(self) -> bool:
@@ -130,6 +132,7 @@ class StepContext:
             # after a reincarnation the reference is no longer the initial policy: it is saved
             "reference": self.reference.state_dict() if self.reincarnated and self.reference is not None else None,
             "reference_soup": None if self.reference_soup is None else self.reference_soup.state_dict(),
+            "rounds": None if self.rounds is None else self.rounds.state_dict(self.policy_version),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -148,6 +151,8 @@ class StepContext:
             self.reference.load_state_dict(state["reference"])
         if self.reference_soup is not None:
             self.reference_soup.load_state_dict(state["reference_soup"])
+        if self.rounds is not None:
+            self.rounds.load_state_dict(state.get("rounds"), self.policy_version)
 
 
 def make_step_context(
@@ -210,6 +215,7 @@ def make_step_context(
         reincarnate_at=config.algorithm.reincarnate_at,
         reference_soup=ReferenceSoup.from_config(config.algorithm.reference_soup, reference),
         prompt_stats=prompt_stats,
+        rounds=RoundPolicy.from_algorithm(algorithm.round_steps, model),
     )
     ctx.reference_cache = offline_reference_cache(config, reference, guidance, ctx.temperature, world.sharded)
     return ctx
@@ -266,6 +272,7 @@ def learn_step(
     peak = peak if peak is not None else PeakMemory(ctx.device)
     batch = to_batch(ctx, graded)
     t1 = time.perf_counter()
+    round_metrics = {} if ctx.rounds is None else ctx.rounds.begin_step(ctx.model, ctx.policy_version)
     # a strategy that samples from a changed distribution (rollout=masked) changes the step's forwards alike
     with training_logits_transform(ctx.strategy.training_logits_transform()):
         inputs, input_metrics = advantage_inputs(ctx, graded, batch)
@@ -292,6 +299,7 @@ def learn_step(
         **rollout_metrics,
         **behaviour_metrics(graded, batch),
         **input_metrics,
+        **round_metrics,
         **stats,
         "peak_memory_mb": peak.megabytes(),
     })
@@ -404,6 +412,8 @@ def advantage_inputs(ctx: StepContext, graded: GradedGroups, batch: TrainBatch) 
         batch.ref_logp = reference_log_probs(ctx.reference, batch, ctx.micro_batch_size, ctx.temperature, ctx.reference_cache)
         if ctx.reference_cache is not None:
             metrics.update(ctx.reference_cache.metrics())
+    if ctx.rounds is not None:  # iterative rounds: the loss's pi_old is the round's frozen pi_t (training/rounds.py)
+        batch.old_logp = ctx.rounds.log_probs(batch, ctx.micro_batch_size, ctx.temperature)
     return inputs, metrics
 
 
