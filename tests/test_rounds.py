@@ -4,6 +4,7 @@ state, the step's pi_old under rounds, and the refused compositions. INPO's roun
 
 from __future__ import annotations
 
+import copy
 import time
 
 import pytest
@@ -63,19 +64,28 @@ def test_the_round_policy_is_refreshed_at_each_rounds_first_step_and_saved_insid
     restored.load_state_dict(None, 6)  # at a boundary nothing is needed
 
 
-def _learn_steps(make_cfg, round_steps, steps=3):
-    """``steps`` learn_steps of INPO on the tiny Llama from the same weights and groups; returns each step's
-    metrics, the weights after each step, and the step context."""
+def _inpo_context(make_cfg, round_steps):
+    """INPO's step context on the tiny Llama (seed 0) and the groups every step trains on."""
     cfg = make_cfg("experiment=smoke", "algorithm=inpo", f"algorithm.update.round_steps={round_steps}")
     config = typed_config(cfg)
     model = tiny_lm(seed=0)
     ctx = step.make_step_context(config, algorithm_from(cfg.algorithm), model, PadTokenizer(), WeightSyncEngine(),
                                  torch.device("cpu"), training_grader(config))
-    graded = _graded_with_engine_logprobs(model, ctx.temperature, ctx.micro_batch_size)
-    metrics, weights = [], [[p.detach().clone() for p in model.parameters()]]
+    return ctx, _graded_with_engine_logprobs(model, ctx.temperature, ctx.micro_batch_size)
+
+
+def _learn(ctx, graded):
+    return step.learn_step(ctx, graded, {}, 0.0, 0.0, started=time.perf_counter(), generation_cost={})
+
+
+def _learn_steps(make_cfg, round_steps, steps=3):
+    """``steps`` learn_steps of INPO from the same weights and groups; returns each step's metrics, the weights
+    before and after each step, and the step context."""
+    ctx, graded = _inpo_context(make_cfg, round_steps)
+    metrics, weights = [], [[p.detach().clone() for p in ctx.model.parameters()]]
     for _ in range(steps):
-        metrics.append(step.learn_step(ctx, graded, {}, 0.0, 0.0, started=time.perf_counter(), generation_cost={}))
-        weights.append([p.detach().clone() for p in model.parameters()])
+        metrics.append(_learn(ctx, graded))
+        weights.append([p.detach().clone() for p in ctx.model.parameters()])
     return metrics, weights, ctx
 
 
@@ -102,3 +112,24 @@ def test_rounds_are_refused_where_pi_old_is_not_a_rounds_pi_t(make_cfg):
     with pytest.raises(ConfigError, match="fsdp"):
         check_sharded_run_features(typed_config(make_cfg("experiment=smoke", "algorithm=inpo",
                                                          "algorithm.update.round_steps=2", "trainer.parallelism=fsdp")))
+
+
+def test_a_context_restored_inside_a_later_round_trains_as_the_uninterrupted_one(make_cfg):
+    """The step context's state (what a checkpoint saves besides weights and optimizer) holds pi_t inside a round:
+    restored into a fresh context after update 3 (round 2 of 2-step rounds, pi_t = the policy after update 2,
+    not the initial one), the next step gives the uninterrupted run's metrics and weights."""
+    timing = step.TIMING_METRICS
+    ctx, graded = _inpo_context(make_cfg, 2)
+    for _ in range(3):
+        _learn(ctx, graded)
+    state = ctx.state_dict()
+    assert state["rounds"] is not None
+    weights, optimizer = copy.deepcopy(ctx.model.state_dict()), copy.deepcopy(ctx.optimizer.state_dict())
+    resumed, _ = _inpo_context(make_cfg, 2)
+    resumed.model.load_state_dict(weights)
+    resumed.optimizer.load_state_dict(optimizer)
+    resumed.load_state_dict(state)
+    expected, got = _learn(ctx, graded), _learn(resumed, graded)
+    assert {k: v for k, v in got.items() if k not in timing} == {k: v for k, v in expected.items() if k not in timing}
+    for a, b in zip(ctx.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b)
