@@ -306,9 +306,10 @@ class Algorithm:
         if self.round_steps < 1:
             raise ConfigError(f"algorithm.update.round_steps must be >= 1 (or null: no rounds), got {self.round_steps}")
         if POLICY_LOSSES.needs(self.loss.name).rounds is None:
+            with_rounds = [name for name in POLICY_LOSSES.names() if POLICY_LOSSES.needs(name).rounds is not None]
             raise ConfigError(
                 f"algorithm.update.round_steps={self.round_steps} freezes pi_t for a round of an iterative method, but "
-                f"loss '{self.loss.name}' reads pi_old as the sampling policy (rounds: algorithm=inpo or rebel); "
+                f"loss '{self.loss.name}' reads pi_old as the sampling policy (losses with rounds: {', '.join(with_rounds)}); "
                 "set algorithm.update.round_steps=null"
             )
 
