@@ -319,6 +319,8 @@ def to_batch(ctx: StepContext, graded: GradedGroups) -> TrainBatch:
     """The graded groups as a padded batch with their (shaped) rewards and behaviour bookkeeping."""
     batch = collate(graded.groups, ctx.tokenizer.pad_token_id, ctx.device, current_version=ctx.policy_version)
     batch.rewards = graded.rewards.to(ctx.device)
+    # from the step the reference became the policy on (reincarnate, before this step's rollout): SACPO's stage 2
+    batch.reference_stage = 2 if ctx.reincarnate_at is not None and ctx.policy_version + 1 >= ctx.reincarnate_at else 1
     return batch
 
 
