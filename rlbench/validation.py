@@ -268,7 +268,7 @@ def check_reincarnation(config: RunConfig, algorithm: Algorithm) -> None:
     not with a LoRA policy, whose reference is the adapter-free base (a view, no copy to overwrite).
     A loss with stages of reference (``reference_stage``: SACPO) needs the step its stage 2 starts at."""
     at = config.algorithm.reincarnate_at
-    if "reference_stage" in POLICY_LOSSES.accepted_inputs(algorithm.loss.name):
+    if algorithm.loss_has_stages:
         if at is None:
             raise ConfigError(f"the '{algorithm.loss.name}' loss trains in two stages, the second against the policy as it "
                               "is at the stage switch: set algorithm.reincarnate_at to the step stage 2 starts at")

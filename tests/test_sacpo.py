@@ -208,7 +208,7 @@ def sacpo_offline_run(run_dir, traces, *extra):
 def test_stage_two_trains_against_the_policy_at_the_switch_saved_and_restored(tmp_path, traces_of_several_lengths):
     from test_resume import assert_same_results
 
-    from rlbench.training.checkpoint import MODEL_FILE, STATE_FILE
+    from rlbench.training.checkpoint import MODEL_FILE, OPTIMIZER_FILE, STATE_FILE
 
     run_dir = tmp_path / "run"
     sacpo_offline_run(run_dir, traces_of_several_lengths)
@@ -222,6 +222,10 @@ def test_stage_two_trains_against_the_policy_at_the_switch_saved_and_restored(tm
         reference = torch.load(run_dir / "checkpoints" / step / STATE_FILE, weights_only=False)["context"]["reference"]
         assert reference.keys() == policy_after_stage_1.keys()
         assert all(torch.equal(reference[k], policy_after_stage_1[k]) for k in reference)  # exact weights
+    # Adam's moments start again with stage 2: one optimizer step per training step, counted afresh from the switch
+    adam_steps = [{float(p["step"]) for p in torch.load(run_dir / "checkpoints" / step / OPTIMIZER_FILE)["state"].values()}
+                  for step in ("step_000001", "step_000002", "step_000003")]
+    assert adam_steps == [{1.0}, {1.0}, {2.0}]
     from transformers import AutoModelForCausalLM
 
     saved = AutoModelForCausalLM.from_pretrained(str(run_dir / "reference")).state_dict()  # <run>/reference/
