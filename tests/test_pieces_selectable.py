@@ -33,6 +33,7 @@ COMPANIONS = {
     ("loss", "degrpo"): ["algorithm/aggregation=seq_mean_token_sum"],
     # the pairwise losses read whole groups and take only their mean over groups
     **{("loss", name): ["algorithm/aggregation=group_mean"] for name in POLICY_LOSSES.names() if POLICY_LOSSES.needs(name).whole_groups},
+    ("loss", "sacpo"): ["algorithm/aggregation=group_mean", "+algorithm.reincarnate_at=2"],  # and its stage switch
     ("advantage", "tree"): ["rollout=tree"],  # reads the tree of a tree rollout
     ("advantage", "treerpo"): ["rollout=treerpo"],
     ("advantage", "vine"): ["rollout=vine"],  # reads the Monte-Carlo step values of rollout=vine

@@ -367,6 +367,12 @@ class Algorithm:
         return self.kl_coef > 0 or "ref_logp" in POLICY_LOSSES.accepted_inputs(self.loss.name)
 
     @property
+    def loss_has_stages(self) -> bool:
+        """The policy loss trains in stages of reference (it reads ``reference_stage``: SACPO): its second stage
+        starts at algorithm.reincarnate_at, against the policy as it is then, with a fresh optimizer state."""
+        return "reference_stage" in POLICY_LOSSES.accepted_inputs(self.loss.name)
+
+    @property
     def loss_reads_whole_groups(self) -> bool:
         """The policy loss compares a group's responses with each other (registry.Needs.whole_groups): the
         update keeps every group in one micro-batch and one mini-batch."""

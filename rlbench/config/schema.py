@@ -275,7 +275,7 @@ class AlgorithmConfig:
     reward_shaping: list = knob([], "list of {name, parameters} reward-shaping functions, applied in order", piece="reward_shaping")
     reincarnate_at: Optional[int] = knob(
         None, "ReMix's policy reincarnation at this step: the KL reference becomes the policy as it is then and a replay "
-        "rollout stops replaying (on-policy from then on); null: never", ge=2
+        "rollout stops replaying (on-policy from then on); SACPO's stage 2 starts here; null: never", ge=2
     )
     rollout_n: Optional[int] = knob(None, "the group size the method prescribes; rollout.n follows it unless set", ge=1)
     baseline: Optional[BaselineConfig] = node(BaselineConfig, "baseline_rewards source (remax, pvpo)")

@@ -244,6 +244,8 @@ def train_step(
     problems = ctx.world.shard(problems)  # whole groups per rank (all of them in one process)
     if ctx.reincarnate_at is not None and ctx.policy_version + 1 == ctx.reincarnate_at:
         reincarnate(ctx)
+        if ctx.algorithm.loss_has_stages:  # SACPO: stage 2 is a fine-tuning run of its own (arXiv:2404.11049)
+            ctx.optimizer.state.clear()  # Adam's moments start again; stage 1's would push on along its objective
     graded, rollout_metrics = ctx.strategy.rollout(problems, draw_prompts)  # rollout and reward
     t_generate = time.perf_counter() - t0
     faults.kill_point("generate")
@@ -327,6 +329,8 @@ def to_batch(ctx: StepContext, graded: GradedGroups) -> TrainBatch:
     """The graded groups as a padded batch with their (shaped) rewards and behaviour bookkeeping."""
     batch = collate(graded.groups, ctx.tokenizer.pad_token_id, ctx.device, current_version=ctx.policy_version)
     batch.rewards = graded.rewards.to(ctx.device)
+    # from the step the reference became the policy on (reincarnate, before this step's rollout): SACPO's stage 2
+    batch.reference_stage = 2 if ctx.reincarnate_at is not None and ctx.policy_version + 1 >= ctx.reincarnate_at else 1
     return batch
 
 
