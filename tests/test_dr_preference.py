@@ -130,6 +130,18 @@ def test_loss_with_the_reference_as_behaviour_matches_the_estimate_and_the_kl():
     assert group_mean(matrix, mask, batch_groups=2).item() == pytest.approx(float(total.detach()) / 2, rel=1e-5)
 
 
+def test_responses_the_sampler_did_not_draw_are_taken_as_drawn_by_the_reference():
+    """rollout=offline: behaviour log-prob 0 and every token off-policy; the Monte-Carlo and the sampler weights
+    then use pi_ref, as if old_logp were the reference's."""
+    logp, mask, rewards, groups = group_inputs(seed=2)
+    ref = logp.detach() - 0.3
+    for behaviour in ("reference", "sampler"):
+        offline, _ = dr_preference_loss(logp, torch.zeros_like(ref), ref, mask, rewards, groups, behaviour=behaviour,
+                                        off_policy=torch.ones_like(ref))
+        as_reference, _ = dr_preference_loss(logp, ref, ref, mask, rewards, groups, behaviour=behaviour)
+        assert torch.allclose(offline, as_reference)
+
+
 def test_bad_knobs_are_refused():
     logp, mask, rewards, groups = group_inputs()
     with pytest.raises(ConfigError, match="behaviour must be one of"):
