@@ -15,6 +15,7 @@ from rlbench.algorithm.aggregation import seq_mean_token_sum
 from rlbench.algorithm.losses.step_advantage import direct_advantage_po_loss
 from rlbench.errors import ConfigError
 from rlbench.rollout.strategies.vine import token_steps
+from rlbench.validation import validate_config
 
 # A chain of DEPTH steps, ACTIONS actions each, one token per step; the reward is the sum of the steps' values.
 DEPTH, ACTIONS, BETA = 3, 3, 0.5
@@ -94,3 +95,11 @@ def test_preset_composes_with_vine_and_loads_a_reference(tmp_path):
     assert cfg.rollout.strategy == "vine"
     algorithm = algorithm_from(cfg.algorithm)
     assert algorithm.needs_reference
+
+
+def test_a_rollout_without_steps_is_refused_before_anything_loads(make_cfg):
+    """The loss's own strategy input is checked as the advantage's are: with rollout=iid and an advantage that
+    reads no steps, the loss still needs vine's step_index."""
+    validate_config(make_cfg("experiment=smoke", "algorithm=direct_advantage_po"))
+    with pytest.raises(ConfigError, match="loss 'direct_advantage_po' reads step_index.*rollout=vine"):
+        validate_config(make_cfg("experiment=smoke", "algorithm=direct_advantage_po", "rollout=iid", "algorithm/advantage=grpo"))

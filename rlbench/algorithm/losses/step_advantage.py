@@ -44,12 +44,13 @@ def step_sums(values: torch.Tensor, step_index: torch.Tensor, valid: torch.Tenso
 @POLICY_LOSSES.register("direct_advantage_po", aggregation="seq_mean_token_sum", conflicts=(STEP_SUM_WHY,))
 def direct_advantage_po_loss(
     logp: torch.Tensor, ref_logp: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
-    step_index: torch.Tensor | None = None, beta: float = 0.1,
+    step_index: torch.Tensor | None, beta: float = 0.1,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Direct Advantage Policy Optimization's actor loss (arXiv:2412.18279, section 3; module docstring):
     l_k = (beta sum_{t in step k} log(pi_theta / pi_ref)(o_t) - A_k)^2 per step, spread over the step's tokens.
     A_k is the mean of ``advantages`` over the step's tokens (the vine piece gives every token of a step the
-    same value). ``step_index``: rollout=vine's steps (a run without them is refused)."""
+    same value). ``step_index``: rollout=vine's steps (required: a run whose rollout does not provide them is
+    refused before the model loads)."""
     if step_index is None:
         raise ConfigError("loss direct_advantage_po reads the steps of rollout=vine (step_index): add rollout=vine")
     if beta <= 0:
