@@ -125,7 +125,7 @@ def test_loss_with_the_reference_as_behaviour_matches_the_estimate_and_the_kl():
         r = rewards[rows]
         psi = group_estimate(policy, sampler, reference, oracle_preferences(r), bradley_terry_preferences(r, temperature), None)
         diff = ref[rows] - logp[rows]
-        kl = ((diff.exp() - diff - 1) * mask[rows]).sum(-1).mean()
+        kl = ((policy - sampler).exp() * ((diff.exp() - diff - 1) * mask[rows]).sum(-1)).mean()  # weighted by rho
         total = total + (-psi + beta * kl)
     assert group_mean(matrix, mask, batch_groups=2).item() == pytest.approx(float(total.detach()) / 2, rel=1e-5)
 
