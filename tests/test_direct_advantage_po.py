@@ -103,3 +103,8 @@ def test_a_rollout_without_steps_is_refused_before_anything_loads(make_cfg):
     validate_config(make_cfg("experiment=smoke", "algorithm=direct_advantage_po"))
     with pytest.raises(ConfigError, match="loss 'direct_advantage_po' reads step_index.*rollout=vine"):
         validate_config(make_cfg("experiment=smoke", "algorithm=direct_advantage_po", "rollout=iid", "algorithm/advantage=grpo"))
+
+
+def test_a_bad_beta_is_refused_before_anything_loads(make_cfg):
+    with pytest.raises(ConfigError, match="beta must be > 0"):
+        validate_config(make_cfg("experiment=smoke", "algorithm=direct_advantage_po", "algorithm.loss.beta=0"))

@@ -19,6 +19,7 @@ from rlbench.algorithm.losses.doubly_robust import (
     oracle_preferences,
 )
 from rlbench.errors import ConfigError
+from rlbench.validation import validate_config
 
 # A 4-armed bandit: the groups are drawn from the behaviour policy MU, the target is PI; the true preference P
 # is intransitive (arms 0 > 1 > 2 > 0), so no Bradley-Terry model is right.
@@ -153,3 +154,15 @@ def test_bad_knobs_are_refused():
 def test_preset_composes_reads_whole_groups_and_loads_a_reference(tmp_path):
     algorithm = algorithm_from(compose_config(["algorithm=dr_preference"], tmp_path).algorithm)
     assert algorithm.loss_reads_whole_groups and algorithm.needs_reference
+
+
+@pytest.mark.parametrize("override,named", [
+    ("algorithm.loss.behaviour=pi_ref", "behaviour must be one of"),
+    ("algorithm.loss.preference_temperature=0", "preference_temperature must be > 0"),
+    ("algorithm.loss.is_clip=0", "is_clip must be > 0"),
+    ("algorithm.loss.beta=-0.1", "beta must be >= 0"),
+])
+def test_bad_knobs_are_refused_before_anything_loads(make_cfg, override, named):
+    validate_config(make_cfg("experiment=smoke", "algorithm=dr_preference"))
+    with pytest.raises(ConfigError, match=named):
+        validate_config(make_cfg("experiment=smoke", "algorithm=dr_preference", override))

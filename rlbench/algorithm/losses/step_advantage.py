@@ -19,6 +19,9 @@ a perfect critic). The matrix spreads l_k evenly over the step's tokens, so a ro
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
 from rlbench.algorithm.registry import POLICY_LOSSES
@@ -41,7 +44,14 @@ def step_sums(values: torch.Tensor, step_index: torch.Tensor, valid: torch.Tenso
     return sums, counts, key
 
 
-@POLICY_LOSSES.register("direct_advantage_po", aggregation="seq_mean_token_sum", conflicts=(STEP_SUM_WHY,))
+def check_direct_advantage_po(params: Mapping[str, Any]) -> None:
+    """ConfigError on a beta <= 0 (the fixed point pi_ref exp(A / beta) / Z needs beta > 0)."""
+    if params["beta"] <= 0:
+        raise ConfigError(f"algorithm.loss.beta must be > 0, got {params['beta']}")
+
+
+@POLICY_LOSSES.register("direct_advantage_po", aggregation="seq_mean_token_sum", conflicts=(STEP_SUM_WHY,),
+                        check_params=check_direct_advantage_po)
 def direct_advantage_po_loss(
     logp: torch.Tensor, ref_logp: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
     step_index: torch.Tensor | None, beta: float = 0.1,
@@ -53,8 +63,7 @@ def direct_advantage_po_loss(
     refused before the model loads)."""
     if step_index is None:
         raise ConfigError("loss direct_advantage_po reads the steps of rollout=vine (step_index): add rollout=vine")
-    if beta <= 0:
-        raise ConfigError(f"algorithm.loss.beta must be > 0, got {beta}")
+    check_direct_advantage_po({"beta": beta})
     valid = (step_index >= 0) & (response_mask > 0)
     log_ratio, _, key = step_sums(logp - ref_logp, step_index, valid)
     advantage_sums, counts, _ = step_sums(advantages.to(logp.dtype), step_index, valid)
