@@ -349,6 +349,7 @@ def train(run: Run, policy: Policy, stop: StopSignals) -> dict[str, Any]:
     manifest = {"config": checkpoint.comparable_config(run.resolved), "config_key": config_key(run.resolved),
                 "overrides": command_line_overrides(), "rlbench_commit": git_commit(),
                 **(swarm_manifest(launched_world_size(), external_groups(config.trainer)) if run.swarm else {})}
+    run.train_problems = ctx.strategy.training_problems(run.train_problems)  # rollout=offline: a file's own prompts
     run.training_run = TrainingRun(config, ctx, run.train_problems, run.logger, manifest, peers=run.peers)
     if run.resumed is not None:
         run.resumed = run.training_run.resume(run.resumed)

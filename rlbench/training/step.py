@@ -17,8 +17,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,6 +56,11 @@ from rlbench.training.distributed import (
 from rlbench.training.forward import batch_outputs, training_logits_transform
 from rlbench.training.memory import PeakMemory, keep_freed_memory
 from rlbench.training.prompt_stats import PromptStatsStore
+from rlbench.training.reference_cache import (
+    ReferenceLogProbCache,
+    offline_reference_cache,
+    reference_log_probs,
+)
 from rlbench.training.reference_soup import ReferenceSoup
 from rlbench.training.update_schedules import (
     UpdateState,
@@ -95,6 +101,7 @@ class StepContext:
     reincarnate_at: int | None = None  # algorithm.reincarnate_at: ReMix's policy reincarnation (:func:`reincarnate`)
     reference_soup: ReferenceSoup | None = None  # algorithm.reference_soup: the reference as a weight soup (SALSA)
     prompt_stats: PromptStatsStore | None = None  # the run's per-prompt statistics (the curriculum's, read by strategies)
+    reference_cache: ReferenceLogProbCache | None = None  # rollout=offline: log pi_ref per response, computed once
 
     @property
     def reincarnated(self) -> bool:
@@ -178,7 +185,7 @@ def make_step_context(
     )
     prompt_stats = PromptStatsStore()  # fed by the curriculum (rlbench.training.loop), read by samplers and strategies
     setup = RolloutSetup(sampler, rollout.n, params, rollout_generator, config.seed, guidance, prompt_stats)
-    return StepContext(
+    ctx = StepContext(
         algorithm=algorithm,
         model=trained,
         tokenizer=tokenizer,
@@ -204,6 +211,8 @@ def make_step_context(
         reference_soup=ReferenceSoup.from_config(config.algorithm.reference_soup, reference),
         prompt_stats=prompt_stats,
     )
+    ctx.reference_cache = offline_reference_cache(config, reference, guidance, ctx.temperature, world.sharded)
+    return ctx
 
 
 def prompt_spec(dataset: DatasetConfig) -> dict[str, Any] | None:
@@ -392,7 +401,9 @@ def advantage_inputs(ctx: StepContext, graded: GradedGroups, batch: TrainBatch) 
     metrics = {**metrics, **dropped}
     inputs.update(provided)
     if ctx.reference is not None:
-        batch.ref_logp = batch_outputs(ctx.reference, batch, ctx.micro_batch_size, ctx.temperature).logp
+        batch.ref_logp = reference_log_probs(ctx.reference, batch, ctx.micro_batch_size, ctx.temperature, ctx.reference_cache)
+        if ctx.reference_cache is not None:
+            metrics.update(ctx.reference_cache.metrics())
     return inputs, metrics
 
 
