@@ -37,6 +37,9 @@ COMPANIONS = {
     ("advantage", "tree"): ["rollout=tree"],  # reads the tree of a tree rollout
     ("advantage", "treerpo"): ["rollout=treerpo"],
     ("advantage", "vine"): ["rollout=vine"],  # reads the Monte-Carlo step values of rollout=vine
+    ("loss", "ppo_clip_sft"): ["rollout=rethink"],  # reads the SFT targets rollout=rethink marks
+    # reads the steps of rollout=vine, whose advantage reads vine's values; a sum over steps per response
+    ("loss", "direct_advantage_po"): ["rollout=vine", "algorithm/advantage=vine", "algorithm/aggregation=seq_mean_token_sum"],
 }
 PRESET_MARK = re.compile(r"#\s*preset:")
 

@@ -216,7 +216,7 @@ _declare("diversity", "[B,B]", "pairwise dissimilarity in [0, 1] of responses: t
 _declare("tree_nodes", "[B,T] long", "the tree node of every response token, -1 on padding (rollout=tree, treerpo)",
          "strategy", {"advantage"}, dtype=torch.long, pad=-1)
 _declare("step_index", "[B,T] long", "the step (0, 1, ...) of every response token, -1 on padding (rollout=vine)",
-         "strategy", {"advantage"}, dtype=torch.long, pad=-1)
+         "strategy", {"advantage", "loss"}, dtype=torch.long, pad=-1)
 _declare("step_values", "[B,T] float64", "V^ of the state where the token's step starts: the mean reward of "
          "continuations sampled from there (rollout=vine)", "strategy", {"advantage"}, dtype=torch.float64)
 _declare("sft_target", "[B,T]", "1 on the tokens of a response trained by supervised fine-tuning (Cog-Rethinker's "
