@@ -32,6 +32,7 @@ from rlbench.dataset import validate_spec
 from rlbench.errors import ConfigError
 from rlbench.guidance import GuidanceOptions
 from rlbench.model import validate_model_config
+from rlbench.reward.terms import check_reward_config
 from rlbench.rollout import STRATEGIES
 from rlbench.rollout.guided.difficulty_adaptive import DifficultyOptions
 from rlbench.rollout.guided.replay import check_replay_pool
@@ -401,6 +402,7 @@ def check_run(cfg: DictConfig, origins: ValueOrigins) -> Algorithm:
         check_swarm(config, algorithm)
         validate_spec(cfg.dataset, source=config.data_source, data_dir=config.data_dir)
         check_reward_matches_dataset(config.reward.name, config.dataset)
+        check_reward_config(config.reward)
         check_replay_pool(rollout, cfg.dataset, config.seed, config.data_dir, config.data_source)
         check_success_training(rollout, algorithm.loss.name, POLICY_LOSSES.accepted_inputs(algorithm.loss.name))
         guidance = GuidanceOptions.from_config(config.guidance)

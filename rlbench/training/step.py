@@ -37,6 +37,7 @@ from rlbench.rollout import (
     make_strategy,
 )
 from rlbench.rollout.engines.base import RolloutEngine, SamplingParams
+from rlbench.rollout.judge_backend import make_reward_composer
 from rlbench.training.advantage_inputs import AdvantageInputSources
 from rlbench.training.batch import (
     TrainBatch,
@@ -123,6 +124,7 @@ class StepContext:
             # after a reincarnation the reference is no longer the initial policy: it is saved
             "reference": self.reference.state_dict() if self.reincarnated and self.reference is not None else None,
             "reference_soup": None if self.reference_soup is None else self.reference_soup.state_dict(),
+            "reward_terms": self.sampler.compose.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -141,6 +143,8 @@ class StepContext:
             self.reference.load_state_dict(state["reference"])
         if self.reference_soup is not None:
             self.reference_soup.load_state_dict(state["reference_soup"])
+        if "reward_terms" in state:  # checkpoints before composed rewards have none
+            self.sampler.compose.load_state_dict(state["reward_terms"])
 
 
 def make_step_context(
@@ -171,7 +175,8 @@ def make_step_context(
     warmup = max(trainer.warmup_steps, 0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
     params = SamplingParams(rollout.temperature, rollout.top_p, rollout.max_new_tokens)
-    sampler = GroupSampler(engine, grader, tokenizer, prompt_spec(config.dataset), algorithm.shape_rewards)
+    sampler = GroupSampler(engine, grader, tokenizer, prompt_spec(config.dataset), algorithm.shape_rewards,
+                           compose=make_reward_composer(config, engine, model, tokenizer, device))
     # rank 0 samples what one process samples; other ranks draw their own stream (docs/scaling.md)
     rollout_generator = torch.Generator().manual_seed(
         rank_stream_seed(make_generator(config.seed, STREAM_ROLLOUT).initial_seed(), world.rank)
