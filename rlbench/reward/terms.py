@@ -159,8 +159,9 @@ def check_reward_terms(weights: Mapping[str, Any], has_judge: bool, format_weigh
             raise ConfigError(f"reward.terms.{name}={weight!r}: a weight is a number")
     needs = sorted(JUDGE_TERMS & {name for name, w in weights.items() if w != 0})
     if needs and not has_judge:
-        raise ConfigError(f"reward.terms {needs} ask a judge and reward.judge is null; set reward.judge.kind "
-                          "(scripted | policy | frozen | model), e.g. reward=fapo")
+        raise ConfigError(f"reward.terms {needs} ask a judge and reward.judge is null; add one with "
+                          "+reward/judge=default (then reward.judge.kind=scripted | policy | frozen | model), or choose "
+                          "reward=fapo | pairwise_rl | brpo")
     if weights.get("format", 0) != 0 and format_weight != 0:
         raise ConfigError("reward.terms.format and reward.format_weight both weigh the answer format; use one "
                           "(set reward.format_weight=0)")
