@@ -403,6 +403,8 @@ def check_run(cfg: DictConfig, origins: ValueOrigins) -> Algorithm:
         validate_spec(cfg.dataset, source=config.data_source, data_dir=config.data_dir)
         check_reward_matches_dataset(config.reward.name, config.dataset)
         check_reward_config(config.reward)
+        if config.reward.judge is not None and config.reward.judge.kind == "model":
+            validate_model_config(config.reward.judge.model)  # the judge's model, refused before anything loads
         check_replay_pool(rollout, cfg.dataset, config.seed, config.data_dir, config.data_source)
         check_success_training(rollout, algorithm.loss.name, POLICY_LOSSES.accepted_inputs(algorithm.loss.name))
         guidance = GuidanceOptions.from_config(config.guidance)

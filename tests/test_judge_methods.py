@@ -91,6 +91,18 @@ def test_brpo_advantages_have_the_signs_of_the_comparison_with_the_bootstrapped_
     assert len(seen) > 1  # the reference moved across the steps
 
 
+def test_brpo_draws_continue_after_a_restored_state():
+    texts = ["a" * n for n in (5, 2, 9, 4, 7, 3)]
+    run = RewardComposer({"brpo": 1.0}, ScriptedJudge("shorter"), seed=5)
+    for _ in range(3):
+        run([Problem("p", "q", "1")], [texts], [grade(False, 0.0)] * 6)
+    resumed = RewardComposer({"brpo": 1.0}, ScriptedJudge("shorter"), seed=5)
+    resumed.load_state_dict(run.state_dict())
+    for _ in range(4):  # the same references as the uninterrupted run
+        args = ([Problem("p", "q", "1")], [texts], [grade(False, 0.0)] * 6)
+        assert torch.equal(run(*args), resumed(*args))
+
+
 def fapo_rewards(grades: list[Grade], flawed: set[str], texts: list[str]):
     asked = []
 
