@@ -23,7 +23,6 @@ from rlbench.reward.judges import (  # noqa: E402
     JudgeStats,
     ModelJudge,
     PairItem,
-    PointItem,
     ScriptedJudge,
     parse_label,
 )
@@ -195,10 +194,10 @@ def test_judge_stats_reset_after_take():
 
 
 def test_engine_backend_label_probabilities_equal_a_direct_forward_pass():
+    from rlbench.config.schema import RolloutConfig
     from rlbench.model import load_policy
     from rlbench.rollout import make_engine
     from rlbench.rollout.judge_backend import EngineJudgeBackend
-    from rlbench.config.schema import RolloutConfig
 
     model, tokenizer = load_policy(model_preset("tiny"), seed=0)
     engine = make_engine(RolloutConfig(engine="hf"), model, tokenizer, "cpu")
