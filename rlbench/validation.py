@@ -206,7 +206,7 @@ def notice_inactive_terms(config: RunConfig, algorithm: Algorithm) -> str | None
 
 def fidelity_blocks(config: RunConfig) -> list[tuple[str, FidelityConfig]]:
     """(how the preset is named in a message, its block) for every preset of the run that states its fidelity:
-    the paper (``paper=<name>``), the algorithm, the rollout strategy and the prompt sampler, in that order.
+    the paper (``paper=<name>``), the algorithm, the rollout strategy, the prompt sampler and the reward, in that order.
     A block's ``method`` names the method where the node's own name does not (``prompt_sampler=clpo`` composes
     the sampler ``weighted``)."""
     paper = config.paper or {}
@@ -215,6 +215,7 @@ def fidelity_blocks(config: RunConfig) -> list[tuple[str, FidelityConfig]]:
         (f"algorithm={config.algorithm.name}", config.algorithm.fidelity),
         (f"rollout={config.rollout.strategy}", config.rollout.fidelity),
         (f"prompt_sampler={config.trainer.prompt_sampler.name}", config.trainer.prompt_sampler.fidelity),
+        (f"reward={config.reward.name}", config.reward.fidelity),
     ]
     return [(f"{label} ({block.method})" if block.method else label, block) for label, block in nodes if block is not None]
 

@@ -585,6 +585,7 @@ class RewardConfig:
         {"grader": 1.0}, "term -> weight: the reward is the weighted sum of the terms (grader, format, pairwise_rl, "
         "brpo, fapo; rlbench/reward/terms.py), each logged as reward_term_<name>", open=True)
     judge: Optional[JudgeConfig] = node(JudgeConfig, "null: no judge | the judge the judge terms ask (docs/judges.md)")
+    fidelity: Optional[FidelityConfig] = node(FidelityConfig, "null: not stated; how much of its method a reward preset builds (reward=fapo)")
 
 
 @dataclass
