@@ -172,6 +172,19 @@ def test_budgets_fail_the_rest_of_the_step_then_restart():
     assert timed.prefer([PairItem("q", "a0", "b")]) == [None] and timed.stats.calls == 0
 
 
+def test_a_call_that_raises_fails_its_items_counted_not_the_run():
+    class Broken(TableBackend):
+        def label_probabilities(self, prompts, labels):
+            raise RuntimeError("prompt longer than the context")
+
+    judge = ModelJudge(Broken(), pairwise_template=TEMPLATE)
+    composer = RewardComposer({"brpo": 1.0}, judge)
+    rewards = composer([Problem("p", "q", "1")], [["a", "bb"]], [grade(0.0)] * 2)
+    assert rewards.tolist() == [0.0, 0.0]  # brpo's neutral value, not a win
+    metrics = composer.take()
+    assert metrics["judge_failures_error"] == 2 and metrics["reward_term_brpo_failed"] == 1
+
+
 def test_the_judge_sees_the_reference_only_when_the_method_says_so():
     seen = []
     judge = ScriptedJudge(pointwise=lambda q, r, ref: seen.append(ref) or 0.0)

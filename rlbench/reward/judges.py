@@ -26,6 +26,7 @@ logs them (``judge_*`` metrics).
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import time
@@ -40,6 +41,7 @@ SCRIPTED_RULES = {
 }
 
 Verdict = float | None
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -198,7 +200,8 @@ class ModelJudge(Judge):
     ``pairwise_labels`` means "the first response is better", the first of ``pointwise_labels``
     means "flawed". ``cache``: keep verdicts by (judge, prompt) for the run (off for a judge whose
     weights change: the policy itself). ``time_budget_s`` / ``token_budget``: per step (:meth:`new_step`);
-    once spent, the remaining items of the step fail with reason ``budget`` (checked between batches)."""
+    once spent, the remaining items of the step fail with reason ``budget`` (checked between batches). A call
+    that raises fails its batch's items with reason ``error`` (logged once), never the run."""
 
     def __init__(
         self,
@@ -226,6 +229,7 @@ class ModelJudge(Judge):
         self.time_budget_s, self.token_budget = time_budget_s, token_budget
         self.clock = clock
         self.stats = JudgeStats()
+        self.warned = False
         self.new_step()
 
     def new_step(self) -> None:
@@ -267,7 +271,16 @@ class ModelJudge(Judge):
                 self.stats.fail("budget", len(todo) - start)
                 break
             began = self.clock()
-            answers = self._call([prompts[i] for i in batch], labels)
+            try:
+                answers = self._call([prompts[i] for i in batch], labels)
+            except Exception as error:  # a failed call (a prompt past the model's context, ...): counted, logged
+                self.stats.seconds += self.clock() - began
+                self.stats.fail("error", len(batch))
+                if not self.warned:
+                    log.warning("judge %s: a call failed (%s: %s); its items get the failure reward, counted in "
+                                "judge_failures_error (logged once)", self.name, type(error).__name__, error)
+                    self.warned = True
+                continue
             self.stats.seconds += self.clock() - began
             self.stats.calls += len(batch)
             for index, (verdict, tokens) in zip(batch, answers):
