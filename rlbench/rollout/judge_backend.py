@@ -1,10 +1,12 @@
-"""The judge's model call through the engine interface (rlbench/rollout/engines/base.py), so a judge runs
-on the HF engine on the CPU and on vLLM on a GPU; and the run's reward composition with its judge
-(``reward.terms``, ``reward.judge``; docs/judges.md)."""
+"""The judge's model call through the engine interface (rlbench/rollout/engines/base.py): the policy as
+judge asks the run's engine (HF on the CPU, vLLM on a GPU), a frozen copy or another model its own HF
+engine on the run's device; and the run's reward composition with its judge (``reward.terms``,
+``reward.judge``; docs/judges.md)."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from typing import Any, Sequence
 
@@ -69,15 +71,18 @@ def make_judge(config: RunConfig, engine: RolloutEngine, model: torch.nn.Module,
         return None
     if judge.kind == "scripted":
         return ScriptedJudge(judge.rule)
+    # A judge model of its own gets the HF engine on the run's device: a second vLLM engine would claim a
+    # second share of the GPU's memory (vLLM scores prefixes on the HF model all the same).
+    own_engine = dataclasses.replace(config.rollout, engine="hf")
     if judge.kind == "policy":
         judge_engine = engine
     elif judge.kind == "frozen":
         frozen = copy.deepcopy(model).eval().requires_grad_(False)
-        judge_engine = make_engine(config.rollout, frozen, tokenizer, device)
+        judge_engine = make_engine(own_engine, frozen, tokenizer, device)
     else:
         other, tokenizer = load_policy(judge.model, device=device, dtype=torch.float32, seed=config.seed,
                                        cache_dir=config.cache_dir)
-        judge_engine = make_engine(config.rollout, other.eval().requires_grad_(False), tokenizer, device)
+        judge_engine = make_engine(own_engine, other.eval().requires_grad_(False), tokenizer, device)
     return ModelJudge(
         EngineJudgeBackend(judge_engine, tokenizer),
         name=f"{judge.kind}:{judge.model.name if judge.kind == 'model' else config.model.name}",
