@@ -66,7 +66,7 @@ from rlbench.utils import STREAM_MINIBATCH, STREAM_ROLLOUT, make_generator
 
 # Step metrics measured in wall-clock seconds (or derived from them) and the process's peak memory:
 # they differ between two runs of one seed; every other metric is repeatable bit for bit on one machine.
-TIMING_METRICS = frozenset({"generate_s", "update_s", "step_s", "tokens_per_s", "engine_s", "queue_wait_s", "peak_memory_mb"})
+TIMING_METRICS = frozenset({"generate_s", "update_s", "step_s", "tokens_per_s", "engine_s", "queue_wait_s", "peak_memory_mb", "judge_s"})
 
 
 @dataclass
