@@ -138,3 +138,35 @@ def test_judge_presets_run_from_the_command_line(tmp_path, preset):
     for step in steps:
         assert f"reward_term_{preset}" in step and step[f"reward_term_{preset}_failed"] == 0
         assert "judge_calls" in step and "judge_s" in step
+
+
+def eval_characters(run: Path) -> tuple[float, float]:
+    """Mean characters of the evaluation's responses before and after training."""
+    import json
+
+    before = [len(s["completion"]) for s in json.loads((run / "eval" / "before.json").read_text())["samples"]]
+    after = [len(json.loads(line)["completion"]) for line in (run / "eval" / "samples.jsonl").read_text().splitlines()]
+    return sum(before) / len(before), sum(after) / len(after)
+
+
+@pytest.mark.learning
+def test_brpo_with_a_scripted_judge_moves_the_toy_policys_length_its_way(tmp_path):
+    """The toy (tiny model, 16 steps, conf/experiment/toy_learning.yaml) under BRPO with the scripted judge:
+    preferring shorter responses shortens them, preferring longer ones lengthens them (the responses never
+    end within the 8 tokens, so their length in characters is what the policy can move)."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
+    lengths = {}
+    for rule in ("shorter", "longer"):
+        out = tmp_path / rule
+        proc = subprocess.run(
+            [sys.executable, "-m", "rlbench.cli", "experiment=toy_learning", "reward=brpo", f"reward.judge.rule={rule}",
+             "eval.before_training=true", "eval.n=8", "eval.limit=8", "eval.k=[1]", f"hydra.run.dir={out}"],
+            cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600, env=env,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        lengths[rule] = eval_characters(out)
+    assert lengths["shorter"][1] < lengths["shorter"][0], lengths
+    assert lengths["longer"][1] > lengths["longer"][0], lengths
