@@ -131,6 +131,7 @@ def test_fapo_sign_flip_and_only_positives_reach_the_judge(correct, flawed_index
     assert torch.sign(adv[flawed_index]).item() == sign
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["fapo", "brpo"])
 def test_judge_presets_run_from_the_command_line(tmp_path, preset):
     steps = smoke_cli_steps(tmp_path / preset, f"reward={preset}", "eval.before_training=false")
@@ -149,7 +150,7 @@ def eval_characters(run: Path) -> tuple[float, float]:
     return sum(before) / len(before), sum(after) / len(after)
 
 
-@pytest.mark.learning
+@pytest.mark.slow
 def test_brpo_with_a_scripted_judge_moves_the_toy_policys_length_its_way(tmp_path):
     """The toy (tiny model, 16 steps, conf/experiment/toy_learning.yaml) under BRPO with the scripted judge:
     preferring shorter responses shortens them, preferring longer ones lengthens them (the responses never

@@ -230,6 +230,7 @@ def test_engine_backend_label_probabilities_equal_a_direct_forward_pass():
     assert isinstance(text, str) and len(prompt_ids) < answered_tokens <= len(prompt_ids) + 3
 
 
+@pytest.mark.slow
 def test_a_model_judge_runs_end_to_end_with_its_calls_counted(tmp_path):
     steps = smoke_cli_steps(
         tmp_path / "run", "reward=pairwise_rl", "reward.judge.kind=model", "+model@reward.judge.model=tiny",
