@@ -166,10 +166,14 @@ def test_budgets_fail_the_rest_of_the_step_then_restart():
     judge.new_step()
     judge.cache.clear()
     assert None not in judge.prefer([PairItem("q", "a4", "b")])
-    now = [0.0]
-    timed = ModelJudge(TableBackend(prompts), pairwise_template=TEMPLATE, batch_size=1, time_budget_s=5.0, clock=lambda: now[0])
-    now[0] = 6.0  # the step's clock ran past the budget before the first call
-    assert timed.prefer([PairItem("q", "a0", "b")]) == [None] and timed.stats.calls == 0
+    ticks = iter(range(0, 100, 3))  # every reading of the clock 3 s later: each call takes 3 s
+    timed = ModelJudge(TableBackend(prompts), pairwise_template=TEMPLATE, batch_size=1, time_budget_s=5.0,
+                       clock=lambda: float(next(ticks)))
+    verdicts = timed.prefer([PairItem("q", f"a{i}", "b") for i in range(4)])
+    assert verdicts[:2] == [pytest.approx(0.8)] * 2 and verdicts[2:] == [None, None]  # 6 s of calls >= 5 s
+    assert timed.stats.calls == 2
+    timed.new_step()  # time outside the judge's calls (the step's generation) does not count
+    assert timed.prefer([PairItem("q", "a2", "b")]) == [pytest.approx(0.8)]
 
 
 def test_a_call_that_raises_fails_its_items_counted_not_the_run():

@@ -560,7 +560,7 @@ class JudgeConfig:
     max_new_tokens: int = knob(8, "verdict=label: the answer's length in tokens", ge=1)
     batch_size: int = knob(16, "prompts per judge call", ge=1)
     cache: bool = knob(True, "keep verdicts by (judge, prompt) for the run (never for kind=policy: its weights change)")
-    time_budget_s: Optional[float] = knob(None, "seconds of judge calls per step; the rest of the step's items fail (null: none)", gt=0)
+    time_budget_s: Optional[float] = knob(None, "the judge's own seconds per step; then the rest of the step's items fail (null: none)", gt=0)
     token_budget: Optional[int] = knob(None, "tokens (prompt + answer) of judge calls per step; then items fail (null: none)", ge=1)
     failure_reward: Optional[float] = knob(
         None, "a judge term's value for a failed verdict (unparseable, over budget), counted; null: the term's "

@@ -199,8 +199,8 @@ class ModelJudge(Judge):
     ``label`` (a greedy answer of ``max_new_tokens``, parsed by :func:`parse_label`). The first of
     ``pairwise_labels`` means "the first response is better", the first of ``pointwise_labels``
     means "flawed". ``cache``: keep verdicts by (judge, prompt) for the run (off for a judge whose
-    weights change: the policy itself). ``time_budget_s`` / ``token_budget``: per step (:meth:`new_step`);
-    once spent, the remaining items of the step fail with reason ``budget`` (checked between batches). A call
+    weights change: the policy itself). ``time_budget_s`` / ``token_budget``: the judge's own seconds and tokens per
+    step (:meth:`new_step`); once spent, the remaining items of the step fail with reason ``budget`` (checked between batches). A call
     that raises fails its batch's items with reason ``error`` (logged once), never the run."""
 
     def __init__(
@@ -233,8 +233,8 @@ class ModelJudge(Judge):
         self.new_step()
 
     def new_step(self) -> None:
-        """Start the step's budgets."""
-        self.step_started, self.step_tokens = self.clock(), 0
+        """Start the step's budgets (the judge's own seconds and tokens in the step)."""
+        self.step_seconds, self.step_tokens = 0.0, 0
 
     def prefer(self, items: Sequence[PairItem]) -> list[Verdict]:
         prompts = [self.pairwise_template.format(question=i.question, first=i.first, second=i.second) for i in items]
@@ -251,7 +251,7 @@ class ModelJudge(Judge):
         return self._ask(prompts, self.pointwise_labels)
 
     def _spent(self) -> bool:
-        over_time = self.time_budget_s is not None and self.clock() - self.step_started > self.time_budget_s
+        over_time = self.time_budget_s is not None and self.step_seconds >= self.time_budget_s
         over_tokens = self.token_budget is not None and self.step_tokens >= self.token_budget
         return over_time or over_tokens
 
@@ -274,14 +274,14 @@ class ModelJudge(Judge):
             try:
                 answers = self._call([prompts[i] for i in batch], labels)
             except Exception as error:  # a failed call (a prompt past the model's context, ...): counted, logged
-                self.stats.seconds += self.clock() - began
+                self._spend(self.clock() - began)
                 self.stats.fail("error", len(batch))
                 if not self.warned:
                     log.warning("judge %s: a call failed (%s: %s); its items get the failure reward, counted in "
                                 "judge_failures_error (logged once)", self.name, type(error).__name__, error)
                     self.warned = True
                 continue
-            self.stats.seconds += self.clock() - began
+            self._spend(self.clock() - began)
             self.stats.calls += len(batch)
             for index, (verdict, tokens) in zip(batch, answers):
                 self.stats.tokens += tokens
@@ -293,6 +293,10 @@ class ModelJudge(Judge):
                 if self.cache is not None:
                     self.cache[(self.name, prompts[index])] = verdict
         return verdicts
+
+    def _spend(self, seconds: float) -> None:
+        self.stats.seconds += seconds
+        self.step_seconds += seconds
 
     def _call(self, prompts: list[str], labels: tuple[str, ...]) -> list[tuple[Verdict, int]]:
         if self.verdict == "label":
