@@ -32,6 +32,7 @@ from rlbench.dataset import validate_spec
 from rlbench.errors import ConfigError
 from rlbench.guidance import GuidanceOptions
 from rlbench.model import validate_model_config
+from rlbench.reward.terms import check_reward_config
 from rlbench.rollout import STRATEGIES
 from rlbench.rollout.guided.difficulty_adaptive import DifficultyOptions
 from rlbench.rollout.guided.replay import check_replay_pool
@@ -208,7 +209,7 @@ def notice_inactive_terms(config: RunConfig, algorithm: Algorithm) -> str | None
 
 def fidelity_blocks(config: RunConfig) -> list[tuple[str, FidelityConfig]]:
     """(how the preset is named in a message, its block) for every preset of the run that states its fidelity:
-    the paper (``paper=<name>``), the algorithm, the rollout strategy and the prompt sampler, in that order.
+    the paper (``paper=<name>``), the algorithm, the rollout strategy, the prompt sampler and the reward, in that order.
     A block's ``method`` names the method where the node's own name does not (``prompt_sampler=clpo`` composes
     the sampler ``weighted``)."""
     paper = config.paper or {}
@@ -217,6 +218,7 @@ def fidelity_blocks(config: RunConfig) -> list[tuple[str, FidelityConfig]]:
         (f"algorithm={config.algorithm.name}", config.algorithm.fidelity),
         (f"rollout={config.rollout.strategy}", config.rollout.fidelity),
         (f"prompt_sampler={config.trainer.prompt_sampler.name}", config.trainer.prompt_sampler.fidelity),
+        (f"reward={config.reward.name}", config.reward.fidelity),
     ]
     return [(f"{label} ({block.method})" if block.method else label, block) for label, block in nodes if block is not None]
 
@@ -413,6 +415,9 @@ def check_run(cfg: DictConfig, origins: ValueOrigins) -> Algorithm:
         check_swarm(config, algorithm)
         validate_spec(cfg.dataset, source=config.data_source, data_dir=config.data_dir)
         check_reward_matches_dataset(config.reward.name, config.dataset)
+        check_reward_config(config.reward)
+        if config.reward.judge is not None and config.reward.judge.kind == "model":
+            validate_model_config(config.reward.judge.model)  # the judge's model, refused before anything loads
         check_replay_pool(rollout, cfg.dataset, config.seed, config.data_dir, config.data_source)
         check_success_training(rollout, algorithm.loss.name, POLICY_LOSSES.accepted_inputs(algorithm.loss.name))
         guidance = GuidanceOptions.from_config(config.guidance)

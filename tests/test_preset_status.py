@@ -40,7 +40,7 @@ CONF = ROOT / "conf"
 PAPERS = sorted(path.stem for path in (CONF / "paper").glob("*.yaml"))
 STATUSES = typing.get_args(typing.get_type_hints(FidelityConfig)["status"])
 # The presets that may carry a fidelity block, and where in their file it sits.
-METHOD_PRESET_GROUPS = ("algorithm", "rollout", "prompt_sampler")
+METHOD_PRESET_GROUPS = ("algorithm", "rollout", "prompt_sampler", "reward")
 
 # A deviation that says a mechanism "is not implemented" belongs to a partial preset. These sentences say it
 # of something that does not define the method (a variant, an ablation, a script's extra); each says why.

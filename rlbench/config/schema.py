@@ -542,6 +542,37 @@ class ModelConfig:
 
 
 @dataclass
+class JudgeConfig:
+    """``reward.judge``: the judge the judge terms of ``reward.terms`` ask (rlbench/reward/judges.py; docs/judges.md)."""
+
+    kind: Literal["scripted", "policy", "frozen", "model"] = knob(
+        "scripted", "scripted: a rule, no model (tests, CPU experiments) | policy: the policy itself, its current "
+        "weights | frozen: a frozen copy of the initial policy | model: another model (+model@reward.judge.model=tiny)")
+    rule: Literal["shorter", "longer", "bare_answer"] = knob(
+        "shorter", "scripted: shorter / longer (pairwise: prefers the shorter / longer response) | bare_answer "
+        "(pointwise: a response without working, no operator or '=', is flawed)")
+    model: Optional[ModelConfig] = node(ModelConfig, "kind=model: the judge's model (+model@reward.judge.model=<option>)")
+    verdict: Literal["probability", "label"] = knob(
+        "probability", "probability: P(first label) / P(first or second label) as the next token | label: the first "
+        "label found in a greedy answer of max_new_tokens (none found: a failed verdict)")
+    pairwise_template: Optional[str] = knob(
+        None, "the pairwise prompt, with {question}, {first}, {second}; null: rlbench.reward.judges.PAIRWISE_TEMPLATE")
+    pointwise_template: Optional[str] = knob(
+        None, "the pointwise prompt, with {question}, {response}, {reference_line}; null: POINTWISE_TEMPLATE")
+    pairwise_labels: list = knob(["A", "B"], "the labels meaning 'the first response is better' and 'the second is'")
+    pointwise_labels: list = knob(["yes", "no"], "the labels meaning 'flawed' and 'sound'")
+    max_new_tokens: int = knob(8, "verdict=label: the answer's length in tokens", ge=1)
+    batch_size: int = knob(16, "prompts per judge call", ge=1)
+    cache: bool = knob(True, "keep verdicts by (judge, prompt) for the run (never for kind=policy: its weights change)")
+    time_budget_s: Optional[float] = knob(None, "the judge's own seconds per step; then the rest of the step's items fail (null: none)", gt=0)
+    token_budget: Optional[int] = knob(None, "tokens (prompt + answer) of judge calls per step; then items fail (null: none)", ge=1)
+    failure_reward: Optional[float] = knob(
+        None, "a judge term's value for a failed verdict (unparseable, over budget), counted; null: the term's "
+        "neutral value (pairwise_rl 0.5, brpo 0, fapo 0)")
+    sees_reference: bool = knob(False, "show the reference answer to the pointwise judge (fapo); false: it never sees it")
+
+
+@dataclass
 class RewardConfig:
     """``reward``: the grader (rlbench/reward); the keys that apply depend on the option."""
 
@@ -554,6 +585,11 @@ class RewardConfig:
     verify_timeout_s: float = knob(5.0, "seconds one math-verify comparison may take (math)", gt=0)
     mode: Literal["all_pass", "pass_rate"] = knob("all_pass", "all_pass: 1 when every test passes | pass_rate: the share of tests passed (code)")
     threshold: float = knob(0.75, "reward at which a response counts as correct (even_tokens)")
+    terms: dict = knob(
+        {"grader": 1.0}, "term -> weight: the reward is the weighted sum of the terms (grader, format, pairwise_rl, "
+        "brpo, fapo; rlbench/reward/terms.py), each logged as reward_term_<name>", open=True)
+    judge: Optional[JudgeConfig] = node(JudgeConfig, "null: no judge | the judge the judge terms ask (docs/judges.md)")
+    fidelity: Optional[FidelityConfig] = node(FidelityConfig, "null: not stated; how much of its method a reward preset builds (reward=fapo)")
 
 
 @dataclass

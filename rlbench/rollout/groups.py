@@ -21,6 +21,7 @@ from rlbench.dataset.base import Problem
 from rlbench.prompting import encode_prompts
 from rlbench.reward import grade_completions
 from rlbench.reward.math import Grade
+from rlbench.reward.terms import RewardComposer
 from rlbench.rollout.engines.base import Completion, GenerationRequest, RolloutEngine, SamplingParams
 
 
@@ -33,7 +34,7 @@ class GradedGroups:
                   the order the groups were generated (a group keeps its id through selection, so
                   a strategy that drops or regroups responses still names where each came from)
     rewards   [B] the reward after the algorithm's reward shaping (what the advantage sees)
-    outcome   [B] the graders' rewards, before shaping
+    outcome   [B] the composed reward (``reward.terms``: the grader's alone by default), before shaping
     finished  [B] bool, True when the response ended with EOS
     """
 
@@ -131,6 +132,7 @@ class GenerationCost:
     reused_tokens: int = 0
     responses: int = 0
     seconds: float = 0.0
+    reward_metrics: Callable[[], dict[str, float]] | None = None  # the reward composition's (GroupSampler sets it)
 
     def add(self, groups: Sequence[Sequence[Completion]], seconds: float) -> None:
         for group in groups:
@@ -147,6 +149,7 @@ class GenerationCost:
             "reused_tokens": float(self.reused_tokens),
             "generated_responses": float(self.responses),
             "engine_s": self.seconds,
+            **(self.reward_metrics() if self.reward_metrics is not None else {}),
         }
         self.generated_tokens = self.reused_tokens = self.responses = 0
         self.seconds = 0.0
@@ -158,7 +161,9 @@ class GroupSampler:
     """Prompts -> graded groups: encode each problem's prompt, sample ``n`` responses per prompt, grade
     each against its problem (one batch call for graders that run programs in parallel) and apply the
     reward shaping (``shape_rewards(rewards, inputs)``, i.e. ``Algorithm.shape_rewards``, with
-    :func:`shaping_inputs`). Groups are numbered 0..G-1."""
+    :func:`shaping_inputs`). Groups are numbered 0..G-1. ``compose``: the reward terms
+    (rlbench.reward.terms; ``reward.terms``), by default the grader's reward alone; their metrics and the
+    judge's are taken with :attr:`cost`."""
 
     engine: RolloutEngine
     grader: Any
@@ -166,6 +171,10 @@ class GroupSampler:
     prompt_spec: Mapping[str, Any]
     shape_rewards: Callable[[torch.Tensor, dict[str, Any]], torch.Tensor]
     cost: GenerationCost = field(default_factory=GenerationCost)
+    compose: RewardComposer = field(default_factory=RewardComposer)
+
+    def __post_init__(self) -> None:
+        self.cost.reward_metrics = self.compose.take
 
     def generate(
         self, requests: Sequence[GenerationRequest], params: SamplingParams, generator: torch.Generator | None
@@ -217,10 +226,10 @@ class GroupSampler:
         return self.shaped(problems, groups, grades, max_length)
 
     def shaped(self, problems: Sequence[Problem], groups: list[list[Completion]], grades: Sequence[Grade], max_length: int) -> GradedGroups:
-        """``groups`` with their ``grades`` given (the grader's, or a file's labels: rollout=offline), rewards
-        shaped; groups numbered 0..G-1."""
+        """``groups`` with their ``grades`` given (the grader's, or a file's labels: rollout=offline), the
+        reward terms composed (reward.terms: the default is the grade's reward) and shaped; groups numbered 0..G-1."""
         grades = list(grades)
-        outcome = torch.tensor([g.reward for g in grades], dtype=torch.float32)
+        outcome = self.compose(problems, [[c.text for c in group] for group in groups], grades).to(torch.float32)
         inputs = shaping_inputs(groups, grades, max_length, self.tokenizer)
         rewards = self.shape_rewards(outcome, inputs).to(torch.float32)
         return GradedGroups(list(problems), groups, grades, rewards, outcome, inputs["finished"], list(range(len(groups))))

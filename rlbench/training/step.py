@@ -38,6 +38,7 @@ from rlbench.rollout import (
     make_strategy,
 )
 from rlbench.rollout.engines.base import RolloutEngine, SamplingParams
+from rlbench.rollout.judge_backend import make_reward_composer
 from rlbench.training.advantage_inputs import AdvantageInputSources
 from rlbench.training.batch import (
     TrainBatch,
@@ -72,7 +73,7 @@ from rlbench.utils import STREAM_MINIBATCH, STREAM_ROLLOUT, make_generator
 
 # Step metrics measured in wall-clock seconds (or derived from them) and the process's peak memory:
 # they differ between two runs of one seed; every other metric is repeatable bit for bit on one machine.
-TIMING_METRICS = frozenset({"generate_s", "update_s", "step_s", "tokens_per_s", "engine_s", "queue_wait_s", "peak_memory_mb"})
+TIMING_METRICS = frozenset({"generate_s", "update_s", "step_s", "tokens_per_s", "engine_s", "queue_wait_s", "peak_memory_mb", "judge_s"})
 
 
 @dataclass
@@ -133,6 +134,7 @@ class StepContext:
             "reference": self.reference.state_dict() if self.reincarnated and self.reference is not None else None,
             "reference_soup": None if self.reference_soup is None else self.reference_soup.state_dict(),
             "rounds": None if self.rounds is None else self.rounds.state_dict(self.policy_version),
+            "reward_terms": self.sampler.compose.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -153,6 +155,8 @@ class StepContext:
             self.reference_soup.load_state_dict(state["reference_soup"])
         if self.rounds is not None:
             self.rounds.load_state_dict(state.get("rounds"), self.policy_version)
+        if "reward_terms" in state:  # checkpoints before composed rewards have none
+            self.sampler.compose.load_state_dict(state["reward_terms"])
 
 
 def make_step_context(
@@ -183,7 +187,8 @@ def make_step_context(
     warmup = max(trainer.warmup_steps, 0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
     params = SamplingParams(rollout.temperature, rollout.top_p, rollout.max_new_tokens)
-    sampler = GroupSampler(engine, grader, tokenizer, prompt_spec(config.dataset), algorithm.shape_rewards)
+    sampler = GroupSampler(engine, grader, tokenizer, prompt_spec(config.dataset), algorithm.shape_rewards,
+                           compose=make_reward_composer(config, engine, model, tokenizer, device))
     # rank 0 samples what one process samples; other ranks draw their own stream (docs/scaling.md)
     rollout_generator = torch.Generator().manual_seed(
         rank_stream_seed(make_generator(config.seed, STREAM_ROLLOUT).initial_seed(), world.rank)
