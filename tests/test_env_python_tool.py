@@ -7,13 +7,12 @@ from __future__ import annotations
 import pytest
 from test_env_multi_turn import ScriptedEngine, Tokens
 
-from rlbench.rollout.env import python_tool
 from rlbench.config.schema import EnvConfig
 from rlbench.dataset.base import Problem
 from rlbench.reward.math import MathReward
 from rlbench.rollout import GroupSampler, RolloutSetup
 from rlbench.rollout.engines.base import SamplingParams
-from rlbench.rollout.env import EnvContext, EnvFactory
+from rlbench.rollout.env import EnvContext, EnvFactory, python_tool
 from rlbench.rollout.env.python_tool import INSTRUCTIONS, tool_output
 from rlbench.rollout.strategies.multi_turn import MultiTurnRollout
 from rlbench.sandbox import SandboxLimits
