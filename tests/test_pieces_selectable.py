@@ -36,6 +36,7 @@ COMPANIONS = {
     ("advantage", "tree"): ["rollout=tree"],  # reads the tree of a tree rollout
     ("advantage", "treerpo"): ["rollout=treerpo"],
     ("advantage", "vine"): ["rollout=vine"],  # reads the Monte-Carlo step values of rollout=vine
+    ("advantage", "gigpo"): ["rollout=multi_turn", "env=gridworld"],  # reads the turns of multi-turn episodes
 }
 PRESET_MARK = re.compile(r"#\s*preset:")
 
