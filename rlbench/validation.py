@@ -372,7 +372,7 @@ def check_run(cfg: DictConfig, origins: ValueOrigins) -> Algorithm:
     check_against_schema(cfg, registered(), origins)
     config = typed_config(cfg)
     check_fidelity(config)
-    validate_env(config.env, config.rollout.strategy)
+    validate_env(config.env, config.rollout.strategy, config.mode)
     device = resolve_device(config.device)
     algorithm = Algorithm.from_config(algorithm_settings(config.algorithm))
 

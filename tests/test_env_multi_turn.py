@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 from conftest import CharTokenizer, algorithm_from, compose_config
+from test_rollout import _recompute, tiny  # noqa: F401  (tiny: the fixture of the tiny model)
 
 from rlbench.config.schema import EnvConfig
 from rlbench.config.typed import typed_config
@@ -203,9 +204,43 @@ def test_configuration_is_checked_before_the_model_loads(tmp_path):
         validate_env(None, "multi_turn")
     with pytest.raises(ConfigError, match="only used by rollout=multi_turn"):
         validate_env(cfg.env, "iid")
+    with pytest.raises(ConfigError, match="mode=eval through an environment is not built"):
+        validate_env(cfg.env, "multi_turn", "eval")
     with pytest.raises(ConfigError, match="no key"):
         validate_env(EnvConfig(name="gridworld", settings={"gridworld": {"sise": 4}}), "multi_turn")
     with pytest.raises(ConfigError, match="unknown"):
         validate_env(EnvConfig(name="nowhere"), "multi_turn")
     with pytest.raises(ConfigError, match="size must be >= 2"):
         validate_env(EnvConfig(name="gridworld", settings={"gridworld": {"size": 1}}), "multi_turn")
+
+
+@pytest.mark.slow
+def test_tiny_model_episodes_reuse_the_kv_and_record_the_policys_log_probs(tiny):  # noqa: F811 (the fixture)
+    """The real engine: with the KV kept across turns (prefix_cache_mb) the episodes are the ones sampled
+    without it, later turns hit the cache, and the log-prob recorded for each policy token is the policy's
+    own, recomputed by one forward over the whole episode (observations included in the context)."""
+    from rlbench.rollout import HFGenerateEngine
+    from rlbench.rollout.env import EnvContext, EnvFactory
+
+    model, tokenizer = tiny
+    config = EnvConfig(name="gridworld", max_turns=3, turn_tokens=3, max_tokens=96, max_observation_tokens=32,
+                       settings={"gridworld": {"moves": "initials"}})
+    problems = [Problem("a", "", "0"), Problem("b", "", "0")]
+
+    def episodes(cache_mb):
+        engine = HFGenerateEngine(model, tokenizer, progress=False, prefix_cache_mb=cache_mb)
+        sampler = GroupSampler(engine, None, tokenizer, {"user": "{problem}"}, lambda r, _: r)
+        setup = RolloutSetup(sampler, 3, SamplingParams(1.0, 1.0, 16), torch.Generator().manual_seed(5),
+                             env=EnvFactory(config, EnvContext()))
+        groups, metrics = MultiTurnRollout(setup).rollout(problems)
+        return groups, metrics, engine
+
+    plain, _, _ = episodes(0)
+    cached, metrics, engine = episodes(16)
+    assert engine.prefix_cache.stats.hits > 0 and metrics["multi_turn_turns"] > 1
+    for a, b in zip(plain.groups, cached.groups):
+        assert [c.response_ids for c in a] == [c.response_ids for c in b]
+    for c in (c for group in cached.groups for c in group):
+        recomputed = _recompute(model, c.prompt_ids, c.response_ids)
+        policy = torch.tensor(c.loss_mask, dtype=torch.bool)
+        assert torch.allclose(torch.tensor(c.logprobs)[policy], recomputed[policy], atol=1e-4)

@@ -48,6 +48,7 @@ def rollout(script, n, env_factory):
     return MultiTurnRollout(setup).rollout([PROBLEM])
 
 
+@pytest.mark.slow  # runs the sandbox
 def test_a_scripted_tool_episode(sandbox_runs):
     script = [["Let me compute. " + CODE + " trailing text", "The answer is \\boxed{41}$"],
               ["So \\boxed{42}$"]]
@@ -63,6 +64,7 @@ def test_a_scripted_tool_episode(sandbox_runs):
     assert metrics["multi_turn_ended_answer"] == 2
 
 
+@pytest.mark.slow  # runs the sandbox
 def test_the_reward_does_not_depend_on_the_number_of_calls(sandbox_runs):
     script = [[CODE, "\\boxed{42}$"], [CODE], ["\\boxed{42}$"]]
     groups, _ = rollout(script, 2, factory())
@@ -70,6 +72,7 @@ def test_the_reward_does_not_depend_on_the_number_of_calls(sandbox_runs):
     assert groups.groups[0][0].text.count("```output") == 2
 
 
+@pytest.mark.slow  # runs the sandbox
 def test_errors_truncation_and_caps(sandbox_runs):
     long_print = "```python\nprint('x' * 500)\n```"
     crash = "```python\n1/0\n```"
@@ -86,6 +89,7 @@ def test_errors_truncation_and_caps(sandbox_runs):
     assert failed and "ZeroDivisionError" in text
 
 
+@pytest.mark.slow  # runs the sandbox
 def test_tool_call_cap_and_observation_cap(sandbox_runs):
     _, metrics = rollout([[CODE]], 1, factory(max_tool_calls=1))
     assert metrics["multi_turn_ended_tool_call_cap"] == 1 and len(sandbox_runs) == 1

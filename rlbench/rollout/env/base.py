@@ -135,15 +135,19 @@ def env_options(config: EnvConfig) -> Any:
     return settings_block(config.settings.get(config.name), cls.Options, f"env.{config.name}")
 
 
-def validate_env(config: EnvConfig | None, strategy: str) -> None:
+def validate_env(config: EnvConfig | None, strategy: str, mode: str = "train") -> None:
     """Refuse a multi-turn strategy without an environment, an unknown environment or bad options,
-    before the model loads; an environment under a single-turn strategy is refused too (it would be ignored)."""
+    before the model loads; an environment that would be ignored (a single-turn strategy, or mode=eval and
+    mode=generate, which do not run episodes yet) is refused too."""
     if config is None:
-        if strategy == "multi_turn":
+        if strategy == "multi_turn" and mode == "train":
             raise ConfigError("rollout=multi_turn needs an environment: add env=<name> (conf/env/)")
         return
     if strategy != "multi_turn":
         raise ConfigError(f"env={config.name} is only used by rollout=multi_turn (this run has rollout={strategy})")
+    if mode != "train":
+        raise ConfigError(f"env={config.name} runs training episodes only; mode={mode} through an environment is not "
+                          "built yet (docs/agents.md)")
     env_options(config)
 
 
