@@ -123,9 +123,10 @@ def test_turns_observations_and_step_inputs():
     assert metrics["multi_turn_ended_goal"] == 1 and metrics["multi_turn_ended_model_stopped"] == 1
 
 
-def test_broken_environments_end_their_episode_and_the_step_goes_on():
+@pytest.mark.parametrize("workers", [1, 4])  # one at a time: the hung step frees its slot at its time-out
+def test_broken_environments_end_their_episode_and_the_step_goes_on(workers):
     Scripted.release.clear()
-    factory = Factory(step_timeout_s=1.0)
+    factory = Factory(step_timeout_s=1.0, workers=workers)
     try:
         groups, metrics, _ = run([["raise\n", "hang\n", "long\n", "a\n"], ["win\n"]], n=4, factory=factory)
     finally:

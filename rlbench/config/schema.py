@@ -591,6 +591,7 @@ class EnvConfig:
     max_tool_calls: int = knob(4, "tool calls per episode (the episode ends after the last allowed one)", ge=0)
     max_observation_tokens: int = knob(128, "longest observation in tokens; a longer one ends the episode", ge=1)
     step_timeout_s: float = knob(30.0, "seconds one environment step may take (tool runs included); longer ends the episode", gt=0)
+    workers: Optional[int] = knob(None, "environment steps run at once (tool runs in the sandbox); null: one per CPU core", ge=1)
     settings: dict = knob({}, "the settings block env.<name> (filled by rlbench.config.typed)", derived=True)
 
 

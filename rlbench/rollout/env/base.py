@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import threading
+import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -177,22 +178,35 @@ class EnvTimeout(Exception):
     """An environment call ran past its time limit."""
 
 
-def call_with_timeout(function: Callable[[], Any], timeout_s: float) -> Any:
-    """``function()``'s value, or its exception; EnvTimeout after ``timeout_s`` seconds (the call is
-    left running in a daemon thread: an environment is trusted code, model code runs in the sandbox)."""
-    box: dict[str, Any] = {}
+def call_all_with_timeout(functions: list[Callable[[], Any]], timeout_s: float, workers: int) -> list[tuple[Any, BaseException | None]]:
+    """Each of ``functions`` called in a daemon thread, at most ``workers`` at once: per call ``(value, None)``,
+    ``(None, its exception)``, or ``(None, EnvTimeout)`` when it ran ``timeout_s`` seconds from its own start
+    (it is left running and its slot freed: an environment is trusted code, model code runs in the sandbox)."""
+    results: list[tuple[Any, BaseException | None]] = [(None, None)] * len(functions)
+    pending = list(range(len(functions)))
+    running: dict[int, tuple[threading.Thread, dict[str, Any], float]] = {}
 
-    def target() -> None:
+    def target(function: Callable[[], Any], box: dict[str, Any]) -> None:
         try:
             box["value"] = function()
         except BaseException as error:  # noqa: BLE001 - handed to the caller
             box["error"] = error
 
-    thread = threading.Thread(target=target, daemon=True, name="env-step")
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise EnvTimeout(f"no answer within {timeout_s} s")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    while pending or running:
+        while pending and len(running) < max(int(workers), 1):
+            index = pending.pop(0)
+            box: dict[str, Any] = {}
+            thread = threading.Thread(target=target, args=(functions[index], box), daemon=True, name="env-step")
+            thread.start()
+            running[index] = (thread, box, time.monotonic())
+        first = next(iter(running.values()))[0]
+        first.join(0.005)
+        for index, (thread, box, started) in list(running.items()):
+            if not thread.is_alive():
+                results[index] = (box.get("value"), box.get("error"))
+            elif time.monotonic() - started > timeout_s:
+                results[index] = (None, EnvTimeout(f"no answer within {timeout_s} s"))
+            else:
+                continue
+            del running[index]
+    return results

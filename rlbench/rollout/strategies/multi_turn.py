@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -48,7 +49,7 @@ from rlbench.rollout.env.base import (
     Environment,
     EnvTimeout,
     StepResult,
-    call_with_timeout,
+    call_all_with_timeout,
     state_id,
 )
 from rlbench.rollout.groups import GradedGroups, shaping_inputs
@@ -166,10 +167,12 @@ class MultiTurnRollout(RolloutStrategy):
         return Episode(problem, env, tuple(prompt), state=state_id(first.state_key))
 
     def advance(self, active: list[Episode]) -> None:
-        """One turn of every episode in ``active``: generate, cut at the turn end, step the environment."""
+        """One turn of every episode in ``active``: generate (one engine call), cut each at its turn end, then
+        step the environments (in parallel, ``env.workers`` at once, each bounded by ``env.step_timeout_s``)."""
         sampler, caps, tokenizer = self.setup.sampler, self.setup.env.config, self.setup.sampler.tokenizer
         params = dataclasses.replace(self.setup.params, max_new_tokens=caps.turn_tokens)
         requests = [GenerationRequest(e.prompt_ids, 1, prefix_ids=tuple(e.response_ids), score_prefix=False) for e in active]
+        turns = []
         for e, (c,) in zip(active, sampler.generate(requests, params, self.setup.generator)):
             new, logprobs = c.response_ids[len(e.response_ids):], c.logprobs[len(e.response_ids):]
             room = caps.max_tokens - len(e.response_ids)
@@ -179,20 +182,25 @@ class MultiTurnRollout(RolloutStrategy):
             if k > room:
                 k, stopped = room, False
             e.add_turn(new[:k], logprobs[:k])
-            self.step(e, tokenizer.decode(new[:k], skip_special_tokens=True), stopped)
+            turns.append((e, tokenizer.decode(new[:k], skip_special_tokens=True), stopped))
+        calls = [lambda env=e.env, text=text: env.step(text) for e, text, _ in turns]
+        workers = caps.workers or os.cpu_count() or 1
+        for (e, _, stopped), outcome in zip(turns, call_all_with_timeout(calls, caps.step_timeout_s, workers)):
+            self.apply(e, outcome, stopped)
 
-    def step(self, e: Episode, text: str, stopped: bool) -> None:
-        """Hand the turn's ``text`` to the environment and apply its answer (or end the episode)."""
+    def apply(self, e: Episode, outcome: tuple[Any, BaseException | None], stopped: bool) -> None:
+        """Apply the environment's answer to the turn just taken (``outcome``: its StepResult or the
+        exception it raised), or end the episode."""
         caps = self.setup.env.config
-        try:
-            result: StepResult = call_with_timeout(lambda: e.env.step(text), caps.step_timeout_s)
-        except EnvTimeout:
+        result, error = outcome
+        if isinstance(error, EnvTimeout):
             e.ended_by = "env_timeout"
             return
-        except Exception as error:  # noqa: BLE001 - an environment's failure ends its episode only
+        if error is not None:  # an environment's failure ends its episode only
             log.warning("environment %s raised %s: %s; the episode ends", caps.name, type(error).__name__, error)
             e.ended_by = "env_error"
             return
+        result: StepResult
         e.reward_turn(float(result.reward))
         e.tool_calls += result.tool_calls
         e.tool_errors += result.tool_errors
