@@ -2,9 +2,9 @@
 the environment (rlbench/rollout/env/) answers, the policy continues.
 
 Per prompt, ``rollout.n`` episodes, each with its own environment. Each turn the episodes still running
-advance together: one engine call continues every one of them from its response so far (the prompt
-is the environment's first observation inside the dataset's template; the response so far is passed
-as ``prefix_ids``, not scored again, so with ``rollout.prefix_cache_mb`` > 0 the hf engine reuses its
+advance together: one engine call continues every one of them from its response so far (the prompt is
+the environment's first observation as the user message, after the dataset's system message if any; the
+response so far is passed as ``prefix_ids``, not scored again, so with ``rollout.prefix_cache_mb`` > 0 the hf engine reuses its
 KV and prefills only the new tokens). A turn is cut just after the environment's turn end (a stop
 marker, a closed tool block), else it ends at ``env.turn_tokens`` or EOS; the environment's
 observation is tokenized and appended. The response of an episode is its policy tokens and its
@@ -43,6 +43,8 @@ import torch
 
 from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
+from rlbench.dataset.prompts import build_messages
+from rlbench.prompting import encode_prompts
 from rlbench.reward.math import Grade
 from rlbench.rollout.engines.base import Completion, GenerationRequest
 from rlbench.rollout.env.base import (
@@ -161,9 +163,15 @@ class MultiTurnRollout(RolloutStrategy):
         return self.graded(problems, episodes)
 
     def start(self, problem: Problem) -> Episode:
+        """A new episode: its environment, reset, and the prompt: the dataset's system message (if any)
+        and, as the user message, the environment's first observation alone (the dataset's user template
+        asks for a single-turn answer)."""
         env = self.setup.env()
         first = env.reset(problem)
-        prompt = self.setup.sampler.encode([dataclasses.replace(problem, prompt=first.observation)])[0]
+        messages = build_messages(problem, self.setup.sampler.prompt_spec)
+        system = messages[0]["content"] if messages[0]["role"] == "system" else None
+        spec = {"system": system, "user": "{problem}"}
+        prompt = encode_prompts(self.setup.sampler.tokenizer, [dataclasses.replace(problem, prompt=first.observation)], spec)[0]
         return Episode(problem, env, tuple(prompt), state=state_id(first.state_key))
 
     def advance(self, active: list[Episode]) -> None:
