@@ -349,6 +349,7 @@ def train(run: Run, policy: Policy, stop: StopSignals) -> dict[str, Any]:
     manifest = {"config": checkpoint.comparable_config(run.resolved), "config_key": config_key(run.resolved),
                 "overrides": command_line_overrides(), "rlbench_commit": git_commit(),
                 **(swarm_manifest(launched_world_size(), external_groups(config.trainer)) if run.swarm else {})}
+    run.train_problems = ctx.strategy.training_problems(run.train_problems)  # rollout=offline: a file's own prompts
     run.training_run = TrainingRun(config, ctx, run.train_problems, run.logger, manifest, peers=run.peers)
     if run.resumed is not None:
         run.resumed = run.training_run.resume(run.resumed)
@@ -368,6 +369,9 @@ def summarise(run: Run, policy: Policy, final: EvalResult, training_summary: dic
     if run.training and config.trainer.save_model:
         save_policy(policy.model, policy.tokenizer, run.out_dir / "policy", run.world,
                     merge_lora=config.model.lora is not None and config.model.lora.merge_on_save)
+        ctx = run.training_run.ctx if run.training_run is not None else None
+        if ctx is not None and ctx.reincarnated and ctx.reference is not None:  # the policy at the switch (SACPO's stage 1)
+            save_policy(ctx.reference, policy.tokenizer, run.out_dir / "reference", run.world)
     summary = {
         **run.summary_fields("finished", 0),
         "seed": config.seed,

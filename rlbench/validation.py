@@ -133,6 +133,9 @@ def check_sharded_run_features(config: RunConfig) -> None:
                           "use trainer.parallelism=single for it")
     if strategy == "swarm":  # every actor is a whole run of its own: nothing is split over the ranks
         return
+    if strategy == "fsdp" and config.algorithm.update.round_steps is not None:
+        raise ConfigError("algorithm.update.round_steps keeps a whole frozen copy of the policy (pi_t) on each rank, which "
+                          "trainer.parallelism=fsdp does not shard yet: use trainer.parallelism=ddp or single")
     world_size = launched_world_size()
     stages = parse_stages(trainer.stages, trainer.steps)
     for stage, settings in zip(stages, stage_settings(config, stages)):
@@ -265,10 +268,19 @@ def notice_fidelity(config: RunConfig) -> list[str]:
     return lines
 
 
-def check_reincarnation(config: RunConfig) -> None:
+def check_reincarnation(config: RunConfig, algorithm: Algorithm) -> None:
     """ReMix's policy reincarnation (algorithm.reincarnate_at) copies the policy into the KL reference:
-    not with a LoRA policy, whose reference is the adapter-free base (a view, no copy to overwrite)."""
+    not with a LoRA policy, whose reference is the adapter-free base (a view, no copy to overwrite).
+    A loss with stages of reference (``reference_stage``: SACPO) needs the step its stage 2 starts at."""
     at = config.algorithm.reincarnate_at
+    if algorithm.loss_has_stages:
+        if at is None:
+            raise ConfigError(f"the '{algorithm.loss.name}' loss trains in two stages, the second against the policy as it "
+                              "is at the stage switch: set algorithm.reincarnate_at to the step stage 2 starts at")
+        if config.model.lora is not None:
+            raise ConfigError(f"the '{algorithm.loss.name}' loss makes the policy the reference at "
+                              f"algorithm.reincarnate_at={at}, but a LoRA policy's reference is its adapter-free base: "
+                              "drop model/lora")
     if at is not None and config.algorithm.reference_soup is not None:
         raise ConfigError(f"algorithm.reincarnate_at={at} and algorithm.reference_soup both set the KL reference "
                           "(ReMix's reincarnated policy, SALSA's weight soup): choose one")
@@ -390,7 +402,7 @@ def check_run(cfg: DictConfig, origins: ValueOrigins) -> Algorithm:
         check_batch_arithmetic(trainer.prompts_per_step, rollout.n, trainer.micro_batch_size, algorithm.minibatches)
         check_curriculum(config, algorithm)
         check_staleness(config, algorithm)
-        check_reincarnation(config)
+        check_reincarnation(config, algorithm)
         check_masked_rollout(config, algorithm)
         check_difficulty_rollout(config, algorithm)
         if algorithm.sampling_correction is not None:

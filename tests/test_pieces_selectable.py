@@ -33,10 +33,14 @@ COMPANIONS = {
     ("loss", "degrpo"): ["algorithm/aggregation=seq_mean_token_sum"],
     # the pairwise losses read whole groups and take only their mean over groups
     **{("loss", name): ["algorithm/aggregation=group_mean"] for name in POLICY_LOSSES.names() if POLICY_LOSSES.needs(name).whole_groups},
+    ("loss", "sacpo"): ["algorithm/aggregation=group_mean", "+algorithm.reincarnate_at=2"],  # and its stage switch
     ("advantage", "tree"): ["rollout=tree"],  # reads the tree of a tree rollout
     ("advantage", "treerpo"): ["rollout=treerpo"],
     ("advantage", "vine"): ["rollout=vine"],  # reads the Monte-Carlo step values of rollout=vine
     ("advantage", "gigpo"): ["rollout=multi_turn", "env=gridworld"],  # reads the turns of multi-turn episodes
+    ("loss", "ppo_clip_sft"): ["rollout=rethink"],  # reads the SFT targets rollout=rethink marks
+    # reads the steps of rollout=vine, whose advantage reads vine's values; a sum over steps per response
+    ("loss", "direct_advantage_po"): ["rollout=vine", "algorithm/advantage=vine", "algorithm/aggregation=seq_mean_token_sum"],
 }
 PRESET_MARK = re.compile(r"#\s*preset:")
 

@@ -281,6 +281,9 @@ STATEFUL_PRESETS = {
     "training_free_grpo": ["algorithm=training_free_grpo"],
     # a pairwise loss: the reference model, mini-batches of whole groups drawn from the mini-batch stream
     "dpo": ["algorithm=dpo", "algorithm.loss.pairing=all", "algorithm.update.minibatches=2"],
+    # INPO's rounds: step 2's checkpoint is inside the first 3-step round, so it holds pi_t (a later round's pi_t,
+    # which differs from the initial policy, is restored in tests/test_rounds.py)
+    "inpo_rounds": ["algorithm=inpo", "algorithm.update.round_steps=3"],
 }
 
 

@@ -99,6 +99,7 @@ class Algorithm:
     schedule: str = "standard"  # standard | sfpo | trpo
     schedule_settings: SFPOSettings | TRPOSettings | None = None
     proximal_decay: float | None = None  # beta of the EWMA proximal policy (ppo_ewma); None -> 0
+    round_steps: int | None = None  # iterative rounds: the loss's pi_t frozen for this many steps (training/rounds.py)
     kl_placement: str = "loss"
     kl_adaptive: AdaptiveKL | None = None
     kl_previous_weight: float = 0.0  # w of the convex KL (1 - w) KL(pi || pi_ref) + w KL(pi || pi_prev) (ReMix)
@@ -150,6 +151,7 @@ class Algorithm:
             schedule=schedule,
             schedule_settings=schedule_settings,
             proximal_decay=None if proximal_decay is None else float(proximal_decay),
+            round_steps=None if (rounds := setting(update, "round_steps", "update")) is None else int(rounds),
         )
         algorithm.validate()
         return algorithm
@@ -294,6 +296,22 @@ class Algorithm:
                 )
             if not 0.0 <= self.proximal_decay < 1.0:
                 raise ConfigError(f"algorithm.update.proximal_decay must be in [0, 1), got {self.proximal_decay}")
+        self._check_rounds()
+
+    def _check_rounds(self) -> None:
+        """algorithm.update.round_steps holds the loss's pi_old frozen for a round: only a loss whose pi_old is an
+        iterative method's pi_t (registry.Needs.rounds) means anything by that; a ratio to a stale pi_old would not."""
+        if self.round_steps is None:
+            return
+        if self.round_steps < 1:
+            raise ConfigError(f"algorithm.update.round_steps must be >= 1 (or null: no rounds), got {self.round_steps}")
+        if POLICY_LOSSES.needs(self.loss.name).rounds is None:
+            with_rounds = [name for name in POLICY_LOSSES.names() if POLICY_LOSSES.needs(name).rounds is not None]
+            raise ConfigError(
+                f"algorithm.update.round_steps={self.round_steps} freezes pi_t for a round of an iterative method, but "
+                f"loss '{self.loss.name}' reads pi_old as the sampling policy (losses with rounds: {', '.join(with_rounds)}); "
+                "set algorithm.update.round_steps=null"
+            )
 
     def _check_loss_requirements(self) -> None:
         """Refuse compositions the loss is undefined or unfaithful under (the Needs it declared at
@@ -347,6 +365,12 @@ class Algorithm:
         """A frozen reference model is loaded only when the KL term is active (in the loss or the reward) or
         the policy loss reads pi_ref itself (dpo, ipo)."""
         return self.kl_coef > 0 or "ref_logp" in POLICY_LOSSES.accepted_inputs(self.loss.name)
+
+    @property
+    def loss_has_stages(self) -> bool:
+        """The policy loss trains in stages of reference (it reads ``reference_stage``: SACPO): its second stage
+        starts at algorithm.reincarnate_at, against the policy as it is then, with a fresh optimizer state."""
+        return "reference_stage" in POLICY_LOSSES.accepted_inputs(self.loss.name)
 
     @property
     def loss_reads_whole_groups(self) -> bool:
@@ -406,8 +430,9 @@ class Algorithm:
     def needs_sampling_pass(self) -> bool:
         """A no-grad pass over the sampled batch (old log-probs, entropies) before the advantage; the
         old log-probs alone do not need it under bypass (they are the rollout engine's)."""
-        reads_old_logp = any((
-            self.advantage_inputs & {"old_logp"}, self.needs_old_logp, self.kl_in_reward, self.kl_adaptive is not None,
+        reads_old_logp = any((  # under rounds the loss's pi_old is the round's frozen copy (training/rounds.py)
+            self.advantage_inputs & {"old_logp"}, self.needs_old_logp and self.round_steps is None, self.kl_in_reward,
+            self.kl_adaptive is not None,
         ))
         return any((
             reads_old_logp and not self.bypasses_old_logp, self.advantage_inputs & {"entropy", "values"},

@@ -54,6 +54,13 @@ class Needs:
     whole_groups       policy loss: why it reads the responses of a group together (a pairwise preference
                        loss): the trainer then keeps every group in one micro-batch and one mini-batch
                        (rlbench.training.batch.group_micro_batches). None: rows are independent
+    rounds             policy loss: what its pi_old is in an iterative method's rounds (INPO, REBEL: the frozen
+                       pi_t of a round), when it may be held for several steps (algorithm.update.round_steps,
+                       rlbench/training/rounds.py). None: pi_old is each step's sampling policy and
+                       round_steps is refused
+    check_params       a function of the piece's knobs (the YAML's, the signature's defaults for the rest) that
+                       raises ConfigError on a bad value, called by ``validate_params`` before anything loads
+                       (None: no check beyond the names)
     """
 
     advantage_level: str | None = None
@@ -65,6 +72,8 @@ class Needs:
     ratio_term: str | Callable[[Mapping[str, Any]], str | None] | None = None  # or of the YAML params
     ratio_term_metric: str | None = None
     whole_groups: str | None = None
+    rounds: str | None = None
+    check_params: Callable[[Mapping[str, Any]], None] | None = None
 
     def __post_init__(self) -> None:
         for key in ("advantage_level", "ratio_level"):
@@ -193,6 +202,10 @@ class Registry:
                 f"{self.kind} '{name}' has no parameter(s) {sorted(unknown)}; "
                 f"it takes: {sorted(accepted - provided_inputs)}"
             )
+        check = self._needs[name].check_params
+        if check is not None:
+            defaults = {k: p.default for k, p in inspect.signature(fn).parameters.items() if p.default is not inspect.Parameter.empty}
+            check({**defaults, **params})
 
 
 # The kinds of piece; the inputs each may declare are the STEP_INPUTS entries naming it as a reader.

@@ -196,6 +196,8 @@ _declare("log_probs", "[B,T,V]", "full-vocabulary log pi_theta(. | q, o_<t), wit
 _declare("token_rewards", "[B,T]", "per-token rewards: the outcome at EOS minus the per-token KL penalty", "step",
          {"advantage"}, when="algorithm.kl.placement=reward", available=lambda algorithm: algorithm.kl_in_reward)
 _declare("progress", "float", "the fraction of training done, in [0, 1] (annealed schedules)", "step", {"loss"})
+_declare("reference_stage", "int", "1 while the reference is the initial policy, 2 once algorithm.reincarnate_at made "
+         "the policy the reference (SACPO's stage 2)", "batch", {"loss"})
 _declare("prox_logp", "[B,T]", "log-probs of decoupled PPO's proximal policy, an EWMA copy of the weights "
          "(no gradient)", "step", {"loss"})
 
@@ -215,7 +217,7 @@ _declare("tree_nodes", "[B,T] long", "the tree node of every response token, -1 
          "strategy", {"advantage"}, dtype=torch.long, pad=-1)
 _declare("step_index", "[B,T] long", "the step (0, 1, ...) of every response token, -1 on padding (rollout=vine; "
          "rollout=multi_turn: the turn, -1 on observation tokens)",
-         "strategy", {"advantage"}, dtype=torch.long, pad=-1)
+         "strategy", {"advantage", "loss"}, dtype=torch.long, pad=-1)
 _declare("step_values", "[B,T] float64", "V^ of the state where the token's step starts: the mean reward of "
          "continuations sampled from there (rollout=vine)", "strategy", {"advantage"}, dtype=torch.float64)
 _declare("turn_states", "[B,T] long", "an id of the environment state each policy token's turn was taken in, -1 on "

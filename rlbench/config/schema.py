@@ -191,6 +191,10 @@ class UpdateConfig:
     proximal_decay: Optional[float] = knob(
         None, "EWMA decay of the proximal policy of decoupled PPO (loss ppo_ewma only); null: 0"
     )
+    round_steps: Optional[int] = knob(
+        None, "iterative rounds (INPO, REBEL): the loss's pi_t is a frozen copy of the policy taken every round_steps "
+        "steps (rlbench/training/rounds.py); null: pi_t is each step's sampling policy", ge=1
+    )
     sfpo: Optional[SFPOConfig] = node(SFPOConfig, "settings of schedule=sfpo (only with it)", only_with=("schedule", "sfpo"))
     trpo: Optional[TRPOConfig] = node(TRPOConfig, "settings of schedule=trpo (only with it)", only_with=("schedule", "trpo"))
 
@@ -271,7 +275,7 @@ class AlgorithmConfig:
     reward_shaping: list = knob([], "list of {name, parameters} reward-shaping functions, applied in order", piece="reward_shaping")
     reincarnate_at: Optional[int] = knob(
         None, "ReMix's policy reincarnation at this step: the KL reference becomes the policy as it is then and a replay "
-        "rollout stops replaying (on-policy from then on); null: never", ge=2
+        "rollout stops replaying (on-policy from then on); SACPO's stage 2 starts here; null: never", ge=2
     )
     rollout_n: Optional[int] = knob(None, "the group size the method prescribes; rollout.n follows it unless set", ge=1)
     baseline: Optional[BaselineConfig] = node(BaselineConfig, "baseline_rewards source (remax, pvpo)")

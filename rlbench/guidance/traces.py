@@ -111,6 +111,13 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return hashlib.sha256(repr(vocab).encode("utf-8")).hexdigest()[:16]
 
 
+def text_token_ids(tokenizer: Any, text: str) -> tuple[int, ...]:
+    """A response's text as token ids under ``tokenizer``: the stripped text, EOS appended (an empty text: no ids)."""
+    text = text.strip()
+    body = tuple(tokenizer.encode(text, add_special_tokens=False)) if text else ()
+    return body + ((tokenizer.eos_token_id,) if body and tokenizer.eos_token_id is not None else ())
+
+
 GSM8K_CALCULATOR = re.compile(r"<<[^<>]*>>")
 
 
@@ -245,8 +252,7 @@ def load_guidance(
             ids, text, finished = c.token_ids, c.text or "", False
         else:
             text = (c.text or "").strip()
-            body = tuple(tokenizer.encode(text, add_special_tokens=False)) if text else ()
-            ids, finished = body + ((tokenizer.eos_token_id,) if body and tokenizer.eos_token_id is not None else ()), True
+            ids, finished = text_token_ids(tokenizer, text), True
         if not ids or not (text or options.source == "even_tokens"):
             reject("empty", c)
             continue

@@ -214,6 +214,12 @@ class GroupSampler:
         response budget; groups numbered 0..G-1."""
         flat = [c for group in groups for c in group]
         grades = grade_completions(self.grader, [p for p, group in zip(problems, groups) for _ in group], flat)
+        return self.shaped(problems, groups, grades, max_length)
+
+    def shaped(self, problems: Sequence[Problem], groups: list[list[Completion]], grades: Sequence[Grade], max_length: int) -> GradedGroups:
+        """``groups`` with their ``grades`` given (the grader's, or a file's labels: rollout=offline), rewards
+        shaped; groups numbered 0..G-1."""
+        grades = list(grades)
         outcome = torch.tensor([g.reward for g in grades], dtype=torch.float32)
         inputs = shaping_inputs(groups, grades, max_length, self.tokenizer)
         rewards = self.shape_rewards(outcome, inputs).to(torch.float32)

@@ -118,6 +118,12 @@ class RolloutStrategy:
     def stop_replay(self) -> None:
         """From now on replay nothing (ReMix's reincarnation); a strategy that replays nothing ignores it."""
 
+    def training_problems(self, problems: list[Problem]) -> list[Problem]:
+        """The problems the run trains on, given the dataset's (called once, before training): a strategy
+        that brings its own prompts (rollout=offline with a file of prompts) returns them; by default the
+        dataset's problems."""
+        return problems
+
     def in_context(self, problem: Problem) -> Problem:
         """The problem as the trained policy is asked it, here and at evaluation (Training-Free GRPO puts
         its experience library in every prompt); by default the problem itself."""

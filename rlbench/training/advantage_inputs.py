@@ -39,7 +39,7 @@ import torch
 
 from rlbench.algorithm import Algorithm
 from rlbench.algorithm.advantages import PVPOBaselineCache, SPOTracker
-from rlbench.algorithm.registry import ADVANTAGES
+from rlbench.algorithm.registry import ADVANTAGES, POLICY_LOSSES
 from rlbench.algorithm.step_inputs import STEP_INPUTS
 from rlbench.config.schema import (
     AlgorithmConfig,
@@ -196,17 +196,18 @@ def reward_range(reward: RewardConfig) -> tuple[float, float] | None:
     return None
 
 
-def check_strategy_inputs(rollout: RolloutConfig, advantage: str, needs: set[str]) -> None:
-    """ConfigError when advantage ``advantage`` reads a strategy input (``needs``) that the configured
-    rollout strategy does not provide, naming the strategies that provide every strategy input it reads."""
+def check_strategy_inputs(rollout: RolloutConfig, advantage: str, needs: set[str], kind: str = "advantage") -> None:
+    """ConfigError when advantage ``advantage`` (or the piece of another ``kind``) reads a strategy input
+    (``needs``) that the configured rollout strategy does not provide, naming the strategies that provide
+    every strategy input it reads."""
     provided = strategy_class(rollout).provides
-    wanted = {name for name in needs if STEP_INPUTS[name].producer == "strategy"}
+    wanted = {name for name in needs if name in STEP_INPUTS and STEP_INPUTS[name].producer == "strategy"}
     for name in sorted(wanted - provided):
         providers = sorted(key for key, cls in STRATEGIES.items() if wanted <= cls.provides)
         raise ConfigError(
-            f"advantage '{advantage}' reads {name} ({STEP_INPUTS[name].doc}), which "
+            f"{kind} '{advantage}' reads {name} ({STEP_INPUTS[name].doc}), which "
             f"rollout={rollout.strategy} does not provide; only the rollout strategies {providers} do. "
-            f"Select rollout={' or rollout='.join(providers)}, or another advantage"
+            f"Select rollout={' or rollout='.join(providers)}, or another {kind}"
         )
 
 
@@ -227,6 +228,8 @@ def validate_step_options(config: RunConfig, algorithm: Algorithm) -> None:
             )
     needs = needed_inputs(algorithm)
     check_strategy_inputs(rollout, name, needs)
+    loss = algorithm.loss
+    check_strategy_inputs(rollout, loss.name, POLICY_LOSSES.required_inputs(loss.name, loss.params), kind="loss")
     if not isinstance(config.algorithm.overlong_filter, bool):
         raise ConfigError(f"algorithm.overlong_filter must be true or false, got {config.algorithm.overlong_filter!r}")
     for source in source_classes(needs):

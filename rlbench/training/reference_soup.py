@@ -34,6 +34,15 @@ def soup_average(models: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, torc
     models = list(models)
     if not models:
         raise ValueError("a weight soup needs at least one model")
+    return weighted_average(models, [1.0 / len(models)] * len(models))
+
+
+def weighted_average(models: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]) -> dict[str, torch.Tensor]:
+    """Sum_i weights[i] * models[i] for each parameter name, computed in float64 and returned in model 0's
+    dtypes (a soup: uniform weights; P-SACPO's interpolation: 1 - w and w). The models must have the same
+    names and shapes (a mismatch is a ValueError naming the parameter)."""
+    if len(models) != len(weights) or not models:
+        raise ValueError(f"{len(models)} models and {len(weights)} weights: give one weight per model")
     names = list(models[0])
     for i, other in enumerate(models[1:], start=1):
         if list(other) != names:
@@ -42,7 +51,7 @@ def soup_average(models: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, torc
             if other[name].shape != models[0][name].shape:
                 raise ValueError(f"soup ingredient {i}: {name} has shape {tuple(other[name].shape)}, "
                                  f"ingredient 0 has {tuple(models[0][name].shape)}")
-    return {name: torch.stack([m[name].to(torch.float64) for m in models]).mean(0).to(models[0][name].dtype)
+    return {name: sum(w * m[name].to(torch.float64) for w, m in zip(weights, models)).to(models[0][name].dtype)
             for name in names}
 
 

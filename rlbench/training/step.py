@@ -17,8 +17,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,7 +57,13 @@ from rlbench.training.distributed import (
 from rlbench.training.forward import batch_outputs, training_logits_transform
 from rlbench.training.memory import PeakMemory, keep_freed_memory
 from rlbench.training.prompt_stats import PromptStatsStore
+from rlbench.training.reference_cache import (
+    ReferenceLogProbCache,
+    offline_reference_cache,
+    reference_log_probs,
+)
 from rlbench.training.reference_soup import ReferenceSoup
+from rlbench.training.rounds import RoundPolicy
 from rlbench.training.update_schedules import (
     UpdateState,
     apply_update_schedule,
@@ -96,6 +103,8 @@ class StepContext:
     reincarnate_at: int | None = None  # algorithm.reincarnate_at: ReMix's policy reincarnation (:func:`reincarnate`)
     reference_soup: ReferenceSoup | None = None  # algorithm.reference_soup: the reference as a weight soup (SALSA)
     prompt_stats: PromptStatsStore | None = None  # the run's per-prompt statistics (the curriculum's, read by strategies)
+    reference_cache: ReferenceLogProbCache | None = None  # rollout=offline: log pi_ref per response, computed once
+    rounds: RoundPolicy | None = None  # algorithm.update.round_steps: the loss's frozen pi_t (INPO's, REBEL's rounds)
 
     @property
     def reincarnated(self) -> bool:
@@ -124,6 +133,7 @@ class StepContext:
             # after a reincarnation the reference is no longer the initial policy: it is saved
             "reference": self.reference.state_dict() if self.reincarnated and self.reference is not None else None,
             "reference_soup": None if self.reference_soup is None else self.reference_soup.state_dict(),
+            "rounds": None if self.rounds is None else self.rounds.state_dict(self.policy_version),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -142,6 +152,8 @@ class StepContext:
             self.reference.load_state_dict(state["reference"])
         if self.reference_soup is not None:
             self.reference_soup.load_state_dict(state["reference_soup"])
+        if self.rounds is not None:
+            self.rounds.load_state_dict(state.get("rounds"), self.policy_version)
 
 
 def make_step_context(
@@ -180,7 +192,7 @@ def make_step_context(
     prompt_stats = PromptStatsStore()  # fed by the curriculum (rlbench.training.loop), read by samplers and strategies
     setup = RolloutSetup(sampler, rollout.n, params, rollout_generator, config.seed, guidance, prompt_stats,
                          env_factory(config.env, grader, config.sandbox))
-    return StepContext(
+    ctx = StepContext(
         algorithm=algorithm,
         model=trained,
         tokenizer=tokenizer,
@@ -205,7 +217,10 @@ def make_step_context(
         reincarnate_at=config.algorithm.reincarnate_at,
         reference_soup=ReferenceSoup.from_config(config.algorithm.reference_soup, reference),
         prompt_stats=prompt_stats,
+        rounds=RoundPolicy.from_algorithm(algorithm.round_steps, model),
     )
+    ctx.reference_cache = offline_reference_cache(config, reference, guidance, ctx.temperature, world.sharded)
+    return ctx
 
 
 def prompt_spec(dataset: DatasetConfig) -> dict[str, Any] | None:
@@ -231,6 +246,8 @@ def train_step(
     problems = ctx.world.shard(problems)  # whole groups per rank (all of them in one process)
     if ctx.reincarnate_at is not None and ctx.policy_version + 1 == ctx.reincarnate_at:
         reincarnate(ctx)
+        if ctx.algorithm.loss_has_stages:  # SACPO: stage 2 is a fine-tuning run of its own (arXiv:2404.11049)
+            ctx.optimizer.state.clear()  # Adam's moments start again; stage 1's would push on along its objective
     graded, rollout_metrics = ctx.strategy.rollout(problems, draw_prompts)  # rollout and reward
     t_generate = time.perf_counter() - t0
     faults.kill_point("generate")
@@ -259,6 +276,7 @@ def learn_step(
     peak = peak if peak is not None else PeakMemory(ctx.device)
     batch = to_batch(ctx, graded)
     t1 = time.perf_counter()
+    round_metrics = {} if ctx.rounds is None else ctx.rounds.begin_step(ctx.model, ctx.policy_version)
     # a strategy that samples from a changed distribution (rollout=masked) changes the step's forwards alike
     with training_logits_transform(ctx.strategy.training_logits_transform()):
         inputs, input_metrics = advantage_inputs(ctx, graded, batch)
@@ -285,6 +303,7 @@ def learn_step(
         **rollout_metrics,
         **behaviour_metrics(graded, batch),
         **input_metrics,
+        **round_metrics,
         **stats,
         "peak_memory_mb": peak.megabytes(),
     })
@@ -312,6 +331,8 @@ def to_batch(ctx: StepContext, graded: GradedGroups) -> TrainBatch:
     """The graded groups as a padded batch with their (shaped) rewards and behaviour bookkeeping."""
     batch = collate(graded.groups, ctx.tokenizer.pad_token_id, ctx.device, current_version=ctx.policy_version)
     batch.rewards = graded.rewards.to(ctx.device)
+    # from the step the reference became the policy on (reincarnate, before this step's rollout): SACPO's stage 2
+    batch.reference_stage = 2 if ctx.reincarnate_at is not None and ctx.policy_version + 1 >= ctx.reincarnate_at else 1
     return batch
 
 
@@ -394,7 +415,11 @@ def advantage_inputs(ctx: StepContext, graded: GradedGroups, batch: TrainBatch) 
     metrics = {**metrics, **dropped}
     inputs.update(provided)
     if ctx.reference is not None:
-        batch.ref_logp = batch_outputs(ctx.reference, batch, ctx.micro_batch_size, ctx.temperature).logp
+        batch.ref_logp = reference_log_probs(ctx.reference, batch, ctx.micro_batch_size, ctx.temperature, ctx.reference_cache)
+        if ctx.reference_cache is not None:
+            metrics.update(ctx.reference_cache.metrics())
+    if ctx.rounds is not None:  # iterative rounds: the loss's pi_old is the round's frozen pi_t (training/rounds.py)
+        batch.old_logp = ctx.rounds.log_probs(batch, ctx.micro_batch_size, ctx.temperature)
     return inputs, metrics
 
 

@@ -355,6 +355,9 @@ class SwarmRollout(RolloutStrategy):
     def in_context(self, problem: Problem) -> Problem:
         return self.inner.in_context(problem)
 
+    def training_problems(self, problems: list[Problem]) -> list[Problem]:
+        return self.inner.training_problems(problems)
+
 
 def swarm_rollout(ctx: StepContext, config: RunConfig, pool: SwarmPool | None) -> SwarmRollout:
     """Wrap the step context's strategy (``ctx.strategy``) into the actor's swarm rollout."""

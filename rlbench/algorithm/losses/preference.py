@@ -213,7 +213,8 @@ def trpa_loss(
     return pairwise_matrix(pair_loss, logp, response_mask, rewards, group_index, pairing)
 
 
-@POLICY_LOSSES.register("inpo", aggregation="group_mean", whole_groups=WHOLE_GROUPS, conflicts=GROUP_MEAN)
+@POLICY_LOSSES.register("inpo", aggregation="group_mean", whole_groups=WHOLE_GROUPS, conflicts=GROUP_MEAN,
+                        rounds="the OMD step's pi_t, the policy the round started from")
 def inpo_loss(
     logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor, response_mask: torch.Tensor,
     rewards: torch.Tensor, group_index: torch.Tensor, eta: float = 1.0, tau: float = 0.1, pairing: str = "all",
@@ -227,7 +228,8 @@ def inpo_loss(
         l = (h - eta / 2)^2
 
     The loss vanishes at the OMD step's closed form. The paper runs T rounds of sampling then several epochs;
-    here a round is a batch (algorithm.update.epochs passes over it with pi_t = pi_old frozen)."""
+    here a round is a batch (algorithm.update.epochs passes over it with pi_t = pi_old frozen), or
+    algorithm.update.round_steps batches with pi_t a frozen copy of the policy (rlbench/training/rounds.py)."""
     policy, reference, sampler = (sequence_sum(x, response_mask) for x in (logp, ref_logp, old_logp))
     mix = eta * tau
 

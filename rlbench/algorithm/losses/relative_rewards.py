@@ -18,13 +18,15 @@ from rlbench.algorithm.registry import POLICY_LOSSES
 P3O_CLIPS = ("separate", "joint")
 
 
-@POLICY_LOSSES.register("rebel", aggregation="group_mean", whole_groups=WHOLE_GROUPS, conflicts=GROUP_MEAN)
+@POLICY_LOSSES.register("rebel", aggregation="group_mean", whole_groups=WHOLE_GROUPS, conflicts=GROUP_MEAN,
+                        rounds="pi_t, the policy the iteration's regression starts from")
 def rebel_loss(
     logp: torch.Tensor, old_logp: torch.Tensor, response_mask: torch.Tensor, rewards: torch.Tensor,
     group_index: torch.Tensor, eta: float = 1.0, pairing: str = "any",
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """REBEL (Gao et al. 2024, arXiv:2404.16767, eq. 1 / Algorithm 1): regress the difference of the two
-    responses' log-ratio changes against pi_t (here pi_old, the sampling policy) onto their reward difference:
+    responses' log-ratio changes against pi_t (pi_old: the sampling policy, or with algorithm.update.round_steps
+    the round's frozen copy, rlbench/training/rounds.py) onto their reward difference:
 
         l(y, y') = ((1/eta) [(L_theta - L_t)(y) - (L_theta - L_t)(y')] - (R(y) - R(y')))^2
 
