@@ -34,6 +34,7 @@ from rlbench.guidance import GuidanceOptions
 from rlbench.model import validate_model_config
 from rlbench.reward.terms import check_reward_config
 from rlbench.rollout import STRATEGIES
+from rlbench.rollout.env import ENVIRONMENTS, validate_env
 from rlbench.rollout.guided.difficulty_adaptive import DifficultyOptions
 from rlbench.rollout.guided.replay import check_replay_pool
 from rlbench.rollout.strategies.rethink import check_success_training
@@ -49,7 +50,8 @@ def registered() -> Registered:
     """What the registries hold, for the schema walk: the algorithm pieces, the rollout strategies
     (``rollout.<strategy>`` blocks) and the prompt samplers (``trainer.prompt_sampler.<name>`` blocks)."""
     return Registered(pieces=PIECE_KINDS,
-                      choices={"rollout.strategy": list(STRATEGIES), "trainer.prompt_sampler.name": list(PROMPT_SAMPLERS)})
+                      choices={"rollout.strategy": list(STRATEGIES), "trainer.prompt_sampler.name": list(PROMPT_SAMPLERS),
+                               "env.name": list(ENVIRONMENTS)})
 
 log = logging.getLogger(__name__)
 
@@ -384,6 +386,7 @@ def check_run(cfg: DictConfig, origins: ValueOrigins) -> Algorithm:
     check_against_schema(cfg, registered(), origins)
     config = typed_config(cfg)
     check_fidelity(config)
+    validate_env(config.env, config.rollout.strategy, config.mode)
     device = resolve_device(config.device)
     algorithm = Algorithm.from_config(algorithm_settings(config.algorithm))
 

@@ -37,6 +37,7 @@ COMPANIONS = {
     ("advantage", "tree"): ["rollout=tree"],  # reads the tree of a tree rollout
     ("advantage", "treerpo"): ["rollout=treerpo"],
     ("advantage", "vine"): ["rollout=vine"],  # reads the Monte-Carlo step values of rollout=vine
+    ("advantage", "gigpo"): ["rollout=multi_turn", "env=gridworld"],  # reads the turns of multi-turn episodes
     ("loss", "ppo_clip_sft"): ["rollout=rethink"],  # reads the SFT targets rollout=rethink marks
     # reads the steps of rollout=vine, whose advantage reads vine's values; a sum over steps per response
     ("loss", "direct_advantage_po"): ["rollout=vine", "algorithm/advantage=vine", "algorithm/aggregation=seq_mean_token_sum"],

@@ -215,10 +215,15 @@ _declare("diversity", "[B,B]", "pairwise dissimilarity in [0, 1] of responses: t
 # ------------------------------------------------------------------------ rollout strategies (Completion.extras)
 _declare("tree_nodes", "[B,T] long", "the tree node of every response token, -1 on padding (rollout=tree, treerpo)",
          "strategy", {"advantage"}, dtype=torch.long, pad=-1)
-_declare("step_index", "[B,T] long", "the step (0, 1, ...) of every response token, -1 on padding (rollout=vine)",
+_declare("step_index", "[B,T] long", "the step (0, 1, ...) of every response token, -1 on padding (rollout=vine; "
+         "rollout=multi_turn: the turn, -1 on observation tokens)",
          "strategy", {"advantage", "loss"}, dtype=torch.long, pad=-1)
 _declare("step_values", "[B,T] float64", "V^ of the state where the token's step starts: the mean reward of "
          "continuations sampled from there (rollout=vine)", "strategy", {"advantage"}, dtype=torch.float64)
+_declare("turn_states", "[B,T] long", "an id of the environment state each policy token's turn was taken in, -1 on "
+         "observation tokens and padding (rollout=multi_turn)", "strategy", {"advantage"}, dtype=torch.long, pad=-1)
+_declare("turn_rewards", "[B,T] float64", "the environment's reward of each policy token's turn (rollout=multi_turn)",
+         "strategy", {"advantage"}, dtype=torch.float64)
 _declare("sft_target", "[B,T]", "1 on the tokens of a response trained by supervised fine-tuning (Cog-Rethinker's "
          "stage successes under the direct prompt: rollout=rethink, successes sft), 0 elsewhere", "strategy", {"loss"})
 # SofT-GRPO (arXiv:2511.06411): K values per token, read by the training forward (rlbench/training/soft_tokens.py)

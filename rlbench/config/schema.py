@@ -620,6 +620,22 @@ class GuidanceConfig:
 
 
 @dataclass
+class EnvConfig:
+    """``env``: the environment of a multi-turn episode (rollout=multi_turn; conf/env/; docs/agents.md).
+    The caps are per episode; an episode that reaches one ends with that reason, counted."""
+
+    name: str = knob(None, "the environment (env=<name>; rlbench-list lists them)", settings_blocks=True)
+    max_turns: int = knob(4, "policy turns per episode", ge=1)
+    turn_tokens: int = knob(32, "policy tokens per turn (the engine's budget of one turn)", ge=1)
+    max_tokens: int = knob(256, "response tokens per episode, policy and observation tokens together", ge=1)
+    max_tool_calls: int = knob(4, "tool calls per episode (the episode ends after the last allowed one)", ge=0)
+    max_observation_tokens: int = knob(128, "longest observation in tokens; a longer one ends the episode", ge=1)
+    step_timeout_s: float = knob(30.0, "seconds one environment step may take (tool runs included); longer ends the episode", gt=0)
+    workers: Optional[int] = knob(None, "environment steps run at once (tool runs in the sandbox); null: one per CPU core", ge=1)
+    settings: dict = knob({}, "the settings block env.<name> (filled by rlbench.config.typed)", derived=True)
+
+
+@dataclass
 class RunConfig:
     """The whole composed config (conf/config.yaml and its groups)."""
 
@@ -651,6 +667,7 @@ class RunConfig:
     logger: LoggerConfig = node(LoggerConfig, "where metrics go (logger=<option>)")
     trainer: TrainerConfig = node(TrainerConfig, "the optimisation loop (trainer=<option>)")
     guidance: GuidanceConfig = node(GuidanceConfig, "traces the guided methods learn from (guidance=<source>)")
+    env: Optional[EnvConfig] = node(EnvConfig, "null: single-turn | the multi-turn environment (env=<name>, rollout=multi_turn)")
     paper: Optional[dict] = knob(
         None, "a paper's setting with its reference numbers, deviations and fidelity (paper=<name>)", open=True,
         typed_keys={"fidelity": FidelityConfig},

@@ -56,6 +56,7 @@ class RolloutSetup:
     seed: int = 0
     guidance: Any = None  # rlbench.guidance.GuidanceLibrary: the run's checked traces (guidance=<source>), or None
     prompt_stats: Any = None  # rlbench.training.curricula.PromptStatsStore: the run's per-prompt statistics, or None
+    env: Any = None  # rlbench.rollout.env.EnvFactory: one environment per episode (env=<name>), or None
 
     def sample(self, problems: list[Problem]) -> GradedGroups:
         """``n`` graded responses for each of ``problems``."""
@@ -132,14 +133,23 @@ class RolloutStrategy:
 STRATEGIES: dict[str, type] = {}
 
 
-def register_strategy(name: str) -> Callable[[type], type]:
-    def register(cls: type) -> type:
-        if name in STRATEGIES:
-            raise ValueError(f"rollout strategy {name!r} is registered twice")
-        STRATEGIES[name] = cls
-        return cls
+def class_registrar(table: dict[str, type], kind: str) -> Callable[[str], Callable[[type], type]]:
+    """A decorator factory that registers a class in ``table`` under a name, refusing a name taken twice
+    (``kind`` names what is registered in the error)."""
 
-    return register
+    def register_as(name: str) -> Callable[[type], type]:
+        def register(cls: type) -> type:
+            if name in table:
+                raise ValueError(f"{kind} {name!r} is registered twice")
+            table[name] = cls
+            return cls
+
+        return register
+
+    return register_as
+
+
+register_strategy = class_registrar(STRATEGIES, "rollout strategy")
 
 
 def needs_groups(strategy: str, rollout: RolloutConfig, reason: str) -> None:

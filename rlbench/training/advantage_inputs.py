@@ -198,12 +198,12 @@ def reward_range(reward: RewardConfig) -> tuple[float, float] | None:
 
 def check_strategy_inputs(rollout: RolloutConfig, advantage: str, needs: set[str], kind: str = "advantage") -> None:
     """ConfigError when advantage ``advantage`` (or the piece of another ``kind``) reads a strategy input
-    (``needs``) that the configured rollout strategy does not provide, naming the strategies that do."""
+    (``needs``) that the configured rollout strategy does not provide, naming the strategies that provide
+    every strategy input it reads."""
     provided = strategy_class(rollout).provides
-    for name in sorted(needs - provided):
-        if name not in STEP_INPUTS or STEP_INPUTS[name].producer != "strategy":
-            continue
-        providers = sorted(key for key, cls in STRATEGIES.items() if name in cls.provides)
+    wanted = {name for name in needs if name in STEP_INPUTS and STEP_INPUTS[name].producer == "strategy"}
+    for name in sorted(wanted - provided):
+        providers = sorted(key for key, cls in STRATEGIES.items() if wanted <= cls.provides)
         raise ConfigError(
             f"{kind} '{advantage}' reads {name} ({STEP_INPUTS[name].doc}), which "
             f"rollout={rollout.strategy} does not provide; only the rollout strategies {providers} do. "

@@ -38,6 +38,7 @@ from rlbench.rollout import (
     make_strategy,
 )
 from rlbench.rollout.engines.base import RolloutEngine, SamplingParams
+from rlbench.rollout.env import env_factory
 from rlbench.rollout.judge_backend import make_reward_composer
 from rlbench.training.advantage_inputs import AdvantageInputSources
 from rlbench.training.batch import (
@@ -194,7 +195,8 @@ def make_step_context(
         rank_stream_seed(make_generator(config.seed, STREAM_ROLLOUT).initial_seed(), world.rank)
     )
     prompt_stats = PromptStatsStore()  # fed by the curriculum (rlbench.training.loop), read by samplers and strategies
-    setup = RolloutSetup(sampler, rollout.n, params, rollout_generator, config.seed, guidance, prompt_stats)
+    setup = RolloutSetup(sampler, rollout.n, params, rollout_generator, config.seed, guidance, prompt_stats,
+                         env_factory(config.env, grader, config.sandbox))
     ctx = StepContext(
         algorithm=algorithm,
         model=trained,

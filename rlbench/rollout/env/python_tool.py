@@ -1,0 +1,78 @@
+"""``env=python_tool``: a math problem with a Python interpreter (the tool-integrated reasoning of
+ReTool, Feng et al. 2025, arXiv:2504.11536, section 3.1: the rollout interleaves the policy's text with
+the interpreter's output, which is masked out of the loss).
+
+A turn ends when the policy's text holds a closed ```` ```python ... ``` ```` block. The block runs
+once, in the project's code sandbox (rlbench.sandbox: the trusted supervisor and the run's
+``sandbox`` limits; model code never runs in the trainer's process), each block in a fresh
+interpreter (no state carries between blocks); its standard output, or the error, cut to
+``max_output_chars`` characters, comes back as the observation ```` ```output ... ``` ````. A turn
+without a code block is the final answer: the run's grader (the math grader) grades it and the
+episode ends with its reward, so the reward does not depend on the number of tool calls. A turn that
+opens a block and never closes it (the turn's budget ran out) ends the episode: ``unclosed_tool_tag``,
+graded as an answer like any other last turn. The state key is the sequence of tool outputs so far.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from rlbench.dataset.base import Problem
+from rlbench.errors import ConfigError
+from rlbench.reward.math import Grade
+from rlbench.rollout.env.base import Environment, Reset, StepResult, register_env
+from rlbench.sandbox import run_tests
+
+OPEN_TAG = "```python"
+CLOSED_BLOCK = re.compile(r"```python[^\n]*\n(.*?)```", re.DOTALL)
+INSTRUCTIONS = ("\n\nYou may run Python: write a ```python code block``` and its output will be shown. "
+                "Put the final answer in \\boxed{}.")
+
+
+def tool_output(stdout: str, status: str, error: str | None, limit: int) -> tuple[str, bool]:
+    """(the observation text of one run, whether it failed): its stdout, or the error after it,
+    cut to ``limit`` characters (a cut says so)."""
+    failed = status != "passed"
+    text = stdout + (f"{error or status}\n" if failed else "")
+    if len(text) > limit:
+        text = text[:limit] + "...[truncated]\n"
+    return f"```output\n{text}```\n", failed
+
+
+@register_env("python_tool")
+class PythonTool(Environment):
+    @dataclass(frozen=True)
+    class Options:
+        """The ``env.python_tool`` block."""
+
+        max_output_chars: int = 256   # a tool output is cut to this many characters
+
+        def __post_init__(self) -> None:
+            if self.max_output_chars < 1:
+                raise ConfigError(f"env.python_tool.max_output_chars must be >= 1, got {self.max_output_chars}")
+
+    def reset(self, problem: Problem) -> Reset:
+        self.problem, self.outputs, self.last_grade = problem, (), None
+        return Reset(problem.prompt + INSTRUCTIONS, self.outputs)
+
+    def turn_end(self, text: str) -> int | None:
+        match = CLOSED_BLOCK.search(text)
+        return match.end() if match else None
+
+    def step(self, action_text: str) -> StepResult:
+        match = CLOSED_BLOCK.search(action_text)
+        if match is None:
+            self.last_grade = self.context.grade_text(self.problem, action_text)
+            ended_by = "unclosed_tool_tag" if OPEN_TAG in action_text else "answer"
+            return StepResult("", self.last_grade.reward, True, self.outputs, ended_by=ended_by)
+        result = run_tests(match.group(1), [], self.context.sandbox_limits)
+        observation, failed = tool_output(result.stdout, result.status, result.error, self.options.max_output_chars)
+        self.outputs = (*self.outputs, observation)
+        return StepResult(observation, 0.0, False, self.outputs, tool_calls=1, tool_errors=int(failed))
+
+    def grade(self, total_reward: float) -> Grade:
+        """The grader's verdict on the final answer; an episode that ended before one is incorrect."""
+        if self.last_grade is not None:
+            return self.last_grade
+        return Grade(correct=False, extracted=None, reward=float(total_reward), format_ok=False)

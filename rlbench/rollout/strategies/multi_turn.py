@@ -1,0 +1,267 @@
+"""Multi-turn episodes (``rollout=multi_turn``, with ``env=<name>``; docs/agents.md): the policy acts,
+the environment (rlbench/rollout/env/) answers, the policy continues.
+
+Per prompt, ``rollout.n`` episodes, each with its own environment. Each turn the episodes still running
+advance together: one engine call continues every one of them from its response so far (the prompt is
+the environment's first observation as the user message, after the dataset's system message if any; the
+response so far is passed as ``prefix_ids``, not scored again, so with ``rollout.prefix_cache_mb`` > 0 the hf engine reuses its
+KV and prefills only the new tokens). A turn is cut just after the environment's turn end (a stop
+marker, a closed tool block), else it ends at ``env.turn_tokens`` or EOS; the environment's
+observation is tokenized and appended. The response of an episode is its policy tokens and its
+observation tokens in order; observation tokens carry ``loss_mask`` 0, so collate leaves them out of
+``response_mask`` and no piece of the loss (policy loss, KL, entropy, aggregation denominators) and no
+length-based reward shaping counts them (shaping sees the policy tokens only).
+
+An episode ends when the environment says done, the policy ends its turn with EOS (``model_stopped``),
+or a cap is reached: ``turn_cap`` (env.max_turns), ``tool_call_cap`` (env.max_tool_calls),
+``token_budget`` (env.max_tokens, policy and observation tokens together), ``observation_too_long``
+(an observation over env.max_observation_tokens is not inserted). An environment that raises
+(``env_error``) or does not answer within env.step_timeout_s (``env_timeout``) ends its episode alone:
+the step goes on, and every reason is counted in the metrics ``multi_turn_ended_<reason>``.
+
+The episode's reward is the sum of its turns' rewards (the environment's ``grade`` gives the verdict);
+the algorithm's reward shaping applies to it. Per-token step inputs for turn-level advantages (GiGPO):
+``step_index`` (the turn of each policy token, -1 on observation tokens), ``turn_states`` (an integer
+id of the state the turn's action was taken in) and ``turn_rewards`` (the turn's reward).
+
+Metrics: turns, tool calls, tool errors and seconds per episode, the share of observation tokens in the
+responses, and the end reasons.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rlbench.config.schema import RolloutConfig
+from rlbench.dataset.base import Problem
+from rlbench.dataset.prompts import build_messages
+from rlbench.prompting import encode_prompts
+from rlbench.reward.math import Grade
+from rlbench.rollout.engines.base import Completion, GenerationRequest
+from rlbench.rollout.env.base import (
+    Environment,
+    EnvTimeout,
+    StepResult,
+    call_all_with_timeout,
+    state_id,
+)
+from rlbench.rollout.groups import GradedGroups, shaping_inputs
+from rlbench.rollout.strategy import RolloutStrategy, register_strategy
+
+log = logging.getLogger(__name__)
+
+TURN_INPUTS = frozenset({"step_index", "turn_states", "turn_rewards"})
+
+
+@dataclass
+class Episode:
+    """One episode as it runs: its environment, its prompt and its response so far (per token: the
+    sampling log-prob, the loss mask, the turn, the state id and the turn's reward)."""
+
+    problem: Problem
+    env: Environment
+    prompt_ids: tuple[int, ...] = ()
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    step_index: list[int] = field(default_factory=list)
+    turn_states: list[int] = field(default_factory=list)
+    turn_rewards: list[float] = field(default_factory=list)
+    state: int = 0
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    total_reward: float = 0.0
+    ended_by: str = ""
+    seconds: float = 0.0
+
+    @property
+    def done(self) -> bool:
+        return bool(self.ended_by)
+
+    def add_turn(self, ids: list[int], logprobs: list[float]) -> None:
+        self.response_ids += ids
+        self.logprobs += logprobs
+        self.loss_mask += [1] * len(ids)
+        self.step_index += [self.turns] * len(ids)
+        self.turn_states += [self.state] * len(ids)
+        self.turn_rewards += [0.0] * len(ids)
+        self.turns += 1
+
+    def reward_turn(self, reward: float) -> None:
+        """Record the reward of the turn just taken on its tokens."""
+        self.total_reward += reward
+        turn = self.turns - 1
+        self.turn_rewards = [reward if s == turn else r for s, r in zip(self.step_index, self.turn_rewards)]
+
+    def add_observation(self, ids: list[int]) -> None:
+        self.response_ids += ids
+        self.logprobs += [0.0] * len(ids)  # never read: loss mask 0
+        self.loss_mask += [0] * len(ids)
+        self.step_index += [-1] * len(ids)
+        self.turn_states += [-1] * len(ids)
+        self.turn_rewards += [0.0] * len(ids)
+
+    def completion(self, tokenizer: Any) -> Completion:
+        return Completion(
+            request_index=0, prompt_ids=self.prompt_ids, response_ids=list(self.response_ids), logprobs=list(self.logprobs),
+            finished=self.ended_by not in CUT_SHORT, text=tokenizer.decode(self.response_ids, skip_special_tokens=True),
+            behaviour="policy", loss_mask=list(self.loss_mask),
+            extras={"step_index": list(self.step_index), "turn_states": list(self.turn_states),
+                    "turn_rewards": list(self.turn_rewards)},
+        )
+
+
+#: end reasons of an episode cut short (its completion is not ``finished``: DAPO's overlong filter masks it)
+CUT_SHORT = frozenset({"turn_cap", "tool_call_cap", "token_budget", "observation_too_long", "env_error", "env_timeout"})
+
+
+def turn_length(new_ids: list[int], env: Environment, tokenizer: Any) -> int | None:
+    """The number of ``new_ids`` that make up the turn: the fewest tokens whose text reaches the
+    environment's turn end; None when the text never reaches it."""
+    if env.turn_end(tokenizer.decode(new_ids, skip_special_tokens=True)) is None:
+        return None
+    for k in range(1, len(new_ids) + 1):
+        if env.turn_end(tokenizer.decode(new_ids[:k], skip_special_tokens=True)) is not None:
+            return k
+    return len(new_ids)
+
+
+@register_strategy("multi_turn")
+class MultiTurnRollout(RolloutStrategy):
+    """``rollout=multi_turn`` (module docstring); no state between steps."""
+
+    provides = TURN_INPUTS
+
+    @classmethod
+    def config_options(cls, rollout: RolloutConfig) -> dict[str, Any]:
+        return {}
+
+    def rollout(
+        self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None = None
+    ) -> tuple[GradedGroups, dict[str, float]]:
+        setup = self.setup
+        if setup.env is None:
+            raise ValueError("rollout=multi_turn needs an environment (env=<name>)")
+        episodes = [self.start(problem) for problem in problems for _ in range(setup.n)]
+        start = time.perf_counter()
+        while active := [e for e in episodes if not e.done]:
+            self.advance(active)
+            now = time.perf_counter() - start
+            for e in active:
+                if e.done:
+                    e.seconds = now
+        return self.graded(problems, episodes)
+
+    def start(self, problem: Problem) -> Episode:
+        """A new episode: its environment, reset, and the prompt: the dataset's system message (if any)
+        and, as the user message, the environment's first observation alone (the dataset's user template
+        asks for a single-turn answer)."""
+        env = self.setup.env()
+        first = env.reset(problem)
+        messages = build_messages(problem, self.setup.sampler.prompt_spec)
+        system = messages[0]["content"] if messages[0]["role"] == "system" else None
+        spec = {"system": system, "user": "{problem}"}
+        prompt = encode_prompts(self.setup.sampler.tokenizer, [dataclasses.replace(problem, prompt=first.observation)], spec)[0]
+        return Episode(problem, env, tuple(prompt), state=state_id(first.state_key))
+
+    def advance(self, active: list[Episode]) -> None:
+        """One turn of every episode in ``active``: generate (one engine call), cut each at its turn end, then
+        step the environments (in parallel, ``env.workers`` at once, each bounded by ``env.step_timeout_s``)."""
+        sampler, caps, tokenizer = self.setup.sampler, self.setup.env.config, self.setup.sampler.tokenizer
+        params = dataclasses.replace(self.setup.params, max_new_tokens=caps.turn_tokens)
+        requests = [GenerationRequest(e.prompt_ids, 1, prefix_ids=tuple(e.response_ids), score_prefix=False) for e in active]
+        turns = []
+        for e, (c,) in zip(active, sampler.generate(requests, params, self.setup.generator)):
+            new, logprobs = c.response_ids[len(e.response_ids):], c.logprobs[len(e.response_ids):]
+            room = caps.max_tokens - len(e.response_ids)
+            k = turn_length(new, e.env, tokenizer)
+            stopped = c.finished and k is None  # EOS ended the turn (a cut turn never keeps its EOS)
+            k = len(new) if k is None else k
+            if k > room:
+                k, stopped = room, False
+            e.add_turn(new[:k], logprobs[:k])
+            turns.append((e, tokenizer.decode(new[:k], skip_special_tokens=True), stopped))
+        calls = [lambda env=e.env, text=text: env.step(text) for e, text, _ in turns]
+        workers = caps.workers or os.cpu_count() or 1
+        for (e, _, stopped), outcome in zip(turns, call_all_with_timeout(calls, caps.step_timeout_s, workers)):
+            self.apply(e, outcome, stopped)
+
+    def apply(self, e: Episode, outcome: tuple[Any, BaseException | None], stopped: bool) -> None:
+        """Apply the environment's answer to the turn just taken (``outcome``: its StepResult or the
+        exception it raised), or end the episode."""
+        caps = self.setup.env.config
+        result, error = outcome
+        if isinstance(error, EnvTimeout):
+            e.ended_by = "env_timeout"
+            return
+        if error is not None:  # an environment's failure ends its episode only
+            log.warning("environment %s raised %s: %s; the episode ends", caps.name, type(error).__name__, error)
+            e.ended_by = "env_error"
+            return
+        result: StepResult
+        e.reward_turn(float(result.reward))
+        e.tool_calls += result.tool_calls
+        e.tool_errors += result.tool_errors
+        e.state = state_id(result.state_key)
+        if result.done:
+            e.ended_by = result.ended_by or "done"
+        elif stopped:
+            e.ended_by = "model_stopped"
+        elif e.turns >= caps.max_turns:
+            e.ended_by = "turn_cap"
+        elif result.tool_calls and e.tool_calls >= caps.max_tool_calls:
+            e.ended_by = "tool_call_cap"
+        else:
+            ids = self.setup.sampler.tokenizer.encode(result.observation, add_special_tokens=False)
+            if len(ids) > caps.max_observation_tokens:
+                e.ended_by = "observation_too_long"
+            elif len(e.response_ids) + len(ids) >= caps.max_tokens:
+                e.ended_by = "token_budget"
+            else:
+                e.add_observation(ids)
+
+    def graded(self, problems: list[Problem], episodes: list[Episode]) -> tuple[GradedGroups, dict[str, float]]:
+        """The episodes as graded groups (one per problem) and the step's multi-turn metrics."""
+        sampler, n = self.setup.sampler, self.setup.n
+        completions = [e.completion(sampler.tokenizer) for e in episodes]
+        groups = [completions[i * n : (i + 1) * n] for i in range(len(problems))]
+        grades: list[Grade] = []
+        for e in episodes:
+            try:
+                grades.append(e.env.grade(e.total_reward))
+            except Exception as error:  # noqa: BLE001 - counted as an environment error, graded 0
+                log.warning("environment %s could not grade an episode: %s", self.setup.env.config.name, error)
+                grades.append(Grade(correct=False, extracted=None, reward=0.0, format_ok=False, error=str(error)))
+        outcome = torch.tensor([g.reward for g in grades], dtype=torch.float32)
+        inputs = shaping_inputs(groups, grades, self.setup.env.config.max_tokens, sampler.tokenizer)
+        inputs["response_lengths"] = torch.tensor([sum(c.loss_mask) for c in completions], dtype=torch.long)
+        rewards = sampler.shape_rewards(outcome, inputs).to(torch.float32)
+        graded = GradedGroups(list(problems), groups, grades, rewards, outcome, inputs["finished"], list(range(len(groups))))
+        return graded, episode_metrics(episodes)
+
+
+def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """Means per episode (turns, tool calls, tool errors, seconds), the observation-token share and
+    the count of each end reason."""
+    count = max(len(episodes), 1)
+    tokens = sum(len(e.response_ids) for e in episodes)
+    observed = sum(len(e.loss_mask) - sum(e.loss_mask) for e in episodes)
+    metrics = {
+        "multi_turn_turns": sum(e.turns for e in episodes) / count,
+        "multi_turn_tool_calls": sum(e.tool_calls for e in episodes) / count,
+        "multi_turn_tool_errors": sum(e.tool_errors for e in episodes) / count,
+        "multi_turn_episode_s": sum(e.seconds for e in episodes) / count,
+        "multi_turn_observation_share": observed / max(tokens, 1),
+    }
+    metrics.update({f"multi_turn_ended_{reason}": float(k) for reason, k in sorted(Counter(e.ended_by for e in episodes).items())})
+    return metrics
