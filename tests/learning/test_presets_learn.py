@@ -20,6 +20,7 @@ from conftest import algorithm_from
 
 from conftest import compose_config
 from toy_check import TOY_DIR, all_presets, check_preset, judge, rollout_presets, seeds_from_env, toy_run
+from toy_check import control_overrides, toy_config, with_values
 
 SEEDS = seeds_from_env()
 from rlbench.training.step import TIMING_METRICS as TIMING_KEYS
@@ -89,3 +90,24 @@ def test_preset_run_is_deterministic(tmp_path, preset):
         steps = [json.loads(line) for line in metrics.read_text().splitlines()]
         runs.append([{k: v for k, v in s.items() if k not in TIMING_KEYS} for s in steps])
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("preset", ["grpo", "dapo", "trpo"])
+def test_a_check_composes_once_and_its_runs_equal_their_own_composition(tmp_path, preset):
+    """check_preset composes the toy config once and gives each seed and the control a copy with its values
+    (toy_check.with_values): every run's config equals the one Hydra composes from its whole command line,
+    values, types and interpolations (trpo: its control changes three values of the update)."""
+    base = toy_config(preset, tmp_path / "compose")
+    for overrides in (["seed=2"], ["seed=0", *control_overrides(base)]):
+        out = str(tmp_path / "run")
+        copied = with_values(base, [*overrides, f"output_dir={out}"])
+        composed = compose_config([f"experiment=toy_learning/{preset}", *overrides], out)
+        assert OmegaConf.to_container(copied) == OmegaConf.to_container(composed)
+        assert OmegaConf.to_container(copied, resolve=True) == OmegaConf.to_container(composed, resolve=True)
+    assert OmegaConf.to_container(base) == OmegaConf.to_container(toy_config(preset, tmp_path / "compose"))  # unchanged
+
+
+@pytest.mark.parametrize("override", ["algorithm=rloo", "model/lora=default", "+extra=1", "~seed", "seed=0,1"])
+def test_a_copy_takes_no_override_that_changes_the_defaults_list(tmp_path, override):
+    with pytest.raises(ValueError, match="only plain key=value"):
+        with_values(toy_config("grpo", tmp_path), [override])

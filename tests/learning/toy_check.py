@@ -168,21 +168,53 @@ def compose(overrides: list[str], output_dir: Path):
     return compose_config(overrides, output_dir)
 
 
-def toy_run(out: Path, preset: str, *overrides: str) -> Path:
-    """One toy run of the preset through the real runner; returns its metrics.jsonl."""
+def with_values(base, overrides: list[str]):
+    """A copy of ``base`` (a composed config) with plain ``key=value`` overrides applied as Hydra applies them
+    once the defaults list is composed (``ConfigLoaderImpl._apply_overrides_to_config``: in order,
+    ``OmegaConf.update(..., merge=True)`` on the struct config), so ``with_values(compose(a), b)`` equals
+    ``compose(a + b)`` (tests/learning/test_presets_learn.py checks it). A preset's check composes once and runs
+    its seeds and control from the copy: Hydra's composition is about 0.2 CPU-s a run. Anything else (a group,
+    ``+``/``~``/``++``, a sweep) changes the defaults list and is refused: compose those."""
+    import copy
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    cfg = copy.deepcopy(base)
+    for override in OverridesParser.create().parse_overrides(list(overrides)):
+        key = override.key_or_group
+        group = (ROOT / "conf" / key).is_dir() or "/" in key or override.package is not None
+        if group or override.is_add() or override.is_force_add() or override.is_delete() or override.is_sweep_override():
+            raise ValueError(f"{override.input_line}: only plain key=value overrides of a composed config (compose it instead)")
+        OmegaConf.update(cfg, key, override.value(), merge=True)
+    return cfg
+
+
+def toy_run(out: Path, preset: str, *overrides: str, base=None) -> Path:
+    """One toy run of the preset through the real runner; returns its metrics.jsonl. ``base``: the preset's
+    composed toy config (:func:`toy_config`), which plain ``key=value`` overrides then change (:func:`with_values`)."""
     from rlbench.runner import run
 
-    run(compose([f"experiment=toy_learning/{preset}", *overrides], out))
+    if base is None:
+        cfg = compose([f"experiment=toy_learning/{preset}", *overrides], out)
+    else:
+        cfg = with_values(base, [*overrides, f"output_dir={out}"])
+    run(cfg)
     return out / "metrics.jsonl"
 
 
-def control_overrides(preset: str, scratch: Path) -> list[str]:
-    """No parameter change: lr -> 1e-12, or for a schedule without optimizer steps (TRPO) max_kl -> 1e-12."""
+def toy_config(preset: str, scratch: Path):
+    """``experiment=toy_learning/<preset>`` composed (its output_dir ``scratch``)."""
+    return compose([f"experiment=toy_learning/{preset}"], scratch)
+
+
+def control_overrides(base) -> list[str]:
+    """No parameter change: lr -> 1e-12, or for a schedule without optimizer steps (TRPO) max_kl -> 1e-12.
+    ``base``: the preset's composed toy config (:func:`toy_config`)."""
     from rlbench.algorithm import Algorithm
     from rlbench.config.typed import algorithm_settings, typed_config
 
-    cfg = compose([f"experiment=toy_learning/{preset}"], scratch)
-    if Algorithm.from_config(algorithm_settings(typed_config(cfg).algorithm)).uses_optimizer:
+    if Algorithm.from_config(algorithm_settings(typed_config(base).algorithm)).uses_optimizer:
         return ["trainer.lr=1e-12"]
     return ["algorithm.update.trpo.max_kl=1e-12", "algorithm.update.trpo.cg_iters=1",
             "algorithm.update.trpo.line_search_steps=1"]
@@ -190,10 +222,11 @@ def control_overrides(preset: str, scratch: Path) -> list[str]:
 
 def check_preset(preset: str, seeds, workdir: Path) -> tuple[list[list[float]], list[list[float]]]:
     """The per-step rewards of the preset's toy runs, one per seed, and of its negative control (the
-    first CONTROL_SEEDS seeds)."""
-    control = control_overrides(preset, workdir / "compose")
-    runs = [step_rewards(toy_run(workdir / f"learn{seed}", preset, f"seed={seed}")) for seed in seeds]
-    controls = [step_rewards(toy_run(workdir / f"control{seed}", preset, f"seed={seed}", *control))
+    first CONTROL_SEEDS seeds), all from one composition of its toy config."""
+    base = toy_config(preset, workdir / "compose")
+    control = control_overrides(base)
+    runs = [step_rewards(toy_run(workdir / f"learn{seed}", preset, f"seed={seed}", base=base)) for seed in seeds]
+    controls = [step_rewards(toy_run(workdir / f"control{seed}", preset, f"seed={seed}", *control, base=base))
                 for seed in seeds[:CONTROL_SEEDS]]
     return runs, controls
 
