@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rlbench.algorithm.advantages.value_based import gae_advantage, gae_returns
+from rlbench.algorithm.critic import value_targets
 from rlbench.algorithm.rto import check_dpo_checkpoint, dpo_token_rewards, rto_rewards
 from rlbench.errors import ConfigError
 
@@ -62,6 +63,18 @@ def test_dense_reward_changes_the_advantages():
     dense = dpo_token_rewards(dpo_logp, ref_logp, mask, 1.0)
     to_go = dense.flip(-1).cumsum(-1).flip(-1) * mask
     torch.testing.assert_close(rto - ppo, to_go.to(rto.dtype), atol=1e-5, rtol=1e-5)
+
+
+def test_value_targets_read_the_token_rewards():
+    """The critic regresses on the lambda-returns of the same token rewards as the advantages:
+    with gamma = lam = 1, R_t = sum_{s>=t} r_s (the dense return-to-go plus the sparse reward)."""
+    rewards, mask, dpo_logp, ref_logp, values = _batch(4)
+    _, token_rewards = rto_rewards(rewards, mask, dpo_logp, ref_logp, 1.0)
+    targets = value_targets({"gamma": 1.0, "lam": 1.0}, rewards, values, mask, token_rewards)
+    to_go = token_rewards.flip(-1).cumsum(-1).flip(-1) * mask
+    torch.testing.assert_close(targets.to(torch.float64), to_go, atol=1e-5, rtol=1e-5)
+    sparse = value_targets({"gamma": 1.0, "lam": 1.0}, rewards, values, mask)
+    assert not torch.allclose(sparse.to(torch.float64), to_go, atol=1e-3)
 
 
 def _model_dir(path, **config):

@@ -76,10 +76,15 @@ def make_value_head(model: torch.nn.Module) -> ValueHead:
 
 
 def value_targets(
-    advantage_params: Mapping[str, Any], rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor
+    advantage_params: Mapping[str, Any],
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    token_rewards: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The critic's regression target R_t = A_t^GAE(gamma, lam) + V_t (the lambda-return), computed
     with the gae estimator's own gamma and lam and the values V of the sampling policy
-    (``gae_returns``; Schulman et al. 2015, arXiv:1506.02438). The result is 0 on padding."""
+    (``gae_returns``; Schulman et al. 2015, arXiv:1506.02438), from the same per-token rewards as
+    the advantages (``token_rewards``: the KL placed in the reward, RTO's dense reward). 0 on padding."""
     params = {k: advantage_params[k] for k in ("gamma", "lam") if k in advantage_params}
-    return gae_returns(rewards, values, response_mask, **params)
+    return gae_returns(rewards, values, response_mask, token_rewards, **params)

@@ -447,7 +447,9 @@ def compute_advantages(
         rewards, batch.group_index, batch.response_mask, **{k: inputs.get(k) for k in wanted}
     )
     if ctx.update_state.value_head is not None:  # the critic's targets: GAE lambda-returns of the same values
-        batch.returns = value_targets(algorithm.advantage.params, rewards, batch.old_values, batch.response_mask)
+        batch.returns = value_targets(
+            algorithm.advantage.params, rewards, batch.old_values, batch.response_mask, inputs.get("token_rewards")
+        )
     if algorithm.downsampling is not None:
         batch.sample_keep, batch.token_weights = algorithm.downsampling.apply(
             batch.advantages, batch.group_index, batch.response_mask, inputs.get("entropy"), progress
