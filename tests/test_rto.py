@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from rlbench import runner
 from rlbench.algorithm.advantages.value_based import gae_advantage, gae_returns
 from rlbench.algorithm.critic import value_targets
 from rlbench.algorithm.rto import check_dpo_checkpoint, dpo_token_rewards, rto_rewards
@@ -101,3 +102,16 @@ def test_refusals(tmp_path):
     (tmp_path / "policy" / "tokenizer.json").write_text('{"x": 1}')
     with pytest.raises(ConfigError, match="another tokenizer"):
         check_dpo_checkpoint(same, policy)
+
+
+def test_ppo_with_token_rewards_runs_through_the_runner(make_cfg, tmp_path):
+    """The trainer hands the per-token rewards (here the KL placed in the reward) to the critic's targets."""
+
+    cfg = make_cfg(
+        "experiment=smoke", "logger=files", "trainer.save_model=false", "eval.before_training=false",
+        "eval.limit=1", "eval.n=1", "eval.k=[1]", "reward=even_tokens", "algorithm=ppo",
+        "algorithm.kl.coef=0.1", "algorithm.kl.placement=reward",
+    )
+    runner.run(cfg)
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 2 and all(torch.isfinite(torch.tensor(step["value_loss"])) for step in steps)
