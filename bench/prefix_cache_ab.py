@@ -24,7 +24,6 @@ import datetime as _dt
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

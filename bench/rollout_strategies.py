@@ -35,7 +35,6 @@ import logging
 import math
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path

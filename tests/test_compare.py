@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -29,7 +28,7 @@ from rlbench.analysis.paper import paper_reference
 from rlbench.analysis.plots import budget_axis, training_curve_stats
 from rlbench.analysis.tables import MACRO, build_table, markdown_table, wide_cells, wide_latex, wide_markdown
 from rlbench.errors import ConfigError, DataError
-from rlbench.eval.metrics import ProblemResult, pass_at_k, summarize
+from rlbench.eval.metrics import ProblemResult, summarize
 from rlbench.config.schema import LoggerConfig
 from rlbench.logger.run_logger import RunLogger
 

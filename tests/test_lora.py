@@ -2,7 +2,6 @@
 the reference is the base model with adapters off (a view, no copy), the engines sample base +
 adapters, only adapters are trained and saved, and bad target modules are refused."""
 
-import copy
 
 import pytest
 import torch

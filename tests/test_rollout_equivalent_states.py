@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from rlbench.config.typed import rollout_config
 from rlbench.dataset.base import Problem
