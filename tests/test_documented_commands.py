@@ -14,7 +14,8 @@ policy, a run to resume, a sweep to compare). The text is never edited; what cha
 - **caps** (:data:`CAPS`): a value above its cap (``rollout.max_new_tokens=1024``, ``trainer.steps=100``)
   gets ``key=<cap>`` appended;
 - **placeholders** (:data:`PLACEHOLDERS`): ``results/multirun/<time>`` is the newest sweep folder,
-  ``/data/my.jsonl`` and ``/abs/path/*.jsonl`` are small files this test writes;
+  ``/data/my.jsonl`` and ``/abs/path/*.jsonl`` are small files this test writes, as are docs/preference.md's
+  offline files (``prefs.jsonl``, ``prefs.parquet``, ``ranked.jsonl``);
 - **set-up** (:data:`PAGE_SETUP`): what a page assumes from an earlier page (a saved policy) runs first;
 - **skips** (:data:`SKIPS`): commands that need what a test machine has not (a Slurm cluster, GPUs, the
   Hub, a credential, the test suite itself), each with its reason; commands that read the benchmark data
@@ -31,6 +32,7 @@ smoke experiment's smaller groups, each with its reason.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -120,6 +122,15 @@ def _write_own_data(workdir: Path) -> None:
     (own / "train.jsonl").write_text(OWN_ROWS)
     (own / "test.jsonl").write_text(OWN_ROWS)
     (workdir / "my.jsonl").write_text(OWN_ROWS.replace('"answer"', '"solution"'))
+    # docs/preference.md's offline files: pairs (JSONL and Parquet) and rankings of the same problems
+    pairs = [{"prompt": f"What is {a}+{b}?", "chosen": str(a + b), "rejected": str(a + b + 1)} for a, b in ((2, 3), (4, 1), (6, 2))]
+    (workdir / "prefs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in pairs))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(pairs), workdir / "prefs.parquet")
+    (workdir / "ranked.jsonl").write_text("".join(
+        json.dumps({"prompt": row["prompt"], "ranking": [row["chosen"], row["rejected"], "0"]}) + "\n" for row in pairs))
 
 
 def _newest_sweep(workdir: Path) -> str:
