@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from rlbench.algorithm import Algorithm
 from rlbench.algorithm.pieces import PIECE_KINDS
 from rlbench.algorithm.registry import ADVANTAGES, POLICY_LOSSES
+from rlbench.algorithm.rto import check_rto_run
 from rlbench.algorithm.shaping import REWARD_SHAPING
 from rlbench.config.fit import check_fits_here
 from rlbench.config.origin import ValueOrigins, with_origins
@@ -413,6 +414,8 @@ def check_run(cfg: DictConfig, origins: ValueOrigins) -> Algorithm:
         algorithm.check_group_size(rollout.n, trainer.prompts_per_step * rollout.n)
         validate_step_options(config, algorithm)
         validate_reference_soup(config, algorithm.kl_coef)
+        check_rto_run(algorithm.rto, str(config.model.path or "") if config.model.source == "path" else "",
+                      config.model.lora is not None, trainer.parallelism)
         check_parallelism(trainer.parallelism, trainer.prompts_per_step, algorithm, rollout.strategy)
         check_sharded_run_features(config)
         check_swarm(config, algorithm)

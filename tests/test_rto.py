@@ -4,15 +4,23 @@ PPO's sparse reward, and the DPO checkpoint refusals."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
+from conftest import ROOT, compose_config
 
 from rlbench import runner
+from rlbench.algorithm import composition
 from rlbench.algorithm.advantages.value_based import gae_advantage, gae_returns
 from rlbench.algorithm.critic import value_targets
 from rlbench.algorithm.rto import check_dpo_checkpoint, dpo_token_rewards, rto_rewards
+from rlbench.config.typed import typed_config
 from rlbench.errors import ConfigError
+from rlbench.model import load_policy
+from rlbench.validation import validate_config
 
 
 def _batch(seed: int = 0):
@@ -86,7 +94,7 @@ def _model_dir(path, **config):
 
 def test_refusals(tmp_path):
     policy = _model_dir(tmp_path / "policy", model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=64)
-    with pytest.raises(ConfigError, match="needs algorithm.rto.dpo_checkpoint"):
+    with pytest.raises(ConfigError, match="needs algorithm.rto.dpo_model"):
         check_dpo_checkpoint(None, policy)
     with pytest.raises(ConfigError, match="is not a folder"):
         check_dpo_checkpoint(str(tmp_path / "absent"), policy)
@@ -115,3 +123,138 @@ def test_ppo_with_token_rewards_runs_through_the_runner(make_cfg, tmp_path):
     runner.run(cfg)
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(steps) == 2 and all(torch.isfinite(torch.tensor(step["value_loss"])) for step in steps)
+
+
+# ---------------------------------------------------------------------------------- algorithm=rto in the trainer
+
+SMOKE = ("experiment=smoke", "logger=files", "eval.before_training=false", "eval.limit=1", "eval.n=1", "eval.k=[1]",
+         "trainer.steps=1")
+
+
+def _save_policy_copy(make_cfg, folder, noise: float = 0.0, **tiny):
+    """The smoke run's initial tiny policy (seeded), saved as a Hugging Face folder; ``noise`` perturbs its weights
+    (a pi_dpo that differs from pi_ref), ``tiny`` changes its shape (a checkpoint of another architecture)."""
+    overrides = [f"model.tiny.{key}={value}" for key, value in tiny.items()]
+    config = typed_config(make_cfg(*SMOKE, *overrides))
+    model, tokenizer = load_policy(config.model, seed=config.seed)
+    if noise:
+        generator = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(noise * torch.randn(param.shape, generator=generator, dtype=param.dtype))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def _run(make_cfg, tmp_path, name, *overrides):
+    runner.run(compose_config([*SMOKE, *overrides], tmp_path / name))
+    metrics = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return metrics, _weights(tmp_path / name / "policy")
+
+
+def _weights(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """The RTO reward terms the trainer's step computed: rto_rewards' inputs and outputs, call by call."""
+    calls = []
+
+    def recording(*args, **kwargs):
+        result = rto_rewards(*args, **kwargs)
+        calls.append((args, kwargs, result))
+        return result
+
+    monkeypatch.setattr(composition, "rto_rewards", recording)
+    return calls
+
+
+@pytest.mark.slow
+def test_zero_dense_terms_equal_ppo_with_the_sparse_reward(make_cfg, tmp_path, spy):
+    """beta_dpo = 0, beta_KL = 0, beta_2 = 1: the same losses and the same trained weights as algorithm=ppo."""
+    dpo = _save_policy_copy(make_cfg, tmp_path / "dpo", noise=0.05)
+    ppo_metrics, ppo_weights = _run(make_cfg, tmp_path, "ppo", "algorithm=ppo")
+    rto_metrics, rto_weights = _run(make_cfg, tmp_path, "rto", "algorithm=rto", f"algorithm.rto.dpo_model={dpo}",
+                                    "algorithm.rto.beta_dpo=0", "algorithm.rto.sparse_coef=1", "algorithm.kl.coef=0")
+    assert len(spy) == 1  # the step went through RTO's reward
+    for key in ("policy_loss", "value_loss", "grad_norm", "advantage_mean", "reward_mean"):
+        assert rto_metrics[0][key] == ppo_metrics[0][key], key
+    assert rto_metrics[0]["rto_dpo_log_ratio"] != 0  # pi_dpo differs from pi_ref; its weight is 0
+    assert ppo_weights.keys() == rto_weights.keys()
+    for name, value in ppo_weights.items():
+        assert torch.equal(value, rto_weights[name]), name
+
+
+@pytest.mark.slow
+def test_step_token_rewards_sum_to_the_sequence_dpo_reward(make_cfg, tmp_path, spy):
+    """The token rewards the step used sum to beta_1 log pi_dpo(y|x) / pi_ref(y|x) + beta_2 R, and log pi_dpo is the
+    checkpoint's (it differs from pi_ref)."""
+    dpo = _save_policy_copy(make_cfg, tmp_path / "dpo", noise=0.05)
+    metrics, _ = _run(make_cfg, tmp_path, "rto", "algorithm=rto", f"algorithm.rto.dpo_model={dpo}",
+                      "algorithm.rto.beta_dpo=0.5", "algorithm.rto.sparse_coef=2", "algorithm.kl.coef=0")
+    (args, _, (total, token_rewards)), = spy
+    rewards, mask, dpo_logp, ref_logp, beta, sparse = args[:6]
+    assert beta == 0.5 and sparse == 2
+    maskf = mask.to(torch.float64)
+    log_ratio = ((dpo_logp.double() - ref_logp.double()) * maskf).sum(-1)
+    assert log_ratio.abs().min() > 0
+    torch.testing.assert_close(token_rewards.sum(-1), 0.5 * log_ratio + 2 * rewards.double())
+    torch.testing.assert_close(total, token_rewards.sum(-1))
+    assert metrics[0]["rto_dpo_log_ratio"] == pytest.approx(log_ratio.mean().item(), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_dpo_model_equal_to_the_reference_gives_no_dense_reward(make_cfg, tmp_path, spy):
+    dpo = _save_policy_copy(make_cfg, tmp_path / "dpo")
+    metrics, _ = _run(make_cfg, tmp_path, "rto", "algorithm=rto", f"algorithm.rto.dpo_model={dpo}", "algorithm.kl.coef=0")
+    (args, _, (_, token_rewards)), = spy
+    mask, dpo_logp, ref_logp = args[1:4]
+    assert torch.equal(dpo_logp, ref_logp)
+    assert torch.equal(dpo_token_rewards(dpo_logp, ref_logp, mask, 0.1), torch.zeros_like(token_rewards))
+    assert metrics[0]["rto_dpo_log_ratio"] == 0
+
+
+def test_rto_bad_input_is_refused_before_loading(make_cfg, tmp_path):
+    with pytest.raises(ConfigError, match="needs algorithm.rto.dpo_model"):
+        validate_config(make_cfg(*SMOKE, "algorithm=rto"))
+    with pytest.raises(ConfigError, match="is not a folder"):
+        validate_config(make_cfg(*SMOKE, "algorithm=rto", f"algorithm.rto.dpo_model={tmp_path / 'absent'}"))
+    folder = _model_dir(tmp_path / "dpo", model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=64)
+    with pytest.raises(ConfigError, match="kl.placement=reward"):
+        validate_config(make_cfg(*SMOKE, "algorithm=rto", f"algorithm.rto.dpo_model={folder}", "algorithm.kl.placement=loss"))
+    with pytest.raises(ConfigError, match="per-token rewards"):
+        validate_config(make_cfg(*SMOKE, "algorithm=grpo", f"++algorithm.rto.dpo_model={folder}"))
+    with pytest.raises(ConfigError, match="beta_dpo"):
+        validate_config(make_cfg(*SMOKE, "algorithm=rto", f"algorithm.rto.dpo_model={folder}", "algorithm.rto.beta_dpo=-1"))
+    with pytest.raises(ConfigError, match="LoRA"):
+        validate_config(make_cfg(*SMOKE, "algorithm=rto", f"algorithm.rto.dpo_model={folder}", "model/lora=default"))
+
+
+@pytest.mark.slow
+def test_dpo_checkpoint_of_another_architecture_is_refused(make_cfg, tmp_path):
+    other = _save_policy_copy(make_cfg, tmp_path / "other", hidden_size=48)
+    with pytest.raises(ConfigError, match="not a checkpoint of the policy's architecture"):
+        runner.run(make_cfg(*SMOKE, "algorithm=rto", f"algorithm.rto.dpo_model={other}"))
+
+
+@pytest.mark.slow
+def test_dpo_run_then_rto_run_from_the_command_line(tmp_path):
+    """The two stages as docs/preference.md gives them: a DPO run that saves its policy, then RTO on it."""
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("WANDB_API_KEY", None)
+    common = ["experiment=smoke", "trainer.steps=1", "eval.before_training=false", "eval.limit=1", "eval.n=1", "eval.k=[1]",
+              "logger=files"]
+
+    def cli(*overrides):
+        proc = subprocess.run([sys.executable, "-m", "rlbench.cli", *common, *overrides], cwd=ROOT, capture_output=True,
+                              text=True, timeout=1800, env=env, check=False)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    cli("algorithm=dpo", "trainer.save_model=true", f"hydra.run.dir={tmp_path / 'dpo'}")
+    cli("algorithm=rto", f"algorithm.rto.dpo_model={tmp_path / 'dpo' / 'policy'}", f"hydra.run.dir={tmp_path / 'rto'}")
+    steps = [json.loads(line) for line in (tmp_path / "rto" / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 1 and steps[0]["rto_dpo_log_ratio"] != 0  # one DPO step moved pi_dpo away from pi_ref

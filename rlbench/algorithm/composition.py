@@ -39,6 +39,7 @@ from rlbench.algorithm.losses import masked_mean
 from rlbench.algorithm.sampling_correction import SamplingCorrection
 from rlbench.algorithm.schedules import SFPOSettings, TRPOSettings, schedule_from_config
 from rlbench.algorithm.registry import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from rlbench.algorithm.rto import RTOSettings, rto_rewards
 from rlbench.algorithm.shaping import apply_shaping, check_shapers
 from rlbench.algorithm.step_inputs import STEP_INPUTS
 from rlbench.errors import ConfigError
@@ -108,6 +109,7 @@ class Algorithm:
     sampling_correction: SamplingCorrection | None = None  # TIS weights between sampler and trainer
     downsampling: DownSampling | None = None  # D3S: the responses and tokens a step trains on
     pf_ppo: PolicyFiltration | None = None  # PF-PPO: the trained batch re-sampled by reward
+    rto: RTOSettings | None = None  # RTO: a frozen DPO model's token reward inside the (PPO) reward
     # Mutable run state inside the frozen composition: each from_config starts a fresh one.
     coefficients: Coefficients | None = field(default=None, compare=False, repr=False)
 
@@ -147,6 +149,7 @@ class Algorithm:
             sampling_correction=SamplingCorrection.from_config(setting(cfg, "sampling_correction")),
             downsampling=DownSampling.from_config(setting(cfg, "downsampling")),
             pf_ppo=PolicyFiltration.from_config(setting(cfg, "pf_ppo")),
+            rto=RTOSettings.from_config(setting(cfg, "rto")),
             critic=CriticSettings.from_config(setting(cfg, "critic")),
             schedule=schedule,
             schedule_settings=schedule_settings,
@@ -169,6 +172,8 @@ class Algorithm:
                     f"(it provides {sorted(provided)}); pick another algorithm/{'advantage' if registry is ADVANTAGES else 'loss'}"
                 )
         AGGREGATIONS.validate_params(self.aggregation.name, self.aggregation.params)
+        if self.rto is not None:
+            self.rto.check_composition("token_rewards" in self.advantage_inputs, self.kl_coef, self.kl_placement)
         check_shapers([(s.name, s.params) for s in self.reward_shaping])
         self._check_loss_requirements()
         KL_ESTIMATORS.validate_params(self.kl_estimator, self.kl_estimator_params)
@@ -363,8 +368,8 @@ class Algorithm:
     @property
     def needs_reference(self) -> bool:
         """A frozen reference model is loaded only when the KL term is active (in the loss or the reward) or
-        the policy loss reads pi_ref itself (dpo, ipo)."""
-        return self.kl_coef > 0 or "ref_logp" in POLICY_LOSSES.accepted_inputs(self.loss.name)
+        the policy loss reads pi_ref itself (dpo, ipo) or RTO's dense reward does (log pi_dpo - log pi_ref)."""
+        return self.kl_coef > 0 or self.rto is not None or "ref_logp" in POLICY_LOSSES.accepted_inputs(self.loss.name)
 
     @property
     def loss_has_stages(self) -> bool:
@@ -502,6 +507,20 @@ class Algorithm:
         penalised, token_rewards = kl_penalised_rewards(rewards, kl_matrix, mask, self.kl_coefficient)
         token_level = "token_rewards" in self.advantage_inputs
         return penalised.to(rewards.dtype), token_rewards if token_level else None, per_response
+
+    def rto_reward_terms(
+        self, rewards: torch.Tensor, response_mask: torch.Tensor, old_logp: torch.Tensor | None, ref_logp: torch.Tensor,
+        dpo_logp: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """RTO's (sequence rewards, token rewards, per-response KL) (arXiv:2404.18922 sec. 4, ``rto_rewards``):
+        r_t = beta_dpo (log pi_dpo - log pi_ref) - beta_KL k(old, ref) + 1[t = T] sparse_coef R. Without old
+        log-probs (no sampling pass: the KL is off and nothing else reads them) the KL terms are 0."""
+        mask = response_mask.to(ref_logp.dtype)
+        kl_matrix = torch.zeros_like(mask) if old_logp is None else self.kl_matrix(old_logp, ref_logp) * mask
+        kl_coef = self.kl_coefficient if self.kl_in_reward else 0.0
+        total, token_rewards = rto_rewards(rewards, response_mask, dpo_logp, ref_logp, self.rto.beta_dpo,
+                                           self.rto.sparse_coef, kl_matrix, kl_coef)
+        return total.to(rewards.dtype), token_rewards, sequence_kl(kl_matrix, mask)
 
     def token_weights(self, entropy: torch.Tensor | None, response_mask: torch.Tensor) -> torch.Tensor | None:
         """The policy-loss token mask [B,T] for this batch, or None (no masking)."""

@@ -17,12 +17,14 @@ reward is PPO's sparse (KL-penalised) reward exactly.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from rlbench.algorithm.kl import kl_penalised_rewards
+from rlbench.algorithm.schedules import settings_from_block
 from rlbench.errors import ConfigError
 
 #: config.json fields a DPO checkpoint must share with the policy (same architecture and token ids).
@@ -59,6 +61,37 @@ def rto_rewards(
     return token_rewards.sum(-1), token_rewards
 
 
+@dataclass(frozen=True)
+class RTOSettings:
+    """``algorithm.rto`` (arXiv:2404.18922 sec. 4): ``dpo_model`` the frozen pi_dpo's Hugging Face folder,
+    ``beta_dpo`` beta_1 of the dense DPO term, ``sparse_coef`` beta_2 of the sparse verifier reward. beta_KL is
+    algorithm.kl.coef with algorithm.kl.placement=reward (the KL's own machinery, rlbench/algorithm/kl.py).
+    The defaults are the schema's (rlbench/config/schema.py, RTOConfig)."""
+
+    dpo_model: str | None
+    beta_dpo: float
+    sparse_coef: float
+
+    @classmethod
+    def from_config(cls, node: Any) -> RTOSettings | None:
+        """None when ``algorithm.rto`` is absent or null (no dense DPO reward)."""
+        return None if node is None else settings_from_block(cls, node, "algorithm.rto")
+
+    def check(self) -> None:
+        if self.beta_dpo < 0 or self.sparse_coef < 0:
+            raise ConfigError(f"algorithm.rto.beta_dpo and .sparse_coef must be >= 0 (got {self.beta_dpo}, {self.sparse_coef})")
+
+    @staticmethod
+    def check_composition(advantage_reads_token_rewards: bool, kl_coef: float, kl_placement: str) -> None:
+        """Refuses, before anything loads, compositions in which the dense reward would not act as RTO's."""
+        if not advantage_reads_token_rewards:
+            raise ConfigError("algorithm.rto puts DPO's reward on every token; the advantage must read per-token rewards "
+                              "(token_rewards), e.g. algorithm/advantage=gae (algorithm=rto)")
+        if kl_coef > 0 and kl_placement != "reward":
+            raise ConfigError("algorithm.rto's KL penalty -beta_KL k_t is a term of the token reward: set "
+                              "algorithm.kl.placement=reward (or algorithm.kl.coef=0)")
+
+
 def _model_config(path: Path, what: str) -> dict[str, Any]:
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -71,23 +104,36 @@ def check_dpo_checkpoint(dpo_path: str | None, policy_path: str) -> None:
     vocabulary differs from the policy's (its log-probs would not be of the policy's token ids)."""
     if not dpo_path:
         raise ConfigError(
-            "algorithm=rto needs algorithm.rto.dpo_checkpoint: a Hugging Face folder of a DPO model of the "
+            "algorithm=rto needs algorithm.rto.dpo_model: a Hugging Face folder of a DPO model of the "
             "policy's architecture (e.g. a run of algorithm=dpo with trainer.save_model=true)"
         )
     path = Path(dpo_path)
     if not path.is_dir():
-        raise ConfigError(f"algorithm.rto.dpo_checkpoint {dpo_path} is not a folder")
-    dpo = _model_config(path, "algorithm.rto.dpo_checkpoint")
+        raise ConfigError(f"algorithm.rto.dpo_model {dpo_path} is not a folder")
+    dpo = _model_config(path, "algorithm.rto.dpo_model")
     policy_dir = Path(policy_path)
-    if not policy_dir.is_dir():
-        return  # a hub name: its config is checked when the policy loads
+    if not policy_path or not policy_dir.is_dir():
+        return  # not a folder (a hub name, a tiny model): the weights' names and shapes are checked when pi_dpo loads
     policy = _model_config(policy_dir, "the policy model")
     for field in MATCHING_CONFIG_FIELDS:
         if dpo.get(field) != policy.get(field):
             raise ConfigError(
-                f"algorithm.rto.dpo_checkpoint {dpo_path} is of another model: {field} "
+                f"algorithm.rto.dpo_model {dpo_path} is of another model: {field} "
                 f"{dpo.get(field)!r} != the policy's {policy.get(field)!r}"
             )
     dpo_vocab, policy_vocab = path / "tokenizer.json", policy_dir / "tokenizer.json"
     if dpo_vocab.is_file() and policy_vocab.is_file() and dpo_vocab.read_bytes() != policy_vocab.read_bytes():
-        raise ConfigError(f"algorithm.rto.dpo_checkpoint {dpo_path} has another tokenizer than the policy")
+        raise ConfigError(f"algorithm.rto.dpo_model {dpo_path} has another tokenizer than the policy")
+
+
+def check_rto_run(settings: RTOSettings | None, policy_path: str, lora: bool, parallelism: str) -> None:
+    """The run's RTO before any weights load: the DPO checkpoint (``check_dpo_checkpoint``; ``policy_path``
+    the policy's folder, "" when it is not one), and the setups pi_dpo has no place in yet."""
+    if settings is None:
+        return
+    check_dpo_checkpoint(settings.dpo_model, policy_path)
+    if lora:
+        raise ConfigError("algorithm.rto loads pi_dpo into a full frozen copy of the policy; under LoRA the reference is "
+                          "the base model with adapters off (no copy): drop model/lora (or merge the adapters first)")
+    if parallelism != "single":
+        raise ConfigError(f"algorithm.rto is not supported under trainer.parallelism={parallelism} yet (pi_dpo is not sharded)")

@@ -147,6 +147,18 @@ class PolicyFiltrationConfig:
 
 
 @dataclass
+class RTOConfig:
+    """RTO (Zhong et al. 2024, arXiv:2404.18922, sec. 4): a frozen DPO model's token reward beta_dpo (log pi_dpo -
+    log pi_ref) on every response token, plus sparse_coef R on the last (rlbench/algorithm/rto.py); beta_KL is
+    algorithm.kl.coef with kl.placement=reward."""
+
+    dpo_model: Optional[str] = knob(None, "required: the Hugging Face folder of pi_dpo, a DPO model of the policy's architecture "
+                                    "and tokenizer (the policy/ folder of an algorithm=dpo run with trainer.save_model=true)")
+    beta_dpo: float = knob(0.1, "beta_1: weight of the dense DPO token reward log pi_dpo - log pi_ref (0: PPO's sparse reward)", ge=0)
+    sparse_coef: float = knob(1.0, "beta_2: weight of the run's verifier reward R on the last response token", ge=0)
+
+
+@dataclass
 class SFPOConfig:
     """Slow-Fast Policy Optimization settings (arXiv:2510.04072); used with schedule=sfpo."""
 
@@ -269,6 +281,7 @@ class AlgorithmConfig:
     pf_ppo: Optional[PolicyFiltrationConfig] = node(
         PolicyFiltrationConfig, "null: off; {method, weight_pow}: PF-PPO's re-sampling of the trained batch by reward"
     )
+    rto: Optional[RTOConfig] = node(RTOConfig, "null: off; {dpo_model, beta_dpo, sparse_coef}: RTO's dense DPO token reward")
     update: UpdateConfig = node(UpdateConfig, "update schedule and its settings")
     critic: Optional[CriticConfig] = node(CriticConfig, "null: no value head; {coef, clip}: PPO's value head (advantage gae)")
     overlong_filter: bool = knob(False, "mask responses truncated at rollout.max_new_tokens out of the loss (DAPO)")

@@ -24,6 +24,7 @@ import torch
 
 from rlbench.config.schema import ReferenceSoupConfig, RunConfig
 from rlbench.errors import ConfigError
+from rlbench.model.lora import reference_model
 
 log = logging.getLogger(__name__)
 
@@ -67,24 +68,38 @@ def add_to_soup(soup: torch.nn.Module, model: torch.nn.Module, ingredients: int)
         param.add_((theirs[name].detach().to(param.dtype) - param) / (ingredients + 1))
 
 
-@torch.no_grad()
-def checkpoint_soup(reference: torch.nn.Module, checkpoints: Sequence[str | Path]) -> None:
-    """SALSA's reference: load each checkpoint's parameters and set ``reference``'s to their average
-    (:func:`soup_average`). A checkpoint whose parameter names or shapes differ from the policy's is a
-    ConfigError naming it."""
+def checkpoint_parameters(model: torch.nn.Module, path: str | Path, what: str) -> dict[str, torch.Tensor]:
+    """The parameters of the Hugging Face checkpoint ``path``, by ``model``'s parameter names; a checkpoint whose
+    names or shapes differ from ``model``'s is a ConfigError naming ``what`` (the config key) and ``path``."""
     from transformers import AutoModelForCausalLM
 
+    mine = dict(model.named_parameters())
+    theirs = dict(AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).named_parameters())
+    if set(theirs) != set(mine) or any(theirs[name].shape != param.shape for name, param in mine.items()):
+        raise ConfigError(f"{what}: {path} is not a checkpoint of the policy's architecture (its parameter names or "
+                          "shapes differ)")
+    return {name: theirs[name].detach() for name in mine}
+
+
+@torch.no_grad()
+def checkpoint_soup(reference: torch.nn.Module, checkpoints: Sequence[str | Path],
+                    what: str = "algorithm.reference_soup.checkpoints") -> None:
+    """SALSA's reference: load each checkpoint's parameters and set ``reference``'s to their average
+    (:func:`soup_average`; of one checkpoint: its weights, RTO's pi_dpo). A checkpoint whose parameter names or
+    shapes differ from the policy's is a ConfigError naming it."""
     mine = dict(reference.named_parameters())
-    ingredients = []
-    for path in checkpoints:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-        theirs = dict(model.named_parameters())
-        if set(theirs) != set(mine) or any(theirs[name].shape != param.shape for name, param in mine.items()):
-            raise ConfigError(f"algorithm.reference_soup.checkpoints: {path} is not a checkpoint of the policy's "
-                              "architecture (its parameter names or shapes differ)")
-        ingredients.append({name: theirs[name].detach() for name in mine})
+    ingredients = [checkpoint_parameters(reference, path, what) for path in checkpoints]
     for name, value in soup_average(ingredients).items():
         mine[name].copy_(value.to(mine[name].dtype))
+
+
+def frozen_checkpoint(policy: torch.nn.Module, path: str | Path, what: str) -> torch.nn.Module:
+    """A frozen model of the policy's architecture holding the weights of checkpoint ``path`` (RTO's pi_dpo): the
+    reference model's frozen copy of the policy (rlbench.model.lora.reference_model), its weights replaced."""
+    frozen = reference_model(policy)
+    checkpoint_soup(frozen, [path], what)
+    log.info("%s: frozen model loaded from %s", what, path)
+    return frozen
 
 
 class ReferenceSoup:

@@ -63,7 +63,7 @@ from rlbench.training.reference_cache import (
     offline_reference_cache,
     reference_log_probs,
 )
-from rlbench.training.reference_soup import ReferenceSoup
+from rlbench.training.reference_soup import ReferenceSoup, frozen_checkpoint
 from rlbench.training.rounds import RoundPolicy
 from rlbench.training.update_schedules import (
     UpdateState,
@@ -106,6 +106,7 @@ class StepContext:
     prompt_stats: PromptStatsStore | None = None  # the run's per-prompt statistics (the curriculum's, read by strategies)
     reference_cache: ReferenceLogProbCache | None = None  # rollout=offline: log pi_ref per response, computed once
     rounds: RoundPolicy | None = None  # algorithm.update.round_steps: the loss's frozen pi_t (INPO's, REBEL's rounds)
+    dpo_policy: torch.nn.Module | None = None  # algorithm.rto: the frozen DPO model pi_dpo of RTO's token reward
 
     @property
     def reincarnated(self) -> bool:
@@ -174,6 +175,7 @@ def make_step_context(
         keep_freed_memory()  # process-wide: large CPU tensors reuse freed pages (rlbench/training/memory.py)
     update_state = make_update_state(algorithm, model)
     reference = reference_model(model) if algorithm.needs_reference else None
+    dpo_policy = None if algorithm.rto is None else frozen_checkpoint(model, algorithm.rto.dpo_model, "algorithm.rto.dpo_model")
     if reference is not None and world.sharded and not isinstance(reference, AdaptersOff):
         reference = wrap_model(reference, world)
     trained = wrap_model(model, world)
@@ -223,6 +225,7 @@ def make_step_context(
         reference_soup=ReferenceSoup.from_config(config.algorithm.reference_soup, reference),
         prompt_stats=prompt_stats,
         rounds=RoundPolicy.from_algorithm(algorithm.round_steps, model),
+        dpo_policy=dpo_policy,
     )
     ctx.reference_cache = offline_reference_cache(config, reference, guidance, ctx.temperature, world.sharded)
     return ctx
@@ -423,6 +426,10 @@ def advantage_inputs(ctx: StepContext, graded: GradedGroups, batch: TrainBatch) 
         batch.ref_logp = reference_log_probs(ctx.reference, batch, ctx.micro_batch_size, ctx.temperature, ctx.reference_cache)
         if ctx.reference_cache is not None:
             metrics.update(ctx.reference_cache.metrics())
+    if ctx.dpo_policy is not None:  # RTO: log pi_dpo, one more frozen pass (arXiv:2404.18922 sec. 4)
+        inputs["dpo_logp"] = reference_log_probs(ctx.dpo_policy, batch, ctx.micro_batch_size, ctx.temperature, None)
+        log_ratio = ((inputs["dpo_logp"] - batch.ref_logp) * batch.response_mask).sum(-1)
+        metrics["rto_dpo_log_ratio"] = log_ratio.mean().item()  # per response: log pi_dpo(y|x) / pi_ref(y|x)
     if ctx.rounds is not None:  # iterative rounds: the loss's pi_old is the round's frozen pi_t (training/rounds.py)
         batch.old_logp = ctx.rounds.log_probs(batch, ctx.micro_batch_size, ctx.temperature)
     return inputs, metrics
@@ -437,7 +444,11 @@ def compute_advantages(
     in the reward or controlled adaptively."""
     algorithm = ctx.algorithm
     rewards, response_kl = batch.rewards, None
-    if algorithm.kl_in_reward or algorithm.kl_adaptive is not None:
+    if algorithm.rto is not None:  # RTO: the DPO token reward, the KL penalty and the sparse reward per token
+        rewards, inputs["token_rewards"], response_kl = algorithm.rto_reward_terms(
+            batch.rewards, batch.response_mask, inputs.get("old_logp"), batch.ref_logp, inputs["dpo_logp"]
+        )
+    elif algorithm.kl_in_reward or algorithm.kl_adaptive is not None:
         rewards, inputs["token_rewards"], response_kl = algorithm.kl_reward_terms(
             batch.rewards, batch.response_mask, inputs["old_logp"], batch.ref_logp
         )
