@@ -126,6 +126,10 @@ ALGORITHM_PRESETS_WITHOUT_TOY_CHECK = {
     # loss falls on a fixed file (with its negative control, lr 1e-12).
     "qrpo": "its online quantiles are taken within the policy's own group, so the toy's margin is within seed noise",
     "otr": "the toy's reference tokens have probability ~1/vocab under the policy, so one-token rollouts never match",
+    # RTO needs pi_dpo, a checkpoint a previous algorithm=dpo run saved from the same initial policy: a toy run is one
+    # stage. tests/test_rto.py::test_dense_dpo_reward_alone_trains_the_policy_towards_pi_dpo runs both stages on the
+    # toy (the dense reward's return rises, its lr-1e-12 control does not) and notes the toy reward's margin.
+    "rto": "it needs a DPO checkpoint from an earlier run (two stages); tests/test_rto.py runs both on the toy",
 }
 
 
