@@ -30,9 +30,21 @@ EXPECTED = {
 }
 
 
+def preset_arguments(name: str, output_dir: Path) -> list[str]:
+    """What a preset needs on the command line besides its name: algorithm=rto the folder of a DPO model (a
+    Hugging Face config.json is all validation reads)."""
+    if name != "rto":
+        return []
+    folder = output_dir / "dpo_model"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    return [f"algorithm.rto.dpo_model={folder}"]
+
+
 def compose_preset(name: str, output_dir: Path) -> DictConfig:
     """``compose_config(["algorithm=<name>", "experiment=smoke"], ...)`` inside an initialised Hydra."""
-    return compose("config", overrides=[f"algorithm={name}", "experiment=smoke", f"output_dir={output_dir}"])
+    return compose("config", overrides=[f"algorithm={name}", "experiment=smoke", f"output_dir={output_dir}",
+                                        *preset_arguments(name, output_dir)])
 
 
 @pytest.fixture(scope="module")
