@@ -276,9 +276,8 @@ def test_dense_dpo_reward_alone_trains_the_policy_towards_pi_dpo(tmp_path):
     the dense reward only. PPO raises what it is rewarded for, the sequence log-ratio log pi_dpo(y|x) / pi_ref(y|x)
     of its samples (metric rto_dpo_log_ratio); the negative control (lr 1e-12) does not. Measured 2026-12-05 (1
     thread, beta_dpo 0.5, a DPO stage per seed): rise of the 4-step window means +49, +115, +123 on seeds 0-2,
-    the control -6, +1, +2. The toy reward (share of even ids, which pi_dpo learnt to prefer) rose too but within
-    seed noise (median peak rise +0.172 vs the zero-reward control's +0.040 on seeds 0-2, +0.062 vs +0.035 on
-    3-5 with pi_dpo of seed 0), so it is not asserted (docs/preference.md, "RTO")."""
+    the control -6, +1, +2. The toy reward (share of even ids, which pi_dpo learnt to prefer) rose too, median peak rise +0.172 at
+    beta_dpo 0.5 (+0.062 at 0.1) against +0.040 with pi_dpo = pi_ref on seeds 0-2: sensitive to beta_dpo, so it is not asserted (docs/preference.md, "RTO")."""
     torch.set_num_threads(1)
     runner.run(compose_config(["experiment=toy_learning/dpo", "trainer.save_model=true", "seed=0"], tmp_path / "dpo"))
     dpo = f"algorithm.rto.dpo_model={tmp_path / 'dpo' / 'policy'}"
