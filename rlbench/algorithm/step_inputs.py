@@ -193,8 +193,10 @@ _declare("log_probs", "[B,T,V]", "full-vocabulary log pi_theta(. | q, o_<t), wit
          "that reads it (otr)", "forward", {"loss"})
 
 # ------------------------------------------------------------------------ the step
-_declare("token_rewards", "[B,T]", "per-token rewards: the outcome at EOS minus the per-token KL penalty", "step",
-         {"advantage"}, when="algorithm.kl.placement=reward", available=lambda algorithm: algorithm.kl_in_reward)
+_declare("token_rewards", "[B,T]", "per-token rewards: the outcome at EOS minus the per-token KL penalty (RTO: plus "
+         "beta_dpo (log pi_dpo - log pi_ref) on every token)", "step", {"advantage"},
+         when="algorithm.kl.placement=reward, or algorithm.rto",
+         available=lambda algorithm: algorithm.kl_in_reward or algorithm.rto is not None)
 _declare("progress", "float", "the fraction of training done, in [0, 1] (annealed schedules)", "step", {"loss"})
 _declare("reference_stage", "int", "1 while the reference is the initial policy, 2 once algorithm.reincarnate_at made "
          "the policy the reference (SACPO's stage 2)", "batch", {"loss"})
