@@ -16,7 +16,7 @@ from rlbench import runner
 from rlbench.algorithm import composition
 from rlbench.algorithm.advantages.value_based import gae_advantage, gae_returns
 from rlbench.algorithm.critic import value_targets
-from rlbench.algorithm.rto import check_dpo_checkpoint, dpo_token_rewards, rto_rewards
+from rlbench.algorithm.rto import RTOSettings, check_dpo_checkpoint, check_rto_run, dpo_token_rewards, rto_rewards
 from rlbench.config.typed import typed_config
 from rlbench.errors import ConfigError
 from rlbench.model import load_policy
@@ -230,6 +230,8 @@ def test_rto_bad_input_is_refused_before_loading(make_cfg, tmp_path):
         validate_config(make_cfg(*SMOKE, "algorithm=grpo", f"++algorithm.rto.dpo_model={folder}"))
     with pytest.raises(ConfigError, match="beta_dpo"):
         validate_config(make_cfg(*SMOKE, "algorithm=rto", f"algorithm.rto.dpo_model={folder}", "algorithm.rto.beta_dpo=-1"))
+    with pytest.raises(ConfigError, match="parallelism=ddp"):
+        check_rto_run(RTOSettings(folder, 0.1, 1.0), "", lora=False, parallelism="ddp")
     with pytest.raises(ConfigError, match="LoRA"):
         validate_config(make_cfg(*SMOKE, "algorithm=rto", f"algorithm.rto.dpo_model={folder}", "model/lora=default"))
 
