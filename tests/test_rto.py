@@ -16,7 +16,13 @@ from rlbench import runner
 from rlbench.algorithm import composition
 from rlbench.algorithm.advantages.value_based import gae_advantage, gae_returns
 from rlbench.algorithm.critic import value_targets
-from rlbench.algorithm.rto import RTOSettings, check_dpo_checkpoint, check_rto_run, dpo_token_rewards, rto_rewards
+from rlbench.algorithm.rto import (
+    RTOSettings,
+    check_dpo_checkpoint,
+    check_rto_run,
+    dpo_token_rewards,
+    rto_rewards,
+)
 from rlbench.config.typed import typed_config
 from rlbench.errors import ConfigError
 from rlbench.model import load_policy
