@@ -10,7 +10,6 @@ from test_env_multi_turn import EOS, ScriptedEngine, Tokens
 from rlbench.config.schema import EnvConfig
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
-from rlbench.reward.math import MathReward
 from rlbench.rollout import GroupSampler, RolloutSetup
 from rlbench.rollout.engines.base import SamplingParams
 from rlbench.rollout.env import EnvContext, EnvFactory, validate_env
@@ -22,7 +21,7 @@ PROBLEM = Problem("a", "ignored", "0")  # its dialogue: 8 + 9 = 17, subtract 4 -
 
 def factory(max_turns=3, **options):
     return EnvFactory(EnvConfig(name="user_sim", max_turns=max_turns, turn_tokens=8, max_observation_tokens=32,
-                                settings={"user_sim": options}), EnvContext(grader=MathReward()))
+                                settings={"user_sim": options}), EnvContext())
 
 
 def apply_ops(lines):

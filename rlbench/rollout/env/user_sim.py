@@ -4,8 +4,9 @@ user). No second model: the user's lines are a script drawn from the problem.
 
 Turn 1 asks ``What is a + b?``; each later turn says ``Now add c.`` or ``Now subtract c.``, applied to the
 previous turn's TRUE result (the running total of the script, not the policy's answer). The reward of a
-turn is ``turn_reward`` when the run's grader (the math grader: a boxed answer, an answer phrase or the
-last number) finds that turn's true result in the turn's text, else 0. By default the user does not say
+turn is ``turn_reward`` when the math grader (rlbench.reward.math.MathReward with its defaults: a boxed
+answer, an answer phrase or the last number; whatever ``reward=`` the run trains with, since the dialogue is
+arithmetic) finds that turn's true result in the turn's text, else 0. By default the user does not say
 the true result back (``reveal: false``), so a wrong answer leaves the policy without the number the next
 turn builds on: an early mistake costs later turns too, which is what makes REFUEL's future return
 ``Q = sum_{k >= h} r_k`` differ from the turn's own reward. With ``reveal: true`` the user's next line
@@ -26,10 +27,18 @@ from dataclasses import dataclass
 
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
-from rlbench.reward.math import Grade
-from rlbench.rollout.env.base import Environment, Reset, StepResult, register_env
+from rlbench.reward.math import Grade, MathReward
+from rlbench.rollout.env.base import (
+    EnvContext,
+    Environment,
+    Reset,
+    StepResult,
+    register_env,
+)
 
 INTRO = "Answer each question with the number only.\n"
+#: the user's grader of every turn: the math grader with its defaults (module docstring)
+MATH = EnvContext(grader=MathReward())
 
 
 @register_env("user_sim")
@@ -77,7 +86,7 @@ class UserSim(Environment):
     def step(self, action_text: str) -> StepResult:
         question, truth = self.lines[self.turn]
         assert self.problem is not None
-        verdict = self.context.grade_text(Problem(self.problem.uid, question, str(truth)), action_text)
+        verdict = MATH.grade_text(Problem(self.problem.uid, question, str(truth)), action_text)
         reward = float(self.options.turn_reward) if verdict.correct else 0.0
         self.turn += 1
         state = (self.turn, truth)
