@@ -130,6 +130,15 @@ ALGORITHM_PRESETS_WITHOUT_TOY_CHECK = {
     # stage. tests/test_rto.py::test_dense_dpo_reward_alone_trains_the_policy_towards_pi_dpo runs both stages on the
     # toy (the dense reward's return rises, its lr-1e-12 control does not) and notes the toy reward's margin.
     "rto": "it needs a DPO checkpoint from an earlier run (two stages); tests/test_rto.py runs both on the toy",
+    # REFUEL: the random tiny model never answers user_sim's arithmetic (every reward 0), so it was measured on
+    # env=gridworld (moves by initials, initializer_range 0.3, train_size 4, as gigpo's check; 2026-12-05, 2 shared
+    # CPU cores, 1 thread). A branch's outcome is its future return from a random turn h, so the step's mean moves
+    # with the h drawn as much as with the policy. Median peak rise (control: lr 1e-12, seed 0): 6 turns, n 8 x 4
+    # prompts, seed 0 lr 2e-2 -0.000 (peak -0.031 with round_steps null, +0.023 at lr 4e-2); 16 prompts x n 2 (the
+    # paper's pair): seeds 0-2 +0.094 / +0.023 / +0.203 (median +0.094) against the control's +0.055; size 2, 4 turns:
+    # +0.141 / +0.008 / +0.008 (median +0.008) against +0.008. tests/test_refuel.py checks the loss's zero, shift
+    # invariance, the turn-h gradient mask and the shared roll-in.
+    "refuel": "its outcome is a future return from a random turn, which on the toy moves with h as much as with the policy",
 }
 
 

@@ -17,6 +17,7 @@ the trainer.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import threading
@@ -80,6 +81,8 @@ class Environment:
 
     #: a turn ends just after the first of these in the policy's text (turn_end's default)
     stop_markers: ClassVar[tuple[str, ...]] = ()
+    #: the policy's EOS ends the episode (model_stopped); False: it ends the turn only (a dialogue's chat turn)
+    eos_ends_episode: ClassVar[bool] = True
 
     def __init__(self, options: Any, context: EnvContext):
         self.options, self.context = options, context
@@ -90,6 +93,11 @@ class Environment:
 
     def step(self, action_text: str) -> StepResult:
         raise NotImplementedError
+
+    def fork(self) -> Environment:
+        """An independent copy in the same state (a branch of the episode: REFUEL's turn-h pair); the
+        context (grader, limits) is shared, everything else copied."""
+        return copy.deepcopy(self, {id(self.context): self.context})
 
     def turn_end(self, text: str) -> int | None:
         """The length of the turn within ``text`` (the policy's text so far in this turn): the

@@ -24,6 +24,16 @@ the algorithm's reward shaping applies to it. Per-token step inputs for turn-lev
 ``step_index`` (the turn of each policy token, -1 on observation tokens), ``turn_states`` (an integer
 id of the state the turn's action was taken in) and ``turn_rewards`` (the turn's reward).
 
+With ``rollout.multi_turn.branch: random_turn`` (REFUEL, Gao et al. 2024, arXiv:2410.04612, section 4 /
+Algorithm 1; algorithm=refuel) a group is a branch at a random turn instead of n independent episodes:
+per prompt, h ~ U{1..env.max_turns} (the run's sampling generator); one episode rolls in turns 1..h-1
+with the sampling policy; at turn h it forks into n branches (Environment.fork), which complete their
+dialogues independently. The branches share turns 1..h-1 token for token; only the turn-h tokens keep
+loss mask 1 (the loss regresses their log-ratio), and a branch's reward is its future return
+``Q = sum_{k >= h} r_k`` (the rewards before the branch are left out; they are equal within the group).
+A roll-in that ends before turn h leaves its group with nothing trained (counted:
+``multi_turn_branch_missed``); ``multi_turn_branch_turn`` is the mean h.
+
 Metrics: turns, tool calls, tool errors and seconds per episode, the share of observation tokens in the
 responses, and the end reasons.
 """
@@ -44,6 +54,7 @@ import torch
 from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
 from rlbench.dataset.prompts import build_messages
+from rlbench.errors import ConfigError
 from rlbench.prompting import encode_prompts
 from rlbench.reward.math import Grade
 from rlbench.rollout.engines.base import Completion, GenerationRequest
@@ -55,11 +66,33 @@ from rlbench.rollout.env.base import (
     state_id,
 )
 from rlbench.rollout.groups import GradedGroups, shaping_inputs
-from rlbench.rollout.strategy import RolloutStrategy, register_strategy
+from rlbench.rollout.strategy import (
+    RolloutStrategy,
+    needs_groups,
+    register_strategy,
+    strategy_options,
+)
 
 log = logging.getLogger(__name__)
 
 TURN_INPUTS = frozenset({"step_index", "turn_states", "turn_rewards"})
+BRANCHES = ("none", "random_turn")
+
+
+@dataclass(frozen=True)
+class MultiTurnOptions:
+    """The ``rollout.multi_turn`` block (module docstring)."""
+
+    branch: str = "none"   # none: n independent episodes | random_turn: REFUEL's roll-in and turn-h branches
+
+    @classmethod
+    def from_config(cls, rollout: RolloutConfig) -> MultiTurnOptions:
+        options = strategy_options(rollout, "multi_turn", cls)
+        if options.branch not in BRANCHES:
+            raise ConfigError(f"rollout.multi_turn.branch must be one of {BRANCHES}, got {options.branch!r}")
+        if options.branch == "random_turn":
+            needs_groups("multi_turn", rollout, "with branch=random_turn branches each episode into the group")
+        return options
 
 
 @dataclass
@@ -83,6 +116,7 @@ class Episode:
     total_reward: float = 0.0
     ended_by: str = ""
     seconds: float = 0.0
+    trained_turn: int | None = None  # branch=random_turn: the one turn (0-based) whose tokens are trained
 
     @property
     def done(self) -> bool:
@@ -111,11 +145,21 @@ class Episode:
         self.turn_states += [-1] * len(ids)
         self.turn_rewards += [0.0] * len(ids)
 
+    def fork(self) -> Episode:
+        """A branch from here: the same tokens so far, its own copy of the environment; its future turns
+        are trained (``trained_turn``) and its reward counts from here on."""
+        lists = {name: list(getattr(self, name)) for name in
+                 ("response_ids", "logprobs", "loss_mask", "step_index", "turn_states", "turn_rewards")}
+        return dataclasses.replace(self, env=self.env.fork(), total_reward=0.0, trained_turn=self.turns, **lists)
+
     def completion(self, tokenizer: Any) -> Completion:
+        mask = list(self.loss_mask)
+        if self.trained_turn is not None:
+            mask = [m if turn == self.trained_turn else 0 for m, turn in zip(mask, self.step_index)]
         return Completion(
             request_index=0, prompt_ids=self.prompt_ids, response_ids=list(self.response_ids), logprobs=list(self.logprobs),
             finished=self.ended_by not in CUT_SHORT, text=tokenizer.decode(self.response_ids, skip_special_tokens=True),
-            behaviour="policy", loss_mask=list(self.loss_mask),
+            behaviour="policy", loss_mask=mask,
             extras={"step_index": list(self.step_index), "turn_states": list(self.turn_states),
                     "turn_rewards": list(self.turn_rewards)},
         )
@@ -142,9 +186,13 @@ class MultiTurnRollout(RolloutStrategy):
 
     provides = TURN_INPUTS
 
+    def __init__(self, setup: Any, options: MultiTurnOptions | None = None):
+        super().__init__(setup)
+        self.options = options or MultiTurnOptions()
+
     @classmethod
     def config_options(cls, rollout: RolloutConfig) -> dict[str, Any]:
-        return {}
+        return {"options": MultiTurnOptions.from_config(rollout)}
 
     def rollout(
         self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None = None
@@ -152,15 +200,36 @@ class MultiTurnRollout(RolloutStrategy):
         setup = self.setup
         if setup.env is None:
             raise ValueError("rollout=multi_turn needs an environment (env=<name>)")
-        episodes = [self.start(problem) for problem in problems for _ in range(setup.n)]
         start = time.perf_counter()
-        while active := [e for e in episodes if not e.done]:
+        branch_metrics: dict[str, float] = {}
+        if self.options.branch == "random_turn":
+            episodes, branch_metrics = self.branched(problems, start)
+        else:
+            episodes = [self.start(problem) for problem in problems for _ in range(setup.n)]
+        self.run_to_end(episodes, start)
+        groups, metrics = self.graded(problems, episodes)
+        return groups, {**metrics, **branch_metrics}
+
+    def run_to_end(self, episodes: list[Episode], start: float, until: list[int] | None = None) -> None:
+        """Advance ``episodes`` together until each is done (or, with ``until``, has taken ``until[i]`` turns)."""
+        limits = until or [-1] * len(episodes)
+        while active := [e for e, cap in zip(episodes, limits) if not e.done and e.turns != cap]:
             self.advance(active)
             now = time.perf_counter() - start
             for e in active:
                 if e.done:
                     e.seconds = now
-        return self.graded(problems, episodes)
+
+    def branched(self, problems: list[Problem], start: float) -> tuple[list[Episode], dict[str, float]]:
+        """REFUEL's groups (module docstring): per problem a roll-in to turn h - 1, then ``n`` forks."""
+        turns = int(self.setup.env.config.max_turns)
+        branch_turns = [1 + int(h) for h in torch.randint(turns, (len(problems),), generator=self.setup.generator)]
+        roots = [self.start(problem) for problem in problems]
+        self.run_to_end(roots, start, until=[h - 1 for h in branch_turns])
+        missed = sum(root.done for root in roots)
+        episodes = [root.fork() for root in roots for _ in range(self.setup.n)]
+        return episodes, {"multi_turn_branch_turn": sum(branch_turns) / max(len(problems), 1),
+                          "multi_turn_branch_missed": float(missed)}
 
     def start(self, problem: Problem) -> Episode:
         """A new episode: its environment, reset, and the prompt: the dataset's system message (if any)
@@ -215,7 +284,7 @@ class MultiTurnRollout(RolloutStrategy):
         e.state = state_id(result.state_key)
         if result.done:
             e.ended_by = result.ended_by or "done"
-        elif stopped:
+        elif stopped and e.env.eos_ends_episode:
             e.ended_by = "model_stopped"
         elif e.turns >= caps.max_turns:
             e.ended_by = "turn_cap"
