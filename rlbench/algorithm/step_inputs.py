@@ -251,5 +251,8 @@ _declare("norm_length", "int", "the constant L of Dr. GRPO's normaliser: rollout
 # ------------------------------------------------------------------------ declared by pieces, not provided
 _declare("control_mask", "[B,T]", "1 on control tokens (degrpo; default: each response's first token)", "default",
          {"loss"})
+_declare("reference_rewards", "[B,K]", "the rewards of K responses of pi_ref to each response's prompt (QRPO's "
+         "reference set, arXiv:2507.08068 section 3); not provided yet, so qrpo uses the response's group",
+         "default", {"loss"})
 _declare("generator", "torch.Generator", "random stream of clip_cov's token selection; never provided, so runs take the top-covariance pick",
          "default", {"loss"})

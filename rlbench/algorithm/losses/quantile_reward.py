@@ -16,10 +16,14 @@ is a tie, so that CDF gives every correct response the quantile 1 and every wron
 references; ``ties: mid_rank`` (the default) counts a tie as a half, r_q = (#{R(y'_k) < R(y)} + #{=}/2) / K,
 whose mean under the reference samples is 1/2 as for U[0, 1]; ``ties: at_most`` is the paper's count.
 
-The K reference samples of a prompt are the responses of its group (``Needs.whole_groups``): online they
-are sampled by pi_old, which is pi_ref only at the first step (the paper samples pi_ref once, before
-training); offline (rollout=offline) from a file the base model generated they are pi_ref's samples as in
-the paper, and a group holds at most rollout.n of them (K = the group's size).
+The reference set. Given ``reference_rewards`` [B, K] (row b: the rewards of K responses y'_k ~ pi_ref to
+response b's prompt, the paper's setting), r_q is the reward's mid-rank among those K. Without it (the
+trainer does not produce that input yet: step_inputs.py declares it ``default``), the K reference samples
+of a prompt are the responses of its group (``Needs.whole_groups``): online they are sampled by pi_old,
+which is pi_ref only at the first step (the paper samples pi_ref once, before training); offline
+(rollout=offline) from a file the base model generated they are pi_ref's samples as in the paper, and a
+group holds at most rollout.n of them (K = the group's size). The group is the special case
+reference_rewards[b] = the rewards of b's group (tests/test_qrpo_reference.py checks the equivalence).
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ def log_uniform_partition(beta: float) -> float:
 def qrpo_loss(
     logp: torch.Tensor, ref_logp: torch.Tensor, response_mask: torch.Tensor, rewards: torch.Tensor,
     group_index: torch.Tensor, beta: float = 0.01, ties: str = "mid_rank",
+    reference_rewards: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """QRPO (arXiv:2507.08068, section 3, the identity transform and the squared loss) on every response of
     a group, the group's rewards being the reference samples of its quantiles (the module's docstring):
@@ -83,8 +88,15 @@ def qrpo_loss(
 
     A group's loss is the mean over its responses. Metrics (means over this micro-batch's responses):
     ``quantile_reward`` (r_q) and ``qrpo_residual`` (r_q - beta log Z_q - beta Delta: above 0 where the policy
-    still under-rates a response relative to its optimum)."""
-    quantiles = group_quantile_rewards(rewards, group_index, ties)
+    still under-rates a response relative to its optimum). ``reference_rewards`` [B, K]: each response's own
+    reference set (K samples of pi_ref for its prompt); None: its group's rewards."""
+    if reference_rewards is None:
+        quantiles = group_quantile_rewards(rewards, group_index, ties)
+    else:
+        if reference_rewards.dim() != 2 or reference_rewards.shape[0] != rewards.shape[0] or not reference_rewards.shape[1]:
+            raise ValueError(f"reference_rewards must be [B, K] with B = {rewards.shape[0]} and K >= 1, "
+                             f"got {tuple(reference_rewards.shape)}")
+        quantiles = quantile_rewards(rewards, reference_rewards.to(rewards.dtype), ties)
     delta = sequence_sum(logp - ref_logp, response_mask)
     residuals = quantiles - beta * log_uniform_partition(beta) - beta * delta
     rows = torch.arange(len(rewards), device=logp.device)
