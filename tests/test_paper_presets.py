@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # conftest, also when run as a script
 from conftest import CONF_DIR, ROOT, needs_data  # noqa: E402
+from test_presets import preset_arguments  # noqa: E402
 
 from rlbench.validation import validate_config  # noqa: E402
 from rlbench.dataset.sources import resolve_data_dir  # noqa: E402
@@ -190,7 +191,8 @@ def _uses_local_data(cfg: DictConfig) -> bool:
 
 def compose_paper(name: str, output_dir: Path) -> DictConfig:
     """``compose_config(["paper=<name>"], ...)`` inside an initialised Hydra."""
-    return compose("config", overrides=[f"paper={name}", f"output_dir={output_dir}"])
+    extra = preset_arguments(algorithm_of(name), output_dir)  # paper=rto: the folder of a DPO model
+    return compose("config", overrides=[f"paper={name}", f"output_dir={output_dir}", *extra])
 
 
 @pytest.fixture(scope="module")
