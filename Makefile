@@ -48,9 +48,10 @@ run-swarm: $(STAMP)
 # runs all three in one session on two pytest-xdist workers: the learning checks start first, most
 # expensive first (tests/conftest.py), and the unit and integration tests fill the workers' ends;
 # --maxschedchunk 1 hands out one test at a time (xdist's default would give one worker a block of the
-# first ~190 tests, every learning check among them).
+# first ~190 tests, every learning check among them); --durations=30 ends the log with the 30 longest tests
+# (where CI's time goes, to keep the session under its 30-minute target).
 test: $(STAMP) sandbox-tools
-	$(PYTEST) -q -rs -n 2 --maxschedchunk 1 tests
+	$(PYTEST) -q -rs -n 2 --maxschedchunk 1 --durations=30 tests
 
 test-fast: $(STAMP) sandbox-tools
 	$(PYTEST) -q -m "not slow" tests --ignore=tests/learning
