@@ -453,5 +453,6 @@ def check_run(cfg: DictConfig, origins: ValueOrigins) -> Algorithm:
     check_sandbox(config.sandbox if config.sandbox is not None else SandboxConfig())  # reward values: the schema walk
 
     validate_model_config(config.model)
-    check_fits_here(config, device, training=config.mode == "train" and config.trainer.steps > 0)
+    check_fits_here(config, device, training=config.mode == "train" and config.trainer.steps > 0,
+                    frozen_models=int(algorithm.needs_reference) + int(algorithm.rto is not None))
     return algorithm

@@ -357,12 +357,14 @@ def test_a_preset_that_cannot_run_here_says_so_before_loading(paper_cfg, tmp_pat
     the numbers; with experiment=smoke the same preset runs the tiny model and validates."""
     cfg = paper_cfg("dapo")
     with pytest.raises(ConfigError, match=r"qwen2_5_32b has about 32.5B parameters.*about 484 GiB, more than the 24 GiB"):
-        fit.check_fits_here(typed_config(cfg), torch.device("cpu"), training=True, available_bytes=24 * 2**30)
-    assert fit.memory_needed_bytes(10**9, training=True, reference_model=True) == 20 * 10**9
-    assert fit.memory_needed_bytes(10**9, training=False, reference_model=True) == 4 * 10**9
+        fit.check_fits_here(typed_config(cfg), torch.device("cpu"), training=True, frozen_models=0,
+                            available_bytes=24 * 2**30)
+    assert fit.memory_needed_bytes(10**9, training=True, frozen_models=1) == 20 * 10**9
+    assert fit.memory_needed_bytes(10**9, training=True, frozen_models=2) == 24 * 10**9  # RTO: pi_ref and pi_dpo
+    assert fit.memory_needed_bytes(10**9, training=False, frozen_models=1) == 4 * 10**9
     gspo = paper_cfg("gspo")
     with pytest.raises(ConfigError, match=r"paper=gspo samples .*rollout.max_new_tokens=16 new tokens on math"):
-        fit.check_fits_here(typed_config(gspo), torch.device("cpu"), training=True, available_bytes=2**60)
+        fit.check_fits_here(typed_config(gspo), torch.device("cpu"), training=True, frozen_models=0, available_bytes=2**60)
     smoke = compose("config", overrides=["paper=dapo", "experiment=smoke", f"output_dir={tmp_path}"])  # paper_cfg's Hydra
     assert smoke.model.name == "tiny" and smoke.algorithm.name == "dapo" and smoke.paper.name == "dapo"
     validate_config(smoke)

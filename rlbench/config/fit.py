@@ -2,7 +2,9 @@
 device's, and (for paper presets) the response length against the task.
 
 Training keeps fp32 master weights, their gradients and AdamW's two moments: 16 bytes per parameter,
-plus 4 for a frozen reference model (``algorithm.kl.coef > 0``); evaluation keeps the weights, 4 bytes.
+plus 4 for each frozen model it loads beside the policy (the reference model of a KL term or of a loss that
+reads pi_ref, RTO's DPO model: ``frozen_models``, counted by the caller from the composed algorithm);
+evaluation keeps the weights, 4 bytes.
 Activations come on top, so a run that passes can still run out of memory; one that fails cannot run.
 """
 
@@ -28,24 +30,25 @@ def device_memory_bytes(device: torch.device) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def memory_needed_bytes(parameters: int, training: bool, reference_model: bool) -> int:
+def memory_needed_bytes(parameters: int, training: bool, frozen_models: int) -> int:
     per_parameter = BYTES_PER_PARAMETER_TRAINING if training else BYTES_PER_PARAMETER_WEIGHTS
-    if training and reference_model:
-        per_parameter += BYTES_PER_PARAMETER_WEIGHTS
+    if training:
+        per_parameter += frozen_models * BYTES_PER_PARAMETER_WEIGHTS
     return parameters * per_parameter
 
 
-def check_fits_here(config: RunConfig, device: torch.device, training: bool, available_bytes: int | None = None) -> None:
+def check_fits_here(config: RunConfig, device: torch.device, training: bool, frozen_models: int,
+                    available_bytes: int | None = None) -> None:
     """ConfigError when the model cannot fit the device, or a paper preset samples responses too short
-    for its task. ``available_bytes`` defaults to :func:`device_memory_bytes`."""
+    for its task. ``frozen_models``: the frozen copies training loads beside the policy (reference model,
+    RTO's DPO model). ``available_bytes`` defaults to :func:`device_memory_bytes`."""
     parameters = config.model.parameters
     if parameters:
-        reference_model = config.algorithm.kl.coef > 0
-        needed = memory_needed_bytes(int(parameters), training, reference_model)
+        needed = memory_needed_bytes(int(parameters), training, frozen_models)
         available = device_memory_bytes(device) if available_bytes is None else available_bytes
         if needed > available:
             what = ("training needs about 16 bytes per parameter (fp32 weights, gradients and AdamW's two "
-                    "moments" + (", plus 4 for the KL reference model)" if reference_model else ")")
+                    "moments" + (f", plus 4 for each of its {frozen_models} frozen model(s): reference, DPO model)" if frozen_models else ")")
                     if training else "evaluation needs about 4 bytes per parameter (fp32 weights)")
             raise ConfigError(
                 f"model {config.model.name} has about {int(parameters) / 1e9:.1f}B parameters: {what}, about "
