@@ -30,6 +30,13 @@ trainer stores them), the same set every epoch and micro-batch sees. On off-poli
 responses) pi_old is the stored behaviour log-prob, which is also what the sampler's log-probs hold,
 so rho = 1 there: the correction never counts a trace twice.
 
+verl's other ``rollout_rs`` modes are modes here too (:data:`DIVERGENCE_REJECTION_MODES`,
+:func:`rejection_keep_mask`): ``token_k2``/``token_k3`` reject a token whose k2/k3 divergence exceeds
+``threshold``; ``seq_sum_k1``/``seq_mean_k1`` reject a whole response whose summed / mean log-ratio,
+exponentiated, lies outside [low, cap]; ``seq_{sum,mean,max}_{k2,k3}`` reject a response whose summed /
+mean / largest token divergence exceeds ``threshold``. Kept tokens weigh 1, rejected ones 0, and
+``rejected_tokens: drop`` takes them out of the mask as for ``reject``.
+
 Two options follow verl's ``rollout_is`` weights (``compute_rollout_correction_weights`` in
 verl/trainer/ppo/rollout_corr_helper.py), both for ``mode: truncate`` only, as verl has them only for
 its truncated weights:
@@ -117,6 +124,60 @@ def sequence_importance_weights(
         return weight.expand_as(old_logp) * mask
 
 
+def token_divergence(log_ratio: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi_sampler || pi_old) from log r_t = old_logp_t - sampling_logp_t on a
+    token sampled from pi_sampler (Schulman 2020, "Approximating KL Divergence"):
+    k2 = (log r)^2 / 2, k3 = r - 1 - log r; both are >= 0 and 0 exactly where r = 1."""
+    if estimator == "k2":
+        return 0.5 * log_ratio.pow(2)
+    if estimator == "k3":
+        return torch.exp(log_ratio) - 1.0 - log_ratio
+    raise ValueError(f"unknown divergence estimator {estimator!r}; choose k2 or k3")
+
+
+def rejection_keep_mask(
+    mode: str, old_logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor,
+    low: float, high: float, threshold: float | None,
+) -> torch.Tensor:
+    """1 where a token is kept, 0 where it is rejected, [B,T], no gradient, for verl's ``rollout_rs``
+    modes (verl/trainer/ppo/rollout_corr_helper.py), with log r_t = old_logp_t - sampling_logp_t
+    clamped to +-20 and m_t the response mask:
+
+        token_k2 / token_k3     keep t   iff  k(log r_t) <= threshold
+        seq_sum_k1              keep i   iff  low <= exp(sum_t m_t log r_t) <= high
+        seq_mean_k1             keep i   iff  low <= exp(sum_t m_t log r_t / sum_t m_t) <= high
+        seq_sum_k2 / _k3        keep i   iff  sum_t m_t k(log r_t) <= threshold
+        seq_mean_k2 / _k3       keep i   iff  sum_t m_t k(log r_t) / sum_t m_t <= threshold
+        seq_max_k2 / _k3        keep i   iff  max_{t: m_t=1} k(log r_t) <= threshold
+
+    with k the k2 or k3 estimator of :func:`token_divergence`. A sequence-level decision is
+    broadcast to the response's tokens; padding (m_t = 0) is always 0."""
+    with torch.no_grad():
+        valid = mask.to(old_logp.dtype)
+        log_ratio = (old_logp - sampling_logp).clamp(-SAMPLING_LOG_RATIO_LIMIT, SAMPLING_LOG_RATIO_LIMIT) * valid
+        scope, _, estimator = mode.rpartition("_")
+        if estimator == "k1":
+            total = log_ratio.sum(dim=-1, keepdim=True)
+            if scope == "seq_mean":
+                total = total / valid.sum(dim=-1, keepdim=True).clamp(min=1)
+            ratio = torch.exp(total.clamp(-SAMPLING_LOG_RATIO_LIMIT, SAMPLING_LOG_RATIO_LIMIT))
+            return ((ratio >= low) & (ratio <= high)).to(valid.dtype).expand_as(valid) * valid
+        if threshold is None:
+            raise ValueError(f"rejection mode {mode!r} needs a threshold")
+        divergence = token_divergence(log_ratio, estimator) * valid
+        if scope == "token":
+            statistic = divergence
+        elif scope == "seq_sum":
+            statistic = divergence.sum(dim=-1, keepdim=True)
+        elif scope == "seq_mean":
+            statistic = divergence.sum(dim=-1, keepdim=True) / valid.sum(dim=-1, keepdim=True).clamp(min=1)
+        elif scope == "seq_max":
+            statistic = divergence.amax(dim=-1, keepdim=True)
+        else:
+            raise ValueError(f"unknown rejection mode {mode!r}; choose one of {list(DIVERGENCE_REJECTION_MODES)}")
+        return (statistic <= threshold).to(valid.dtype).expand_as(valid) * valid
+
+
 def batch_normalized_weights(weights: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
     """The weights divided by their mean: over the valid tokens (``level`` token) or over the
     responses with a valid token, one weight each (sequence); unchanged when that mean is <= 1e-8
@@ -132,7 +193,15 @@ def batch_normalized_weights(weights: torch.Tensor, mask: torch.Tensor, level: s
         return weights / mean if mean > 1e-8 else weights
 
 
-MODES = ("truncate", "mask", "reject")
+#: verl's ``rollout_rs`` rejection modes beyond per-token k1 (``reject``); each keeps a token or a
+#: whole response with weight 1 and rejects it with weight 0 (:func:`rejection_keep_mask`).
+DIVERGENCE_REJECTION_MODES = (
+    "token_k2", "token_k3",
+    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
+    "seq_max_k2", "seq_max_k3",
+)
+MODES = ("truncate", "mask", "reject") + DIVERGENCE_REJECTION_MODES
 #: One weight per token, or one per response from the sum of its log-ratios (truncate only).
 LEVELS = ("token", "sequence")
 #: What a token outside [low, cap] becomes under mask / reject: weight 0 in the count, or out of the mask.
@@ -155,9 +224,10 @@ class SamplingCorrection:
     level: str = "token"
     normalize: bool = False
     bypass: bool = False
+    threshold: float | None = None
 
     @classmethod
-    def from_config(cls, node: Any) -> "SamplingCorrection | None":
+    def from_config(cls, node: Any) -> SamplingCorrection | None:
         return None if node is None else settings_from_block(cls, node, "algorithm.sampling_correction")
 
     def check(self) -> None:
@@ -167,6 +237,13 @@ class SamplingCorrection:
             raise ConfigError(f"algorithm.sampling_correction.mode={self.mode!r} is unknown; choose one of {list(MODES)}")
         if self.low is not None and not 0 <= self.low <= self.cap:
             raise ConfigError(f"algorithm.sampling_correction.low must lie in [0, cap], got {self.low}")
+        needs_threshold = self.mode in DIVERGENCE_REJECTION_MODES and not self.mode.endswith("_k1")
+        if needs_threshold and (self.threshold is None or self.threshold < 0):
+            raise ConfigError(f"algorithm.sampling_correction.mode={self.mode} needs threshold >= 0 (the largest "
+                              f"divergence kept; verl's rollout_rs_threshold), got {self.threshold}")
+        if not needs_threshold and self.threshold is not None:
+            raise ConfigError(f"algorithm.sampling_correction.threshold is read only by the k2/k3 rejection modes "
+                              f"{[m for m in DIVERGENCE_REJECTION_MODES if not m.endswith('_k1')]}, not {self.mode}")
         if self.rejected_tokens not in REJECTED_TOKENS:
             raise ConfigError(f"algorithm.sampling_correction.rejected_tokens={self.rejected_tokens!r} is unknown; "
                               f"choose one of {list(REJECTED_TOKENS)}")
@@ -185,6 +262,7 @@ class SamplingCorrection:
             raise ConfigError(f"algorithm.sampling_correction.bypass must be true or false, got {self.bypass!r}")
         inert = [name for name, changed in (
             ("mode", self.mode != "truncate"), ("low", self.low is not None), ("rejected_tokens", self.drops_rejected),
+            ("threshold", self.threshold is not None),
             ("level", self.level != "token"), ("normalize", self.normalize),
         ) if changed]
         if self.bypass and inert:
@@ -210,10 +288,16 @@ class SamplingCorrection:
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """The response mask without the tokens whose ratio lies outside [low, cap], and the share of
         the trained tokens dropped (``sampling_dropped_fraction``)."""
-        inside = bounded_importance_weights(old_logp, sampling_logp, self.lower_bound, self.cap, keep_ratio=False)
+        inside = self.kept_tokens(old_logp, sampling_logp, response_mask)
         kept = response_mask * inside.to(response_mask.dtype)
         dropped = 1.0 - float(kept.sum().item()) / max(float(response_mask.sum().item()), 1.0)
         return kept, {"sampling_dropped_fraction": dropped}
+
+    def kept_tokens(self, old_logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """1 on the tokens that mode mask / reject / a ``rollout_rs`` mode keeps, 0 on the rejected ones."""
+        if self.mode in DIVERGENCE_REJECTION_MODES:
+            return rejection_keep_mask(self.mode, old_logp, sampling_logp, mask, self.lower_bound, self.cap, self.threshold)
+        return bounded_importance_weights(old_logp, sampling_logp, self.lower_bound, self.cap, keep_ratio=False)
 
     @property
     def lower_bound(self) -> float:
@@ -233,6 +317,9 @@ class SamplingCorrection:
             return sequence_importance_weights(old_logp, sampling_logp, valid, self.cap)
         if self.mode == "truncate":
             return truncated_importance_weights(old_logp, sampling_logp, self.cap)
+        if self.mode in DIVERGENCE_REJECTION_MODES:
+            valid = torch.ones_like(old_logp) if mask is None else mask.to(old_logp.dtype)
+            return self.kept_tokens(old_logp, sampling_logp, valid)
         return bounded_importance_weights(old_logp, sampling_logp, self.lower_bound, self.cap, keep_ratio=self.mode == "mask")
 
     def normalized(self, weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
