@@ -88,3 +88,15 @@ def test_correction_weights_and_drop_use_the_mode():
 def test_bad_settings_refused(settings, message):
     with pytest.raises(ConfigError, match=message):
         SamplingCorrection(**settings).check()
+
+
+def test_rollout_rs_mode_passes_the_config_check_and_unknown_is_refused(make_cfg):
+    """From the command line: a k2 mode with its threshold validates; one without it, or an unknown
+    mode, is refused before anything loads, the unknown one with the list of modes."""
+    from rlbench.validation import validate_config
+
+    validate_config(make_cfg("experiment=smoke", "+algorithm.sampling_correction={mode: seq_max_k2, threshold: 0.1}"))
+    with pytest.raises(ConfigError, match="needs threshold"):
+        validate_config(make_cfg("experiment=smoke", "+algorithm.sampling_correction={mode: token_k3}"))
+    with pytest.raises(ConfigError, match="seq_mean_k1"):
+        validate_config(make_cfg("experiment=smoke", "+algorithm.sampling_correction={mode: seq_k2}"))

@@ -108,8 +108,9 @@ class SamplingCorrectionConfig:
     """Truncated importance sampling between the rollout engine and the trainer (Yao et al. 2025, TIS)."""
 
     cap: float = knob(2.0, "truncate: each token's loss weight is min(pi_old / pi_sampler, cap); mask / reject: the upper bound of the kept ratios")
-    mode: Literal["truncate", "mask", "reject"] = knob(
-        "truncate", "truncate (TIS) | mask: weight rho inside [low, cap], 0 outside | reject: weight 1 inside, 0 outside"
+    mode: str = knob(
+        "truncate", "truncate (TIS) | mask: weight rho inside [low, cap], 0 outside | reject: weight 1 inside, 0 outside | "
+        "verl's rollout_rs modes token_k2, seq_sum_k1, seq_max_k3, ... (the list: sampling_correction.MODES)"
     )
     low: Optional[float] = knob(None, "mask / reject: the lower bound of the kept ratios; null: 1 / cap", ge=0)
     rejected_tokens: Literal["zero_weight", "drop"] = knob(
@@ -123,6 +124,7 @@ class SamplingCorrectionConfig:
                            "(level token) or the responses (level sequence) (verl's rollout_is_batch_normalize)")
     bypass: bool = knob(False, "pi_old is the rollout engine's log-probs: the trainer does not recompute it "
                         "(verl's rollout_correction.bypass_mode); the weights are then 1, so only with the defaults of the other keys")
+    threshold: Optional[float] = knob(None, "k2 / k3 rejection modes: the largest divergence kept (verl's rollout_rs_threshold)", ge=0)
 
 
 @dataclass
