@@ -22,7 +22,7 @@ mode and its token-level rejection sampling (``rollout_rs``, verl/trainer/ppo/ro
 keep and reject the same tokens, but verl removes the rejected tokens from the response mask, so they
 leave the aggregation's token count too; by default (``rejected_tokens: zero_weight``) they stay in
 the count with weight 0, so under ``token_mean`` the gradient is verl's x N_kept / N_tok.
-``rejected_tokens: drop`` (mask and reject only) does what verl does: before the advantage, the tokens
+``rejected_tokens: drop`` (every mode but truncate) does what verl does: before the advantage, the tokens
 outside [low, C] leave the batch's response mask (:meth:`SamplingCorrection.drop_rejected`), so every
 aggregation counts only the kept ones (N_tok becomes N_kept), and the advantage, KL and entropy terms
 see the reduced mask as verl's do. The rejection is decided once per step on the old log-probs (the
