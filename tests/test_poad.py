@@ -71,3 +71,13 @@ def test_registered_as_a_token_level_advantage_and_rejects_bad_gamma():
     values, mask, rewards = _batch()
     with pytest.raises(ConfigError, match="gamma"):
         poad_advantage(rewards, values, mask, torch.zeros(3, 7, dtype=torch.long), gamma=1.5)
+
+
+def test_poad_without_a_rollout_that_records_turns_is_refused_before_loading():
+    from rlbench.config.schema import RolloutConfig
+    from rlbench.training.advantage_inputs import check_strategy_inputs
+
+    needs = set(ADVANTAGES.accepted_inputs("poad"))
+    with pytest.raises(ConfigError, match="step_index.*multi_turn"):
+        check_strategy_inputs(RolloutConfig(), "poad", needs)
+    check_strategy_inputs(RolloutConfig(strategy="multi_turn"), "poad", needs)
