@@ -32,7 +32,7 @@ import rlbench.algorithm.aggregation  # noqa: F401  (registers pieces; advantage
 from rlbench.algorithm.entropy import AdaptiveEntropy, top_entropy_token_mask
 from rlbench.algorithm.kl import KL_PLACEMENTS, AdaptiveKL, kl_penalised_rewards, sequence_kl
 from rlbench.algorithm.advantages import value_loss
-from rlbench.algorithm.critic import CRITIC_ADVANTAGE, CriticSettings
+from rlbench.algorithm.critic import CRITIC_ADVANTAGE, CRITIC_RETURNS, CriticSettings
 from rlbench.algorithm.advantages.verl_pieces import PolicyFiltration
 from rlbench.algorithm.downsampling import DownSampling
 from rlbench.algorithm.losses import masked_mean
@@ -277,7 +277,7 @@ class Algorithm:
                 f"(gae without a value head); add one with algorithm.critic (e.g. algorithm=ppo, or "
                 f"+algorithm.critic.coef=0.5) or pick another algorithm/advantage"
             )
-        if self.critic is not None and advantage != CRITIC_ADVANTAGE:
+        if self.critic is not None and advantage not in CRITIC_RETURNS:
             raise ConfigError(
                 f"algorithm.critic adds a value head, but advantage '{advantage}' does not use values, so the "
                 f"critic would train for nothing; use algorithm/advantage={CRITIC_ADVANTAGE} or remove algorithm.critic"

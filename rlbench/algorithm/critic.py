@@ -27,10 +27,13 @@ from typing import Any, Mapping
 import torch
 
 from rlbench.algorithm.advantages import gae_returns
+from rlbench.algorithm.advantages.poad import poad_returns
 from rlbench.algorithm.schedules import settings_from_block
 from rlbench.errors import ConfigError
 
-# The advantage estimator whose value targets this module computes (its gamma and lam define them).
+# The advantage estimators that read a critic, each with the value targets it trains the critic on
+# (its gamma and lam define them). POAD's targets also read the turn of every token (step_index).
+CRITIC_RETURNS = {"gae": gae_returns, "poad": poad_returns}
 CRITIC_ADVANTAGE = "gae"
 
 
@@ -81,10 +84,15 @@ def value_targets(
     values: torch.Tensor,
     response_mask: torch.Tensor,
     token_rewards: torch.Tensor | None = None,
+    advantage: str = CRITIC_ADVANTAGE,
+    step_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The critic's regression target R_t = A_t^GAE(gamma, lam) + V_t (the lambda-return), computed
     with the gae estimator's own gamma and lam and the values V of the sampling policy
     (``gae_returns``; Schulman et al. 2015, arXiv:1506.02438), from the same per-token rewards as
-    the advantages (``token_rewards``: the KL placed in the reward, RTO's dense reward). 0 on padding."""
+    the advantages (``token_rewards``: the KL placed in the reward, RTO's dense reward). 0 on padding.
+    ``advantage`` = poad gives POAD's boundary-aware targets (``poad_returns``, needs ``step_index``)."""
     params = {k: advantage_params[k] for k in ("gamma", "lam") if k in advantage_params}
-    return gae_returns(rewards, values, response_mask, token_rewards, **params)
+    if advantage == "poad":
+        return poad_returns(rewards, values, response_mask, step_index, token_rewards, **params)
+    return CRITIC_RETURNS[advantage](rewards, values, response_mask, token_rewards, **params)

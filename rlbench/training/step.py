@@ -459,7 +459,8 @@ def compute_advantages(
     )
     if ctx.update_state.value_head is not None:  # the critic's targets: GAE lambda-returns of the same values
         batch.returns = value_targets(
-            algorithm.advantage.params, rewards, batch.old_values, batch.response_mask, inputs.get("token_rewards")
+            algorithm.advantage.params, rewards, batch.old_values, batch.response_mask, inputs.get("token_rewards"),
+            advantage=algorithm.advantage.name, step_index=inputs.get("step_index"),
         )
     if algorithm.downsampling is not None:
         batch.sample_keep, batch.token_weights = algorithm.downsampling.apply(

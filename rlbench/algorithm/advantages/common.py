@@ -103,9 +103,11 @@ def _last_token_rewards(rewards: torch.Tensor, response_mask: torch.Tensor) -> t
 
 
 def _backward_gae(
-    token_rewards: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, gamma: float, lam: float
+    token_rewards: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, gamma: float | torch.Tensor, lam: float
 ) -> torch.Tensor:
     """delta_t = r_t + gamma V_{t+1} - V_t,  A_t = delta_t + gamma lam A_{t+1}, backwards over valid tokens.
+
+    ``gamma`` is a number or a [B,T] tensor of per-token discounts (POAD's action-boundary discount).
 
     Invalid positions (padding, or tool-output tokens inside a multi-turn response) are skipped:
     V_{t+1} and A_{t+1} belong to the next *valid* token, the value after the last valid token is 0
@@ -120,7 +122,8 @@ def _backward_gae(
     next_advantage = torch.zeros_like(next_value)
     for t in range(length - 1, -1, -1):
         here = valid[:, t]
-        advantage = rewards[:, t] + gamma * next_value - values[:, t] + gamma * lam * next_advantage
+        discount = gamma[:, t] if isinstance(gamma, torch.Tensor) else gamma
+        advantage = rewards[:, t] + discount * next_value - values[:, t] + discount * lam * next_advantage
         advantages[:, t] = torch.where(here, advantage, 0.0)
         next_advantage = torch.where(here, advantage, next_advantage)
         next_value = torch.where(here, values[:, t], next_value)
