@@ -11,7 +11,11 @@ from __future__ import annotations
 import torch
 
 from rlbench.algorithm.advantages.common import _tokens
-from rlbench.algorithm.advantages.gigpo import anchor_advantages, turn_table
+from rlbench.algorithm.advantages.gigpo import (
+    anchor_advantages,
+    spread_over_turns,
+    turn_table,
+)
 from rlbench.algorithm.registry import ADVANTAGES
 from rlbench.errors import ConfigError
 
@@ -53,8 +57,5 @@ def at_grpo_advantage(
             keys.append((groups[row], turn, turn % int(num_roles)))
             values.append(reward)
             places.append((row, turn))
-    out = torch.zeros(response_mask.shape, dtype=torch.float64)
-    index = step_index.cpu()
-    for (row, turn), value in zip(places, anchor_advantages(keys, values, epsilon, scale_by_std).tolist()):
-        out[row][index[row] == turn] = value
+    out = spread_over_turns(places, anchor_advantages(keys, values, epsilon, scale_by_std), step_index.cpu())
     return _tokens(out.to(response_mask.device), response_mask)
