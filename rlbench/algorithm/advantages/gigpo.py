@@ -54,6 +54,14 @@ def anchor_advantages(keys: list[tuple[int, int]], returns: list[float], epsilon
     return grpo_advantage(values, anchor_index, one_token, epsilon=epsilon, scale_by_std=scale_by_std)[:, 0]
 
 
+def spread_over_turns(places: list[tuple[int, int]], values: torch.Tensor, step_index: torch.Tensor) -> torch.Tensor:
+    """[B,T] float64: every token of turn ``turn`` of response ``row`` gets the value of its (row, turn) place."""
+    out = torch.zeros(step_index.shape, dtype=torch.float64)
+    for (row, turn), value in zip(places, values.tolist()):
+        out[row][step_index[row] == turn] = value
+    return out
+
+
 @ADVANTAGES.register("gigpo", advantage_level="token")
 def gigpo_advantage(
     rewards: torch.Tensor,
@@ -94,9 +102,6 @@ def gigpo_advantage(
             keys.append((groups[row], state))
             returns.append(value)
             places.append((row, turn))
-    step = torch.zeros(response_mask.shape, dtype=torch.float64)
-    index = step_index.cpu()
-    for (row, turn), value in zip(places, anchor_advantages(keys, returns, epsilon, scale_by_std).tolist()):
-        step[row][index[row] == turn] = value
+    step = spread_over_turns(places, anchor_advantages(keys, returns, epsilon, scale_by_std), step_index.cpu())
     out = episode.to(torch.float64) + float(omega) * step.to(response_mask.device)
     return _tokens(out, response_mask)
