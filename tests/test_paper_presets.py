@@ -47,7 +47,8 @@ EXPECTED = {
     "ppo", "remax", "pvpo", "spo", "polychromic", "trpo", "ppo_ewma", "sfpo", "two_grpo", "thinkless",
     # issue 30: the preference and offline objectives (rto and refuel are tested once their algorithm presets exist)
     "dpo", "ipo", "simpo", "trpa", "inpo", "p3o", "rebel", "refuel", "qrpo", "sacpo", "copg", "pro",
-    "contrastive_scoring", "dr_preference", "direct_advantage_po", "rto", "at_grpo",
+    "contrastive_scoring", "dr_preference", "direct_advantage_po", "rto",
+    "retool", "at_grpo",  # issue 31
 }
 
 # Top-level sections of a paper file that must reach the composed config unchanged.

@@ -139,6 +139,10 @@ ALGORITHM_PRESETS_WITHOUT_TOY_CHECK = {
     # +0.141 / +0.008 / +0.008 (median +0.008) against +0.008. tests/test_refuel.py checks the loss's zero, shift
     # invariance, the turn-h gradient mask and the shared roll-in.
     "refuel": "its outcome is a future return from a random turn, which on the toy moves with h as much as with the policy",
+    # ReTool (env=python_tool): the toy's random tiny model would have to write a closed ```python block and a
+    # right boxed answer by chance (a fixed multi-token string such as "```python" in random text; an argument, not
+    # a measured run: no toy run of this preset was made). tests/test_retool.py checks the preset's episodes.
+    "retool": "the random tiny model never writes a closed code block and a right answer, so every reward is 0",
 }
 
 
