@@ -1,9 +1,7 @@
 """Auxiliary tasks mixed into the batch (trainer.aux_tasks) and SPARK's judge tasks (arXiv:2509.22624;
 docs/judges.md): labels derived exactly from the verifier, pairwise items only from mixed groups, the share
-per step, reflection rewarded only when the revision verifies, bad settings refused, and a resumed run equal
-to an uninterrupted one."""
-
-import shutil
+per step, reflection rewarded only when the revision verifies, and bad settings refused. A resumed run equals an
+uninterrupted one: tests/test_resume.py, STATEFUL_PRESETS['aux_tasks']."""
 
 import numpy as np
 import pytest
@@ -162,21 +160,3 @@ def test_paper_spark_composes_with_its_aux_tasks(tmp_path):
     cfg = compose_config(["paper=spark", "experiment=smoke"], tmp_path)
     validate_config(cfg)
     assert cfg.trainer.aux_tasks.share == 0.25 and list(cfg.trainer.aux_tasks.kinds) == ALL_KINDS
-
-
-@pytest.mark.slow
-def test_resume_with_aux_tasks_equals_the_uninterrupted_run(tmp_path):
-    """Step 2's checkpoint of a 4-step run (its buffer holds tasks built at steps 1-2), resumed in a copy of
-    the run folder, gives steps 3-4 and the final evaluation of the run itself."""
-    from test_resume import SMOKE, assert_same_results
-
-    from rlbench.runner import run
-
-    overrides = [*SMOKE, "+trainer.aux_tasks.share=0.5", "trainer.prompts_per_step=4", "logger=files"]
-    reference = tmp_path / "reference"
-    run(compose_config(overrides, reference))
-    resumed = tmp_path / "resumed"
-    shutil.copytree(reference, resumed, ignore=shutil.ignore_patterns("step_000004"))
-    summary = run(compose_config([*overrides, f"resume={resumed}"], resumed))
-    assert summary["resumed_from_step"] == 2
-    assert_same_results(reference, resumed)

@@ -48,6 +48,8 @@ EXPECTED = {
     # issue 30: the preference and offline objectives (rto and refuel are tested once their algorithm presets exist)
     "dpo", "ipo", "simpo", "trpa", "inpo", "p3o", "rebel", "refuel", "qrpo", "sacpo", "copg", "pro",
     "contrastive_scoring", "dr_preference", "direct_advantage_po", "rto",
+    # issue 32: SPARK (trainer.aux_tasks)
+    "spark",
 }
 
 # Top-level sections of a paper file that must reach the composed config unchanged.
