@@ -127,6 +127,9 @@ def test_the_share_holds_per_step_and_a_short_buffer_is_counted(share, batch, ex
         assert len(prompts) == batch and len(aux) == expected
         assert curriculum.metrics()["aux_shortfall"] == 0
         curriculum.observe(step, graded_steps(prompts, [["\\boxed{no}"] for _ in prompts]))
+        # every task asked "yes or no" was answered no: right exactly for the incorrect responses' tasks
+        said_no_rightly = [float(p.answer == "no") for p in aux]
+        assert curriculum.metrics().get("aux_accuracy_pointwise") == (np.mean(said_no_rightly) if aux else None)
     assert curriculum.metrics()["aux_shortfall_total"] == expected  # step 1's alone
 
 

@@ -87,23 +87,24 @@ class AuxTaskBuffer:
         """Build tasks from a finished step's dataset groups (an auxiliary task's own group builds none)."""
         grades = iter(graded.grades)
         new: list[Problem] = []
-        aux_correct: list[float] = []
+        correct_by_kind: dict[str, list[float]] = {}
         for problem, group in zip(graded.problems, graded.groups):
             group_grades = [next(grades) for _ in group]
             if is_aux_task(problem):
-                aux_correct += [float(g.correct) for g in group_grades]
+                correct_by_kind.setdefault(problem.meta[AUX_TASK_KEY], []).extend(float(g.correct) for g in group_grades)
                 continue
             new += build_judge_tasks(problem, [c.text for c in group], group_grades, self.options.kinds,
                                      self.options.per_group, self.rng)
         self.tasks.extend(new)
         self.built += len(new)
         self.last.update({"aux_built": float(len(new)), "aux_buffer": float(len(self.tasks))})
-        if aux_correct:
-            self.last["aux_accuracy"] = float(np.mean(aux_correct))
+        if correct_by_kind:
+            self.last["aux_accuracy"] = float(np.mean([c for kind in correct_by_kind.values() for c in kind]))
+            self.last.update({f"aux_accuracy_{kind}": float(np.mean(c)) for kind, c in correct_by_kind.items()})
 
     def metrics(self) -> dict[str, float]:
-        """The step's counts (aux_prompts, aux_shortfall, aux_built, aux_buffer, aux_accuracy when the step had
-        tasks) and the run's shortfall so far (aux_shortfall_total)."""
+        """The step's counts (aux_prompts, aux_shortfall, aux_built, aux_buffer; aux_accuracy and
+        aux_accuracy_<kind> when the step had tasks) and the run's shortfall so far (aux_shortfall_total)."""
         return {**self.last, "aux_shortfall_total": float(self.shortfall)}
 
     def state_dict(self) -> dict[str, Any]:
