@@ -112,7 +112,8 @@ def graded_steps(problems: list[Problem], texts_per_group: list[list[str]]) -> G
                         list(range(len(groups))))
 
 
-@pytest.mark.parametrize("share, batch, expected", [(0.25, 8, 2), (0.3, 10, 3), (0.1, 4, 0), (0.9, 4, 3)])
+# round(share * B); 0.1 of 4 rounds to 0 but draws 1 (share > 0), 0.9 of 4 keeps one dataset prompt
+@pytest.mark.parametrize("share, batch, expected", [(0.25, 8, 2), (0.3, 10, 3), (0.1, 4, 1), (0.9, 4, 3), (0.0, 4, 0)])
 def test_the_share_holds_per_step_and_a_short_buffer_is_counted(share, batch, expected):
     trainer = TrainerConfig(prompts_per_step=batch, aux_tasks=AuxTasksConfig(share=share, kinds=["pointwise"], per_group=2))
     curriculum = Curriculum(trainer, seed=0, problems=dataset(40))

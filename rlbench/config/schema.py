@@ -348,7 +348,7 @@ class AuxTasksConfig:
 
     builder: Literal["spark"] = knob("spark", "what builds the tasks: spark (pointwise, pairwise, reflection judge tasks)")
     share: float = knob(0.25, "the share of each step's prompts drawn from the task buffer: round(share * prompts_per_step) "
-                        "of them, fewer (counted: aux_shortfall) while the buffer holds too few; in [0, 1)")
+                        "of them (at least 1 when share > 0, at most prompts_per_step - 1), fewer (counted: aux_shortfall) while the buffer holds too few; in [0, 1)")
     kinds: list = knob(["pointwise", "pairwise", "reflection"], "the task kinds built: pointwise (is it correct? label: the "
                        "verifier's), pairwise (which of two is correct? mixed groups only, both orders), reflection (revise an "
                        "incorrect answer; graded by the run's grader)")

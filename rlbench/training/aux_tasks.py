@@ -56,8 +56,11 @@ def dataset_groups(graded: GradedGroups) -> GradedGroups:
 
 
 def aux_count(share: float, prompts_per_step: int) -> int:
-    """The auxiliary prompts a step of ``prompts_per_step`` asks for; at least one dataset prompt stays."""
-    return min(round(share * prompts_per_step), prompts_per_step - 1)
+    """The auxiliary prompts a step of ``prompts_per_step`` asks for: round(share * prompts_per_step), at least 1
+    when share > 0 (a small batch would otherwise never draw one) and at most prompts_per_step - 1 (one dataset
+    prompt stays to build tasks from)."""
+    wanted = max(round(share * prompts_per_step), 1) if share > 0 else 0
+    return min(wanted, prompts_per_step - 1)
 
 
 class AuxTaskBuffer:
