@@ -28,7 +28,7 @@ from rlbench.validation import validate_config
 ALL_KINDS = ["pointwise", "pairwise", "reflection"]
 GRADER = MathReward()
 # The reference answer is 12; which of these verify is known in closed form: 12, 24/2 and 12.0 do, 13 and none do not.
-QUESTION = Problem(uid="q/0", prompt="What is 3 * 4?", answer="12")
+QUESTION = Problem(uid="q/0", prompt="What is 3 * 4?", answer="12", meta={"tolerance": 1e-9})
 RESPONSES = {"3 * 4 = \\boxed{12}": True, "\\boxed{13}": False, "It is \\boxed{\\frac{24}{2}}": True,
              "no idea": False, "\\boxed{12.0}": True}
 
@@ -84,6 +84,7 @@ def test_judge_tasks_are_graded_by_their_label_and_reflection_by_the_verifier():
     pointwise = next(t for t in tasks if t.meta[AUX_TASK_KEY] == "pointwise")
     reflection = next(t for t in tasks if t.meta[AUX_TASK_KEY] == "reflection")
     assert "\\boxed{13}" in reflection.prompt and reflection.answer == "12"  # only the incorrect answer is revised
+    assert reflection.meta["tolerance"] == 1e-9  # graded as its source is
     wrong_label = POINTWISE_LABELS[1] if pointwise.answer == POINTWISE_LABELS[0] else POINTWISE_LABELS[0]
     answers = [f"\\boxed{{{pointwise.answer}}}", f"It is {wrong_label}.", "I cannot tell",
                "So the answer is \\boxed{12}", "\\boxed{13}", "\\boxed{24/2}"]

@@ -66,9 +66,9 @@ def grade_judge_task(text: str, problem: Problem, correct_reward: float = 1.0, i
 
 
 def _task(source: Problem, kind: str, key: str, prompt: str, answer: str, **meta: Any) -> Problem:
-    own = {k: v for k, v in source.meta.items() if k == "tolerance"}  # the reference's grading convention
+    # the source's meta rides along: a reflection task is graded as its source is (a tolerance, a code problem's tests)
     return Problem(uid=f"aux/{kind}/{source.uid}/{key}", prompt=prompt, answer=answer,
-                   meta={**own, AUX_TASK_KEY: kind, "source_uid": source.uid, **meta})
+                   meta={**source.meta, AUX_TASK_KEY: kind, "source_uid": source.uid, **meta})
 
 
 def pointwise_tasks(problem: Problem, texts: Sequence[str], correct: Sequence[bool], picks: Sequence[int]) -> list[Problem]:
