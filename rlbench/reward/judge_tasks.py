@@ -44,8 +44,9 @@ def is_aux_task(problem: Problem) -> bool:
 
 
 def is_judge_task(problem: Problem) -> bool:
-    """A task graded by its label (pointwise, pairwise), not by the run's grader."""
-    return problem.meta.get(AUX_TASK_KEY) in JUDGE_TASK_KINDS
+    """A task graded by its label (pointwise, pairwise), not by the run's grader (anything without a ``meta``,
+    such as a reference-only record, is not)."""
+    return (getattr(problem, "meta", None) or {}).get(AUX_TASK_KEY) in JUDGE_TASK_KINDS
 
 
 def read_label(text: str, labels: Sequence[str]) -> int | None:
