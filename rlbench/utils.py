@@ -33,6 +33,7 @@ STREAM_GREEDY, STREAM_REFERENCE = 11, 12  # extra rollouts of advantage inputs (
 STREAM_REPLAY, STREAM_CURRICULUM = 21, 22  # replay-buffer draws (rollout/guided/replay.py), curriculum samplers (training/curricula.py)
 STREAM_SWARM = 31  # a swarm actor's draw of shared groups (training/swarm.py)
 STREAM_DIFFICULTY_FILTER = 41  # the initial policy's answers of trainer.difficulty_filter (training/curricula.py)
+STREAM_AUX_TASKS = 51  # auxiliary-task builds and draws (training/aux_tasks.py)
 
 
 def make_generator(seed: int, stream: int) -> torch.Generator:

@@ -40,6 +40,7 @@ from rlbench.rollout.guided.difficulty_adaptive import DifficultyOptions
 from rlbench.rollout.guided.replay import check_replay_pool
 from rlbench.rollout.strategies.rethink import check_success_training
 from rlbench.training.advantage_inputs import validate_step_options
+from rlbench.training.aux_tasks import check_aux_tasks
 from rlbench.training.curricula import PROMPT_SAMPLERS, sampler_options
 from rlbench.training.distributed import check_parallelism, launched_world_size
 from rlbench.training.reference_soup import validate_reference_soup
@@ -102,6 +103,7 @@ def check_curriculum(config: RunConfig, algorithm: Algorithm) -> None:
             f"trainer.prompt_sampler=spo draws prompts by the SPO value tracker's uncertainty, and advantage "
             f"'{algorithm.advantage.name}' keeps no tracker: use algorithm=spo, or another prompt_sampler"
         )
+    check_aux_tasks(trainer)
     band = trainer.difficulty_filter
     if band is not None and band.min_pass_rate > band.max_pass_rate:
         raise ConfigError(f"trainer.difficulty_filter: min_pass_rate={band.min_pass_rate} is above "

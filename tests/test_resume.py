@@ -284,6 +284,8 @@ STATEFUL_PRESETS = {
     # INPO's rounds: step 2's checkpoint is inside the first 3-step round, so it holds pi_t (a later round's pi_t,
     # which differs from the initial policy, is restored in tests/test_rounds.py)
     "inpo_rounds": ["algorithm=inpo", "algorithm.update.round_steps=3"],
+    # trainer.aux_tasks (SPARK): step 3 draws from the task buffer built at steps 1-2 (measured to fail without it)
+    "aux_tasks": ["+trainer.aux_tasks.share=0.5", "trainer.prompts_per_step=4"],
 }
 
 

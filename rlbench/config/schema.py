@@ -344,6 +344,21 @@ class DifficultyFilterConfig:
 
 
 @dataclass
+class AuxTasksConfig:
+    """``trainer.aux_tasks``: auxiliary tasks built from earlier steps' graded rollouts mixed into each step's
+    prompts (SPARK's judge tasks, arXiv:2509.22624; rlbench/training/aux_tasks.py, docs/judges.md)."""
+
+    builder: Literal["spark"] = knob("spark", "what builds the tasks: spark (pointwise, pairwise, reflection judge tasks)")
+    share: float = knob(0.25, "the share of each step's prompts drawn from the task buffer: round(share * prompts_per_step) "
+                        "of them (at least 1 when share > 0, at most prompts_per_step - 1), fewer (counted: aux_shortfall) while the buffer holds too few; in [0, 1)")
+    kinds: list = knob(["pointwise", "pairwise", "reflection"], "the task kinds built: pointwise (is it correct? label: the "
+                       "verifier's), pairwise (which of two is correct? mixed groups only, both orders), reflection (revise an "
+                       "incorrect answer; graded by the run's grader)")
+    per_group: int = knob(1, "items of each kind built per graded group (pairwise: pairs, each in both orders)", ge=1)
+    capacity: int = knob(256, "tasks the buffer keeps; the oldest leave first", ge=1)
+
+
+@dataclass
 class SwarmConfig:
     """``trainer.swarm``: SAPO's swarm (arXiv:2509.08721), with trainer.parallelism=swarm (docs/scaling.md)."""
 
@@ -376,6 +391,9 @@ class TrainerConfig:
     difficulty_filter: Optional[DifficultyFilterConfig] = node(
         DifficultyFilterConfig, "null: train on every problem; {samples, min_pass_rate, max_pass_rate}: keep only the "
         "problems the initial policy solves at a pass rate in the band, measured before step 1 (INTELLECT-2)")
+    aux_tasks: Optional[AuxTasksConfig] = node(
+        AuxTasksConfig, "null: none; {builder, share, kinds, per_group, capacity}: a share of each step's prompts drawn from "
+        "tasks built from earlier rollouts, each with its own grader (SPARK: paper=spark; docs/judges.md)")
     stages: list = knob(
         [], "[{at: step, rollout.n: .., rollout.max_new_tokens: .., rollout.temperature: .., trainer.prompts_per_step: ..}]: "
         "settings that change from step `at` on (strictly increasing steps)"

@@ -39,6 +39,7 @@ from rlbench.config.typed import settings_block
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.groups import GradedGroups
+from rlbench.training.aux_tasks import AuxTaskBuffer, aux_count, dataset_groups
 from rlbench.training.distributed import SINGLE, World
 from rlbench.training.prompt_stats import PromptStatsStore, measure_before_training
 from rlbench.training.stages import SAMPLER_KEY, Stage, parse_stages
@@ -401,6 +402,8 @@ class Curriculum:
         self.sampler = make_prompt_sampler(trainer.prompt_sampler, problems, seed, self.stats)
         self.stages = {stage.at: stage for stage in parse_stages(trainer.stages, trainer.steps)}
         self.prompts_per_step = trainer.prompts_per_step
+        # trainer.aux_tasks: a share of each step's prompts from tasks built from earlier steps (SPARK)
+        self.aux = None if trainer.aux_tasks is None else AuxTaskBuffer(trainer.aux_tasks, seed)
 
     def bind(self, ctx: StepContext) -> None:
         """Give the prompt sampler the run's step context, when it reads it (``spo``: the tracker)."""
@@ -422,16 +425,26 @@ class Curriculum:
                 self.bind(ctx)
                 if hasattr(self.sampler, "enter"):
                     self.sampler.enter(step)
-        return self.sampler.next(self.prompts_per_step)
+        if self.aux is None:
+            return self.sampler.next(self.prompts_per_step)
+        tasks = self.aux.take(aux_count(self.aux.options.share, self.prompts_per_step))
+        return self.sampler.next(self.prompts_per_step - len(tasks)) + tasks
 
     def draw(self, count: int) -> list[Problem]:
         """More prompts within a step (dynamic sampling's later rounds)."""
         return self.sampler.next(count)
 
     def observe(self, step: int, graded: GradedGroups, world: World = SINGLE) -> None:
-        """Count the step's groups in the statistics: the run's own prompts only (a swarm actor leaves
-        out the groups other actors shared, rlbench.training.swarm.own_groups)."""
-        self.stats.observe(step, own_groups(graded), world)
+        """Count the step's groups in the statistics: the run's own dataset prompts only (a swarm actor leaves
+        out the groups other actors shared, rlbench.training.swarm.own_groups; auxiliary tasks are left out),
+        and build auxiliary tasks from them (trainer.aux_tasks)."""
+        self.stats.observe(step, dataset_groups(own_groups(graded)), world)
+        if self.aux is not None:
+            self.aux.add(graded)
+
+    def metrics(self) -> dict[str, float]:
+        """The step's data-side metrics: the auxiliary tasks' counts (none without trainer.aux_tasks)."""
+        return {} if self.aux is None else self.aux.metrics()
 
     def end_step(self, step: int) -> None:
         if hasattr(self.sampler, "end_step"):
@@ -440,7 +453,7 @@ class Curriculum:
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint saves: the sampler's position, the statistics, the prompts per step."""
         return {"sampler": self.sampler.state_dict(), "stats": self.stats.state_dict(),
-                "prompts_per_step": self.prompts_per_step}
+                "prompts_per_step": self.prompts_per_step, "aux_tasks": None if self.aux is None else self.aux.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any], ctx: StepContext, step: int) -> None:
         """Continue after ``step`` steps: every stage entered by then put back into the step context
@@ -453,6 +466,8 @@ class Curriculum:
         self.sampler.load_state_dict(state["sampler"])
         self.stats.load_state_dict(state["stats"])
         self.prompts_per_step = int(state["prompts_per_step"])
+        if self.aux is not None:
+            self.aux.load_state_dict(state["aux_tasks"])
 
 
 # ---------------------------------------------------------------------------------------- stages

@@ -208,6 +208,7 @@ class TrainingRun:
                     observe=lambda graded, step=step: self.curriculum.observe(step, graded, self.ctx.world),
                 )
                 self.curriculum.end_step(step)
+                metrics = {**metrics, **self.curriculum.metrics()}
                 self.logger.log_step(step, self.untrained.observe(step, metrics))
                 self.step = step
             progress.update(1, note=f"reward {metrics['reward_mean']:.3f} acc {metrics['accuracy']:.3f}")
