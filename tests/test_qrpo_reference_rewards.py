@@ -70,3 +70,20 @@ def test_cached_rewards_give_the_closed_form_quantiles():
     reference = cache.rewards(["p", "p"], lambda prompts: [[0.0, 1.0, 1.0, 2.0]] * len(prompts))
     quantiles = quantile_rewards(torch.tensor([1.0, 3.0], dtype=torch.float64), reference)
     assert quantiles.tolist() == pytest.approx([0.5, 1.0])
+
+
+def test_reference_rewards_row_field_survives_select_and_micro_batches():
+    """A [B, K] row field is indexed by row only: TrainBatch.select's response trimming leaves its K columns."""
+    from rlbench.training.batch import TrainBatch, micro_batches
+
+    rows, prompt, response = 4, 2, 3
+    reference = torch.arange(rows * 5, dtype=torch.float64).reshape(rows, 5)
+    batch = TrainBatch(
+        input_ids=torch.zeros(rows, prompt + response, dtype=torch.long),
+        attention_mask=torch.ones(rows, prompt + response, dtype=torch.long),
+        response_mask=torch.tensor([[1.0, 0, 0]] * rows),
+        prompt_width=prompt, group_index=torch.tensor([0, 0, 1, 1]), reference_rewards=reference)
+    for chunk in micro_batches(torch.arange(rows), 2):
+        picked = batch.select(chunk)
+        assert picked.response_mask.shape[1] == 1  # the token columns were trimmed
+        assert torch.equal(picked.reference_rewards, reference[chunk])
