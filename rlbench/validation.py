@@ -186,6 +186,10 @@ def check_staleness(config: RunConfig, algorithm: Algorithm) -> None:
     if config.eval.every:
         raise ConfigError(f"{where}; eval.every evaluates during training on the engine the generator thread "
                           "samples with: set eval.every=null (the evaluation after training still runs)")
+    if algorithm.round_steps is not None and algorithm.round_sampling == "pi_t":
+        raise ConfigError(f"{where}; algorithm.update.round_sampling=pi_t samples each round with the round's frozen "
+                          "pi_t, which the generator thread, running ahead of the rounds, cannot know: use "
+                          "algorithm.update.round_sampling=policy or trainer.max_staleness=null")
     if config.algorithm.reincarnate_at is not None:
         raise ConfigError(f"{where}; algorithm.reincarnate_at switches to on-policy data at a step the generator "
                           "thread has already sampled ahead of: use it with trainer.max_staleness=null or 0")

@@ -101,6 +101,7 @@ class Algorithm:
     schedule_settings: SFPOSettings | TRPOSettings | None = None
     proximal_decay: float | None = None  # beta of the EWMA proximal policy (ppo_ewma); None -> 0
     round_steps: int | None = None  # iterative rounds: the loss's pi_t frozen for this many steps (training/rounds.py)
+    round_sampling: str = "pi_t"  # with round_steps: pi_t (the frozen copy) or the policy samples a round's batches
     kl_placement: str = "loss"
     kl_adaptive: AdaptiveKL | None = None
     kl_previous_weight: float = 0.0  # w of the convex KL (1 - w) KL(pi || pi_ref) + w KL(pi || pi_prev) (ReMix)
@@ -155,6 +156,7 @@ class Algorithm:
             schedule_settings=schedule_settings,
             proximal_decay=None if proximal_decay is None else float(proximal_decay),
             round_steps=None if (rounds := setting(update, "round_steps", "update")) is None else int(rounds),
+            round_sampling=str(setting(update, "round_sampling", "update")),
         )
         algorithm.validate()
         return algorithm

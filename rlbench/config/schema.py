@@ -209,6 +209,10 @@ class UpdateConfig:
         None, "iterative rounds (INPO, REBEL): the loss's pi_t is a frozen copy of the policy taken every round_steps "
         "steps (rlbench/training/rounds.py); null: pi_t is each step's sampling policy", ge=1
     )
+    round_sampling: Literal["pi_t", "policy"] = knob(
+        "pi_t", "with round_steps: who samples a round's batches: pi_t, the round's frozen copy (INPO's and REBEL's "
+        "Algorithm 1: sample with pi_t, then fit), or the training policy (each batch from the latest weights)"
+    )
     sfpo: Optional[SFPOConfig] = node(SFPOConfig, "settings of schedule=sfpo (only with it)", only_with=("schedule", "sfpo"))
     trpo: Optional[TRPOConfig] = node(TRPOConfig, "settings of schedule=trpo (only with it)", only_with=("schedule", "trpo"))
 

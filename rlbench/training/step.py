@@ -35,6 +35,7 @@ from rlbench.rollout import (
     GroupSampler,
     RolloutSetup,
     RolloutStrategy,
+    make_engine,
     make_strategy,
 )
 from rlbench.rollout.engines.base import RolloutEngine, SamplingParams
@@ -224,11 +225,20 @@ def make_step_context(
         reincarnate_at=config.algorithm.reincarnate_at,
         reference_soup=ReferenceSoup.from_config(config.algorithm.reference_soup, reference),
         prompt_stats=prompt_stats,
-        rounds=RoundPolicy.from_algorithm(algorithm.round_steps, model),
+        rounds=RoundPolicy.from_algorithm(algorithm.round_steps, model, round_engine(config, algorithm, tokenizer, device)),
         dpo_policy=dpo_policy,
     )
     ctx.reference_cache = offline_reference_cache(config, reference, guidance, ctx.temperature, world.sharded)
     return ctx
+
+
+def round_engine(config: RunConfig, algorithm: Algorithm, tokenizer: Any, device: torch.device) -> Callable | None:
+    """How the rounds' frozen pi_t gets its own engine (algorithm.update.round_sampling=pi_t): the HF engine on
+    the run's device (a second vLLM engine would claim a second share of the GPU's memory), as a judge's copy."""
+    if algorithm.round_steps is None or algorithm.round_sampling != "pi_t":
+        return None
+    own = dataclasses.replace(config.rollout, engine="hf")
+    return lambda snapshot: make_engine(own, snapshot, tokenizer, device)
 
 
 def prompt_spec(dataset: DatasetConfig) -> dict[str, Any] | None:
@@ -256,7 +266,12 @@ def train_step(
         reincarnate(ctx)
         if ctx.algorithm.loss_has_stages:  # SACPO: stage 2 is a fine-tuning run of its own (arXiv:2404.11049)
             ctx.optimizer.state.clear()  # Adam's moments start again; stage 1's would push on along its objective
-    graded, rollout_metrics = ctx.strategy.rollout(problems, draw_prompts)  # rollout and reward
+    if ctx.rounds is None:
+        graded, rollout_metrics = ctx.strategy.rollout(problems, draw_prompts)  # rollout and reward
+    else:  # iterative rounds: pi_t is taken before the round's first rollout, and samples the round (round_sampling)
+        ctx.rounds.begin_step(ctx.model, ctx.policy_version)
+        with ctx.rounds.sampling(ctx.sampler):
+            graded, rollout_metrics = ctx.strategy.rollout(problems, draw_prompts)
     t_generate = time.perf_counter() - t0
     faults.kill_point("generate")
     stamp_policy_version(graded, ctx.policy_version)
