@@ -420,6 +420,15 @@ def check_run(cfg: DictConfig, origins: ValueOrigins) -> Algorithm:
         algorithm.check_group_size(rollout.n, trainer.prompts_per_step * rollout.n)
         validate_step_options(config, algorithm)
         validate_reference_soup(config, algorithm.kl_coef)
+        if algorithm.reference_samples and config.reward.judge is not None:
+            raise ConfigError("algorithm.qrpo.reference_samples grades pi_ref's samples once and caches their rewards, which "
+                              "a model judge's verdicts (stateful, budgeted per step) are not: use reward terms without "
+                              "reward.judge, or algorithm.qrpo.reference_samples=0")
+        if algorithm.reference_samples and (config.model.lora is not None or trainer.parallelism == "fsdp"):
+            raise ConfigError("algorithm.qrpo.reference_samples samples pi_ref through an engine of its own over the frozen "
+                              "reference copy, which model.lora (the reference is the policy with adapters off) and "
+                              "trainer.parallelism=fsdp (a sharded copy) do not have: use full fine-tuning without fsdp, "
+                              "or algorithm.qrpo.reference_samples=0 (the group as the reference set)")
         check_rto_run(algorithm.rto, str(config.model.path or "") if config.model.source == "path" else "",
                       config.model.lora is not None, trainer.parallelism)
         check_parallelism(trainer.parallelism, trainer.prompts_per_step, algorithm, rollout.strategy)

@@ -64,6 +64,7 @@ from rlbench.training.reference_cache import (
     offline_reference_cache,
     reference_log_probs,
 )
+from rlbench.training.reference_rewards import ReferenceRewards
 from rlbench.training.reference_soup import ReferenceSoup, frozen_checkpoint
 from rlbench.training.rounds import RoundPolicy
 from rlbench.training.update_schedules import (
@@ -108,6 +109,7 @@ class StepContext:
     reference_cache: ReferenceLogProbCache | None = None  # rollout=offline: log pi_ref per response, computed once
     rounds: RoundPolicy | None = None  # algorithm.update.round_steps: the loss's frozen pi_t (INPO's, REBEL's rounds)
     dpo_policy: torch.nn.Module | None = None  # algorithm.rto: the frozen DPO model pi_dpo of RTO's token reward
+    reference_rewards: ReferenceRewards | None = None  # algorithm.qrpo.reference_samples: QRPO's K pi_ref samples per prompt
 
     @property
     def reincarnated(self) -> bool:
@@ -229,6 +231,8 @@ def make_step_context(
         dpo_policy=dpo_policy,
     )
     ctx.reference_cache = offline_reference_cache(config, reference, guidance, ctx.temperature, world.sharded)
+    if algorithm.reference_samples:
+        ctx.reference_rewards = ReferenceRewards.from_config(config, reference, sampler, params, algorithm.reward_shaping, device)
     return ctx
 
 
@@ -354,6 +358,8 @@ def to_batch(ctx: StepContext, graded: GradedGroups) -> TrainBatch:
     """The graded groups as a padded batch with their (shaped) rewards and behaviour bookkeeping."""
     batch = collate(graded.groups, ctx.tokenizer.pad_token_id, ctx.device, current_version=ctx.policy_version)
     batch.rewards = graded.rewards.to(ctx.device)
+    if ctx.reference_rewards is not None:  # QRPO: each response's prompt's K pi_ref rewards (sampled once, cached)
+        batch.reference_rewards = ctx.reference_rewards.rows(graded).to(ctx.device)
     # from the step the reference became the policy on (reincarnate, before this step's rollout): SACPO's stage 2
     batch.reference_stage = 2 if ctx.reincarnate_at is not None and ctx.policy_version + 1 >= ctx.reincarnate_at else 1
     return batch
