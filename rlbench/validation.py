@@ -186,6 +186,10 @@ def check_staleness(config: RunConfig, algorithm: Algorithm) -> None:
     if config.eval.every:
         raise ConfigError(f"{where}; eval.every evaluates during training on the engine the generator thread "
                           "samples with: set eval.every=null (the evaluation after training still runs)")
+    if algorithm.round_steps is not None and algorithm.round_sampling == "pi_t":
+        raise ConfigError(f"{where}; algorithm.update.round_sampling=pi_t samples each round with the round's frozen "
+                          "pi_t, which the generator thread, running ahead of the rounds, cannot know: use "
+                          "algorithm.update.round_sampling=policy or trainer.max_staleness=null")
     if config.algorithm.reincarnate_at is not None:
         raise ConfigError(f"{where}; algorithm.reincarnate_at switches to on-policy data at a step the generator "
                           "thread has already sampled ahead of: use it with trainer.max_staleness=null or 0")
@@ -416,6 +420,15 @@ def check_run(cfg: DictConfig, origins: ValueOrigins) -> Algorithm:
         algorithm.check_group_size(rollout.n, trainer.prompts_per_step * rollout.n)
         validate_step_options(config, algorithm)
         validate_reference_soup(config, algorithm.kl_coef)
+        if algorithm.reference_samples and config.reward.judge is not None:
+            raise ConfigError("algorithm.qrpo.reference_samples grades pi_ref's samples once and caches their rewards, which "
+                              "a model judge's verdicts (stateful, budgeted per step) are not: use reward terms without "
+                              "reward.judge, or algorithm.qrpo.reference_samples=0")
+        if algorithm.reference_samples and (config.model.lora is not None or trainer.parallelism == "fsdp"):
+            raise ConfigError("algorithm.qrpo.reference_samples samples pi_ref through an engine of its own over the frozen "
+                              "reference copy, which model.lora (the reference is the policy with adapters off) and "
+                              "trainer.parallelism=fsdp (a sharded copy) do not have: use full fine-tuning without fsdp, "
+                              "or algorithm.qrpo.reference_samples=0 (the group as the reference set)")
         check_rto_run(algorithm.rto, str(config.model.path or "") if config.model.source == "path" else "",
                       config.model.lora is not None, trainer.parallelism)
         check_parallelism(trainer.parallelism, trainer.prompts_per_step, algorithm, rollout.strategy)

@@ -48,7 +48,7 @@ EXPECTED = {
     # issue 30: the preference and offline objectives (rto and refuel are tested once their algorithm presets exist)
     "dpo", "ipo", "simpo", "trpa", "inpo", "p3o", "rebel", "refuel", "qrpo", "sacpo", "copg", "pro",
     "contrastive_scoring", "dr_preference", "direct_advantage_po", "rto",
-    "retool", "at_grpo",  # issue 31
+    "retool", "at_grpo", "poad",  # issue 31
     "spark",  # issue 32 (trainer.aux_tasks)
 }
 

@@ -126,7 +126,7 @@ def test_the_preset_composes_reads_whole_groups_and_loads_a_reference(tmp_path):
     cfg = compose_config(["algorithm=qrpo"], tmp_path)
     algorithm = algorithm_from(cfg.algorithm)
     assert algorithm.loss_reads_whole_groups and algorithm.needs_reference
-    assert cfg.algorithm.loss.beta == 0.01 and cfg.algorithm.fidelity.status == "partial"
+    assert cfg.algorithm.loss.beta == 0.01 and cfg.algorithm.fidelity.status == "faithful"
 
 
 # ------------------------------------------------------------------ the reference log-prob cache
@@ -250,7 +250,8 @@ def test_offline_qrpo_computes_each_responses_reference_once_and_reuses_a_cache_
     """The same 2 prompts with the file's 4 responses each, 3 steps: pi_ref runs on the 8 responses at the first
     step only; a second run with the first's cache file runs it on none; a file of another model is refused
     (reference_cache_mismatch=stop) or dropped and recomputed (the default)."""
-    same = ["dataset.arith.train_size=2", "guidance.on_bad=skip"]
+    # the file's responses only: no pi_ref samples beside them (algorithm.qrpo.reference_samples: test_qrpo_reference_rewards.py)
+    same = ["dataset.arith.train_size=2", "guidance.on_bad=skip", "algorithm.qrpo.reference_samples=0"]
     rows = offline_run(tmp_path / "plain", traces, "grpo", "algorithm=qrpo", "algorithm.loss.beta=0.1", "trainer.lr=2e-4", *same)
     control = offline_run(tmp_path / "control", traces, "grpo", "algorithm=qrpo", "algorithm.loss.beta=0.1", "trainer.lr=2e-4", *same, "trainer.lr=1e-12")  # after the 1e-3 above: the last lr wins
     # it learns the file: the same responses' regression loss falls (0.147, 0.055, 0.016 at lr 2e-4; lr 1e-2 overshoots

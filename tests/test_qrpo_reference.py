@@ -65,6 +65,6 @@ def test_a_reference_set_of_the_wrong_shape_is_refused():
         qrpo_loss(logp, ref_logp, mask, rewards, groups, reference_rewards=torch.zeros(4, 0, dtype=torch.float64))
 
 
-def test_the_reference_set_is_a_declared_loss_input_the_trainer_does_not_provide_yet():
+def test_the_reference_set_is_a_declared_loss_input_the_batch_provides_with_reference_samples():
     entry = STEP_INPUTS["reference_rewards"]
-    assert "loss" in entry.readers and entry.producer == "default"
+    assert "loss" in entry.readers and entry.producer == "batch"

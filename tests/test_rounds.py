@@ -133,3 +133,51 @@ def test_a_context_restored_inside_a_later_round_trains_as_the_uninterrupted_one
     assert {k: v for k, v in got.items() if k not in timing} == {k: v for k, v in expected.items() if k not in timing}
     for a, b in zip(ctx.model.parameters(), resumed.model.parameters()):
         assert torch.equal(a, b)
+
+
+def _sampled_ids(tmp_path, *overrides, steps=2):
+    """The response ids INPO's rollout sampled at each of ``steps`` train_steps (tiny model, seed 0, 2-step
+    rounds) with ``overrides``, and the step context."""
+    from conftest import compose_config
+    from rlbench.dataset.base import Problem
+    from rlbench.model import load_policy
+    from rlbench.rollout import make_engine
+
+    cfg = compose_config(["experiment=smoke", "algorithm=inpo", "algorithm.update.round_steps=2", "trainer.lr=0.05",
+                          *overrides], tmp_path)
+    config = typed_config(cfg)
+    cpu = torch.device("cpu")
+    model, tokenizer = load_policy(config.model, device=cpu, dtype=torch.float32, seed=cfg.seed, cache_dir=cfg.cache_dir)
+    ctx = step.make_step_context(config, algorithm_from(cfg.algorithm), model, tokenizer,
+                                 make_engine(config.rollout, model, tokenizer, cpu), cpu, training_grader(config))
+    problems = [Problem(f"p{i}", f"What is {i} + 1?", str(i + 1)) for i in range(2)]
+    sampled = []
+    for _ in range(steps):
+        seen = []
+        step.train_step(ctx, problems, observe=seen.append)
+        sampled.append([[tuple(c.response_ids) for c in group] for group in seen[0].groups])
+    return sampled, ctx
+
+
+def test_round_sampling_pi_t_samples_the_round_with_its_frozen_copy(tmp_path):
+    """algorithm.update.round_sampling=pi_t (INPO's and REBEL's Algorithm 1: sample with pi_t, then fit): step 2,
+    inside the round, samples from pi_t = the policy before step 1's update, i.e. what a run whose step 1 changed
+    nothing (trainer.lr=0) samples at step 2 from the same random stream; with round_sampling=policy step 2
+    samples from the updated policy. The policy's own engine is back in the sampler after each rollout."""
+    pi_t, ctx = _sampled_ids(tmp_path / "pi_t")
+    unchanged, _ = _sampled_ids(tmp_path / "lr0", "trainer.lr=0.0")
+    policy, _ = _sampled_ids(tmp_path / "policy", "algorithm.update.round_sampling=policy")
+    assert pi_t[0] == unchanged[0] == policy[0]  # a round's first rollout: pi_t is the policy
+    assert pi_t[1] == unchanged[1]
+    assert policy[1] != pi_t[1]  # the updated policy samples otherwise (lr 0.05 on the tiny model)
+    assert ctx.sampler.engine is ctx.engine and ctx.rounds.engine is not ctx.engine
+    assert ctx.rounds.engine.model is ctx.rounds.snapshot
+
+
+def test_round_sampling_pi_t_is_refused_with_the_asynchronous_generator(make_cfg):
+    from rlbench.validation import validate_config
+
+    with pytest.raises(ConfigError, match="round_sampling=pi_t"):
+        validate_config(make_cfg("experiment=smoke", "algorithm=inpo", "trainer.max_staleness=1"))
+    validate_config(make_cfg("experiment=smoke", "algorithm=inpo", "trainer.max_staleness=1",
+                             "algorithm.update.round_sampling=policy"))

@@ -37,7 +37,7 @@ def apply_ops(lines):
 
 
 def test_the_script_is_the_uids_and_its_results_are_true():
-    env = factory(turns=5, max_operand=20)()
+    env = factory(max_turns=5, max_operand=20)()  # the dialogue lasts env.max_turns turns
     lines = env.script(Problem("seed-7", "any text", "1"))
     assert lines == env.script(Problem("seed-7", "other text", "2"))  # the uid decides, not the text
     assert len(lines) == 5 and [truth for _, truth in lines] == apply_ops(lines)
@@ -63,7 +63,7 @@ def test_reveal_says_the_true_result():
     assert env.step("5").observation == "\nIt is 17. Now subtract 4.\n"
 
 
-@pytest.mark.parametrize("options, message", [({"turns": 0}, "turns must be >= 1"),
+@pytest.mark.parametrize("options, message", [({"turns": 3}, "turns"),  # the length is env.max_turns: no second setting
                                               ({"max_operand": 0}, "max_operand must be >= 1"),
                                               ({"turn_reward": 0.0}, "turn_reward must be > 0"),
                                               ({"turnz": 2}, "turnz")])

@@ -101,6 +101,7 @@ class Algorithm:
     schedule_settings: SFPOSettings | TRPOSettings | None = None
     proximal_decay: float | None = None  # beta of the EWMA proximal policy (ppo_ewma); None -> 0
     round_steps: int | None = None  # iterative rounds: the loss's pi_t frozen for this many steps (training/rounds.py)
+    round_sampling: str = "pi_t"  # with round_steps: pi_t (the frozen copy) or the policy samples a round's batches
     kl_placement: str = "loss"
     kl_adaptive: AdaptiveKL | None = None
     kl_previous_weight: float = 0.0  # w of the convex KL (1 - w) KL(pi || pi_ref) + w KL(pi || pi_prev) (ReMix)
@@ -110,6 +111,7 @@ class Algorithm:
     downsampling: DownSampling | None = None  # D3S: the responses and tokens a step trains on
     pf_ppo: PolicyFiltration | None = None  # PF-PPO: the trained batch re-sampled by reward
     rto: RTOSettings | None = None  # RTO: a frozen DPO model's token reward inside the (PPO) reward
+    reference_samples: int = 0  # QRPO: K pi_ref samples per prompt as the reference set (0: the group; training/reference_rewards.py)
     # Mutable run state inside the frozen composition: each from_config starts a fresh one.
     coefficients: Coefficients | None = field(default=None, compare=False, repr=False)
 
@@ -150,11 +152,13 @@ class Algorithm:
             downsampling=DownSampling.from_config(setting(cfg, "downsampling")),
             pf_ppo=PolicyFiltration.from_config(setting(cfg, "pf_ppo")),
             rto=RTOSettings.from_config(setting(cfg, "rto")),
+            reference_samples=0 if (qrpo := setting(cfg, "qrpo")) is None else int(setting(qrpo, "reference_samples", "qrpo")),
             critic=CriticSettings.from_config(setting(cfg, "critic")),
             schedule=schedule,
             schedule_settings=schedule_settings,
             proximal_decay=None if proximal_decay is None else float(proximal_decay),
             round_steps=None if (rounds := setting(update, "round_steps", "update")) is None else int(rounds),
+            round_sampling=str(setting(update, "round_sampling", "update")),
         )
         algorithm.validate()
         return algorithm
@@ -172,6 +176,12 @@ class Algorithm:
                     f"(it provides {sorted(provided)}); pick another algorithm/{'advantage' if registry is ADVANTAGES else 'loss'}"
                 )
         AGGREGATIONS.validate_params(self.aggregation.name, self.aggregation.params)
+        if self.reference_samples < 0:
+            raise ConfigError(f"algorithm.qrpo.reference_samples must be >= 0 (0: the group is the reference set), got {self.reference_samples}")
+        if self.reference_samples and "reference_rewards" not in POLICY_LOSSES.accepted_inputs(self.loss.name):
+            readers = [name for name in POLICY_LOSSES.names() if "reference_rewards" in POLICY_LOSSES.accepted_inputs(name)]
+            raise ConfigError(f"algorithm.qrpo.reference_samples={self.reference_samples} samples a reference set that only "
+                              f"the losses {readers} read, not loss '{self.loss.name}': remove algorithm.qrpo")
         if self.rto is not None:
             self.rto.check_composition("token_rewards" in self.advantage_inputs, self.kl_coef, self.kl_placement)
         check_shapers([(s.name, s.params) for s in self.reward_shaping])

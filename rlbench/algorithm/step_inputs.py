@@ -154,6 +154,10 @@ _declare("advantages", "[B,T]", "the advantage estimator's per-token advantages"
 _declare("ref_logp", "[B,T]", "log pi_ref of the frozen reference model", "batch", {"loss", "kl", "objective"},
          when="the KL term is on (algorithm.kl.coef > 0) or the loss reads it (dpo, ipo)",
          available=lambda algorithm: algorithm.needs_reference)
+_declare("reference_rewards", "[B,K]", "the rewards of K responses of pi_ref to each response's prompt (QRPO's "
+         "reference set, arXiv:2507.08068 section 3; rlbench/training/reference_rewards.py); None otherwise, and "
+         "qrpo uses the response's group", "batch", {"loss"},
+         when="algorithm.qrpo.reference_samples = K > 0", available=lambda algorithm: algorithm.reference_samples > 0)
 _declare("sampling_logp", "[B,T]", "the rollout engine's log-probs of the sampled tokens (Completion.logprobs; "
          "train/inference-mismatch corrections)", "batch", {"loss", "objective"})
 _declare("off_policy", "[B,T]", "1 on tokens pi_old did not sample (traces, replay, stale data), else 0", "batch",
@@ -251,8 +255,5 @@ _declare("norm_length", "int", "the constant L of Dr. GRPO's normaliser: rollout
 # ------------------------------------------------------------------------ declared by pieces, not provided
 _declare("control_mask", "[B,T]", "1 on control tokens (degrpo; default: each response's first token)", "default",
          {"loss"})
-_declare("reference_rewards", "[B,K]", "the rewards of K responses of pi_ref to each response's prompt (QRPO's "
-         "reference set, arXiv:2507.08068 section 3); not provided yet, so qrpo uses the response's group",
-         "default", {"loss"})
 _declare("generator", "torch.Generator", "random stream of clip_cov's token selection; never provided, so runs take the top-covariance pick",
          "default", {"loss"})

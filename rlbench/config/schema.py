@@ -161,6 +161,19 @@ class RTOConfig:
 
 
 @dataclass
+class QRPOConfig:
+    """QRPO's reference set (Matrenok et al. 2025, arXiv:2507.08068, sec. 3; rlbench/training/reference_rewards.py):
+    K responses of pi_ref per prompt, graded by the run's reward, whose rewards give each trained response its
+    quantile (loss qrpo)."""
+
+    reference_samples: int = knob(0, "K responses of pi_ref per prompt, sampled once (each prompt with its own seed), "
+                                  "graded by the run's reward and cached; 0: the response's group is its reference set", ge=0)
+    reference_cache: Optional[str] = knob(None, "a JSON file keeping the K rewards per prompt across runs (entries of "
+                                          "another reference, K, sampling or reward are resampled); null: "
+                                          "<run folder>/reference_rewards.json, which a resumed run reads")
+
+
+@dataclass
 class SFPOConfig:
     """Slow-Fast Policy Optimization settings (arXiv:2510.04072); used with schedule=sfpo."""
 
@@ -208,6 +221,10 @@ class UpdateConfig:
     round_steps: Optional[int] = knob(
         None, "iterative rounds (INPO, REBEL): the loss's pi_t is a frozen copy of the policy taken every round_steps "
         "steps (rlbench/training/rounds.py); null: pi_t is each step's sampling policy", ge=1
+    )
+    round_sampling: Literal["pi_t", "policy"] = knob(
+        "pi_t", "with round_steps: who samples a round's batches: pi_t, the round's frozen copy (INPO's and REBEL's "
+        "Algorithm 1: sample with pi_t, then fit), or the training policy (each batch from the latest weights)"
     )
     sfpo: Optional[SFPOConfig] = node(SFPOConfig, "settings of schedule=sfpo (only with it)", only_with=("schedule", "sfpo"))
     trpo: Optional[TRPOConfig] = node(TRPOConfig, "settings of schedule=trpo (only with it)", only_with=("schedule", "trpo"))
@@ -284,6 +301,8 @@ class AlgorithmConfig:
         PolicyFiltrationConfig, "null: off; {method, weight_pow}: PF-PPO's re-sampling of the trained batch by reward"
     )
     rto: Optional[RTOConfig] = node(RTOConfig, "null: off; {dpo_model, beta_dpo, sparse_coef}: RTO's dense DPO token reward")
+    qrpo: Optional[QRPOConfig] = node(QRPOConfig, "null: off; {reference_samples, reference_cache}: QRPO's K pi_ref samples "
+                                      "per prompt as each response's reference set (loss qrpo only)")
     update: UpdateConfig = node(UpdateConfig, "update schedule and its settings")
     critic: Optional[CriticConfig] = node(CriticConfig, "null: no value head; {coef, clip}: PPO's value head (advantage gae)")
     overlong_filter: bool = knob(False, "mask responses truncated at rollout.max_new_tokens out of the loss (DAPO)")

@@ -9,22 +9,36 @@ by the run's grader) and keeps them in a JSON file, so a second run or a resume 
 The file is keyed by :func:`reference_rewards_identity`: the reference's identity (its weights'
 fingerprint), K, the sampling settings and the grader. A file of another identity is never read: its
 entries are dropped (one logged line) and resampled. Entries are keyed by a hash of the prompt's text.
-This module is the cache only; wiring it into QRPO's step (``reference_rewards`` [B, K], consumed by
-rlbench/algorithm/losses/quantile_reward.py) is the caller's job.
+The step's source is :class:`ReferenceRewards` (``algorithm.qrpo.reference_samples = K > 0``): for the step's
+prompts not yet cached it samples K responses of pi_ref (the run's frozen reference, through an HF engine of
+its own over it), each prompt with its own seed (:func:`prompt_seed`: the run's seed and the prompt, so the
+policy's random stream is untouched and a prompt's K samples are the same whenever they are drawn: a resumed
+run or a cache hit changes nothing), grades them with the run's reward (the sampler's grader, reward terms and
+shaping, the scale of the trained responses' rewards) and gives each trained response its prompt's row
+(``TrainBatch.reference_rewards`` [B, K], read by rlbench/algorithm/losses/quantile_reward.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
+from rlbench.reward.terms import RewardComposer
+from rlbench.rollout import GradedGroups, GroupSampler, make_engine
+from rlbench.rollout.groups import GenerationCost
+from rlbench.rollout.engines.base import GenerationRequest, SamplingParams
+from rlbench.training.reference_cache import weights_fingerprint
 from rlbench.utils import atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -91,3 +105,68 @@ class ReferenceRewardCache:
     def save(self) -> None:
         if self.path is not None:
             atomic_write_json(self.path, {"format": FORMAT, "identity": self.identity, "entries": self.entries})
+
+
+def problem_key(problem: Problem) -> str:
+    """What a prompt's reference rewards depend on besides the cache's identity: its uid, text and answer."""
+    return json.dumps([problem.uid, problem.prompt, problem.answer])
+
+
+def prompt_seed(run_seed: int, key: str) -> int:
+    """The seed of a prompt's K reference samples (31 bits): from the run's seed and :func:`problem_key`."""
+    return int(hashlib.sha256(f"{int(run_seed)}|{key}".encode()).hexdigest()[:8], 16) % (2**31 - 1)
+
+
+@dataclass
+class ReferenceRewards:
+    """QRPO's reference set as a step input: K graded pi_ref samples per prompt, cached (module docstring)."""
+
+    cache: ReferenceRewardCache
+    sampler: GroupSampler  # the run's grader, reward terms and shaping, on pi_ref's engine
+    params: SamplingParams
+    seed: int
+
+    @classmethod
+    def from_config(cls, config: Any, reference: torch.nn.Module, sampler: GroupSampler, params: SamplingParams,
+                    shaping: Any, device: Any) -> ReferenceRewards:
+        """``config``: the typed run config with algorithm.qrpo.reference_samples = K > 0; ``reference``: the
+        frozen pi_ref; ``sampler``: the run's (its grader, prompt template, reward terms and shaping are reused);
+        ``shaping``: the algorithm's reward shaping pieces (part of the cache's identity)."""
+        qrpo = config.algorithm.qrpo
+        samples = check_reference_samples(qrpo.reference_samples)
+        sampling = {"temperature": params.temperature, "top_p": params.top_p, "max_new_tokens": params.max_new_tokens,
+                    "seed": int(config.seed), "prompt": json.dumps(sampler.prompt_spec, sort_keys=True, default=str)}
+        grader = json.dumps({"reward": dataclasses.asdict(config.reward), "shaping": repr(shaping)}, sort_keys=True, default=str)
+        identity = reference_rewards_identity(weights_fingerprint(reference), samples, sampling,
+                                              hashlib.sha256(grader.encode()).hexdigest())
+        path = qrpo.reference_cache or Path(config.output_dir) / "reference_rewards.json"
+        engine = make_engine(dataclasses.replace(config.rollout, engine="hf"), reference, sampler.tokenizer, device)
+        # its own cost counter: the step's metrics count the policy's sampling only, so that a run reading the cache
+        # (a resumed run, a second run) logs the metrics of one that sampled; each sampling is logged instead
+        # and its own reward composer (the same terms): the step's reward_term_* metrics and the composer's step
+        # count stay the policy's
+        compose = sampler.compose
+        own = dataclasses.replace(sampler, engine=engine, cost=GenerationCost(), compose=RewardComposer(
+            compose.weights, compose.judge, compose.failure_reward, compose.seed, compose.sees_reference))
+        return cls(ReferenceRewardCache(identity, path), own, params, int(config.seed))
+
+    def sample(self, problems: Sequence[Problem]) -> list[list[float]]:
+        """K graded pi_ref responses per problem, each problem from its own seed: their rewards [P][K]."""
+        k = self.cache.samples
+        requests = [GenerationRequest(prompt_ids=ids, n=k, seed=prompt_seed(self.seed, problem_key(problem)))
+                    for ids, problem in zip(self.sampler.encode(problems), problems)]
+        start = time.perf_counter()
+        groups = self.sampler.generate(requests, self.params, None)
+        rewards = self.sampler.grade(problems, groups, self.params.max_new_tokens).rewards
+        log.info("QRPO reference set: %d prompts x %d pi_ref samples graded in %.1f s (cache %s: %d prompts)",
+                 len(problems), k, time.perf_counter() - start, self.cache.path, len(self.cache.entries) + len(problems))
+        return rewards.view(len(problems), k).tolist()
+
+    def rows(self, graded: GradedGroups) -> torch.Tensor:
+        """[B, K]: each trained response's row, its prompt's K reference rewards (sampled for prompts not cached)."""
+        keys = [problem_key(problem) for problem in graded.problems]
+        by_key = dict(zip(keys, graded.problems))
+        per_prompt = self.cache.rewards(keys, lambda missing: self.sample([by_key[key] for key in missing]))
+        sizes = torch.tensor([len(group) for group in graded.groups])
+        return per_prompt.to(torch.float32).repeat_interleave(sizes, dim=0)
+

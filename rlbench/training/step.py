@@ -35,6 +35,7 @@ from rlbench.rollout import (
     GroupSampler,
     RolloutSetup,
     RolloutStrategy,
+    make_engine,
     make_strategy,
 )
 from rlbench.rollout.engines.base import RolloutEngine, SamplingParams
@@ -63,6 +64,7 @@ from rlbench.training.reference_cache import (
     offline_reference_cache,
     reference_log_probs,
 )
+from rlbench.training.reference_rewards import ReferenceRewards
 from rlbench.training.reference_soup import ReferenceSoup, frozen_checkpoint
 from rlbench.training.rounds import RoundPolicy
 from rlbench.training.update_schedules import (
@@ -107,6 +109,7 @@ class StepContext:
     reference_cache: ReferenceLogProbCache | None = None  # rollout=offline: log pi_ref per response, computed once
     rounds: RoundPolicy | None = None  # algorithm.update.round_steps: the loss's frozen pi_t (INPO's, REBEL's rounds)
     dpo_policy: torch.nn.Module | None = None  # algorithm.rto: the frozen DPO model pi_dpo of RTO's token reward
+    reference_rewards: ReferenceRewards | None = None  # algorithm.qrpo.reference_samples: QRPO's K pi_ref samples per prompt
 
     @property
     def reincarnated(self) -> bool:
@@ -224,11 +227,22 @@ def make_step_context(
         reincarnate_at=config.algorithm.reincarnate_at,
         reference_soup=ReferenceSoup.from_config(config.algorithm.reference_soup, reference),
         prompt_stats=prompt_stats,
-        rounds=RoundPolicy.from_algorithm(algorithm.round_steps, model),
+        rounds=RoundPolicy.from_algorithm(algorithm.round_steps, model, round_engine(config, algorithm, tokenizer, device)),
         dpo_policy=dpo_policy,
     )
     ctx.reference_cache = offline_reference_cache(config, reference, guidance, ctx.temperature, world.sharded)
+    if algorithm.reference_samples:
+        ctx.reference_rewards = ReferenceRewards.from_config(config, reference, sampler, params, algorithm.reward_shaping, device)
     return ctx
+
+
+def round_engine(config: RunConfig, algorithm: Algorithm, tokenizer: Any, device: torch.device) -> Callable | None:
+    """How the rounds' frozen pi_t gets its own engine (algorithm.update.round_sampling=pi_t): the HF engine on
+    the run's device (a second vLLM engine would claim a second share of the GPU's memory), as a judge's copy."""
+    if algorithm.round_steps is None or algorithm.round_sampling != "pi_t":
+        return None
+    own = dataclasses.replace(config.rollout, engine="hf")
+    return lambda snapshot: make_engine(own, snapshot, tokenizer, device)
 
 
 def prompt_spec(dataset: DatasetConfig) -> dict[str, Any] | None:
@@ -256,7 +270,12 @@ def train_step(
         reincarnate(ctx)
         if ctx.algorithm.loss_has_stages:  # SACPO: stage 2 is a fine-tuning run of its own (arXiv:2404.11049)
             ctx.optimizer.state.clear()  # Adam's moments start again; stage 1's would push on along its objective
-    graded, rollout_metrics = ctx.strategy.rollout(problems, draw_prompts)  # rollout and reward
+    if ctx.rounds is None:
+        graded, rollout_metrics = ctx.strategy.rollout(problems, draw_prompts)  # rollout and reward
+    else:  # iterative rounds: pi_t is taken before the round's first rollout, and samples the round (round_sampling)
+        ctx.rounds.begin_step(ctx.model, ctx.policy_version)
+        with ctx.rounds.sampling(ctx.sampler):
+            graded, rollout_metrics = ctx.strategy.rollout(problems, draw_prompts)
     t_generate = time.perf_counter() - t0
     faults.kill_point("generate")
     stamp_policy_version(graded, ctx.policy_version)
@@ -339,6 +358,8 @@ def to_batch(ctx: StepContext, graded: GradedGroups) -> TrainBatch:
     """The graded groups as a padded batch with their (shaped) rewards and behaviour bookkeeping."""
     batch = collate(graded.groups, ctx.tokenizer.pad_token_id, ctx.device, current_version=ctx.policy_version)
     batch.rewards = graded.rewards.to(ctx.device)
+    if ctx.reference_rewards is not None:  # QRPO: each response's prompt's K pi_ref rewards (sampled once, cached)
+        batch.reference_rewards = ctx.reference_rewards.rows(graded).to(ctx.device)
     # from the step the reference became the policy on (reincarnate, before this step's rollout): SACPO's stage 2
     batch.reference_stage = 2 if ctx.reincarnate_at is not None and ctx.policy_version + 1 >= ctx.reincarnate_at else 1
     return batch

@@ -17,9 +17,9 @@ references; ``ties: mid_rank`` (the default) counts a tie as a half, r_q = (#{R(
 whose mean under the reference samples is 1/2 as for U[0, 1]; ``ties: at_most`` is the paper's count.
 
 The reference set. Given ``reference_rewards`` [B, K] (row b: the rewards of K responses y'_k ~ pi_ref to
-response b's prompt, the paper's setting), r_q is the reward's mid-rank among those K. Without it (the
-trainer does not produce that input yet: step_inputs.py declares it ``default``), the K reference samples
-of a prompt are the responses of its group (``Needs.whole_groups``): online they are sampled by pi_old,
+response b's prompt, the paper's setting; the trainer provides it with algorithm.qrpo.reference_samples = K > 0,
+rlbench/training/reference_rewards.py), r_q is the reward's mid-rank among those K. Without it
+(reference_samples 0), the K reference samples of a prompt are the responses of its group (``Needs.whole_groups``): online they are sampled by pi_old,
 which is pi_ref only at the first step (the paper samples pi_ref once, before training); offline
 (rollout=offline) from a file the base model generated they are pi_ref's samples as in the paper, and a
 group holds at most rollout.n of them (K = the group's size). The group is the special case

@@ -112,11 +112,14 @@ class Environment:
 
 @dataclass(frozen=True)
 class EnvContext:
-    """What an environment may use besides its options: the run's grader (rlbench.reward) and the
-    sandbox limits for model-written code (rlbench.sandbox.SandboxLimits)."""
+    """What an environment may use besides its options: the run's grader (rlbench.reward), the
+    sandbox limits for model-written code (rlbench.sandbox.SandboxLimits) and the episode's turn cap
+    (``env.max_turns``, set by :class:`EnvFactory` from the run's ``env`` node: an environment whose length
+    is a number of turns, as user_sim's dialogue, reads it here instead of a setting of its own)."""
 
     grader: Any = None
     sandbox_limits: SandboxLimits = dataclasses.field(default_factory=SandboxLimits)
+    max_turns: int | None = None
 
     def grade_text(self, problem: Problem, text: str, finished: bool = True) -> Grade:
         """The run's grader on ``text`` as an answer to ``problem``."""
@@ -169,6 +172,7 @@ class EnvFactory:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_options", env_options(self.config))
+        object.__setattr__(self, "context", dataclasses.replace(self.context, max_turns=self.config.max_turns))
 
     def __call__(self) -> Environment:
         return env_class(self.config)(self._options, self.context)

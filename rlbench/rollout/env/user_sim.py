@@ -12,8 +12,9 @@ turn builds on: an early mistake costs later turns too, which is what makes REFU
 ``Q = sum_{k >= h} r_k`` differ from the turn's own reward. With ``reveal: true`` the user's next line
 starts with the true result, and the turns are independent problems.
 
-The dialogue lasts ``turns`` turns (keep ``env.max_turns`` equal to it: REFUEL draws its branch turn from
-1..env.max_turns). The numbers come from a generator seeded with the CRC-32 of the problem's uid, so any
+The dialogue lasts ``env.max_turns`` turns (H; read from the context, so the episode's turn cap and the
+dialogue's length are one setting, and REFUEL's branch turn drawn from 1..env.max_turns is always a turn of
+the dialogue). The numbers come from a generator seeded with the CRC-32 of the problem's uid, so any
 dataset serves as a list of dialogues (dataset=arith by default; the problem's text is not used) and the
 same problem gives the same dialogue in every run. A turn ends at a newline or at the policy's EOS (the
 end of a chat turn; ``eos_ends_episode`` is false). The state key is (turn, true result so far).
@@ -47,14 +48,11 @@ class UserSim(Environment):
     class Options:
         """The ``env.user_sim`` block."""
 
-        turns: int = 3              # questions in the dialogue (H); keep env.max_turns equal to it
         max_operand: int = 9        # a, b and each later c are drawn from 0..max_operand
         turn_reward: float = 1.0    # the reward of a turn whose answer is the true result
         reveal: bool = False        # the user's next line starts with the true result of the turn before
 
         def __post_init__(self) -> None:
-            if self.turns < 1:
-                raise ConfigError(f"env.user_sim.turns must be >= 1, got {self.turns}")
             if self.max_operand < 1:
                 raise ConfigError(f"env.user_sim.max_operand must be >= 1, got {self.max_operand}")
             if not self.turn_reward > 0:
@@ -63,13 +61,20 @@ class UserSim(Environment):
     stop_markers = ("\n",)
     eos_ends_episode = False
 
+    @property
+    def turns(self) -> int:
+        """The dialogue's length H: the episode's turn cap, env.max_turns."""
+        if self.context.max_turns is None:
+            raise ValueError("user_sim's dialogue length is env.max_turns; build it through EnvFactory")
+        return self.context.max_turns
+
     def script(self, problem: Problem) -> list[tuple[str, int]]:
         """The dialogue of ``problem``: per turn, the user's question and its true result."""
         rng = random.Random(zlib.crc32(problem.uid.encode()))
         top = self.options.max_operand
         a, b = rng.randint(0, top), rng.randint(0, top)
         lines, total = [(f"What is {a} + {b}?", a + b)], a + b
-        for _ in range(self.options.turns - 1):
+        for _ in range(self.turns - 1):
             c = rng.randint(0, top)
             if rng.random() < 0.5:
                 total += c
@@ -97,5 +102,5 @@ class UserSim(Environment):
 
     def grade(self, total_reward: float) -> Grade:
         """Correct when every turn of the dialogue was answered right."""
-        full = self.options.turns * float(self.options.turn_reward)
+        full = self.turns * float(self.options.turn_reward)
         return Grade(correct=total_reward >= full, extracted=None, reward=float(total_reward), format_ok=True)
