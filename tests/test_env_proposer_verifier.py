@@ -25,7 +25,7 @@ PROBLEM = Problem("p1", "What is 6 times 7?", "42")
 
 def factory(rounds=2):
     config = EnvConfig(name="proposer_verifier", max_turns=2 * rounds, turn_tokens=64, max_tokens=400, max_tool_calls=0,
-                       max_observation_tokens=100, settings={"proposer_verifier": {"rounds": rounds}})
+                       max_observation_tokens=100, settings={"proposer_verifier": {}})
     return EnvFactory(config, EnvContext(grader=MathReward()))
 
 
@@ -96,5 +96,5 @@ def test_at_grpo_groups_the_turns_by_role():
 def test_the_prompt_and_bad_options():
     env = factory()()
     assert env.reset(PROBLEM).observation == PROBLEM.prompt + PROPOSER
-    with pytest.raises(ConfigError, match="rounds"):
-        factory(rounds=0)()
+    with pytest.raises(ConfigError, match="rounds"):  # the rounds are env.max_turns / 2: no second setting
+        EnvFactory(EnvConfig(name="proposer_verifier", settings={"proposer_verifier": {"rounds": 2}}), EnvContext())

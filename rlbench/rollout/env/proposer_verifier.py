@@ -9,8 +9,8 @@ environment inserts the verifier's prompt as an observation (loss mask 0) with t
 the verifier (every odd turn) answers ``ACCEPT`` or ``REJECT``; its turn ends at the first of the two. The
 verifier's reward is ``correct_reward`` when its verdict is right about the proposal (ACCEPT of a correct
 proposal, REJECT of a wrong one), else 0 (no verdict: 0). ACCEPT ends the episode; REJECT hands the turn
-back to the proposer for a corrected answer, up to ``rounds`` proposer-verifier rounds (keep
-``env.max_turns = 2 * rounds``). Roles follow the turn index, role = turn mod 2, which is what
+back to the proposer for a corrected answer, until ``env.max_turns`` turns (max_turns / 2 proposer-verifier
+rounds; the cap reaches the environment as ``EnvContext.max_turns``, one setting for both). Roles follow the turn index, role = turn mod 2, which is what
 algorithm=at_grpo's (group, turn, role) key reads with ``num_roles: 2``.
 
 The episode is correct when its last proposal is correct (the team's answer). The state key is (turn,
@@ -40,12 +40,9 @@ class ProposerVerifier(Environment):
     class Options:
         """The ``env.proposer_verifier`` block."""
 
-        rounds: int = 2               # proposer-verifier rounds at most (a REJECT starts the next); env.max_turns = 2 * rounds
         correct_reward: float = 1.0   # a role's turn reward when its proposal / verdict is right
 
         def __post_init__(self) -> None:
-            if self.rounds < 1:
-                raise ConfigError(f"env.proposer_verifier.rounds must be >= 1, got {self.rounds}")
             if not self.correct_reward > 0:
                 raise ConfigError(f"env.proposer_verifier.correct_reward must be > 0, got {self.correct_reward}")
 
@@ -79,7 +76,7 @@ class ProposerVerifier(Environment):
             return StepResult("", reward, True, state, ended_by="accepted")
         if verdict is None:
             return StepResult("", reward, True, state, ended_by="no_verdict")
-        if self.turn >= 2 * self.options.rounds:
+        if self.context.max_turns is not None and self.turn >= self.context.max_turns:
             return StepResult("", reward, True, state, ended_by="rejected")
         return StepResult(RETRY, reward, False, state)
 
