@@ -254,6 +254,11 @@ class RewardComposer:
         self._sums, self._failed, self._count = {}, {}, 0
         return out
 
+    def sibling(self) -> RewardComposer:
+        """A composer of the same terms and judge with counts of its own (its step count and term means start
+        at zero): for rewards computed beside the step's, e.g. QRPO's reference samples."""
+        return RewardComposer(self.weights, self.judge, self.failure_reward, self.seed, self.sees_reference)
+
     def state_dict(self) -> dict[str, int]:
         return {"calls": self.calls}
 

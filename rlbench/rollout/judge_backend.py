@@ -6,7 +6,6 @@ engine on the run's device; and the run's reward composition with its judge (``r
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 from typing import Any, Sequence
 
@@ -22,7 +21,7 @@ from rlbench.reward.judges import (
     ScriptedJudge,
 )
 from rlbench.reward.terms import RewardComposer
-from rlbench.rollout.engines import make_engine
+from rlbench.rollout.engines import frozen_model_engine
 from rlbench.rollout.engines.base import (
     GenerationRequest,
     RolloutEngine,
@@ -71,18 +70,17 @@ def make_judge(config: RunConfig, engine: RolloutEngine, model: torch.nn.Module,
         return None
     if judge.kind == "scripted":
         return ScriptedJudge(judge.rule)
-    # A judge model of its own gets the HF engine on the run's device: a second vLLM engine would claim a
-    # second share of the GPU's memory (vLLM scores prefixes on the HF model all the same).
-    own_engine = dataclasses.replace(config.rollout, engine="hf")
+    # A judge model of its own gets an engine of its own (frozen_model_engine: HF; vLLM scores prefixes on the
+    # HF model all the same).
     if judge.kind == "policy":
         judge_engine = engine
     elif judge.kind == "frozen":
         frozen = copy.deepcopy(model).eval().requires_grad_(False)
-        judge_engine = make_engine(own_engine, frozen, tokenizer, device)
+        judge_engine = frozen_model_engine(config.rollout, frozen, tokenizer, device)
     else:
         other, tokenizer = load_policy(judge.model, device=device, dtype=torch.float32, seed=config.seed,
                                        cache_dir=config.cache_dir)
-        judge_engine = make_engine(own_engine, other.eval().requires_grad_(False), tokenizer, device)
+        judge_engine = frozen_model_engine(config.rollout, other.eval().requires_grad_(False), tokenizer, device)
     return ModelJudge(
         EngineJudgeBackend(judge_engine, tokenizer),
         name=f"{judge.kind}:{judge.model.name if judge.kind == 'model' else config.model.name}",

@@ -34,8 +34,8 @@ import torch
 
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
-from rlbench.reward.terms import RewardComposer
-from rlbench.rollout import GradedGroups, GroupSampler, make_engine
+from rlbench.rollout import GradedGroups, GroupSampler
+from rlbench.rollout.engines import frozen_model_engine
 from rlbench.rollout.groups import GenerationCost
 from rlbench.rollout.engines.base import GenerationRequest, SamplingParams
 from rlbench.training.reference_cache import weights_fingerprint
@@ -133,21 +133,17 @@ class ReferenceRewards:
         frozen pi_ref; ``sampler``: the run's (its grader, prompt template, reward terms and shaping are reused);
         ``shaping``: the algorithm's reward shaping pieces (part of the cache's identity)."""
         qrpo = config.algorithm.qrpo
-        samples = check_reference_samples(qrpo.reference_samples)
         sampling = {"temperature": params.temperature, "top_p": params.top_p, "max_new_tokens": params.max_new_tokens,
                     "seed": int(config.seed), "prompt": json.dumps(sampler.prompt_spec, sort_keys=True, default=str)}
         grader = json.dumps({"reward": dataclasses.asdict(config.reward), "shaping": repr(shaping)}, sort_keys=True, default=str)
-        identity = reference_rewards_identity(weights_fingerprint(reference), samples, sampling,
+        identity = reference_rewards_identity(weights_fingerprint(reference), qrpo.reference_samples, sampling,
                                               hashlib.sha256(grader.encode()).hexdigest())
         path = qrpo.reference_cache or Path(config.output_dir) / "reference_rewards.json"
-        engine = make_engine(dataclasses.replace(config.rollout, engine="hf"), reference, sampler.tokenizer, device)
-        # its own cost counter: the step's metrics count the policy's sampling only, so that a run reading the cache
-        # (a resumed run, a second run) logs the metrics of one that sampled; each sampling is logged instead
-        # and its own reward composer (the same terms): the step's reward_term_* metrics and the composer's step
-        # count stay the policy's
-        compose = sampler.compose
-        own = dataclasses.replace(sampler, engine=engine, cost=GenerationCost(), compose=RewardComposer(
-            compose.weights, compose.judge, compose.failure_reward, compose.seed, compose.sees_reference))
+        engine = frozen_model_engine(config.rollout, reference, sampler.tokenizer, device)
+        # its own cost counter and reward composer (the same terms): the step's metrics (generated responses,
+        # reward_term_*) and the composer's step count stay the policy's, so that a run reading the cache (a
+        # resumed run, a second run) logs the metrics of one that sampled; each sampling is logged instead
+        own = dataclasses.replace(sampler, engine=engine, cost=GenerationCost(), compose=sampler.compose.sibling())
         return cls(ReferenceRewardCache(identity, path), own, params, int(config.seed))
 
     def sample(self, problems: Sequence[Problem]) -> list[list[float]]:

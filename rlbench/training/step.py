@@ -35,9 +35,9 @@ from rlbench.rollout import (
     GroupSampler,
     RolloutSetup,
     RolloutStrategy,
-    make_engine,
     make_strategy,
 )
+from rlbench.rollout.engines import frozen_model_engine
 from rlbench.rollout.engines.base import RolloutEngine, SamplingParams
 from rlbench.rollout.env import env_factory
 from rlbench.rollout.judge_backend import make_reward_composer
@@ -237,12 +237,10 @@ def make_step_context(
 
 
 def round_engine(config: RunConfig, algorithm: Algorithm, tokenizer: Any, device: torch.device) -> Callable | None:
-    """How the rounds' frozen pi_t gets its own engine (algorithm.update.round_sampling=pi_t): the HF engine on
-    the run's device (a second vLLM engine would claim a second share of the GPU's memory), as a judge's copy."""
+    """How the rounds' frozen pi_t gets its own engine (algorithm.update.round_sampling=pi_t; frozen_model_engine)."""
     if algorithm.round_steps is None or algorithm.round_sampling != "pi_t":
         return None
-    own = dataclasses.replace(config.rollout, engine="hf")
-    return lambda snapshot: make_engine(own, snapshot, tokenizer, device)
+    return lambda snapshot: frozen_model_engine(config.rollout, snapshot, tokenizer, device)
 
 
 def prompt_spec(dataset: DatasetConfig) -> dict[str, Any] | None:

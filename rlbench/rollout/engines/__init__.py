@@ -10,6 +10,8 @@ transformers' module wrappers, the KV kept across calls).
 
 from __future__ import annotations
 
+import dataclasses
+
 from rlbench.config.schema import RolloutConfig
 from rlbench.errors import ConfigError
 from rlbench.rollout.engines.base import RolloutEngine
@@ -30,3 +32,10 @@ def make_engine(rollout: RolloutConfig, model, tokenizer, device=None) -> Rollou
 
         return VLLMEngine(model, tokenizer)
     raise ConfigError(f"rollout.engine={rollout.engine!r} is unknown; use one of {', '.join(ENGINES)}.")
+
+
+def frozen_model_engine(rollout: RolloutConfig, model, tokenizer, device=None) -> RolloutEngine:
+    """An engine of its own over a model that is not the policy (a judge's frozen copy or model, the rounds'
+    pi_t, QRPO's pi_ref): always the HF engine on the run's device with the rollout's batch and prefix-cache
+    settings, since a second vLLM engine would claim a second share of the GPU's memory."""
+    return make_engine(dataclasses.replace(rollout, engine="hf"), model, tokenizer, device)
