@@ -79,6 +79,24 @@ RUN_SECONDS = ROOT / "results" / "learning" / "run_seconds.json"
 TOY_RUNS_PER_TEST = {"test_preset_learns_and_its_control_does_not": 4.0, "test_preset_run_is_deterministic": 0.5}
 
 
+#: a tiny model on arithmetic with the even-token reward and 6-token responses (graded responses differ)
+TOY_OFFLINE = ["model=tiny", "model.tiny.vocab_size=512", "reward=even_tokens", "rollout.max_new_tokens=6", "logger=files"]
+
+
+@pytest.fixture(scope="module")
+def toy_traces(tmp_path_factory):
+    """4 graded responses of the base model for each of the first 6 toy problems (``rlbench mode=generate``;
+    the even-token reward: they differ): the offline data set of tests/test_preference_offline.py and
+    tests/test_step_critic.py."""
+    from rlbench.runner import run
+
+    root = tmp_path_factory.mktemp("offline")
+    out = root / "traces.jsonl"
+    run(compose_config([*TOY_OFFLINE, "mode=generate", "dataset.limit=6", "rollout.n=4", "guidance.keep_incorrect=true",
+                        f"out={out}"], root / "gen"))
+    return out
+
+
 def learning_check_cost(item, seconds: dict) -> float:
     """The expected CPU seconds of a test item: toy runs x one run's cost for the learning tier, else 0."""
     callspec = getattr(item, "callspec", None)

@@ -16,21 +16,8 @@ from rlbench.runner import run  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-TOY = ["model=tiny", "model.tiny.vocab_size=512", "reward=even_tokens", "rollout.max_new_tokens=6", "logger=files"]
-
-
 def steps(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def traces(tmp_path_factory):
-    """4 graded responses for each of the first 6 toy problems (the even-token reward: they differ)."""
-    root = tmp_path_factory.mktemp("offline")
-    out = root / "traces.jsonl"
-    run(compose_config([*TOY, "mode=generate", "dataset.limit=6", "rollout.n=4", "guidance.keep_incorrect=true", f"out={out}"],
-                       root / "gen"))
-    return out
 
 
 def offline_run(tmp_path, traces, algorithm, *extra):
@@ -41,10 +28,10 @@ def offline_run(tmp_path, traces, algorithm, *extra):
     return steps(tmp_path)
 
 
-def test_offline_dpo_trains_on_the_files_responses_without_sampling(tmp_path, traces):
-    records = [json.loads(line) for line in traces.read_text().splitlines()]
+def test_offline_dpo_trains_on_the_files_responses_without_sampling(tmp_path, toy_traces):
+    records = [json.loads(line) for line in toy_traces.read_text().splitlines()]
     # the same two prompts every step (the file's other 4 are left out, counted: guidance.on_bad=skip)
-    rows = offline_run(tmp_path / "dpo", traces, "dpo", "dataset.arith.train_size=2", "guidance.on_bad=skip")
+    rows = offline_run(tmp_path / "dpo", toy_traces, "dpo", "dataset.arith.train_size=2", "guidance.on_bad=skip")
     for row in rows:
         assert row["generated_tokens"] == 0 and row["generated_responses"] == 0  # no sampling
         assert row["offline_groups"] == 2 and row["offline_skipped_prompts"] == 0
@@ -55,9 +42,9 @@ def test_offline_dpo_trains_on_the_files_responses_without_sampling(tmp_path, tr
     assert len(records) == 24
 
 
-def test_prompts_without_responses_are_replaced_and_counted(tmp_path, traces):
+def test_prompts_without_responses_are_replaced_and_counted(tmp_path, toy_traces):
     # 64 training problems, 6 of them in the file: most drawn prompts are replaced by later draws
-    rows = offline_run(tmp_path / "sft", traces, "sft", "dataset.arith.train_size=64")
+    rows = offline_run(tmp_path / "sft", toy_traces, "sft", "dataset.arith.train_size=64")
     assert all(row["offline_groups"] == 2 for row in rows)
     assert sum(row["offline_skipped_prompts"] for row in rows) > 0
 

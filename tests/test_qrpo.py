@@ -243,18 +243,18 @@ def test_the_identity_follows_the_weights_and_the_data():
 
 # ------------------------------------------------------------------ through the runner (slow tier)
 
-from test_preference_offline import offline_run, traces  # noqa: F401  (traces: the generated file, a fixture)
+from test_preference_offline import offline_run  # noqa: E402
 
 
 @pytest.mark.slow
-def test_offline_qrpo_computes_each_responses_reference_once_and_reuses_a_cache_file(tmp_path, traces):  # noqa: F811
+def test_offline_qrpo_computes_each_responses_reference_once_and_reuses_a_cache_file(tmp_path, toy_traces):
     """The same 2 prompts with the file's 4 responses each, 3 steps: pi_ref runs on the 8 responses at the first
     step only; a second run with the first's cache file runs it on none; a file of another model is refused
     (reference_cache_mismatch=stop) or dropped and recomputed (the default)."""
     # the file's responses only: no pi_ref samples beside them (algorithm.qrpo.reference_samples: test_qrpo_reference_rewards.py)
     same = ["dataset.arith.train_size=2", "guidance.on_bad=skip", "algorithm.qrpo.reference_samples=0"]
-    rows = offline_run(tmp_path / "plain", traces, "grpo", "algorithm=qrpo", "algorithm.loss.beta=0.1", "trainer.lr=2e-4", *same)
-    control = offline_run(tmp_path / "control", traces, "grpo", "algorithm=qrpo", "algorithm.loss.beta=0.1", "trainer.lr=2e-4", *same, "trainer.lr=1e-12")  # after the 1e-3 above: the last lr wins
+    rows = offline_run(tmp_path / "plain", toy_traces, "grpo", "algorithm=qrpo", "algorithm.loss.beta=0.1", "trainer.lr=2e-4", *same)
+    control = offline_run(tmp_path / "control", toy_traces, "grpo", "algorithm=qrpo", "algorithm.loss.beta=0.1", "trainer.lr=2e-4", *same, "trainer.lr=1e-12")  # after the 1e-3 above: the last lr wins
     # it learns the file: the same responses' regression loss falls (0.147, 0.055, 0.016 at lr 2e-4; lr 1e-2 overshoots
     # to 9.1 by step 3); without a parameter change it does not
     assert rows[-1]["policy_loss"] < 0.9 * rows[0]["policy_loss"]
@@ -263,17 +263,17 @@ def test_offline_qrpo_computes_each_responses_reference_once_and_reuses_a_cache_
     assert [r["reference_cache_hits"] for r in rows] == [0, 8, 16]
     assert all(r["generated_responses"] == 0 for r in rows)
     cache = f"rollout.offline.reference_cache={tmp_path / 'ref.pt'}"
-    first = offline_run(tmp_path / "first", traces, "grpo", "algorithm=qrpo", "algorithm.loss.beta=0.1", "trainer.lr=2e-4", *same, cache)
+    first = offline_run(tmp_path / "first", toy_traces, "grpo", "algorithm=qrpo", "algorithm.loss.beta=0.1", "trainer.lr=2e-4", *same, cache)
     assert first[0]["reference_cache_misses"] == 8 and (tmp_path / "ref.pt").is_file()
-    second = offline_run(tmp_path / "second", traces, "grpo", "algorithm=qrpo", "algorithm.loss.beta=0.1", "trainer.lr=2e-4", *same, cache)
+    second = offline_run(tmp_path / "second", toy_traces, "grpo", "algorithm=qrpo", "algorithm.loss.beta=0.1", "trainer.lr=2e-4", *same, cache)
     assert [r["reference_cache_misses"] for r in second] == [0, 0, 0]
     assert [r["reference_cache_hits"] for r in second] == [8, 16, 24]
     assert second[0]["policy_loss"] == pytest.approx(first[0]["policy_loss"], rel=1e-5)
     other_model = ["model.tiny.initializer_range=0.5"]
     with pytest.raises(DataError, match="computed for another model"):
-        offline_run(tmp_path / "refused", traces, "grpo", "algorithm=qrpo", "algorithm.loss.beta=0.1", "trainer.lr=2e-4", *same, *other_model, cache,
+        offline_run(tmp_path / "refused", toy_traces, "grpo", "algorithm=qrpo", "algorithm.loss.beta=0.1", "trainer.lr=2e-4", *same, *other_model, cache,
                     "rollout.offline.reference_cache_mismatch=stop")
-    recomputed = offline_run(tmp_path / "recomputed", traces, "grpo", "algorithm=qrpo", "algorithm.loss.beta=0.1", "trainer.lr=2e-4", *same, *other_model, cache)
+    recomputed = offline_run(tmp_path / "recomputed", toy_traces, "grpo", "algorithm=qrpo", "algorithm.loss.beta=0.1", "trainer.lr=2e-4", *same, *other_model, cache)
     assert recomputed[0]["reference_cache_misses"] == 8
 
 

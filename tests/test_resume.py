@@ -296,16 +296,22 @@ STATEFUL_PRESETS = {
 def test_resume_from_a_checkpoint_equals_the_uninterrupted_run(preset, tmp_path):
     """Step 2's checkpoint of a 4-step run, resumed in a copy of the run folder, gives steps 3-4 and
     the final evaluation of the run itself."""
+    reference, resumed = run_and_resume_from_step_2([*SMOKE, *STATEFUL_PRESETS[preset], "logger=files"], tmp_path)
+    assert_same_results(reference, resumed)
+
+
+def run_and_resume_from_step_2(overrides: list[str], tmp_path: Path) -> tuple[Path, Path]:
+    """(the run folder of a 4-step run checkpointed every 2 steps, the folder of its step-2 checkpoint resumed
+    in a copy of it)."""
     from rlbench.runner import run
 
-    overrides = [*SMOKE, *STATEFUL_PRESETS[preset], "logger=files"]
     reference = tmp_path / "reference"
     run(compose_config(overrides, reference))
     resumed = tmp_path / "resumed"
     shutil.copytree(reference, resumed, ignore=shutil.ignore_patterns("step_000004"))
     summary = run(compose_config([*overrides, f"resume={resumed}"], resumed))
     assert summary["resumed_from_step"] == 2
-    assert_same_results(reference, resumed)
+    return reference, resumed
 
 
 def run_cli(args, run_dir, kill_at=None, processes=None):

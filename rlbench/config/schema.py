@@ -174,6 +174,24 @@ class QRPOConfig:
 
 
 @dataclass
+class StepCriticConfig:
+    """Direct Advantage PO's critic (Liu et al. 2024, arXiv:2412.18279, section 3; rlbench/training/step_critic.py): a
+    copy of pi_ref with a value head, fitted before the actor trains on Monte-Carlo values of the offline data's step
+    states (vine's steps and estimates), then valuing every trained response's steps."""
+
+    k: int = knob(4, "Monte-Carlo continuations of pi_ref per state (VinePPO's K; the paper's count is not read)", ge=1)
+    boundary: str = knob("newline", "where a step ends: newline (after a token holding one) | tokens (every step_tokens)")
+    step_tokens: int = knob(4, "tokens per step with boundary=tokens", ge=1)
+    max_steps: int = knob(8, "at most this many steps per response (more boundaries are thinned evenly)", ge=1)
+    epochs: int = knob(4, "passes of the critic's regression over the data set's states", ge=1)
+    lr: float = knob(1e-4, "the critic's AdamW learning rate", gt=0)
+    batch_size: int = knob(8, "responses per critic mini-batch (and per valuing forward)", ge=1)
+    path: Optional[str] = knob(None, "a file keeping the fitted critic and its identity (reference weights, data, "
+                               "settings); a run whose identity matches reads it instead of fitting; null: "
+                               "<run folder>/step_critic.pt, which a resumed run reads")
+
+
+@dataclass
 class SFPOConfig:
     """Slow-Fast Policy Optimization settings (arXiv:2510.04072); used with schedule=sfpo."""
 
@@ -303,6 +321,9 @@ class AlgorithmConfig:
     rto: Optional[RTOConfig] = node(RTOConfig, "null: off; {dpo_model, beta_dpo, sparse_coef}: RTO's dense DPO token reward")
     qrpo: Optional[QRPOConfig] = node(QRPOConfig, "null: off; {reference_samples, reference_cache}: QRPO's K pi_ref samples "
                                       "per prompt as each response's reference set (loss qrpo only)")
+    step_critic: Optional[StepCriticConfig] = node(StepCriticConfig, "null: off; {k, boundary, step_tokens, max_steps, "
+                                                   "epochs, lr, batch_size, path}: Direct Advantage PO's critic trained "
+                                                   "apart, valuing the steps of rollout=offline's responses")
     update: UpdateConfig = node(UpdateConfig, "update schedule and its settings")
     critic: Optional[CriticConfig] = node(CriticConfig, "null: no value head; {coef, clip}: PPO's value head (advantage gae)")
     overlong_filter: bool = knob(False, "mask responses truncated at rollout.max_new_tokens out of the loss (DAPO)")

@@ -196,17 +196,24 @@ def reward_range(reward: RewardConfig) -> tuple[float, float] | None:
     return None
 
 
-def check_strategy_inputs(rollout: RolloutConfig, advantage: str, needs: set[str], kind: str = "advantage") -> None:
+#: the strategy inputs algorithm.step_critic gives the responses of rollout=offline (rlbench/training/step_critic.py)
+STEP_CRITIC_PROVIDES = frozenset({"step_index", "step_values"})
+
+
+def check_strategy_inputs(rollout: RolloutConfig, advantage: str, needs: set[str], kind: str = "advantage",
+                          step_critic: bool = False) -> None:
     """ConfigError when advantage ``advantage`` (or the piece of another ``kind``) reads a strategy input
-    (``needs``) that the configured rollout strategy does not provide, naming the strategies that provide
-    every strategy input it reads."""
-    provided = strategy_class(rollout).provides
+    (``needs``) that the configured rollout strategy (or ``step_critic``: algorithm.step_critic) does not provide,
+    naming the strategies that provide every strategy input it reads."""
+    provided = strategy_class(rollout).provides | (STEP_CRITIC_PROVIDES if step_critic else frozenset())
     wanted = {name for name in needs if name in STEP_INPUTS and STEP_INPUTS[name].producer == "strategy"}
     for name in sorted(wanted - provided):
         providers = sorted(key for key, cls in STRATEGIES.items() if wanted <= cls.provides)
+        critic = " (or rollout=offline with algorithm.step_critic: a critic trained apart values them)" if (
+            wanted <= STEP_CRITIC_PROVIDES) else ""
         raise ConfigError(
             f"{kind} '{advantage}' reads {name} ({STEP_INPUTS[name].doc}), which "
-            f"rollout={rollout.strategy} does not provide; only the rollout strategies {providers} do. "
+            f"rollout={rollout.strategy} does not provide; only the rollout strategies {providers} do{critic}. "
             f"Select rollout={' or rollout='.join(providers)}, or another {kind}"
         )
 
@@ -227,9 +234,11 @@ def validate_step_options(config: RunConfig, algorithm: Algorithm) -> None:
                 f"algorithm.advantage.diversity_from must be 'answer_keys' or 'diversity', not {diversity_from!r}"
             )
     needs = needed_inputs(algorithm)
-    check_strategy_inputs(rollout, name, needs)
+    critic = config.algorithm.step_critic is not None
+    check_strategy_inputs(rollout, name, needs, step_critic=critic)
     loss = algorithm.loss
-    check_strategy_inputs(rollout, loss.name, POLICY_LOSSES.required_inputs(loss.name, loss.params), kind="loss")
+    check_strategy_inputs(rollout, loss.name, POLICY_LOSSES.required_inputs(loss.name, loss.params), kind="loss",
+                          step_critic=critic)
     if not isinstance(config.algorithm.overlong_filter, bool):
         raise ConfigError(f"algorithm.overlong_filter must be true or false, got {config.algorithm.overlong_filter!r}")
     for source in source_classes(needs):

@@ -65,6 +65,8 @@ from rlbench.training.reference_cache import (
     reference_log_probs,
 )
 from rlbench.training.reference_rewards import ReferenceRewards
+from rlbench.training.step_critic import StepCritic
+from rlbench.errors import ConfigError
 from rlbench.training.reference_soup import ReferenceSoup, frozen_checkpoint
 from rlbench.training.rounds import RoundPolicy
 from rlbench.training.update_schedules import (
@@ -110,6 +112,7 @@ class StepContext:
     rounds: RoundPolicy | None = None  # algorithm.update.round_steps: the loss's frozen pi_t (INPO's, REBEL's rounds)
     dpo_policy: torch.nn.Module | None = None  # algorithm.rto: the frozen DPO model pi_dpo of RTO's token reward
     reference_rewards: ReferenceRewards | None = None  # algorithm.qrpo.reference_samples: QRPO's K pi_ref samples per prompt
+    step_critic: StepCritic | None = None  # algorithm.step_critic: Direct Advantage PO's critic, fitted before the actor
 
     @property
     def reincarnated(self) -> bool:
@@ -233,6 +236,10 @@ def make_step_context(
     ctx.reference_cache = offline_reference_cache(config, reference, guidance, ctx.temperature, world.sharded)
     if algorithm.reference_samples:
         ctx.reference_rewards = ReferenceRewards.from_config(config, reference, sampler, params, algorithm.reward_shaping, device)
+    if config.algorithm.step_critic is not None:
+        if reference is None:
+            raise ConfigError("algorithm.step_critic starts from the frozen reference model, which this run does not load")
+        ctx.step_critic = StepCritic.from_config(config, reference, sampler, params, algorithm.reward_shaping, device)
     return ctx
 
 
@@ -299,6 +306,10 @@ def learn_step(
     (GenerationCost.take) when they were taken elsewhere, else the sampler's are taken here;
     ``peak``: the step's peak-memory meter when it started with the rollout (else it starts here)."""
     peak = peak if peak is not None else PeakMemory(ctx.device)
+    critic_metrics = {}
+    if ctx.step_critic is not None:  # Direct Advantage PO: the critic, fitted once before the actor, values the steps
+        ctx.step_critic.prepare(ctx.strategy.dataset)
+        critic_metrics = ctx.step_critic.annotate(graded)
     batch = to_batch(ctx, graded)
     t1 = time.perf_counter()
     round_metrics = {} if ctx.rounds is None else ctx.rounds.begin_step(ctx.model, ctx.policy_version)
@@ -328,6 +339,7 @@ def learn_step(
         **rollout_metrics,
         **behaviour_metrics(graded, batch),
         **input_metrics,
+        **critic_metrics,
         **round_metrics,
         **stats,
         "peak_memory_mb": peak.megabytes(),

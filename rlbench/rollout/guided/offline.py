@@ -100,6 +100,7 @@ class Offline(RolloutStrategy):
         self.library = setup.guidance
         self.file_groups: dict[str, TokenizedGroup] | None = None  # uid -> group, set by training_problems (a file)
         self.file_digest: str | None = None  # the file's sha256, saved with checkpoints
+        self.problems: list[Problem] = []  # the training problems (set by training_problems)
         if file is None:
             self.check_library()
 
@@ -138,6 +139,7 @@ class Offline(RolloutStrategy):
         """With a file: its groups' problems (one per kept record), after every check, reported in one line
         (DataError for an empty set, or for bad records under ``on_bad=stop``). A traces file becomes the
         run's library for ``problems``."""
+        self.problems = problems
         if self.file is None:
             return problems
         source = read_offline_file(self.file, self.format)
@@ -154,6 +156,15 @@ class Offline(RolloutStrategy):
         self.file_groups = {g.problem.uid: g for g in groups}
         self.file_digest = file_digest(self.file)
         return [g.problem for g in groups]
+
+    def dataset(self, sampler: Any) -> GradedGroups:
+        """Every group of the fixed data set at once, graded (a library) or shaped (a file) by ``sampler``, without
+        moving the steps' turns over the library: what a critic trained before the actor learns from
+        (algorithm.step_critic, rlbench/training/step_critic.py)."""
+        if self.file_groups is not None:
+            return self.file_rollout([g.problem for g in self.file_groups.values()], sampler)
+        problems = [p for p in self.problems if self.library.for_problem(p)]
+        return self.library_rollout(problems, sampler, every=True)
 
     def state_dict(self) -> dict:
         return {"uses": dict(self.uses), **({"file_digest": self.file_digest} if self.file_groups is not None else {})}
@@ -199,20 +210,25 @@ class Offline(RolloutStrategy):
         graded = self.file_rollout(kept) if self.file_groups is not None else self.library_rollout(kept)
         return graded, {"offline_skipped_prompts": float(skipped), "offline_groups": float(len(kept))}
 
-    def library_rollout(self, kept: list[Problem]) -> GradedGroups:
-        """The library's responses of ``kept``, graded by the run's grader."""
-        prompt_ids = self.setup.sampler.encode(kept)
-        groups = [[trace_completion(t, ids, request_index=k) for t in self.responses(p)]
+    def library_rollout(self, kept: list[Problem], sampler: Any = None, every: bool = False) -> GradedGroups:
+        """The library's responses of ``kept`` (the step's turn of them; ``every``: all), graded by ``sampler`` (by
+        default the run's)."""
+        sampler = sampler or self.setup.sampler
+        prompt_ids = sampler.encode(kept)
+        groups = [[trace_completion(t, ids, request_index=k)
+                   for t in (self.library.for_problem(p) if every else self.responses(p))]
                   for k, (p, ids) in enumerate(zip(kept, prompt_ids))]
-        return self.setup.sampler.grade(kept, groups, self.setup.params.max_new_tokens)
+        return sampler.grade(kept, groups, self.setup.params.max_new_tokens)
 
-    def file_rollout(self, kept: list[Problem]) -> GradedGroups:
-        """The file's groups of ``kept`` with the file's rewards (shaped, not graded)."""
-        prompt_ids = self.setup.sampler.encode(kept)
+    def file_rollout(self, kept: list[Problem], sampler: Any = None) -> GradedGroups:
+        """The file's groups of ``kept`` with the file's rewards (shaped, not graded), by ``sampler`` (by default
+        the run's)."""
+        sampler = sampler or self.setup.sampler
+        prompt_ids = sampler.encode(kept)
         groups, grades = [], []
         for k, (p, ids) in enumerate(zip(kept, prompt_ids)):
             group = self.file_groups[p.uid]
             groups.append([trace_completion(Trace(p.uid, text, tokens, FILE_BEHAVIOUR), ids, request_index=k)
                            for text, tokens in zip(group.texts, group.token_ids)])
             grades += [file_grade(r) for r in group.rewards]
-        return self.setup.sampler.shaped(kept, groups, grades, self.setup.params.max_new_tokens)
+        return sampler.shaped(kept, groups, grades, self.setup.params.max_new_tokens)

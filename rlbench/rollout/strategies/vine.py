@@ -62,20 +62,24 @@ class VineOptions:
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig) -> "VineOptions":
-        options = strategy_options(rollout, "vine", cls)
-        for key in ("k", "step_tokens", "max_steps"):
-            if int(getattr(options, key)) < 1:
-                raise ConfigError(
-                    f"rollout.vine.{key} must be >= 1, got {getattr(options, key)}"
-                    + (" (K Monte-Carlo continuations per state; the paper uses 9)" if key == "k" else "")
-                )
-        if options.boundary not in BOUNDARIES:
-            raise ConfigError(f"rollout.vine.boundary must be one of {BOUNDARIES}, got {options.boundary!r}")
-        if options.root_value not in ROOT_VALUES:
-            raise ConfigError(f"rollout.vine.root_value must be one of {ROOT_VALUES}, got {options.root_value!r}")
+        options = strategy_options(rollout, "vine", cls).checked("rollout.vine")
         if options.root_value == "group":
             needs_groups("vine", rollout, "with root_value=group estimates the prompt's value from its group")
         return options
+
+    def checked(self, where: str) -> "VineOptions":
+        """The options, or a ConfigError naming the block ``where`` they were read from."""
+        for key in ("k", "step_tokens", "max_steps"):
+            if isinstance(getattr(self, key), bool) or int(getattr(self, key)) < 1:
+                raise ConfigError(
+                    f"{where}.{key} must be >= 1, got {getattr(self, key)}"
+                    + (" (K Monte-Carlo continuations per state; VinePPO uses 9)" if key == "k" else "")
+                )
+        if self.boundary not in BOUNDARIES:
+            raise ConfigError(f"{where}.boundary must be one of {BOUNDARIES}, got {self.boundary!r}")
+        if self.root_value not in ROOT_VALUES:
+            raise ConfigError(f"{where}.root_value must be one of {ROOT_VALUES}, got {self.root_value!r}")
+        return self
 
 
 def step_starts(response_ids: list[int], options: VineOptions, tokenizer: Any) -> list[int]:
@@ -131,47 +135,61 @@ class VineSampling(RolloutStrategy):
     def rollout(
         self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None = None
     ) -> tuple[GradedGroups, dict[str, float]]:
-        setup, sampler, options = self.setup, self.setup.sampler, self.options
-        max_new = setup.params.max_new_tokens
+        setup, sampler = self.setup, self.setup.sampler
         prompt_ids = sampler.encode(problems)
         graded = sampler(problems, setup.n, setup.params, setup.generator, prompt_ids)
-        # the distinct states to estimate: (prompt, response prefix) -> position in the request list
-        states: dict[tuple[int, tuple[int, ...]], int] = {}
-        starts_of: list[list[int]] = []
-        for p, group in enumerate(graded.groups):
-            for completion in group:
-                starts = step_starts(completion.response_ids, options, sampler.tokenizer)
-                starts_of.append(starts)
-                for start in starts:
-                    if start or options.root_value == "rollouts":
-                        states.setdefault((p, tuple(completion.response_ids[:start])), len(states))
-        requests = [
-            (GenerationRequest(prompt_ids[p], n=options.k, prefix_ids=prefix, score_prefix=False), max_new - len(prefix))
-            for p, prefix in states
-        ]
-        continuations = continue_with_budgets(sampler, requests, setup.params, setup.generator)
-        owners = [problems[p] for p, _ in states]
-        values = torch.zeros(len(states), dtype=torch.float64)
-        if states:
-            scored = sampler.grade(owners, continuations, max_new)
-            values = torch.zeros(len(states), dtype=torch.float64).index_add_(
-                0, scored.group_index, scored.rewards.to(torch.float64)
-            ) / options.k
-        group_means = [float(graded.rewards[graded.group_index == p].to(torch.float64).mean()) for p in range(len(problems))]
-        row = 0
-        for p, group in enumerate(graded.groups):
-            for completion in group:
-                steps = [
-                    (start, group_means[p] if not start and options.root_value == "group"
-                     else float(values[states[(p, tuple(completion.response_ids[:start]))]]))
-                    for start in starts_of[row]
-                ]
-                index, step_values = token_steps(steps, len(completion.response_ids))
-                completion.extras.update(step_index=index, step_values=step_values)
-                row += 1
-        metrics = {
-            "vine_states": float(len(states)),
-            "vine_continuations": float(len(states) * options.k),
-            "vine_steps_mean": float(sum(len(s) for s in starts_of) / max(len(starts_of), 1)),
-        }
+        metrics = monte_carlo_step_values(sampler, graded, prompt_ids, self.options, setup.params, setup.generator)
         return graded, metrics
+
+
+def monte_carlo_step_values(
+    sampler: Any, graded: GradedGroups, prompt_ids: list[list[int]], options: VineOptions, params: Any,
+    generator: torch.Generator | None,
+) -> dict[str, float]:
+    """VinePPO's Monte-Carlo values of the graded responses' steps (module docstring): the responses are cut
+    into steps (:func:`step_starts`), each distinct state (prompt + response prefix; identical prefixes of one
+    prompt share their estimate) gets ``options.k`` continuations from ``sampler`` (graded by it), and every
+    response gets ``step_index`` and ``step_values`` in ``Completion.extras`` (:func:`token_steps`). Returns the
+    metrics vine_states, vine_continuations and vine_steps_mean. Also the data of Direct Advantage PO's critic
+    (rlbench/training/step_critic.py)."""
+    problems = graded.problems
+    max_new = params.max_new_tokens
+    # the distinct states to estimate: (prompt, response prefix) -> position in the request list
+    states: dict[tuple[int, tuple[int, ...]], int] = {}
+    starts_of: list[list[int]] = []
+    for p, group in enumerate(graded.groups):
+        for completion in group:
+            starts = step_starts(completion.response_ids, options, sampler.tokenizer)
+            starts_of.append(starts)
+            for start in starts:
+                if start or options.root_value == "rollouts":
+                    states.setdefault((p, tuple(completion.response_ids[:start])), len(states))
+    requests = [
+        (GenerationRequest(prompt_ids[p], n=options.k, prefix_ids=prefix, score_prefix=False), max_new - len(prefix))
+        for p, prefix in states
+    ]
+    continuations = continue_with_budgets(sampler, requests, params, generator)
+    owners = [problems[p] for p, _ in states]
+    values = torch.zeros(len(states), dtype=torch.float64)
+    if states:
+        scored = sampler.grade(owners, continuations, max_new)
+        values = torch.zeros(len(states), dtype=torch.float64).index_add_(
+            0, scored.group_index, scored.rewards.to(torch.float64)
+        ) / options.k
+    group_means = [float(graded.rewards[graded.group_index == p].to(torch.float64).mean()) for p in range(len(problems))]
+    row = 0
+    for p, group in enumerate(graded.groups):
+        for completion in group:
+            steps = [
+                (start, group_means[p] if not start and options.root_value == "group"
+                 else float(values[states[(p, tuple(completion.response_ids[:start]))]]))
+                for start in starts_of[row]
+            ]
+            index, step_values = token_steps(steps, len(completion.response_ids))
+            completion.extras.update(step_index=index, step_values=step_values)
+            row += 1
+    return {
+        "vine_states": float(len(states)),
+        "vine_continuations": float(len(states) * options.k),
+        "vine_steps_mean": float(sum(len(s) for s in starts_of) / max(len(starts_of), 1)),
+    }
