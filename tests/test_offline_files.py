@@ -1,5 +1,6 @@
 """Offline preference files (``rollout=offline rollout.offline.file=<path>``, rlbench/rollout/guided/offline_files.py):
-pairs, responses and rankings read into the same groups (JSONL, JSON, Parquet, CSV), every kind of bad input
+pairs, responses and rankings read into the same groups (JSONL, JSON, Parquet, CSV), conversational records
+(TRL's lists of chat messages, the implicit prompt too) as the text records they stand for, every kind of bad input
 counted and reported in one line, ``on_bad=stop`` refusing with the counts, an empty set always refused, and a
 DPO run from the command line on the tiny model."""
 
@@ -149,6 +150,83 @@ def test_json_parquet_and_csv_files_read_as_the_jsonl_file(tmp_path):
         read_offline_file(str(write_jsonl(tmp_path / "pairs.txt", records)))
 
 
+def user(content):
+    return {"role": "user", "content": content}
+
+
+def assistant(content):
+    return {"role": "assistant", "content": content}
+
+
+def test_conversational_records_train_the_groups_of_the_text_records(tmp_path, policy):
+    import datasets
+
+    _, _, tokenizer = policy
+    text = write_jsonl(tmp_path / "text.jsonl", [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in PAIRS])
+    # TRL's conversational format: a prompt of one user message, responses of one assistant message each
+    explicit = [{"prompt": [user(p)], "chosen": [assistant(c)], "rejected": [assistant(r)]} for p, c, r in PAIRS]
+    # TRL's implicit prompt: whole conversations sharing their leading messages
+    implicit = [{"chosen": [user(p), assistant(c)], "rejected": [user(p), assistant(r)]} for p, c, r in PAIRS]
+    files = {"conversational.jsonl": write_jsonl(tmp_path / "conversational.jsonl", explicit),
+             "implicit.jsonl": write_jsonl(tmp_path / "implicit.jsonl", implicit)}
+    for name, records in (("conversational.parquet", explicit), ("implicit.parquet", implicit)):
+        datasets.Dataset.from_list(records).to_parquet(str(tmp_path / name))
+        files[name] = tmp_path / name
+    (tmp_path / "conversational.json").write_text(json.dumps(explicit))
+    files["conversational.json"] = tmp_path / "conversational.json"
+    strategy, problems = offline(tokenizer, text)
+    expected = batch_of(strategy.rollout(problems)[0])
+    for name, path in files.items():
+        assert read_offline_file(str(path)).format == "pairs", name
+        strategy, problems = offline(tokenizer, path)  # on_bad=stop: nothing left out
+        assert [p.prompt for p in problems] == [p for p, _, _ in PAIRS], name
+        assert batch_of(strategy.rollout(problems)[0]) == expected, name  # same prompt ids, response ids, rewards
+    # the other formats: a ranking of assistant messages, responses whose texts are assistant messages
+    ranking = write_jsonl(tmp_path / "ranking.jsonl", [{"prompt": [user(p)], "ranking": [[assistant(c)], [assistant(r)]]}
+                                                       for p, c, r in PAIRS])
+    responses = write_jsonl(tmp_path / "responses.jsonl", [
+        {"prompt": [user(p)], "responses": [{"text": [assistant(c)], "reward": 1}, {"text": r, "reward": 0}]} for p, c, r in PAIRS])
+    for path in (ranking, responses):
+        strategy, problems = offline(tokenizer, path)
+        assert batch_of(strategy.rollout(problems)[0]) == expected, path.name
+
+
+def test_conversational_records_that_are_not_one_prompt_and_one_answer_are_counted(tmp_path, policy):
+    _, _, tokenizer = policy
+    system = {"role": "system", "content": "You are a calculator."}
+    records = [
+        {"prompt": [user("2+3")], "chosen": [assistant("5")], "rejected": [assistant("6")]},                  # kept
+        {"prompt": [system, user("1+1")], "chosen": [assistant("2")], "rejected": [assistant("3")]},          # system_message
+        {"prompt": [user("1+1"), assistant("2"), user("1+2?")], "chosen": [assistant("3")],
+         "rejected": [assistant("4")]},                                                                      # multi_turn_prompt
+        {"prompt": [user("1+1"), user("1+2?")], "chosen": [assistant("3")], "rejected": [assistant("4")]},    # multi_turn_prompt
+        {"prompt": [user("1+3")], "chosen": [assistant("4"), assistant("sure?")], "rejected": [assistant("5")]},  # multi_turn_response
+        {"prompt": [user("1+4")], "chosen": [assistant("5")], "rejected": [user("6")]},                       # multi_turn_response
+        {"chosen": [system, user("1+5"), assistant("6")], "rejected": [system, user("1+5"), assistant("7")]},  # system_message (implicit)
+        {"prompt": [user("1+6")], "chosen": [{"role": "assistant"}], "rejected": [assistant("8")]},           # missing_fields: no content
+        {"prompt": [system], "chosen": [assistant("8")], "rejected": [assistant("9")]},                       # missing_fields: no user
+        {"chosen": [user("1+8"), assistant("9")], "rejected": [user("1+9"), assistant("10")]},  # missing_fields: prompts differ
+        {"prompt": [user("1+9")], "ranking": [[assistant("10")], [assistant("11"), assistant("12")]]},        # multi_turn_response
+        {"prompt": [user("2+9")], "responses": [{"text": [assistant("11")], "reward": 1}, {"text": [user("12")], "reward": 0},
+                                                {"text": "13", "reward": 0}]},  # one entry multi_turn_response, the rest kept
+    ]
+    path = write_jsonl(tmp_path / "conversations.jsonl", records)
+    source = read_offline_file(str(path), "pairs")
+    # format=pairs: the ranking and responses records lack chosen/rejected
+    assert source.bad == {"missing_fields": 5, "multi_turn_prompt": 2, "system_message": 2, "multi_turn_response": 2}
+    assert [g.prompt for g in source.groups] == ["2+3"]
+    summary = source.summary()
+    for kind, line in (("system_message", 2), ("multi_turn_prompt", 3), ("multi_turn_response", 5), ("missing_fields", 8)):
+        assert f"{kind} {source.counts[kind]} (e.g. {path}:{line})" in summary, kind
+    ranked = read_offline_file(str(write_jsonl(tmp_path / "ranked.jsonl", records[10:])), "ranking")
+    assert ranked.bad == {"multi_turn_response": 1, "missing_fields": 1} and not ranked.groups
+    answered = read_offline_file(str(write_jsonl(tmp_path / "answered.jsonl", records[10:])), "responses")
+    assert answered.bad == {"multi_turn_response": 1, "missing_fields": 1}
+    assert [(g.prompt, g.texts, g.rewards) for g in answered.groups] == [("2+9", ("11", "13"), (1.0, 0.0))]
+    with pytest.raises(DataError, match=r"multi_turn_prompt 2 .*system_message 2 .*multi_turn_response 2 .*on_bad=skip"):
+        offline(tokenizer, path, format="pairs")
+
+
 def bad_file(tmp_path, tokenizer):
     """Two good records and one record (or entry) of each kind of bad input."""
     good = [{"prompt": "2+3", "chosen": "5", "rejected": "6"},
@@ -173,7 +251,8 @@ def test_each_kind_of_bad_input_is_counted_in_one_line(tmp_path, policy, caplog)
     path = bad_file(tmp_path, tokenizer)
     with caplog.at_level("INFO", logger="rlbench.rollout.guided.offline"):
         _, problems = offline(tokenizer, path, on_bad="skip", format="pairs")
-    counts = {"missing_fields": 3, "unknown_uid": 0, "empty": 1, "identical": 1, "too_long": 1, "tokenizer_mismatch": 1,
+    counts = {"missing_fields": 3, "multi_turn_prompt": 0, "system_message": 0, "multi_turn_response": 0,
+              "unknown_uid": 0, "empty": 1, "identical": 1, "too_long": 1, "tokenizer_mismatch": 1,
               "chat_template_mismatch": 1, "templated_prompt": 1, "no_pair": 0}
     # format=pairs: the responses record lacks chosen/rejected (missing_fields); auto reads the first record's keys too
     source = read_offline_file(str(path))

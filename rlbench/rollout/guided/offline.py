@@ -3,9 +3,10 @@ group is its responses in the file. Two sources:
 
 - ``rollout.offline.file=<path>``: a file of preference data, one group a record: pairs ``{prompt, chosen,
   rejected}`` (rewards 1, 0), ``{prompt, responses: [{text, reward}]}`` or rankings ``{prompt, ranking: [best, ...,
-  worst]}`` (rewards by rank), in JSONL, JSON, Parquet or CSV (rlbench/rollout/guided/offline_files.py reads and
-  checks them). The file's records are the training set (:meth:`Offline.training_problems`); the rewards are the
-  file's, shaped by the algorithm's reward shaping, never re-graded. A file of traces (``format=traces`` or
+  worst]}`` (rewards by rank), as text or TRL's conversational messages, in JSONL, JSON, Parquet or CSV
+  (rlbench/rollout/guided/offline_files.py reads and checks them). The file's records are the training set
+  (:meth:`Offline.training_problems`); the rewards are the file's, shaped by the algorithm's reward shaping, never
+  re-graded. A file of traces (``format=traces`` or
   detected) is read as the guidance library below.
 - the run's guidance library (``guidance=jsonl guidance.path=<file> guidance.keep_incorrect=true``): the traces
   ``rlbench mode=generate`` writes, keyed by the dataset's uids, checked by rlbench/guidance/traces.py and graded

@@ -20,9 +20,24 @@ CSV files the ``responses`` and ``ranking`` columns hold JSON lists. Optional fi
 fingerprint of rlbench.guidance.traces.tokenizer_fingerprint) and ``chat_template`` (:func:`chat_template_fingerprint`),
 checked against the run's when present.
 
+Conversational records (TRL's conversational format: a field holds a list of chat messages ``{role, content}``
+instead of text) are read as the text record they stand for: a ``prompt`` of one user message is that message's
+content (the problem statement, templated as above), and ``chosen``, ``rejected``, a ``ranking``'s entry or a
+``responses`` entry's ``text`` of one assistant message is that message's content. A pairs or ranking record
+without ``prompt`` whose responses are whole conversations with the same leading messages (TRL's implicit prompt)
+takes those messages as its prompt and the last message of each as the responses. In CSV files only the
+``responses`` and ``ranking`` columns (JSON text) may hold messages: the other cells are text as written.
+
 Bad input (:data:`BAD_KINDS`) is counted, not trained on: a record or a response entry without its fields
-(``missing_fields``), a record that names its prompt only by a ``uid`` the dataset does not hold (``unknown_uid``), an empty response (``empty``), a text labelled two ways (``identical``: chosen = rejected,
-a text twice in a ranking or with two rewards; every copy is dropped), a response longer than
+(``missing_fields``; a message without a text ``content``, a conversational prompt without a user message or
+an implicit prompt whose conversations' leading messages differ count here too), a conversational prompt of more
+than one user turn or with an assistant (or any other role's) turn (``multi_turn_prompt``), a conversational
+prompt with a system message (``system_message``: the run's prompt template supplies its own, and dropping the
+record's would silently change the prompt), a conversational response that is not one assistant message
+(``multi_turn_response``: several messages or another role; a ``responses`` entry is left out, a pair or ranking
+record is), a record that names its prompt only by a ``uid`` the dataset does not hold (``unknown_uid``), an
+empty response (``empty``), a text labelled two ways (``identical``: chosen = rejected, a text twice in a
+ranking or with two rewards; every copy is dropped), a response longer than
 ``rollout.max_new_tokens`` tokens (``too_long``), a record written with another tokenizer or chat template
 (``tokenizer_mismatch``, ``chat_template_mismatch``), a prompt that already carries a chat template's markup
 (``templated_prompt``: it would be templated twice) and a record left without a pair, i.e. two responses with
@@ -49,8 +64,8 @@ from rlbench.guidance.traces import text_token_ids, tokenizer_fingerprint
 
 FORMATS = ("auto", "pairs", "responses", "ranking", "traces")
 DATASETS_BUILDERS = {".json": "json", ".parquet": "parquet", ".csv": "csv"}  # suffix -> datasets' packaged builder
-BAD_KINDS = ("missing_fields", "unknown_uid", "empty", "identical", "too_long", "tokenizer_mismatch", "chat_template_mismatch",
-             "templated_prompt", "no_pair")
+BAD_KINDS = ("missing_fields", "multi_turn_prompt", "system_message", "multi_turn_response", "unknown_uid", "empty", "identical",
+             "too_long", "tokenizer_mismatch", "chat_template_mismatch", "templated_prompt", "no_pair")
 # markup of common chat templates (ChatML, Llama 3, Llama 2/Mistral, Gemma, Zephyr/Phi, DeepSeek): a prompt that
 # holds one was written after templating
 CHAT_MARKERS = ("<|im_start|>", "<|start_header_id|>", "[INST]", "<start_of_turn>", "<|user|>", "<|assistant|>",
@@ -189,9 +204,109 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _is_messages(value: Any) -> bool:
+    """Whether ``value`` is a conversation: a non-empty list of messages (dicts with a ``role``)."""
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m for m in value)
+
+
+def _well_formed(messages: list[dict[str, Any]]) -> bool:
+    """Whether every message has a text ``content`` (a list of content parts, or none, is not read)."""
+    return all(isinstance(m.get("content"), str) for m in messages)
+
+
+def _prompt_text(value: Any) -> tuple[Any, str | None]:
+    """A record's prompt as text, and the bad kind when it cannot be: a conversational prompt (a list of messages)
+    is read when it is one user message, whose content is the problem statement (``missing_fields`` without a
+    user message or a text content, ``multi_turn_prompt`` with several user turns or any other role,
+    ``system_message`` with a system message: the run's prompt template supplies its own). Other values pass
+    through."""
+    if not _is_messages(value):
+        return value, None
+    roles = [m["role"] for m in value]
+    if not _well_formed(value) or "user" not in roles:
+        return None, "missing_fields"
+    if roles.count("user") > 1 or any(role not in ("system", "user") for role in roles):
+        return None, "multi_turn_prompt"
+    if "system" in roles:
+        return None, "system_message"
+    return value[0]["content"], None
+
+
+def _response_text(value: Any) -> tuple[Any, str | None]:
+    """A response as text, and the bad kind when it cannot be: a conversational response (a list of messages) is
+    read when it is one assistant message, whose content is the text (``missing_fields`` without a text content,
+    ``multi_turn_response`` for several messages or another role). Other values pass through."""
+    if not _is_messages(value):
+        return value, None
+    if not _well_formed(value):
+        return None, "missing_fields"
+    if len(value) != 1 or value[0]["role"] != "assistant":
+        return None, "multi_turn_response"
+    return value[0]["content"], None
+
+
+def _turns(messages: list[dict[str, Any]]) -> list[tuple[Any, Any]]:
+    """The (role, content) of each message (the keys ``datasets`` adds to a row's messages left out)."""
+    return [(m.get("role"), m.get("content")) for m in messages]
+
+
+def _implicit_prompt(conversations: list[Any]) -> tuple[list[dict[str, Any]], list[list[dict[str, Any]]]] | None:
+    """TRL's implicit prompt: whole conversations (of a record without ``prompt``) sharing their leading messages
+    give the prompt (those messages) and the responses (the last message of each); None when they are not
+    conversations of more than one message with the same leading messages."""
+    if not (conversations and all(_is_messages(c) and len(c) > 1 for c in conversations)):
+        return None
+    leading = _turns(conversations[0][:-1])
+    if any(_turns(c[:-1]) != leading for c in conversations[1:]):
+        return None
+    return conversations[0][:-1], [c[-1:] for c in conversations]
+
+
+def _with_implicit_prompt(record: dict[str, Any], fmt: str) -> dict[str, Any]:
+    """A pairs or ranking record without ``prompt`` whose responses are whole conversations sharing their leading
+    messages (TRL's implicit prompt) with those messages as its ``prompt`` and the last message of each as the
+    response; any other record as it is."""
+    if record.get("prompt") is not None or fmt not in ("pairs", "ranking"):
+        return record
+    conversations = [record.get("chosen"), record.get("rejected")] if fmt == "pairs" else _list_field(record.get("ranking"))
+    implicit = _implicit_prompt(conversations) if isinstance(conversations, list) else None
+    if implicit is None:
+        return record
+    prompt, answers = implicit
+    if fmt == "pairs":
+        return {**record, "prompt": prompt, "chosen": answers[0], "rejected": answers[1]}
+    return {**record, "prompt": prompt, "ranking": answers}
+
+
+def _text_record(record: dict[str, Any], fmt: str, where: str, out: OfflineFile) -> dict[str, Any] | None:
+    """The record with its conversational fields (TRL's conversational format: lists of chat messages) as text:
+    the prompt, ``chosen``/``rejected`` and the ``ranking``'s entries (the ``responses``' texts are read with
+    their entries, :func:`_record_responses`); TRL's implicit prompt is read too (:func:`_with_implicit_prompt`).
+    None, the record counted, when one of them cannot be read; a text record comes back as it is."""
+    record = _with_implicit_prompt(record, fmt)
+    if record.get("prompt") is None and not record.get("uid"):
+        return record  # no prompt (nor conversations sharing one): missing_fields
+    prompt, kind = _prompt_text(record.get("prompt"))
+    texts: dict[str, Any] = {"prompt": prompt}
+    if fmt == "pairs":
+        for name in ("chosen", "rejected"):
+            texts[name], bad = _response_text(record.get(name))
+            kind = kind or bad
+    ranking = _list_field(record.get("ranking"))
+    if fmt == "ranking" and isinstance(ranking, list):
+        entries = [_response_text(entry) for entry in ranking]
+        texts["ranking"] = [text for text, _ in entries]
+        kind = kind or next((bad for _, bad in entries if bad), None)
+    if kind is not None:
+        out.reject(kind, where)
+        return None
+    return {**record, **texts}
+
+
 def _record_responses(record: dict[str, Any], fmt: str, where: str, out: OfflineFile) -> list[tuple[str, float]] | None:
-    """The record's (text, reward) responses, the entries without their fields counted; None when the record
-    lacks the format's own fields."""
+    """The record's (text, reward) responses (a ``responses`` entry's conversational text read as
+    :func:`_response_text` reads it), the entries without their fields counted; None when the record lacks the
+    format's own fields."""
     if fmt == "pairs":
         chosen, rejected = record.get("chosen"), record.get("rejected")
         if not (isinstance(chosen, str) and isinstance(rejected, str)):
@@ -207,8 +322,11 @@ def _record_responses(record: dict[str, Any], fmt: str, where: str, out: Offline
         return None
     kept = []
     for entry in responses:
-        if isinstance(entry, dict) and isinstance(entry.get("text"), str) and _is_number(entry.get("reward")):
-            kept.append((entry["text"], float(entry["reward"])))
+        text, kind = _response_text(entry.get("text")) if isinstance(entry, dict) else (None, None)
+        if kind is not None:
+            out.reject(kind, where)
+        elif isinstance(text, str) and _is_number(entry.get("reward")):
+            kept.append((text, float(entry["reward"])))
         else:
             out.reject("missing_fields", where)
     return kept
@@ -228,8 +346,9 @@ def _labelled_once(responses: list[tuple[str, float]], fmt: str, where: str, out
 
 
 def read_offline_file(path: str, fmt: str = "auto") -> OfflineFile:
-    """The file's groups after the checks that need no tokenizer (missing fields, empty responses, texts labelled
-    two ways, records without a pair); ``traces`` files are the guidance library's and hold no group here."""
+    """The file's groups after the checks that need no tokenizer (missing fields, conversational records that are
+    not one user prompt and one assistant message a response, empty responses, texts labelled two ways, records
+    without a pair); ``traces`` files are the guidance library's and hold no group here."""
     if fmt not in FORMATS:
         raise ConfigError(f"rollout.offline.format={fmt!r}: choose one of {list(FORMATS)}")
     records = read_records(path)
@@ -238,6 +357,9 @@ def read_offline_file(path: str, fmt: str = "auto") -> OfflineFile:
         return out
     for where, record in records:
         counted_before = sum(out.counts.values())
+        record = _text_record(record, out.format, where, out)
+        if record is None:
+            continue
         prompt, uid = record.get("prompt"), record.get("uid")
         prompt = prompt if isinstance(prompt, str) and prompt.strip() else None
         uid = uid if isinstance(uid, str) and uid else None
