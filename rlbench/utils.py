@@ -35,6 +35,7 @@ STREAM_SWARM = 31  # a swarm actor's draw of shared groups (training/swarm.py)
 STREAM_DIFFICULTY_FILTER = 41  # the initial policy's answers of trainer.difficulty_filter (training/curricula.py)
 STREAM_AUX_TASKS = 51  # auxiliary-task builds and draws (training/aux_tasks.py)
 STREAM_STEP_CRITIC, STREAM_STEP_CRITIC_FIT = 61, 62  # Direct Advantage PO's critic: its pi_ref continuations, its fit's order (training/step_critic.py)
+STREAM_PREFERENCE_MODEL_FIT = 63  # DRPO's preference model: its fit's order (training/preference_model.py)
 
 
 def make_generator(seed: int, stream: int) -> torch.Generator:

@@ -44,6 +44,7 @@ from rlbench.training.aux_tasks import check_aux_tasks
 from rlbench.training.curricula import PROMPT_SAMPLERS, sampler_options
 from rlbench.training.distributed import check_parallelism, launched_world_size
 from rlbench.training.reference_soup import validate_reference_soup
+from rlbench.training.preference_model import check_preference_model
 from rlbench.training.step_critic import check_step_critic
 from rlbench.training.stages import SAMPLER_KEY, parse_stages, stage_settings
 from rlbench.training.swarm import check_swarm
@@ -421,6 +422,7 @@ def check_run(cfg: DictConfig, origins: ValueOrigins) -> Algorithm:
         algorithm.check_group_size(rollout.n, trainer.prompts_per_step * rollout.n)
         validate_step_options(config, algorithm)
         check_step_critic(config)
+        check_preference_model(config)
         validate_reference_soup(config, algorithm.kl_coef)
         if algorithm.reference_samples and config.reward.judge is not None:
             raise ConfigError("algorithm.qrpo.reference_samples grades pi_ref's samples once and caches their rewards, which "

@@ -16,13 +16,8 @@ from conftest import TOY_OFFLINE, compose_config  # noqa: E402
 from test_preference_offline import steps as metrics  # noqa: E402
 
 from rlbench.algorithm.advantages.vine import vine_advantage  # noqa: E402
-from rlbench.algorithm.step_critic import (  # noqa: E402
-    StepValueModel,
-    ValuedSequence,
-    fit_step_critic,
-    predict_state_values,
-    state_positions,
-)
+from rlbench.algorithm.step_critic import fit_step_critic, state_positions  # noqa: E402
+from rlbench.algorithm.value_model import ValuedSequence, ValueModel, predict_values  # noqa: E402
 from rlbench.config.schema import StepCriticConfig  # noqa: E402
 from rlbench.errors import ConfigError  # noqa: E402
 from rlbench.rollout.engines.base import Completion  # noqa: E402
@@ -33,11 +28,11 @@ from rlbench.validation import validate_config  # noqa: E402
 PAD = 0
 
 
-def tiny_critic(seed: int = 0, head: bool = True) -> StepValueModel:
+def tiny_critic(seed: int = 0, head: bool = True) -> ValueModel:
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                          num_key_value_heads=2, max_position_embeddings=64)
-    model = StepValueModel(LlamaForCausalLM(config))
+    model = ValueModel(LlamaForCausalLM(config))
     if head:  # a head that reads the hidden state (the fitted critic's starts at zero)
         torch.nn.init.normal_(model.head.linear.weight)
     return model
@@ -55,8 +50,8 @@ def test_a_state_is_valued_from_its_own_prefix_whatever_follows():
     starts = [0, 2, 4]
     whole = ValuedSequence(prompt + response, state_positions(len(prompt), starts))
     alone = [ValuedSequence(prompt + response[:s], (len(prompt) + s - 1,)) for s in starts]
-    values = predict_state_values(model, [whole], PAD, batch_size=1)[0]
-    separately = [v[0] for v in predict_state_values(model, alone, PAD, batch_size=8)]  # padded beside each other
+    values = predict_values(model, [whole], PAD, batch_size=1)[0]
+    separately = [v[0] for v in predict_values(model, alone, PAD, batch_size=8)]  # padded beside each other
     assert values == pytest.approx(separately, abs=1e-5)
     assert len({round(v, 4) for v in values}) == 3  # three states, three values
 
@@ -72,7 +67,7 @@ def test_the_fit_regresses_the_critic_onto_the_monte_carlo_values():
 
     model, errors = fit(0)
     assert errors[-1] < 0.05 * errors[0]
-    predicted = predict_state_values(model, sequences, PAD, batch_size=4)
+    predicted = predict_values(model, sequences, PAD, batch_size=4)
     for sequence, values in zip(sequences, predicted):
         assert values == pytest.approx(list(sequence.targets), abs=0.08)
     assert fit(0)[1] == errors  # one seed, one fit
@@ -89,12 +84,12 @@ def test_annotate_gives_each_step_the_critics_value_and_the_vine_advantage_their
     settings = StepCriticConfig(boundary="tokens", step_tokens=2)
     options = VineOptions(k=1, boundary="tokens", step_tokens=2)
     tokenizer = SimpleNamespace(pad_token_id=PAD, eos_token_id=PAD)
-    critic = StepCritic(settings, options, SimpleNamespace(tokenizer=tokenizer), None, tiny_critic(), {}, Path("unused"),
-                        0, fitted=True)
+    critic = StepCritic(settings=settings, options=options, sampler=SimpleNamespace(tokenizer=tokenizer), params=None,
+                        model=tiny_critic(), identity={}, path=Path("unused"), seed=0, fitted=True)
     rows = [completion((3, 4), (5, 6, 7, 8, 9)), completion((3, 4, 2), (10, 11))]
     graded = SimpleNamespace(groups=[[rows[0]], [rows[1]]])
     critic.annotate(graded)
-    expected = predict_state_values(critic.model, [ValuedSequence((3, 4, 5, 6, 7, 8, 9), (1, 3, 5)),
+    expected = predict_values(critic.model, [ValuedSequence((3, 4, 5, 6, 7, 8, 9), (1, 3, 5)),
                                                    ValuedSequence((3, 4, 2, 10, 11), (2,))], PAD, 2)
     assert rows[0].extras["step_index"] == [0, 0, 1, 1, 2]
     assert rows[0].extras["step_values"] == pytest.approx([expected[0][0]] * 2 + [expected[0][1]] * 2 + [expected[0][2]])

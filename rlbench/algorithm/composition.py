@@ -112,6 +112,7 @@ class Algorithm:
     pf_ppo: PolicyFiltration | None = None  # PF-PPO: the trained batch re-sampled by reward
     rto: RTOSettings | None = None  # RTO: a frozen DPO model's token reward inside the (PPO) reward
     reference_samples: int = 0  # QRPO: K pi_ref samples per prompt as the reference set (0: the group; training/reference_rewards.py)
+    preference_model: bool = False  # DRPO: a preference model fitted before the actor scores the responses (training/preference_model.py)
     # Mutable run state inside the frozen composition: each from_config starts a fresh one.
     coefficients: Coefficients | None = field(default=None, compare=False, repr=False)
 
@@ -153,6 +154,7 @@ class Algorithm:
             pf_ppo=PolicyFiltration.from_config(setting(cfg, "pf_ppo")),
             rto=RTOSettings.from_config(setting(cfg, "rto")),
             reference_samples=0 if (qrpo := setting(cfg, "qrpo")) is None else int(setting(qrpo, "reference_samples", "qrpo")),
+            preference_model=setting(cfg, "preference_model") is not None,
             critic=CriticSettings.from_config(setting(cfg, "critic")),
             schedule=schedule,
             schedule_settings=schedule_settings,
@@ -182,6 +184,10 @@ class Algorithm:
             readers = [name for name in POLICY_LOSSES.names() if "reference_rewards" in POLICY_LOSSES.accepted_inputs(name)]
             raise ConfigError(f"algorithm.qrpo.reference_samples={self.reference_samples} samples a reference set that only "
                               f"the losses {readers} read, not loss '{self.loss.name}': remove algorithm.qrpo")
+        if self.preference_model and "preference_scores" not in POLICY_LOSSES.accepted_inputs(self.loss.name):
+            readers = [name for name in POLICY_LOSSES.names() if "preference_scores" in POLICY_LOSSES.accepted_inputs(name)]
+            raise ConfigError(f"algorithm.preference_model fits a preference model that only the losses {readers} read, "
+                              f"not loss '{self.loss.name}': remove algorithm.preference_model")
         if self.rto is not None:
             self.rto.check_composition("token_rewards" in self.advantage_inputs, self.kl_coef, self.kl_placement)
         check_shapers([(s.name, s.params) for s in self.reward_shaping])

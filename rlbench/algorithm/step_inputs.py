@@ -158,6 +158,10 @@ _declare("reference_rewards", "[B,K]", "the rewards of K responses of pi_ref to 
          "reference set, arXiv:2507.08068 section 3; rlbench/training/reference_rewards.py); None otherwise, and "
          "qrpo uses the response's group", "batch", {"loss"},
          when="algorithm.qrpo.reference_samples = K > 0", available=lambda algorithm: algorithm.reference_samples > 0)
+_declare("preference_scores", "[B]", "r_phi of each response under a Bradley-Terry preference model fitted before the "
+         "actor (DRPO's learned preference model, arXiv:2506.01183 section 4; rlbench/training/preference_model.py); "
+         "None otherwise, and dr_preference uses a Bradley-Terry model on the labels", "batch", {"loss"},
+         when="algorithm.preference_model is set", available=lambda algorithm: algorithm.preference_model)
 _declare("sampling_logp", "[B,T]", "the rollout engine's log-probs of the sampled tokens (Completion.logprobs; "
          "train/inference-mismatch corrections)", "batch", {"loss", "objective"})
 _declare("off_policy", "[B,T]", "1 on tokens pi_old did not sample (traces, replay, stale data), else 0", "batch",

@@ -174,21 +174,37 @@ class QRPOConfig:
 
 
 @dataclass
-class StepCriticConfig:
+class FittedModelConfig:
+    """A model fitted apart from the policy before the actor trains, on rollout=offline's data set (a copy of pi_ref
+    with a value head; rlbench/training/fitted_model.py)."""
+
+    epochs: int = knob(2, "passes of the fit over its data set", ge=1)
+    lr: float = knob(1e-4, "the fit's AdamW learning rate", gt=0)
+    batch_size: int = knob(8, "items per mini-batch of the fit (responses of the critic, pairs of the preference "
+                           "model) and responses per forward when it scores the batch", ge=1)
+    path: Optional[str] = knob(None, "a file keeping the fitted model and its identity (reference weights, data, "
+                               "settings, seed, sampling, reward); a run whose identity matches reads it instead of "
+                               "fitting; null: a file in the run folder, which a resumed run reads")
+
+
+@dataclass
+class StepCriticConfig(FittedModelConfig):
     """Direct Advantage PO's critic (Liu et al. 2024, arXiv:2412.18279, section 3; rlbench/training/step_critic.py): a
     copy of pi_ref with a value head, fitted before the actor trains on Monte-Carlo values of the offline data's step
-    states (vine's steps and estimates), then valuing every trained response's steps."""
+    states (vine's steps and estimates), then valuing every trained response's steps (file: step_critic.pt)."""
 
+    epochs: int = knob(4, "passes of the critic's regression over the data set's states", ge=1)
     k: int = knob(4, "Monte-Carlo continuations of pi_ref per state (VinePPO's K; the paper's count is not read)", ge=1)
     boundary: str = knob("newline", "where a step ends: newline (after a token holding one) | tokens (every step_tokens)")
     step_tokens: int = knob(4, "tokens per step with boundary=tokens", ge=1)
     max_steps: int = knob(8, "at most this many steps per response (more boundaries are thinned evenly)", ge=1)
-    epochs: int = knob(4, "passes of the critic's regression over the data set's states", ge=1)
-    lr: float = knob(1e-4, "the critic's AdamW learning rate", gt=0)
-    batch_size: int = knob(8, "responses per critic mini-batch (and per valuing forward)", ge=1)
-    path: Optional[str] = knob(None, "a file keeping the fitted critic and its identity (reference weights, data, "
-                               "settings); a run whose identity matches reads it instead of fitting; null: "
-                               "<run folder>/step_critic.pt, which a resumed run reads")
+
+
+@dataclass
+class PreferenceModelConfig(FittedModelConfig):
+    """DRPO's learned preference model (Xu et al. 2025, arXiv:2506.01183, section 4; rlbench/training/preference_model.py):
+    a copy of pi_ref with a value head, fitted before the actor by the Bradley-Terry likelihood on the offline data
+    set's labelled pairs; the dr_preference loss reads its preferences sigma(r_a - r_b) (file: preference_model.pt)."""
 
 
 @dataclass
@@ -324,6 +340,9 @@ class AlgorithmConfig:
     step_critic: Optional[StepCriticConfig] = node(StepCriticConfig, "null: off; {k, boundary, step_tokens, max_steps, "
                                                    "epochs, lr, batch_size, path}: Direct Advantage PO's critic trained "
                                                    "apart, valuing the steps of rollout=offline's responses")
+    preference_model: Optional[PreferenceModelConfig] = node(
+        PreferenceModelConfig, "null: off; {epochs, lr, batch_size, path}: DRPO's Bradley-Terry preference model, fitted "
+        "apart on rollout=offline's labelled pairs (loss dr_preference only)")
     update: UpdateConfig = node(UpdateConfig, "update schedule and its settings")
     critic: Optional[CriticConfig] = node(CriticConfig, "null: no value head; {coef, clip}: PPO's value head (advantage gae)")
     overlong_filter: bool = knob(False, "mask responses truncated at rollout.max_new_tokens out of the loss (DAPO)")

@@ -44,6 +44,7 @@ class TrainBatch:
     behaviour_logp: torch.Tensor | None = _column("token")  # [B, T] log mu of the behaviour policy (NaN: unknown)
     policy_version: torch.Tensor | None = _column("row")  # [B] long, the policy version that sampled each response
     reference_rewards: torch.Tensor | None = _column("row")  # [B, K] QRPO's reference rewards of each response's prompt (rlbench/training/reference_rewards.py)
+    preference_scores: torch.Tensor | None = _column("row")  # [B] r_phi of DRPO's preference model (rlbench/training/preference_model.py)
     reference_stage: int = 1  # 2 once algorithm.reincarnate_at made the policy the reference (SACPO's stage 2)
     # [B, T] each, the strategy inputs the completions carry (Completion.extras; rlbench/algorithm/step_inputs.py)
     extras: dict[str, torch.Tensor] = field(default_factory=dict)

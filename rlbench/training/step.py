@@ -65,6 +65,7 @@ from rlbench.training.reference_cache import (
     reference_log_probs,
 )
 from rlbench.training.reference_rewards import ReferenceRewards
+from rlbench.training.preference_model import PreferenceModel
 from rlbench.training.step_critic import StepCritic
 from rlbench.errors import ConfigError
 from rlbench.training.reference_soup import ReferenceSoup, frozen_checkpoint
@@ -113,6 +114,7 @@ class StepContext:
     dpo_policy: torch.nn.Module | None = None  # algorithm.rto: the frozen DPO model pi_dpo of RTO's token reward
     reference_rewards: ReferenceRewards | None = None  # algorithm.qrpo.reference_samples: QRPO's K pi_ref samples per prompt
     step_critic: StepCritic | None = None  # algorithm.step_critic: Direct Advantage PO's critic, fitted before the actor
+    preference_model: PreferenceModel | None = None  # algorithm.preference_model: DRPO's, fitted before the actor
 
     @property
     def reincarnated(self) -> bool:
@@ -240,6 +242,10 @@ def make_step_context(
         if reference is None:
             raise ConfigError("algorithm.step_critic starts from the frozen reference model, which this run does not load")
         ctx.step_critic = StepCritic.from_config(config, reference, sampler, params, algorithm.reward_shaping, device)
+    if config.algorithm.preference_model is not None:
+        if reference is None:
+            raise ConfigError("algorithm.preference_model starts from the frozen reference model, which this run does not load")
+        ctx.preference_model = PreferenceModel.from_config(config, reference, sampler, params, algorithm.reward_shaping)
     return ctx
 
 
@@ -310,6 +316,8 @@ def learn_step(
     if ctx.step_critic is not None:  # Direct Advantage PO: the critic, fitted once before the actor, values the steps
         ctx.step_critic.prepare(ctx.strategy.dataset)
         critic_metrics = ctx.step_critic.annotate(graded)
+    if ctx.preference_model is not None:  # DRPO: the preference model, fitted once before the actor
+        ctx.preference_model.prepare(ctx.strategy.dataset)
     batch = to_batch(ctx, graded)
     t1 = time.perf_counter()
     round_metrics = {} if ctx.rounds is None else ctx.rounds.begin_step(ctx.model, ctx.policy_version)
@@ -370,6 +378,8 @@ def to_batch(ctx: StepContext, graded: GradedGroups) -> TrainBatch:
     batch.rewards = graded.rewards.to(ctx.device)
     if ctx.reference_rewards is not None:  # QRPO: each response's prompt's K pi_ref rewards (sampled once, cached)
         batch.reference_rewards = ctx.reference_rewards.rows(graded).to(ctx.device)
+    if ctx.preference_model is not None:  # DRPO: r_phi of each response under the fitted preference model
+        batch.preference_scores = ctx.preference_model.scores(graded).to(ctx.device)
     # from the step the reference became the policy on (reincarnate, before this step's rollout): SACPO's stage 2
     batch.reference_stage = 2 if ctx.reincarnate_at is not None and ctx.policy_version + 1 >= ctx.reincarnate_at else 1
     return batch

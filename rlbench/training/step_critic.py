@@ -12,9 +12,9 @@ mode=generate`` wrote). Before its first step, :meth:`StepCritic.prepare`
    and cost counter, so the policy's stream and the step's metrics are untouched);
 3. fits the critic, a copy of pi_ref with a value head, to those values by regression (``fit_step_critic``:
    ``epochs`` passes, AdamW at ``lr``, ``batch_size`` responses a mini-batch) and saves it with its identity to
-   ``algorithm.step_critic.path`` (default ``<run folder>/step_critic.pt``). A run whose identity (the
-   reference's weights, the data set, the settings, the seed, the sampling and the reward) matches reads it
-   instead: a resumed run continues with the critic it started with, never a refitted one.
+   ``algorithm.step_critic.path`` (default ``<run folder>/step_critic.pt``; rlbench/training/fitted_model.py). A run
+   whose identity (the reference's weights, the data set, the settings, the seed, the sampling and the reward)
+   matches reads it instead: a resumed run continues with the critic it started with, never a refitted one.
 
 Then every step, :meth:`StepCritic.annotate` gives each trained response the step inputs ``step_index`` and
 ``step_values`` = V_phi of its states (the critic, not the Monte-Carlo estimates): the ``vine`` advantage turns
@@ -27,39 +27,28 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
-import io
-import json
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from rlbench.algorithm.step_critic import (
-    StepValueModel,
-    ValuedSequence,
-    fit_step_critic,
-    predict_state_values,
-    state_positions,
-)
+from rlbench.algorithm.step_critic import fit_step_critic, state_positions
+from rlbench.algorithm.value_model import ValuedSequence, ValueModel, predict_values
 from rlbench.config.schema import RunConfig, StepCriticConfig
-from rlbench.errors import ConfigError
 from rlbench.rollout import GradedGroups, GroupSampler
 from rlbench.rollout.engines import frozen_model_engine
 from rlbench.rollout.engines.base import SamplingParams
 from rlbench.rollout.groups import GenerationCost
 from rlbench.rollout.strategies.vine import VineOptions, monte_carlo_step_values, step_starts, token_steps
-from rlbench.training.reference_cache import weights_fingerprint
-from rlbench.utils import STREAM_STEP_CRITIC, STREAM_STEP_CRITIC_FIT, atomic_write_bytes, make_generator
+from rlbench.training.fitted_model import FittedModel, check_fitted_model, fitted_model_identity, model_path
+from rlbench.utils import STREAM_STEP_CRITIC, STREAM_STEP_CRITIC_FIT, make_generator
 
 log = logging.getLogger(__name__)
 
-FORMAT = "rlbench-step-critic-1"
 STEP_OPTIONS = ("k", "boundary", "step_tokens", "max_steps")  # the fields of algorithm.step_critic that are vine's
+WHAT = "Direct Advantage PO's step critic"
 
 
 def critic_step_options(settings: StepCriticConfig) -> VineOptions:
@@ -68,46 +57,20 @@ def critic_step_options(settings: StepCriticConfig) -> VineOptions:
 
 
 def check_step_critic(config: RunConfig) -> None:
-    """ConfigError, before the model loads, on a critic whose data set or actor is not there."""
-    settings = config.algorithm.step_critic
-    if settings is None:
-        return
-    critic_step_options(settings)
-    if config.rollout.strategy != "offline":
-        raise ConfigError("algorithm.step_critic is fitted on a fixed data set before the actor trains (Direct "
-                          "Advantage PO): use rollout=offline with rollout.offline.file=<file> or a guidance library "
-                          f"(rollout={config.rollout.strategy} samples new responses every step; rollout=vine values "
-                          "them without a critic)")
-    if config.model.lora is not None or config.trainer.parallelism != "single":
-        raise ConfigError("algorithm.step_critic copies the frozen reference model into the critic and fits it in one "
-                          "process: model.lora (the reference is the policy with adapters off) and trainer.parallelism="
-                          f"{config.trainer.parallelism} (the critic is neither sharded nor fitted per rank) are refused")
-    if config.reward.judge is not None:
-        raise ConfigError("algorithm.step_critic grades pi_ref's continuations once, before training, which a model "
-                          "judge (stateful, budgeted per step) does not: use reward terms without reward.judge")
+    """ConfigError, before the model loads, on a critic whose data set or reference is not there."""
+    if config.algorithm.step_critic is not None:
+        critic_step_options(config.algorithm.step_critic)
+        check_fitted_model(config, "step_critic", WHAT)
 
 
-def data_digest(graded: GradedGroups) -> str:
-    """sha256 of the data set's prompts, responses and rewards (part of the critic's identity)."""
-    digest = hashlib.sha256()
-    for completion, reward in zip((c for group in graded.groups for c in group), graded.rewards.tolist()):
-        digest.update(json.dumps([list(completion.prompt_ids), list(completion.response_ids), float(reward)]).encode())
-    return digest.hexdigest()
-
-
-@dataclass
-class StepCritic:
-    """The critic of ``algorithm.step_critic`` (module docstring)."""
+@dataclass(kw_only=True)
+class StepCritic(FittedModel):
+    """The critic of ``algorithm.step_critic`` (module docstring); its ``sampler`` samples on pi_ref's engine."""
 
     settings: StepCriticConfig
     options: VineOptions
-    sampler: GroupSampler  # pi_ref's engine with the run's grader, reward terms and shaping (own composer, cost)
     params: SamplingParams
-    model: StepValueModel
-    identity: dict[str, Any]
-    path: Path
-    seed: int
-    fitted: bool = False
+    WHAT: ClassVar[str] = WHAT
 
     @classmethod
     def from_config(cls, config: RunConfig, reference: torch.nn.Module, sampler: GroupSampler, params: SamplingParams,
@@ -117,40 +80,14 @@ class StepCritic:
         settings = config.algorithm.step_critic
         engine = frozen_model_engine(config.rollout, reference, sampler.tokenizer, device)
         own = dataclasses.replace(sampler, engine=engine, cost=GenerationCost(), compose=sampler.compose.sibling())
-        model = StepValueModel(copy.deepcopy(reference).requires_grad_(True))
-        identity = {
-            "reference": weights_fingerprint(reference),
-            "settings": {k: v for k, v in dataclasses.asdict(settings).items() if k != "path"},
-            "seed": int(config.seed),
-            "sampling": {"temperature": params.temperature, "top_p": params.top_p, "max_new_tokens": params.max_new_tokens},
-            "reward": hashlib.sha256(json.dumps({"reward": dataclasses.asdict(config.reward), "shaping": repr(shaping)},
-                                                sort_keys=True, default=str).encode()).hexdigest(),
-        }
-        path = Path(settings.path) if settings.path else Path(config.output_dir) / "step_critic.pt"
-        return cls(settings, critic_step_options(settings), own, params, model, identity, path, int(config.seed))
+        return cls(settings=settings, options=critic_step_options(settings), sampler=own, params=params,
+                   model=ValueModel(copy.deepcopy(reference).requires_grad_(True)),
+                   identity=fitted_model_identity(config, reference, settings, params, shaping),
+                   path=model_path(config, settings.path, "step_critic.pt"), seed=int(config.seed))
 
-    @property
-    def pad_id(self) -> int:
-        tokenizer = self.sampler.tokenizer
-        return int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
-
-    def prepare(self, dataset: Callable[[GroupSampler], GradedGroups]) -> dict[str, float]:
-        """Once, before the first step's advantages: read the saved critic of this identity, or estimate the data
-        set's step values and fit the critic (module docstring). ``dataset(sampler)``: every response of the
-        fixed data set, graded by ``sampler``. Returns the fit's numbers (logged once)."""
-        if self.fitted:
-            return {}
-        data = dataset(self.sampler)
-        identity = {**self.identity, "data": data_digest(data)}
-        if self.path.exists():
-            stored = torch.load(self.path, map_location="cpu", weights_only=False)
-            if stored.get("format") == FORMAT and stored.get("identity") == identity:
-                self.model.load_state_dict(stored["state"])
-                self.model.eval()
-                self.fitted = True
-                log.info("step critic: read %s (fitted on %d states)", self.path, stored["metrics"]["states"])
-                return dict(stored["metrics"])
-            log.info("step critic %s: another identity, fitted again", self.path)
+    def fit(self, data: GradedGroups) -> dict[str, float]:
+        """Monte-Carlo values of every step state of ``data`` (pi_ref's continuations), then the critic's regression
+        onto them. Returns the numbers saved with the critic."""
         start = time.perf_counter()
         prompt_ids = [list(group[0].prompt_ids) for group in data.groups]
         mc = monte_carlo_step_values(self.sampler, data, prompt_ids, self.options, self.params,
@@ -166,13 +103,9 @@ class StepCritic:
                                  self.settings.batch_size, make_generator(self.seed, STREAM_STEP_CRITIC_FIT))
         metrics = {"states": mc["vine_states"], "continuations": mc["vine_continuations"], "responses": float(len(sequences)),
                    "error_before": errors[0], "error_after": errors[-1], "seconds": time.perf_counter() - start}
-        buffer = io.BytesIO()
-        torch.save({"format": FORMAT, "identity": identity, "state": self.model.state_dict(), "metrics": metrics}, buffer)
-        atomic_write_bytes(self.path, buffer.getvalue())
-        self.fitted = True
-        log.info("step critic: %d responses, %d states x %d pi_ref continuations; squared error %.4f -> %.4f after %d "
-                 "epochs (%.1f s); saved to %s", len(sequences), int(mc["vine_states"]), self.options.k, errors[0],
-                 errors[-1], self.settings.epochs, metrics["seconds"], self.path)
+        log.info("%s: %d responses, %d states x %d pi_ref continuations; squared error %.4f -> %.4f after %d epochs "
+                 "(%.1f s)", WHAT, len(sequences), int(mc["vine_states"]), self.options.k, errors[0], errors[-1],
+                 self.settings.epochs, metrics["seconds"])
         return metrics
 
     def step_starts_of(self, response_ids: list[int]) -> list[int]:
@@ -185,7 +118,7 @@ class StepCritic:
         starts = [self.step_starts_of(c.response_ids) for c in completions]
         sequences = [ValuedSequence(tuple(c.prompt_ids) + tuple(c.response_ids), state_positions(len(c.prompt_ids), s))
                      for c, s in zip(completions, starts)]
-        values = predict_state_values(self.model, sequences, self.pad_id, self.settings.batch_size)
+        values = predict_values(self.model, sequences, self.pad_id, self.settings.batch_size)
         for completion, response_starts, response_values in zip(completions, starts, values):
             index, step_values = token_steps(list(zip(response_starts, response_values)), len(completion.response_ids))
             completion.extras.update(step_index=index, step_values=step_values)

@@ -18,8 +18,10 @@ direct method's bias.
 
 On the runner's groups (``dr_preference``) the comparisons are every ordered pair of a group's responses; the
 preference oracle is the verifiable reward, z_ab = 1[r_a > r_b] + 1/2 1[r_a = r_b]; the preference model is a
-Bradley-Terry model on the rewards, g(y_a, y_b) = sigma((r_a - r_b) / T) (a stand-in for the paper's learned
-preference model: T -> 0 makes it the oracle, a large T the uninformative 1/2); the direct method's Monte-Carlo
+Bradley-Terry model on the rewards, g(y_a, y_b) = sigma((r_a - r_b) / T) (T -> 0 makes it the oracle, a large T
+the uninformative 1/2), or, with ``algorithm.preference_model`` on an offline data set, the paper's learned model:
+a Bradley-Terry reward model r_phi fitted on the data set's labelled pairs before the actor,
+g(y_a, y_b) = sigma(r_phi(y_a) - r_phi(y_b)) (rlbench/training/preference_model.py); the direct method's Monte-Carlo
 samples are the group's responses, weighted by pi_theta / pi_old (they were drawn by the sampling policy).
 """
 
@@ -110,6 +112,7 @@ def dr_preference_loss(
     logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor, response_mask: torch.Tensor,
     rewards: torch.Tensor, group_index: torch.Tensor, beta: float = 0.04, preference_temperature: float = 1.0,
     behaviour: str = "reference", is_clip: float | None = 2.5, off_policy: torch.Tensor | None = None,
+    preference_scores: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """DRPO (Xu et al. 2025, arXiv:2506.01183, section 4) on each group (module docstring):
 
@@ -124,7 +127,9 @@ def dr_preference_loss(
     KL(pi || pi_ref) under pi, not under the file's pi_ref). A group of one response has no comparison and adds
     0. A response the sampling policy did not draw (``off_policy``: rollout=offline, whose log-prob under pi_old
     is unknown) is taken as drawn by pi_ref, the paper's setting (a file the base model generated), in both
-    weights."""
+    weights. ``preference_scores`` [B] (algorithm.preference_model: r_phi of a Bradley-Terry model fitted on the
+    offline data's pairs, rlbench/training/preference_model.py): the preference model is then
+    g_ab = sigma(r_phi(y_a) - r_phi(y_b)), the paper's learned model, instead of the one on the labels."""
     check_dr_preference({"behaviour": behaviour, "preference_temperature": preference_temperature, "is_clip": is_clip,
                          "beta": beta})
     policy, sampler, reference = (sequence_sum(x, response_mask) for x in (logp, old_logp, ref_logp))
@@ -139,8 +144,10 @@ def dr_preference_loss(
         if rows.numel() < 2:
             continue
         r = rewards[rows].to(logp.dtype)
+        model = (bradley_terry_preferences(r, preference_temperature) if preference_scores is None
+                 else bradley_terry_preferences(preference_scores[rows].to(logp.dtype), 1.0))
         psi = group_estimate(policy[rows], sampler[rows], (reference if behaviour == "reference" else sampler)[rows],
-                             oracle_preferences(r), bradley_terry_preferences(r, preference_temperature), is_clip)
+                             oracle_preferences(r), model, is_clip)
         on_pi = clipped_ratio(policy[rows] - sampler[rows], is_clip).detach()  # the KL is an expectation under pi
         losses.append(-psi + beta * (on_pi * kl[rows]).mean())
         lengths = response_mask[rows].sum(-1)
