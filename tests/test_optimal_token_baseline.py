@@ -233,3 +233,13 @@ def test_a_smoke_run_trains_with_the_optimal_token_baseline(make_cfg, tmp_path, 
     assert bool(((sum_sq > 0) & (sum_sq <= 1 + 1e-5))[mask].all())
     assert bool((sum_sq >= pi.square() - 1e-5)[mask].all())
     assert bool((call["advantage"][~mask] == 0).all())
+
+
+@pytest.mark.slow
+def test_the_tool_integrated_variant_trains_on_multi_turn_episodes(make_cfg, tmp_path):
+    cfg = make_cfg("experiment=smoke", "rollout=multi_turn", "env=gridworld",
+                   "algorithm/advantage=tir_optimal_token_baseline", "logger=files", "trainer.save_model=false",
+                   "eval.before_training=false", "eval.n=1", "eval.k=[1]", "eval.limit=1", "trainer.steps=1")
+    runner.run(cfg)
+    (step,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert "advantage_std" in step
