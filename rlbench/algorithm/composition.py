@@ -456,7 +456,7 @@ class Algorithm:
             self.kl_adaptive is not None,
         ))
         return any((
-            reads_old_logp and not self.bypasses_old_logp, self.advantage_inputs & {"entropy", "values"},
+            reads_old_logp and not self.bypasses_old_logp, self.advantage_inputs & {"entropy", "values", "sum_pi_squared"},
             self.needs_sampling_entropy, self.kl_previous_weight > 0,
         ))
 
@@ -469,6 +469,12 @@ class Algorithm:
     def needs_sampling_entropy(self) -> bool:
         return any(("entropy" in self.advantage_inputs, self.top_entropy_quantile is not None,
                     self.downsampling is not None and self.downsampling.masks_tokens))
+
+    @property
+    def needs_sampling_sum_pi_squared(self) -> bool:
+        """The sampling pass also sums the squared probabilities of each token's distribution (an advantage
+        that reads ``sum_pi_squared``: the optimal token baseline)."""
+        return "sum_pi_squared" in self.advantage_inputs
 
     @property
     def needs_old_logp(self) -> bool:

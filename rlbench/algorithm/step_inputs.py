@@ -193,6 +193,9 @@ _declare("old_logp", "[B,T]", "log pi_old of the policy that sampled the batch, 
          {"advantage", "loss", "objective"})
 _declare("entropy", "[B,T]", "per-token entropy, no gradient: the sampling policy's (advantage), the current "
          "policy's (loss)", "forward", {"advantage", "loss", "objective"})
+_declare("sum_pi_squared", "[B,T]", "sum over the vocabulary of pi_old(v | q, o_<t)^2, no gradient: the sampling "
+         "policy's, from the logits of its old log-probs (the optimal token baseline's squared score norm "
+         "1 - 2 pi(o_t) + sum_v pi(v)^2); computed only for an advantage that reads it", "forward", {"advantage"})
 _declare("values", "[B,T]", "critic values V(s_t) of each response token", "forward", {"advantage", "objective"},
          when="the algorithm has a value head: algorithm.critic", available=lambda algorithm: algorithm.critic is not None)
 _declare("old_values", "[B,T]", "the sampling policy's critic values (the value clip)", "forward", {"objective"},

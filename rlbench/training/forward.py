@@ -20,7 +20,7 @@ from rlbench.training.batch import TrainBatch, micro_batches
 from rlbench.training.distributed import several_ranks, unwrap
 from rlbench.training.packing import check_attention_calls, pack_groups, packed_attention, packing_supported
 from rlbench.training.soft_tokens import soft_input_embeddings, soft_step_mask, with_soft_log_probs
-from rlbench.training.token_log_probs import token_log_probs
+from rlbench.training.token_log_probs import token_distribution_stats
 
 
 # trainer.precision of the forwards inside :func:`forward_precision` (the runner sets it around training).
@@ -148,6 +148,7 @@ class TokenOutputs:
     entropy: torch.Tensor | None = None  # [B, T] entropy of pi(. | q, o_<t)
     values: torch.Tensor | None = None  # [B, T] critic values V(q, o_<t) (value head on the same state)
     log_probs: torch.Tensor | None = None  # [B, T, V] the whole distribution (trust-region KL); past a row's end: not meaningful
+    sum_pi_squared: torch.Tensor | None = None  # [B, T] sum_v pi(v | q, o_<t)^2, no gradient (the optimal token baseline)
 
 
 def groups_share_prompts(batch: TrainBatch) -> bool:
@@ -170,9 +171,11 @@ def _full_log_softmax(
     batch: TrainBatch,
     with_entropy: bool,
     entropy_requires_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``(log pi(targets), entropy or None, log pi [B, T, V])`` through the whole log-softmax: for a
-    logits transform (which may exclude tokens with -inf) and for callers of the full distribution."""
+    with_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """``(log pi(targets), entropy or None, log pi [B, T, V], sum_v pi(v)^2 or None)`` through the whole
+    log-softmax: for a logits transform (which may exclude tokens with -inf) and for callers of the full
+    distribution."""
     if temperature and temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     if transform is not None:
@@ -185,7 +188,11 @@ def _full_log_softmax(
             # a transform's -inf logits (excluded tokens) contribute 0 * 0, not 0 * -inf
             finite_logp = log_probs if transform is None else torch.where(log_probs.isfinite(), log_probs, 0.0)
             entropy = -(log_probs.exp() * finite_logp).sum(-1)
-    return logp, entropy, log_probs
+    sum_pi_squared = None
+    if with_sum_pi_squared:
+        with torch.no_grad():
+            sum_pi_squared = log_probs.exp().square().sum(-1)
+    return logp, entropy, log_probs, sum_pi_squared
 
 
 def token_outputs(
@@ -198,9 +205,10 @@ def token_outputs(
     entropy_requires_grad: bool = True,
     value_head: torch.nn.Module | None = None,
     with_log_probs: bool = False,
+    with_sum_pi_squared: bool = False,
 ) -> TokenOutputs:
     """log pi(o_t | q, o_<t) for every response token, and on request the entropy of
-    pi(. | q, o_<t), the critic value ``value_head(h_t)`` of the hidden state that predicts o_t, and
+    pi(. | q, o_<t), its sum of squared probabilities sum_v pi(v | q, o_<t)^2 (no gradient), the critic value ``value_head(h_t)`` of the hidden state that predicts o_t, and
     the full-vocabulary log-probs. Logits are divided by ``temperature`` (the sampling
     temperature), so that the ratio compares the distribution that was actually sampled from. With
     ``share_prompts`` the micro-batch runs as one packed sequence, each distinct prompt once and no
@@ -237,11 +245,14 @@ def token_outputs(
         if index is not None:
             position_targets = targets.new_zeros(logits.shape[:2])
             position_targets.view(-1)[index[valid]] = targets[valid]
-        logp, entropy = token_log_probs(logits.float(), position_targets, temperature, with_entropy)
-        logp, entropy = gather_rows(logp), gather_rows(entropy)
+        logp, entropy, sum_pi_squared = token_distribution_stats(
+            logits.float(), position_targets, temperature, with_entropy, with_sum_pi_squared
+        )
+        logp, entropy, sum_pi_squared = gather_rows(logp), gather_rows(entropy), gather_rows(sum_pi_squared)
     else:  # a logits transform and the full distribution take the whole [B, T, V] block
-        logp, entropy, log_probs = _full_log_softmax(
-            gather_rows(logits).float(), targets, temperature, transform, batch, with_entropy, entropy_requires_grad
+        logp, entropy, log_probs, sum_pi_squared = _full_log_softmax(
+            gather_rows(logits).float(), targets, temperature, transform, batch, with_entropy, entropy_requires_grad,
+            with_sum_pi_squared,
         )
     if soft is not None:  # a soft step's likelihood is the Gumbel density of its noise (arXiv:2511.06411, section 3)
         logp = with_soft_log_probs(logp, logits, batch, soft, temperature)
@@ -249,7 +260,8 @@ def token_outputs(
         entropy = entropy.detach()  # only an entropy bonus needs its gradient; logging and entropy-aware pieces detach it
     values = None if value_head is None else gather_rows(value_head(hidden))
     logp, entropy, values = zero_past_end(logp), zero_past_end(entropy), zero_past_end(values)
-    return TokenOutputs(logp, entropy, values, log_probs if with_log_probs else None)
+    sum_pi_squared = zero_past_end(sum_pi_squared)
+    return TokenOutputs(logp, entropy, values, log_probs if with_log_probs else None, sum_pi_squared)
 
 
 @torch.no_grad()
@@ -260,17 +272,20 @@ def batch_outputs(
     temperature: float,
     with_entropy: bool = False,
     value_head: torch.nn.Module | None = None,
+    with_sum_pi_squared: bool = False,
 ) -> TokenOutputs:
-    """Log-probs, and optionally entropies and critic values, of the whole batch without gradient
-    ([B, T] each, zero on padding)."""
+    """Log-probs, and optionally entropies, critic values and sums of squared probabilities, of the
+    whole batch without gradient ([B, T] each, zero on padding)."""
     def zeros() -> torch.Tensor:
         return torch.zeros_like(batch.response_mask)
 
-    result = TokenOutputs(zeros(), zeros() if with_entropy else None, zeros() if value_head is not None else None)
+    result = TokenOutputs(zeros(), zeros() if with_entropy else None, zeros() if value_head is not None else None,
+                          sum_pi_squared=zeros() if with_sum_pi_squared else None)
     for rows in micro_batches(torch.arange(batch.size, device=batch.input_ids.device), micro_batch_size):
         sub = batch.select(rows)
-        out = token_outputs(model, sub, temperature, with_entropy=with_entropy, value_head=value_head)
-        for name in ("logp", "entropy", "values"):
+        out = token_outputs(model, sub, temperature, with_entropy=with_entropy, value_head=value_head,
+                            with_sum_pi_squared=with_sum_pi_squared)
+        for name in ("logp", "entropy", "values", "sum_pi_squared"):
             target, part = getattr(result, name), getattr(out, name)
             if target is not None:
                 target[rows, : part.shape[1]] = part * sub.response_mask

@@ -441,12 +441,12 @@ def advantage_inputs(ctx: StepContext, graded: GradedGroups, batch: TrainBatch) 
     if algorithm.needs_sampling_pass or (batch.has_off_policy and not bypass):
         before = batch_outputs(
             ctx.model, batch, ctx.micro_batch_size, ctx.temperature, with_entropy=algorithm.needs_sampling_entropy,
-            value_head=ctx.update_state.value_head,
+            value_head=ctx.update_state.value_head, with_sum_pi_squared=algorithm.needs_sampling_sum_pi_squared,
         )
         policy_logp = before.logp
         if algorithm.kl_previous_weight > 0:  # pi_prev: the policy before this update, on every token
             batch.prev_logp = before.logp
-        inputs.update(entropy=before.entropy, values=before.values)
+        inputs.update(entropy=before.entropy, values=before.values, sum_pi_squared=before.sum_pi_squared)
         batch.old_values = before.values
     if bypass:  # verl's bypass mode: pi_old is the rollout engine's log-probs (sampling_correction.py)
         policy_logp = batch.sampling_logp

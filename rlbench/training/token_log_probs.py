@@ -5,6 +5,8 @@ For logits x over a vocabulary and sampling temperature tau, z = x / tau and
 
     log pi(o_t) = z_{o_t} - logsumexp(z)                      (the policy-gradient log-prob)
     H(pi)       = logsumexp(z) - sum_j pi_j z_j               (= -sum_j pi_j log pi_j)
+    sum_j pi_j^2 = sum_j exp(2 (z_j - m)) / (sum_j exp(z_j - m))^2, m = max_j z_j   (no gradient; the
+                  optimal token baseline's squared score norm, rlbench/algorithm/advantages/verl_pieces.py)
 
 with gradients (pi = softmax(z), 1_{o_t} the one-hot of the sampled token)
 
@@ -34,13 +36,15 @@ def _rows_per_slice(logits: torch.Tensor) -> int:
 
 class _TokenLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool,
+                with_sum_pi_squared: bool):
         vocab = logits.shape[-1]
         flat, flat_targets = logits.reshape(-1, vocab), targets.reshape(-1, 1)
         n = flat.shape[0]
         lse = flat.new_empty(n)
         logp = flat.new_empty(n)
         entropy = flat.new_empty(n) if with_entropy else None
+        sum_pi_squared = flat.new_empty(n) if with_sum_pi_squared else None
         step = _rows_per_slice(flat)
         for start in range(0, n, step):
             rows = slice(start, start + step)
@@ -54,14 +58,19 @@ class _TokenLogProbs(torch.autograd.Function):
             logp[rows] = shifted.gather(-1, flat_targets[rows]).squeeze(-1) - log_total  # log_softmax's rounding
             if entropy is not None:
                 entropy[rows] = log_total - (weights * shifted).sum(-1) / total
+            if sum_pi_squared is not None:  # from the same exponentials: sum_j w_j^2 / (sum_j w_j)^2
+                sum_pi_squared[rows] = weights.square().sum(-1) / total.square()
         ctx.temperature = temperature
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(logits, targets, lse, entropy)
         shape = targets.shape
-        return logp.view(shape), None if entropy is None else entropy.view(shape)
+        if sum_pi_squared is not None:
+            sum_pi_squared = sum_pi_squared.view(shape)
+            ctx.mark_non_differentiable(sum_pi_squared)
+        return logp.view(shape), None if entropy is None else entropy.view(shape), sum_pi_squared
 
     @staticmethod
-    def backward(ctx, grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None):
+    def backward(ctx, grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None, _grad_sum_pi_squared=None):
         logits, targets, lse, entropy = ctx.saved_tensors
         temperature = ctx.temperature
         vocab = logits.shape[-1]
@@ -93,7 +102,7 @@ class _TokenLogProbs(torch.autograd.Function):
                 out.scatter_add_(-1, flat_targets[rows], g_logp[rows])
             if temperature != 1.0:
                 out.div_(temperature)
-        return grad.view_as(logits), None, None, None
+        return grad.view_as(logits), None, None, None, None
 
 
 def token_log_probs(
@@ -102,8 +111,19 @@ def token_log_probs(
     """``(log pi(targets), H(pi))`` of ``softmax(logits / temperature)`` over the last dimension:
     logits [..., V], targets [...] (token ids) -> two [...] tensors (entropy None unless
     ``with_entropy``). Differentiable in both outputs; the module docstring gives the formulas."""
+    logp, entropy, _ = token_distribution_stats(logits, targets, temperature, with_entropy)
+    return logp, entropy
+
+
+def token_distribution_stats(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False,
+    with_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(log pi(targets), H(pi), sum_v pi(v)^2)`` of ``softmax(logits / temperature)``, one pass over the
+    logits: the entropy None unless ``with_entropy``, the sum of squared probabilities (no gradient) None
+    unless ``with_sum_pi_squared``."""
     if targets.shape != logits.shape[:-1]:
         raise ValueError(f"targets {tuple(targets.shape)} must have the logits' leading shape {tuple(logits.shape[:-1])}")
     if not temperature or temperature <= 0:
         temperature = 1.0
-    return _TokenLogProbs.apply(logits, targets, float(temperature), with_entropy)
+    return _TokenLogProbs.apply(logits, targets, float(temperature), with_entropy, with_sum_pi_squared)

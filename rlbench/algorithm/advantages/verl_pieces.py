@@ -1,7 +1,8 @@
 """verl's advantage-side pieces, re-implemented as pure functions: the optimal token baseline (and its
 tool-integrated variant), GDPO's reward-decoupled normalisation and PF-PPO's reward-based batch
 re-weighting. Each is documented with its equation and source; docs/algorithms.md ("verl's
-advantage-side pieces") says how each maps to verl's name and what is not wired into the step yet.
+advantage-side pieces") says how each maps to verl's name. The registered advantages
+``optimal_token_baseline``, ``tir_optimal_token_baseline`` and ``gdpo`` select them from the config.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 
 import torch
 
-from rlbench.algorithm.advantages.common import _tokens, _valid, _whiten
+from rlbench.algorithm.advantages.common import _token_rewards, _tokens, _valid, _whiten
 from rlbench.algorithm.advantages.group_relative import grpo_advantage
 from rlbench.algorithm.registry import ADVANTAGES
 from rlbench.errors import ConfigError
@@ -151,6 +152,56 @@ def optimal_token_baseline_from_returns(
     members = torch.zeros(int(index.max().item()) + 1, dtype=torch.long, device=index.device).index_add_(
         0, index, (lengths > 0).long())[index]
     return torch.where((members > 1)[:, None] & valid, returns - baseline, 0.0)
+
+
+def _check_otb_params(params: dict[str, Any]) -> None:
+    if params["epsilon"] < 0:
+        raise ConfigError(f"algorithm.advantage.epsilon must be >= 0, got {params['epsilon']}")
+
+
+@ADVANTAGES.register("optimal_token_baseline", advantage_level="token", check_params=_check_otb_params)
+def otb_advantage(
+    rewards: torch.Tensor,
+    group_index: torch.Tensor,
+    response_mask: torch.Tensor,
+    old_logp: torch.Tensor,
+    sum_pi_squared: torch.Tensor,
+    token_rewards: torch.Tensor | None = None,
+    handle_zero_tail: bool = True,
+    epsilon: float = 1e-8,
+) -> torch.Tensor:
+    """verl's ``optimal_token_baseline`` (PR #3849): ``optimal_token_baseline_advantage`` with
+    positions="column",
+
+        W_i,t = sum_{j <= t} (1 - 2 pi_old(o_i,j) + sum_v pi_old(v)^2),   G_i,t = sum_{s >= t} r_i,s
+        A_i,t = G_i,t - sum_{k in g} G_k,t W_k,t / (sum_{k in g} W_k,t + epsilon)
+
+    r = token_rewards (the KL-in-reward penalty), else the outcome reward on the last trained token;
+    pi_old and sum_pi_squared come from the sampling pass. No rollout importance weights (rho = 1)."""
+    token_rewards = _token_rewards(rewards, response_mask, token_rewards)
+    return optimal_token_baseline_advantage(token_rewards, group_index, response_mask, old_logp, sum_pi_squared,
+                                            positions="column", handle_zero_tail=handle_zero_tail, epsilon=epsilon)
+
+
+@ADVANTAGES.register("tir_optimal_token_baseline", advantage_level="token", check_params=_check_otb_params)
+def tir_otb_advantage(
+    rewards: torch.Tensor,
+    group_index: torch.Tensor,
+    response_mask: torch.Tensor,
+    old_logp: torch.Tensor,
+    sum_pi_squared: torch.Tensor,
+    token_rewards: torch.Tensor | None = None,
+    handle_zero_tail: bool = True,
+    epsilon: float = 1e-8,
+) -> torch.Tensor:
+    """verl's ``tir_optimal_token_baseline`` (the tool-integrated variant of PR #3849):
+    ``optimal_token_baseline_advantage`` with positions="trained": observation tokens (response mask 0,
+    rollout=multi_turn) are removed before the positions are aligned, so the baseline of position k is
+    over the k-th generated token of every response of the group; observation tokens get A = 0. Without
+    observation tokens it equals ``optimal_token_baseline``."""
+    token_rewards = _token_rewards(rewards, response_mask, token_rewards)
+    return optimal_token_baseline_advantage(token_rewards, group_index, response_mask, old_logp, sum_pi_squared,
+                                            positions="trained", handle_zero_tail=handle_zero_tail, epsilon=epsilon)
 
 
 def gdpo_advantage(
