@@ -179,3 +179,14 @@ def test_resume_continues_with_the_critic_it_started_with(tmp_path, toy_traces):
     assert trained(resumed) == trained(reference)
     for name in RESULT_FILES:
         assert (resumed / name).read_bytes() == (reference / name).read_bytes(), name
+
+
+def test_the_memory_check_counts_the_fitted_models_beside_the_reference(make_cfg, monkeypatch):
+    import rlbench.validation as validation
+
+    counted = []
+    monkeypatch.setattr(validation, "check_fits_here", lambda *a, frozen_models, **k: counted.append(frozen_models))
+    validate_config(make_cfg("experiment=smoke", "algorithm=direct_advantage_po", "rollout=offline", "algorithm.step_critic={k: 2}"))
+    validate_config(make_cfg("experiment=smoke", "algorithm=dr_preference", "rollout=offline", "algorithm.preference_model={epochs: 1}"))
+    validate_config(make_cfg("experiment=smoke", "algorithm=dr_preference", "rollout=offline"))
+    assert counted == [2, 2, 1]  # pi_ref and the fitted model; pi_ref alone

@@ -3,7 +3,9 @@ device's, and (for paper presets) the response length against the task.
 
 Training keeps fp32 master weights, their gradients and AdamW's two moments: 16 bytes per parameter,
 plus 4 for each frozen model it loads beside the policy (the reference model of a KL term or of a loss that
-reads pi_ref, RTO's DPO model: ``frozen_models``, counted by the caller from the composed algorithm);
+reads pi_ref, RTO's DPO model, a model fitted before the actor and frozen while it trains: Direct Advantage PO's
+step critic, DRPO's preference model; ``frozen_models``, counted by the caller from the composed algorithm; the
+fit's own gradients and moments come before the policy's exist);
 evaluation keeps the weights, 4 bytes.
 Activations come on top, so a run that passes can still run out of memory; one that fails cannot run.
 """
