@@ -43,6 +43,7 @@ from rlbench.model.lora import apply_lora, is_lora, save_lora
 from rlbench.reward.graders import make_grader, training_grader
 from rlbench.rollout import make_engine
 from rlbench.rollout.engines.base import SamplingParams
+from rlbench.rollout.env import env_factory
 from rlbench.training import checkpoint
 from rlbench.training.distributed import (
     SINGLE, World, check_shardable, close_world, full_model_state, init_world, launched_rank,
@@ -268,7 +269,8 @@ class Run:
         shown = self.benchmarks if self.training_run is None else in_strategy_context(self.benchmarks, self.training_run.ctx.strategy)
         result = evaluate(policy.engine, policy.tokenizer, shown, n=ev.n, ks=ev.k,
                           params=SamplingParams(ev.temperature, ev.top_p, ev.max_new_tokens),
-                          seed=make_generator(self.config.seed, STREAM_EVAL).initial_seed(), world=self.world, rounds=ev.rounds)
+                          seed=make_generator(self.config.seed, STREAM_EVAL).initial_seed(), world=self.world, rounds=ev.rounds,
+                          env=env_factory(self.config.env, None, self.config.sandbox))  # env=: each sample an episode
         self.logger.log_evaluation(step, result.with_phase(phase).rows)
         faults.kill_point("eval", step)
         return result

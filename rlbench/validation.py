@@ -396,6 +396,9 @@ def check_run(cfg: DictConfig, origins: ValueOrigins) -> Algorithm:
     config = typed_config(cfg)
     check_fidelity(config)
     validate_env(config.env, config.rollout.strategy, config.mode)
+    if config.env is not None and config.eval.rounds > 1:
+        raise ConfigError(f"eval.rounds={config.eval.rounds} (multi-round inference) does not combine with env={config.env.name} "
+                          "(each sample is an episode through the environment); set eval.rounds=1")
     device = resolve_device(config.device)
     algorithm = Algorithm.from_config(algorithm_settings(config.algorithm))
 

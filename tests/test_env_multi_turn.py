@@ -205,8 +205,10 @@ def test_configuration_is_checked_before_the_model_loads(tmp_path):
         validate_env(None, "multi_turn")
     with pytest.raises(ConfigError, match="only used by rollout=multi_turn"):
         validate_env(cfg.env, "iid")
-    with pytest.raises(ConfigError, match="mode=eval through an environment is not built"):
-        validate_env(cfg.env, "multi_turn", "eval")
+    validate_env(cfg.env, "multi_turn", "eval")  # evaluation runs episodes (tests/test_eval_env.py)
+    validate_env(cfg.env, "iid", "eval")  # mode=eval trains nothing: the strategy does not matter
+    with pytest.raises(ConfigError, match="mode=generate writes single-turn traces"):
+        validate_env(cfg.env, "multi_turn", "generate")
     with pytest.raises(ConfigError, match="no key"):
         validate_env(EnvConfig(name="gridworld", settings={"gridworld": {"sise": 4}}), "multi_turn")
     with pytest.raises(ConfigError, match="unknown"):

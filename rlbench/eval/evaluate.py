@@ -1,4 +1,10 @@
-"""Evaluation: n samples per problem on every benchmark of a suite, graded, then pass@k tables."""
+"""Evaluation: n samples per problem on every benchmark of a suite, graded, then pass@k tables.
+
+With an environment (``env=<name>``: ``rlbench mode=eval env=python_tool``, and the evaluations of a run
+that trains with rollout=multi_turn) each sample is an episode through it, run by the training's own
+episode loop (rlbench.rollout.strategies.multi_turn.EpisodeRunner) and graded as training grades an
+episode (the environment's verdict on its return); pass@k is then over the n episodes of a problem, and
+each sample of the samples file lists its turns (docs/agents.md)."""
 
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from rlbench.eval.metrics import METRIC_COLUMNS, ProblemResult, summarize
 from rlbench.prompting import encode_prompts
 from rlbench.reward import canonical_answer, grade_completions
 from rlbench.rollout.engines.base import Completion, GenerationRequest, RolloutEngine, SamplingParams
+from rlbench.rollout.strategies.multi_turn import Episode, EpisodeRunner, episode_turns, grade_episode
 from rlbench.rollout.strategies.multiround import round_problem
 from rlbench.utils import Progress
 
@@ -120,11 +127,16 @@ def evaluate(
     world: Any = None,
     progress_interval: float = 5.0,
     rounds: int = 1,
+    env: Any = None,
 ) -> EvalResult:
     """Sample ``n`` completions per problem, grade them and summarise pass@k / maj@k / accuracy.
 
     ``rounds`` > 1 (``eval.rounds``): each sample is MOTIF's multi-round inference, graded on its last
     round (:func:`final_rounds`).
+
+    ``env`` (an rlbench.rollout.env.EnvFactory; the run's ``env``): each sample is an episode through the
+    environment (:func:`run_episodes`), graded by the environment's verdict, as in training; the budget is
+    ``env.max_turns`` turns of ``env.turn_tokens`` per sample, and each sample row gets its ``turns``.
 
     Each problem's samples draw from their own stream, :func:`problem_seed` (seed, benchmark,
     uid): the evaluation before and after training draws the same random numbers (a paired
@@ -139,33 +151,42 @@ def evaluate(
     Progress (:class:`BudgetProgress`) goes to stderr at most every ``progress_interval`` seconds,
     while samples decode.
     """
+    if env is not None and rounds > 1:
+        raise ValueError("eval.rounds > 1 (multi-round inference) and an environment (env=) do not combine")
     start = time.perf_counter()
     results: list[ProblemResult] = []
     samples: list[dict] = []
     shares = [world.shard_padded(b.problems) if world is not None and b.problems else (b.problems, len(b.problems)) for b in benchmarks]
-    progress = BudgetProgress(sum(len(own) for own, _ in shares), n * rounds, params.max_new_tokens, progress_interval,
+    budget = params.max_new_tokens if env is None else env.config.max_turns * env.config.turn_tokens  # every turn counts
+    progress = BudgetProgress(sum(len(own) for own, _ in shares), n * rounds, budget, progress_interval,
                               enabled=world is None or world.is_main)  # rank 0 speaks for its share
     params = dataclasses.replace(params, on_budget=progress.used)
     for bench, (own, real) in zip(benchmarks, shares):
         for lo in range(0, len(own), chunk_prompts):
             chunk = own[lo : lo + chunk_prompts]
-            prompt_ids = encode_prompts(tokenizer, chunk, bench.spec["prompt"])
-            requests = [
-                GenerationRequest(prompt_ids=ids, n=n, seed=problem_seed(seed, bench.name, p.uid))
-                for ids, p in zip(prompt_ids, chunk)
-            ]
             progress.begin(bench.name, len(chunk))
-            groups = engine.generate(requests, params)
-            if rounds > 1:
-                groups = final_rounds(engine, tokenizer, bench, chunk, groups, rounds, params, seed)
-            flat = [c for group in groups for c in group]
-            all_grades = grade_completions(bench.grader, [p for p, g in zip(chunk, groups) for _ in g], flat)
+            episodes: list[Episode] = []
+            if env is not None:
+                groups, episodes = run_episodes(engine, tokenizer, bench, chunk, env, n, params, seed)
+                all_grades = [grade_episode(e, env.config.name) for e in episodes]
+            else:
+                prompt_ids = encode_prompts(tokenizer, chunk, bench.spec["prompt"])
+                requests = [
+                    GenerationRequest(prompt_ids=ids, n=n, seed=problem_seed(seed, bench.name, p.uid))
+                    for ids, p in zip(prompt_ids, chunk)
+                ]
+                groups = engine.generate(requests, params)
+                if rounds > 1:
+                    groups = final_rounds(engine, tokenizer, bench, chunk, groups, rounds, params, seed)
+                flat = [c for group in groups for c in group]
+                all_grades = grade_completions(bench.grader, [p for p, g in zip(chunk, groups) for _ in g], flat)
             votable = spec_value(bench.spec, "answer_type") != "code"  # programs cannot vote
             offset = 0
             for position, (problem, group) in enumerate(zip(chunk, groups), start=lo):
                 if position >= real:  # padding of this rank's share (scored by another rank)
                     break
                 grades = all_grades[offset : offset + len(group)]
+                group_episodes = episodes[offset : offset + len(group)]
                 offset += len(group)
                 results.append(
                     ProblemResult(
@@ -176,7 +197,7 @@ def evaluate(
                         votable=votable,
                     )
                 )
-                for c, g in zip(group, grades):
+                for i, (c, g) in enumerate(zip(group, grades)):
                     samples.append(
                         {
                             "benchmark": bench.name,
@@ -190,6 +211,7 @@ def evaluate(
                             "response_tokens": len(c.response_ids),
                             "grader_error": g.error,
                             **({"grader_details": g.details} if getattr(g, "details", None) else {}),
+                            **(episode_fields(group_episodes[i], tokenizer) if group_episodes else {}),
                         }
                     )
             progress.end_chunk()
@@ -218,6 +240,33 @@ def evaluate(
         grader_errors=errors,
         skipped=skipped,
     )
+
+
+def run_episodes(
+    engine: RolloutEngine, tokenizer: Any, bench: Benchmark, problems: Sequence[Problem], env: Any, n: int,
+    params: SamplingParams, seed: int,
+) -> tuple[list[list[Completion]], list[Episode]]:
+    """``n`` episodes per problem through the environment, run to their end by rollout=multi_turn's episode
+    loop (the same turns, turn ends, caps and end reasons as in training; tool code runs in the sandbox
+    with the run's limits) on the benchmark's prompt templates; the environment grades final answers with
+    the benchmark's grader. Episode k of a problem draws from its own stream (:func:`problem_seed` of the
+    benchmark and k; each turn its own seed from it), so the evaluations before and after training draw the
+    same numbers. Returns the completions per problem (every turn's tokens, observations included) and the
+    episodes, flat in the same order."""
+    runner = EpisodeRunner(env.with_context(grader=bench.grader), tokenizer, bench.spec["prompt"], engine.generate, params)
+    episodes = [runner.start(problem, seed=problem_seed(seed, f"{bench.name}/episode{k}", problem.uid))
+                for problem in problems for k in range(n)]
+    runner.run_to_end(episodes, time.perf_counter())
+    completions = [e.completion(tokenizer) for e in episodes]
+    return [completions[i * n : (i + 1) * n] for i in range(len(problems))], episodes
+
+
+def episode_fields(e: Episode, tokenizer: Any) -> dict[str, Any]:
+    """What a sample row adds for an episode: its turns (number, the policy's text, the observation that
+    followed), the reason it ended, its tool calls and errors, and its policy tokens (``response_tokens``
+    counts the observations too)."""
+    return {"turns": episode_turns(e, tokenizer), "ended_by": e.ended_by, "tool_calls": e.tool_calls,
+            "tool_errors": e.tool_errors, "policy_tokens": sum(e.loss_mask)}
 
 
 def final_rounds(

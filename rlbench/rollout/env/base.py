@@ -149,17 +149,20 @@ def env_options(config: EnvConfig) -> Any:
 
 def validate_env(config: EnvConfig | None, strategy: str, mode: str = "train") -> None:
     """Refuse a multi-turn strategy without an environment, an unknown environment or bad options,
-    before the model loads; an environment that would be ignored (a single-turn strategy, or mode=eval and
-    mode=generate, which do not run episodes yet) is refused too."""
+    before the model loads; an environment that would be ignored is refused too: a training run whose
+    strategy is single-turn (its evaluations would run episodes its training never does), and
+    mode=generate (its traces are single-turn answers). mode=eval runs each sample as an episode through
+    the environment (rlbench.eval.evaluate), whatever the rollout strategy (it samples nothing for training)."""
     if config is None:
         if strategy == "multi_turn" and mode == "train":
             raise ConfigError("rollout=multi_turn needs an environment: add env=<name> (conf/env/)")
         return
-    if strategy != "multi_turn":
-        raise ConfigError(f"env={config.name} is only used by rollout=multi_turn (this run has rollout={strategy})")
-    if mode != "train":
-        raise ConfigError(f"env={config.name} runs training episodes only; mode={mode} through an environment is not "
-                          "built yet (docs/agents.md)")
+    if mode == "generate":
+        raise ConfigError(f"env={config.name}: mode=generate writes single-turn traces and does not run episodes "
+                          "through an environment; drop env= (mode=eval env=<name> evaluates through one)")
+    if mode == "train" and strategy != "multi_turn":
+        raise ConfigError(f"env={config.name} is only used by rollout=multi_turn (this run has rollout={strategy}); "
+                          f"to evaluate through it without training: mode=eval env={config.name}")
     env_options(config)
 
 

@@ -41,6 +41,7 @@ responses, and the end reasons.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 import time
@@ -57,7 +58,7 @@ from rlbench.dataset.prompts import build_messages
 from rlbench.errors import ConfigError
 from rlbench.prompting import encode_prompts
 from rlbench.reward.math import Grade
-from rlbench.rollout.engines.base import Completion, GenerationRequest
+from rlbench.rollout.engines.base import Completion, GenerationRequest, SamplingParams
 from rlbench.rollout.env.base import (
     Environment,
     EnvTimeout,
@@ -117,6 +118,7 @@ class Episode:
     ended_by: str = ""
     seconds: float = 0.0
     trained_turn: int | None = None  # branch=random_turn: the one turn (0-based) whose tokens are trained
+    seed: int | None = None  # the episode's own random stream (evaluation: each turn's request seeded); None: the runner's generator
 
     @property
     def done(self) -> bool:
@@ -201,14 +203,61 @@ class MultiTurnRollout(RolloutStrategy):
         if setup.env is None:
             raise ValueError("rollout=multi_turn needs an environment (env=<name>)")
         start = time.perf_counter()
+        runner = self.runner()
         branch_metrics: dict[str, float] = {}
         if self.options.branch == "random_turn":
-            episodes, branch_metrics = self.branched(problems, start)
+            episodes, branch_metrics = self.branched(runner, problems, start)
         else:
-            episodes = [self.start(problem) for problem in problems for _ in range(setup.n)]
-        self.run_to_end(episodes, start)
+            episodes = [runner.start(problem) for problem in problems for _ in range(setup.n)]
+        runner.run_to_end(episodes, start)
         groups, metrics = self.graded(problems, episodes)
         return groups, {**metrics, **branch_metrics}
+
+    def runner(self) -> EpisodeRunner:
+        """The episode loop on this step's setup (its sampler, random stream and sampling parameters)."""
+        setup = self.setup
+        return EpisodeRunner(setup.env, setup.sampler.tokenizer, setup.sampler.prompt_spec,
+                             lambda requests, params: setup.sampler.generate(requests, params, setup.generator), setup.params)
+
+    def branched(self, runner: EpisodeRunner, problems: list[Problem], start: float) -> tuple[list[Episode], dict[str, float]]:
+        """REFUEL's groups (module docstring): per problem a roll-in to turn h - 1, then ``n`` forks."""
+        turns = int(self.setup.env.config.max_turns)
+        branch_turns = [1 + int(h) for h in torch.randint(turns, (len(problems),), generator=self.setup.generator)]
+        roots = [runner.start(problem) for problem in problems]
+        runner.run_to_end(roots, start, until=[h - 1 for h in branch_turns])
+        missed = sum(root.done for root in roots)
+        episodes = [root.fork() for root in roots for _ in range(self.setup.n)]
+        return episodes, {"multi_turn_branch_turn": sum(branch_turns) / max(len(problems), 1),
+                          "multi_turn_branch_missed": float(missed)}
+
+    def graded(self, problems: list[Problem], episodes: list[Episode]) -> tuple[GradedGroups, dict[str, float]]:
+        """The episodes as graded groups (one per problem) and the step's multi-turn metrics."""
+        sampler, n = self.setup.sampler, self.setup.n
+        completions = [e.completion(sampler.tokenizer) for e in episodes]
+        groups = [completions[i * n : (i + 1) * n] for i in range(len(problems))]
+        grades = [grade_episode(e, self.setup.env.config.name) for e in episodes]
+        outcome = torch.tensor([g.reward for g in grades], dtype=torch.float32)
+        inputs = shaping_inputs(groups, grades, self.setup.env.config.max_tokens, sampler.tokenizer)
+        inputs["response_lengths"] = torch.tensor([sum(c.loss_mask) for c in completions], dtype=torch.long)
+        rewards = sampler.shape_rewards(outcome, inputs).to(torch.float32)
+        graded = GradedGroups(list(problems), groups, grades, rewards, outcome, inputs["finished"], list(range(len(groups))))
+        return graded, episode_metrics(episodes)
+
+
+@dataclass
+class EpisodeRunner:
+    """The episode loop (module docstring), one for training and evaluation: rollout=multi_turn runs its
+    step's episodes with it, and the evaluation (rlbench.eval.evaluate, with ``env`` set) runs each sampled
+    answer as an episode with it. ``env`` is the EnvFactory (its ``config``: the caps), ``prompt_spec`` the
+    prompt templates whose system message heads the prompt, ``generate(requests, params)`` the engine call
+    (training: the sampler's, with the step's generator; evaluation: the engine's, every request seeded),
+    ``params`` the sampling parameters (the turn's budget is ``env.turn_tokens``)."""
+
+    env: Any
+    tokenizer: Any
+    prompt_spec: Any
+    generate: Callable[[list[GenerationRequest], SamplingParams], list[list[Completion]]]
+    params: SamplingParams
 
     def run_to_end(self, episodes: list[Episode], start: float, until: list[int] | None = None) -> None:
         """Advance ``episodes`` together until each is done (or, with ``until``, has taken ``until[i]`` turns)."""
@@ -220,37 +269,28 @@ class MultiTurnRollout(RolloutStrategy):
                 if e.done:
                     e.seconds = now
 
-    def branched(self, problems: list[Problem], start: float) -> tuple[list[Episode], dict[str, float]]:
-        """REFUEL's groups (module docstring): per problem a roll-in to turn h - 1, then ``n`` forks."""
-        turns = int(self.setup.env.config.max_turns)
-        branch_turns = [1 + int(h) for h in torch.randint(turns, (len(problems),), generator=self.setup.generator)]
-        roots = [self.start(problem) for problem in problems]
-        self.run_to_end(roots, start, until=[h - 1 for h in branch_turns])
-        missed = sum(root.done for root in roots)
-        episodes = [root.fork() for root in roots for _ in range(self.setup.n)]
-        return episodes, {"multi_turn_branch_turn": sum(branch_turns) / max(len(problems), 1),
-                          "multi_turn_branch_missed": float(missed)}
-
-    def start(self, problem: Problem) -> Episode:
+    def start(self, problem: Problem, seed: int | None = None) -> Episode:
         """A new episode: its environment, reset, and the prompt: the dataset's system message (if any)
         and, as the user message, the environment's first observation alone (the dataset's user template
-        asks for a single-turn answer)."""
-        env = self.setup.env()
+        asks for a single-turn answer). ``seed``: the episode's own random stream (evaluation; each turn's
+        request draws from :func:`turn_seed` of it); None: the runner's generator."""
+        env = self.env()
         first = env.reset(problem)
-        messages = build_messages(problem, self.setup.sampler.prompt_spec)
+        messages = build_messages(problem, self.prompt_spec)
         system = messages[0]["content"] if messages[0]["role"] == "system" else None
         spec = {"system": system, "user": "{problem}"}
-        prompt = encode_prompts(self.setup.sampler.tokenizer, [dataclasses.replace(problem, prompt=first.observation)], spec)[0]
-        return Episode(problem, env, tuple(prompt), state=state_id(first.state_key))
+        prompt = encode_prompts(self.tokenizer, [dataclasses.replace(problem, prompt=first.observation)], spec)[0]
+        return Episode(problem, env, tuple(prompt), state=state_id(first.state_key), seed=seed)
 
     def advance(self, active: list[Episode]) -> None:
         """One turn of every episode in ``active``: generate (one engine call), cut each at its turn end, then
         step the environments (in parallel, ``env.workers`` at once, each bounded by ``env.step_timeout_s``)."""
-        sampler, caps, tokenizer = self.setup.sampler, self.setup.env.config, self.setup.sampler.tokenizer
-        params = dataclasses.replace(self.setup.params, max_new_tokens=caps.turn_tokens)
-        requests = [GenerationRequest(e.prompt_ids, 1, prefix_ids=tuple(e.response_ids), score_prefix=False) for e in active]
+        caps, tokenizer = self.env.config, self.tokenizer
+        params = dataclasses.replace(self.params, max_new_tokens=caps.turn_tokens)
+        requests = [GenerationRequest(e.prompt_ids, 1, prefix_ids=tuple(e.response_ids), score_prefix=False,
+                                      seed=None if e.seed is None else turn_seed(e.seed, e.turns)) for e in active]
         turns = []
-        for e, (c,) in zip(active, sampler.generate(requests, params, self.setup.generator)):
+        for e, (c,) in zip(active, self.generate(requests, params)):
             new, logprobs = c.response_ids[len(e.response_ids):], c.logprobs[len(e.response_ids):]
             room = caps.max_tokens - len(e.response_ids)
             k = turn_length(new, e.env, tokenizer)
@@ -268,7 +308,7 @@ class MultiTurnRollout(RolloutStrategy):
     def apply(self, e: Episode, outcome: tuple[Any, BaseException | None], stopped: bool) -> None:
         """Apply the environment's answer to the turn just taken (``outcome``: its StepResult or the
         exception it raised), or end the episode."""
-        caps = self.setup.env.config
+        caps = self.env.config
         result, error = outcome
         if isinstance(error, EnvTimeout):
             e.ended_by = "env_timeout"
@@ -291,7 +331,7 @@ class MultiTurnRollout(RolloutStrategy):
         elif result.tool_calls and e.tool_calls >= caps.max_tool_calls:
             e.ended_by = "tool_call_cap"
         else:
-            ids = self.setup.sampler.tokenizer.encode(result.observation, add_special_tokens=False)
+            ids = self.tokenizer.encode(result.observation, add_special_tokens=False)
             if len(ids) > caps.max_observation_tokens:
                 e.ended_by = "observation_too_long"
             elif len(e.response_ids) + len(ids) >= caps.max_tokens:
@@ -299,24 +339,35 @@ class MultiTurnRollout(RolloutStrategy):
             else:
                 e.add_observation(ids)
 
-    def graded(self, problems: list[Problem], episodes: list[Episode]) -> tuple[GradedGroups, dict[str, float]]:
-        """The episodes as graded groups (one per problem) and the step's multi-turn metrics."""
-        sampler, n = self.setup.sampler, self.setup.n
-        completions = [e.completion(sampler.tokenizer) for e in episodes]
-        groups = [completions[i * n : (i + 1) * n] for i in range(len(problems))]
-        grades: list[Grade] = []
-        for e in episodes:
-            try:
-                grades.append(e.env.grade(e.total_reward))
-            except Exception as error:  # noqa: BLE001 - counted as an environment error, graded 0
-                log.warning("environment %s could not grade an episode: %s", self.setup.env.config.name, error)
-                grades.append(Grade(correct=False, extracted=None, reward=0.0, format_ok=False, error=str(error)))
-        outcome = torch.tensor([g.reward for g in grades], dtype=torch.float32)
-        inputs = shaping_inputs(groups, grades, self.setup.env.config.max_tokens, sampler.tokenizer)
-        inputs["response_lengths"] = torch.tensor([sum(c.loss_mask) for c in completions], dtype=torch.long)
-        rewards = sampler.shape_rewards(outcome, inputs).to(torch.float32)
-        graded = GradedGroups(list(problems), groups, grades, rewards, outcome, inputs["finished"], list(range(len(groups))))
-        return graded, episode_metrics(episodes)
+
+def grade_episode(e: Episode, env_name: str) -> Grade:
+    """The environment's verdict on a finished episode (``Environment.grade`` of its return); an environment
+    that fails to grade scores the episode 0 (the error kept on the grade). Training and evaluation grade
+    an episode with it."""
+    try:
+        return e.env.grade(e.total_reward)
+    except Exception as error:  # noqa: BLE001 - counted as an environment error, graded 0
+        log.warning("environment %s could not grade an episode: %s", env_name, error)
+        return Grade(correct=False, extracted=None, reward=0.0, format_ok=False, error=str(error))
+
+
+def turn_seed(episode_seed: int, turn: int) -> int:
+    """The seed of an episode's turn ``turn`` (0-based) when the episode has its own stream (evaluation)."""
+    digest = hashlib.sha256(f"{int(episode_seed)}\0turn\0{int(turn)}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 2
+
+
+def episode_turns(e: Episode, tokenizer: Any) -> list[dict[str, Any]]:
+    """The episode turn by turn: per policy turn its number (from 1), the policy's text and the observation
+    the environment answered with (empty after the last turn), as the evaluation's samples file shows them."""
+    segments: list[tuple[int, list[int], list[int]]] = []  # (turn, policy tokens, observation tokens)
+    for token, step in zip(e.response_ids, e.step_index):
+        if step >= 0 and (not segments or segments[-1][0] != step):
+            segments.append((step, [], []))
+        if segments:
+            (segments[-1][1] if step >= 0 else segments[-1][2]).append(token)
+    return [{"turn": turn + 1, "policy": tokenizer.decode(policy, skip_special_tokens=True),
+             "observation": tokenizer.decode(observed, skip_special_tokens=True)} for turn, policy, observed in segments]
 
 
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
