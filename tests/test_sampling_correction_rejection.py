@@ -100,3 +100,39 @@ def test_rollout_rs_mode_passes_the_config_check_and_unknown_is_refused(make_cfg
         validate_config(make_cfg("experiment=smoke", "+algorithm.sampling_correction={mode: token_k3}"))
     with pytest.raises(ConfigError, match="seq_mean_k1"):
         validate_config(make_cfg("experiment=smoke", "+algorithm.sampling_correction={mode: seq_k2}"))
+
+
+# verl's rollout_rs options (verl/trainer/ppo/rollout_corr_helper.py, SUPPORTED_ROLLOUT_RS_OPTIONS, read
+# 2026-12-05 at commit e1904109): token_k1 is rlbench's `reject`, the other ten are modes of the same name.
+VERL_ROLLOUT_RS_OPTIONS = {"token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+                           "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3"}
+
+
+def test_the_mode_names_are_verls_options():
+    assert set(DIVERGENCE_REJECTION_MODES) == VERL_ROLLOUT_RS_OPTIONS - {"token_k1"}
+
+
+def verl_k1_keep(statistic: torch.Tensor, lower: float, upper: float) -> torch.Tensor:
+    """verl's k1 rule, from its definition: the k1 statistic is -log r (r = pi_train / pi_rollout) and a
+    `lower_upper` threshold keeps log lower <= statistic <= log upper."""
+    return ((statistic >= math.log(lower)) & (statistic <= math.log(upper))).to(torch.float64)
+
+
+@pytest.mark.parametrize("low, high", [(0.5, 2.0), (0.9, 1.5)])
+def test_k1_bounds_are_on_the_importance_weight_and_equal_verls_with_bounds_mirrored(low, high):
+    """The choice: rlbench's [low, high] bounds the importance weight pi_old / pi_sampler, as `mask`,
+    `reject` and `truncate` do. verl's k1 statistic is -log r, so its `lower_upper` bounds pi_rollout /
+    pi_old: its [a, b] keeps what rlbench's [1 / b, 1 / a] keeps. With low = 1 / high (the default of
+    both) the two are the same rule; with asymmetric bounds they are mirrored (docs/algorithms.md)."""
+    sums = (LOG_RATIO * MASK).sum(-1, keepdim=True)
+    means = sums / MASK.sum(-1, keepdim=True)
+    for mode, statistic in (("seq_sum_k1", -sums), ("seq_mean_k1", -means)):
+        ours = keep(mode, low=low, high=high)
+        assert torch.equal(ours, MASK * verl_k1_keep(statistic, 1 / high, 1 / low))
+        if math.isclose(low * high, 1.0):
+            assert torch.equal(ours, MASK * verl_k1_keep(statistic, low, high))
+    # with bounds [0.9, 1.5], response 1 (summed log-ratio 0.2: weight 1.22, inverse 0.82) is kept here
+    # and rejected by verl's rule on the same numbers
+    ours = keep("seq_sum_k1", low=0.9, high=1.5)
+    assert torch.equal(ours[:, :1], torch.tensor([[1.0], [1.0], [0.0]], dtype=torch.float64))
+    assert verl_k1_keep(-sums, 0.9, 1.5).flatten().tolist() == [1.0, 0.0, 0.0]

@@ -35,7 +35,11 @@ verl's other ``rollout_rs`` modes are modes here too (:data:`DIVERGENCE_REJECTIO
 ``threshold``; ``seq_sum_k1``/``seq_mean_k1`` reject a whole response whose summed / mean log-ratio,
 exponentiated, lies outside [low, cap]; ``seq_{sum,mean,max}_{k2,k3}`` reject a response whose summed /
 mean / largest token divergence exceeds ``threshold``. Kept tokens weigh 1, rejected ones 0, and
-``rejected_tokens: drop`` takes them out of the mask as for ``reject``.
+``rejected_tokens: drop`` takes them out of the mask as for ``reject``. The names are verl's
+``SUPPORTED_ROLLOUT_RS_OPTIONS`` (its ``token_k1`` is ``reject``). verl's k1 statistic is -log rho, so its
+``lower_upper`` bounds pi_rollout / pi_old; ``low`` and ``cap`` here bound rho itself, as every other mode's
+do: verl's [a, b] is [1/b, 1/a] here (the same rule when low = 1 / cap, the default). verl chains several
+options in one run; here a run takes one.
 
 Two options follow verl's ``rollout_is`` weights (``compute_rollout_correction_weights`` in
 verl/trainer/ppo/rollout_corr_helper.py), both for ``mode: truncate`` only, as verl has them only for
