@@ -9,6 +9,7 @@ import torch
 from conftest import compose_config
 
 from rlbench.config.schema import AuxTasksConfig, TrainerConfig
+from rlbench.config.typed import rollout_config
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.reward import MathReward, grade_completions
@@ -152,7 +153,7 @@ def test_a_buffer_shorter_than_the_share_gives_what_it_has():
 ])
 def test_bad_settings_are_refused(setting, message):
     with pytest.raises(ConfigError, match=message):
-        check_aux_tasks(TrainerConfig(aux_tasks=AuxTasksConfig(**setting)))
+        check_aux_tasks(TrainerConfig(aux_tasks=AuxTasksConfig(**setting)), rollout_config({"strategy": "iid"}))
 
 
 def test_a_bad_share_is_refused_by_validation_before_the_model_loads(tmp_path):

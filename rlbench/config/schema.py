@@ -412,7 +412,8 @@ class AuxTasksConfig:
                         "of them (at least 1 when share > 0, at most prompts_per_step - 1), fewer (counted: aux_shortfall) while the buffer holds too few; in [0, 1)")
     kinds: list = knob(["pointwise", "pairwise", "reflection"], "the task kinds built: pointwise (is it correct? label: the "
                        "verifier's), pairwise (which of two is correct? mixed groups only, both orders), reflection (revise an "
-                       "incorrect answer; graded by the run's grader)")
+                       "incorrect answer; graded by the run's grader), eis_pairwise (EIS-GRPO's judge task: a pairwise question posed in "
+                       "both orders in one group; needs rollout=equivalent_states with two prefixes)")
     per_group: int = knob(1, "items of each kind built per graded group (pairwise: pairs, each in both orders)", ge=1)
     capacity: int = knob(256, "tasks the buffer keeps; the oldest leave first", ge=1)
 

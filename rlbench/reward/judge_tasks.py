@@ -7,6 +7,12 @@ model, and their grading rule.
   one correct and one incorrect response), "which is correct? 1 / 2"; both orderings are built.
 * ``reflection``: an incorrect response shown with the question, "revise it"; graded by the run's own grader
   against the problem's reference answer, so it is rewarded only if the revised answer verifies.
+* ``eis_pairwise``: EIS-GRPO's judge task (Xu et al. 2025, "J4R: Learning to Judge with Equivalent Initial State
+  Group Relative Policy Optimization", arXiv:2505.13346, section 3): the pairwise question as ONE task whose two
+  orderings are its equivalent initial states (``meta["equivalent_forms"]``, each a prompt and its label: the
+  label maps through the swap, "1" in one order is "2" in the other). ``rollout=equivalent_states`` samples
+  ``n / 2`` responses under each ordering into one group, so a judge that answers by position scores 1 in one
+  half and 0 in the other, and the group-relative advantage trains that bias away.
 
 A task is a :class:`~rlbench.dataset.base.Problem` whose ``meta["aux_task"]`` names its kind; a judge task's
 ``answer`` is its expected label and ``meta["labels"]`` the two labels. :func:`grade_judge_task` reads the
@@ -16,6 +22,7 @@ label of a response (the content of its last ``\\boxed{}`` when it has one, else
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,8 +33,9 @@ from rlbench.reward.judges import parse_label
 from rlbench.reward.math import Grade, extract_answer
 
 AUX_TASK_KEY = "aux_task"  # Problem.meta key naming an auxiliary task's kind
-AUX_TASK_KINDS = ("pointwise", "pairwise", "reflection")
-JUDGE_TASK_KINDS = ("pointwise", "pairwise")  # graded by their label; reflection by the run's grader
+AUX_TASK_KINDS = ("pointwise", "pairwise", "reflection", "eis_pairwise")
+JUDGE_TASK_KINDS = ("pointwise", "pairwise", "eis_pairwise")  # graded by their label; reflection by the run's grader
+EQUIVALENT_FORMS_KEY = "equivalent_forms"  # Problem.meta key: the task's equivalent states, [{"prompt", "answer"}, ...]
 POINTWISE_LABELS = ("yes", "no")  # the response is correct / incorrect
 PAIRWISE_LABELS = ("1", "2")  # the first / the second response is the correct one
 
@@ -89,6 +97,24 @@ def pairwise_tasks(problem: Problem, texts: Sequence[str], right: int, wrong: in
     return [ordered(right, wrong), ordered(wrong, right)]
 
 
+def eis_pairwise_task(problem: Problem, texts: Sequence[str], right: int, wrong: int) -> Problem:
+    """Response ``right`` (correct) against ``wrong`` (incorrect) as one task with both orderings as its
+    equivalent forms, each with its own label; the task itself reads as the first ordering."""
+    first, second = pairwise_tasks(problem, texts, right, wrong)
+    forms = [{"prompt": t.prompt, "answer": t.answer} for t in (first, second)]
+    return _task(problem, "eis_pairwise", f"{right}-{wrong}", first.prompt, first.answer,
+                 labels=list(PAIRWISE_LABELS), **{EQUIVALENT_FORMS_KEY: forms})
+
+
+def equivalent_forms(problem: Problem) -> list[Problem] | None:
+    """The problem in each of its own equivalent forms (``meta["equivalent_forms"]``: its prompt and answer
+    replaced, the rest kept), or None when it has none."""
+    forms = (getattr(problem, "meta", None) or {}).get(EQUIVALENT_FORMS_KEY)
+    if not forms:
+        return None
+    return [dataclasses.replace(problem, prompt=f["prompt"], answer=f["answer"]) for f in forms]
+
+
 def reflection_tasks(problem: Problem, texts: Sequence[str], picks: Sequence[int]) -> list[Problem]:
     """"Revise this incorrect attempt" for each incorrect response in ``picks``; the answer is the problem's."""
     return [_task(problem, "reflection", f"{i}", REFLECTION_TASK.format(question=problem.prompt, response=texts[i]),
@@ -100,7 +126,7 @@ def build_judge_tasks(problem: Problem, texts: Sequence[str], grades: Sequence[G
     """SPARK's tasks from one graded group (``texts[i]`` graded ``grades[i]`` by the verifier): for each kind
     in ``kinds``, up to ``per_group`` items, the responses drawn by ``rng`` (pairwise: ``per_group`` pairs of a
     correct and an incorrect response, each in both orderings; none from a group that is all correct or all
-    incorrect; reflection: incorrect responses only). An auxiliary task's own group gives none."""
+    incorrect; eis_pairwise: the same pairs, each one task with both orderings as its forms; reflection: incorrect responses only). An auxiliary task's own group gives none."""
     if is_aux_task(problem):
         return []
     correct = [bool(g.correct) for g in grades]
@@ -117,6 +143,8 @@ def build_judge_tasks(problem: Problem, texts: Sequence[str], grades: Sequence[G
         elif kind == "pairwise" and right and wrong:
             for _ in range(per_group):
                 tasks += pairwise_tasks(problem, texts, int(rng.choice(right)), int(rng.choice(wrong)))
+        elif kind == "eis_pairwise" and right and wrong:
+            tasks += [eis_pairwise_task(problem, texts, int(rng.choice(right)), int(rng.choice(wrong))) for _ in range(per_group)]
         elif kind == "reflection":
             tasks += reflection_tasks(problem, texts, pick(wrong))
     return tasks

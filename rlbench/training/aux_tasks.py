@@ -5,8 +5,9 @@ prompt sampler. The tasks go through the same rollout, grading (``grade_completi
 its label) and loss as the dataset's prompts: SPARK's "same GRPO loss" (arXiv:2509.22624, section 3).
 
 The buffer, its random stream and its counters are part of the curriculum's checkpoint state, so a resumed
-run draws the same tasks as an uninterrupted one. CodeRL+'s execution tasks and EIS-GRPO's judge task are the
-next builders of this seam (docs/judges.md).
+run draws the same tasks as an uninterrupted one. EIS-GRPO's judge task (kind ``eis_pairwise``) is posed in
+its two orderings by rollout=equivalent_states. CodeRL+'s execution tasks are the next builder of this seam
+(docs/judges.md).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from rlbench.config.schema import AuxTasksConfig, TrainerConfig
+from rlbench.config.schema import AuxTasksConfig, RolloutConfig, TrainerConfig
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.reward.judge_tasks import (
@@ -28,13 +29,15 @@ from rlbench.reward.judge_tasks import (
     is_aux_task,
 )
 from rlbench.rollout import GradedGroups
+from rlbench.rollout.strategies.equivalent_states import state_prefixes
 from rlbench.utils import STREAM_AUX_TASKS
 
 log = logging.getLogger(__name__)
 
 
-def check_aux_tasks(trainer: TrainerConfig) -> None:
-    """Refuse bad ``trainer.aux_tasks`` settings before anything loads."""
+def check_aux_tasks(trainer: TrainerConfig, rollout: RolloutConfig) -> None:
+    """Refuse bad ``trainer.aux_tasks`` settings before anything loads (EIS-GRPO's judge task is posed in its two
+    orderings: it needs rollout=equivalent_states with two states)."""
     aux = trainer.aux_tasks
     if aux is None:
         return
@@ -44,6 +47,9 @@ def check_aux_tasks(trainer: TrainerConfig) -> None:
     unknown = [k for k in aux.kinds if k not in AUX_TASK_KINDS]
     if unknown or not aux.kinds:
         raise ConfigError(f"trainer.aux_tasks.kinds={list(aux.kinds)}: choose one or more of {list(AUX_TASK_KINDS)}")
+    if "eis_pairwise" in aux.kinds and (rollout.strategy != "equivalent_states" or len(state_prefixes(rollout)) != 2):
+        raise ConfigError("trainer.aux_tasks.kinds has eis_pairwise, a judge task posed in its two orderings pooled in one "
+                          "group: it needs rollout=equivalent_states with two prefixes (the states of the dataset's problems)")
     if trainer.parallelism != "single" or trainer.max_staleness is not None:
         raise ConfigError("trainer.aux_tasks needs trainer.parallelism=single and trainer.max_staleness=null (each process "
                           "or the generator thread would build its own buffer)")

@@ -8,7 +8,11 @@ what it removes).
 rlbench's datasets have no pairwise judgements, so the states here are generic: the dataset's own
 prompt preceded by each of ``prefixes`` (the first is usually "", the prompt as it is), an instruction
 that leaves the problem and its answer unchanged. The answer is the same in every state (no label
-mapping is needed, unlike the judge's swapped order).
+mapping is needed, unlike the judge's swapped order). A problem that carries forms of its own
+(``meta["equivalent_forms"]``: the paper's judge task, ``trainer.aux_tasks.kinds=[eis_pairwise]``,
+rlbench/reward/judge_tasks.py) is posed in those instead: one state per form, each response graded
+against its own form's answer (the label mapped through the swap); their number must be the number of
+prefixes.
 
 Every response is the policy's sample under the prompt it was generated with; it keeps that prompt
 (``Completion.prompt_ids``), so the loss scores it under that prompt, and only the advantage is
@@ -35,6 +39,8 @@ from rlbench.dataset.base import Problem
 from rlbench.dataset.prompts import DEFAULT_USER_TEMPLATE, _prompt_section
 from rlbench.errors import ConfigError
 from rlbench.prompting import encode_prompts
+from rlbench.reward import grade_completions
+from rlbench.reward.judge_tasks import equivalent_forms
 from rlbench.rollout.engines.base import GenerationRequest
 from rlbench.rollout.groups import GradedGroups
 from rlbench.rollout.strategy import (
@@ -94,17 +100,40 @@ class EquivalentStatesRollout(RolloutStrategy):
         self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None = None
     ) -> tuple[GradedGroups, dict[str, float]]:
         setup, sampler = self.setup, self.setup.sampler
-        per_state = setup.n // len(self.prefixes)
-        encoded = [encode_prompts(sampler.tokenizer, problems, state_prompt_spec(sampler.prompt_spec, p)) for p in self.prefixes]
-        requests = [GenerationRequest(ids, n=per_state) for state in encoded for ids in state]
+        states = len(self.prefixes)
+        per_state = setup.n // states
+        forms = [problem_forms(problem, states) for problem in problems]
+        requests = [GenerationRequest(ids, n=per_state) for s in range(states) for ids in self.encoded(problems, forms, s)]
         outputs = sampler.generate(requests, setup.params, setup.generator)
         count = len(problems)
-        groups = [[c for s in range(len(self.prefixes)) for c in outputs[s * count + i]] for i in range(count)]
+        groups = [[c for s in range(states) for c in outputs[s * count + i]] for i in range(count)]
         for i, group in enumerate(groups):
             for c in group:
                 c.request_index = i
-        graded = sampler.grade(problems, groups, setup.params.max_new_tokens)
+        # each response is graded as an answer to the form it was sampled under (a swapped pair's own label)
+        answered = [(f[s] if f else problem) for problem, f in zip(problems, forms) for s in range(states) for _ in range(per_state)]
+        grades = grade_completions(sampler.grader, answered, [c for group in groups for c in group])
+        graded = sampler.shaped(problems, groups, grades, setup.params.max_new_tokens)
         # rewards per (prompt, state): responses are ordered state after state within each group
-        state_means = graded.rewards.view(count, len(self.prefixes), per_state).mean(-1)
+        state_means = graded.rewards.view(count, states, per_state).mean(-1)
         gap = (state_means.max(-1).values - state_means.min(-1).values).mean()
         return graded, {"equivalent_states_reward_gap": float(gap)}
+
+    def encoded(self, problems: list[Problem], forms: list[list[Problem] | None], state: int) -> list[tuple[int, ...]]:
+        """The prompts of state ``state``: a problem with forms of its own in its form ``state`` under the
+        dataset's prompt, any other problem after prefix ``state``."""
+        spec, tokenizer = self.setup.sampler.prompt_spec, self.setup.sampler.tokenizer
+        prefixed = encode_prompts(tokenizer, problems, state_prompt_spec(spec, self.prefixes[state]))
+        own = [f[state] for f in forms if f]
+        own_ids = iter(encode_prompts(tokenizer, own, state_prompt_spec(spec, "")) if own else [])
+        return [next(own_ids) if f else ids for f, ids in zip(forms, prefixed)]
+
+
+def problem_forms(problem: Problem, states: int) -> list[Problem] | None:
+    """The problem's own equivalent forms (an EIS-GRPO judge task's two orderings), checked against the run's
+    number of states; None for a problem without (its states are the prefixes)."""
+    forms = equivalent_forms(problem)
+    if forms is not None and len(forms) != states:
+        raise ValueError(f"problem {problem.uid} has {len(forms)} equivalent forms of its own, and the run poses every "
+                         f"problem in {states} states (rollout.equivalent_states.prefixes): the two must agree")
+    return forms
