@@ -105,7 +105,7 @@ def check_curriculum(config: RunConfig, algorithm: Algorithm) -> None:
             f"trainer.prompt_sampler=spo draws prompts by the SPO value tracker's uncertainty, and advantage "
             f"'{algorithm.advantage.name}' keeps no tracker: use algorithm=spo, or another prompt_sampler"
         )
-    check_aux_tasks(trainer, config.rollout)
+    check_aux_tasks(trainer, config.rollout, config.reward)
     band = trainer.difficulty_filter
     if band is not None and band.min_pass_rate > band.max_pass_rate:
         raise ConfigError(f"trainer.difficulty_filter: min_pass_rate={band.min_pass_rate} is above "

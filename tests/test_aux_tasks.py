@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import compose_config
 
-from rlbench.config.schema import AuxTasksConfig, TrainerConfig
+from rlbench.config.schema import AuxTasksConfig, RewardConfig, TrainerConfig
 from rlbench.config.typed import rollout_config
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
@@ -149,11 +149,12 @@ def test_a_buffer_shorter_than_the_share_gives_what_it_has():
 
 @pytest.mark.parametrize("setting, message", [
     ({"share": -0.1}, "share"), ({"share": 1.0}, "share"), ({"kinds": ["pointwise", "critique"]}, "kinds"),
-    ({"kinds": []}, "kinds"),
+    ({"kinds": []}, "kinds"), ({"kinds": ["execution"]}, "execution.*reward=code"),
 ])
 def test_bad_settings_are_refused(setting, message):
     with pytest.raises(ConfigError, match=message):
-        check_aux_tasks(TrainerConfig(aux_tasks=AuxTasksConfig(**setting)), rollout_config({"strategy": "iid"}))
+        check_aux_tasks(TrainerConfig(aux_tasks=AuxTasksConfig(**setting)), rollout_config({"strategy": "iid"}),
+                        RewardConfig(name="math"))
 
 
 def test_a_bad_share_is_refused_by_validation_before_the_model_loads(tmp_path):

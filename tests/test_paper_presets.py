@@ -49,7 +49,7 @@ EXPECTED = {
     "dpo", "ipo", "simpo", "trpa", "inpo", "p3o", "rebel", "refuel", "qrpo", "sacpo", "copg", "pro",
     "contrastive_scoring", "dr_preference", "direct_advantage_po", "rto",
     "retool", "at_grpo", "poad",  # issue 31
-    "spark",  # issue 32 (trainer.aux_tasks)
+    "spark", "coderl_plus",  # issue 32 (trainer.aux_tasks)
 }
 
 # Top-level sections of a paper file that must reach the composed config unchanged.

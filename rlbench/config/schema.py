@@ -413,7 +413,8 @@ class AuxTasksConfig:
     kinds: list = knob(["pointwise", "pairwise", "reflection"], "the task kinds built: pointwise (is it correct? label: the "
                        "verifier's), pairwise (which of two is correct? mixed groups only, both orders), reflection (revise an "
                        "incorrect answer; graded by the run's grader), eis_pairwise (EIS-GRPO's judge task: a pairwise question posed in "
-                       "both orders in one group; needs rollout=equivalent_states with two prefixes)")
+                       "both orders in one group; needs rollout=equivalent_states with two prefixes), execution (CodeRL+: predict the output "
+                       "and final variables of a program the policy wrote, traced in the sandbox; needs reward=code)")
     per_group: int = knob(1, "items of each kind built per graded group (pairwise: pairs, each in both orders)", ge=1)
     capacity: int = knob(256, "tasks the buffer keeps; the oldest leave first", ge=1)
 

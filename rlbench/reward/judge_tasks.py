@@ -29,12 +29,14 @@ from typing import Any
 import numpy as np
 
 from rlbench.dataset.base import Problem
+from rlbench.reward.execution_tasks import EXECUTION_KIND, build_execution_tasks, grade_execution_task
 from rlbench.reward.judges import parse_label
 from rlbench.reward.math import Grade, extract_answer
 
 AUX_TASK_KEY = "aux_task"  # Problem.meta key naming an auxiliary task's kind
-AUX_TASK_KINDS = ("pointwise", "pairwise", "reflection", "eis_pairwise")
-JUDGE_TASK_KINDS = ("pointwise", "pairwise", "eis_pairwise")  # graded by their label; reflection by the run's grader
+AUX_TASK_KINDS = ("pointwise", "pairwise", "reflection", "eis_pairwise", EXECUTION_KIND)
+# graded by their own rule (a label; execution: CodeRL+'s partial credit); reflection by the run's grader
+JUDGE_TASK_KINDS = ("pointwise", "pairwise", "eis_pairwise", EXECUTION_KIND)
 EQUIVALENT_FORMS_KEY = "equivalent_forms"  # Problem.meta key: the task's equivalent states, [{"prompt", "answer"}, ...]
 POINTWISE_LABELS = ("yes", "no")  # the response is correct / incorrect
 PAIRWISE_LABELS = ("1", "2")  # the first / the second response is the correct one
@@ -65,7 +67,10 @@ def read_label(text: str, labels: Sequence[str]) -> int | None:
 
 
 def grade_judge_task(text: str, problem: Problem, correct_reward: float = 1.0, incorrect_reward: float = 0.0) -> Grade:
-    """A pointwise or pairwise task's grade: correct when the response's label is the expected one."""
+    """A pointwise or pairwise task's grade: correct when the response's label is the expected one (an execution
+    task: CodeRL+'s partial credit, rlbench.reward.execution_tasks)."""
+    if problem.meta.get(AUX_TASK_KEY) == EXECUTION_KIND:
+        return grade_execution_task(text, problem)
     labels = problem.meta["labels"]
     index = read_label(text, labels)
     extracted = None if index is None else labels[index]
@@ -122,11 +127,13 @@ def reflection_tasks(problem: Problem, texts: Sequence[str], picks: Sequence[int
 
 
 def build_judge_tasks(problem: Problem, texts: Sequence[str], grades: Sequence[Grade], kinds: Sequence[str],
-                      per_group: int, rng: np.random.Generator) -> list[Problem]:
+                      per_group: int, rng: np.random.Generator, sandbox_limits: Any = None) -> list[Problem]:
     """SPARK's tasks from one graded group (``texts[i]`` graded ``grades[i]`` by the verifier): for each kind
     in ``kinds``, up to ``per_group`` items, the responses drawn by ``rng`` (pairwise: ``per_group`` pairs of a
     correct and an incorrect response, each in both orderings; none from a group that is all correct or all
-    incorrect; eis_pairwise: the same pairs, each one task with both orderings as its forms; reflection: incorrect responses only). An auxiliary task's own group gives none."""
+    incorrect; eis_pairwise: the same pairs, each one task with both orderings as its forms; reflection: incorrect
+    responses only; execution: programs of a code problem, correct or not, traced in the sandbox with
+    ``sandbox_limits``, rlbench.reward.execution_tasks). An auxiliary task's own group gives none."""
     if is_aux_task(problem):
         return []
     correct = [bool(g.correct) for g in grades]
@@ -147,4 +154,7 @@ def build_judge_tasks(problem: Problem, texts: Sequence[str], grades: Sequence[G
             tasks += [eis_pairwise_task(problem, texts, int(rng.choice(right)), int(rng.choice(wrong))) for _ in range(per_group)]
         elif kind == "reflection":
             tasks += reflection_tasks(problem, texts, pick(wrong))
+        elif kind == EXECUTION_KIND and problem.meta.get("tests") and sandbox_limits is not None:
+            tasks += build_execution_tasks(problem, texts, pick(list(range(len(texts)))), sandbox_limits,
+                                           **{AUX_TASK_KEY: EXECUTION_KIND})
     return tasks

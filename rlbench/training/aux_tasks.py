@@ -6,8 +6,8 @@ its label) and loss as the dataset's prompts: SPARK's "same GRPO loss" (arXiv:25
 
 The buffer, its random stream and its counters are part of the curriculum's checkpoint state, so a resumed
 run draws the same tasks as an uninterrupted one. EIS-GRPO's judge task (kind ``eis_pairwise``) is posed in
-its two orderings by rollout=equivalent_states. CodeRL+'s execution tasks are the next builder of this seam
-(docs/judges.md).
+its two orderings by rollout=equivalent_states; CodeRL+'s execution tasks (kind ``execution``) are traced from the
+run's programs in the sandbox (rlbench/reward/execution_tasks.py; docs/judges.md).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from rlbench.config.schema import AuxTasksConfig, RolloutConfig, TrainerConfig
+from rlbench.config.schema import AuxTasksConfig, RewardConfig, RolloutConfig, TrainerConfig
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.reward.judge_tasks import (
@@ -29,15 +29,16 @@ from rlbench.reward.judge_tasks import (
     is_aux_task,
 )
 from rlbench.rollout import GradedGroups
+from rlbench.sandbox import SandboxLimits
 from rlbench.rollout.strategies.equivalent_states import state_prefixes
 from rlbench.utils import STREAM_AUX_TASKS
 
 log = logging.getLogger(__name__)
 
 
-def check_aux_tasks(trainer: TrainerConfig, rollout: RolloutConfig) -> None:
+def check_aux_tasks(trainer: TrainerConfig, rollout: RolloutConfig, reward: RewardConfig) -> None:
     """Refuse bad ``trainer.aux_tasks`` settings before anything loads (EIS-GRPO's judge task is posed in its two
-    orderings: it needs rollout=equivalent_states with two states)."""
+    orderings: it needs rollout=equivalent_states with two states; CodeRL+'s execution tasks need code problems)."""
     aux = trainer.aux_tasks
     if aux is None:
         return
@@ -50,6 +51,9 @@ def check_aux_tasks(trainer: TrainerConfig, rollout: RolloutConfig) -> None:
     if "eis_pairwise" in aux.kinds and (rollout.strategy != "equivalent_states" or len(state_prefixes(rollout)) != 2):
         raise ConfigError("trainer.aux_tasks.kinds has eis_pairwise, a judge task posed in its two orderings pooled in one "
                           "group: it needs rollout=equivalent_states with two prefixes (the states of the dataset's problems)")
+    if "execution" in aux.kinds and reward.name != "code":
+        raise ConfigError(f"trainer.aux_tasks.kinds has execution, CodeRL+'s tasks traced from the run's programs: it "
+                          f"needs a code dataset and reward=code (this run has reward={reward.name}), e.g. dataset=mbpp reward=code")
     if trainer.parallelism != "single" or trainer.max_staleness is not None:
         raise ConfigError("trainer.aux_tasks needs trainer.parallelism=single and trainer.max_staleness=null (each process "
                           "or the generator thread would build its own buffer)")
@@ -73,8 +77,8 @@ class AuxTaskBuffer:
     """The tasks built so far (newest last, at most ``capacity``), drawn without replacement by a seeded
     stream. ``mix(dataset_prompts, wanted)`` puts the drawn tasks after the dataset's prompts."""
 
-    def __init__(self, options: AuxTasksConfig, seed: int):
-        self.options = options
+    def __init__(self, options: AuxTasksConfig, seed: int, sandbox_limits: SandboxLimits | None = None):
+        self.options, self.sandbox_limits = options, sandbox_limits or SandboxLimits()
         self.tasks: deque[Problem] = deque(maxlen=options.capacity)
         self.rng = np.random.default_rng([seed, STREAM_AUX_TASKS])
         self.built = self.drawn = self.shortfall = 0  # cumulative
@@ -103,7 +107,7 @@ class AuxTaskBuffer:
                 correct_by_kind.setdefault(problem.meta[AUX_TASK_KEY], []).extend(float(g.correct) for g in group_grades)
                 continue
             new += build_judge_tasks(problem, [c.text for c in group], group_grades, self.options.kinds,
-                                     self.options.per_group, self.rng)
+                                     self.options.per_group, self.rng, self.sandbox_limits)
         self.tasks.extend(new)
         self.built += len(new)
         self.last.update({"aux_built": float(len(new)), "aux_buffer": float(len(self.tasks))})

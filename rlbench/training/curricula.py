@@ -396,14 +396,15 @@ class Curriculum:
     built from that node, which reads the same statistics; one with an ``enter(step)`` hook is told the
     step (hard_focus cuts its pool)."""
 
-    def __init__(self, trainer: TrainerConfig, seed: int, problems: list[Problem], stats: PromptStatsStore | None = None):
+    def __init__(self, trainer: TrainerConfig, seed: int, problems: list[Problem], stats: PromptStatsStore | None = None,
+                 sandbox_limits: Any = None):
         self.stats = PromptStatsStore() if stats is None else stats  # the step context's (strategies read it too)
         self.problems, self.seed = problems, seed
         self.sampler = make_prompt_sampler(trainer.prompt_sampler, problems, seed, self.stats)
         self.stages = {stage.at: stage for stage in parse_stages(trainer.stages, trainer.steps)}
         self.prompts_per_step = trainer.prompts_per_step
         # trainer.aux_tasks: a share of each step's prompts from tasks built from earlier steps (SPARK)
-        self.aux = None if trainer.aux_tasks is None else AuxTaskBuffer(trainer.aux_tasks, seed)
+        self.aux = None if trainer.aux_tasks is None else AuxTaskBuffer(trainer.aux_tasks, seed, sandbox_limits)
 
     def bind(self, ctx: StepContext) -> None:
         """Give the prompt sampler the run's step context, when it reads it (``spo``: the tracker)."""

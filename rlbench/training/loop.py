@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rlbench import faults
+from rlbench.sandbox import limits_from_config
 from rlbench.config.schema import RunConfig
 from rlbench.dataset.base import Problem
 from rlbench.training import checkpoint
@@ -62,7 +63,8 @@ class TrainingRun:
         self.ctx, self.logger = ctx, logger
         self.peers = ctx.world if peers is None else peers
         self.seed, self.problems = config.seed, problems
-        self.curriculum = Curriculum(config.trainer, config.seed, problems, ctx.prompt_stats)
+        self.sandbox_limits = limits_from_config(config.sandbox)  # CodeRL+'s execution tasks trace programs with them
+        self.curriculum = Curriculum(config.trainer, config.seed, problems, ctx.prompt_stats, self.sandbox_limits)
         self.curriculum.bind(ctx)
         self.presampled = False
         self.untrained = UntrainedSteps()
@@ -176,7 +178,7 @@ class TrainingRun:
             sample = lambda chunk: ctx.strategy.setup.sampler(chunk, band.samples, ctx.params, generator)
             kept = difficulty_filter(kept, sample, ctx.prompt_stats, band)
         if len(kept) != len(self.problems):
-            self.curriculum = Curriculum(self.trainer, self.seed, kept, self.ctx.prompt_stats)
+            self.curriculum = Curriculum(self.trainer, self.seed, kept, self.ctx.prompt_stats, self.sandbox_limits)
         self.presampled = True
 
     def checkpoint_due(self, step: int) -> bool:
