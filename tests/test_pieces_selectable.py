@@ -39,6 +39,7 @@ COMPANIONS = {
     ("advantage", "vine"): ["rollout=vine"],  # reads the Monte-Carlo step values of rollout=vine
     ("advantage", "gigpo"): ["rollout=multi_turn", "env=gridworld"],  # reads the turns of multi-turn episodes
     ("advantage", "at_grpo"): ["rollout=multi_turn", "env=gridworld"],  # reads each turn (its role) of an episode
+    ("advantage", "gtpo_turn"): ["rollout=multi_turn", "env=gridworld"],  # reads each turn's reward of an episode
     ("advantage", "poad"): ["algorithm=poad"],  # the value head and the multi-turn actions of the poad preset
     ("loss", "ppo_clip_sft"): ["rollout=rethink"],  # reads the SFT targets rollout=rethink marks
     # reads the steps of rollout=vine, whose advantage reads vine's values; a sum over steps per response

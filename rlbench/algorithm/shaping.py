@@ -11,6 +11,7 @@ with one of them the grader's reward is dropped and the terms are added to it in
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from typing import Any, Mapping, Sequence
@@ -19,6 +20,7 @@ import torch
 
 from rlbench.algorithm.registry import Registry
 from rlbench.errors import ConfigError
+from rlbench.reward.code import tool_blocks
 
 REWARD_SHAPING = Registry("reward shaping", reader="shaping")
 #: Functions whose value is the paper's whole reward rather than a term on top of the grader's.
@@ -235,6 +237,47 @@ def thinkless_mode_reward(
     return torch.where(correct.bool(), right, torch.tensor(wrong)).to(torch.float32)
 
 
+def code_similarity(code: str, other: str) -> float:
+    """difflib's character-level ratio 2M / (|a| + |b|) of two code strings (M: the characters of their
+    matching blocks; no junk heuristic), 1 for equal strings; 0 when either is empty."""
+    if not code or not other:
+        return 0.0
+    return difflib.SequenceMatcher(None, code, other, autojunk=False).ratio()
+
+
+@REWARD_SHAPING.register("gtpo_code_similarity")
+def gtpo_code_similarity(
+    policy_texts: Sequence[str], correct: torch.Tensor, group_index: torch.Tensor, weight: float = 0.5,
+) -> torch.Tensor:
+    """GTPO's self-supervised reward shaping (Ding et al. 2025, "Empowering Multi-Turn Tool-Integrated
+    Reasoning with Group Turn Policy Optimization", arXiv:2511.14846, section 3): a failed trajectory earns
+    part of a success's reward in proportion to how close its code is to the code of its group's successes,
+
+        term(o_i) = lambda * max_{j in group(i), correct(j)} sim(code_i, code_j)    if o_i is wrong
+                  = 0                                                             if o_i is right, or its
+                                                                                  group has no success
+
+    with lambda = ``weight`` in [0, 1) (a failure never earns a success's reward; the default 0.5 is
+    unverified), code_i the closed ```python blocks the episode's policy turns wrote (``policy_texts``:
+    tool outputs left out), joined by newlines, and sim :func:`code_similarity` (difflib's character
+    ratio, standing in for the paper's similarity). An episode without code gets 0. The term is added to
+    the outcome, the grader's 0 for a wrong answer, so r_fail = lambda * max sim.
+    """
+    if not 0.0 <= weight < 1.0:
+        raise ValueError(f"gtpo_code_similarity: weight (lambda) must lie in [0, 1), got {weight}")
+    if len(policy_texts) != correct.shape[0]:
+        raise ValueError(f"gtpo_code_similarity: {len(policy_texts)} texts for {correct.shape[0]} responses")
+    codes = ["\n".join(tool_blocks(text)) for text in policy_texts]
+    right, groups = correct.bool().tolist(), group_index.tolist()
+    terms = [
+        0.0 if right[i] else weight * max(
+            (code_similarity(codes[i], codes[j]) for j in range(len(codes)) if right[j] and groups[j] == groups[i]),
+            default=0.0)
+        for i in range(len(codes))
+    ]
+    return torch.tensor(terms, dtype=torch.float32)
+
+
 def apply_shaping(
     rewards: torch.Tensor, shapers: Sequence[tuple[str, Mapping[str, Any]]], inputs: Mapping[str, Any]
 ) -> torch.Tensor:
@@ -256,7 +299,7 @@ def check_shapers(shapers: Sequence[tuple[str, Mapping[str, Any]]]) -> None:
         )
     probe = {
         "response_lengths": torch.tensor([1]), "finished": torch.tensor([True]), "max_length": 8,
-        "correct": torch.tensor([True]), "group_index": torch.tensor([0]), "response_texts": [""],
+        "correct": torch.tensor([True]), "group_index": torch.tensor([0]), "response_texts": [""], "policy_texts": [""],
         "first_tokens": [""], "prompt_keys": torch.tensor([0]),
     }
     for name, params in shapers:

@@ -46,6 +46,16 @@ _OPEN_FENCE_RE = re.compile(r"^[ \t]*```[ \t]*([\w+-]*)[^\n]*\n", re.MULTILINE)
 _CODE_LINE_RE = re.compile(r"^[ \t]*(?:def |import |from [\w.]+ import )", re.MULTILINE)
 
 
+#: A closed ```python block as a tool-integrated turn writes it (env=python_tool runs each; GTPO's code-similarity
+#: shaping compares them): the fence opens at ```python anywhere in the text and closes at the next ```.
+TOOL_BLOCK = re.compile(r"```python[^\n]*\n(.*?)```", re.DOTALL)
+
+
+def tool_blocks(text: str) -> list[str]:
+    """The bodies of the closed :data:`TOOL_BLOCK` blocks of ``text``, in order."""
+    return [match.group(1) for match in TOOL_BLOCK.finditer(text)]
+
+
 def _fenced_block(text: str) -> str | None:
     """Body of the last closed Python fence; else of a final unclosed one (a completion cut off
     by the length limit); else None."""

@@ -15,17 +15,16 @@ graded as an answer like any other last turn. The state key is the sequence of t
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
+from rlbench.reward.code import TOOL_BLOCK as CLOSED_BLOCK
 from rlbench.reward.math import Grade
 from rlbench.rollout.env.base import Environment, Reset, StepResult, register_env
 from rlbench.sandbox import run_tests
 
 OPEN_TAG = "```python"
-CLOSED_BLOCK = re.compile(r"```python[^\n]*\n(.*?)```", re.DOTALL)
 INSTRUCTIONS = ("\n\nYou may run Python: write a ```python code block``` and its output will be shown. "
                 "Put the final answer in \\boxed{}.")
 

@@ -10,7 +10,8 @@ marker, a closed tool block), else it ends at ``env.turn_tokens`` or EOS; the en
 observation is tokenized and appended. The response of an episode is its policy tokens and its
 observation tokens in order; observation tokens carry ``loss_mask`` 0, so collate leaves them out of
 ``response_mask`` and no piece of the loss (policy loss, KL, entropy, aggregation denominators) and no
-length-based reward shaping counts them (shaping sees the policy tokens only).
+length-based reward shaping counts them (shaping sees the policy tokens only, and ``policy_texts`` the
+policy turns' text without the observations).
 
 An episode ends when the environment says done, the policy ends its turn with EOS (``model_stopped``),
 or a cap is reached: ``turn_cap`` (env.max_turns), ``tool_call_cap`` (env.max_tool_calls),
@@ -239,6 +240,7 @@ class MultiTurnRollout(RolloutStrategy):
         outcome = torch.tensor([g.reward for g in grades], dtype=torch.float32)
         inputs = shaping_inputs(groups, grades, self.setup.env.config.max_tokens, sampler.tokenizer)
         inputs["response_lengths"] = torch.tensor([sum(c.loss_mask) for c in completions], dtype=torch.long)
+        inputs["policy_texts"] = ["".join(turn["policy"] for turn in episode_turns(e, sampler.tokenizer)) for e in episodes]
         rewards = sampler.shape_rewards(outcome, inputs).to(torch.float32)
         graded = GradedGroups(list(problems), groups, grades, rewards, outcome, inputs["finished"], list(range(len(groups))))
         return graded, episode_metrics(episodes)
