@@ -3,7 +3,9 @@ rollout=multi_turn with ``branch: entropy_tool`` on a mock tool environment and 
 entropy spikes after one tool observation. Checked: it branches exactly there and nowhere else, a group
 holds M episodes, branches share the prefix token for token, hard attribution gives a shared token the
 mean advantage of its descendant leaves (hand-computed) and trains it once, soft attribution is GRPO per
-episode, tau = inf equals plain multi_turn with M episodes; the option checks."""
+episode, tau = inf equals plain multi_turn with M episodes; AEPO's consecutive-branch penalty (arXiv:2510.14545)
+decays the probability geometrically in l and, at 1, stops a path from branching at two observations in a row;
+the option checks."""
 
 from __future__ import annotations
 
@@ -105,9 +107,9 @@ class Policy:
         return stats
 
 
-def run(n, problems=("x",), **options):
+def run(n, problems=("x",), policy=Policy, **options):
     """One rollout of the scripted policy: ``n`` = M, ``options`` the rollout.multi_turn block."""
-    sampler = GroupSampler(Policy(), None, Tokens(), {"user": "{problem}"}, lambda rewards, inputs: rewards)
+    sampler = GroupSampler(policy(), None, Tokens(), {"user": "{problem}"}, lambda rewards, inputs: rewards)
     setup = RolloutSetup(sampler, n, SamplingParams(1.0, 1.0, 16), torch.Generator().manual_seed(0), env=Factory())
     strategy = MultiTurnRollout(setup, MultiTurnOptions(**options))
     groups, metrics = strategy.rollout([Problem(str(i), p, "0") for i, p in enumerate(problems)])
@@ -205,6 +207,40 @@ def test_the_branch_probability_draws_from_the_run_generator_only_when_it_decide
     assert branch_probability(0.1, 0.3, 2.0, 0.5, generator) == pytest.approx(0.5)  # a fixed alpha
 
 
+class HotPolicy(Policy):
+    """Calls the tool, then says "hot" every turn: the entropy spikes after every observation but the first."""
+
+    def generate(self, requests, params, generator=None):
+        out = []
+        for i, r in enumerate(requests):
+            new = [ord(ch) for ch in ("hot\n" if r.prefix_ids else "call\n")]
+            out.append([Completion(i, r.prompt_ids, list(r.prefix_ids) + new, [0.0] * len(r.prefix_ids) + [-0.5] * len(new), False)])
+        return out
+
+
+def branch_turns(completion):
+    """The turns at whose start the episode's path changes tree node: its branch points."""
+    nodes, turns = completion.extras["tree_nodes"], completion.extras["step_index"]
+    return [turns[t] for t in range(1, len(nodes)) if nodes[t] != nodes[t - 1]]
+
+
+def test_the_consecutive_branch_penalty_decays_geometrically_and_stops_branching_twice_in_a_row():
+    values = [branch_probability(0.1, 0.3, 2.0, 0.5, None, consecutive=l, penalty=0.25) for l in range(5)]
+    assert values[0] == pytest.approx(0.5)
+    assert all(b / a == pytest.approx(0.75) for a, b in zip(values, values[1:]))  # (1 - P)^l
+    # with u drawn: P = (u + beta dH) (1 - P)^l, the same draw as without the penalty
+    drawn = [branch_probability(0.1, None, 2.0, 0.05, torch.Generator().manual_seed(5), l, 0.25) for l in range(3)]
+    assert all(b / a == pytest.approx(0.75) for a, b in zip(drawn, drawn[1:]))
+    # every observation after the first spikes (turns 2..5 of 6); M = 4 from one global episode, Z = 1
+    spiky = {**SPIKE, "global_samples": 1, "branch_width": 1}
+    free, _, _ = run(4, policy=HotPolicy, **spiky)
+    assert branch_turns(free.groups[0][0]) == [2, 3, 4]  # no penalty: the trunk branches at every spike
+    penalised, metrics, _ = run(4, policy=HotPolicy, **spiky, branch_penalty=1.0)
+    trunk, *branches = penalised.groups[0]
+    assert branch_turns(trunk) == [2, 4] and metrics["multi_turn_branches"] == 3
+    assert all(b - a > 1 for c in penalised.groups[0] for a, b in zip(branch_turns(c), branch_turns(c)[1:]))
+
+
 def test_the_preset_composes_and_bad_settings_are_refused_before_the_model_loads(tmp_path):
     cfg = compose_config(["algorithm=arpo"], tmp_path)
     assert cfg.algorithm.name == "arpo" and cfg.rollout.strategy == "multi_turn" and cfg.env.name == "python_tool"
@@ -215,6 +251,7 @@ def test_the_preset_composes_and_bad_settings_are_refused_before_the_model_loads
     for override, message in ((["rollout.multi_turn.global_samples=17"], "global_samples"),
                               (["rollout.multi_turn.branch_width=0"], "branch_width"),
                               (["rollout.multi_turn.attribution=both"], "attribution"),
+                              (["rollout.multi_turn.branch_penalty=1.5"], "branch_penalty"),
                               (["rollout.n=1"], "rollout.n >= 2")):
         with pytest.raises(ConfigError, match=message):
             MultiTurnRollout.validate(typed_config(compose_config(["algorithm=arpo", *override], tmp_path)).rollout, "grpo")

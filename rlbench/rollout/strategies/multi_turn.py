@@ -52,7 +52,9 @@ with global samples. ``attribution: soft``: every branch keeps its copy of the p
 per-episode advantage applies to it); ``hard``: a branch carries the inherited prefix as context (loss mask
 0), so a shared token is trained once, in the episode that sampled it, and ``algorithm/advantage=arpo_hard``
 gives it the mean advantage of the episodes below it. A uniform draw is taken only when it can decide
-(beta * dH <= tau < 1 + beta * dH), so tau = inf never draws. Metrics: ``multi_turn_branch_decisions``,
+(beta * dH <= tau < 1 + beta * dH), so tau = inf never draws. ``branch_penalty`` > 0 adds AEPO's
+consecutive-branch penalty (Dong et al. 2025, arXiv:2510.14545, section 3): P_t * (1 - branch_penalty)^l, l the
+branch points just before on the episode's path that all branched (its branches inherit l + 1). Metrics: ``multi_turn_branch_decisions``,
 ``multi_turn_branches``, ``multi_turn_branch_filled`` (global samples added to fill a group) and
 ``multi_turn_branch_entropy_rise`` (the mean H_t - H_0 over the decisions).
 
@@ -120,6 +122,7 @@ class MultiTurnOptions:
     beta: float = 0.2                   # weight of the entropy rise
     threshold: float = 0.5              # tau: branch when P_t > tau
     attribution: str = "soft"           # soft: each branch trains its copy of the prefix | hard: shared tokens once
+    branch_penalty: float = 0.0         # AEPO's consecutive-branch penalty: P_t * (1 - branch_penalty)^l; 0: ARPO's rule
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig) -> MultiTurnOptions:
@@ -143,6 +146,8 @@ class MultiTurnOptions:
                 raise ConfigError(f"{where}.{key} must be >= 1, got {getattr(self, key)}")
         if not math.isfinite(self.beta) or (self.alpha is not None and not math.isfinite(self.alpha)) or math.isnan(self.threshold):
             raise ConfigError(f"{where}: alpha (or null) and beta must be finite numbers and threshold a number (.inf: never branch)")
+        if not 0.0 <= self.branch_penalty <= 1.0:
+            raise ConfigError(f"{where}.branch_penalty must be in [0, 1], got {self.branch_penalty}")
         if self.attribution not in ATTRIBUTIONS:
             raise ConfigError(f"{where}.attribution must be one of {ATTRIBUTIONS}, got {self.attribution!r}")
 
@@ -152,15 +157,22 @@ class MultiTurnOptions:
 
 
 def branch_probability(entropy_rise: float, alpha: float | None, beta: float, threshold: float,
-                       generator: torch.Generator | None) -> float:
-    """ARPO's P_t = alpha + beta * dH (arXiv:2507.19849, section 3), alpha None: u ~ U(0, 1) from ``generator``,
-    drawn only when it can decide (beta * dH <= threshold < 1 + beta * dH); else alpha's lower end, 0."""
-    rise = beta * entropy_rise
+                       generator: torch.Generator | None, consecutive: int = 0, penalty: float = 0.0) -> float:
+    """ARPO's P_t = alpha + beta * dH (arXiv:2507.19849, section 3), times AEPO's consecutive-branch penalty
+    (1 - penalty)^l (arXiv:2510.14545, section 3; l = ``consecutive``: the branch points just before on the
+    episode's path that all branched):
+
+        P_t = (alpha + beta * dH) * (1 - penalty)^l
+
+    alpha None: u ~ U(0, 1) from ``generator``, drawn only when it can decide (P_t's range over u straddles
+    ``threshold``); else the range's lower end (u = 0)."""
+    scale = (1.0 - penalty) ** consecutive
+    low = beta * entropy_rise * scale
     if alpha is not None:
-        return alpha + rise
-    if rise > threshold or rise + 1.0 <= threshold:
-        return rise
-    return float(torch.rand((), generator=generator, dtype=torch.float64)) + rise
+        return (alpha + beta * entropy_rise) * scale
+    if low > threshold or low + scale <= threshold:
+        return low
+    return low + float(torch.rand((), generator=generator, dtype=torch.float64)) * scale
 
 
 @dataclass
@@ -188,6 +200,7 @@ class Episode:
     node: int = -1  # branch=entropy_tool: the tree node of the tokens it adds now (-1: no tree)
     tree_nodes: list[int] = field(default_factory=list)
     initial_entropy: float | None = None  # branch=entropy_tool: H_0 of its root's first turn
+    streak: int = 0  # branch=entropy_tool: the branch points just before on its path that all branched (AEPO's l)
     seed: int | None = None  # the episode's own random stream (evaluation: each turn's request seeded); None: the runner's generator
 
     @property
@@ -374,7 +387,10 @@ class MultiTurnRollout(RolloutStrategy):
                     continue
                 rise = float(entropy[len(e.response_ids):].mean()) - e.initial_entropy
                 rises.append(rise)
-                if branch_probability(rise, options.alpha, options.beta, options.threshold, setup.generator) > options.threshold:
+                p = branch_probability(rise, options.alpha, options.beta, options.threshold, setup.generator,
+                                       e.streak, options.branch_penalty)
+                e.streak = e.streak + 1 if p > options.threshold else 0  # its branches inherit it
+                if p > options.threshold:
                     new = e.branch(min(options.branch_width, budget - len(group)), new_node, hard)
                     group += new
                     everyone.extend(new)
