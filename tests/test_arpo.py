@@ -225,11 +225,11 @@ def branch_turns(completion):
 
 
 def test_the_consecutive_branch_penalty_decays_geometrically_and_stops_branching_twice_in_a_row():
-    values = [branch_probability(0.1, 0.3, 2.0, 0.5, None, consecutive=l, penalty=0.25) for l in range(5)]
+    values = [branch_probability(0.1, 0.3, 2.0, 0.5, None, consecutive=streak, penalty=0.25) for streak in range(5)]
     assert values[0] == pytest.approx(0.5)
     assert all(b / a == pytest.approx(0.75) for a, b in zip(values, values[1:]))  # (1 - P)^l
     # with u drawn: P = (u + beta dH) (1 - P)^l, the same draw as without the penalty
-    drawn = [branch_probability(0.1, None, 2.0, 0.05, torch.Generator().manual_seed(5), l, 0.25) for l in range(3)]
+    drawn = [branch_probability(0.1, None, 2.0, 0.05, torch.Generator().manual_seed(5), streak, 0.25) for streak in range(3)]
     assert all(b / a == pytest.approx(0.75) for a, b in zip(drawn, drawn[1:]))
     # every observation after the first spikes (turns 2..5 of 6); M = 4 from one global episode, Z = 1
     spiky = {**SPIKE, "global_samples": 1, "branch_width": 1}
