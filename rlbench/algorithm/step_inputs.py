@@ -228,7 +228,8 @@ _declare("diversity", "[B,B]", "pairwise dissimilarity in [0, 1] of responses: t
          "entries within a group are read)", "source", {"advantage"})
 
 # ------------------------------------------------------------------------ rollout strategies (Completion.extras)
-_declare("tree_nodes", "[B,T] long", "the tree node of every response token, -1 on padding (rollout=tree, treerpo)",
+_declare("tree_nodes", "[B,T] long", "the tree node of every response token, -1 on padding (rollout=tree, treerpo; "
+         "rollout=multi_turn with branch: entropy_tool)",
          "strategy", {"advantage"}, dtype=torch.long, pad=-1)
 _declare("step_index", "[B,T] long", "the step (0, 1, ...) of every response token, -1 on padding (rollout=vine; "
          "rollout=multi_turn: the turn, -1 on observation tokens)",

@@ -1,5 +1,6 @@
 """Advantages of tree rollouts (rlbench/rollout/strategies/tree.py): TreePO's subtree baselines and TreeRPO's
-sibling groups.
+sibling groups; ARPO's hard advantage attribution on the branched episodes of rollout=multi_turn
+(``branch: entropy_tool``, rlbench/rollout/strategies/multi_turn.py).
 
 Both read ``tree_nodes`` [B, T] (long): the tree node of every response token, -1 on padding. A node
 is a run of tokens sampled once and shared by every response (leaf) below it; ids are unique in the
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from rlbench.algorithm.advantages.common import _tokens, _valid, _whiten, group_mean_std
+from rlbench.algorithm.advantages.group_relative import grpo_advantage
 from rlbench.algorithm.registry import ADVANTAGES
 from rlbench.errors import ConfigError
 
@@ -125,4 +127,38 @@ def treerpo_advantage(
         for t, node in enumerate(nodes_of_row):
             if node >= 0:
                 tokens[row, t] = lookup.get(node, 0.0)
+    return _tokens(tokens, response_mask)
+
+
+@ADVANTAGES.register("arpo_hard", advantage_level="token")
+def arpo_hard_advantage(
+    rewards: torch.Tensor,
+    group_index: torch.Tensor,
+    tree_nodes: torch.Tensor,
+    response_mask: torch.Tensor,
+    epsilon: float = 1e-6,
+    scale_by_std: bool = True,
+) -> torch.Tensor:
+    """ARPO's hard advantage attribution (Dong et al. 2025, "Agentic Reinforced Policy Optimization",
+    arXiv:2507.19849, section 3, advantage attribution estimation).
+
+    Each leaf (a complete episode) gets GRPO's advantage within its prompt's group,
+    A_i = (r_i - mean_g r) / (std_g r + epsilon) (:func:`grpo_advantage`); a token of node k, shared by the
+    leaves below k (read over every token: a branch carries its inherited prefix as context, loss mask 0), gets
+    their mean
+
+        A(k) = mean_{j below k} A_j
+
+    so a token sampled once and shared by several branches carries the mean advantage of its descendant
+    leaves, and a token of one leaf its own A_i. A flat tree (no shared node) is GRPO exactly. (ARPO's soft
+    attribution is GRPO itself on branches that each keep their copy of the prefix: ``grpo``.)
+    """
+    ones = torch.ones(rewards.shape[0], 1)
+    sequence = grpo_advantage(rewards, group_index, ones, epsilon, scale_by_std)[:, 0]
+    below = _leaves_below(leaf_paths(tree_nodes, tree_nodes >= 0), sequence)  # a branch's inherited tokens are context
+    tokens = torch.zeros(response_mask.shape, dtype=torch.float64)
+    for row, nodes_of_row in enumerate(tree_nodes.tolist()):
+        for t, node in enumerate(nodes_of_row):
+            if node in below:
+                tokens[row, t] = below[node][1]
     return _tokens(tokens, response_mask)

@@ -35,6 +35,30 @@ loss mask 1 (the loss regresses their log-ratio), and a branch's reward is its f
 A roll-in that ends before turn h leaves its group with nothing trained (counted:
 ``multi_turn_branch_missed``); ``multi_turn_branch_turn`` is the mean h.
 
+With ``rollout.multi_turn.branch: entropy_tool`` (ARPO, Dong et al. 2025, "Agentic Reinforced Policy
+Optimization", arXiv:2507.19849, section 3, entropy-based adaptive rollout; algorithm=arpo) a group of
+M = ``rollout.n`` episodes starts as N = ``global_samples`` episodes (default M // 2). After every
+observation (a tool's result) the policy's next turn is generated, and the normalised entropy
+(entropy / log |V|, the engine's ``position_stats``) of its first k = ``entropy_tokens`` tokens, H_t, is
+compared with the episode's initial entropy H_0 (its first turn's first k tokens; a branch keeps its
+root's):
+
+    P_t = alpha + beta * (H_t - H_0)          (alpha null: u ~ U(0, 1), the run's sampling generator)
+
+If P_t > tau (``threshold``), Z = ``branch_width`` branches fork (Environment.fork) from the point just after
+the observation, while the group holds fewer than M episodes; each generates its own turn from there and
+runs as an episode of its own, and may branch again at a later observation. Branches share the prefix token for token (tree node
+ids in the step input ``tree_nodes``). A group still short of M when all its episodes have ended is filled
+with global samples. ``attribution: soft``: every branch keeps its copy of the prefix as trained tokens (GRPO's
+per-episode advantage applies to it); ``hard``: a branch carries the inherited prefix as context (loss mask
+0), so a shared token is trained once, in the episode that sampled it, and ``algorithm/advantage=arpo_hard``
+gives it the mean advantage of the episodes below it. A uniform draw is taken only when it can decide
+(beta * dH <= tau < 1 + beta * dH), so tau = inf never draws. ``branch_penalty`` > 0 adds AEPO's
+consecutive-branch penalty (Dong et al. 2025, arXiv:2510.14545, section 3): P_t * (1 - branch_penalty)^l, l the
+branch points just before on the episode's path that all branched (its branches inherit l + 1). Metrics: ``multi_turn_branch_decisions``,
+``multi_turn_branches``, ``multi_turn_branch_filled`` (global samples added to fill a group) and
+``multi_turn_branch_entropy_rise`` (the mean H_t - H_0 over the decisions).
+
 Metrics: turns, tool calls, tool errors and seconds per episode, the share of observation tokens in the
 responses, and the end reasons.
 """
@@ -43,7 +67,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import logging
+import math
 import os
 import time
 from collections import Counter
@@ -53,6 +79,7 @@ from typing import Any
 
 import torch
 
+from rlbench.algorithm.registry import ADVANTAGES
 from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
 from rlbench.dataset.prompts import build_messages
@@ -72,20 +99,31 @@ from rlbench.rollout.strategy import (
     RolloutStrategy,
     needs_groups,
     register_strategy,
+    require_advantage_input,
     strategy_options,
 )
 
 log = logging.getLogger(__name__)
 
 TURN_INPUTS = frozenset({"step_index", "turn_states", "turn_rewards"})
-BRANCHES = ("none", "random_turn")
+BRANCHES = ("none", "random_turn", "entropy_tool")
+ATTRIBUTIONS = ("soft", "hard")
+TREE_INPUT = "tree_nodes"
 
 
 @dataclass(frozen=True)
 class MultiTurnOptions:
-    """The ``rollout.multi_turn`` block (module docstring)."""
+    """The ``rollout.multi_turn`` block (module docstring); the keys after ``branch`` are branch=entropy_tool's."""
 
-    branch: str = "none"   # none: n independent episodes | random_turn: REFUEL's roll-in and turn-h branches
+    branch: str = "none"   # none: n independent episodes | random_turn: REFUEL's | entropy_tool: ARPO's
+    global_samples: int | None = None  # N global episodes of the group's M = rollout.n; None: M // 2
+    branch_width: int = 1               # Z branches per branch point
+    entropy_tokens: int = 20            # k: tokens after an observation whose entropy decides
+    alpha: float | None = None          # base branch probability; None: u ~ U(0, 1) per decision
+    beta: float = 0.2                   # weight of the entropy rise
+    threshold: float = 0.5              # tau: branch when P_t > tau
+    attribution: str = "soft"           # soft: each branch trains its copy of the prefix | hard: shared tokens once
+    branch_penalty: float = 0.0         # AEPO's consecutive-branch penalty: P_t * (1 - branch_penalty)^l; 0: ARPO's rule
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig) -> MultiTurnOptions:
@@ -94,7 +132,48 @@ class MultiTurnOptions:
             raise ConfigError(f"rollout.multi_turn.branch must be one of {BRANCHES}, got {options.branch!r}")
         if options.branch == "random_turn":
             needs_groups("multi_turn", rollout, "with branch=random_turn branches each episode into the group")
+        if options.branch == "entropy_tool":
+            needs_groups("multi_turn", rollout, "with branch=entropy_tool branches episodes into the group")
+            options.check_entropy_tool(int(rollout.n))
         return options
+
+    def check_entropy_tool(self, n: int) -> None:
+        """ConfigError for impossible branch=entropy_tool settings with a group of ``n`` episodes."""
+        where = "rollout.multi_turn"
+        if self.global_samples is not None and not 1 <= self.global_samples <= n:
+            raise ConfigError(f"{where}.global_samples={self.global_samples} must be in [1, rollout.n={n}] (null: rollout.n // 2)")
+        for key in ("branch_width", "entropy_tokens"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{where}.{key} must be >= 1, got {getattr(self, key)}")
+        if not math.isfinite(self.beta) or (self.alpha is not None and not math.isfinite(self.alpha)) or math.isnan(self.threshold):
+            raise ConfigError(f"{where}: alpha (or null) and beta must be finite numbers and threshold a number (.inf: never branch)")
+        if not 0.0 <= self.branch_penalty <= 1.0:
+            raise ConfigError(f"{where}.branch_penalty must be in [0, 1], got {self.branch_penalty}")
+        if self.attribution not in ATTRIBUTIONS:
+            raise ConfigError(f"{where}.attribution must be one of {ATTRIBUTIONS}, got {self.attribution!r}")
+
+    def globals_of(self, n: int) -> int:
+        """N, the global episodes of a group of ``n``."""
+        return self.global_samples if self.global_samples is not None else max(1, n // 2)
+
+
+def branch_probability(entropy_rise: float, alpha: float | None, beta: float, threshold: float,
+                       generator: torch.Generator | None, consecutive: int = 0, penalty: float = 0.0) -> float:
+    """ARPO's P_t = alpha + beta * dH (arXiv:2507.19849, section 3), times AEPO's consecutive-branch penalty
+    (1 - penalty)^l (arXiv:2510.14545, section 3; l = ``consecutive``: the branch points just before on the
+    episode's path that all branched):
+
+        P_t = (alpha + beta * dH) * (1 - penalty)^l
+
+    alpha None: u ~ U(0, 1) from ``generator``, drawn only when it can decide (P_t's range over u straddles
+    ``threshold``); else the range's lower end (u = 0)."""
+    scale = (1.0 - penalty) ** consecutive
+    low = beta * entropy_rise * scale
+    if alpha is not None:
+        return (alpha + beta * entropy_rise) * scale
+    if low > threshold or low + scale <= threshold:
+        return low
+    return low + float(torch.rand((), generator=generator, dtype=torch.float64)) * scale
 
 
 @dataclass
@@ -119,6 +198,10 @@ class Episode:
     ended_by: str = ""
     seconds: float = 0.0
     trained_turn: int | None = None  # branch=random_turn: the one turn (0-based) whose tokens are trained
+    node: int = -1  # branch=entropy_tool: the tree node of the tokens it adds now (-1: no tree)
+    tree_nodes: list[int] = field(default_factory=list)
+    initial_entropy: float | None = None  # branch=entropy_tool: H_0 of its root's first turn
+    streak: int = 0  # branch=entropy_tool: the branch points just before on its path that all branched (AEPO's l)
     seed: int | None = None  # the episode's own random stream (evaluation: each turn's request seeded); None: the runner's generator
 
     @property
@@ -132,6 +215,7 @@ class Episode:
         self.step_index += [self.turns] * len(ids)
         self.turn_states += [self.state] * len(ids)
         self.turn_rewards += [0.0] * len(ids)
+        self.tree_nodes += [self.node] * len(ids)
         self.turns += 1
 
     def reward_turn(self, reward: float) -> None:
@@ -147,24 +231,43 @@ class Episode:
         self.step_index += [-1] * len(ids)
         self.turn_states += [-1] * len(ids)
         self.turn_rewards += [0.0] * len(ids)
+        self.tree_nodes += [self.node] * len(ids)
 
     def fork(self) -> Episode:
         """A branch from here: the same tokens so far, its own copy of the environment; its future turns
         are trained (``trained_turn``) and its reward counts from here on."""
-        lists = {name: list(getattr(self, name)) for name in
-                 ("response_ids", "logprobs", "loss_mask", "step_index", "turn_states", "turn_rewards")}
-        return dataclasses.replace(self, env=self.env.fork(), total_reward=0.0, trained_turn=self.turns, **lists)
+        return dataclasses.replace(self, env=self.env.fork(), total_reward=0.0, trained_turn=self.turns, **self._lists())
+
+    def _lists(self) -> dict[str, list]:
+        return {name: list(getattr(self, name)) for name in
+                ("response_ids", "logprobs", "loss_mask", "step_index", "turn_states", "turn_rewards", "tree_nodes")}
+
+    def branch(self, count: int, new_node: Callable[[], int], hard: bool) -> list[Episode]:
+        """ARPO's ``count`` branches from here (branch=entropy_tool): episodes of their own with the same
+        tokens, counts and return so far and a copy of the environment, each in a new tree node
+        (``new_node()``: a fresh id); this episode goes on in a new node too, so the tokens so far stay the
+        shared node. ``hard``: a branch carries them as context (loss mask 0): trained once, here."""
+        branches = []
+        for _ in range(count):
+            lists = self._lists()
+            if hard:
+                lists["loss_mask"] = [0] * len(self.loss_mask)
+            branches.append(dataclasses.replace(self, env=self.env.fork(), node=new_node(), **lists))
+        self.node = new_node()
+        return branches
 
     def completion(self, tokenizer: Any) -> Completion:
         mask = list(self.loss_mask)
         if self.trained_turn is not None:
             mask = [m if turn == self.trained_turn else 0 for m, turn in zip(mask, self.step_index)]
+        extras = {"step_index": list(self.step_index), "turn_states": list(self.turn_states),
+                  "turn_rewards": list(self.turn_rewards)}
+        if self.node >= 0:
+            extras[TREE_INPUT] = list(self.tree_nodes)
         return Completion(
             request_index=0, prompt_ids=self.prompt_ids, response_ids=list(self.response_ids), logprobs=list(self.logprobs),
             finished=self.ended_by not in CUT_SHORT, text=tokenizer.decode(self.response_ids, skip_special_tokens=True),
-            behaviour="policy", loss_mask=mask,
-            extras={"step_index": list(self.step_index), "turn_states": list(self.turn_states),
-                    "turn_rewards": list(self.turn_rewards)},
+            behaviour="policy", loss_mask=mask, extras=extras,
         )
 
 
@@ -187,7 +290,7 @@ def turn_length(new_ids: list[int], env: Environment, tokenizer: Any) -> int | N
 class MultiTurnRollout(RolloutStrategy):
     """``rollout=multi_turn`` (module docstring); no state between steps."""
 
-    provides = TURN_INPUTS
+    provides = TURN_INPUTS | {TREE_INPUT}
 
     def __init__(self, setup: Any, options: MultiTurnOptions | None = None):
         super().__init__(setup)
@@ -196,6 +299,23 @@ class MultiTurnRollout(RolloutStrategy):
     @classmethod
     def config_options(cls, rollout: RolloutConfig) -> dict[str, Any]:
         return {"options": MultiTurnOptions.from_config(rollout)}
+
+    @classmethod
+    def validate(cls, rollout: RolloutConfig, advantage: str) -> None:
+        """The options; the tree (``tree_nodes``) exists only with branch=entropy_tool, and its hard attribution
+        needs an advantage that reads it."""
+        options = MultiTurnOptions.from_config(rollout)
+        tree = options.branch == "entropy_tool"
+        if TREE_INPUT in ADVANTAGES.accepted_inputs(advantage) and not tree:
+            raise ConfigError(f"advantage '{advantage}' reads {TREE_INPUT}, which rollout=multi_turn provides only with "
+                              "rollout.multi_turn.branch=entropy_tool (ARPO's branches); set it, or pick another advantage")
+        if tree and options.attribution == "hard":
+            require_advantage_input(
+                advantage, TREE_INPUT,
+                "rollout.multi_turn.attribution=hard trains each shared token once and needs an advantage that gives it "
+                "the mean advantage of the episodes below it; advantage '{advantage}' does not read the tree. Use "
+                "algorithm/advantage=arpo_hard (readers of the tree: {readers}), or attribution=soft",
+            )
 
     def rollout(
         self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None = None
@@ -208,9 +328,12 @@ class MultiTurnRollout(RolloutStrategy):
         branch_metrics: dict[str, float] = {}
         if self.options.branch == "random_turn":
             episodes, branch_metrics = self.branched(runner, problems, start)
+            runner.run_to_end(episodes, start)
+        elif self.options.branch == "entropy_tool":
+            episodes, branch_metrics = self.entropy_branched(runner, problems, start)
         else:
             episodes = [runner.start(problem) for problem in problems for _ in range(setup.n)]
-        runner.run_to_end(episodes, start)
+            runner.run_to_end(episodes, start)
         groups, metrics = self.graded(problems, episodes)
         return groups, {**metrics, **branch_metrics}
 
@@ -230,6 +353,69 @@ class MultiTurnRollout(RolloutStrategy):
         episodes = [root.fork() for root in roots for _ in range(self.setup.n)]
         return episodes, {"multi_turn_branch_turn": sum(branch_turns) / max(len(problems), 1),
                           "multi_turn_branch_missed": float(missed)}
+
+    def entropy_branched(self, runner: EpisodeRunner, problems: list[Problem], start: float) -> tuple[list[Episode], dict[str, float]]:
+        """ARPO's groups (module docstring): N global episodes per problem, branches where the entropy after an
+        observation rises, global episodes to fill a group short of M; the episodes run to their ends."""
+        setup, options = self.setup, self.options
+        budget, k, hard = setup.n, options.entropy_tokens, options.attribution == "hard"
+        new_node = itertools.count().__next__
+        groups = [[runner.start(problem) for _ in range(options.globals_of(budget))] for problem in problems]
+        home = {id(e): group for group in groups for e in group}
+        everyone = [e for group in groups for e in group]
+        for e in everyone:
+            e.node = new_node()
+        rises: list[float] = []
+        forked_at: dict[int, int] = {}
+        branches = filled = 0
+
+        def decide(active: list[Episode], new_turns: list[list[int]]) -> None:
+            """Before the turns just generated are added: branch the episodes whose turn follows an observation
+            with a high entropy rise (each branch generates its own turn next round)."""
+            nonlocal branches
+            candidates = [(e, new[:k]) for e, new in zip(active, new_turns)
+                          if e.turns >= 1 and new and len(home[id(e)]) < budget and forked_at.get(id(e)) != len(e.response_ids)]
+            if not candidates:
+                return
+            items = [(e.prompt_ids, tuple(e.response_ids) + tuple(head)) for e, head in candidates]
+            for (e, head), stats in zip(candidates, setup.sampler.engine.position_stats(items, setup.params)):
+                entropy = stats.entropy.to(torch.float64) / math.log(stats.vocab_size)
+                if e.initial_entropy is None:
+                    first = [t for t, turn in enumerate(e.step_index) if turn == 0][:k]
+                    e.initial_entropy = float(entropy[first].mean())
+                group = home[id(e)]
+                if len(group) >= budget:  # filled by an earlier branch this round
+                    continue
+                rise = float(entropy[len(e.response_ids):].mean()) - e.initial_entropy
+                rises.append(rise)
+                p = branch_probability(rise, options.alpha, options.beta, options.threshold, setup.generator,
+                                       e.streak, options.branch_penalty)
+                e.streak = e.streak + 1 if p > options.threshold else 0  # its branches inherit it
+                if p > options.threshold:
+                    new = e.branch(min(options.branch_width, budget - len(group)), new_node, hard)
+                    group += new
+                    everyone.extend(new)
+                    home.update((id(b), group) for b in new)
+                    forked_at.update((id(b), len(b.response_ids)) for b in new)  # their point is decided
+                    branches += len(new)
+
+        while True:
+            runner.run_to_end(everyone, start, decide=decide)
+            short = [(problem, group) for problem, group in zip(problems, groups) if len(group) < budget]
+            if not short:
+                break
+            for problem, group in short:  # every episode of the group ended before M: global samples fill it
+                more = [runner.start(problem) for _ in range(budget - len(group))]
+                for e in more:
+                    e.node = new_node()
+                    home[id(e)] = group
+                group += more
+                everyone.extend(more)
+                filled += len(more)
+        metrics = {"multi_turn_branch_decisions": float(len(rises)), "multi_turn_branches": float(branches),
+                   "multi_turn_branch_filled": float(filled),
+                   "multi_turn_branch_entropy_rise": sum(rises) / len(rises) if rises else 0.0}
+        return [e for group in groups for e in group], metrics
 
     def graded(self, problems: list[Problem], episodes: list[Episode]) -> tuple[GradedGroups, dict[str, float]]:
         """The episodes as graded groups (one per problem) and the step's multi-turn metrics."""
@@ -261,11 +447,12 @@ class EpisodeRunner:
     generate: Callable[[list[GenerationRequest], SamplingParams], list[list[Completion]]]
     params: SamplingParams
 
-    def run_to_end(self, episodes: list[Episode], start: float, until: list[int] | None = None) -> None:
-        """Advance ``episodes`` together until each is done (or, with ``until``, has taken ``until[i]`` turns)."""
-        limits = until or [-1] * len(episodes)
-        while active := [e for e, cap in zip(episodes, limits) if not e.done and e.turns != cap]:
-            self.advance(active)
+    def run_to_end(self, episodes: list[Episode], start: float, until: list[int] | None = None,
+                   decide: Callable[[list[Episode], list[list[int]]], None] | None = None) -> None:
+        """Advance ``episodes`` together until each is done (or, with ``until``, has taken ``until[i]`` turns);
+        ``decide``: :meth:`advance`'s hook (it may append branches to ``episodes``, which run too)."""
+        while active := [e for i, e in enumerate(episodes) if not e.done and e.turns != (until[i] if until else -1)]:
+            self.advance(active, decide)
             now = time.perf_counter() - start
             for e in active:
                 if e.done:
@@ -284,15 +471,19 @@ class EpisodeRunner:
         prompt = encode_prompts(self.tokenizer, [dataclasses.replace(problem, prompt=first.observation)], spec)[0]
         return Episode(problem, env, tuple(prompt), state=state_id(first.state_key), seed=seed)
 
-    def advance(self, active: list[Episode]) -> None:
+    def advance(self, active: list[Episode], decide: Callable[[list[Episode], list[list[int]]], None] | None = None) -> None:
         """One turn of every episode in ``active``: generate (one engine call), cut each at its turn end, then
-        step the environments (in parallel, ``env.workers`` at once, each bounded by ``env.step_timeout_s``)."""
+        step the environments (in parallel, ``env.workers`` at once, each bounded by ``env.step_timeout_s``).
+        ``decide(active, new tokens)`` sees each episode's new tokens before they are added (ARPO's branching)."""
         caps, tokenizer = self.env.config, self.tokenizer
         params = dataclasses.replace(self.params, max_new_tokens=caps.turn_tokens)
         requests = [GenerationRequest(e.prompt_ids, 1, prefix_ids=tuple(e.response_ids), score_prefix=False,
                                       seed=None if e.seed is None else turn_seed(e.seed, e.turns)) for e in active]
+        completions = [c for (c,) in self.generate(requests, params)]
+        if decide is not None:
+            decide(active, [c.response_ids[len(e.response_ids):] for e, c in zip(active, completions)])
         turns = []
-        for e, (c,) in zip(active, self.generate(requests, params)):
+        for e, c in zip(active, completions):
             new, logprobs = c.response_ids[len(e.response_ids):], c.logprobs[len(e.response_ids):]
             room = caps.max_tokens - len(e.response_ids)
             k = turn_length(new, e.env, tokenizer)
