@@ -34,6 +34,12 @@ loss mask 1 (the loss regresses their log-ratio), and a branch's reward is its f
 A roll-in that ends before turn h leaves its group with nothing trained (counted:
 ``multi_turn_branch_missed``); ``multi_turn_branch_turn`` is the mean h.
 
+With ``rollout.multi_turn.dynamic_sampling: true`` (conf/rollout/multi_turn_filtered.yaml; algorithm=dapo_multi_turn)
+a step keeps only the groups whose episodes differ, DAPO's dynamic sampling (Yu et al. 2025, arXiv:2503.14476,
+section 3.2) over whole episodes: rounds of episodes on more prompts until the batch is full, filtered by
+rlbench.rollout.strategies.dynamic_sampling's own code, with ``rollout.multi_turn.max_rounds`` and ``.metric`` as
+that strategy's block has them; the episode metrics count every round's episodes.
+
 Metrics: turns, tool calls, tool errors and seconds per episode, the share of observation tokens in the
 responses, and the end reasons.
 """
@@ -67,6 +73,7 @@ from rlbench.rollout.env.base import (
     state_id,
 )
 from rlbench.rollout.groups import GradedGroups, shaping_inputs
+from rlbench.rollout.strategies.dynamic_sampling import DynamicSamplingOptions, sample_informative_groups
 from rlbench.rollout.strategy import (
     RolloutStrategy,
     needs_groups,
@@ -85,6 +92,13 @@ class MultiTurnOptions:
     """The ``rollout.multi_turn`` block (module docstring)."""
 
     branch: str = "none"   # none: n independent episodes | random_turn: REFUEL's roll-in and turn-h branches
+    dynamic_sampling: bool = False  # keep only groups whose episodes differ (DAPO's filter), drawing more prompts
+    max_rounds: int = 16   # with dynamic_sampling: rounds of episodes per step at most
+    metric: str = "correct"  # with dynamic_sampling: correct (0 < #correct < n) | reward (the rewards differ)
+
+    def filter_options(self) -> DynamicSamplingOptions | None:
+        """DAPO's filter as rollout=dynamic_sampling takes it (its checks included); None without dynamic_sampling."""
+        return DynamicSamplingOptions(self.max_rounds, self.metric) if self.dynamic_sampling else None
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig) -> MultiTurnOptions:
@@ -93,6 +107,11 @@ class MultiTurnOptions:
             raise ConfigError(f"rollout.multi_turn.branch must be one of {BRANCHES}, got {options.branch!r}")
         if options.branch == "random_turn":
             needs_groups("multi_turn", rollout, "with branch=random_turn branches each episode into the group")
+        if options.dynamic_sampling:
+            needs_groups("multi_turn", rollout, "with dynamic_sampling keeps groups whose episodes differ")
+            if options.branch != "none":
+                raise ConfigError("rollout.multi_turn.dynamic_sampling=true needs branch=none (a branched group's "
+                                  "episodes share their roll-in; filtering them is not built)")
         return options
 
 
@@ -188,30 +207,49 @@ class MultiTurnRollout(RolloutStrategy):
 
     provides = TURN_INPUTS
 
-    def __init__(self, setup: Any, options: MultiTurnOptions | None = None):
+    def __init__(self, setup: Any, options: MultiTurnOptions | None = None, filter_options: DynamicSamplingOptions | None = None):
         super().__init__(setup)
         self.options = options or MultiTurnOptions()
+        self.filter_options = filter_options
 
     @classmethod
     def config_options(cls, rollout: RolloutConfig) -> dict[str, Any]:
-        return {"options": MultiTurnOptions.from_config(rollout)}
+        options = MultiTurnOptions.from_config(rollout)
+        return {"options": options, "filter_options": options.filter_options()}
 
     def rollout(
         self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None = None
     ) -> tuple[GradedGroups, dict[str, float]]:
-        setup = self.setup
-        if setup.env is None:
+        if self.setup.env is None:
             raise ValueError("rollout=multi_turn needs an environment (env=<name>)")
+        if self.filter_options is None:
+            groups, metrics, _ = self.one_round(problems)
+            return groups, metrics
+        if draw_prompts is None:
+            raise ValueError("multi_turn with dynamic_sampling draws more prompts: pass train_step(..., draw_prompts=sampler.next)")
+        episodes: list[Episode] = []
+
+        def sample(round_problems: list[Problem]) -> GradedGroups:
+            groups, _, round_episodes = self.one_round(round_problems)
+            episodes.extend(round_episodes)
+            return groups
+
+        groups, filter_metrics = sample_informative_groups(sample, draw_prompts, problems, self.filter_options,
+                                                            "rollout.multi_turn.max_rounds")
+        return groups, {**episode_metrics(episodes), **filter_metrics}
+
+    def one_round(self, problems: list[Problem]) -> tuple[GradedGroups, dict[str, float], list[Episode]]:
+        """The episodes of ``problems`` (``n`` each, or REFUEL's branches), graded, with their metrics."""
         start = time.perf_counter()
         runner = self.runner()
         branch_metrics: dict[str, float] = {}
         if self.options.branch == "random_turn":
             episodes, branch_metrics = self.branched(runner, problems, start)
         else:
-            episodes = [runner.start(problem) for problem in problems for _ in range(setup.n)]
+            episodes = [runner.start(problem) for problem in problems for _ in range(self.setup.n)]
         runner.run_to_end(episodes, start)
         groups, metrics = self.graded(problems, episodes)
-        return groups, {**metrics, **branch_metrics}
+        return groups, {**metrics, **branch_metrics}, episodes
 
     def runner(self) -> EpisodeRunner:
         """The episode loop on this step's setup (its sampler, random stream and sampling parameters)."""
