@@ -524,11 +524,20 @@ class ArithConfig:
 
 
 @dataclass
+class ToyReposConfig:
+    """The generated toy repositories (env=code_repair's problems; rlbench/dataset/toy_repos.py)."""
+
+    seed: Optional[int] = knob(None, "generator seed (null: the run's seed)")
+    train_size: Any = knob(None, "repositories in the train split")
+    test_size: Any = knob(None, "repositories in the test split")
+
+
+@dataclass
 class DatasetConfig:
     """A dataset or benchmark spec (rlbench/dataset); which keys apply depends on the loader."""
 
     name: str = knob(None, "the dataset's name")
-    loader: str = knob("jsonl", "jsonl | arith")
+    loader: str = knob("jsonl", "jsonl | arith | toy_repos")
     split: Optional[str] = knob(None, "split to read (train, test, ...)")
     files: dict = knob({}, "split -> JSONL file name", open=True)
     hub_id: Optional[str] = knob(None, "Hugging Face dataset id (fallback when the local file is missing)")
@@ -571,6 +580,7 @@ class DatasetConfig:
     example_test_in_prompt: bool = knob(False, "show one test in the prompt (code)")
     test_format: Optional[str] = knob("assert_list", "how tests are written (code): assert_list | check_function")
     arith: Optional[ArithConfig] = node(ArithConfig, "settings of loader=arith")
+    toy_repos: Optional[ToyReposConfig] = node(ToyReposConfig, "settings of loader=toy_repos")
 
 
 @dataclass

@@ -3,7 +3,7 @@
 A spec (one YAML file, as a plain dict or an OmegaConf DictConfig) looks like::
 
     name: gsm8k
-    loader: jsonl                 # jsonl | arith
+    loader: jsonl                 # jsonl | arith | toy_repos
     hub_id: openai/gsm8k          # Hugging Face Hub id, for users with network access
     hub_config: main              # optional datasets.load_dataset config name (or a list, concatenated)
     hub_splits: {test: train}     # optional: local split name -> Hub split name
@@ -30,7 +30,8 @@ A spec (one YAML file, as a plain dict or an OmegaConf DictConfig) looks like::
     reward_extraction: auto       # hint for the grader (passed through, not used here)
     prompt: {system: null, user: "{problem} ..."}   # may name other record fields: {unit}
 
-The arith loader takes ``arith: {level, train_size, test_size, seed}`` instead of files.
+The arith loader takes ``arith: {level, train_size, test_size, seed}`` instead of files; the toy_repos loader
+(env=code_repair's repositories, rlbench/dataset/toy_repos.py) ``toy_repos: {train_size, test_size, seed}``.
 """
 
 from __future__ import annotations
@@ -53,12 +54,13 @@ from rlbench.dataset.base import Problem, ProblemList, spec_value
 from rlbench.dataset.code import records_to_code_problems, validate_code_spec
 from rlbench.dataset.jsonl import ANSWER_FORMATS, iter_jsonl, records_to_problems
 from rlbench.dataset.prompts import check_template, template_fields
+from rlbench.dataset.toy_repos import generate_toy_repos
 from rlbench.errors import ConfigError, DataError
 from rlbench.reward.math import ANSWER_LABELS, LIST_ORDERS
 from rlbench.reward.math import ANSWER_TYPES as MATH_ANSWER_TYPES
 
 DATA_DIR_ENV = "RLBENCH_DATA_DIR"
-LOADERS = ("jsonl", "arith")
+LOADERS = ("jsonl", "arith", "toy_repos")
 # graded by rlbench.reward.MathReward (the reference read as math, number, ...) / rlbench.reward.code.CodeReward
 ANSWER_TYPES = (*MATH_ANSWER_TYPES, "code")
 # the keys of ``fields`` of an answer benchmark; solution: the worked solution, kept as meta["solution"]
@@ -257,6 +259,9 @@ def _validate_static(spec: Mapping[str, Any], split: str | None) -> tuple[str, s
     if loader == "arith":
         _validate_arith(spec, name, split)
         return name, split
+    if loader == "toy_repos":
+        _validate_toy_repos(spec, name, split)
+        return name, split
 
     answer_type = spec_value(spec, "answer_type")
     if answer_type not in ANSWER_TYPES:
@@ -350,12 +355,26 @@ def _validate_arith(spec: Mapping[str, Any], name: str, split: str) -> None:
             f"dataset {name!r}: arith.level must be one of {list(ARITH_LEVELS)} or a list of distinct levels "
             f"(e.g. [1, 2]: mixed difficulty), got {level!r}"
         )
-    size = arith.get(f"{split}_size")
+    _validate_generated(arith, "arith", name, split)
+
+
+def _validate_generated(block: Mapping[str, Any], key: str, name: str, split: str) -> None:
+    """The size and seed of a generated dataset's block (``arith``, ``toy_repos``)."""
+    size = block.get(f"{split}_size")
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-        raise ConfigError(f"dataset {name!r}: arith.{split}_size must be a non-negative integer, got {size!r}")
-    seed = arith.get("seed")
+        raise ConfigError(f"dataset {name!r}: {key}.{split}_size must be a non-negative integer, got {size!r}")
+    seed = block.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ConfigError(f"dataset {name!r}: arith.seed must be null or an integer, got {seed!r}")
+        raise ConfigError(f"dataset {name!r}: {key}.seed must be null or an integer, got {seed!r}")
+
+
+def _validate_toy_repos(spec: Mapping[str, Any], name: str, split: str) -> None:
+    block = spec.get("toy_repos")
+    if not isinstance(block, Mapping):
+        raise ConfigError(f"dataset {name!r}: loader toy_repos needs toy_repos: {{train_size, test_size}}")
+    if split not in ARITH_SPLITS:
+        raise ConfigError(f"dataset {name!r}: toy_repos split must be one of {list(ARITH_SPLITS)}, got {split!r}")
+    _validate_generated(block, "toy_repos", name, split)
 
 
 def load_problems(
@@ -381,12 +400,14 @@ def load_problems(
     name, split = _validate_static(plain, split)
     limit = _check_limit(plain)
 
-    if spec_value(plain, "loader") == "arith":
-        arith = plain["arith"]
-        arith_seed = arith.get("seed")
-        problems = generate_arith_levels(
-            arith["level"], arith[f"{split}_size"], seed if arith_seed is None else arith_seed, split
-        )
+    loader = spec_value(plain, "loader")
+    if loader in ("arith", "toy_repos"):
+        block = plain[loader]
+        block_seed = seed if block.get("seed") is None else block["seed"]
+        if loader == "arith":
+            problems = generate_arith_levels(block["level"], block[f"{split}_size"], block_seed, split)
+        else:
+            problems = generate_toy_repos(block[f"{split}_size"], block_seed, split)
         if limit is not None:
             problems = problems[:limit]
         return ProblemList(

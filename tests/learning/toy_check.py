@@ -148,6 +148,12 @@ ALGORITHM_PRESETS_WITHOUT_TOY_CHECK = {
     # right boxed answer by chance (a fixed multi-token string such as "```python" in random text; an argument, not
     # a measured run: no toy run of this preset was made). tests/test_retool.py checks the preset's episodes.
     "retool": "the random tiny model never writes a closed code block and a right answer, so every reward is 0",
+    # Multi-turn DAPO (env=code_repair; its rollout multi_turn_filtered has no check of its own either): a reward
+    # needs an edit block holding the whole fixed file, closed, then RUN_TESTS, which random text never holds (an
+    # argument, not a measured run). `rlbench algorithm=dapo_multi_turn experiment=smoke` gave every episode
+    # ended_by=no_action, reward 0 (2026-12-05). tests/test_env_code_repair.py and tests/test_dapo_multi_turn.py
+    # check the episodes, the masks, the loss and the filter with scripted policies.
+    "dapo_multi_turn": "the random tiny model never writes a closed edit block with the fix and RUN_TESTS, so every reward is 0",
 }
 
 

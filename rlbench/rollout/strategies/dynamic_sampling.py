@@ -79,18 +79,19 @@ class DynamicSamplingOptions:
     metric: str = "correct"  # what must differ within a kept group: correct | reward
     length_extremes: tuple[float, float, float] | None = None  # LSPO's (low, high, max) quantiles; None: no length filter
 
-    @classmethod
-    def from_config(cls, rollout: RolloutConfig) -> "DynamicSamplingOptions":
-        options = strategy_options(rollout, "dynamic_sampling", cls)
-        if options.max_rounds < 1:
-            raise ConfigError(f"rollout.dynamic_sampling.max_rounds must be >= 1, got {options.max_rounds}")
-        if options.metric not in FILTER_METRICS:
-            raise ConfigError(f"rollout.dynamic_sampling.metric={options.metric!r} is unknown; choose one of {FILTER_METRICS}")
-        bounds = options.length_extremes
+    def __post_init__(self) -> None:
+        if self.max_rounds < 1:
+            raise ConfigError(f"rollout.dynamic_sampling.max_rounds must be >= 1, got {self.max_rounds}")
+        if self.metric not in FILTER_METRICS:
+            raise ConfigError(f"rollout.dynamic_sampling.metric={self.metric!r} is unknown; choose one of {FILTER_METRICS}")
+        bounds = self.length_extremes
         if bounds is not None and (len(bounds) != 3 or not 0 < bounds[0] < bounds[1] < bounds[2] <= 1):
             raise ConfigError(f"rollout.dynamic_sampling.length_extremes=[low, high, max] needs 0 < low < high < max <= 1, "
                               f"got {list(bounds)}")
-        return options
+
+    @classmethod
+    def from_config(cls, rollout: RolloutConfig) -> "DynamicSamplingOptions":
+        return strategy_options(rollout, "dynamic_sampling", cls)
 
     def filter_values(self, graded: GradedGroups) -> torch.Tensor:
         return graded.correct if self.metric == "correct" else graded.rewards
@@ -114,6 +115,7 @@ def sample_informative_groups(
     draw_prompts: Callable[[int], list[Problem]],
     first_prompts: list[Problem],
     options: DynamicSamplingOptions,
+    rounds_setting: str = "rollout.dynamic_sampling.max_rounds",
 ) -> tuple[GradedGroups, dict[str, float]]:
     """Dynamic sampling: generate rounds of ``len(first_prompts)`` prompts (the first round on
     ``first_prompts``, later ones on ``draw_prompts``) and keep the informative groups
@@ -121,9 +123,10 @@ def sample_informative_groups(
     ``options.max_rounds`` rounds. The batch is the first ``len(first_prompts)`` kept groups. Group
     ids count the groups generated this step (round 2's first group has id ``len(first_prompts)``).
 
-    If the rounds run out first, the batch is filled with the earliest dropped groups (logged; verl
-    stops the run with an error instead). Metrics: rounds, groups dropped, groups used to fill, and
-    the mean reward of every response generated (the batch's own reward_mean is biased by the selection).
+    If the rounds run out first, the batch is filled with the earliest dropped groups (logged, naming
+    ``rounds_setting`` to raise; verl stops the run with an error instead). Metrics: rounds, groups
+    dropped, groups used to fill, and the mean reward of every response generated (the batch's own
+    reward_mean is biased by the selection).
     """
     target = len(first_prompts)
     kept: list[GradedGroups] = []
@@ -151,8 +154,8 @@ def sample_informative_groups(
     if filled:
         log.warning(
             "dynamic sampling: %d of %d groups informative after max_rounds=%d rounds; filling the batch with "
-            "%d groups whose %s values are all equal (raise rollout.dynamic_sampling.max_rounds)",
-            kept_count, target, options.max_rounds, filled, options.metric,
+            "%d groups whose %s values are all equal (raise %s)",
+            kept_count, target, options.max_rounds, filled, options.metric, rounds_setting,
         )
         batch = GradedGroups.concat([batch, GradedGroups.concat(dropped).select(list(range(filled)))])
     else:

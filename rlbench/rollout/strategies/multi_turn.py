@@ -59,6 +59,12 @@ branch points just before on the episode's path that all branched (its branches 
 ``multi_turn_branches``, ``multi_turn_branch_filled`` (global samples added to fill a group) and
 ``multi_turn_branch_entropy_rise`` (the mean H_t - H_0 over the decisions).
 
+With ``rollout.multi_turn.dynamic_sampling: true`` (conf/rollout/multi_turn_filtered.yaml; algorithm=dapo_multi_turn)
+a step keeps only the groups whose episodes differ, DAPO's dynamic sampling (Yu et al. 2025, arXiv:2503.14476,
+section 3.2) over whole episodes: rounds of episodes on more prompts until the batch is full, filtered by
+rlbench.rollout.strategies.dynamic_sampling's own code, with ``rollout.multi_turn.max_rounds`` and ``.metric`` as
+that strategy's block has them; the episode metrics count every round's episodes.
+
 Metrics: turns, tool calls, tool errors and seconds per episode, the share of observation tokens in the
 responses, and the end reasons.
 """
@@ -95,6 +101,7 @@ from rlbench.rollout.env.base import (
     state_id,
 )
 from rlbench.rollout.groups import GradedGroups, shaping_inputs
+from rlbench.rollout.strategies.dynamic_sampling import DynamicSamplingOptions, sample_informative_groups
 from rlbench.rollout.strategy import (
     RolloutStrategy,
     needs_groups,
@@ -113,7 +120,8 @@ TREE_INPUT = "tree_nodes"
 
 @dataclass(frozen=True)
 class MultiTurnOptions:
-    """The ``rollout.multi_turn`` block (module docstring); the keys after ``branch`` are branch=entropy_tool's."""
+    """The ``rollout.multi_turn`` block (module docstring): ``global_samples`` to ``branch_penalty`` are
+    branch=entropy_tool's keys, ``dynamic_sampling`` to ``metric`` the episode filter's."""
 
     branch: str = "none"   # none: n independent episodes | random_turn: REFUEL's | entropy_tool: ARPO's
     global_samples: int | None = None  # N global episodes of the group's M = rollout.n; None: M // 2
@@ -124,6 +132,13 @@ class MultiTurnOptions:
     threshold: float = 0.5              # tau: branch when P_t > tau
     attribution: str = "soft"           # soft: each branch trains its copy of the prefix | hard: shared tokens once
     branch_penalty: float = 0.0         # AEPO's consecutive-branch penalty: P_t * (1 - branch_penalty)^l; 0: ARPO's rule
+    dynamic_sampling: bool = False  # keep only groups whose episodes differ (DAPO's filter), drawing more prompts
+    max_rounds: int = 16   # with dynamic_sampling: rounds of episodes per step at most
+    metric: str = "correct"  # with dynamic_sampling: correct (0 < #correct < n) | reward (the rewards differ)
+
+    def filter_options(self) -> DynamicSamplingOptions | None:
+        """DAPO's filter as rollout=dynamic_sampling takes it (its checks included); None without dynamic_sampling."""
+        return DynamicSamplingOptions(self.max_rounds, self.metric) if self.dynamic_sampling else None
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig) -> MultiTurnOptions:
@@ -135,6 +150,11 @@ class MultiTurnOptions:
         if options.branch == "entropy_tool":
             needs_groups("multi_turn", rollout, "with branch=entropy_tool branches episodes into the group")
             options.check_entropy_tool(int(rollout.n))
+        if options.dynamic_sampling:
+            needs_groups("multi_turn", rollout, "with dynamic_sampling keeps groups whose episodes differ")
+            if options.branch != "none":
+                raise ConfigError("rollout.multi_turn.dynamic_sampling=true needs branch=none (a branched group's "
+                                  "episodes share their roll-in; filtering them is not built)")
         return options
 
     def check_entropy_tool(self, n: int) -> None:
@@ -292,13 +312,15 @@ class MultiTurnRollout(RolloutStrategy):
 
     provides = TURN_INPUTS | {TREE_INPUT}
 
-    def __init__(self, setup: Any, options: MultiTurnOptions | None = None):
+    def __init__(self, setup: Any, options: MultiTurnOptions | None = None, filter_options: DynamicSamplingOptions | None = None):
         super().__init__(setup)
         self.options = options or MultiTurnOptions()
+        self.filter_options = filter_options
 
     @classmethod
     def config_options(cls, rollout: RolloutConfig) -> dict[str, Any]:
-        return {"options": MultiTurnOptions.from_config(rollout)}
+        options = MultiTurnOptions.from_config(rollout)
+        return {"options": options, "filter_options": options.filter_options()}
 
     @classmethod
     def validate(cls, rollout: RolloutConfig, advantage: str) -> None:
@@ -320,9 +342,26 @@ class MultiTurnRollout(RolloutStrategy):
     def rollout(
         self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None = None
     ) -> tuple[GradedGroups, dict[str, float]]:
-        setup = self.setup
-        if setup.env is None:
+        if self.setup.env is None:
             raise ValueError("rollout=multi_turn needs an environment (env=<name>)")
+        if self.filter_options is None:
+            groups, metrics, _ = self.one_round(problems)
+            return groups, metrics
+        if draw_prompts is None:
+            raise ValueError("multi_turn with dynamic_sampling draws more prompts: pass train_step(..., draw_prompts=sampler.next)")
+        episodes: list[Episode] = []
+
+        def sample(round_problems: list[Problem]) -> GradedGroups:
+            groups, _, round_episodes = self.one_round(round_problems)
+            episodes.extend(round_episodes)
+            return groups
+
+        groups, filter_metrics = sample_informative_groups(sample, draw_prompts, problems, self.filter_options,
+                                                            "rollout.multi_turn.max_rounds")
+        return groups, {**episode_metrics(episodes), **filter_metrics}
+
+    def one_round(self, problems: list[Problem]) -> tuple[GradedGroups, dict[str, float], list[Episode]]:
+        """The episodes of ``problems`` (``n`` each, or REFUEL's branches), graded, with their metrics."""
         start = time.perf_counter()
         runner = self.runner()
         branch_metrics: dict[str, float] = {}
@@ -332,10 +371,10 @@ class MultiTurnRollout(RolloutStrategy):
         elif self.options.branch == "entropy_tool":
             episodes, branch_metrics = self.entropy_branched(runner, problems, start)
         else:
-            episodes = [runner.start(problem) for problem in problems for _ in range(setup.n)]
+            episodes = [runner.start(problem) for problem in problems for _ in range(self.setup.n)]
             runner.run_to_end(episodes, start)
         groups, metrics = self.graded(problems, episodes)
-        return groups, {**metrics, **branch_metrics}
+        return groups, {**metrics, **branch_metrics}, episodes
 
     def runner(self) -> EpisodeRunner:
         """The episode loop on this step's setup (its sampler, random stream and sampling parameters)."""
