@@ -136,6 +136,20 @@ def test_refused_before_the_model_loads(tmp_path):
         validate_config(compose_config(["experiment=smoke", "algorithm=oprl", "rollout=iid", "~env"], tmp_path))
 
 
+
+def test_the_memory_check_counts_the_prm_as_a_trained_model(tmp_path, monkeypatch):
+    import rlbench.validation as validation
+    from rlbench.config.fit import memory_needed_bytes
+
+    counted = []
+    monkeypatch.setattr(validation, "check_fits_here",
+                        lambda *a, frozen_models, trained_models=0, **k: counted.append((frozen_models, trained_models)))
+    validation.validate_config(compose_config(["experiment=smoke", "algorithm=oprl"], tmp_path))
+    validation.validate_config(compose_config(["experiment=smoke", "algorithm=gigpo"], tmp_path))
+    assert counted == [(1, 1), (0, 0)]  # pi_ref frozen and the PRM trained; neither
+    # the policy's 16 bytes per parameter, pi_ref's 4 and the PRM's 16 (weights, gradients, AdamW's two moments)
+    assert memory_needed_bytes(10**9, training=True, frozen_models=1, trained_models=1) == 36 * 10**9
+
 # the gridworld toy's settings (conf/experiment/toy_learning/gigpo.yaml), small: some groups have a winner
 TOY = ["experiment=smoke", "algorithm=oprl", "++model.tiny.initializer_range=0.3", "++model.tiny.vocab_size=512",
        "env.turn_tokens=2", "env.gridworld.moves=initials", "rollout.n=4", "trainer.prompts_per_step=2",
