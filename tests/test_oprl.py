@@ -123,6 +123,20 @@ def test_one_prm_update_ranks_the_winner_higher_and_leaves_the_reference_alone()
     assert not all(torch.equal(v, before[k]) for k, v in prm.model.state_dict().items())
 
 
+
+def test_the_policy_baseline_takes_the_implicit_reward_against_the_sampling_policy():
+    initial, policy = tiny_lm(0), tiny_lm(1)  # the policy has moved away from the PRM's start
+    batch = pair_batch()
+    prm = OnlinePRM.from_reference(OnlinePRMConfig(beta=0.1, lr=1e-2, baseline="policy"), initial, 2, 1.0, policy=policy)
+    scored = prm.scored(batch)
+    assert batch.ref_logp is None  # the batch itself is left as it was
+    rewards, _ = prm.step_rewards(scored)
+    ratio = batch_outputs(initial, batch, 2, 1.0).logp - batch_outputs(policy, batch, 2, 1.0).logp
+    assert float(rewards[0, 0]) == pytest.approx(0.1 * float(ratio[0, :2].sum()), abs=1e-6)  # turn 0: tokens 0, 1
+    assert float(rewards[1, 3]) == pytest.approx(0.1 * float(ratio[1, 3]), abs=1e-6)
+    batch.old_logp = torch.zeros(2, 4)  # the step's pi_old, when it has them, is read instead of a pass
+    assert torch.equal(prm.scored(batch).ref_logp, batch.old_logp)
+
 def test_refused_before_the_model_loads(tmp_path):
     from rlbench.validation import validate_config
 
@@ -132,6 +146,8 @@ def test_refused_before_the_model_loads(tmp_path):
         validate_config(compose_config(["experiment=smoke", "algorithm=oprl", "algorithm/advantage=grpo"], tmp_path))
     with pytest.raises(ConfigError, match="model.lora"):
         validate_config(compose_config(["experiment=smoke", "algorithm=oprl", "model/lora=default"], tmp_path))
+    with pytest.raises(ConfigError, match="algorithm.online_prm.baseline must be"):
+        validate_config(compose_config(["experiment=smoke", "algorithm=oprl", "algorithm.online_prm.baseline=old"], tmp_path))
     with pytest.raises(ConfigError, match="step_index"):  # no step structure: single-turn responses
         validate_config(compose_config(["experiment=smoke", "algorithm=oprl", "rollout=iid", "~env"], tmp_path))
 
@@ -145,8 +161,9 @@ def test_the_memory_check_counts_the_prm_as_a_trained_model(tmp_path, monkeypatc
     monkeypatch.setattr(validation, "check_fits_here",
                         lambda *a, frozen_models, trained_models=0, **k: counted.append((frozen_models, trained_models)))
     validation.validate_config(compose_config(["experiment=smoke", "algorithm=oprl"], tmp_path))
+    validation.validate_config(compose_config(["experiment=smoke", "algorithm=oprl", "algorithm.online_prm.baseline=policy"], tmp_path))
     validation.validate_config(compose_config(["experiment=smoke", "algorithm=gigpo"], tmp_path))
-    assert counted == [(1, 1), (0, 0)]  # pi_ref frozen and the PRM trained; neither
+    assert counted == [(1, 1), (0, 1), (0, 0)]  # pi_ref frozen and the PRM trained; the PRM alone (no pi_ref); neither
     # the policy's 16 bytes per parameter, pi_ref's 4 and the PRM's 16 (weights, gradients, AdamW's two moments)
     assert memory_needed_bytes(10**9, training=True, frozen_models=1, trained_models=1) == 36 * 10**9
 
@@ -156,21 +173,23 @@ TOY = ["experiment=smoke", "algorithm=oprl", "++model.tiny.initializer_range=0.3
        "algorithm.online_prm.lr=1e-3", "logger=files"]
 
 
-def test_a_run_trains_the_prm_and_resumes_exactly(tmp_path, monkeypatch):
+@pytest.mark.parametrize("baseline", ["reference", "policy"])
+def test_a_run_trains_the_prm_and_resumes_exactly(tmp_path, monkeypatch, baseline):
     from test_resume import SMOKE, metrics_without_timing, run_and_resume_from_step_2
 
     built = []
     original = OnlinePRM.from_reference.__func__
 
-    def recording(cls, settings, reference, *args):
-        prm = original(cls, settings, reference, *args)
+    def recording(cls, settings, reference, *args, **kwargs):
+        prm = original(cls, settings, reference, *args, **kwargs)
         built.append((prm, reference, {k: v.clone() for k, v in reference.state_dict().items()}))
         return prm
 
     monkeypatch.setattr(OnlinePRM, "from_reference", classmethod(recording))
-    reference, resumed = run_and_resume_from_step_2([*SMOKE, *TOY], tmp_path)
-    prm, policy_reference, initial = built[0]  # the uninterrupted run's
-    assert all(torch.equal(v, initial[k]) for k, v in policy_reference.state_dict().items())
+    reference, resumed = run_and_resume_from_step_2([*SMOKE, *TOY, f"algorithm.online_prm.baseline={baseline}"], tmp_path)
+    prm, start, initial = built[0]  # the uninterrupted run's: the PRM and the model it started from
+    if baseline == "reference":  # the frozen reference; with baseline=policy it is the policy, which trains
+        assert all(torch.equal(v, initial[k]) for k, v in start.state_dict().items())
     assert not all(torch.equal(v, initial[k]) for k, v in prm.model.state_dict().items())
     def repeatable(run):  # the memory peak and the episodes' seconds (multi_turn_episode_s) vary between runs
         return [{k: v for k, v in r.items() if k != "peak_memory_mb" and not k.endswith("_s")} for r in metrics_without_timing(run)]

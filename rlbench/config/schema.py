@@ -177,12 +177,16 @@ class QRPOConfig:
 class OnlinePRMConfig:
     """OPRL's implicit process reward model (Liu et al. 2025, arXiv:2509.19199, section 3; rlbench/training/online_prm.py):
     pi_phi, a copy of the initial policy trained online, alternating with the policy, by a trajectory-level DPO loss on
-    the step's outcome-ranked pairs of a group; its step rewards beta (log pi_phi - log pi_ref) feed advantage oprl."""
+    the step's outcome-ranked pairs of a group; its step rewards beta (log pi_phi - log pi_base) feed advantage oprl,
+    pi_base the ``baseline``."""
 
     beta: float = knob(0.05, "beta of the implicit reward beta (log pi_phi - log pi_ref) (the paper's range 0.05-0.1; "
                        "unverified default)", gt=0)
     lr: float = knob(1e-6, "the PRM's own AdamW learning rate (no weight decay)", gt=0)
     updates: int = knob(1, "optimizer steps of the PRM on each step's pairs, before the step's advantages", ge=1)
+    baseline: str = knob("reference", "the policy log pi_phi is compared with: reference (the frozen initial policy "
+                         "pi_ref) | policy (the policy that sampled the step, pi_theta_old, the paper's; no reference "
+                         "model is loaded)")
 
 
 @dataclass
@@ -356,7 +360,7 @@ class AlgorithmConfig:
         PreferenceModelConfig, "null: off; {epochs, lr, batch_size, path}: DRPO's Bradley-Terry preference model, fitted "
         "apart on rollout=offline's labelled pairs (loss dr_preference only)")
     online_prm: Optional[OnlinePRMConfig] = node(
-        OnlinePRMConfig, "null: off; {beta, lr, updates}: OPRL's implicit PRM, a copy of the initial policy trained "
+        OnlinePRMConfig, "null: off; {beta, lr, updates, baseline}: OPRL's implicit PRM, a copy of the initial policy trained "
         "online on each step's outcome-ranked pairs (advantage oprl only)")
     update: UpdateConfig = node(UpdateConfig, "update schedule and its settings")
     critic: Optional[CriticConfig] = node(CriticConfig, "null: no value head; {coef, clip}: PPO's value head (advantage gae)")

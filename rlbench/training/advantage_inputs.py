@@ -628,8 +628,8 @@ class ResponseDiversity(StepInputSource):
 class ImplicitProcessRewards(StepInputSource):
     """``step_process_rewards``: OPRL's implicit PRM (:class:`rlbench.training.online_prm.OnlinePRM`), trained on the
     step's outcome-ranked pairs and then scoring every step, before the advantage; its weights and optimizer state are
-    checkpointed. Needs the step structure (``step_index``: rollout=multi_turn's turns, vine's steps), a full copy of
-    the reference and one process."""
+    checkpointed. Needs the step structure (``step_index``: rollout=multi_turn's turns), full fine-tuning and one
+    process."""
 
     inputs = frozenset({"step_process_rewards"})
     checkpoint_key = "online_prm"
@@ -641,6 +641,9 @@ class ImplicitProcessRewards(StepInputSource):
     def validate(cls, config: RunConfig, algorithm: Algorithm) -> None:
         if config.algorithm.online_prm is None:
             raise ConfigError("the step rewards of OPRL's implicit PRM need algorithm.online_prm={beta, lr, updates}")
+        if config.algorithm.online_prm.baseline not in ("reference", "policy"):
+            raise ConfigError("algorithm.online_prm.baseline must be reference (the frozen initial policy) or policy (the "
+                              f"policy that sampled the step, the paper's pi_theta_old), got {config.algorithm.online_prm.baseline!r}")
         if config.model.lora is not None or config.trainer.parallelism != "single":
             raise ConfigError("algorithm.online_prm (OPRL's implicit PRM) trains a full copy of the initial policy in one "
                               "process: model.lora (the reference is the policy with adapters off) and "
@@ -649,15 +652,18 @@ class ImplicitProcessRewards(StepInputSource):
 
     @classmethod
     def build(cls, config: RunConfig, algorithm: Algorithm, context: SourceContext) -> StepInputSource:
-        if context.reference is None:
-            raise ConfigError("algorithm.online_prm starts from the frozen reference model, which this run does not load")
+        settings = config.algorithm.online_prm
+        if settings.baseline == "reference" and context.reference is None:
+            raise ConfigError("algorithm.online_prm.baseline=reference reads the frozen reference model, which this run does not load")
         temperature = context.params.temperature if context.params.temperature > 0 else 1.0
-        return cls(OnlinePRM.from_reference(config.algorithm.online_prm, context.reference, context.micro_batch_size,
-                                            temperature))
+        initial = context.reference if settings.baseline == "reference" else context.model  # before its first step
+        return cls(OnlinePRM.from_reference(settings, initial, context.micro_batch_size, temperature,
+                                            policy=context.model if settings.baseline == "policy" else None))
 
     def before_advantage(self, graded: GradedGroups, batch: TrainBatch) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        metrics = self.prm.update(batch)
-        rewards, measured = self.prm.step_rewards(batch)
+        scored = self.prm.scored(batch)  # log pi_base, before the PRM's update and the policy's
+        metrics = self.prm.update(scored)
+        rewards, measured = self.prm.step_rewards(scored)
         return {"step_process_rewards": rewards.to(batch.response_mask.device)}, {**metrics, **measured}
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,15 +1,19 @@
 """OPRL's implicit process reward model, trained online beside the policy (``algorithm.online_prm``; Liu et al.
 2025, arXiv:2509.19199, section 3): the run's side of rlbench/algorithm/advantages/oprl.py.
 
-pi_phi starts as a copy of the initial policy (the frozen reference pi_ref) and is trained alternately with the
-policy, as the paper's loop reads: each step, after the rollout and before the advantage,
+pi_phi starts as a copy of the initial policy and is trained alternately with the policy, as the paper's loop reads:
+each step, after the rollout and before the advantage,
 
     1. PRM update: the pairs (tau+, tau-) of a group with R(tau+) > R(tau-) (the step's outcome rewards), and
        ``updates`` AdamW steps (its own optimizer, ``lr``) on L_phi = -log sigma(R_phi(tau+) - R_phi(tau-)),
-       R_phi(tau) = sum_k r_phi(s_k, a_k) = beta (log pi_phi(tau) - log pi_ref(tau)) over the action tokens;
-    2. step rewards: r_phi(s_k, a_k) = beta sum_{t in a_k} (log pi_phi - log pi_ref) of every step k (turn) with the
+       R_phi(tau) = sum_k r_phi(s_k, a_k) = beta (log pi_phi(tau) - log pi_base(tau)) over the action tokens;
+    2. step rewards: r_phi(s_k, a_k) = beta sum_{t in a_k} (log pi_phi - log pi_base) of every step k (turn) with the
        updated PRM, the ``step_process_rewards`` the oprl advantage normalises within the group;
     3. the policy update (rlbench/training/step.py).
+
+pi_base (``baseline``) is the frozen reference pi_ref (``reference``: its log-probs are the batch's ``ref_logp``), or
+the policy that sampled the step, pi_theta_old, the paper's (``policy``: one no-grad pass of the policy before its
+update, or the batch's ``old_logp`` when the step computed them).
 
 The PRM's weights and its optimizer's state change every step: both are checkpointed (:meth:`OnlinePRM.state_dict`,
 through its step-input source in rlbench/training/advantage_inputs.py), so a resumed run is the uninterrupted one.
@@ -18,6 +22,7 @@ through its step-input source in rlbench/training/advantage_inputs.py), so a res
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,26 +43,37 @@ from rlbench.training.forward import batch_outputs, token_outputs
 @dataclass
 class OnlinePRM:
     """pi_phi, its optimizer and its settings (module docstring). ``temperature``: the one the policy's and the
-    reference's log-probs are computed at."""
+    reference's log-probs are computed at; ``policy``: the policy pi_base is with ``baseline: policy``."""
 
     settings: OnlinePRMConfig
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     micro_batch_size: int
     temperature: float
+    policy: torch.nn.Module | None = None
 
     @classmethod
-    def from_reference(cls, settings: OnlinePRMConfig, reference: torch.nn.Module, micro_batch_size: int,
-                       temperature: float) -> OnlinePRM:
-        """A trainable copy of the frozen reference (the initial policy) with a fresh AdamW (no weight decay)."""
-        model = copy.deepcopy(unwrap(reference)).requires_grad_(True)
+    def from_reference(cls, settings: OnlinePRMConfig, initial: torch.nn.Module, micro_batch_size: int,
+                       temperature: float, policy: torch.nn.Module | None = None) -> OnlinePRM:
+        """A trainable copy of ``initial`` (the initial policy: the frozen reference, or the policy before its first
+        step) with a fresh AdamW (no weight decay)."""
+        model = copy.deepcopy(unwrap(initial)).requires_grad_(True)
         model.eval()  # no dropout: the PRM's log-probs are those of the model, as the reference's are
         optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
-        return cls(settings, model, optimizer, micro_batch_size, temperature)
+        return cls(settings, model, optimizer, micro_batch_size, temperature, policy)
+
+    def scored(self, batch: TrainBatch) -> TrainBatch:
+        """The batch with log pi_base in its ``ref_logp`` (what the implicit reward is taken against)."""
+        if self.settings.baseline == "reference":
+            return batch
+        old = batch.old_logp if batch.old_logp is not None else batch_outputs(
+            self.policy, batch, self.micro_batch_size, self.temperature).logp
+        return dataclasses.replace(batch, ref_logp=old)
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """Step 1: ``updates`` optimizer steps of the trajectory DPO loss on the batch's outcome-ranked pairs (none
-        when every group's rewards are equal). Returns the loss of the first pass and the number of pairs."""
+        when every group's rewards are equal); ``batch``: :meth:`scored`'s. Returns the loss of the first pass and
+        the number of pairs."""
         pairs = outcome_pairs(batch.rewards, batch.group_index)
         metrics = {"prm_pairs": float(len(pairs))}
         if not pairs:
@@ -85,7 +101,7 @@ class OnlinePRM:
         return metrics
 
     def step_rewards(self, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        """Step 2: [B,T] float64 r_phi of every token's step under the current PRM (no gradient), and its numbers:
+        """Step 2 (``batch``: :meth:`scored`'s): [B,T] float64 r_phi of every token's step under the current PRM (no gradient), and its numbers:
         the DPO loss and the share of pairs ranked right after the update, the mean and std of the step rewards."""
         steps = batch.extras["step_index"]
         logp = batch_outputs(self.model, batch, self.micro_batch_size, self.temperature).logp
