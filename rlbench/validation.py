@@ -477,5 +477,6 @@ def check_run(cfg: DictConfig, origins: ValueOrigins) -> Algorithm:
     validate_model_config(config.model)
     check_fits_here(config, device, training=config.mode == "train" and config.trainer.steps > 0,
                     frozen_models=int(algorithm.needs_reference) + int(algorithm.rto is not None)
-                    + int(config.algorithm.step_critic is not None) + int(config.algorithm.preference_model is not None))
+                    + int(config.algorithm.step_critic is not None) + int(config.algorithm.preference_model is not None),
+                    trained_models=int(algorithm.online_prm is not None))
     return algorithm

@@ -275,7 +275,7 @@ def test_registry_rejects_conflicting_registration():
 
 def test_token_level_advantages_are_declared_at_registration():
     token_level = {name for name in ADVANTAGES.names() if ADVANTAGES.needs(name).token_level_advantage}
-    assert token_level == {"reinforce_pp", "gae", "gigpo", "gtpo", "gtpo_turn", "treerpo", "vine", "poad", "at_grpo", "arpo_hard",
+    assert token_level == {"reinforce_pp", "gae", "gigpo", "gtpo", "gtpo_turn", "treerpo", "vine", "poad", "at_grpo", "arpo_hard", "oprl",
                            "optimal_token_baseline", "tir_optimal_token_baseline"}
 
 

@@ -42,6 +42,7 @@ COMPANIONS = {
     ("advantage", "gtpo_turn"): ["rollout=multi_turn", "env=gridworld"],  # reads each turn's reward of an episode
     ("advantage", "poad"): ["algorithm=poad"],  # the value head and the multi-turn actions of the poad preset
     ("advantage", "arpo_hard"): ["algorithm=arpo", "rollout.multi_turn.attribution=hard"],  # ARPO's branch tree
+    ("advantage", "oprl"): ["algorithm=oprl"],  # the online PRM (algorithm.online_prm) and the turns of the oprl preset
     ("loss", "ppo_clip_sft"): ["rollout=rethink"],  # reads the SFT targets rollout=rethink marks
     # reads the steps of rollout=vine, whose advantage reads vine's values; a sum over steps per response
     ("loss", "direct_advantage_po"): ["rollout=vine", "algorithm/advantage=vine", "algorithm/aggregation=seq_mean_token_sum"],

@@ -113,6 +113,7 @@ class Algorithm:
     rto: RTOSettings | None = None  # RTO: a frozen DPO model's token reward inside the (PPO) reward
     reference_samples: int = 0  # QRPO: K pi_ref samples per prompt as the reference set (0: the group; training/reference_rewards.py)
     preference_model: bool = False  # DRPO: a preference model fitted before the actor scores the responses (training/preference_model.py)
+    online_prm: str | None = None  # OPRL: an implicit PRM trained online beside the policy, its baseline (training/online_prm.py)
     # Mutable run state inside the frozen composition: each from_config starts a fresh one.
     coefficients: Coefficients | None = field(default=None, compare=False, repr=False)
 
@@ -155,6 +156,7 @@ class Algorithm:
             rto=RTOSettings.from_config(setting(cfg, "rto")),
             reference_samples=0 if (qrpo := setting(cfg, "qrpo")) is None else int(setting(qrpo, "reference_samples", "qrpo")),
             preference_model=setting(cfg, "preference_model") is not None,
+            online_prm=None if (prm := setting(cfg, "online_prm")) is None else str(setting(prm, "baseline", "online_prm")),
             critic=CriticSettings.from_config(setting(cfg, "critic")),
             schedule=schedule,
             schedule_settings=schedule_settings,
@@ -169,6 +171,12 @@ class Algorithm:
         ADVANTAGES.validate_params(self.advantage.name, self.advantage.params)
         POLICY_LOSSES.validate_params(self.loss.name, self.loss.params)
         self._check_critic_and_schedule()
+        if (self.online_prm is not None) != ("step_process_rewards" in ADVANTAGES.accepted_inputs(self.advantage.name)):
+            readers = [name for name in ADVANTAGES.names() if "step_process_rewards" in ADVANTAGES.accepted_inputs(name)]
+            raise ConfigError(f"algorithm.online_prm (OPRL's implicit PRM) and the advantages that read its step rewards "
+                              f"{readers} go together; advantage '{self.advantage.name}' "
+                              + ("does not read them: remove algorithm.online_prm" if self.online_prm is not None else
+                                 "reads them: set algorithm.online_prm={beta: 0.05, lr: 1e-6, updates: 1}"))
         for registry, piece in ((ADVANTAGES, self.advantage), (POLICY_LOSSES, self.loss)):
             provided = STEP_INPUTS.provided(registry.reader, self)  # rlbench/algorithm/step_inputs.py
             missing = sorted(registry.required_inputs(piece.name, piece.params) - provided)
@@ -384,8 +392,10 @@ class Algorithm:
     @property
     def needs_reference(self) -> bool:
         """A frozen reference model is loaded only when the KL term is active (in the loss or the reward) or
-        the policy loss reads pi_ref itself (dpo, ipo) or RTO's dense reward does (log pi_dpo - log pi_ref)."""
-        return self.kl_coef > 0 or self.rto is not None or "ref_logp" in POLICY_LOSSES.accepted_inputs(self.loss.name)
+        the policy loss reads pi_ref itself (dpo, ipo) or RTO's dense reward does (log pi_dpo - log pi_ref) or
+        OPRL's implicit PRM does (beta (log pi_phi - log pi_ref), algorithm.online_prm.baseline=reference)."""
+        return (self.kl_coef > 0 or self.rto is not None or self.online_prm == "reference"
+                or "ref_logp" in POLICY_LOSSES.accepted_inputs(self.loss.name))
 
     @property
     def loss_has_stages(self) -> bool:

@@ -222,6 +222,11 @@ _declare("baseline_rewards", "[B]", "the reward of a baseline for each response'
          "(reference, pvpo)", "source", {"advantage"})
 _declare("tracker_baseline", "[B]", "SPO's tracked success probability p_hat(x) of each response's prompt before "
          "this step (algorithm.tracker)", "source", {"advantage"})
+_declare("step_process_rewards", "[B,T] float64", "OPRL's implicit step reward r_phi(s_k, a_k) = beta sum_{t in a_k} "
+         "(log pi_phi - log pi_base) (pi_base: pi_ref or the sampling policy, algorithm.online_prm.baseline) of the "
+         "step k (the turn, step_index) each token belongs to, from the PRM trained online on this step's pairs just before (arXiv:2509.19199 section 3; rlbench/training/online_prm.py); 0 on "
+         "observation tokens and padding", "source", {"advantage"},
+         when="algorithm.online_prm is set", available=lambda algorithm: algorithm.online_prm is not None)
 _declare("answer_keys", "[B] long", "class id of each response's canonical extracted answer (equal ids: same answer)",
          "source", {"advantage"})
 _declare("diversity", "[B,B]", "pairwise dissimilarity in [0, 1] of responses: token-set Jaccard distance (only "

@@ -5,7 +5,8 @@ Training keeps fp32 master weights, their gradients and AdamW's two moments: 16 
 plus 4 for each frozen model it loads beside the policy (the reference model of a KL term or of a loss that
 reads pi_ref, RTO's DPO model, a model fitted before the actor and frozen while it trains: Direct Advantage PO's
 step critic, DRPO's preference model; ``frozen_models``, counted by the caller from the composed algorithm; the
-fit's own gradients and moments come before the policy's exist);
+fit's own gradients and moments come before the policy's exist), plus 16 for each model trained beside the policy
+with its own optimizer (OPRL's implicit PRM, trained online every step: ``trained_models``);
 evaluation keeps the weights, 4 bytes.
 Activations come on top, so a run that passes can still run out of memory; one that fails cannot run.
 """
@@ -32,25 +33,27 @@ def device_memory_bytes(device: torch.device) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def memory_needed_bytes(parameters: int, training: bool, frozen_models: int) -> int:
+def memory_needed_bytes(parameters: int, training: bool, frozen_models: int, trained_models: int = 0) -> int:
     per_parameter = BYTES_PER_PARAMETER_TRAINING if training else BYTES_PER_PARAMETER_WEIGHTS
     if training:
-        per_parameter += frozen_models * BYTES_PER_PARAMETER_WEIGHTS
+        per_parameter += frozen_models * BYTES_PER_PARAMETER_WEIGHTS + trained_models * BYTES_PER_PARAMETER_TRAINING
     return parameters * per_parameter
 
 
 def check_fits_here(config: RunConfig, device: torch.device, training: bool, frozen_models: int,
-                    available_bytes: int | None = None) -> None:
+                    available_bytes: int | None = None, trained_models: int = 0) -> None:
     """ConfigError when the model cannot fit the device, or a paper preset samples responses too short
     for its task. ``frozen_models``: the frozen copies training loads beside the policy (reference model,
-    RTO's DPO model). ``available_bytes`` defaults to :func:`device_memory_bytes`."""
+    RTO's DPO model); ``trained_models``: the models trained beside it (OPRL's PRM). ``available_bytes`` defaults
+    to :func:`device_memory_bytes`."""
     parameters = config.model.parameters
     if parameters:
-        needed = memory_needed_bytes(int(parameters), training, frozen_models)
+        needed = memory_needed_bytes(int(parameters), training, frozen_models, trained_models)
         available = device_memory_bytes(device) if available_bytes is None else available_bytes
         if needed > available:
             what = ("training needs about 16 bytes per parameter (fp32 weights, gradients and AdamW's two "
-                    "moments" + (f", plus 4 for each of its {frozen_models} frozen model(s): reference, DPO model)" if frozen_models else ")")
+                    "moments" + (f", plus 4 for each of its {frozen_models} frozen model(s): reference, DPO model" if frozen_models else "")
+                    + (f", plus 16 for each of its {trained_models} model(s) trained beside it: OPRL's PRM" if trained_models else "") + ")"
                     if training else "evaluation needs about 4 bytes per parameter (fp32 weights)")
             raise ConfigError(
                 f"model {config.model.name} has about {int(parameters) / 1e9:.1f}B parameters: {what}, about "

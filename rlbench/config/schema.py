@@ -174,6 +174,22 @@ class QRPOConfig:
 
 
 @dataclass
+class OnlinePRMConfig:
+    """OPRL's implicit process reward model (Liu et al. 2025, arXiv:2509.19199, section 3; rlbench/training/online_prm.py):
+    pi_phi, a copy of the initial policy trained online, alternating with the policy, by a trajectory-level DPO loss on
+    the step's outcome-ranked pairs of a group; its step rewards beta (log pi_phi - log pi_base) feed advantage oprl,
+    pi_base the ``baseline``."""
+
+    beta: float = knob(0.05, "beta of the implicit reward beta (log pi_phi - log pi_ref) (the paper's range 0.05-0.1; "
+                       "unverified default)", gt=0)
+    lr: float = knob(1e-6, "the PRM's own AdamW learning rate (no weight decay)", gt=0)
+    updates: int = knob(1, "optimizer steps of the PRM on each step's pairs, before the step's advantages", ge=1)
+    baseline: str = knob("reference", "the policy log pi_phi is compared with: reference (the frozen initial policy "
+                         "pi_ref) | policy (the policy that sampled the step, pi_theta_old, the paper's; no reference "
+                         "model is loaded)")
+
+
+@dataclass
 class FittedModelConfig:
     """A model fitted apart from the policy before the actor trains, on rollout=offline's data set (a copy of pi_ref
     with a value head; rlbench/training/fitted_model.py)."""
@@ -343,6 +359,9 @@ class AlgorithmConfig:
     preference_model: Optional[PreferenceModelConfig] = node(
         PreferenceModelConfig, "null: off; {epochs, lr, batch_size, path}: DRPO's Bradley-Terry preference model, fitted "
         "apart on rollout=offline's labelled pairs (loss dr_preference only)")
+    online_prm: Optional[OnlinePRMConfig] = node(
+        OnlinePRMConfig, "null: off; {beta, lr, updates, baseline}: OPRL's implicit PRM, a copy of the initial policy trained "
+        "online on each step's outcome-ranked pairs (advantage oprl only)")
     update: UpdateConfig = node(UpdateConfig, "update schedule and its settings")
     critic: Optional[CriticConfig] = node(CriticConfig, "null: no value head; {coef, clip}: PPO's value head (advantage gae)")
     overlong_filter: bool = knob(False, "mask responses truncated at rollout.max_new_tokens out of the loss (DAPO)")

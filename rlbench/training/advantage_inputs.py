@@ -58,6 +58,7 @@ from rlbench.rollout.guided.mixed_traces import traces_when
 from rlbench.rollout.strategy import STRATEGIES, strategy_class
 from rlbench.training.batch import TrainBatch, collate
 from rlbench.training.forward import batch_outputs
+from rlbench.training.online_prm import OnlinePRM
 from rlbench.training.prompt_stats import PromptStatsStore, measure_before_training
 from rlbench.utils import STREAM_GREEDY, STREAM_REFERENCE, make_generator
 
@@ -621,6 +622,55 @@ class ResponseDiversity(StepInputSource):
     def before_advantage(self, graded: GradedGroups, batch: TrainBatch) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         responses = [c.response_ids for group in graded.groups for c in group]
         return {"diversity": token_jaccard_distance(responses).to(batch.response_mask.device)}, {}
+
+
+@register_source
+class ImplicitProcessRewards(StepInputSource):
+    """``step_process_rewards``: OPRL's implicit PRM (:class:`rlbench.training.online_prm.OnlinePRM`), trained on the
+    step's outcome-ranked pairs and then scoring every step, before the advantage; its weights and optimizer state are
+    checkpointed. Needs the step structure (``step_index``: rollout=multi_turn's turns), full fine-tuning and one
+    process."""
+
+    inputs = frozenset({"step_process_rewards"})
+    checkpoint_key = "online_prm"
+
+    def __init__(self, prm: OnlinePRM):
+        self.prm = prm
+
+    @classmethod
+    def validate(cls, config: RunConfig, algorithm: Algorithm) -> None:
+        if config.algorithm.online_prm is None:
+            raise ConfigError("the step rewards of OPRL's implicit PRM need algorithm.online_prm={beta, lr, updates}")
+        if config.algorithm.online_prm.baseline not in ("reference", "policy"):
+            raise ConfigError("algorithm.online_prm.baseline must be reference (the frozen initial policy) or policy (the "
+                              f"policy that sampled the step, the paper's pi_theta_old), got {config.algorithm.online_prm.baseline!r}")
+        if config.model.lora is not None or config.trainer.parallelism != "single":
+            raise ConfigError("algorithm.online_prm (OPRL's implicit PRM) trains a full copy of the initial policy in one "
+                              "process: model.lora (the reference is the policy with adapters off) and "
+                              f"trainer.parallelism={config.trainer.parallelism} (the PRM is neither sharded nor "
+                              "replicated per rank) are refused")
+
+    @classmethod
+    def build(cls, config: RunConfig, algorithm: Algorithm, context: SourceContext) -> StepInputSource:
+        settings = config.algorithm.online_prm
+        if settings.baseline == "reference" and context.reference is None:
+            raise ConfigError("algorithm.online_prm.baseline=reference reads the frozen reference model, which this run does not load")
+        temperature = context.params.temperature if context.params.temperature > 0 else 1.0
+        initial = context.reference if settings.baseline == "reference" else context.model  # before its first step
+        return cls(OnlinePRM.from_reference(settings, initial, context.micro_batch_size, temperature,
+                                            policy=context.model if settings.baseline == "policy" else None))
+
+    def before_advantage(self, graded: GradedGroups, batch: TrainBatch) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        scored = self.prm.scored(batch)  # log pi_base, before the PRM's update and the policy's
+        metrics = self.prm.update(scored)
+        rewards, measured = self.prm.step_rewards(scored)
+        return {"step_process_rewards": rewards.to(batch.response_mask.device)}, {**metrics, **measured}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.prm.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.prm.load_state_dict(state)
 
 
 class AdvantageInputSources:

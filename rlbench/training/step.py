@@ -460,13 +460,14 @@ def advantage_inputs(ctx: StepContext, graded: GradedGroups, batch: TrainBatch) 
         batch.response_mask, dropped = algorithm.sampling_correction.drop_rejected(
             batch.response_mask, batch.old_logp, batch.sampling_logp
         )
-    provided, metrics = ctx.inputs.before_advantage(graded, batch)
-    metrics = {**metrics, **dropped}
-    inputs.update(provided)
-    if ctx.reference is not None:
+    metrics = dict(dropped)
+    if ctx.reference is not None:  # before the sources: OPRL's implicit PRM reads log pi_ref
         batch.ref_logp = reference_log_probs(ctx.reference, batch, ctx.micro_batch_size, ctx.temperature, ctx.reference_cache)
         if ctx.reference_cache is not None:
             metrics.update(ctx.reference_cache.metrics())
+    provided, measured = ctx.inputs.before_advantage(graded, batch)
+    metrics.update(measured)
+    inputs.update(provided)
     if ctx.dpo_policy is not None:  # RTO: log pi_dpo, one more frozen pass (arXiv:2404.18922 sec. 4)
         inputs["dpo_logp"] = reference_log_probs(ctx.dpo_policy, batch, ctx.micro_batch_size, ctx.temperature, None)
         log_ratio = ((inputs["dpo_logp"] - batch.ref_logp) * batch.response_mask).sum(-1)
