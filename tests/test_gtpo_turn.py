@@ -19,6 +19,7 @@ from rlbench.errors import ConfigError
 from rlbench.reward.math import MathReward
 from rlbench.rollout import GroupSampler, RolloutSetup
 from rlbench.rollout.engines.base import SamplingParams
+from rlbench.rollout.groups import policy_code
 from rlbench.rollout.strategies.multi_turn import MultiTurnRollout
 from rlbench.training.batch import collate
 from rlbench.validation import validate_config
@@ -109,11 +110,12 @@ def test_code_similarity_shaping():
              f"{block} \\boxed{{1}}",                     # wrong, the same code, but its group has no success
              "```python\nx = 42\n```\n\\boxed{42}"]       # right, other code: the max over successes counts
     correct, groups = torch.tensor([True, False, False, False, False, True]), torch.tensor([0, 0, 0, 0, 1, 0])
-    term = gtpo_code_similarity(texts, correct, groups, weight=0.4)
+    codes = [policy_code(t) for t in texts]
+    term = gtpo_code_similarity(codes, correct, groups, weight=0.4)
     assert term[:3].tolist() == [0.0, pytest.approx(0.4), 0.0] and term[4] == 0.0 and term[5] == 0.0
     assert 0.0 < term[3] < 0.4 and term[3] == pytest.approx(0.4 * 2 * 10 / 22)  # "print(6*" + ")\n": 10 of 11 chars each
     rewards = apply_shaping(correct.float(), [("gtpo_code_similarity", {"weight": 0.4})],
-                            {"policy_texts": texts, "correct": correct, "group_index": groups})
+                            {"policy_code": codes, "correct": correct, "group_index": groups})
     assert rewards[0] == rewards[5] == 1.0 and rewards[1] == pytest.approx(0.4) and rewards[2] == 0.0  # successes keep 1
 
 
@@ -150,7 +152,7 @@ def test_a_scripted_tool_group_through_rollout_shaping_and_advantage(sandbox_run
     right, copied, no_code = groups.groups[0]
     observation = "```output\n42\n```\n"
     assert right.text == CODE + observation + "\\boxed{42}"
-    assert seen["policy_texts"][0] == CODE + "\\boxed{42}"  # the shaping sees the policy's text, no tool output
+    assert seen["policy_code"] == [policy_code(CODE)] * 2 + [""]  # the policy's blocks, not the tool output's
     assert groups.outcome.tolist() == [1.0, 0.0, 0.0] and groups.rewards.tolist() == [1.0, 0.5, 0.0]
     batch = collate(groups.groups, pad_token_id=0)
     adv = gtpo_turn_advantage(groups.rewards, batch.group_index, batch.response_mask, batch.extras["step_index"],

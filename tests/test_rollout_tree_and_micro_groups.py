@@ -122,7 +122,7 @@ def test_options_refused_before_loading():
 def test_config_refusals(make_cfg):
     from rlbench.validation import validate_config
 
-    with pytest.raises(ConfigError, match="Select rollout=tree"):
+    with pytest.raises(ConfigError, match="Select rollout=multi_turn or rollout=tree"):
         validate_config(make_cfg("experiment=toy_learning/grpo", "algorithm/advantage=tree"))
     with pytest.raises(ConfigError, match="does not read the tree"):
         validate_config(make_cfg("experiment=toy_learning/grpo", "rollout=tree"))

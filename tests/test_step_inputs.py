@@ -110,7 +110,7 @@ def test_a_strategy_input_without_its_strategy_is_refused_naming_the_strategies(
     validate_config(parity_cfg(make_cfg, "rollout.strategy=parity"))
 
 
-@pytest.mark.parametrize("advantage,strategies", [("tree", "rollout=tree or rollout=treerpo"), ("vine", "rollout=vine")])
+@pytest.mark.parametrize("advantage,strategies", [("tree", "rollout=multi_turn or rollout=tree or rollout=treerpo"), ("vine", "rollout=vine")])
 def test_the_built_in_strategy_inputs_are_refused_the_same_way(make_cfg, advantage, strategies):
     with pytest.raises(ConfigError, match=f"Select {strategies}, or another advantage"):
         validate_config(make_cfg("experiment=toy_learning/grpo", f"algorithm/advantage={advantage}"))

@@ -20,7 +20,6 @@ import torch
 
 from rlbench.algorithm.registry import Registry
 from rlbench.errors import ConfigError
-from rlbench.reward.code import tool_blocks
 
 REWARD_SHAPING = Registry("reward shaping", reader="shaping")
 #: Functions whose value is the paper's whole reward rather than a term on top of the grader's.
@@ -247,7 +246,7 @@ def code_similarity(code: str, other: str) -> float:
 
 @REWARD_SHAPING.register("gtpo_code_similarity")
 def gtpo_code_similarity(
-    policy_texts: Sequence[str], correct: torch.Tensor, group_index: torch.Tensor, weight: float = 0.5,
+    policy_code: Sequence[str], correct: torch.Tensor, group_index: torch.Tensor, weight: float = 0.5,
 ) -> torch.Tensor:
     """GTPO's self-supervised reward shaping (Ding et al. 2025, "Empowering Multi-Turn Tool-Integrated
     Reasoning with Group Turn Policy Optimization", arXiv:2511.14846, section 3): a failed trajectory earns
@@ -258,16 +257,16 @@ def gtpo_code_similarity(
                                                                                   group has no success
 
     with lambda = ``weight`` in [0, 1) (a failure never earns a success's reward; the default 0.5 is
-    unverified), code_i the closed ```python blocks the episode's policy turns wrote (``policy_texts``:
-    tool outputs left out), joined by newlines, and sim :func:`code_similarity` (difflib's character
+    unverified), code_i the closed ```python blocks the episode's policy turns wrote, joined by newlines
+    (``policy_code``: tool outputs left out), and sim :func:`code_similarity` (difflib's character
     ratio, standing in for the paper's similarity). An episode without code gets 0. The term is added to
     the outcome, the grader's 0 for a wrong answer, so r_fail = lambda * max sim.
     """
     if not 0.0 <= weight < 1.0:
         raise ValueError(f"gtpo_code_similarity: weight (lambda) must lie in [0, 1), got {weight}")
-    if len(policy_texts) != correct.shape[0]:
-        raise ValueError(f"gtpo_code_similarity: {len(policy_texts)} texts for {correct.shape[0]} responses")
-    codes = ["\n".join(tool_blocks(text)) for text in policy_texts]
+    if len(policy_code) != correct.shape[0]:
+        raise ValueError(f"gtpo_code_similarity: {len(policy_code)} codes for {correct.shape[0]} responses")
+    codes = list(policy_code)
     right, groups = correct.bool().tolist(), group_index.tolist()
     terms = [
         0.0 if right[i] else weight * max(
@@ -299,7 +298,7 @@ def check_shapers(shapers: Sequence[tuple[str, Mapping[str, Any]]]) -> None:
         )
     probe = {
         "response_lengths": torch.tensor([1]), "finished": torch.tensor([True]), "max_length": 8,
-        "correct": torch.tensor([True]), "group_index": torch.tensor([0]), "response_texts": [""], "policy_texts": [""],
+        "correct": torch.tensor([True]), "group_index": torch.tensor([0]), "response_texts": [""], "policy_code": [""],
         "first_tokens": [""], "prompt_keys": torch.tensor([0]),
     }
     for name, params in shapers:

@@ -180,8 +180,9 @@ _declare("max_length", "int", "the generation budget, rollout.max_new_tokens", "
 _declare("response_lengths", "[B] long", "the number of response tokens", "graded", {"shaping"})
 _declare("finished", "[B] bool", "True when the response ended with EOS, False when truncated", "graded", {"shaping"})
 _declare("response_texts", "list[str]", "the decoded responses (special tokens skipped)", "graded", {"shaping"})
-_declare("policy_texts", "list[str]", "the policy's own text of each response: rollout=multi_turn's policy turns "
-         "without the observations (tool outputs) between them; the response text otherwise", "graded", {"shaping"})
+_declare("policy_code", "list[str]", "the closed ```python blocks the policy wrote in each response, joined by "
+         "newlines (rlbench.reward.code.tool_blocks): rollout=multi_turn's policy turns only, without the observations "
+         "(tool outputs) between them; the response text's blocks otherwise", "graded", {"shaping"})
 _declare("prompt_keys", "[B] long", "a stable key of each response's prompt (CRC-32 of its token ids): one prompt, "
          "one key (INTELLECT-2's per-prompt length target)", "graded", {"shaping"})
 _declare("first_tokens", "list[str]", "each response's first token decoded with special tokens kept (\"\" when "

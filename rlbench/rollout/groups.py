@@ -20,6 +20,7 @@ import torch
 from rlbench.dataset.base import Problem
 from rlbench.prompting import encode_prompts
 from rlbench.reward import grade_completions
+from rlbench.reward.code import tool_blocks
 from rlbench.reward.math import Grade
 from rlbench.reward.terms import RewardComposer
 from rlbench.rollout.engines.base import Completion, GenerationRequest, RolloutEngine, SamplingParams
@@ -104,6 +105,11 @@ def prompt_key(prompt_ids: Sequence[int]) -> int:
     return zlib.crc32(b"".join(int(t).to_bytes(4, "little", signed=True) for t in prompt_ids))
 
 
+def policy_code(text: str) -> str:
+    """The closed ```python blocks of ``text`` joined by newlines (the shaping input ``policy_code``)."""
+    return "\n".join(tool_blocks(text))
+
+
 def shaping_inputs(groups: Sequence[Sequence[Completion]], grades: Sequence[Grade], max_length: int, tokenizer: Any) -> dict[str, Any]:
     """What reward-shaping functions may read (the ``shaping`` entries of rlbench.algorithm.step_inputs)."""
     flat = [c for group in groups for c in group]
@@ -115,7 +121,7 @@ def shaping_inputs(groups: Sequence[Sequence[Completion]], grades: Sequence[Grad
         "correct": torch.tensor([bool(g.correct) for g in grades], dtype=torch.bool),
         "group_index": torch.arange(len(groups)).repeat_interleave(sizes),
         "response_texts": [c.text for c in flat],
-        "policy_texts": [c.text for c in flat],  # rollout=multi_turn replaces them with the policy turns' text
+        "policy_code": [policy_code(c.text) for c in flat],  # rollout=multi_turn: the policy turns' code only
         "first_tokens": [tokenizer.decode(c.response_ids[:1]) if c.response_ids else "" for c in flat],
         "prompt_keys": torch.tensor([prompt_key(c.prompt_ids) for c in flat], dtype=torch.long),
     }

@@ -10,8 +10,8 @@ marker, a closed tool block), else it ends at ``env.turn_tokens`` or EOS; the en
 observation is tokenized and appended. The response of an episode is its policy tokens and its
 observation tokens in order; observation tokens carry ``loss_mask`` 0, so collate leaves them out of
 ``response_mask`` and no piece of the loss (policy loss, KL, entropy, aggregation denominators) and no
-length-based reward shaping counts them (shaping sees the policy tokens only, and ``policy_texts`` the
-policy turns' text without the observations).
+length-based reward shaping counts them (shaping sees the policy tokens only, and ``policy_code`` the code
+blocks of the policy turns without the observations).
 
 An episode ends when the environment says done, the policy ends its turn with EOS (``model_stopped``),
 or a cap is reached: ``turn_cap`` (env.max_turns), ``tool_call_cap`` (env.max_tool_calls),
@@ -100,7 +100,7 @@ from rlbench.rollout.env.base import (
     call_all_with_timeout,
     state_id,
 )
-from rlbench.rollout.groups import GradedGroups, shaping_inputs
+from rlbench.rollout.groups import GradedGroups, policy_code, shaping_inputs
 from rlbench.rollout.strategies.dynamic_sampling import DynamicSamplingOptions, sample_informative_groups
 from rlbench.rollout.strategy import (
     RolloutStrategy,
@@ -465,7 +465,7 @@ class MultiTurnRollout(RolloutStrategy):
         outcome = torch.tensor([g.reward for g in grades], dtype=torch.float32)
         inputs = shaping_inputs(groups, grades, self.setup.env.config.max_tokens, sampler.tokenizer)
         inputs["response_lengths"] = torch.tensor([sum(c.loss_mask) for c in completions], dtype=torch.long)
-        inputs["policy_texts"] = ["".join(turn["policy"] for turn in episode_turns(e, sampler.tokenizer)) for e in episodes]
+        inputs["policy_code"] = [policy_code("".join(turn["policy"] for turn in episode_turns(e, sampler.tokenizer))) for e in episodes]
         rewards = sampler.shape_rewards(outcome, inputs).to(torch.float32)
         graded = GradedGroups(list(problems), groups, grades, rewards, outcome, inputs["finished"], list(range(len(groups))))
         return graded, episode_metrics(episodes)
