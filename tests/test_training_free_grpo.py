@@ -146,6 +146,18 @@ def test_contrast_summarises_each_rollout_and_applies_the_models_operations():
     assert metrics["library_invalid_ops"] == 4.0 and strategy.library.next_id == 4
 
 
+def test_contrast_applies_the_groups_operations_in_batch_order_on_the_library_of_the_step_start():
+    strategy, engine = contrast_rollout(['delete 0\nadd "r"', 'delete 0\nmodify 1 "q2"'])
+    strategy.load_state_dict({"items": [[0, "p", 0.9], [1, "q", 0.1]], "next_id": 2})
+    graded, metrics = strategy.rollout([Problem("1", "mixed a", "y"), Problem("2", "mixed b", "y")])
+    extractions = [p for p in engine.prompts if "Summaries of attempts" in p]
+    assert len(extractions) == 2 and all(f"{LIBRARY_HEADER}\n[0] p\n[1] q\n" in p for p in extractions)
+    # the second group's delete 0 comes after the first group's: an id the library no longer holds
+    assert [(i.id, i.text, i.score) for i in strategy.library.items] == [(1, "q2", 0.5), (2, "r", 0.5)]
+    assert metrics["library_invalid_ops"] == 1.0 and metrics["groups_summarised"] == 2.0
+    assert (metrics["library_added"], metrics["library_modified"], metrics["library_deleted"]) == (1.0, 1.0, 1.0)
+
+
 def test_library_is_rendered_best_first():
     library = ExperienceLibrary((Experience(0, "low", 0.1), Experience(3, "high", 0.7)), 4)
     assert render_library(library) == f"{LIBRARY_HEADER}\n[3] high\n[0] low"
