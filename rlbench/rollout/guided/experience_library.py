@@ -227,6 +227,13 @@ def lesson_request(problem: Problem, better: Completion, worse: Completion) -> P
     ))
 
 
+def policy_answers(setup: RolloutSetup, prompts: Sequence[Problem], params: SamplingParams) -> list[str]:
+    """The policy's one answer to each prompt, through the run's sampler (its cost is counted)."""
+    ids = setup.sampler.encode(list(prompts))
+    groups = setup.sampler.generate([GenerationRequest(prompt_ids=i, n=1) for i in ids], params, setup.generator)
+    return [group[0].text for group in groups]
+
+
 class PolicyLessons:
     """The ``policy`` summariser: the policy itself writes each lesson (one response per group)."""
 
@@ -235,10 +242,7 @@ class PolicyLessons:
         self.params = SamplingParams(setup.params.temperature, setup.params.top_p, summary_tokens)
 
     def __call__(self, problems: Sequence[Problem], better: Sequence[Completion], worse: Sequence[Completion]) -> list[str]:
-        sampler = self.setup.sampler
-        prompts = sampler.encode([lesson_request(p, b, w) for p, b, w in zip(problems, better, worse)])
-        groups = sampler.generate([GenerationRequest(prompt_ids=ids, n=1) for ids in prompts], self.params, self.setup.generator)
-        return [group[0].text for group in groups]
+        return policy_answers(self.setup, [lesson_request(p, b, w) for p, b, w in zip(problems, better, worse)], self.params)
 
 
 OPERATION_FORMAT = 'add "<lesson>"\nmodify <id> "<lesson>"\ndelete <id>\nkeep'
@@ -305,29 +309,23 @@ class ContrastLessons:
         self.summary_params = SamplingParams(setup.params.temperature, setup.params.top_p, summary_tokens)
         self.operation_params = SamplingParams(setup.params.temperature, setup.params.top_p, operation_tokens)
 
-    def _answers(self, prompts: Sequence[Problem], params: SamplingParams) -> list[str]:
-        sampler = self.setup.sampler
-        ids = sampler.encode(list(prompts))
-        groups = sampler.generate([GenerationRequest(prompt_ids=i, n=1) for i in ids], params, self.setup.generator)
-        return [group[0].text for group in groups]
-
     def __call__(self, library: ExperienceLibrary, problems: Sequence[Problem], graded: GradedGroups,
                  contrasting: Sequence[tuple[int, list[int]]], max_items: int) -> tuple[ExperienceLibrary, LibraryUpdate]:
         responses = [(g, c) for g, _ in contrasting for c in graded.groups[g]]
-        summaries = self._answers([summary_request(problems[g], c) for g, c in responses], self.summary_params)
+        summaries = policy_answers(self.setup, [summary_request(problems[g], c) for g, c in responses], self.summary_params)
         requests, start = [], 0
         for g, _ in contrasting:  # every extraction sees the library as it was at the start of the step
             size = len(graded.groups[g])
             rewards = graded.rewards[graded.group_index == g].tolist()
             requests.append(extraction_request(problems[g], summaries[start:start + size], rewards, library))
             start += size
-        answers = self._answers(requests, self.operation_params)
+        answers = policy_answers(self.setup, requests, self.operation_params)
         new, invalid = library, 0
         for (g, _), answer in zip(contrasting, answers):  # applied group by group, in batch order
             ops, unparsed = parse_operations(answer)
-            new, step = new.applied([replace(op, text=op.text[: self.max_chars]) for op in ops],
-                                    best_advantage(graded, g), max_items, unparsed)
-            invalid += step.invalid
+            new, update = new.applied([replace(op, text=op.text[: self.max_chars]) for op in ops],
+                                      best_advantage(graded, g), max_items, unparsed)
+            invalid += update.invalid
         return library._settled({item.id: item for item in new.items}, new.next_id, max_items, invalid)
 
 
@@ -368,7 +366,7 @@ class ExperienceLibraryRollout(RolloutStrategy):
         self.summarise: Summariser = (
             best_response_lessons if options.summariser == "best_response" else PolicyLessons(setup, options.summary_tokens)
         )
-        self.contrast = ContrastLessons(setup, options.summary_tokens, options.operation_tokens, options.max_chars)
+        self.contrast = ContrastLessons(setup, options.summary_tokens, options.operation_tokens, options.max_chars)  # summariser=contrast
         self.library = ExperienceLibrary()
 
     @classmethod
