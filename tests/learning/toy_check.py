@@ -107,8 +107,14 @@ ALGORITHM_PRESETS_WITHOUT_TOY_CHECK = {
     # toy's random tiny model does not: with the library holding the 4 best responses (max_items 4,
     # max_chars 120), 3 seeds x 16 steps gave median peak rise -0.005 (seeds 0,1,2: -0.005, -0.004, -0.021)
     # and end rise -0.047 against the empty library's peak rise +0.044 (measured 2026-12-02,
-    # OMP_NUM_THREADS=1; about 12 CPU-s per run). tests/test_training_free_grpo.py checks the library's
-    # update rule and that the prompts change with it on a policy that copies its examples.
+    # OMP_NUM_THREADS=1; about 12 CPU-s per run). With the paper's summariser (contrast, the default since
+    # 2026-12-05) the random model writes no valid library operation: `rlbench experiment=toy_learning/grpo
+    # algorithm=training_free_grpo seed=S` kept the library empty on seeds 0,1,2 (every one of 64 groups
+    # summarised, 195-225 lines counted in library_invalid_ops per run), peak rise +0.014, +0.030, +0.053
+    # (median +0.030; end rise -0.048, +0.030, -0.006) against the control's (max_items 0) +0.040: the runs
+    # differ from it only by the random draws the summary calls use (about 15 CPU-s per run, control 6.5).
+    # tests/test_training_free_grpo.py checks both update rules, the contrast summariser on a scripted
+    # engine and that the prompts change with the library on a policy that copies its examples.
     "training_free_grpo": "the toy's random model does not follow in-context examples",
     # OTR's expected gradient is pi(y*) grad log pi(y*): it needs the policy to sample the reference token.
     # On the earlier toy the references were random even ids of the 49152-token vocabulary: pi(y*) measured 2e-10..4e-8

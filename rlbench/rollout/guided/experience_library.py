@@ -6,17 +6,22 @@ Per step:
 
     prompts  <- each problem preceded by the library (rendered by :func:`render_library`)
     groups   <- rollout.n responses per prompt, graded (the run's GroupSampler)
-    lessons  <- for every group whose rewards are not all equal: a summariser's lesson from its
-                better and worse responses, scored by the best response's advantage r_best - mean(r)
-    library  <- :meth:`ExperienceLibrary.updated` (pure): add / modify / delete / keep, ids stable
+    lessons  <- for every group whose rewards are not all equal: the summariser's lessons, scored by the
+                best response's advantage r_best - mean(r)
+    library  <- add / modify / delete / keep (pure functions), ids stable
 
-The paper lets an LLM summarise each rollout, extract lessons and propose the library operations. Here
-the update rule is a pure function and the LLM call is a pluggable summariser (``summariser``):
+The lessons come from a summariser (``summariser``):
 
+``contrast``       the paper's (section 3, the default): the policy summarises each rollout of the group
+                   (``summary_tokens``), then, shown the summaries with their rewards and the library with
+                   its ids, proposes operations ``add "text"`` / ``modify <id> "text"`` / ``delete <id>`` /
+                   ``keep`` (``operation_tokens``), applied by :meth:`ExperienceLibrary.applied`; a line that
+                   is no operation, an unknown id or an empty text is skipped and counted
+                   (``library_invalid_ops``). Both calls use the run's engine and sampling.
 ``best_response``  the lesson is the group's best response itself, an in-context example of what
-                   scored higher (no LLM call; the tiny model of the tests writes no readable lesson)
-``policy``         the policy writes the lesson: it is shown the problem, the better and the worse
-                   response and asked for the lesson (``summary_tokens`` tokens, through the sampler)
+                   scored higher (no LLM call), under the fixed rule :meth:`ExperienceLibrary.updated`
+``policy``         the policy writes one lesson from the better and the worse response (``summary_tokens``
+                   tokens), under the same fixed rule
 
 Groups whose rewards are all equal carry no relative information and are skipped, as in the paper.
 The algorithm preset ``training_free_grpo`` takes no optimizer step (``algorithm.update.schedule=none``);
@@ -26,6 +31,7 @@ With ``max_items: 0`` the library stays empty and the strategy is ``rollout=iid`
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
@@ -66,10 +72,22 @@ class LibraryUpdate:
     deleted: tuple[int, ...] = ()
     kept: tuple[int, ...] = ()
     rejected: int = 0
+    invalid: int = 0  # contrast summariser: operations skipped (unparseable, unknown id, empty text)
 
     def metrics(self) -> dict[str, float]:
         return {"library_added": float(len(self.added)), "library_modified": float(len(self.modified)),
-                "library_deleted": float(len(self.deleted)), "library_rejected": float(self.rejected)}
+                "library_deleted": float(len(self.deleted)), "library_rejected": float(self.rejected),
+                "library_invalid_ops": float(self.invalid)}
+
+
+@dataclass(frozen=True)
+class LibraryOp:
+    """One library operation the model proposed (``contrast`` summariser): ``add`` (text), ``modify``
+    (id, text), ``delete`` (id) or ``keep``."""
+
+    kind: str
+    id: int | None = None
+    text: str = ""
 
 
 @dataclass(frozen=True)
@@ -90,7 +108,7 @@ class ExperienceLibrary:
         * the other items are kept unchanged.
         """
         items = {item.id: item for item in self.items}
-        next_id, added, modified = self.next_id, [], set()
+        next_id = self.next_id
         by_text = {item.text: item.id for item in self.items}
         for text, score in candidates:
             text = text.strip()
@@ -98,24 +116,59 @@ class ExperienceLibrary:
                 continue
             if text in by_text:
                 key = by_text[text]
-                if score > items[key].score:
-                    items[key] = replace(items[key], score=float(score))
-                    modified.add(key)
+                items[key] = replace(items[key], score=max(items[key].score, float(score)))
                 continue
             items[next_id] = Experience(next_id, text, float(score))
             by_text[text], next_id = next_id, next_id + 1
-            added.append(next_id - 1)
+        return self._settled(items, next_id, max_items)
+
+    def applied(self, operations: Sequence[LibraryOp], score: float, max_items: int,
+                invalid: int = 0) -> tuple["ExperienceLibrary", LibraryUpdate]:
+        """The library after the model's ``operations`` (in order), each lesson scored ``score``:
+
+        * ``add "text"`` adds an item with the next id (ids are never reused, a deleted one included);
+        * ``modify id "text"`` replaces the item's text, score <- max(score, the item's);
+        * ``delete id`` removes the item; ``keep`` changes nothing;
+        * an operation on an id the library does not hold (never held, or deleted) or with an empty text
+          is skipped and counted in ``invalid`` (which starts at ``invalid``: the unparseable lines);
+        * past ``max_items`` the lowest-scored item goes, as in :meth:`updated`.
+        """
+        items = {item.id: item for item in self.items}
+        next_id = self.next_id
+        for op in operations:
+            text = op.text.strip()
+            if op.kind == "keep":
+                continue
+            if op.kind not in ("add", "modify", "delete") or (op.kind != "delete" and not text) or (
+                    op.kind != "add" and op.id not in items):
+                invalid += 1
+            elif op.kind == "add":
+                items[next_id], next_id = Experience(next_id, text, float(score)), next_id + 1
+            elif op.kind == "modify":
+                items[op.id] = Experience(op.id, text, max(items[op.id].score, float(score)))
+            else:
+                del items[op.id]
+        return self._settled(items, next_id, max_items, invalid)
+
+    def _settled(self, items: dict[int, Experience], next_id: int, max_items: int,
+                 invalid: int = 0) -> tuple["ExperienceLibrary", LibraryUpdate]:
+        """The new library (the lowest-scored items past ``max_items`` removed; a tie: the oldest) and
+        what changed against this one: an old item is modified when its text or score changed, and an item
+        added and removed in the same update is rejected."""
         removed = sorted(items.values(), key=lambda item: (item.score, item.id))[: max(len(items) - max_items, 0)]
         for item in removed:
             del items[item.id]
-        removed_ids = {item.id for item in removed}
-        old_ids = [item.id for item in self.items]
+        old = {item.id: item for item in self.items}
+        old_ids = list(old)
+        modified = {i for i in old_ids if i in items and items[i] != old[i]}
+        new_ids = range(self.next_id, next_id)
         update = LibraryUpdate(
-            added=tuple(i for i in added if i not in removed_ids),
-            modified=tuple(sorted(modified - removed_ids)),
-            deleted=tuple(i for i in old_ids if i in removed_ids),
-            kept=tuple(i for i in old_ids if i not in removed_ids and i not in modified),
-            rejected=sum(1 for i in added if i in removed_ids),
+            added=tuple(i for i in new_ids if i in items),
+            modified=tuple(sorted(i for i in modified if i in items)),
+            deleted=tuple(i for i in old_ids if i not in items),
+            kept=tuple(i for i in old_ids if i in items and i not in modified),
+            rejected=sum(1 for i in new_ids if i not in items),
+            invalid=invalid,
         )
         return ExperienceLibrary(tuple(sorted(items.values(), key=lambda item: item.id)), next_id), update
 
@@ -174,6 +227,13 @@ def lesson_request(problem: Problem, better: Completion, worse: Completion) -> P
     ))
 
 
+def policy_answers(setup: RolloutSetup, prompts: Sequence[Problem], params: SamplingParams) -> list[str]:
+    """The policy's one answer to each prompt, through the run's sampler (its cost is counted)."""
+    ids = setup.sampler.encode(list(prompts))
+    groups = setup.sampler.generate([GenerationRequest(prompt_ids=i, n=1) for i in ids], params, setup.generator)
+    return [group[0].text for group in groups]
+
+
 class PolicyLessons:
     """The ``policy`` summariser: the policy itself writes each lesson (one response per group)."""
 
@@ -182,13 +242,94 @@ class PolicyLessons:
         self.params = SamplingParams(setup.params.temperature, setup.params.top_p, summary_tokens)
 
     def __call__(self, problems: Sequence[Problem], better: Sequence[Completion], worse: Sequence[Completion]) -> list[str]:
-        sampler = self.setup.sampler
-        prompts = sampler.encode([lesson_request(p, b, w) for p, b, w in zip(problems, better, worse)])
-        groups = sampler.generate([GenerationRequest(prompt_ids=ids, n=1) for ids in prompts], self.params, self.setup.generator)
-        return [group[0].text for group in groups]
+        return policy_answers(self.setup, [lesson_request(p, b, w) for p, b, w in zip(problems, better, worse)], self.params)
 
 
-SUMMARISERS = ("best_response", "policy")
+OPERATION_FORMAT = 'add "<lesson>"\nmodify <id> "<lesson>"\ndelete <id>\nkeep'
+_OPERATIONS = (
+    (re.compile(r'add\s+"(.*)"', re.IGNORECASE), lambda m: LibraryOp("add", None, m.group(1))),
+    (re.compile(r'modify\s+\[?(\d+)\]?\s+"(.*)"', re.IGNORECASE), lambda m: LibraryOp("modify", int(m.group(1)), m.group(2))),
+    (re.compile(r"delete\s+\[?(\d+)\]?", re.IGNORECASE), lambda m: LibraryOp("delete", int(m.group(1)))),
+    (re.compile(r"keep", re.IGNORECASE), lambda m: LibraryOp("keep")),
+)
+
+
+def parse_operations(text: str) -> tuple[list[LibraryOp], int]:
+    """The library operations in the model's answer, one per non-empty line, in the strict format
+    :data:`OPERATION_FORMAT` (an id may be written ``[3]``, as the library shows it), and the number of
+    non-empty lines that are no operation (skipped, never an error)."""
+    ops, unparsed = [], 0
+    for line in text.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        for pattern, make in _OPERATIONS:
+            if (m := pattern.fullmatch(line)) is not None:
+                ops.append(make(m))
+                break
+        else:
+            unparsed += 1
+    return ops, unparsed
+
+
+def summary_request(problem: Problem, response: Completion) -> Problem:
+    """Step (1) of the ``contrast`` summariser: the prompt asking the policy to summarise one rollout."""
+    return replace(problem, prompt=(
+        f"Problem: {problem.prompt}\n\nAn attempt: {response.text}\n\n"
+        "In one or two sentences, summarise the approach this attempt took and where it went right or wrong."
+    ))
+
+
+def extraction_request(problem: Problem, summaries: Sequence[str], rewards: Sequence[float],
+                       library: ExperienceLibrary) -> Problem:
+    """Step (2) of the ``contrast`` summariser: the group's summaries with their rewards (a success: above
+    the group's mean reward, else a failure) and the current library with its ids; the model compares
+    the successes with the failures and answers with library operations in :data:`OPERATION_FORMAT`."""
+    mean = sum(rewards) / len(rewards)
+    attempts = "\n".join(
+        f"Attempt {i + 1} (reward {r:g}, {'success' if r > mean else 'failure'}): {text.strip()}"
+        for i, (text, r) in enumerate(zip(summaries, rewards)))
+    shown = render_library(library) if library.items else f"{LIBRARY_HEADER}\n(none yet)"
+    return replace(problem, prompt=(
+        f"Problem: {problem.prompt}\n\nSummaries of attempts at it:\n{attempts}\n\n{shown}\n\n"
+        "Compare the successful attempts with the failed ones and extract general lessons. Update the experiences "
+        "with operations, one per line, exactly in this format, and nothing else:\n" + OPERATION_FORMAT
+    ))
+
+
+class ContrastLessons:
+    """The ``contrast`` summariser, Training-Free GRPO's semantic advantage (arXiv:2510.08191, section 3):
+    for each group whose rewards differ, (1) the policy summarises each rollout, (2) given the summaries
+    with their rewards and the current library it proposes library operations, (3) they are applied with
+    stable ids (:meth:`ExperienceLibrary.applied`, each lesson scored r_best - mean(r)). Both calls go
+    through the run's sampler with the run's sampling (temperature, top_p), one response per prompt."""
+
+    def __init__(self, setup: RolloutSetup, summary_tokens: int, operation_tokens: int, max_chars: int):
+        self.setup, self.max_chars = setup, max_chars
+        self.summary_params = SamplingParams(setup.params.temperature, setup.params.top_p, summary_tokens)
+        self.operation_params = SamplingParams(setup.params.temperature, setup.params.top_p, operation_tokens)
+
+    def __call__(self, library: ExperienceLibrary, problems: Sequence[Problem], graded: GradedGroups,
+                 contrasting: Sequence[tuple[int, list[int]]], max_items: int) -> tuple[ExperienceLibrary, LibraryUpdate]:
+        responses = [(g, c) for g, _ in contrasting for c in graded.groups[g]]
+        summaries = policy_answers(self.setup, [summary_request(problems[g], c) for g, c in responses], self.summary_params)
+        requests, start = [], 0
+        for g, _ in contrasting:  # every extraction sees the library as it was at the start of the step
+            size = len(graded.groups[g])
+            rewards = graded.rewards[graded.group_index == g].tolist()
+            requests.append(extraction_request(problems[g], summaries[start:start + size], rewards, library))
+            start += size
+        answers = policy_answers(self.setup, requests, self.operation_params)
+        new, invalid = library, 0
+        for (g, _), answer in zip(contrasting, answers):  # applied group by group, in batch order
+            ops, unparsed = parse_operations(answer)
+            new, update = new.applied([replace(op, text=op.text[: self.max_chars]) for op in ops],
+                                      best_advantage(graded, g), max_items, unparsed)
+            invalid += update.invalid
+        return library._settled({item.id: item for item in new.items}, new.next_id, max_items, invalid)
+
+
+SUMMARISERS = ("best_response", "policy", "contrast")
 
 
 @dataclass
@@ -196,17 +337,18 @@ class ExperienceLibraryOptions:
     """``rollout.experience_library``."""
 
     max_items: int = 8  # library capacity; 0: no library (rollout=iid exactly)
-    summariser: str = "best_response"  # best_response | policy
+    summariser: str = "contrast"  # contrast (the paper's) | best_response | policy
     max_chars: int = 400  # a lesson longer than this is cut to its first max_chars characters
-    summary_tokens: int = 64  # policy summariser: tokens per lesson
+    summary_tokens: int = 64  # policy summariser: tokens per lesson; contrast: tokens per rollout summary
+    operation_tokens: int = 128  # contrast summariser: tokens for a group's library operations
 
     def validate(self) -> None:
         if self.max_items < 0:
             raise ConfigError(f"rollout.experience_library.max_items must be >= 0, got {self.max_items}")
         if self.summariser not in SUMMARISERS:
             raise ConfigError(f"rollout.experience_library.summariser={self.summariser!r} is unknown; choose one of {list(SUMMARISERS)}")
-        if self.max_chars < 1 or self.summary_tokens < 1:
-            raise ConfigError("rollout.experience_library.max_chars and .summary_tokens must be >= 1")
+        if min(self.max_chars, self.summary_tokens, self.operation_tokens) < 1:
+            raise ConfigError("rollout.experience_library.max_chars, .summary_tokens and .operation_tokens must be >= 1")
 
 
 def library_options(rollout: RolloutConfig) -> ExperienceLibraryOptions:
@@ -224,6 +366,7 @@ class ExperienceLibraryRollout(RolloutStrategy):
         self.summarise: Summariser = (
             best_response_lessons if options.summariser == "best_response" else PolicyLessons(setup, options.summary_tokens)
         )
+        self.contrast = ContrastLessons(setup, options.summary_tokens, options.operation_tokens, options.max_chars)  # summariser=contrast
         self.library = ExperienceLibrary()
 
     @classmethod
@@ -247,14 +390,19 @@ class ExperienceLibraryRollout(RolloutStrategy):
         shown = [self.in_context(p) for p in problems]
         graded = setup.sampler(shown, setup.n, setup.params, setup.generator)  # the same uids and answers
         contrasting = semantic_advantage_groups(graded)
-        candidates: list[tuple[str, float]] = []
-        if contrasting and self.options.max_items > 0:
-            better = [graded.groups[g][order[0]] for g, order in contrasting]
-            worse = [graded.groups[g][order[-1]] for g, order in contrasting]
-            lessons = self.summarise([problems[g] for g, _ in contrasting], better, worse)
-            candidates = [(text[: self.options.max_chars], best_advantage(graded, g)) for text, (g, _) in zip(lessons, contrasting)]
-        self.library, update = self.library.updated(candidates, self.options.max_items)
+        if self.options.max_items == 0:
+            contrasting = []
+        if contrasting and self.options.summariser == "contrast":
+            self.library, update = self.contrast(self.library, problems, graded, contrasting, self.options.max_items)
+        else:
+            candidates: list[tuple[str, float]] = []
+            if contrasting:
+                better = [graded.groups[g][order[0]] for g, order in contrasting]
+                worse = [graded.groups[g][order[-1]] for g, order in contrasting]
+                lessons = self.summarise([problems[g] for g, _ in contrasting], better, worse)
+                candidates = [(text[: self.options.max_chars], best_advantage(graded, g)) for text, (g, _) in zip(lessons, contrasting)]
+            self.library, update = self.library.updated(candidates, self.options.max_items)
         metrics = {"rollout_outcome_mean": float(graded.outcome.mean().item()),
-                   "groups_summarised": float(len(candidates)), "library_size": float(len(self.library.items)),
+                   "groups_summarised": float(len(contrasting)), "library_size": float(len(self.library.items)),
                    **update.metrics()}
         return graded, metrics
