@@ -130,3 +130,28 @@ def test_one_candidate_is_refused():
     from rlbench.errors import ConfigError
     with pytest.raises(ConfigError, match="greedy_tree"):
         MultiTurnOptions.from_config(RolloutConfig(strategy="multi_turn", n=1, settings={"multi_turn": {"branch": "greedy_tree"}}))
+
+
+def test_two_roles_on_proposer_verifier():
+    # turn 0 (proposer): 41, 42, 42 -> the first right proposal advances; turn 1 (verifier): ACCEPT of it ends the tree
+    from test_env_proposer_verifier import PROBLEM, factory
+
+    from rlbench.reward.math import MathReward
+    script = [["\\boxed{41}", "\\boxed{42}", "\\boxed{42}"], ["ACCEPT", "REJECT", "ACCEPT"]]
+    sampler = GroupSampler(ScriptedEngine(script), MathReward(), Tokens(), {"user": "{problem}"}, lambda r, _: r)
+    setup = RolloutSetup(sampler, 3, SamplingParams(1.0, 1.0, 64), None, env=factory(2))
+    groups, metrics = MultiTurnRollout(setup, MultiTurnOptions(branch="greedy_tree")).rollout([PROBLEM])
+    proposals, verdicts = groups.groups
+    best = proposals[1]
+    assert all(c.response_ids[:len(best.response_ids)] == best.response_ids for c in verdicts)
+    assert [trained(c) for c in verdicts] == ["ACCEPT", "REJECT", "ACCEPT"]
+    assert groups.outcome.tolist() == [0.0, 1.0, 1.0, 1.0, 0.0, 1.0]
+    assert metrics["multi_turn_tree_turns"] == 2 and metrics["multi_turn_ended_accepted"] == 2
+    batch = collate(groups.groups, pad_token_id=0)
+    adv = at_grpo_advantage(groups.rewards, batch.group_index, batch.response_mask, batch.extras["step_index"],
+                            batch.extras["turn_rewards"], num_roles=2, epsilon=0.0)
+    third, std = 1 / 3, math.sqrt(1 / 3)  # both keys: rewards {0, 1, 1} in some order: mean 2/3, unbiased std sqrt(1/3)
+    want = [-2 * third / std, third / std, third / std, third / std, -2 * third / std, third / std]
+    for row, a in enumerate(want):
+        mask = batch.response_mask[row] > 0
+        assert torch.allclose(adv[row][mask], torch.full((int(mask.sum()),), a, dtype=adv.dtype))
