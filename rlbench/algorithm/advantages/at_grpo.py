@@ -44,8 +44,9 @@ def at_grpo_advantage(
     Every token of turn t gets A_{i,t}; observation tokens (step_index -1) get 0. With one role and one
     turn whose reward is the episode reward this is GRPO exactly.
 
-    Not built (see conf/paper/at_grpo.yaml): the paper's greedy tree advance (the best of the group's
-    candidates at each turn advancing all environment copies) and per-role LoRA adapters.
+    The candidates of a key share a state under the paper's greedy tree rollout (rollout.multi_turn.branch=
+    greedy_tree, the preset's): each turn's K candidates fork from the best of the turn before. Not built
+    (see conf/paper/at_grpo.yaml): per-role LoRA adapters and the team reward mixing.
     """
     if int(num_roles) < 1:
         raise ConfigError(f"algorithm.advantage.num_roles must be >= 1, got {num_roles}")

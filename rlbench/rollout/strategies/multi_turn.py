@@ -65,6 +65,19 @@ section 3.2) over whole episodes: rounds of episodes on more prompts until the b
 rlbench.rollout.strategies.dynamic_sampling's own code, with ``rollout.multi_turn.max_rounds`` and ``.metric`` as
 that strategy's block has them; the episode metrics count every round's episodes.
 
+With ``rollout.multi_turn.branch: greedy_tree`` (AT-GRPO, Zhao et al. 2025, "Stronger Together: On-Policy RL
+for Collaborative LLMs", arXiv:2510.11062, section 3, tree-structured sampling; algorithm=at_grpo) a prompt's
+episode is a greedy tree: at every turn the environment is forked (Environment.fork) into K = ``rollout.n``
+copies, each samples one candidate action, and the candidates' turn rewards are compared; the best candidate
+(the highest turn reward, ties to the first in sampling order) advances: every candidate of the next turn
+continues from it (its tokens, its environment), so a turn's candidates share one state. Each candidate is a
+completion of its own: the shared history (loss mask 0: trained at its own turn) and its turn (loss mask 1);
+its reward is its turn's reward. The K candidates of a turn form a group (one per prompt and turn: AT-GRPO's
+key, with the turn fixing the role), so GRPO's normalisation within the group is the key's. The tree stops
+when its best candidate ends the episode (done, EOS, a cap): K x (turns taken) <= K x ``env.max_turns``
+completions per prompt. Metrics: ``multi_turn_tree_turns`` (mean turns of a tree) and
+``multi_turn_tree_ties`` (turns whose best reward was shared by several candidates).
+
 Metrics: turns, tool calls, tool errors and seconds per episode, the share of observation tokens in the
 responses, and the end reasons.
 """
@@ -113,7 +126,7 @@ from rlbench.rollout.strategy import (
 log = logging.getLogger(__name__)
 
 TURN_INPUTS = frozenset({"step_index", "turn_states", "turn_rewards"})
-BRANCHES = ("none", "random_turn", "entropy_tool")
+BRANCHES = ("none", "random_turn", "entropy_tool", "greedy_tree")
 ATTRIBUTIONS = ("soft", "hard")
 TREE_INPUT = "tree_nodes"
 
@@ -123,7 +136,7 @@ class MultiTurnOptions:
     """The ``rollout.multi_turn`` block (module docstring): ``global_samples`` to ``branch_penalty`` are
     branch=entropy_tool's keys, ``dynamic_sampling`` to ``metric`` the episode filter's."""
 
-    branch: str = "none"   # none: n independent episodes | random_turn: REFUEL's | entropy_tool: ARPO's
+    branch: str = "none"   # none: n independent episodes | random_turn: REFUEL's | entropy_tool: ARPO's | greedy_tree: AT-GRPO's
     global_samples: int | None = None  # N global episodes of the group's M = rollout.n; None: M // 2
     branch_width: int = 1               # Z branches per branch point
     entropy_tokens: int = 20            # k: tokens after an observation whose entropy decides
@@ -150,6 +163,8 @@ class MultiTurnOptions:
         if options.branch == "entropy_tool":
             needs_groups("multi_turn", rollout, "with branch=entropy_tool branches episodes into the group")
             options.check_entropy_tool(int(rollout.n))
+        if options.branch == "greedy_tree":
+            needs_groups("multi_turn", rollout, "with branch=greedy_tree samples rollout.n candidates of each turn")
         if options.dynamic_sampling:
             needs_groups("multi_turn", rollout, "with dynamic_sampling keeps groups whose episodes differ")
             if options.branch != "none":
@@ -370,6 +385,8 @@ class MultiTurnRollout(RolloutStrategy):
             runner.run_to_end(episodes, start)
         elif self.options.branch == "entropy_tool":
             episodes, branch_metrics = self.entropy_branched(runner, problems, start)
+        elif self.options.branch == "greedy_tree":
+            problems, episodes, branch_metrics = self.greedy_tree(runner, problems, start)
         else:
             episodes = [runner.start(problem) for problem in problems for _ in range(self.setup.n)]
             runner.run_to_end(episodes, start)
@@ -455,6 +472,37 @@ class MultiTurnRollout(RolloutStrategy):
                    "multi_turn_branch_filled": float(filled),
                    "multi_turn_branch_entropy_rise": sum(rises) / len(rises) if rises else 0.0}
         return [e for group in groups for e in group], metrics
+
+    def greedy_tree(self, runner: EpisodeRunner, problems: list[Problem], start: float
+                    ) -> tuple[list[Problem], list[Episode], dict[str, float]]:
+        """AT-GRPO's greedy trees (module docstring): per problem, turn after turn, K = ``n`` candidates forked
+        from the tree's current episode take one turn (one engine call for every tree's candidates); the best
+        (:func:`greedy_best`) becomes the current episode. Returns a problem and a group of K candidates per
+        (problem, turn), problem after problem, turn after turn."""
+        n = self.setup.n
+        current = [runner.start(problem) for problem in problems]
+        trees: list[list[list[Episode]]] = [[] for _ in problems]
+        ties = 0
+        while live := [i for i, e in enumerate(current) if not e.done]:
+            candidates = {i: [current[i].fork() for _ in range(n)] for i in live}
+            runner.advance([c for i in live for c in candidates[i]])
+            now = time.perf_counter() - start
+            for i in live:
+                turn = candidates[i]
+                for c in turn:
+                    c.seconds = now
+                best = greedy_best([c.total_reward for c in turn])
+                ties += sum(c.total_reward == turn[best].total_reward for c in turn) > 1
+                trees[i].append(turn)
+                current[i] = turn[best]
+        for tree in trees:  # a candidate that did not end its episode took its turn: that is its end here
+            for turn in tree:
+                for c in turn:
+                    c.ended_by = c.ended_by or "tree_turn"
+        turns = [len(tree) for tree in trees]
+        return ([problem for problem, k in zip(problems, turns) for _ in range(k)],
+                [c for tree in trees for turn in tree for c in turn],
+                {"multi_turn_tree_turns": sum(turns) / max(len(turns), 1), "multi_turn_tree_ties": float(ties)})
 
     def graded(self, problems: list[Problem], episodes: list[Episode]) -> tuple[GradedGroups, dict[str, float]]:
         """The episodes as graded groups (one per problem) and the step's multi-turn metrics."""
@@ -570,6 +618,12 @@ class EpisodeRunner:
                 e.ended_by = "token_budget"
             else:
                 e.add_observation(ids)
+
+
+def greedy_best(rewards: list[float]) -> int:
+    """AT-GRPO's greedy choice (arXiv:2510.11062, section 3): the candidate with the highest turn reward,
+    ties to the first (sampling order), so the choice is deterministic given the rewards."""
+    return max(range(len(rewards)), key=lambda j: (rewards[j], -j))
 
 
 def grade_episode(e: Episode, env_name: str) -> Grade:
