@@ -94,3 +94,16 @@ def test_the_filter_needs_groups_and_independent_episodes():
         MultiTurnOptions.from_config(RolloutConfig(strategy="multi_turn", n=2, settings={"multi_turn": {"dynamic_sampling": True, "branch": "random_turn"}}))
     with pytest.raises(ConfigError, match="max_rounds must be >= 1"):
         MultiTurnOptions.from_config(RolloutConfig(strategy="multi_turn", n=2, settings={"multi_turn": {"dynamic_sampling": True, "max_rounds": 0}})).filter_options()
+    filtered = RolloutConfig(strategy="multi_turn", n=2, settings={"multi_turn": {"dynamic_sampling": True}})
+    with pytest.raises(ConfigError, match="advantage 'spo' does not combine with rollout.multi_turn.dynamic_sampling"):
+        MultiTurnRollout.validate(filtered, "spo")
+    MultiTurnRollout.validate(filtered, "grpo")
+    MultiTurnRollout.validate(RolloutConfig(strategy="multi_turn", n=2), "spo")  # without the filter SPO is fine
+
+
+def test_spo_is_refused_by_both_filters_with_one_message(make_cfg):
+    from rlbench.validation import validate_config
+
+    for overrides in (["rollout=dynamic_sampling"], ["rollout=multi_turn_filtered", "env=gridworld"]):
+        with pytest.raises(ConfigError, match="advantage 'spo' does not combine with rollout.*the tracker baseline"):
+            validate_config(make_cfg("experiment=smoke", "algorithm=spo", "rollout.n=4", *overrides))

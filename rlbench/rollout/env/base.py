@@ -129,6 +129,14 @@ class EnvContext:
         return grade_completions(self.grader, [problem], [completion])[0]
 
 
+def output_block(text: str, limit: int) -> str:
+    """A tool's output as an observation: ``text`` cut to ``limit`` characters (a cut says so) in an
+    ```` ```output ```` block (python_tool's runs, code_repair's test reports)."""
+    if len(text) > limit:
+        text = text[:limit] + "...[truncated]\n"
+    return f"```output\n{text}```\n"
+
+
 ENVIRONMENTS: dict[str, type[Environment]] = {}
 
 

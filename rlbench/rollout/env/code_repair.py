@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from rlbench.dataset.base import Problem
 from rlbench.dataset.toy_repos import ToyRepo, repo_from_meta, toy_repo
 from rlbench.errors import ConfigError
-from rlbench.rollout.env.base import Environment, Reset, StepResult, register_env
+from rlbench.rollout.env.base import Environment, Reset, StepResult, output_block, register_env
 from rlbench.sandbox import run_tests
 
 RUN_MARKER = "RUN_TESTS"
@@ -96,9 +96,7 @@ def test_report(result, tests: tuple[str, ...], limit: int) -> str:
         text = "\n".join(lines) + "\n"
     else:
         text = f"the tests did not run: {result.status}: {result.error or ''}\n"
-    if len(text) > limit:
-        text = text[:limit] + "...[truncated]\n"
-    return f"```output\n{text}```\n"
+    return output_block(text, limit)
 
 
 @register_env("code_repair")

@@ -21,7 +21,7 @@ from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.reward.code import TOOL_BLOCK as CLOSED_BLOCK
 from rlbench.reward.math import Grade
-from rlbench.rollout.env.base import Environment, Reset, StepResult, register_env
+from rlbench.rollout.env.base import Environment, Reset, StepResult, output_block, register_env
 from rlbench.sandbox import run_tests
 
 OPEN_TAG = "```python"
@@ -33,10 +33,7 @@ def tool_output(stdout: str, status: str, error: str | None, limit: int) -> tupl
     """(the observation text of one run, whether it failed): its stdout, or the error after it,
     cut to ``limit`` characters (a cut says so)."""
     failed = status != "passed"
-    text = stdout + (f"{error or status}\n" if failed else "")
-    if len(text) > limit:
-        text = text[:limit] + "...[truncated]\n"
-    return f"```output\n{text}```\n", failed
+    return output_block(stdout + (f"{error or status}\n" if failed else ""), limit), failed
 
 
 @register_env("python_tool")

@@ -172,6 +172,14 @@ def sample_informative_groups(
     return batch, metrics
 
 
+def refuse_tracker_baseline(advantage: str, where: str, instead: str) -> None:
+    """ConfigError for SPO's advantage with a filter that drops all-equal groups (``where``): the tracker baseline
+    already gives those groups a signal (SPO, arXiv:2509.13232)."""
+    if advantage == "spo":
+        raise ConfigError(f"advantage 'spo' does not combine with {where}: the tracker baseline already gives "
+                          f"all-equal groups a signal (SPO, arXiv:2509.13232); use {instead}")
+
+
 @register_strategy("dynamic_sampling")
 class DynamicSampling(RolloutStrategy):
     """The strategy: rounds of i.i.d. groups filtered by :func:`informative_groups` (see
@@ -188,11 +196,7 @@ class DynamicSampling(RolloutStrategy):
     def validate(cls, rollout: RolloutConfig, advantage: str) -> None:
         super().validate(rollout, advantage)
         needs_groups("dynamic_sampling", rollout, "keeps groups whose responses differ")
-        if advantage == "spo":
-            raise ConfigError(
-                "advantage 'spo' does not combine with rollout=dynamic_sampling: the tracker baseline already gives "
-                "all-equal groups a signal (SPO, arXiv:2509.13232); use rollout=iid"
-            )
+        refuse_tracker_baseline(advantage, "rollout=dynamic_sampling", "rollout=iid")
 
     def rollout(
         self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None

@@ -114,7 +114,11 @@ from rlbench.rollout.env.base import (
     state_id,
 )
 from rlbench.rollout.groups import GradedGroups, policy_code, shaping_inputs
-from rlbench.rollout.strategies.dynamic_sampling import DynamicSamplingOptions, sample_informative_groups
+from rlbench.rollout.strategies.dynamic_sampling import (
+    DynamicSamplingOptions,
+    refuse_tracker_baseline,
+    sample_informative_groups,
+)
 from rlbench.rollout.strategy import (
     RolloutStrategy,
     needs_groups,
@@ -342,6 +346,8 @@ class MultiTurnRollout(RolloutStrategy):
         """The options; the tree (``tree_nodes``) exists only with branch=entropy_tool, and its hard attribution
         needs an advantage that reads it."""
         options = MultiTurnOptions.from_config(rollout)
+        if options.dynamic_sampling:
+            refuse_tracker_baseline(advantage, "rollout.multi_turn.dynamic_sampling", "rollout.multi_turn.dynamic_sampling=false")
         tree = options.branch == "entropy_tool"
         if TREE_INPUT in ADVANTAGES.accepted_inputs(advantage) and not tree:
             raise ConfigError(f"advantage '{advantage}' reads {TREE_INPUT}, which rollout=multi_turn provides only with "
