@@ -5,7 +5,8 @@ holds M episodes, branches share the prefix token for token, hard attribution gi
 mean advantage of its descendant leaves (hand-computed) and trains it once, soft attribution is GRPO per
 episode, tau = inf equals plain multi_turn with M episodes; AEPO's consecutive-branch penalty (arXiv:2510.14545)
 decays the probability geometrically in l and, at 1, stops a path from branching at two observations in a row;
-the option checks."""
+the option checks. AEPO's entropy pre-monitoring (rollout=aepo_tool): a probe episode's question and tool-step
+entropies set the group's global episodes by the closed form, and the probe is not trained."""
 
 from __future__ import annotations
 
@@ -262,3 +263,35 @@ def test_the_preset_composes_and_bad_settings_are_refused_before_the_model_loads
     plain = typed_config(compose_config(["rollout=multi_turn", "env=gridworld"], tmp_path)).rollout
     with pytest.raises(ConfigError, match="entropy_tool"):
         MultiTurnRollout.validate(plain, "arpo_hard")
+
+
+def test_pre_monitoring_sets_the_global_episodes_from_a_probe_that_is_not_trained():
+    # the probe is the policy's first episode: "call" (turn 0), "hot" (turn 1), "win" after the spike (turn 2); the
+    # entropy of each turn's first k = 3 tokens: 0.1, 0.1, 0.9, so H_root = 0.1 and H_tool = (0.1 + 0.9) / 2 = 0.5
+    monitored = {**SPIKE, "global_samples": None}
+    for beta in (10.0, 2.0, -10.0):
+        expected = max(1, min(5, int(5 / (1 + math.exp(-beta * (0.1 - 0.5)))) + 1))  # 1, 2 and 5
+        groups, metrics, policy = run(5, **monitored, pre_monitor_beta=beta)
+        assert metrics["multi_turn_branch_globals"] == expected
+        assert len(groups.groups[0]) == 5
+        assert policy.scored[0] == PREFIX + "win\n"  # the probe was measured first ...
+        first_turns = policy.seen[()]  # ... and is not one of the group: M episodes plus the probe began
+        assert first_turns == 1 + 5 - metrics["multi_turn_branches"]
+        assert metrics["multi_turn_branches"] + metrics["multi_turn_branch_filled"] == 5 - expected
+    assert 0.1 - 0.5 < 0 and expected == 5  # beta < 0: every episode global, no room to branch
+    # N = 2: the second global episode reaches the spike and branches twice; one global sample fills the group
+    _, metrics, _ = run(5, **monitored, pre_monitor_beta=2.0)
+    assert (metrics["multi_turn_branches"], metrics["multi_turn_branch_filled"]) == (2, 1)
+
+
+def test_the_aepo_tool_preset_and_its_refusals(tmp_path):
+    cfg = compose_config(["paper=aepo", "experiment=smoke"], tmp_path)
+    assert cfg.algorithm.name == "aepo" and cfg.env.name == "python_tool" and cfg.rollout.strategy == "multi_turn"
+    block = cfg.rollout.multi_turn
+    assert (block.branch, block.global_samples, block.pre_monitor_beta, block.branch_penalty) == ("entropy_tool", None, 0.5, 0.05)
+    MultiTurnRollout.validate(typed_config(cfg).rollout, "grpo")
+    for override, message in ((["rollout.multi_turn.global_samples=2"], "keep one"),
+                              (["rollout.multi_turn.pre_monitor_beta=inf"], "pre_monitor_beta"),
+                              (["rollout.multi_turn.branch=none"], "needs branch=entropy_tool")):
+        with pytest.raises(ConfigError, match=message):
+            MultiTurnRollout.validate(typed_config(compose_config(["rollout=aepo_tool", "env=gridworld", *override], tmp_path)).rollout, "grpo")

@@ -60,8 +60,9 @@ def test_toy_budget_selects_its_preset_and_states_the_lr_rule(tmp_path, preset):
     the policy about as far as one GRPO step does; see conf/experiment/toy_learning.yaml)."""
     cfg = compose_config([f"experiment=toy_learning/{preset}"], tmp_path / "compose")
     algorithm = algorithm_from(cfg.algorithm)
-    if preset in rollout_presets():  # a rollout strategy's check: grpo with that strategy
-        assert cfg.algorithm.name == "grpo" and cfg.rollout.strategy == preset
+    if preset in rollout_presets():  # a rollout preset's check: grpo with that preset's strategy
+        assert cfg.algorithm.name == "grpo" and cfg.rollout.strategy == strategy_of(preset)
+        assert f"override /rollout: {preset}" in (TOY_DIR / f"{preset}.yaml").read_text()
     else:
         assert cfg.algorithm.name == preset
     assert cfg.model.name == "tiny" and cfg.reward.name == "even_tokens"
@@ -73,6 +74,15 @@ def test_toy_budget_selects_its_preset_and_states_the_lr_rule(tmp_path, preset):
         assert any(per_batch == pytest.approx(lr, rel=1e-5) for lr in TOY_LR_PER_BATCH), (preset, per_batch)
         toy_file = (TOY_DIR / f"{preset}.yaml").read_text()
         assert per_batch == pytest.approx(TOY_BASE.trainer.lr, rel=1e-5) or "Toy lr per batch" in toy_file, preset
+
+
+def strategy_of(preset: str) -> str:
+    """The strategy conf/rollout/<preset>.yaml runs: its own ``strategy``, else that of the file it builds on
+    (rollout=aepo_tool: arpo's, multi_turn's)."""
+    node = OmegaConf.load(TOY_DIR.parents[1] / "rollout" / f"{preset}.yaml")
+    if "strategy" in node:
+        return node.strategy
+    return strategy_of(next(d for d in node.defaults if d != "_self_"))
 
 
 def optimizer_steps_per_batch(cfg) -> int:

@@ -55,9 +55,20 @@ per-episode advantage applies to it); ``hard``: a branch carries the inherited p
 gives it the mean advantage of the episodes below it. A uniform draw is taken only when it can decide
 (beta * dH <= tau < 1 + beta * dH), so tau = inf never draws. ``branch_penalty`` > 0 adds AEPO's
 consecutive-branch penalty (Dong et al. 2025, arXiv:2510.14545, section 3): P_t * (1 - branch_penalty)^l, l the
-branch points just before on the episode's path that all branched (its branches inherit l + 1). Metrics: ``multi_turn_branch_decisions``,
-``multi_turn_branches``, ``multi_turn_branch_filled`` (global samples added to fill a group) and
-``multi_turn_branch_entropy_rise`` (the mean H_t - H_0 over the decisions).
+branch points just before on the episode's path that all branched (its branches inherit l + 1).
+``pre_monitor_beta`` (a number; then ``global_samples`` stays null) adds AEPO's entropy pre-monitoring
+(arXiv:2510.14545, section 3; rollout=aepo_tool): per prompt a probe episode runs first, to its end and
+without branching; H_root is the mean normalised entropy of its first turn's first k tokens and H_tool the mean
+over its later turns (each follows a tool result) of their first k tokens' (H_root when it made no tool call),
+and the group's global episodes are N = clip(floor(M * sigmoid(pre_monitor_beta * (H_root - H_tool))) + 1, 1, M)
+(rlbench.rollout.strategies.entropy_branch.global_samples, the single-turn rollout's rule): a question more
+uncertain than its tool steps gets more independent episodes, one whose tool results raise the uncertainty more
+branches. The probe only measures: it is not one of the group's M episodes (it could not branch once run, and
+taking it as a global episode would leave a group with N = 1 nothing to branch from), and its tokens count in
+the step's ``generated_tokens``. Metrics: ``multi_turn_branch_decisions``,
+``multi_turn_branches``, ``multi_turn_branch_filled`` (global samples added to fill a group),
+``multi_turn_branch_entropy_rise`` (the mean H_t - H_0 over the decisions) and, with pre-monitoring,
+``multi_turn_branch_globals`` (the mean N).
 
 With ``rollout.multi_turn.dynamic_sampling: true`` (conf/rollout/multi_turn_filtered.yaml; algorithm=dapo_multi_turn)
 a step keeps only the groups whose episodes differ, DAPO's dynamic sampling (Yu et al. 2025, arXiv:2503.14476,
@@ -119,6 +130,7 @@ from rlbench.rollout.strategies.dynamic_sampling import (
     refuse_tracker_baseline,
     sample_informative_groups,
 )
+from rlbench.rollout.strategies.entropy_branch import global_samples
 from rlbench.rollout.strategy import (
     RolloutStrategy,
     needs_groups,
@@ -149,6 +161,7 @@ class MultiTurnOptions:
     threshold: float = 0.5              # tau: branch when P_t > tau
     attribution: str = "soft"           # soft: each branch trains its copy of the prefix | hard: shared tokens once
     branch_penalty: float = 0.0         # AEPO's consecutive-branch penalty: P_t * (1 - branch_penalty)^l; 0: ARPO's rule
+    pre_monitor_beta: float | None = None  # AEPO's pre-monitoring: N from one probe episode's entropies; None: global_samples
     dynamic_sampling: bool = False  # keep only groups whose episodes differ (DAPO's filter), drawing more prompts
     max_rounds: int = 16   # with dynamic_sampling: rounds of episodes per step at most
     metric: str = "correct"  # with dynamic_sampling: correct (0 < #correct < n) | reward (the rewards differ)
@@ -169,6 +182,9 @@ class MultiTurnOptions:
             options.check_entropy_tool(int(rollout.n))
         if options.branch == "greedy_tree":
             needs_groups("multi_turn", rollout, "with branch=greedy_tree samples rollout.n candidates of each turn")
+        if options.pre_monitor_beta is not None and options.branch != "entropy_tool":
+            raise ConfigError(f"rollout.multi_turn.pre_monitor_beta={options.pre_monitor_beta} splits an entropy_tool "
+                              f"group's budget; it needs branch=entropy_tool, got branch={options.branch!r}")
         if options.dynamic_sampling:
             needs_groups("multi_turn", rollout, "with dynamic_sampling keeps groups whose episodes differ")
             if options.branch != "none":
@@ -188,6 +204,12 @@ class MultiTurnOptions:
             raise ConfigError(f"{where}: alpha (or null) and beta must be finite numbers and threshold a number (.inf: never branch)")
         if not 0.0 <= self.branch_penalty <= 1.0:
             raise ConfigError(f"{where}.branch_penalty must be in [0, 1], got {self.branch_penalty}")
+        if self.pre_monitor_beta is not None:
+            if not math.isfinite(self.pre_monitor_beta):
+                raise ConfigError(f"{where}.pre_monitor_beta must be a finite number or null, got {self.pre_monitor_beta}")
+            if self.global_samples is not None:
+                raise ConfigError(f"{where}: global_samples={self.global_samples} and pre_monitor_beta={self.pre_monitor_beta} "
+                                  "both set the global episodes; keep one (null the other)")
         if self.attribution not in ATTRIBUTIONS:
             raise ConfigError(f"{where}.attribution must be one of {ATTRIBUTIONS}, got {self.attribution!r}")
 
@@ -422,7 +444,14 @@ class MultiTurnRollout(RolloutStrategy):
         setup, options = self.setup, self.options
         budget, k, hard = setup.n, options.entropy_tokens, options.attribution == "hard"
         new_node = itertools.count().__next__
-        groups = [[runner.start(problem) for _ in range(options.globals_of(budget))] for problem in problems]
+        monitored: list[int] = []
+        if options.pre_monitor_beta is None:
+            groups = [[runner.start(problem) for _ in range(options.globals_of(budget))] for problem in problems]
+        else:  # a probe per prompt, run to its end without branching, measures; it is not trained
+            probes = [runner.start(problem) for problem in problems]
+            runner.run_to_end(probes, start)
+            monitored = self.monitored_globals(probes, budget)
+            groups = [[runner.start(problem) for _ in range(count)] for problem, count in zip(problems, monitored)]
         home = {id(e): group for group in groups for e in group}
         everyone = [e for group in groups for e in group]
         for e in everyone:
@@ -477,7 +506,24 @@ class MultiTurnRollout(RolloutStrategy):
         metrics = {"multi_turn_branch_decisions": float(len(rises)), "multi_turn_branches": float(branches),
                    "multi_turn_branch_filled": float(filled),
                    "multi_turn_branch_entropy_rise": sum(rises) / len(rises) if rises else 0.0}
+        if monitored:
+            metrics["multi_turn_branch_globals"] = sum(monitored) / len(monitored)
         return [e for group in groups for e in group], metrics
+
+    def monitored_globals(self, probes: list[Episode], budget: int) -> list[int]:
+        """AEPO's pre-monitoring (module docstring): each finished probe's N from H_root (its first turn's first k
+        tokens) and H_tool (the mean over its later turns of their first k tokens), normalised entropies."""
+        k, beta = self.options.entropy_tokens, self.options.pre_monitor_beta
+        items = [(e.prompt_ids, tuple(e.response_ids)) for e in probes]
+        counts = []
+        for e, stats in zip(probes, self.setup.sampler.engine.position_stats(items, self.setup.params)):
+            entropy = stats.entropy.to(torch.float64) / math.log(stats.vocab_size)
+            heads = [[t for t, turn in enumerate(e.step_index) if turn == i][:k] for i in range(e.turns)]
+            turn_entropy = [float(entropy[head].mean()) for head in heads if head]
+            root = turn_entropy[0] if turn_entropy else 0.0
+            tool = sum(turn_entropy[1:]) / len(turn_entropy[1:]) if len(turn_entropy) > 1 else root
+            counts.append(global_samples(budget, root, tool, beta))
+        return counts
 
     def greedy_tree(self, runner: EpisodeRunner, problems: list[Problem], start: float
                     ) -> tuple[list[Problem], list[Episode], dict[str, float]]:
