@@ -363,9 +363,13 @@ def check_sandbox(sandbox: SandboxConfig) -> None:
 
 
 def check_reward_matches_dataset(reward: str, dataset: DatasetConfig) -> None:
-    """reward=code trains on code datasets (tests), reward=math on answer datasets; the toy reward
+    """reward=code trains on code datasets (tests), reward=math on answer datasets, reward=fapo_genrm on
+    dataset=flaw_steps (labelled step-split solutions); the toy reward
     (even_tokens) ignores answers and goes with any dataset (a dataset without answer_type is read as math)."""
     answer_type = dataset.answer_type or "math"
+    if reward == "fapo_genrm" and dataset.loader != "flaw_steps":
+        raise ConfigError(f"reward=fapo_genrm grades the GenRM's step index against a step-split solution's label; "
+                          f"dataset={dataset.name} has none: use dataset=flaw_steps")
     if reward == "code" and answer_type != "code":
         raise ConfigError(
             f"reward=code runs tests, but dataset={dataset.name} has answers (answer_type {answer_type}); "

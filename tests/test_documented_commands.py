@@ -77,10 +77,10 @@ SKIPS = (
     (r"model=hub\b", "downloads a model from the Hugging Face Hub"),
 )
 
-# A command that reads benchmark files (every dataset and suite but the generated arith and the custom
+# A command that reads benchmark files (every dataset and suite but the generated arith and flaw_steps and the custom
 # or own-JSONL ones, and every run of a paper preset) skips when the data folder is missing, as the tests
 # that read it do (Command.reads_data).
-NEEDS_DATA = r"\b(dataset|eval)=(?!arith\b|custom\b|jsonl\b)\w+"
+NEEDS_DATA = r"\b(dataset|eval)=(?!arith\b|custom\b|jsonl\b|flaw_steps\b)\w+"
 
 # Commands the documentation says are refused, in whole or in part: (exact command, text the output must
 # contain); each must exit non-zero. A sweep with an invalid point runs the valid ones and exits 1.

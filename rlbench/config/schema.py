@@ -552,11 +552,20 @@ class ToyReposConfig:
 
 
 @dataclass
+class FlawStepsConfig:
+    """The generated step-split solutions, half with a planted error (FAPO's GenRM task; rlbench/dataset/flaw_steps.py)."""
+
+    seed: Optional[int] = knob(None, "generator seed (null: the run's seed)")
+    train_size: Any = knob(None, "problems in the train split")
+    test_size: Any = knob(None, "problems in the test split")
+
+
+@dataclass
 class DatasetConfig:
     """A dataset or benchmark spec (rlbench/dataset); which keys apply depends on the loader."""
 
     name: str = knob(None, "the dataset's name")
-    loader: str = knob("jsonl", "jsonl | arith | toy_repos")
+    loader: str = knob("jsonl", "jsonl | arith | toy_repos | flaw_steps")
     split: Optional[str] = knob(None, "split to read (train, test, ...)")
     files: dict = knob({}, "split -> JSONL file name", open=True)
     hub_id: Optional[str] = knob(None, "Hugging Face dataset id (fallback when the local file is missing)")
@@ -600,6 +609,7 @@ class DatasetConfig:
     test_format: Optional[str] = knob("assert_list", "how tests are written (code): assert_list | check_function")
     arith: Optional[ArithConfig] = node(ArithConfig, "settings of loader=arith")
     toy_repos: Optional[ToyReposConfig] = node(ToyReposConfig, "settings of loader=toy_repos")
+    flaw_steps: Optional[FlawStepsConfig] = node(FlawStepsConfig, "settings of loader=flaw_steps")
 
 
 @dataclass
@@ -675,13 +685,16 @@ class JudgeConfig:
         "shorter", "scripted: shorter / longer (pairwise: prefers the shorter / longer response) | bare_answer "
         "(pointwise: a response without working, no operator or '=', is flawed)")
     model: Optional[ModelConfig] = node(ModelConfig, "kind=model: the judge's model (+model@reward.judge.model=<option>)")
-    verdict: Literal["probability", "label"] = knob(
+    verdict: Literal["probability", "label", "step_index"] = knob(
         "probability", "probability: P(first label) / P(first or second label) as the next token | label: the first "
-        "label found in a greedy answer of max_new_tokens (none found: a failed verdict)")
+        "label found in a greedy answer of max_new_tokens (none found: a failed verdict) | step_index (pointwise, "
+        "FAPO's GenRM): the response split into numbered steps, a greedy answer read as the earliest wrong step; "
+        "flawed iff it is not -1 (unreadable: a failed verdict)")
     pairwise_template: Optional[str] = knob(
         None, "the pairwise prompt, with {question}, {first}, {second}; null: rlbench.reward.judges.PAIRWISE_TEMPLATE")
     pointwise_template: Optional[str] = knob(
-        None, "the pointwise prompt, with {question}, {response}, {reference_line}; null: POINTWISE_TEMPLATE")
+        None, "the pointwise prompt, with {question}, {response}, {reference_line} (verdict=step_index: also {steps}, "
+        "the numbered steps); null: POINTWISE_TEMPLATE (verdict=step_index: rlbench.reward.genrm.STEP_INDEX_TEMPLATE)")
     pairwise_labels: list = knob(["A", "B"], "the labels meaning 'the first response is better' and 'the second is'")
     pointwise_labels: list = knob(["yes", "no"], "the labels meaning 'flawed' and 'sound'")
     max_new_tokens: int = knob(8, "verdict=label: the answer's length in tokens", ge=1)
@@ -699,7 +712,8 @@ class JudgeConfig:
 class RewardConfig:
     """``reward``: the grader (rlbench/reward); the keys that apply depend on the option."""
 
-    name: Literal["math", "code", "even_tokens"] = knob(None, "the grader")
+    name: Literal["math", "code", "even_tokens", "fapo_genrm"] = knob(
+        None, "the grader (fapo_genrm: FAPO's GenRM reward on dataset=flaw_steps, rlbench/reward/genrm.py)")
     correct_reward: float = knob(1.0, "reward of a correct response")
     incorrect_reward: float = knob(0.0, "reward of an incorrect response")
     format_weight: float = knob(0.0, "added when an answer in the expected format was found (math)")

@@ -3,7 +3,7 @@
 A spec (one YAML file, as a plain dict or an OmegaConf DictConfig) looks like::
 
     name: gsm8k
-    loader: jsonl                 # jsonl | arith | toy_repos
+    loader: jsonl                 # jsonl | arith | toy_repos | flaw_steps
     hub_id: openai/gsm8k          # Hugging Face Hub id, for users with network access
     hub_config: main              # optional datasets.load_dataset config name (or a list, concatenated)
     hub_splits: {test: train}     # optional: local split name -> Hub split name
@@ -31,7 +31,8 @@ A spec (one YAML file, as a plain dict or an OmegaConf DictConfig) looks like::
     prompt: {system: null, user: "{problem} ..."}   # may name other record fields: {unit}
 
 The arith loader takes ``arith: {level, train_size, test_size, seed}`` instead of files; the toy_repos loader
-(env=code_repair's repositories, rlbench/dataset/toy_repos.py) ``toy_repos: {train_size, test_size, seed}``.
+(env=code_repair's repositories, rlbench/dataset/toy_repos.py) ``toy_repos: {train_size, test_size, seed}``, the
+flaw_steps loader (FAPO's GenRM problems, rlbench/dataset/flaw_steps.py) ``flaw_steps: {train_size, test_size, seed}``.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from rlbench.dataset.arith import SPLITS as ARITH_SPLITS
 from rlbench.dataset.arith import generate_arith_levels
 from rlbench.dataset.base import Problem, ProblemList, spec_value
 from rlbench.dataset.code import records_to_code_problems, validate_code_spec
+from rlbench.dataset.flaw_steps import generate_flaw_steps
 from rlbench.dataset.jsonl import ANSWER_FORMATS, iter_jsonl, records_to_problems
 from rlbench.dataset.prompts import check_template, template_fields
 from rlbench.dataset.toy_repos import generate_toy_repos
@@ -60,7 +62,8 @@ from rlbench.reward.math import ANSWER_LABELS, LIST_ORDERS
 from rlbench.reward.math import ANSWER_TYPES as MATH_ANSWER_TYPES
 
 DATA_DIR_ENV = "RLBENCH_DATA_DIR"
-LOADERS = ("jsonl", "arith", "toy_repos")
+LOADERS = ("jsonl", "arith", "toy_repos", "flaw_steps")
+GENERATED = {"toy_repos": generate_toy_repos, "flaw_steps": generate_flaw_steps}  # size, seed, split -> problems
 # graded by rlbench.reward.MathReward (the reference read as math, number, ...) / rlbench.reward.code.CodeReward
 ANSWER_TYPES = (*MATH_ANSWER_TYPES, "code")
 # the keys of ``fields`` of an answer benchmark; solution: the worked solution, kept as meta["solution"]
@@ -259,8 +262,8 @@ def _validate_static(spec: Mapping[str, Any], split: str | None) -> tuple[str, s
     if loader == "arith":
         _validate_arith(spec, name, split)
         return name, split
-    if loader == "toy_repos":
-        _validate_toy_repos(spec, name, split)
+    if loader in GENERATED:
+        _validate_generated_loader(spec, loader, name, split)
         return name, split
 
     answer_type = spec_value(spec, "answer_type")
@@ -359,7 +362,7 @@ def _validate_arith(spec: Mapping[str, Any], name: str, split: str) -> None:
 
 
 def _validate_generated(block: Mapping[str, Any], key: str, name: str, split: str) -> None:
-    """The size and seed of a generated dataset's block (``arith``, ``toy_repos``)."""
+    """The size and seed of a generated dataset's block (``arith``, ``toy_repos``, ``flaw_steps``)."""
     size = block.get(f"{split}_size")
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
         raise ConfigError(f"dataset {name!r}: {key}.{split}_size must be a non-negative integer, got {size!r}")
@@ -368,13 +371,14 @@ def _validate_generated(block: Mapping[str, Any], key: str, name: str, split: st
         raise ConfigError(f"dataset {name!r}: {key}.seed must be null or an integer, got {seed!r}")
 
 
-def _validate_toy_repos(spec: Mapping[str, Any], name: str, split: str) -> None:
-    block = spec.get("toy_repos")
+def _validate_generated_loader(spec: Mapping[str, Any], loader: str, name: str, split: str) -> None:
+    """A generated loader of :data:`GENERATED` (toy_repos, flaw_steps): its block, a train or test split."""
+    block = spec.get(loader)
     if not isinstance(block, Mapping):
-        raise ConfigError(f"dataset {name!r}: loader toy_repos needs toy_repos: {{train_size, test_size}}")
+        raise ConfigError(f"dataset {name!r}: loader {loader} needs {loader}: {{train_size, test_size}}")
     if split not in ARITH_SPLITS:
-        raise ConfigError(f"dataset {name!r}: toy_repos split must be one of {list(ARITH_SPLITS)}, got {split!r}")
-    _validate_generated(block, "toy_repos", name, split)
+        raise ConfigError(f"dataset {name!r}: {loader} split must be one of {list(ARITH_SPLITS)}, got {split!r}")
+    _validate_generated(block, loader, name, split)
 
 
 def load_problems(
@@ -401,13 +405,13 @@ def load_problems(
     limit = _check_limit(plain)
 
     loader = spec_value(plain, "loader")
-    if loader in ("arith", "toy_repos"):
+    if loader == "arith" or loader in GENERATED:
         block = plain[loader]
         block_seed = seed if block.get("seed") is None else block["seed"]
         if loader == "arith":
             problems = generate_arith_levels(block["level"], block[f"{split}_size"], block_seed, split)
         else:
-            problems = generate_toy_repos(block[f"{split}_size"], block_seed, split)
+            problems = GENERATED[loader](block[f"{split}_size"], block_seed, split)
         if limit is not None:
             problems = problems[:limit]
         return ProblemList(

@@ -6,6 +6,7 @@ from typing import Any
 
 from rlbench.config.schema import DatasetConfig, RewardConfig, RunConfig, SandboxConfig
 from rlbench.errors import ConfigError
+from rlbench.reward.genrm import GenRMReward
 from rlbench.reward.math import MathReward
 from rlbench.reward.toy import EvenTokenReward
 
@@ -14,7 +15,9 @@ def make_grader(reward: RewardConfig, spec: DatasetConfig, sandbox: SandboxConfi
     """The grader of one dataset or benchmark, from the typed ``reward`` and the benchmark's (or training
     set's) ``spec``; every default is the schema's.
 
-    ``reward.name``: ``even_tokens`` (toy) grades everything with the toy reward. Otherwise the
+    ``reward.name``: ``even_tokens`` (toy) grades everything with the toy reward; ``fapo_genrm`` grades a
+    ``flaw_steps`` spec by FAPO's GenRM reward (rlbench.reward.genrm) and any other spec as a math run would
+    (the smoke run's arith evaluation). Otherwise the
     spec's ``answer_type`` decides: ``code`` runs the tests in the sandbox (reward=code sets its
     mode and values; on a math run a code benchmark is graded all-pass), any other answer type
     (``math``, ``number``, ``expression``, ``set``, ``text``) checks the answer (reward=math sets the
@@ -25,8 +28,12 @@ def make_grader(reward: RewardConfig, spec: DatasetConfig, sandbox: SandboxConfi
     """
     if reward.name == "even_tokens":
         return EvenTokenReward(threshold=reward.threshold)
+    if reward.name == "fapo_genrm":
+        if spec.loader == "flaw_steps":
+            return GenRMReward()
+        return make_grader(RewardConfig(name="math"), spec, sandbox)
     if reward.name not in ("math", "code"):
-        raise ConfigError(f"reward={reward.name} is unknown; choose math, code or even_tokens")
+        raise ConfigError(f"reward={reward.name} is unknown; choose math, code, even_tokens or fapo_genrm")
     answer_type = spec.answer_type or "math"
     kind = "code" if answer_type == "code" else "math"
     own = reward if reward.name == kind else RewardConfig(name=kind)  # the other kind's grader at its defaults

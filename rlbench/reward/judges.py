@@ -16,8 +16,10 @@ Two kinds exist:
 * :class:`ModelJudge`: a model call through a :class:`JudgeBackend` (the rollout layer's
   ``rlbench.rollout.judge_backend.EngineJudgeBackend`` wraps the engine interface, so the HF engine
   judges on the CPU and vLLM on a GPU): a prompt template, a verdict read as the probability of the
-  first label token against the second (``verdict=probability``) or as the first label found in a
-  greedy answer (``verdict=label``), batches of ``batch_size`` prompts, a cache keyed by (judge,
+  first label token against the second (``verdict=probability``), as the first label found in a
+  greedy answer (``verdict=label``), or, pointwise, as FAPO's GenRM answers: the index of the earliest
+  wrong step of the response split into steps, flawed iff not -1 (``verdict=step_index``,
+  rlbench.reward.genrm), batches of ``batch_size`` prompts, a cache keyed by (judge,
   prompt text) (the prompt text holds the question and the responses), and per-step budgets.
 
 :class:`JudgeStats` counts the calls, cache hits, failures by reason, tokens and seconds; the step
@@ -33,6 +35,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
+from rlbench.reward.genrm import NO_ERROR, STEP_INDEX_TEMPLATE, parse_step_index, split_steps, step_question
+
 # The rules a scripted judge knows, with what they prefer or flag (the schema's help lists them).
 SCRIPTED_RULES = {
     "shorter": "pairwise: prefers the shorter response (characters), 0.5 on a tie",
@@ -41,6 +45,7 @@ SCRIPTED_RULES = {
 }
 
 Verdict = float | None
+VERDICTS = ("probability", "label", "step_index")
 log = logging.getLogger(__name__)
 
 
@@ -195,8 +200,12 @@ def parse_label(text: str, labels: Sequence[str]) -> int | None:
 
 class ModelJudge(Judge):
     """A judge that asks a model (:class:`JudgeBackend`). ``verdict``: ``probability`` (P(first label) /
-    (P(first) + P(second)) of the next token, Pairwise-RL's "probability of the preference token") or
-    ``label`` (a greedy answer of ``max_new_tokens``, parsed by :func:`parse_label`). The first of
+    (P(first) + P(second)) of the next token, Pairwise-RL's "probability of the preference token"),
+    ``label`` (a greedy answer of ``max_new_tokens``, parsed by :func:`parse_label`) or, pointwise only,
+    ``step_index`` (FAPO's GenRM, arXiv:2510.22543: the response cut by :func:`rlbench.reward.genrm.split_steps`,
+    asked as numbered steps, a greedy answer read by :func:`~rlbench.reward.genrm.parse_step_index`; P(flawed)
+    is 1 when it names a step, 0 when it says -1; an unreadable index is a failed verdict). ``pointwise_template``
+    None: :data:`POINTWISE_TEMPLATE` (step_index: :data:`~rlbench.reward.genrm.STEP_INDEX_TEMPLATE`). The first of
     ``pairwise_labels`` means "the first response is better", the first of ``pointwise_labels``
     means "flawed". ``cache``: keep verdicts by (judge, prompt) for the run (off for a judge whose
     weights change: the policy itself). ``time_budget_s`` / ``token_budget``: the judge's own seconds and tokens per
@@ -209,7 +218,7 @@ class ModelJudge(Judge):
         name: str = "model",
         verdict: str = "probability",
         pairwise_template: str = PAIRWISE_TEMPLATE,
-        pointwise_template: str = POINTWISE_TEMPLATE,
+        pointwise_template: str | None = None,
         pairwise_labels: Sequence[str] = ("A", "B"),
         pointwise_labels: Sequence[str] = ("yes", "no"),
         max_new_tokens: int = 8,
@@ -219,9 +228,11 @@ class ModelJudge(Judge):
         token_budget: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        if verdict not in ("probability", "label"):
-            raise ValueError(f"judge verdict {verdict!r} is unknown; choose probability or label")
+        if verdict not in VERDICTS:
+            raise ValueError(f"judge verdict {verdict!r} is unknown; choose one of {list(VERDICTS)}")
         self.backend, self.name, self.verdict = backend, name, verdict
+        if pointwise_template is None:
+            pointwise_template = STEP_INDEX_TEMPLATE if verdict == "step_index" else POINTWISE_TEMPLATE
         self.pairwise_template, self.pointwise_template = pairwise_template, pointwise_template
         self.pairwise_labels, self.pointwise_labels = tuple(pairwise_labels), tuple(pointwise_labels)
         self.max_new_tokens, self.batch_size = int(max_new_tokens), max(1, int(batch_size))
@@ -237,10 +248,16 @@ class ModelJudge(Judge):
         self.step_seconds, self.step_tokens = 0.0, 0
 
     def prefer(self, items: Sequence[PairItem]) -> list[Verdict]:
+        if self.verdict == "step_index":
+            raise ValueError(f"judge {self.name}: verdict=step_index asks a pointwise question only")
         prompts = [self.pairwise_template.format(question=i.question, first=i.first, second=i.second) for i in items]
         return self._ask(prompts, self.pairwise_labels)
 
     def flag(self, items: Sequence[PointItem]) -> list[Verdict]:
+        if self.verdict == "step_index":
+            steps = [split_steps(i.response) for i in items]
+            prompts = [step_question(i.question, s, i.reference, self.pointwise_template) for i, s in zip(items, steps)]
+            return self._ask(prompts, self.pointwise_labels, [len(s) for s in steps])
         prompts = [
             self.pointwise_template.format(
                 question=i.question, response=i.response, reference=i.reference or "",
@@ -255,7 +272,7 @@ class ModelJudge(Judge):
         over_tokens = self.token_budget is not None and self.step_tokens >= self.token_budget
         return over_time or over_tokens
 
-    def _ask(self, prompts: list[str], labels: tuple[str, ...]) -> list[Verdict]:
+    def _ask(self, prompts: list[str], labels: tuple[str, ...], step_counts: list[int] | None = None) -> list[Verdict]:
         verdicts: list[Verdict] = [None] * len(prompts)
         todo = []
         for index, prompt in enumerate(prompts):
@@ -272,7 +289,8 @@ class ModelJudge(Judge):
                 break
             began = self.clock()
             try:
-                answers = self._call([prompts[i] for i in batch], labels)
+                counts = None if step_counts is None else [step_counts[i] for i in batch]
+                answers = self._call([prompts[i] for i in batch], labels, counts)
             except Exception as error:  # a failed call (a prompt past the model's context, ...): counted, logged
                 self._spend(self.clock() - began)
                 self.stats.fail("error", len(batch))
@@ -298,7 +316,13 @@ class ModelJudge(Judge):
         self.stats.seconds += seconds
         self.step_seconds += seconds
 
-    def _call(self, prompts: list[str], labels: tuple[str, ...]) -> list[tuple[Verdict, int]]:
+    def _call(self, prompts: list[str], labels: tuple[str, ...], step_counts: list[int] | None = None) -> list[tuple[Verdict, int]]:
+        if self.verdict == "step_index":
+            out = []
+            for (text, tokens), n_steps in zip(self.backend.complete(prompts, self.max_new_tokens), step_counts):
+                index = parse_step_index(text, n_steps)
+                out.append((None if index is None else float(index != NO_ERROR), tokens))
+            return out
         if self.verdict == "label":
             out = []
             for text, tokens in self.backend.complete(prompts, self.max_new_tokens):

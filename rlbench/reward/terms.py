@@ -174,8 +174,8 @@ PAIRWISE_RULES = frozenset({"shorter", "longer"})
 
 def check_reward_config(reward: Any) -> None:
     """Every check of ``reward.terms`` and ``reward.judge`` (a typed rlbench.config.schema.RewardConfig):
-    :func:`check_reward_terms`, a scripted rule that answers the terms' questions (pairwise or
-    pointwise), and kind=model with its model."""
+    :func:`check_reward_terms`, a scripted rule or a model verdict (step_index is pointwise) that answers the
+    terms' questions (pairwise or pointwise), and kind=model with its model."""
     judge = reward.judge
     check_reward_terms(reward.terms, judge is not None, reward.format_weight)
     if judge is None:
@@ -188,6 +188,11 @@ def check_reward_config(reward: Any) -> None:
             kind = "pairwise" if pairwise else "pointwise"
             raise ConfigError(f"reward.judge.rule={judge.rule} is a {kind} rule and reward.terms {wrong} ask the other "
                               "kind of question; choose " + ("bare_answer" if pairwise else "shorter or longer"))
+    pairwise_used = sorted(used & PAIRWISE_TERMS)
+    if judge.kind != "scripted" and judge.verdict == "step_index" and pairwise_used:
+        raise ConfigError(f"reward.judge.verdict=step_index (FAPO's GenRM: the earliest wrong step of one response) asks "
+                          f"a pointwise question and reward.terms {pairwise_used} ask a pairwise one; choose "
+                          "verdict=probability or label")
     if judge.kind == "model" and judge.model is None:
         raise ConfigError("reward.judge.kind=model needs the judge's model: +model@reward.judge.model=<option> (e.g. tiny)")
 

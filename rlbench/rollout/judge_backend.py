@@ -15,7 +15,6 @@ from rlbench.config.schema import JudgeConfig, RunConfig
 from rlbench.model import load_policy
 from rlbench.reward.judges import (
     PAIRWISE_TEMPLATE,
-    POINTWISE_TEMPLATE,
     Judge,
     ModelJudge,
     ScriptedJudge,
@@ -86,7 +85,7 @@ def make_judge(config: RunConfig, engine: RolloutEngine, model: torch.nn.Module,
         name=f"{judge.kind}:{judge.model.name if judge.kind == 'model' else config.model.name}",
         verdict=judge.verdict,
         pairwise_template=judge.pairwise_template or PAIRWISE_TEMPLATE,
-        pointwise_template=judge.pointwise_template or POINTWISE_TEMPLATE,
+        pointwise_template=judge.pointwise_template or None,  # null: the verdict's own (ModelJudge)
         pairwise_labels=judge.pairwise_labels,
         pointwise_labels=judge.pointwise_labels,
         max_new_tokens=judge.max_new_tokens,

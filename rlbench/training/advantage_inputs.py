@@ -190,6 +190,8 @@ def reward_range(reward: RewardConfig) -> tuple[float, float] | None:
     """(lowest, highest) reward the configured grader gives; None when unknown."""
     if reward.name == "even_tokens":
         return 0.0, 1.0
+    if reward.name == "fapo_genrm":
+        return -1.0, 1.0
     if reward.name == "math":
         outcomes = [reward.incorrect_reward, reward.correct_reward]
         values = [o + bonus for o in outcomes for bonus in (0.0, reward.format_weight)]
