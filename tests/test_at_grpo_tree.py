@@ -155,3 +155,10 @@ def test_two_roles_on_proposer_verifier():
     for row, a in enumerate(want):
         mask = batch.response_mask[row] > 0
         assert torch.allclose(adv[row][mask], torch.full((int(mask.sum()),), a, dtype=adv.dtype))
+    # the team reward (the last proposal right) on the tree: a proposer candidate's is its own proposal's verdict
+    # (its local reward again), a verifier candidate's the shared proposal's (one value in the key), so with
+    # epsilon 0 the mixing r_local + alpha r_team leaves every key's normalisation as it was
+    assert groups.correct.tolist() == [0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    mixed = at_grpo_advantage(groups.rewards, batch.group_index, batch.response_mask, batch.extras["step_index"],
+                              batch.extras["turn_rewards"], correct=groups.correct, num_roles=2, alpha=1.0, epsilon=0.0)
+    assert torch.allclose(mixed, adv, atol=1e-12)

@@ -93,6 +93,28 @@ def test_at_grpo_groups_the_turns_by_role():
         assert adv[row, first_verifier_token - 1].item() == 0.0  # the verifier's prompt: an observation
 
 
+def test_team_reward_mixing_on_scripted_episodes():
+    # right + ACCEPT (team solved), wrong + ACCEPT (failed), wrong + REJECT then right + ACCEPT (solved):
+    # r = r_local + alpha r_team with r_team the team's last proposal (grades' correct), alpha = 1
+    script = [["\\boxed{42}", "\\boxed{41}", "\\boxed{41}"], ["ACCEPT", "ACCEPT", "REJECT"],
+              ["\\boxed{42}"], ["ACCEPT"]]
+    groups, _ = rollout(script, 3)
+    batch = collate(groups.groups, pad_token_id=0)
+    team = groups.correct
+    assert team.tolist() == [True, False, True]
+    adv = at_grpo_advantage(groups.rewards, batch.group_index, batch.response_mask, batch.extras["step_index"],
+                            batch.extras["turn_rewards"], correct=team, num_roles=2, alpha=1.0, epsilon=0.0)
+    proposer = torch.tensor([1.0 + 1, 0.0 + 0, 0.0 + 1], dtype=torch.float64)  # the first proposal's key (turn 0)
+    verifier = torch.tensor([1.0 + 1, 0.0 + 0, 1.0 + 1], dtype=torch.float64)  # turn 1's key
+    for row, episode in enumerate(groups.groups[0]):
+        first_verifier_token = episode.extras["step_index"].index(1)
+        assert adv[row, 0].item() == pytest.approx(((proposer - proposer.mean()) / proposer.std())[row].item(), rel=1e-6)
+        assert adv[row, first_verifier_token].item() == pytest.approx(
+            ((verifier - verifier.mean()) / verifier.std())[row].item(), rel=1e-6)
+    corrected = groups.groups[0][2].extras["step_index"].index(2)
+    assert adv[2, corrected].item() == 0.0  # turns 2 and 3 are alone in their keys
+
+
 def test_the_prompt_and_bad_options():
     env = factory()()
     assert env.reset(PROBLEM).observation == PROBLEM.prompt + PROPOSER
