@@ -11,7 +11,7 @@ from conftest import CharTokenizer
 from rlbench.dataset.base import Problem
 from rlbench.eval.evaluate import Benchmark, evaluate
 from rlbench.eval.judge_accuracy import JUDGE_COLUMNS, add_judge_accuracy, judge_by_benchmark, judge_figures
-from rlbench.reward.judge_tasks import POINTWISE_TASK
+from rlbench.reward.judge_tasks import PAIRWISE_TASK, POINTWISE_TASK
 from rlbench.reward.math import Grade, MathReward
 from rlbench.rollout.engines.base import Completion, SamplingParams
 
@@ -21,17 +21,21 @@ VERDICTS = {"\\boxed{2}": "yes", "\\boxed{3}": "so \\boxed{yes}", "\\boxed{4}": 
 
 
 class ScriptedEngine:
-    """Answers a problem with its scripted responses (sample k: the k-th) and a judge task with the scripted
-    verdict on the response it shows; records the judge prompts and seeds."""
+    """Answers a problem with its scripted responses (sample k: the k-th), a pointwise judge task with the
+    scripted verdict on the response it shows, and a pairwise one with 1, then an unreadable verdict; records the
+    judge prompts and seeds."""
 
     def __init__(self):
-        self.judge_calls = []
+        self.judge_calls, self.pair_calls = [], []
 
     def generate(self, requests, params, generator=None):
         out = []
         for i, r in enumerate(requests):
             prompt = "".join(map(chr, r.prompt_ids))
-            if "Proposed solution:" in prompt:
+            if "Response 1:" in prompt:  # pairwise: always the first position, readable only in the first call
+                self.pair_calls.append(prompt)
+                texts = ["\\boxed{1}" if len(self.pair_calls) == 1 else "the first"]
+            elif "Proposed solution:" in prompt:
                 self.judge_calls.append((prompt, r.seed))
                 shown = prompt.split("Proposed solution:\n")[1].split("\n")[0]
                 texts = [VERDICTS[shown]]
@@ -90,6 +94,11 @@ def test_scripted_policy_judges_its_own_samples():
     prompts, seeds = zip(*engine.judge_calls)
     assert prompts[1] == POINTWISE_TASK.format(question="1+1?", response="\\boxed{3}")
     assert len(set(seeds)) == 4 and [s for _, s in run()[1].judge_calls] == list(seeds)
+    # pairwise: only problem a is mixed ({2} right, {3} wrong), posed in both orders; "1" is right in the first
+    assert engine.pair_calls == [PAIRWISE_TASK.format(question="1+1?", first="\\boxed{2}", second="\\boxed{3}"),
+                                 PAIRWISE_TASK.format(question="1+1?", first="\\boxed{3}", second="\\boxed{2}")]
+    assert row["judge_pairwise_judged"] == 2 and row["judge_pairwise_unparsed"] == 1 and row["judge_pairwise_accuracy"] == 0.5
+    assert [r["verdict"] for r in result.samples[0]["judge"]["pairwise"]] == ["1", None]
 
 
 def test_labels_come_from_the_verifier():
@@ -98,13 +107,14 @@ def test_labels_come_from_the_verifier():
     row = result.rows[0]
     assert row["judge_accuracy"] == 0.5 and row["judge_accuracy_on_correct"] == 0.5  # yes on {2} and {3}
     assert math.isnan(row["judge_accuracy_on_incorrect"]) and math.isnan(row["judge_balanced_accuracy"])  # no wrong responses
+    assert row["judge_pairwise_judged"] == 0 and math.isnan(row["judge_pairwise_accuracy"])  # no mixed problem
     assert judge_by_benchmark(result)["toy"]["judge_balanced_accuracy"] is None  # JSON has no NaN
 
 
 def test_option_off_changes_nothing():
     plain, engine = run(judge=False)
     judged, _ = run()
-    assert not engine.judge_calls and judge_by_benchmark(plain) == {}
+    assert not engine.judge_calls and not engine.pair_calls and judge_by_benchmark(plain) == {}
     assert all(not any(c in r for c in JUDGE_COLUMNS) for r in plain.rows)
     assert [{k: v for k, v in r.items() if k not in JUDGE_COLUMNS} for r in judged.rows] == plain.rows
     assert [{k: v for k, v in s.items() if k != "judge"} for s in judged.samples] == plain.samples

@@ -18,6 +18,10 @@ no label can be read):
 
 The classes are unbalanced (a weak policy's responses are mostly wrong, and "no" to everything then scores its
 error rate), hence the balanced figure; a class without responses makes its accuracy, and the balanced one, NaN.
+
+The pairwise task ("which of the two is correct? 1 / 2") is posed in each problem whose samples are mixed, for
+its first correct and first incorrect sample, in both orderings (so a judge that always names the same position
+scores 0.5): ``judge_pairwise_accuracy`` is the share answered right, an unreadable verdict counting as wrong.
 """
 
 from __future__ import annotations
@@ -33,11 +37,12 @@ from rlbench.eval.evaluate import problem_seed
 from rlbench.eval.metrics import MACRO_AVERAGE
 from rlbench.prompting import encode_prompts
 from rlbench.reward import grade_completions
-from rlbench.reward.judge_tasks import POINTWISE_LABELS, pointwise_tasks
+from rlbench.reward.judge_tasks import POINTWISE_LABELS, pairwise_tasks, pointwise_tasks
 from rlbench.rollout.engines.base import GenerationRequest, RolloutEngine, SamplingParams
 
-RATES = ("judge_accuracy", "judge_balanced_accuracy", "judge_accuracy_on_correct", "judge_accuracy_on_incorrect")
-COUNTS = ("judge_judged", "judge_unparsed")
+RATES = ("judge_accuracy", "judge_balanced_accuracy", "judge_accuracy_on_correct", "judge_accuracy_on_incorrect",
+         "judge_pairwise_accuracy")
+COUNTS = ("judge_judged", "judge_unparsed", "judge_pairwise_judged", "judge_pairwise_unparsed")
 JUDGE_COLUMNS = RATES + COUNTS  # the columns a result row gets with eval.judge_accuracy=true
 
 
@@ -58,49 +63,61 @@ def judge_figures(labels: Sequence[bool], verdicts: Sequence[bool | None]) -> di
             "judge_judged": len(labels), "judge_unparsed": sum(v is None for v in verdicts)}
 
 
-def judge_samples(engine: RolloutEngine, tokenizer: Any, benchmarks: Sequence[Any], samples: Sequence[Mapping[str, Any]],
-                  params: SamplingParams, seed: int, chunk: int = 64) -> list[dict[str, Any]]:
-    """One judge record per sample (``samples``: the evaluation's, in its order; ``benchmarks``: the
-    rlbench.eval.evaluate.Benchmark they came from): the task's ``label`` (the verifier's, yes / no), the
-    judge's ``verdict`` (yes / no / None), whether it is ``correct``, and the judge's ``response``."""
-    problems = {(b.name, p.uid): p for b in benchmarks for p in b.problems}
-    specs = {b.name: b.spec["prompt"] for b in benchmarks}
-    grouped: dict[tuple[str, str], list[int]] = {}  # the samples of each problem, in order
-    for i, s in enumerate(samples):
-        grouped.setdefault((s["benchmark"], s["prompt_id"]), []).append(i)
-    tasks: list[tuple[int, str, Problem]] = []  # (sample index, benchmark, task)
-    for (bench, uid), rows in grouped.items():
-        built = pointwise_tasks(problems[bench, uid], [samples[i]["completion"] for i in rows],
-                                [bool(samples[i]["correct"]) for i in rows], range(len(rows)))
-        tasks += [(i, bench, task) for i, task in zip(rows, built)]
-    records: list[dict[str, Any]] = [{}] * len(samples)
+def pose(engine: RolloutEngine, tokenizer: Any, specs: Mapping[str, Any], tasks: Sequence[tuple[str, Problem]],
+         params: SamplingParams, seed: int, chunk: int = 64) -> list[dict[str, Any]]:
+    """Each ``(benchmark, task)`` answered once by the policy in the benchmark's prompt template (``specs``), on
+    its own stream, and graded as training grades it: per task its ``label``, the judge's ``verdict`` (a label,
+    or None when none can be read), whether it is ``correct``, and the judge's ``response``."""
+    records: list[dict[str, Any]] = []
     for lo in range(0, len(tasks), chunk):
         part = tasks[lo : lo + chunk]
-        prompt_ids = [encode_prompts(tokenizer, [task], specs[bench])[0] for _, bench, task in part]
-        requests = [GenerationRequest(prompt_ids=ids, n=1, seed=problem_seed(seed, f"{bench}/judge", task.uid))
-                    for ids, (_, bench, task) in zip(prompt_ids, part)]
+        requests = [GenerationRequest(prompt_ids=encode_prompts(tokenizer, [task], specs[bench])[0], n=1,
+                                      seed=problem_seed(seed, f"{bench}/judge", task.uid)) for bench, task in part]
         answers = [group[0] for group in engine.generate(requests, params)]
-        grades = grade_completions(None, [task for _, _, task in part], answers)
-        for (i, _, task), answer, grade in zip(part, answers, grades):
-            records[i] = {"label": task.answer, "verdict": grade.extracted, "correct": bool(grade.correct),
-                          "response": answer.text}
+        grades = grade_completions(None, [task for _, task in part], answers)
+        records += [{"label": task.answer, "verdict": grade.extracted, "correct": bool(grade.correct), "response": answer.text}
+                    for (_, task), answer, grade in zip(part, answers, grades)]
     return records
 
 
 def add_judge_accuracy(result: Any, engine: RolloutEngine, tokenizer: Any, benchmarks: Sequence[Any],
                        params: SamplingParams, seed: int) -> Any:
-    """``result`` (an rlbench.eval.evaluate.EvalResult) with each sample's ``judge`` record and the
-    :data:`JUDGE_COLUMNS` on every row: a benchmark's figures on its rows (the same for every k), and on the
-    ``macro_avg`` rows each rate averaged over the benchmarks with equal weight (those where it is defined)
-    and the counts summed."""
-    records = judge_samples(engine, tokenizer, benchmarks, result.samples, params, seed)
+    """``result`` (an rlbench.eval.evaluate.EvalResult, its ``benchmarks``) with the policy as SPARK's judge of
+    its samples. Pointwise: every sample, its record under the sample's ``judge``. Pairwise: in each problem
+    whose samples are mixed, its first correct and its first incorrect sample in both orderings
+    (:func:`rlbench.reward.judge_tasks.pairwise_tasks`), the two records under the correct sample's
+    ``judge["pairwise"]``. Every row gets the :data:`JUDGE_COLUMNS`: a benchmark's figures on its rows (the
+    same for every k), and on the ``macro_avg`` rows each rate averaged over the benchmarks with equal weight
+    (those where it is defined) and the counts summed."""
+    problems = {(b.name, p.uid): p for b in benchmarks for p in b.problems}
+    specs = {b.name: b.spec["prompt"] for b in benchmarks}
+    grouped: dict[tuple[str, str], list[dict[str, Any]]] = {}  # the samples of each problem, in order
+    for s in result.samples:
+        grouped.setdefault((s["benchmark"], s["prompt_id"]), []).append(s)
+    pointwise: list[tuple[str, Problem]] = []
+    pairwise: list[tuple[str, Problem]] = []
+    pair_owner: list[dict[str, Any]] = []  # the correct sample of each pairwise task
+    for (bench, uid), own in grouped.items():
+        texts, correct = [s["completion"] for s in own], [bool(s["correct"]) for s in own]
+        pointwise += [(bench, task) for task in pointwise_tasks(problems[bench, uid], texts, correct, range(len(own)))]
+        if any(correct) and not all(correct):
+            right, wrong = correct.index(True), correct.index(False)
+            pairwise += [(bench, task) for task in pairwise_tasks(problems[bench, uid], texts, right, wrong)]
+            pair_owner += [own[right]] * 2
+    for sample, record in zip([s for own in grouped.values() for s in own], pose(engine, tokenizer, specs, pointwise, params, seed)):
+        sample["judge"] = record
+    pair_records = pose(engine, tokenizer, specs, pairwise, params, seed)
+    for sample, record in zip(pair_owner, pair_records):
+        sample["judge"].setdefault("pairwise", []).append(record)
     figures: dict[str, dict[str, float]] = {}
     for b in benchmarks:
-        own = [(s, r) for s, r in zip(result.samples, records) if s["benchmark"] == b.name]
-        figures[b.name] = judge_figures([bool(s["correct"]) for s, _ in own],
-                                        [None if r["verdict"] is None else r["verdict"] == POINTWISE_LABELS[0] for _, r in own])
-    for sample, record in zip(result.samples, records):
-        sample["judge"] = record
+        own = [s["judge"] for s in result.samples if s["benchmark"] == b.name]
+        pairs = [r for (bench, _), r in zip(pairwise, pair_records) if bench == b.name]
+        figures[b.name] = {
+            **judge_figures([r["label"] == POINTWISE_LABELS[0] for r in own],
+                            [None if r["verdict"] is None else r["verdict"] == POINTWISE_LABELS[0] for r in own]),
+            "judge_pairwise_accuracy": sum(r["correct"] for r in pairs) / len(pairs) if pairs else math.nan,
+            "judge_pairwise_judged": len(pairs), "judge_pairwise_unparsed": sum(r["verdict"] is None for r in pairs)}
     for row in result.rows:
         if row["benchmark"] in figures:
             row.update(figures[row["benchmark"]])
@@ -128,19 +145,22 @@ def judge_by_benchmark(result: Any) -> dict[str, dict[str, float]]:
 
 
 def judge_table(result: Any, baseline: Any = None) -> str:
-    """The printed table: per benchmark the items judged, the unreadable verdicts, accuracy, balanced accuracy
-    and the accuracy on each class, with the balanced accuracy before training when there was an evaluation then."""
+    """The printed table: per benchmark the pointwise items judged, the unreadable verdicts, accuracy, balanced
+    accuracy and the accuracy on each class, then the pairwise items and their accuracy, with the balanced and the
+    pairwise accuracy before training when there was an evaluation then."""
     before = judge_by_benchmark(baseline) if baseline is not None else {}
 
     def rate(x: float | None) -> str:
         return "-" if x is None else f"{x:.4f}"  # None: no responses of that class
 
-    header = (f"{'judge (SPARK pointwise)':<24} {'judged':>6} {'unparsed':>8} {'accuracy':>8} {'balanced':>8} "
-              f"{'on_right':>8} {'on_wrong':>8} {'bal.before':>10}")
+    header = (f"{'SPARK judge':<24} {'judged':>6} {'unparsed':>8} {'accuracy':>8} {'balanced':>8} "
+              f"{'on_right':>8} {'on_wrong':>8} {'bal.before':>10} {'pairs':>5} {'pair_acc':>8} {'pair.before':>11}")
     lines = [header, "-" * len(header)]
     for bench, f in judge_by_benchmark(result).items():
         b = before.get(bench)
         lines.append(f"{bench:<24} {f['judge_judged']:>6} {f['judge_unparsed']:>8} {rate(f['judge_accuracy']):>8} "
                      f"{rate(f['judge_balanced_accuracy']):>8} {rate(f['judge_accuracy_on_correct']):>8} "
-                     f"{rate(f['judge_accuracy_on_incorrect']):>8} {'-' if b is None else rate(b['judge_balanced_accuracy']):>10}")
+                     f"{rate(f['judge_accuracy_on_incorrect']):>8} {'-' if b is None else rate(b['judge_balanced_accuracy']):>10} "
+                     f"{f['judge_pairwise_judged']:>5} {rate(f['judge_pairwise_accuracy']):>8} "
+                     f"{'-' if b is None else rate(b['judge_pairwise_accuracy']):>11}")
     return "\n".join(lines)
