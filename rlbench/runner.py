@@ -160,7 +160,7 @@ def print_table(result: EvalResult, baseline: EvalResult | None) -> None:
             f"{maj_text:>7} {before_text:>8}"
         )
     print()
-    if judge_by_benchmark(result):  # eval.judge_accuracy: SPARK's pointwise judge, before and after
+    if judge_by_benchmark(result):  # eval.judge_accuracy: SPARK's judge (pointwise, pairwise), before and after
         print(judge_table(result, baseline) + "\n")
 
 
@@ -273,7 +273,7 @@ class Run:
         params, seed = SamplingParams(ev.temperature, ev.top_p, ev.max_new_tokens), make_generator(self.config.seed, STREAM_EVAL).initial_seed()
         result = evaluate(policy.engine, policy.tokenizer, shown, n=ev.n, ks=ev.k, params=params, seed=seed, world=self.world,
                           rounds=ev.rounds, env=env_factory(self.config.env, None, self.config.sandbox))  # env=: each sample an episode
-        if ev.judge_accuracy:  # SPARK's pointwise judge on these samples (docs/judges.md)
+        if ev.judge_accuracy:  # the policy as SPARK's judge of these samples (docs/judges.md)
             add_judge_accuracy(result, policy.engine, policy.tokenizer, shown, params, seed)
         self.logger.log_evaluation(step, result.with_phase(phase).rows)
         faults.kill_point("eval", step)
