@@ -35,6 +35,7 @@ from rlbench.config.typed import typed_config
 from rlbench.dataset import load_problems
 from rlbench.guidance import GuidanceOptions, load_guidance
 from rlbench.eval.evaluate import Benchmark, EvalResult, evaluate, usable_problems
+from rlbench.eval.judge_accuracy import add_judge_accuracy, judge_by_benchmark, judge_table
 from rlbench.logger import RunLogger, SilentLogger
 from rlbench.errors import AlreadyFinished, ConfigError
 from rlbench.logger.run_status import FINISHED, command_line_overrides, config_key, in_sweep, read_status
@@ -159,6 +160,8 @@ def print_table(result: EvalResult, baseline: EvalResult | None) -> None:
             f"{maj_text:>7} {before_text:>8}"
         )
     print()
+    if judge_by_benchmark(result):  # eval.judge_accuracy: SPARK's judge (pointwise, pairwise), before and after
+        print(judge_table(result, baseline) + "\n")
 
 
 def resume_point(config: RunConfig, resolved: dict[str, Any], pool: SwarmPool | None = None) -> checkpoint.Checkpoint | None:
@@ -267,10 +270,11 @@ class Run:
         ev = self.config.eval
         log.info("evaluating (%s) on %s", phase, ", ".join(b.name for b in self.benchmarks))
         shown = self.benchmarks if self.training_run is None else in_strategy_context(self.benchmarks, self.training_run.ctx.strategy)
-        result = evaluate(policy.engine, policy.tokenizer, shown, n=ev.n, ks=ev.k,
-                          params=SamplingParams(ev.temperature, ev.top_p, ev.max_new_tokens),
-                          seed=make_generator(self.config.seed, STREAM_EVAL).initial_seed(), world=self.world, rounds=ev.rounds,
-                          env=env_factory(self.config.env, None, self.config.sandbox))  # env=: each sample an episode
+        params, seed = SamplingParams(ev.temperature, ev.top_p, ev.max_new_tokens), make_generator(self.config.seed, STREAM_EVAL).initial_seed()
+        result = evaluate(policy.engine, policy.tokenizer, shown, n=ev.n, ks=ev.k, params=params, seed=seed, world=self.world,
+                          rounds=ev.rounds, env=env_factory(self.config.env, None, self.config.sandbox))  # env=: each sample an episode
+        if ev.judge_accuracy:  # the policy as SPARK's judge of these samples (docs/judges.md)
+            add_judge_accuracy(result, policy.engine, policy.tokenizer, shown, params, seed)
         self.logger.log_evaluation(step, result.with_phase(phase).rows)
         faults.kill_point("eval", step)
         return result
@@ -379,6 +383,7 @@ def summarise(run: Run, policy: Policy, final: EvalResult, training_summary: dic
         "seed": config.seed,
         "pass_at_1_before": baseline.pass_at(1) if baseline else None,
         "pass_at_1_after": final.pass_at(1),
+        **({"judge_accuracy": {"before": judge_by_benchmark(baseline) if baseline else None, "after": judge_by_benchmark(final)}} if config.eval.judge_accuracy else {}),
         "eval_seconds": {"before": baseline.seconds if baseline else None, "after": final.seconds},
         "grader_errors": {"before": baseline.grader_errors if baseline else None, "after": final.grader_errors},
         "skipped_records": final.skipped,
