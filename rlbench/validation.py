@@ -106,6 +106,11 @@ def check_curriculum(config: RunConfig, algorithm: Algorithm) -> None:
             f"'{algorithm.advantage.name}' keeps no tracker: use algorithm=spo, or another prompt_sampler"
         )
     check_aux_tasks(trainer, config.rollout, config.reward)
+    if trainer.prompt_sampler is not None and trainer.prompt_sampler.name == "clpo" and (
+            trainer.parallelism != "single" or trainer.max_staleness is not None):
+        raise ConfigError("trainer.prompt_sampler=clpo needs trainer.parallelism=single and trainer.max_staleness=null "
+                          "(the policy rewrites the step's problems after its rollout; each process or the generator "
+                          "thread would keep a rewrite pool of its own)")
     band = trainer.difficulty_filter
     if band is not None and band.min_pass_rate > band.max_pass_rate:
         raise ConfigError(f"trainer.difficulty_filter: min_pass_rate={band.min_pass_rate} is above "
