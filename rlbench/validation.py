@@ -226,8 +226,8 @@ def notice_inactive_terms(config: RunConfig, algorithm: Algorithm) -> str | None
 def fidelity_blocks(config: RunConfig) -> list[tuple[str, FidelityConfig]]:
     """(how the preset is named in a message, its block) for every preset of the run that states its fidelity:
     the paper (``paper=<name>``), the algorithm, the rollout strategy, the prompt sampler and the reward, in that order.
-    A block's ``method`` names the method where the node's own name does not (``prompt_sampler=clpo`` composes
-    the sampler ``weighted``)."""
+    A block's ``method`` names the method where the node's own name does not (``rollout=replay_rlep`` composes
+    the strategy ``replay``)."""
     paper = config.paper or {}
     nodes = [
         (f"paper={paper.get('name')}", paper.get("fidelity")),
