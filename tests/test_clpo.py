@@ -117,7 +117,9 @@ def test_the_rewriter_is_asked_only_for_the_designated_buckets():
 def test_a_rewrite_whose_answer_changed_is_rejected_and_counted():
     problems = sums(3)  # 0 + 1, 1 + 2, 2 + 3: answers 1, 3, 5
     # the rewrite of d/1 changes a number (answer 4, not 3); d/0 and d/2 keep their numbers
-    edit = lambda statement, bucket: statement.replace("1 + 2", "1 + 3") if "1 + 2" in statement else f"Please add: {statement}"
+    def edit(statement, bucket):
+        return statement.replace("1 + 2", "1 + 3") if "1 + 2" in statement else f"Please add: {statement}"
+
     sampler = clpo(problems)
     sampler.rewriter = MockPolicy(edit)
     sampler.observe(1, graded(problems, [0, 0, 2]))  # hard, hard, medium
@@ -170,8 +172,11 @@ def test_the_share_of_rewrites_holds_per_step(share, batch, pool, expected):
         assert all(not is_rewrite(p) for p in prompts[: batch - expected])  # the dataset's problems first
 
 
-def test_the_curriculum_mixes_the_rewrites_and_reports_the_counts():
-    curriculum = Curriculum(compose_trainer(["prompt_sampler=clpo", "trainer.prompts_per_step=4"]), seed=0, problems=sums(8))
+def test_the_curriculum_mixes_the_rewrites_and_reports_the_counts(tmp_path):
+    from rlbench.config.typed import typed_config
+
+    trainer = typed_config(compose_config(["experiment=smoke", "prompt_sampler=clpo", "trainer.prompts_per_step=4"], tmp_path)).trainer
+    curriculum = Curriculum(trainer, seed=0, problems=sums(8))
     curriculum.sampler.rewriter = MockPolicy()
     first = curriculum.prompts(1, ctx=None)
     assert not [p for p in first if is_rewrite(p)]
@@ -181,12 +186,6 @@ def test_the_curriculum_mixes_the_rewrites_and_reports_the_counts():
     assert sum(map(is_rewrite, second)) == 1  # round(0.25 * 4)
     curriculum.observe(2, graded(second, [0] * 4))
     assert curriculum.metrics()["clpo_rewritten_share"] == 0.25
-
-
-def compose_trainer(overrides):
-    from rlbench.config.typed import typed_config
-
-    return typed_config(compose_config(["experiment=smoke", *overrides], "/tmp/unused")).trainer
 
 
 def test_a_problem_is_rewritten_once_per_bucket_unless_configured():
@@ -214,7 +213,9 @@ def test_the_rewrite_pool_round_trips_through_a_checkpoint():
     resumed = clpo(problems, share=0.5)
     resumed.load_state_dict(state)
     assert list(resumed.pool.items) == list(sampler.pool.items) and resumed.pool.attempted == sampler.pool.attempted
-    run_wide = lambda m: {k: v for k, v in m.items() if k.endswith("_total") or k == "clpo_rewrite_pool"}
+    def run_wide(metrics):
+        return {k: v for k, v in metrics.items() if k.endswith("_total") or k == "clpo_rewrite_pool"}
+
     assert run_wide(resumed.metrics()) == run_wide(sampler.metrics()) and sampler.metrics()["clpo_rewrites_drawn_total"] == 4
     for _ in range(3):  # the same draws and the same rewriting stream
         assert [p.uid for p in resumed.next(8)] == [p.uid for p in sampler.next(8)]
