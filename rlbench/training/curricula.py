@@ -43,7 +43,7 @@ from rlbench.rollout.groups import GradedGroups
 from rlbench.training.aux_tasks import AuxTaskBuffer, aux_count, dataset_groups
 from rlbench.training.distributed import SINGLE, World
 from rlbench.training.prompt_stats import PromptStatsStore, measure_before_training
-from rlbench.training.rewrites import BUCKETS, PolicyRewriter, RewritePool, RewriteSettings, difficulty_bucket
+from rlbench.training.rewrites import BUCKETS, PolicyRewriter, RewritePool, difficulty_bucket
 from rlbench.training.stages import SAMPLER_KEY, Stage, parse_stages
 from rlbench.training.step import StepContext
 from rlbench.training.swarm import own_groups
@@ -218,10 +218,6 @@ class ClpoOptions(WeightedOptions):
         if min(self.rewrite_tokens, self.verify_samples, self.capacity) < 1 or min(self.max_per_step, self.retry_after) < 0:
             raise ConfigError(f"{where}: rewrite_tokens, verify_samples and capacity >= 1, max_per_step and retry_after >= 0 are required")
 
-    def rewrites(self) -> RewriteSettings:
-        return RewriteSettings(self.hard_below, self.easy_above, tuple(self.rewrite), self.agreement, self.max_per_step,
-                               self.retry_after, self.capacity)
-
 
 @register_prompt_sampler("clpo")
 class ClpoPrompts(WeightedPrompts):
@@ -236,7 +232,7 @@ class ClpoPrompts(WeightedPrompts):
 
     def __init__(self, problems: list[Problem], seed: int, stats: PromptStatsStore, options: ClpoOptions):
         super().__init__(problems, seed, stats, options)
-        self.pool = RewritePool(options.rewrites(), seed)
+        self.pool = RewritePool(options, seed)
         self.rewriter: Any = None
 
     def bind(self, ctx: StepContext) -> None:

@@ -28,7 +28,6 @@ import dataclasses
 import re
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -125,24 +124,13 @@ def step_accuracies(graded: GradedGroups) -> list[tuple[Problem, float]]:
     return out
 
 
-@dataclass(frozen=True)
-class RewriteSettings:
-    """What the pool reads of ``trainer.prompt_sampler.clpo`` (rlbench.training.curricula.ClpoOptions)."""
-
-    hard_below: float
-    easy_above: float
-    rewrite: tuple[str, ...]
-    agreement: float
-    max_per_step: int
-    retry_after: int
-    capacity: int
-
-
 class RewritePool:
     """The accepted rewrites (newest last, at most ``capacity``), the (uid, bucket) pairs attempted and when, the
-    counters, and two seeded streams: the pool's draws (numpy) and the rewriter's sampling (torch)."""
+    counters, and two seeded streams: the pool's draws (numpy) and the rewriter's sampling (torch). ``settings``: the
+    sampler's options (rlbench.training.curricula.ClpoOptions: hard_below, easy_above, rewrite, agreement,
+    max_per_step, retry_after, capacity)."""
 
-    def __init__(self, settings: RewriteSettings, seed: int):
+    def __init__(self, settings: Any, seed: int):
         self.settings = settings
         self.items: deque[Problem] = deque(maxlen=settings.capacity)
         self.attempted: dict[str, int] = {}  # "<uid>|<bucket>" -> the step of its last attempt
