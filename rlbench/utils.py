@@ -34,6 +34,7 @@ STREAM_REPLAY, STREAM_CURRICULUM = 21, 22  # replay-buffer draws (rollout/guided
 STREAM_SWARM = 31  # a swarm actor's draw of shared groups (training/swarm.py)
 STREAM_DIFFICULTY_FILTER = 41  # the initial policy's answers of trainer.difficulty_filter (training/curricula.py)
 STREAM_AUX_TASKS = 51  # auxiliary-task builds and draws (training/aux_tasks.py)
+STREAM_CLPO_REWRITES = 52  # CLPO's rewrites: the policy's rewriting and checking samples, the pool's draws (training/rewrites.py)
 STREAM_STEP_CRITIC, STREAM_STEP_CRITIC_FIT = 61, 62  # Direct Advantage PO's critic: its pi_ref continuations, its fit's order (training/step_critic.py)
 STREAM_PREFERENCE_MODEL_FIT = 63  # DRPO's preference model: its fit's order (training/preference_model.py)
 

@@ -106,6 +106,11 @@ def check_curriculum(config: RunConfig, algorithm: Algorithm) -> None:
             f"'{algorithm.advantage.name}' keeps no tracker: use algorithm=spo, or another prompt_sampler"
         )
     check_aux_tasks(trainer, config.rollout, config.reward)
+    if trainer.prompt_sampler is not None and trainer.prompt_sampler.name == "clpo" and (
+            trainer.parallelism != "single" or trainer.max_staleness is not None):
+        raise ConfigError("trainer.prompt_sampler=clpo needs trainer.parallelism=single and trainer.max_staleness=null "
+                          "(the policy rewrites the step's problems after its rollout; each process or the generator "
+                          "thread would keep a rewrite pool of its own)")
     band = trainer.difficulty_filter
     if band is not None and band.min_pass_rate > band.max_pass_rate:
         raise ConfigError(f"trainer.difficulty_filter: min_pass_rate={band.min_pass_rate} is above "
@@ -221,8 +226,8 @@ def notice_inactive_terms(config: RunConfig, algorithm: Algorithm) -> str | None
 def fidelity_blocks(config: RunConfig) -> list[tuple[str, FidelityConfig]]:
     """(how the preset is named in a message, its block) for every preset of the run that states its fidelity:
     the paper (``paper=<name>``), the algorithm, the rollout strategy, the prompt sampler and the reward, in that order.
-    A block's ``method`` names the method where the node's own name does not (``prompt_sampler=clpo`` composes
-    the sampler ``weighted``)."""
+    A block's ``method`` names the method where the node's own name does not (``rollout=replay_rlep`` composes
+    the strategy ``replay``)."""
     paper = config.paper or {}
     nodes = [
         (f"paper={paper.get('name')}", paper.get("fidelity")),

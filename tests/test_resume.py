@@ -286,6 +286,8 @@ STATEFUL_PRESETS = {
     "inpo_rounds": ["algorithm=inpo", "algorithm.update.round_steps=3"],
     # trainer.aux_tasks (SPARK): step 3 draws from the task buffer built at steps 1-2 (measured to fail without it)
     "aux_tasks": ["+trainer.aux_tasks.share=0.5", "trainer.prompts_per_step=4"],
+    # CLPO's rewrite pool: steps 1-2 fill it (every well-formed rewrite kept), steps 3-4 draw half their prompts from it
+    "clpo": ["prompt_sampler=clpo", "trainer.prompt_sampler.clpo.agreement=0", "trainer.prompt_sampler.clpo.share=0.5"],
     # QRPO's K pi_ref samples per prompt: the cache file in the run folder is read back, never the policy's stream
     "qrpo_reference": ["algorithm=qrpo", "algorithm.qrpo.reference_samples=3"],
 }

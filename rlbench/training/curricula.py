@@ -6,7 +6,8 @@
   shuffled passes, :class:`PromptSampler`), ``weighted`` (draw by pass rate:
   a Gaussian around a target pass rate, or easy / medium / hard bucket weights) and ``hard_focus``
   (DRIVE's stage-2 rule: after every phase, keep the hardest share of the pool; ``prompt_sampler=drive``
-  switches to it in a stage), ``spo`` (SPO's draw by the value tracker's uncertainty, seeded from the
+  switches to it in a stage), ``clpo`` (``weighted`` by CLPO's buckets plus the policy's own rewrites of its
+  hard and medium problems, rlbench.training.rewrites), ``spo`` (SPO's draw by the value tracker's uncertainty, seeded from the
   initial policy). LSPO's length filter works on a step's own rollouts, so it is a rollout
   (``rollout=lspo``, rlbench/rollout/strategies/dynamic_sampling.py), not a sampler. Each has
   ``next(count)``, ``state_dict()`` and ``load_state_dict()``; a new one is a class registered with
@@ -42,6 +43,7 @@ from rlbench.rollout.groups import GradedGroups
 from rlbench.training.aux_tasks import AuxTaskBuffer, aux_count, dataset_groups
 from rlbench.training.distributed import SINGLE, World
 from rlbench.training.prompt_stats import PromptStatsStore, measure_before_training
+from rlbench.training.rewrites import BUCKETS, PolicyRewriter, RewritePool, difficulty_bucket
 from rlbench.training.stages import SAMPLER_KEY, Stage, parse_stages
 from rlbench.training.step import StepContext
 from rlbench.training.swarm import own_groups
@@ -146,9 +148,8 @@ class WeightedOptions:
         p = self.prior if math.isnan(pass_rate) else pass_rate
         if self.weighting == "gaussian":
             return math.exp(-0.5 * ((p - self.target) / self.width) ** 2)
-        if p <= self.hard_below:
-            return self.hard_weight
-        return self.easy_weight if p >= self.easy_above else self.medium_weight
+        bucket = difficulty_bucket(p, self.hard_below, self.easy_above)
+        return {"hard": self.hard_weight, "medium": self.medium_weight, "easy": self.easy_weight}[bucket]
 
 
 @register_prompt_sampler("weighted")
@@ -157,8 +158,8 @@ class WeightedPrompts:
     :meth:`WeightedOptions.weight` of their pass rate so far: the Gaussian form concentrates on
     prompts near a target pass rate (the mid-difficulty prompts whose groups carry signal, as
     ExGRPO's buckets do for replay, arXiv:2510.02245 section 3.2); the bucket form is CLPO's
-    online difficulty buckets (arXiv:2509.25004) with easy prompts down-weighted (CLPO's rewriting
-    of medium / hard problems is not implemented)."""
+    online difficulty buckets (arXiv:2509.25004) with easy prompts down-weighted (``prompt_sampler=clpo``
+    adds CLPO's rewriting of medium / hard problems: :class:`ClpoPrompts`)."""
 
     Options = WeightedOptions
 
@@ -189,6 +190,70 @@ class WeightedPrompts:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.rng.bit_generator.state = state["rng"]
         self.stats.load_state_dict(state["stats"])
+
+
+@dataclass(frozen=True)
+class ClpoOptions(WeightedOptions):
+    """``trainer.prompt_sampler.clpo``: the weighted sampler's settings (CLPO's buckets by default) and the rewriting's
+    (rlbench.training.rewrites)."""
+
+    weighting: str = "buckets"
+    rewrite: tuple[str, ...] = ("hard", "medium")  # the buckets rewritten: hard -> simplified, medium -> a variant
+    share: float = 0.25  # of each step's prompts drawn from the accepted rewrites: aux_count(share, B)
+    rewrite_tokens: int = 128  # the policy's tokens for one rewrite
+    verify_samples: int = 4  # the policy's answers to a rewrite, graded against the origin's reference answer
+    agreement: float = 0.5  # accepted iff at least this share of them is correct (0: every well-formed rewrite)
+    max_per_step: int = 0  # rewrites attempted per step at most (0: every designated problem of the step)
+    retry_after: int = 0  # 0: a (uid, bucket) is rewritten once per run; k: again after k steps
+    capacity: int = 256  # accepted rewrites kept (the oldest leave first)
+
+    def check(self) -> None:
+        super().check()
+        where = "trainer.prompt_sampler.clpo"
+        if not self.rewrite or any(b not in BUCKETS[:2] for b in self.rewrite):
+            raise ConfigError(f"{where}.rewrite={list(self.rewrite)}: choose one or both of ['hard', 'medium'] "
+                              "(hard problems are simplified, medium ones diversified; easy ones are not rewritten)")
+        if not 0 <= self.share < 1 or not 0 <= self.agreement <= 1:
+            raise ConfigError(f"{where}: share in [0, 1) and agreement in [0, 1] are required, got {self.share}, {self.agreement}")
+        if min(self.rewrite_tokens, self.verify_samples, self.capacity) < 1 or min(self.max_per_step, self.retry_after) < 0:
+            raise ConfigError(f"{where}: rewrite_tokens, verify_samples and capacity >= 1, max_per_step and retry_after >= 0 are required")
+
+
+@register_prompt_sampler("clpo")
+class ClpoPrompts(WeightedPrompts):
+    """CLPO (Zhang et al. 2025, arXiv:2509.25004, section 3): the weighted sampler over CLPO's online difficulty
+    buckets (easy prompts down-weighted), plus the policy's own rewrites of its hard and medium problems
+    (rlbench.training.rewrites: after each step the policy simplifies the step's hard problems and diversifies its
+    medium ones; a rewrite is kept when the policy's answers to it agree with the original reference answer). Each
+    step draws aux_count(share, B) of its B prompts from the accepted rewrites (what the pool has) and the rest by
+    weight from the dataset's problems. The run binds the policy (:meth:`bind`); a checkpoint keeps the pool."""
+
+    Options = ClpoOptions
+
+    def __init__(self, problems: list[Problem], seed: int, stats: PromptStatsStore, options: ClpoOptions):
+        super().__init__(problems, seed, stats, options)
+        self.pool = RewritePool(options, seed)
+        self.rewriter: Any = None
+
+    def bind(self, ctx: StepContext) -> None:
+        self.rewriter = PolicyRewriter(ctx, self.options.rewrite_tokens, self.options.verify_samples)
+
+    def next(self, count: int) -> list[Problem]:
+        rewrites = self.pool.take(aux_count(self.options.share, count))
+        return super().next(count - len(rewrites)) + rewrites
+
+    def observe(self, step: int, graded: GradedGroups) -> None:
+        self.pool.observe(step, graded, self.rewriter)
+
+    def metrics(self) -> dict[str, float]:
+        return self.pool.metrics()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "rewrites": self.pool.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.pool.load_state_dict(state["rewrites"])
 
 
 @dataclass(frozen=True)
@@ -442,10 +507,13 @@ class Curriculum:
         self.stats.observe(step, dataset_groups(own_groups(graded)), world)
         if self.aux is not None:
             self.aux.add(graded)
+        if hasattr(self.sampler, "observe"):  # clpo: the policy rewrites the step's hard and medium problems
+            self.sampler.observe(step, graded)
 
     def metrics(self) -> dict[str, float]:
-        """The step's data-side metrics: the auxiliary tasks' counts (none without trainer.aux_tasks)."""
-        return {} if self.aux is None else self.aux.metrics()
+        """The step's data-side metrics: the auxiliary tasks' counts (trainer.aux_tasks) and the sampler's (clpo)."""
+        sampler = self.sampler.metrics() if hasattr(self.sampler, "metrics") else {}
+        return {**sampler, **({} if self.aux is None else self.aux.metrics())}
 
     def end_step(self, step: int) -> None:
         if hasattr(self.sampler, "end_step"):
