@@ -165,3 +165,33 @@ def test_a_scripted_tool_group_through_rollout_shaping_and_advantage(sandbox_run
     tool = slice(len(CODE), len(CODE) + len(observation))
     assert (batch.response_mask[0, tool] == 0).all() and (adv[0, tool] == 0).all()  # tool output: mask 0, advantage 0
     assert (adv[batch.response_mask == 0] == 0).all()
+
+
+def test_the_per_turn_signal_rewards_a_block_that_runs_and_enters_the_turn_returns(sandbox_runs):  # noqa: F811
+    from test_env_python_tool import EnvConfig, EnvContext, EnvFactory, SandboxLimits
+
+    def signalled(run_reward):
+        config = EnvConfig(name="python_tool", max_turns=4, turn_tokens=64, max_tokens=400, max_tool_calls=3,
+                           max_observation_tokens=100, settings={"python_tool": {"run_reward": run_reward}})
+        return EnvFactory(config, EnvContext(grader=MathReward(), sandbox_limits=SandboxLimits(timeout_s=10.0)))
+
+    broken = "```python\nprint(1/0)\n```"
+    script = [[CODE, broken], ["\\boxed{42}$", "\\boxed{42}$"]]  # both answer right: one after a block that ran
+    sampler = GroupSampler(ScriptedEngine(script), MathReward(), Tokens(), {"user": "{problem}"}, lambda r, _: r)
+    groups, _ = MultiTurnRollout(RolloutSetup(sampler, 2, SamplingParams(1.0, 1.0, 64), None, env=signalled(0.1))).rollout([PROBLEM])
+    assert [g.correct for g in groups.grades] == [True, True]  # the verdict is the grader's; the reward sums the turns'
+    assert groups.outcome.tolist() == pytest.approx([1.1, 1.0]) and groups.rewards.tolist() == pytest.approx([1.1, 1.0])
+    batch = collate(groups.groups, pad_token_id=0)
+    first = batch.extras["turn_rewards"][:, 0].tolist()
+    assert first == pytest.approx([0.1, 0.0])  # the turn of the block that ran, not of the one that raised
+    adv = gtpo_turn_advantage(groups.rewards, batch.group_index, batch.response_mask, batch.extras["step_index"],
+                              batch.extras["turn_rewards"], gamma=0.5, scale_by_std=False)
+    # returns: ran (0.1 + 0.5 * 1 = 0.6, 1), raised (0.5, 1): mean 0.775
+    assert adv[0, 0].item() == pytest.approx(0.6 - 0.775) and adv[1, 0].item() == pytest.approx(0.5 - 0.775)
+    # 0 (the default): ReTool's rule, no turn reward whatever the blocks did
+    sampler = GroupSampler(ScriptedEngine(script), MathReward(), Tokens(), {"user": "{problem}"}, lambda r, _: r)
+    plain, _ = MultiTurnRollout(RolloutSetup(sampler, 2, SamplingParams(1.0, 1.0, 64), None, env=signalled(0.0))).rollout([PROBLEM])
+    assert collate(plain.groups, pad_token_id=0).extras["turn_rewards"][:, 0].tolist() == [0.0, 0.0]
+    assert plain.rewards.tolist() == [1.0, 1.0]
+    with pytest.raises(ConfigError, match="run_reward"):
+        signalled(-0.1)()

@@ -1,9 +1,11 @@
 """OPRL (arXiv:2509.19199): the implicit PRM's trajectory DPO loss and its online update, the telescoping of its step
 rewards, the advantage (omega = 0 is GRPO; a hand-computed example) and a run through the runner that trains the PRM
-and resumes exactly (rlbench/algorithm/advantages/oprl.py, rlbench/training/online_prm.py)."""
+and resumes exactly (rlbench/algorithm/advantages/oprl.py, rlbench/training/online_prm.py); single-turn responses cut
+into paragraph steps (algorithm.online_prm.steps=paragraphs), by hand and through a run."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -23,7 +25,7 @@ from rlbench.config.schema import OnlinePRMConfig
 from rlbench.errors import ConfigError
 from rlbench.training.batch import TrainBatch
 from rlbench.training.forward import batch_outputs
-from rlbench.training.online_prm import OnlinePRM
+from rlbench.training.online_prm import OnlinePRM, paragraph_step_index, paragraph_steps
 from test_gigpo import episodes
 
 
@@ -150,6 +152,49 @@ def test_refused_before_the_model_loads(tmp_path):
         validate_config(compose_config(["experiment=smoke", "algorithm=oprl", "algorithm.online_prm.baseline=old"], tmp_path))
     with pytest.raises(ConfigError, match="step_index"):  # no step structure: single-turn responses
         validate_config(compose_config(["experiment=smoke", "algorithm=oprl", "rollout=iid", "~env"], tmp_path))
+    single_turn = ["experiment=smoke", "algorithm=oprl", "rollout=iid", "~env", "algorithm.online_prm.steps=paragraphs"]
+    validate_config(compose_config(single_turn, tmp_path))  # ... which paragraph steps give
+    with pytest.raises(ConfigError, match="gives its own steps"):
+        validate_config(compose_config(["experiment=smoke", "algorithm=oprl", "algorithm.online_prm.steps=paragraphs"], tmp_path))
+    with pytest.raises(ConfigError, match="online_prm.steps must be"):
+        validate_config(compose_config(["experiment=smoke", "algorithm=oprl", "algorithm.online_prm.steps=sentences"], tmp_path))
+
+
+def test_paragraph_steps_cut_a_response_after_each_blank_line_that_more_text_follows():
+    pieces = ["First", " step", ".\n\n", "Second", "\n", "still", "\n \n\n", "Third", "\n\n"]
+    assert paragraph_steps(pieces) == [0, 0, 0, 1, 1, 1, 1, 2, 2]  # a single newline and trailing blank lines: no step
+    assert paragraph_steps(["a\n\nb", "c", "\n", "\n", "d"]) == [0, 1, 1, 1, 2]  # a break inside a token; split over two
+    assert paragraph_steps(["no breaks"]) == [0] and paragraph_steps([]) == []
+
+    class Chars:
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(chr(i) for i in ids)
+
+    mask = torch.ones(2, 6)
+    index = paragraph_step_index([[ord(c) for c in "ab\n\ncd"], [ord(c) for c in "x\n\ny"]], Chars(), mask)
+    assert index.tolist() == [[0, 0, 0, 0, 1, 1], [0, 0, 0, 1, -1, -1]]
+
+
+def test_a_single_turn_run_trains_the_prm_on_paragraph_steps(tmp_path, monkeypatch):
+    from rlbench.runner import run
+    from rlbench.training import advantage_inputs
+
+    seen = []
+    original = advantage_inputs.paragraph_step_index
+
+    def recording(responses, tokenizer, like):
+        index = original(responses, tokenizer, like)
+        seen.append(index)
+        return index
+
+    monkeypatch.setattr(advantage_inputs, "paragraph_step_index", recording)
+    overrides = ["experiment=toy_learning", "algorithm=oprl", "rollout=iid", "~env", "algorithm.online_prm.steps=paragraphs",
+                 "algorithm.online_prm.lr=1e-3", "trainer.steps=3", "eval.before_training=false", "eval.limit=2",
+                 "logger=files", "trainer.save_model=false"]
+    run(compose_config(overrides, tmp_path))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(seen) == 3 and all(int(index.max()) >= 0 for index in seen)
+    assert sum(r["prm_pairs"] for r in rows) > 0 and all(math.isfinite(r["prm_loss"]) for r in rows if r["prm_pairs"])
 
 
 

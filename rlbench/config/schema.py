@@ -187,6 +187,8 @@ class OnlinePRMConfig:
     baseline: str = knob("reference", "the policy log pi_phi is compared with: reference (the frozen initial policy "
                          "pi_ref) | policy (the policy that sampled the step, pi_theta_old, the paper's; no reference "
                          "model is loaded)")
+    steps: str = knob("turns", "what a step k is: turns (the turns of rollout=multi_turn's episodes) | paragraphs "
+                      "(a single-turn response cut at its blank lines, the paper's reasoning steps for math)")
 
 
 @dataclass

@@ -58,7 +58,7 @@ from rlbench.rollout.guided.mixed_traces import traces_when
 from rlbench.rollout.strategy import STRATEGIES, strategy_class
 from rlbench.training.batch import TrainBatch, collate
 from rlbench.training.forward import batch_outputs
-from rlbench.training.online_prm import OnlinePRM
+from rlbench.training.online_prm import OnlinePRM, paragraph_step_index
 from rlbench.training.prompt_stats import PromptStatsStore, measure_before_training
 from rlbench.utils import STREAM_GREEDY, STREAM_REFERENCE, make_generator
 
@@ -204,11 +204,13 @@ STEP_CRITIC_PROVIDES = frozenset({"step_index", "step_values"})
 
 
 def check_strategy_inputs(rollout: RolloutConfig, advantage: str, needs: set[str], kind: str = "advantage",
-                          step_critic: bool = False) -> None:
+                          step_critic: bool = False, paragraph_steps: bool = False) -> None:
     """ConfigError when advantage ``advantage`` (or the piece of another ``kind``) reads a strategy input
-    (``needs``) that the configured rollout strategy (or ``step_critic``: algorithm.step_critic) does not provide,
-    naming the strategies that provide every strategy input it reads."""
-    provided = strategy_class(rollout).provides | (STEP_CRITIC_PROVIDES if step_critic else frozenset())
+    (``needs``) that the configured rollout strategy (or ``step_critic``: algorithm.step_critic; ``paragraph_steps``:
+    algorithm.online_prm.steps=paragraphs, which gives ``step_index``) does not provide, naming the strategies that
+    provide every strategy input it reads."""
+    provided = (strategy_class(rollout).provides | (STEP_CRITIC_PROVIDES if step_critic else frozenset())
+                | (frozenset({"step_index"}) if paragraph_steps else frozenset()))
     wanted = {name for name in needs if name in STEP_INPUTS and STEP_INPUTS[name].producer == "strategy"}
     for name in sorted(wanted - provided):
         providers = sorted(key for key, cls in STRATEGIES.items() if wanted <= cls.provides)
@@ -238,10 +240,11 @@ def validate_step_options(config: RunConfig, algorithm: Algorithm) -> None:
             )
     needs = needed_inputs(algorithm)
     critic = config.algorithm.step_critic is not None
-    check_strategy_inputs(rollout, name, needs, step_critic=critic)
+    paragraphs = config.algorithm.online_prm is not None and config.algorithm.online_prm.steps == "paragraphs"
+    check_strategy_inputs(rollout, name, needs, step_critic=critic, paragraph_steps=paragraphs)
     loss = algorithm.loss
     check_strategy_inputs(rollout, loss.name, POLICY_LOSSES.required_inputs(loss.name, loss.params), kind="loss",
-                          step_critic=critic)
+                          step_critic=critic, paragraph_steps=paragraphs)
     if not isinstance(config.algorithm.overlong_filter, bool):
         raise ConfigError(f"algorithm.overlong_filter must be true or false, got {config.algorithm.overlong_filter!r}")
     for source in source_classes(needs):
@@ -630,14 +633,15 @@ class ResponseDiversity(StepInputSource):
 class ImplicitProcessRewards(StepInputSource):
     """``step_process_rewards``: OPRL's implicit PRM (:class:`rlbench.training.online_prm.OnlinePRM`), trained on the
     step's outcome-ranked pairs and then scoring every step, before the advantage; its weights and optimizer state are
-    checkpointed. Needs the step structure (``step_index``: rollout=multi_turn's turns), full fine-tuning and one
-    process."""
+    checkpointed. Needs the step structure (``step_index``: rollout=multi_turn's turns, or, with ``steps: paragraphs``,
+    the paragraphs of single-turn responses, which it gives the batch itself), full fine-tuning and one process."""
 
     inputs = frozenset({"step_process_rewards"})
     checkpoint_key = "online_prm"
 
-    def __init__(self, prm: OnlinePRM):
+    def __init__(self, prm: OnlinePRM, tokenizer: Any = None):
         self.prm = prm
+        self.tokenizer = tokenizer  # steps: paragraphs: the tokens' text, to cut the responses at blank lines
 
     @classmethod
     def validate(cls, config: RunConfig, algorithm: Algorithm) -> None:
@@ -646,6 +650,13 @@ class ImplicitProcessRewards(StepInputSource):
         if config.algorithm.online_prm.baseline not in ("reference", "policy"):
             raise ConfigError("algorithm.online_prm.baseline must be reference (the frozen initial policy) or policy (the "
                               f"policy that sampled the step, the paper's pi_theta_old), got {config.algorithm.online_prm.baseline!r}")
+        steps = config.algorithm.online_prm.steps
+        if steps not in ("turns", "paragraphs"):
+            raise ConfigError(f"algorithm.online_prm.steps must be turns (rollout=multi_turn's) or paragraphs (single-turn "
+                              f"responses cut at blank lines), got {steps!r}")
+        if steps == "paragraphs" and "step_index" in strategy_class(config.rollout).provides:
+            raise ConfigError(f"algorithm.online_prm.steps=paragraphs cuts single-turn responses at blank lines, but "
+                              f"rollout={config.rollout.strategy} gives its own steps (step_index): use steps=turns")
         if config.model.lora is not None or config.trainer.parallelism != "single":
             raise ConfigError("algorithm.online_prm (OPRL's implicit PRM) trains a full copy of the initial policy in one "
                               "process: model.lora (the reference is the policy with adapters off) and "
@@ -660,9 +671,13 @@ class ImplicitProcessRewards(StepInputSource):
         temperature = context.params.temperature if context.params.temperature > 0 else 1.0
         initial = context.reference if settings.baseline == "reference" else context.model  # before its first step
         return cls(OnlinePRM.from_reference(settings, initial, context.micro_batch_size, temperature,
-                                            policy=context.model if settings.baseline == "policy" else None))
+                                            policy=context.model if settings.baseline == "policy" else None),
+                   tokenizer=context.sampler.tokenizer if settings.steps == "paragraphs" else None)
 
     def before_advantage(self, graded: GradedGroups, batch: TrainBatch) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        if self.tokenizer is not None:  # steps: paragraphs (the advantage reads the same step_index from the batch)
+            responses = [c.response_ids for group in graded.groups for c in group]
+            batch.extras["step_index"] = paragraph_step_index(responses, self.tokenizer, batch.response_mask)
         scored = self.prm.scored(batch)  # log pi_base, before the PRM's update and the policy's
         metrics = self.prm.update(scored)
         rewards, measured = self.prm.step_rewards(scored)

@@ -15,6 +15,11 @@ pi_base (``baseline``) is the frozen reference pi_ref (``reference``: its log-pr
 the policy that sampled the step, pi_theta_old, the paper's (``policy``: one no-grad pass of the policy before its
 update, or the batch's ``old_logp`` when the step computed them).
 
+A step is a turn of rollout=multi_turn (``steps: turns``, the episodes' ``step_index``), or, for single-turn
+responses (``steps: paragraphs``), a paragraph: the response cut at its blank lines, the paper's reasoning steps
+for math (:func:`paragraph_steps`; the step input ``step_index`` of such a batch is computed here, from the tokens'
+text).
+
 The PRM's weights and its optimizer's state change every step: both are checkpointed (:meth:`OnlinePRM.state_dict`,
 through its step-input source in rlbench/training/advantage_inputs.py), so a resumed run is the uninterrupted one.
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +44,37 @@ from rlbench.config.schema import OnlinePRMConfig
 from rlbench.training.batch import TrainBatch, whole_group_chunks
 from rlbench.training.distributed import unwrap
 from rlbench.training.forward import batch_outputs, token_outputs
+
+
+PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n\s*(?=\S)")  # a blank line (or several) before more text
+
+
+def paragraph_steps(pieces: list[str]) -> list[int]:
+    """The step (0, 1, ...) of each token of a single-turn response whose tokens read ``pieces``: the response's text
+    is cut after every blank line that more text follows (OPRL's reasoning steps, arXiv:2509.19199 section 3), and a
+    token belongs to the step its first character is in (a token that holds a break and the next text is the earlier
+    step's). Blank lines at the end start no step."""
+    starts, offset = [], 0
+    for piece in pieces:
+        starts.append(offset)
+        offset += len(piece)
+    breaks = [m.end() for m in PARAGRAPH_BREAK.finditer("".join(pieces))]
+    steps, k = [], 0
+    for start in starts:
+        while k < len(breaks) and breaks[k] <= start:
+            k += 1
+        steps.append(k)
+    return steps
+
+
+def paragraph_step_index(responses: list[list[int]], tokenizer: Any, like: torch.Tensor) -> torch.Tensor:
+    """[B,T] long ``step_index`` of single-turn ``responses`` (token ids, in batch order) by :func:`paragraph_steps`,
+    -1 past each response's end; ``like``: the batch's [B,T] response mask (its shape and device)."""
+    index = torch.full(like.shape, -1, dtype=torch.long)
+    for row, ids in enumerate(responses):
+        steps = paragraph_steps([tokenizer.decode([t], skip_special_tokens=False) for t in ids])
+        index[row, : len(steps)] = torch.tensor(steps[: like.shape[1]], dtype=torch.long)
+    return index.to(like.device)
 
 
 @dataclass

@@ -11,10 +11,18 @@ without a code block is the final answer: the run's grader (the math grader) gra
 episode ends with its reward, so the reward does not depend on the number of tool calls. A turn that
 opens a block and never closes it (the turn's budget ran out) ends the episode: ``unclosed_tool_tag``,
 graded as an answer like any other last turn. The state key is the sequence of tool outputs so far.
+
+``run_reward`` r > 0 adds GTPO's optional per-turn signal (Ding et al. 2025, arXiv:2511.14846, section 3: a turn
+reward for code that runs): a turn whose block ran without error gets reward r (its ``turn_rewards``, which
+``advantage=gtpo_turn`` discounts into the turn returns), and the episode's reward is the sum of its turns' (the
+final answer's grade plus r per block that ran); the verdict (``correct``, pass@k) is the grader's alone. 0 (the
+default) keeps ReTool's rule, a reward independent of the tool calls.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 from rlbench.dataset.base import Problem
@@ -43,10 +51,13 @@ class PythonTool(Environment):
         """The ``env.python_tool`` block."""
 
         max_output_chars: int = 256   # a tool output is cut to this many characters
+        run_reward: float = 0.0       # the reward of a turn whose block ran without error (GTPO's per-turn signal)
 
         def __post_init__(self) -> None:
             if self.max_output_chars < 1:
                 raise ConfigError(f"env.python_tool.max_output_chars must be >= 1, got {self.max_output_chars}")
+            if not math.isfinite(self.run_reward) or self.run_reward < 0:
+                raise ConfigError(f"env.python_tool.run_reward must be a finite number >= 0, got {self.run_reward}")
 
     def reset(self, problem: Problem) -> Reset:
         self.problem, self.outputs, self.last_grade = problem, (), None
@@ -65,10 +76,12 @@ class PythonTool(Environment):
         result = run_tests(match.group(1), [], self.context.sandbox_limits)
         observation, failed = tool_output(result.stdout, result.status, result.error, self.options.max_output_chars)
         self.outputs = (*self.outputs, observation)
-        return StepResult(observation, 0.0, False, self.outputs, tool_calls=1, tool_errors=int(failed))
+        reward = 0.0 if failed else self.options.run_reward
+        return StepResult(observation, reward, False, self.outputs, tool_calls=1, tool_errors=int(failed))
 
     def grade(self, total_reward: float) -> Grade:
-        """The grader's verdict on the final answer; an episode that ended before one is incorrect."""
+        """The grader's verdict on the final answer, with the episode's reward: the sum of its turns' (the answer's
+        reward, plus ``run_reward`` per block that ran); an episode that ended before an answer is incorrect."""
         if self.last_grade is not None:
-            return self.last_grade
+            return dataclasses.replace(self.last_grade, reward=float(total_reward))
         return Grade(correct=False, extracted=None, reward=float(total_reward), format_ok=False)
