@@ -18,10 +18,10 @@ from rlbench.algorithm.advantages import grpo_advantage
 from rlbench.algorithm.advantages.staged import ordered_means, sae_advantage
 from rlbench.config.typed import rollout_config
 from rlbench.dataset.base import Problem
-from rlbench.errors import DataError
+from rlbench.errors import ConfigError, DataError
 from rlbench.model import load_policy
 from rlbench.reward.toy import EvenTokenReward
-from rlbench.rollout import GroupSampler, HFGenerateEngine, RolloutSetup, SamplingParams, make_strategy
+from rlbench.rollout import GroupSampler, HFGenerateEngine, RolloutSetup, SamplingParams, make_strategy, validate_strategy
 from rlbench.rollout.strategies.mcts_prefix import TREE_FORMAT, read_tree
 from rlbench.rollout.strategies.tree import TreeSampling
 from rlbench.training.batch import collate
@@ -105,9 +105,9 @@ def tiny():
     return load_policy(model_preset("tiny"), seed=0)
 
 
-def _cfg(tree, stage_depths=((2, 0),)):
+def _cfg(tree, stage_depths=((2, 0),), **options):
     block = {"search": {"segment_tokens": 2, "root_branching": 2, "branching": 2}, "stage_depths": [list(s) for s in stage_depths],
-             "steps_per_stage": 1, "teacher_tree": str(tree)}
+             "steps_per_stage": 1, "teacher_tree": str(tree), **options}
     return rollout_config({"strategy": "mcts_prefix", "n": 4, "max_new_tokens": 8, "mcts_prefix": block})
 
 
@@ -175,6 +175,15 @@ def test_a_tree_of_other_settings_is_refused(tiny, tmp_path):
         read_tree(path, json.loads(path.read_text())["tokenizer"], 4)
     with pytest.raises(DataError, match="has no tree for problem 'p2'"):
         strategy.rollout(PROBLEMS[2:])
+
+
+def test_teacher_prompts_are_the_trained_prompts(tiny, tmp_path):
+    strategy = _strategy(tiny, _cfg(tmp_path / "tree.json", teacher_prompts=2))
+    assert strategy.training_problems(PROBLEMS) == PROBLEMS[:2]
+    with pytest.raises(ConfigError, match="only with rollout.mcts_prefix.teacher_tree"):
+        validate_strategy(_cfg("", teacher_prompts=2), "sae")
+    with pytest.raises(ConfigError, match="teacher_prompts=-1 must be >= 0"):
+        validate_strategy(_cfg(tmp_path / "tree.json", teacher_prompts=-1), "sae")
 
 
 def test_a_mixed_step_collates_its_stages(tiny, tmp_path):

@@ -18,6 +18,7 @@ Configuration (``rollout.mcts_prefix``; conf/rollout/mcts_prefix.yaml):
                              # of depths mixed within the step (rollout.n / its length completions each)
     steps_per_stage: 10      # training steps per stage; the last stage lasts to the end of the run
     teacher_tree: ""         # "": online; a file: the offline teacher tree (below)
+    teacher_prompts: 0       # with teacher_tree: the first K training prompts are the tree's and the run's (0: all)
 
 Online (``teacher_tree: ""``), at a step whose deepest depth is d > 0: the search tree
 (rlbench.rollout.strategies.tree.TreeSampling.grow, its engine calls through the run's GroupSampler, so shared
@@ -87,6 +88,7 @@ class MCTSPrefixOptions:
     stage_depths: tuple[int | tuple[int, ...], ...] = (2, 1, 0)  # per stage: a depth, or depths mixed in a step
     steps_per_stage: int = 10  # training steps per stage; the last stage runs to the end
     teacher_tree: str = ""  # "": the policy grows a tree online each step; a file: the offline teacher tree
+    teacher_prompts: int = 0  # with teacher_tree: the first K training prompts are the teacher's and the run's (0: all)
 
 
 def revealed_length(leaf_length: int, depth: int, segment_tokens: int) -> int:
@@ -124,11 +126,11 @@ class MCTSPrefix(RolloutStrategy):
 
     def __init__(
         self, setup: RolloutSetup, search: TreeOptions, stage_depths: list[tuple[int, ...]], steps_per_stage: int,
-        teacher_tree: str = "",
+        teacher_tree: str = "", teacher_prompts: int = 0,
     ):
         self.setup, self.search = setup, search
         self.stage_depths, self.steps_per_stage = stage_depths, steps_per_stage
-        self.teacher_tree = teacher_tree
+        self.teacher_tree, self.teacher_prompts = teacher_tree, teacher_prompts
         self.tree: dict[str, Any] | None = None  # the offline teacher tree (read_tree's record), once read or grown
         self.problems: list[Problem] = []  # the training problems (training_problems): the teacher's prompts
         self.step = 0
@@ -153,6 +155,11 @@ class MCTSPrefix(RolloutStrategy):
                 )
         if steps < 1:
             raise ConfigError(f"rollout.mcts_prefix.steps_per_stage must be >= 1, got {steps}")
+        if options.teacher_prompts < 0 or (options.teacher_prompts and not options.teacher_tree):
+            raise ConfigError(
+                f"rollout.mcts_prefix.teacher_prompts={options.teacher_prompts} must be >= 0, and > 0 only with "
+                "rollout.mcts_prefix.teacher_tree=<file> (the prompts the offline teacher tree covers)"
+            )
         deepest, max_new = max(max(mix) for mix in stages), int(rollout.max_new_tokens)
         if deepest * search.segment_tokens >= max_new:
             raise ConfigError(
@@ -160,7 +167,8 @@ class MCTSPrefix(RolloutStrategy):
                 f"{search.segment_tokens} tokens, which leaves nothing to generate within rollout.max_new_tokens={max_new}. "
                 f"Use depths below {-(-max_new // search.segment_tokens)} or a smaller search.segment_tokens"
             )
-        return {"search": search, "stage_depths": stages, "steps_per_stage": steps, "teacher_tree": options.teacher_tree}
+        return {"search": search, "stage_depths": stages, "steps_per_stage": steps, "teacher_tree": options.teacher_tree,
+                "teacher_prompts": options.teacher_prompts}
 
     @property
     def depths(self) -> tuple[int, ...]:
@@ -168,8 +176,9 @@ class MCTSPrefix(RolloutStrategy):
         return self.stage_depths[min(self.step // self.steps_per_stage, len(self.stage_depths) - 1)]
 
     def training_problems(self, problems: list[Problem]) -> list[Problem]:
-        self.problems = list(problems)
-        return problems
+        """The teacher's prompts: the first ``teacher_prompts`` of the dataset's (all when 0), which the run trains on."""
+        self.problems = list(problems[: self.teacher_prompts] if self.teacher_prompts else problems)
+        return self.problems
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, **({"tree": self.tree} if self.tree is not None else {})}
