@@ -10,6 +10,8 @@ docs/gen_tables.py (checked by tests/test_docs.py).
 
 from __future__ import annotations
 
+import functools
+
 import json
 import numbers
 import re
@@ -247,11 +249,14 @@ def test_paper_values_reach_the_composed_config(paper_cfg, name):
     composition: no algorithm preset, model or experiment default overrides it."""
     cfg = paper_cfg(name)
     body = OmegaConf.to_container(paper_body(name))
+    unresolved = OmegaConf.to_container(cfg, resolve=False)
     for section in RUN_SECTIONS:
         for key, value in _leaves(body.get(section, {}), section):
             composed = OmegaConf.select(cfg, key)
             if OmegaConf.is_config(composed):
                 composed = OmegaConf.to_container(composed)
+            if isinstance(value, str) and "${" in value:  # an interpolation (tree_opo's ${output_dir}/...): as written
+                composed = functools.reduce(lambda node, part: node[part], key.split("."), unresolved)
             assert composed == value, f"paper/{name}.yaml sets {key}={value!r}, composed config has {composed!r}"
 
 

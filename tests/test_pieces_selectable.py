@@ -37,6 +37,8 @@ COMPANIONS = {
     ("advantage", "tree"): ["rollout=tree"],  # reads the tree of a tree rollout
     ("advantage", "treerpo"): ["rollout=treerpo"],
     ("advantage", "vine"): ["rollout=vine"],  # reads the Monte-Carlo step values of rollout=vine
+    # reads the prefix depths of rollout=mcts_prefix, whose default 2 segments of 4 tokens need 12 new tokens
+    ("advantage", "sae"): ["rollout=mcts_prefix", "rollout.max_new_tokens=12"],
     ("advantage", "gigpo"): ["rollout=multi_turn", "env=gridworld"],  # reads the turns of multi-turn episodes
     ("advantage", "at_grpo"): ["rollout=multi_turn", "env=gridworld"],  # reads each turn (its role) of an episode
     ("advantage", "gtpo_turn"): ["rollout=multi_turn", "env=gridworld"],  # reads each turn's reward of an episode

@@ -162,8 +162,12 @@ def test_mcts_prefix_options_refused():
         validate_strategy(_mcts_cfg(n=6), "grpo")
     with pytest.raises(ConfigError, match="rollout.n >= 2"):
         validate_strategy(_mcts_cfg(n=1, search={"root_branching": 1}), "grpo")
-    with pytest.raises(ConfigError, match="non-empty list of depths >= 0"):
+    with pytest.raises(ConfigError, match="non-empty list of stages"):
         validate_strategy(_mcts_cfg(stage_depths=[]), "grpo")
+    with pytest.raises(ConfigError, match="distinct depths >= 0"):
+        validate_strategy(_mcts_cfg(stage_depths=[[1, 1]]), "grpo")
+    with pytest.raises(ConfigError, match=r"mixing 3 depths \[2, 1, 0\].*rollout.n=4"):
+        validate_strategy(_mcts_cfg(stage_depths=[[2, 1, 0]]), "grpo")
     with pytest.raises(ConfigError, match="steps_per_stage must be >= 1"):
         validate_strategy(_mcts_cfg(steps_per_stage=0), "grpo")
     with pytest.raises(ConfigError, match=r"no key\(s\) \['depths'\]"):
@@ -287,7 +291,7 @@ def test_mcts_prefix_stages_reveal_the_best_search_leaf(tiny):
     assert depths == [2, 1, 0, 0]
     assert strategy.state_dict() == {"step": 4}
     strategy.load_state_dict({"step": 1})
-    assert strategy.depth == 1
+    assert strategy.depths == (1,)
 
 
 def test_mcts_prefix_is_the_best_leafs_prefix(tiny):

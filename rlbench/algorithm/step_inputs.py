@@ -240,6 +240,9 @@ _declare("tree_nodes", "[B,T] long", "the tree node of every response token, -1 
 _declare("step_index", "[B,T] long", "the step (0, 1, ...) of every response token, -1 on padding (rollout=vine; "
          "rollout=multi_turn: the turn, -1 on observation tokens)",
          "strategy", {"advantage", "loss"}, dtype=torch.long, pad=-1)
+_declare("prefix_stage", "[B,T] long", "the depth (revealed segments of the teacher's solution) of the prefix a "
+         "response completes, on every token of the response, -1 on padding (rollout=mcts_prefix; read by sae)",
+         "strategy", {"advantage"}, dtype=torch.long, pad=-1)
 _declare("step_values", "[B,T] float64", "V^ of the state where the token's step starts: the mean reward of "
          "continuations sampled from there (rollout=vine)", "strategy", {"advantage"}, dtype=torch.float64)
 _declare("turn_states", "[B,T] long", "an id of the environment state each policy token's turn was taken in, -1 on "

@@ -1,9 +1,12 @@
 """Staged GRPO on tree-search prefixes (``rollout=mcts_prefix``; Huang, Nguyen & Zimmer 2025,
 "Tree-OPO: Off-policy Monte Carlo Tree-Guided Advantage Optimization for Multistep Reasoning",
-arXiv:2509.09284, sections 3-4): a search tree over partial solutions is grown for each prompt, the
-best solution it finds is revealed up to a stage depth, and the prompt's GRPO group is ``rollout.n``
-completions of ``prompt + revealed prefix``. Stages move from deep prefixes (easy: most of a good
-solution is given) to shallow ones (the prompt alone), the paper's reverse curriculum.
+arXiv:2509.09284, sections 3-4): a search tree over partial solutions is grown for each prompt, a
+solution it found is revealed up to stage depths, and the prompt's GRPO group is ``rollout.n``
+completions of ``prompt + revealed prefix``, split evenly over the step's depths. Stages move from deep
+prefixes (easy: most of a good solution is given) to shallow ones (the prompt alone), the paper's reverse
+curriculum; a stage may mix several depths, each response then carries its prefix's depth
+(``prefix_stage``), which Staged Advantage Estimation reads (``algorithm/advantage=sae``,
+rlbench/algorithm/advantages/staged.py).
 
 Configuration (``rollout.mcts_prefix``; conf/rollout/mcts_prefix.yaml):
 
@@ -11,35 +14,52 @@ Configuration (``rollout.mcts_prefix``; conf/rollout/mcts_prefix.yaml):
       segment_tokens: 4   # tokens per segment (a partial solution grows one segment per level)
       root_branching: 2
       branching: 2
-    stage_depths: [2, 1, 0]  # segments of the best solution revealed, one entry per stage (0: the prompt alone)
+    stage_depths: [2, 1, 0]  # one entry per stage: a depth (segments revealed; 0: the prompt alone) or a list
+                             # of depths mixed within the step (rollout.n / its length completions each)
     steps_per_stage: 10      # training steps per stage; the last stage lasts to the end of the run
+    teacher_tree: ""         # "": online; a file: the offline teacher tree (below)
+    teacher_prompts: 0       # with teacher_tree: the first K training prompts are the tree's and the run's (0: all)
 
-One step at stage depth d > 0: the search tree (rlbench.rollout.strategies.tree.TreeSampling.grow, its engine
-calls through the run's GroupSampler, so shared prefixes count as reused tokens) gives ``rollout.n``
-leaves per prompt, graded and reward-shaped; the best leaf (highest reward, the first among ties)
-is the search's solution; its first d * segment_tokens tokens (at most the whole segments before its
-last token) are the prefix. Then one request per prompt: ``rollout.n`` completions of the prefix, each response (prefix
-included) at most ``rollout.max_new_tokens`` long (rlbench.rollout.continuation).
-The prefix is context (``loss_mask`` 0, behaviour "prefix"): only the completions are trained, and a
-group compares completions of one state, so any group advantage (grpo, ...) applies. The search's
-leaves are not trained. At depth 0 the step is ``rollout=iid`` (no search is grown). The metric
-``rollout_outcome_mean`` is the mean outcome of the responses sampled from the prompt alone (the
-search's leaves; at depth 0 the groups), which a revealed prefix does not inflate.
+Online (``teacher_tree: ""``), at a step whose deepest depth is d > 0: the search tree
+(rlbench.rollout.strategies.tree.TreeSampling.grow, its engine calls through the run's GroupSampler, so shared
+prefixes count as reused tokens) gives ``rollout.n`` leaves per prompt, graded and reward-shaped; the best
+leaf (highest reward, the first among ties) is the search's solution. Its leaves are not trained.
 
-Simplifications against the paper (docs/rollout-trees.md): the tree is grown online by the current policy
-(the paper reveals prefixes of a teacher's offline MCTS), in one expansion pass with leaf rewards as
-the evaluation (no UCT selection rounds), one prefix per prompt and step (the paper pools groups of
-several stages with its staged advantage estimation, SAE).
+Offline (``teacher_tree: <file>``): the tree is the teacher's, grown once before training and never again.
+A file that exists is read (its tokenizer fingerprint and segment length must be the run's); otherwise, at
+the first step, before any update, the policy (the initial policy: the teacher) grows the search tree of
+every training prompt, and the tree is written there (JSON: per prompt uid, its prompt ids and its leaves'
+token paths and rewards; the shared prefixes of the paths are the tree). The tree travels in the checkpoint.
+A different teacher writes the file from its own run with the same tokenizer (``trainer.steps=1``).
+Each step draws, per prompt, one of the tree's best leaves (highest reward, uniformly among ties).
+
+Either way the prefix at depth d is the solution's first d * segment_tokens tokens (at most the whole
+segments before its last token); each depth's completions come from one request (rlbench.rollout.continuation),
+each response (prefix included) at most ``rollout.max_new_tokens`` long. The prefix is context
+(``loss_mask`` 0, behaviour "prefix"): only the completions are trained. The group is the prompt's (all its
+depths); ``group_index`` is the prompt, so plain GRPO compares completions of different prefixes (the paper's
+GRPO baseline) and ``sae`` keys its baselines by (prompt, prefix). The metric ``rollout_outcome_mean`` is the
+mean outcome of responses to the prompt alone (the online search's leaves, else the depth-0 completions;
+all completions when the step has no depth 0), which a revealed prefix does not inflate.
+
+Simplifications against the paper (docs/rollout-trees.md): the search is one expansion pass with leaf
+rewards as the evaluation (no UCT selection rounds); the teacher is the run's initial policy unless a file of
+another model's run is given; a step's prefixes of a prompt come from one solution path.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any, Callable
+
+import torch
 
 from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
-from rlbench.errors import ConfigError
+from rlbench.errors import ConfigError, DataError
+from rlbench.guidance.traces import tokenizer_fingerprint
 from rlbench.rollout.continuation import continue_with_budgets
 from rlbench.rollout.engines.base import GenerationRequest
 from rlbench.rollout.groups import GradedGroups
@@ -52,17 +72,23 @@ from rlbench.rollout.strategy import (
     register_strategy,
     strategy_options,
 )
+from rlbench.utils import atomic_write_text
 
 SEARCH = "mcts_prefix.search"
+PREFIX_STAGE = "prefix_stage"
+TREE_FORMAT = "rlbench/mcts_prefix_tree/1"
+TREE_CHUNK = 16  # prompts per search when the teacher grows its tree
 
 
 @dataclasses.dataclass(frozen=True)
 class MCTSPrefixOptions:
     """The ``rollout.mcts_prefix`` block."""
 
-    search: dict = dataclasses.field(default_factory=dict)  # the offline search tree: a tree block (TreeOptions)
-    stage_depths: tuple[int, ...] = (2, 1, 0)  # segments of the best solution revealed per stage (0: the prompt alone)
+    search: dict = dataclasses.field(default_factory=dict)  # the search tree: a tree block (TreeOptions)
+    stage_depths: tuple[int | tuple[int, ...], ...] = (2, 1, 0)  # per stage: a depth, or depths mixed in a step
     steps_per_stage: int = 10  # training steps per stage; the last stage runs to the end
+    teacher_tree: str = ""  # "": the policy grows a tree online each step; a file: the offline teacher tree
+    teacher_prompts: int = 0  # with teacher_tree: the first K training prompts are the teacher's and the run's (0: all)
 
 
 def revealed_length(leaf_length: int, depth: int, segment_tokens: int) -> int:
@@ -72,72 +98,172 @@ def revealed_length(leaf_length: int, depth: int, segment_tokens: int) -> int:
     return min(depth * segment_tokens, whole)
 
 
+def write_tree(path: str | Path, tree: dict[str, Any]) -> None:
+    """The teacher tree as JSON (``tree``: the :func:`grow_teacher_tree` record), written atomically."""
+    Path(path).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(Path(path).expanduser(), json.dumps(tree))
+
+
+def read_tree(path: str | Path, tokenizer: str, segment_tokens: int) -> dict[str, Any]:
+    """The teacher tree of a file, refused (DataError) when written under another tokenizer or segment length."""
+    tree = json.loads(Path(path).expanduser().read_text())
+    if tree.get("format") != TREE_FORMAT:
+        raise DataError(f"{path} is not a teacher tree of rollout=mcts_prefix (format {tree.get('format')!r}, expected {TREE_FORMAT!r})")
+    if tree["tokenizer"] != tokenizer or tree["segment_tokens"] != segment_tokens:
+        raise DataError(
+            f"the teacher tree {path} was grown with tokenizer {tree['tokenizer']} and segments of {tree['segment_tokens']} "
+            f"tokens; this run has tokenizer {tokenizer} and rollout.mcts_prefix.search.segment_tokens={segment_tokens}"
+        )
+    return tree
+
+
 @register_strategy("mcts_prefix")
 class MCTSPrefix(RolloutStrategy):
-    """``rollout=mcts_prefix`` (module docstring). State across steps: the step count (the stage)."""
+    """``rollout=mcts_prefix`` (module docstring). State across steps: the step count (the stage) and the
+    teacher tree (offline)."""
 
-    def __init__(self, setup: RolloutSetup, search: TreeOptions, stage_depths: list[int], steps_per_stage: int):
+    provides = frozenset({PREFIX_STAGE})
+
+    def __init__(
+        self, setup: RolloutSetup, search: TreeOptions, stage_depths: list[tuple[int, ...]], steps_per_stage: int,
+        teacher_tree: str = "", teacher_prompts: int = 0,
+    ):
         self.setup, self.search = setup, search
         self.stage_depths, self.steps_per_stage = stage_depths, steps_per_stage
+        self.teacher_tree, self.teacher_prompts = teacher_tree, teacher_prompts
+        self.tree: dict[str, Any] | None = None  # the offline teacher tree (read_tree's record), once read or grown
+        self.problems: list[Problem] = []  # the training problems (training_problems): the teacher's prompts
         self.step = 0
 
     @classmethod
     def config_options(cls, rollout: RolloutConfig) -> dict:
         options = strategy_options(rollout, "mcts_prefix", MCTSPrefixOptions)
-        needs_groups("mcts_prefix", rollout, "trains GRPO groups of completions of one prefix")
+        needs_groups("mcts_prefix", rollout, "trains GRPO groups of completions of one prompt's prefixes")
         search = TreeOptions.from_config(dataclasses.replace(rollout, strategy=SEARCH, settings={SEARCH: dict(options.search)}))
-        depths, steps = list(options.stage_depths), options.steps_per_stage
-        if not depths or min(depths) < 0:
-            raise ConfigError(f"rollout.mcts_prefix.stage_depths must be a non-empty list of depths >= 0, got {depths}")
+        stages = [(entry,) if isinstance(entry, int) else tuple(entry) for entry in options.stage_depths]
+        steps, n = options.steps_per_stage, int(rollout.n)
+        if not stages or any(not mix or min(mix) < 0 or len(set(mix)) < len(mix) for mix in stages):
+            raise ConfigError(
+                "rollout.mcts_prefix.stage_depths must be a non-empty list of stages, each a depth >= 0 or a list of "
+                f"distinct depths >= 0, got {list(options.stage_depths)}"
+            )
+        for mix in stages:
+            if n % len(mix):
+                raise ConfigError(
+                    f"rollout.mcts_prefix.stage_depths has a stage mixing {len(mix)} depths {list(mix)}, which does not "
+                    f"divide rollout.n={n} completions per prompt evenly: use rollout.n a multiple of {len(mix)}"
+                )
         if steps < 1:
             raise ConfigError(f"rollout.mcts_prefix.steps_per_stage must be >= 1, got {steps}")
-        max_new = int(rollout.max_new_tokens)
-        if max(depths) * search.segment_tokens >= max_new:
+        if options.teacher_prompts < 0 or (options.teacher_prompts and not options.teacher_tree):
             raise ConfigError(
-                f"rollout.mcts_prefix.stage_depths={depths} reveal up to {max(depths)} segments of "
+                f"rollout.mcts_prefix.teacher_prompts={options.teacher_prompts} must be >= 0, and > 0 only with "
+                "rollout.mcts_prefix.teacher_tree=<file> (the prompts the offline teacher tree covers)"
+            )
+        deepest, max_new = max(max(mix) for mix in stages), int(rollout.max_new_tokens)
+        if deepest * search.segment_tokens >= max_new:
+            raise ConfigError(
+                f"rollout.mcts_prefix.stage_depths={list(options.stage_depths)} reveal up to {deepest} segments of "
                 f"{search.segment_tokens} tokens, which leaves nothing to generate within rollout.max_new_tokens={max_new}. "
                 f"Use depths below {-(-max_new // search.segment_tokens)} or a smaller search.segment_tokens"
             )
-        return {"search": search, "stage_depths": depths, "steps_per_stage": steps}
+        return {"search": search, "stage_depths": stages, "steps_per_stage": steps, "teacher_tree": options.teacher_tree,
+                "teacher_prompts": options.teacher_prompts}
 
     @property
-    def depth(self) -> int:
-        """The stage depth of the coming step."""
+    def depths(self) -> tuple[int, ...]:
+        """The depths of the coming step (its stage's mix)."""
         return self.stage_depths[min(self.step // self.steps_per_stage, len(self.stage_depths) - 1)]
 
+    def training_problems(self, problems: list[Problem]) -> list[Problem]:
+        """The teacher's prompts: the first ``teacher_prompts`` of the dataset's (all when 0), which the run trains on."""
+        self.problems = list(problems[: self.teacher_prompts] if self.teacher_prompts else problems)
+        return self.problems
+
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step}
+        return {"step": self.step, **({"tree": self.tree} if self.tree is not None else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
+        self.tree = state.get("tree", self.tree)
+
+    def grow_teacher_tree(self, problems: list[Problem]) -> dict[str, Any]:
+        """The search tree of every prompt of ``problems``, grown by the policy as it is now (the teacher)."""
+        sampler, prompts = self.setup.sampler, {}
+        for start in range(0, len(problems), TREE_CHUNK):
+            chunk = problems[start : start + TREE_CHUNK]
+            prompt_ids = sampler.encode(chunk)
+            leaves, _ = TreeSampling(self.setup, self.search).grow(prompt_ids)
+            graded = sampler.grade(chunk, leaves, self.setup.params.max_new_tokens)
+            for p, (problem, group) in enumerate(zip(chunk, leaves)):
+                rewards = graded.rewards[graded.group_index == p].tolist()
+                prompts[problem.uid] = {
+                    "prompt_ids": list(prompt_ids[p]),
+                    "leaves": [{"response_ids": list(leaf.response_ids), "reward": float(r)} for leaf, r in zip(group, rewards)],
+                }
+        fingerprint = tokenizer_fingerprint(sampler.tokenizer)
+        return {"format": TREE_FORMAT, "tokenizer": fingerprint, "segment_tokens": self.search.segment_tokens, "prompts": prompts}
+
+    def offline_solutions(self, problems: list[Problem], prompt_ids: list[tuple[int, ...]], metrics: dict) -> list[list[int]]:
+        """A best leaf of each prompt's teacher tree (read, or grown and written at the first step)."""
+        if self.tree is None:
+            path = Path(self.teacher_tree).expanduser()
+            if path.exists():
+                self.tree = read_tree(path, tokenizer_fingerprint(self.setup.sampler.tokenizer), self.search.segment_tokens)
+            else:
+                seen = {problem.uid for problem in self.problems}
+                self.tree = self.grow_teacher_tree(self.problems + [p for p in problems if p.uid not in seen])
+                write_tree(path, self.tree)
+                metrics["mcts_teacher_tree_prompts"] = float(len(self.tree["prompts"]))
+        solutions = []
+        for problem, ids in zip(problems, prompt_ids):
+            node = self.tree["prompts"].get(problem.uid)
+            if node is None or tuple(node["prompt_ids"]) != tuple(ids):
+                raise DataError(
+                    f"the teacher tree {self.teacher_tree} has no tree for problem {problem.uid!r} as this run prompts it "
+                    "(another data set, prompt template or tokenizer): grow it again (delete the file) or use that run's settings"
+                )
+            rewards = [leaf["reward"] for leaf in node["leaves"]]
+            best = [k for k, r in enumerate(rewards) if r == max(rewards)]
+            pick = best[int(torch.randint(len(best), (1,), generator=self.setup.generator))] if len(best) > 1 else best[0]
+            solutions.append(list(node["leaves"][pick]["response_ids"]))
+        return solutions
 
     def rollout(
         self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None = None
     ) -> tuple[GradedGroups, dict[str, float]]:
         setup, sampler = self.setup, self.setup.sampler
-        depth = self.depth
+        depths = self.depths
         self.step += 1
         prompt_ids = sampler.encode(problems)
-        metrics = {"mcts_prefix_depth": float(depth)}
-        prefixes: list[tuple[int, ...]] = [()] * len(problems)
-        if depth > 0:
+        metrics = {"mcts_prefix_depth": float(max(depths)), "mcts_prefix_depths": float(len(depths))}
+        solutions: list[list[int]] = [[] for _ in problems]
+        if self.teacher_tree:
+            solutions = self.offline_solutions(problems, prompt_ids, metrics)
+        elif max(depths) > 0:
             leaves, tree_metrics = TreeSampling(setup, self.search).grow(prompt_ids)
             searched = sampler.grade(problems, leaves, setup.params.max_new_tokens)
             for p, group in enumerate(leaves):
                 rewards = searched.rewards[searched.group_index == p].tolist()
-                best = group[rewards.index(max(rewards))]
-                prefixes[p] = tuple(best.response_ids[: revealed_length(len(best.response_ids), depth, self.search.segment_tokens)])
+                solutions[p] = list(group[rewards.index(max(rewards))].response_ids)
             metrics.update(tree_metrics)
             # the policy's own responses to the prompt alone: what the learning is judged on
             metrics["rollout_outcome_mean"] = float(searched.outcome.mean().item())
-        max_new = setup.params.max_new_tokens
-        requests = [(GenerationRequest(ids, n=setup.n, prefix_ids=prefix), max_new - len(prefix)) for ids, prefix in zip(prompt_ids, prefixes)]
-        groups = [
-            [prefixed_response(c, len(prefix)) for c in group] if prefix else list(group)
-            for group, prefix in zip(continue_with_budgets(sampler, requests, setup.params, setup.generator), prefixes)
+        max_new, segment = setup.params.max_new_tokens, self.search.segment_tokens
+        plan = [
+            (p, d, tuple(solutions[p][: revealed_length(len(solutions[p]), d, segment)])) for p in range(len(problems)) for d in depths
         ]
+        requests = [(GenerationRequest(prompt_ids[p], n=setup.n // len(depths), prefix_ids=prefix), max_new - len(prefix)) for p, _, prefix in plan]
+        groups: list[list] = [[] for _ in problems]
+        stages: list[list[int]] = [[] for _ in problems]
+        for (p, d, prefix), completions in zip(plan, continue_with_budgets(sampler, requests, setup.params, setup.generator)):
+            for c in completions:
+                c = prefixed_response(c, len(prefix)) if prefix else c
+                groups[p].append(dataclasses.replace(c, extras={**c.extras, PREFIX_STAGE: [d] * len(c.response_ids)}))
+                stages[p].append(d)
         graded = sampler.grade(problems, groups, max_new)
-        if depth == 0:
-            metrics["rollout_outcome_mean"] = float(graded.outcome.mean().item())
-        metrics["mcts_prefix_tokens_mean"] = float(sum(len(p) for p in prefixes) / max(len(prefixes), 1))
+        if "rollout_outcome_mean" not in metrics:
+            alone = torch.tensor([d == 0 for group in stages for d in group])
+            metrics["rollout_outcome_mean"] = float((graded.outcome[alone] if bool(alone.any()) else graded.outcome).mean().item())
+        metrics["mcts_prefix_tokens_mean"] = float(sum(len(prefix) for _, _, prefix in plan) / max(len(plan), 1))
         return graded, metrics
