@@ -31,7 +31,7 @@ Offline (``teacher_tree: <file>``): the tree is the teacher's, grown once before
 A file that exists is read (its tokenizer fingerprint and segment length must be the run's); otherwise, at
 the first step, before any update, the policy (the initial policy: the teacher) grows the search tree of
 every training prompt, and the tree is written there (JSON: per prompt uid, its prompt ids and its leaves'
-token paths and rewards; the shared prefixes of the paths are the tree). The tree travels in the checkpoint.
+token paths and rewards, and its search nodes with their visits N and summed values W (below)). The tree travels in the checkpoint.
 A different teacher writes the file from its own run with the same tokenizer (``trainer.steps=1``).
 Each step draws, per prompt, one of the tree's best leaves (highest reward, uniformly among ties).
 
