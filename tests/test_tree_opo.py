@@ -22,7 +22,10 @@ from rlbench.errors import ConfigError, DataError
 from rlbench.model import load_policy
 from rlbench.reward.toy import EvenTokenReward
 from rlbench.rollout import GroupSampler, HFGenerateEngine, RolloutSetup, SamplingParams, make_strategy, validate_strategy
-from rlbench.rollout.strategies.mcts_prefix import TREE_FORMAT, read_tree
+from rlbench.rollout.engines.base import Completion
+from rlbench.rollout.strategies.mcts_prefix import (
+    TREE_FORMAT, backup, mcts_rounds, read_tree, search_nodes, uct_score, uct_select, write_tree,
+)
 from rlbench.rollout.strategies.tree import TreeSampling
 from rlbench.training.batch import collate
 
@@ -105,8 +108,8 @@ def tiny():
     return load_policy(model_preset("tiny"), seed=0)
 
 
-def _cfg(tree, stage_depths=((2, 0),), **options):
-    block = {"search": {"segment_tokens": 2, "root_branching": 2, "branching": 2}, "stage_depths": [list(s) for s in stage_depths],
+def _cfg(tree, stage_depths=((2, 0),), search=None, **options):
+    block = {"search": {"segment_tokens": 2, "root_branching": 2, "branching": 2, **(search or {})}, "stage_depths": [list(s) for s in stage_depths],
              "steps_per_stage": 1, "teacher_tree": str(tree), **options}
     return rollout_config({"strategy": "mcts_prefix", "n": 4, "max_new_tokens": 8, "mcts_prefix": block})
 
@@ -195,6 +198,157 @@ def test_a_mixed_step_collates_its_stages(tiny, tmp_path):
     assert graded.group_index.tolist() == [0] * 4 + [1] * 4  # the group is the prompt's, all its depths
     graded, metrics = strategy.rollout(PROBLEMS[:2])  # the second stage: the prompt alone
     assert metrics["mcts_prefix_depth"] == 0 and metrics["rollout_outcome_mean"] == pytest.approx(float(graded.outcome.mean()))
+
+
+# ------------------------------------------------------------------ MCTS selection rounds of the teacher tree
+
+
+def test_uct_score_by_hand():
+    c = math.sqrt(2)
+    assert uct_score(1.0, 2, 4, c) == pytest.approx(0.5 + math.sqrt(2) * math.sqrt(math.log(4) / 2))  # 0.5 + sqrt(ln 4)
+    assert uct_score(0.0, 1, 4, 1.0) == pytest.approx(math.sqrt(math.log(4)))
+    assert uct_score(3.0, 4, 9, 0.0) == 0.75  # c = 0: the mean value alone
+    assert uct_score(0.0, 0, 5, 1.0) == math.inf
+    assert uct_select([5.0, 0.0, 0.0], [5, 0, 0], 5, 1.0) == 1  # unvisited children first, the first of them
+    assert uct_select([5.0, 0.0], [5, 1], 6, 0.1) == 0  # exploitation: 1.0 + 0.1*sqrt(ln 6 / 5) against 0.1*sqrt(ln 6)
+    assert uct_select([5.0, 0.0], [5, 1], 6, 10.0) == 1  # exploration: 1 + 10*0.599 against 10*1.339
+    assert uct_select([1.0, 1.0, 1.0], [2, 2, 2], 6, 1.0) == 0  # ties: the first child
+    assert uct_select([0.0, 1.0, 1.0], [2, 2, 2], 6, 1.0) == 1
+
+
+def test_backup_by_hand_on_a_three_node_path():
+    visits, sums = [3, 2, 1, 5], [1.0, 1.0, 0.0, 2.0]
+    assert backup(visits, sums, [0, 1, 2], 0.5) == ([4, 3, 2, 5], [1.5, 1.5, 0.5, 2.0])
+    assert visits == [3, 2, 1, 5] and sums == [1.0, 1.0, 0.0, 2.0]  # pure: the inputs are unchanged
+
+
+class ScriptedSampler:
+    """The k-th sample of a request with prefix P continues P with SCRIPT[P][k] (tokens, EOS sampled); the reward
+    of a response is REWARD.get(response, 0). Records each call's (prefix, n, max_new_tokens)."""
+
+    SCRIPT = {
+        (1, 1): [([8], False), ([9], True)], (1, 1, 8): [([5], False)],
+        (2, 1): [([3], False), ([4], False)], (2, 1, 3): [([6], False)], (2, 1, 4): [([6], False)],
+        (1, 2): [([5], True), ([6], True)],
+    }
+    REWARD = {(1, 1, 7, 7): 1.0, (2, 1, 3, 6): 1.0}
+
+    class tokenizer:
+        @staticmethod
+        def decode(ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, requests, params, generator=None):
+        out = []
+        for r in requests:
+            self.calls.append((r.prefix_ids, r.n, params.max_new_tokens))
+            script = self.SCRIPT[tuple(r.prefix_ids)]
+            out.append([Completion(0, r.prompt_ids, list(r.prefix_ids) + script[k][0], [0.0] * (len(r.prefix_ids) + 1), script[k][1])
+                        for k in range(r.n)])
+        return out
+
+    def grade(self, problems, groups, max_length):
+        rewards = torch.tensor([self.REWARD.get(tuple(c.response_ids), 0.0) for group in groups for c in group])
+        return type("Graded", (), {"rewards": rewards})()
+
+
+def _scripted_record():
+    """Four leaves of a segment tree of 1-token segments (root_branching 2, branching 2), max_new_tokens 4."""
+    paths = [[1, 1, 7, 7], [1, 2, 7, 7], [2, 1, 7, 7], [2, 2, 7, 7]]
+    rewards = [1.0, 0.0, 0.0, 0.0]
+    return {"prompt_ids": [0], "leaves": [{"response_ids": p, "reward": r} for p, r in zip(paths, rewards)],
+            "nodes": search_nodes(paths, rewards, 1)}
+
+
+def test_search_nodes_of_a_segment_tree():
+    nodes = _scripted_record()["nodes"]
+    # 0: prompt; 1: [1] (2 leaves); 2: [1,1] (leaf 0's own, its rollout the rest); 3: [1,2]; 4: [2]; 5: [2,1]; 6: [2,2]
+    assert [(n["parent"], n["tokens"], n["N"], n["W"], n["leaf"]) for n in nodes] == [
+        (-1, [], 4, 1.0, -1), (0, [1], 2, 1.0, 0), (1, [1], 1, 1.0, 0), (1, [2], 1, 0.0, 1),
+        (0, [2], 2, 0.0, 2), (4, [1], 1, 0.0, 2), (4, [2], 1, 0.0, 3),
+    ]
+    assert not any(n["ended"] for n in nodes)
+    ended = search_nodes([[3], [4, 4, 4]], [1.0, 0.0], 2)  # a leaf ending inside its first segment: a terminal node
+    assert [(n["tokens"], n["ended"]) for n in ended] == [([], False), ([3], True), ([4, 4], False)]
+
+
+def test_rounds_expand_the_uct_child_by_hand():
+    """c = sqrt(2). Round 1: root N=4: [1] (W=1, N=2) 0.5 + sqrt(ln 4) beats [2] (W=0, N=2) sqrt(ln 4); under [1],
+    [1,1] (W=1) beats [1,2] (W=0): [1,1] is expanded: [1,1,8] (rollout [1,1,8,5], reward 0) and [1,1,9] (EOS: its own
+    rollout, reward 0). Round 2: root N=6: [1] (W=1, N=4) 0.25 + 1.414*sqrt(ln 6 / 4) = 1.197 against [2] (W=0, N=2)
+    1.414*sqrt(ln 6 / 2) = 1.339: [2]; its children tie (W=0, N=1): the first, [2,1], is expanded: [2,1,3] (rollout
+    [2,1,3,6], reward 1), [2,1,4] (reward 0). Round 3: root N=8: [1] and [2] tie (W=1, N=4): [1]; under it (N=4)
+    [1,1] (W=1, N=3) 0.333 + 1.414*sqrt(ln 4 / 3) = 1.295 against [1,2] (W=0, N=1) 1.414*sqrt(ln 4) = 1.665: [1,2]."""
+    sampler = ScriptedSampler()
+    setup = type("Setup", (), {"sampler": sampler, "params": SamplingParams(temperature=1.0, max_new_tokens=4), "generator": None})()
+    record = _scripted_record()
+    mcts_rounds(setup, [PROBLEMS[0]], [record], 3, math.sqrt(2), segment_tokens=1, branching=2)
+    expansions = [call[0] for call in sampler.calls if call[1] == 2]
+    assert expansions == [(1, 1), (2, 1), (1, 2)]
+    assert all(call[2] == 1 for call in sampler.calls if call[1] == 2)  # one segment of 1 token
+    assert [(c[0], c[2]) for c in sampler.calls if c[1] == 1] == [((1, 1, 8), 1), ((2, 1, 3), 1), ((2, 1, 4), 1)]  # rollouts
+    nodes = record["nodes"]
+    new = [(n["parent"], n["tokens"], n["N"], n["W"], n["ended"]) for n in nodes[7:]]
+    assert new == [(2, [8], 1, 0.0, False), (2, [9], 1, 0.0, True), (5, [3], 1, 1.0, False), (5, [4], 1, 0.0, False),
+                   (3, [5], 1, 0.0, True), (3, [6], 1, 0.0, True)]
+    assert [(n["N"], n["W"]) for n in nodes[:7]] == [(10, 2.0), (6, 1.0), (3, 1.0), (3, 0.0), (4, 1.0), (3, 1.0), (1, 0.0)]
+    assert [leaf["response_ids"] for leaf in record["leaves"][4:]] == [[1, 1, 8, 5], [1, 1, 9], [2, 1, 3, 6], [2, 1, 4, 6], [1, 2, 5], [1, 2, 6]]
+    assert [leaf["reward"] for leaf in record["leaves"][4:]] == [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+
+
+def test_a_selected_terminal_node_backs_up_its_reward_without_sampling():
+    sampler = ScriptedSampler()
+    setup = type("Setup", (), {"sampler": sampler, "params": SamplingParams(temperature=1.0, max_new_tokens=4), "generator": None})()
+    record = {"prompt_ids": [0], "leaves": [{"response_ids": [3], "reward": 1.0}], "nodes": search_nodes([[3]], [1.0], 2)}
+    mcts_rounds(setup, [PROBLEMS[0]], [record], 2, 1.0, segment_tokens=2, branching=2)
+    assert sampler.calls == [] and [(n["N"], n["W"]) for n in record["nodes"]] == [(3, 3.0), (3, 3.0)]
+
+
+def test_rounds_0_is_the_segment_tree_exactly(tiny, tmp_path):
+    """The default (no rounds) and rounds=0 write the leaves of today's construction: the segment tree, graded."""
+    trees = [_strategy(tiny, _cfg(tmp_path / "t.json", search=search)).grow_teacher_tree(PROBLEMS) for search in (None, {"rounds": 0})]
+    reference = _strategy(tiny, _cfg(tmp_path / "r.json"))
+    sampler = reference.setup.sampler
+    leaves, _ = TreeSampling(reference.setup, reference.search).grow(sampler.encode(PROBLEMS))
+    graded = sampler.grade(PROBLEMS, leaves, 8)
+    for tree in trees:
+        for p, problem in enumerate(PROBLEMS):
+            rewards = graded.rewards[graded.group_index == p].tolist()
+            assert tree["prompts"][problem.uid]["leaves"] == [
+                {"response_ids": list(leaf.response_ids), "reward": float(r)} for leaf, r in zip(leaves[p], rewards)
+            ]
+    assert trees[0] == trees[1]
+
+
+def test_rounds_grow_the_teacher_tree_and_the_file_keeps_n_and_w(tiny, tmp_path):
+    path = tmp_path / "tree.json"
+    strategy = _strategy(tiny, _cfg(path, search={"rounds": 3, "exploration": 1.0}))
+    strategy.training_problems(PROBLEMS)
+    strategy.rollout(PROBLEMS[:2])
+    assert sum(len(node["leaves"]) for node in strategy.tree["prompts"].values()) > 3 * 4  # the rounds added leaves
+    for node in strategy.tree["prompts"].values():
+        nodes, leaves = node["nodes"], node["leaves"]
+        assert 4 <= len(leaves) <= 4 + 3 * 2  # each round adds branching=2 leaves unless it selected a terminal node
+        assert nodes[0]["N"] == 4 + 3 * 2 - (10 - len(leaves)) // 2  # one visit per evaluation, a reselection one
+        for k, parent in enumerate(nodes):
+            assert parent["N"] >= sum(n["N"] for n in nodes if n["parent"] == k)
+    again = read_tree(path, strategy.tree["tokenizer"], 2)
+    assert again == strategy.tree and all("N" in n and "W" in n for p in again["prompts"].values() for n in p["nodes"])
+    write_tree(tmp_path / "copy.json", again)
+    assert read_tree(tmp_path / "copy.json", again["tokenizer"], 2) == again
+
+
+def test_rounds_options_refused(tmp_path):
+    with pytest.raises(ConfigError, match="offline teacher tree only"):
+        validate_strategy(_cfg("", search={"rounds": 2}), "sae")
+    with pytest.raises(ConfigError, match="rounds=-1"):
+        validate_strategy(_cfg(tmp_path / "t.json", search={"rounds": -1}), "sae")
+    with pytest.raises(ConfigError, match="no key"):
+        validate_strategy(_cfg(tmp_path / "t.json", search={"round": 2}), "sae")
+    validate_strategy(_cfg(tmp_path / "t.json", search={"rounds": 2, "exploration": 0.5}), "sae")
 
 
 @pytest.mark.slow

@@ -14,6 +14,8 @@ Configuration (``rollout.mcts_prefix``; conf/rollout/mcts_prefix.yaml):
       segment_tokens: 4   # tokens per segment (a partial solution grows one segment per level)
       root_branching: 2
       branching: 2
+      rounds: 0           # offline only: MCTS selection rounds after the segment tree (0: none, the tree as grown)
+      exploration: 1.414  # UCT's constant c (default sqrt(2))
     stage_depths: [2, 1, 0]  # one entry per stage: a depth (segments revealed; 0: the prompt alone) or a list
                              # of depths mixed within the step (rollout.n / its length completions each)
     steps_per_stage: 10      # training steps per stage; the last stage lasts to the end of the run
@@ -29,9 +31,22 @@ Offline (``teacher_tree: <file>``): the tree is the teacher's, grown once before
 A file that exists is read (its tokenizer fingerprint and segment length must be the run's); otherwise, at
 the first step, before any update, the policy (the initial policy: the teacher) grows the search tree of
 every training prompt, and the tree is written there (JSON: per prompt uid, its prompt ids and its leaves'
-token paths and rewards; the shared prefixes of the paths are the tree). The tree travels in the checkpoint.
+token paths and rewards, and its search nodes with their visits N and summed values W (below)). The tree travels in the checkpoint.
 A different teacher writes the file from its own run with the same tokenizer (``trainer.steps=1``).
 Each step draws, per prompt, one of the tree's best leaves (highest reward, uniformly among ties).
+
+MCTS selection rounds (offline, ``search.rounds: R`` > 0; :func:`mcts_rounds`). The segment tree's leaves are
+read as a search tree of partial solutions cut at segment boundaries (:func:`search_nodes`: the prompt, every
+prefix of whole segments that two leaves share, and each leaf's first segment past its last shared prefix,
+which the rest of the leaf evaluated as a rollout; a leaf that ends inside a segment ends a terminal node),
+each leaf's reward backed up its path (N: visits, W: summed values). Then R rounds per prompt: a path is
+selected from the root by UCT (:func:`uct_score`, the unvisited child first, the first child among ties)
+down to a node without children; a terminal node backs up its own reward again; any other is expanded by
+``branching`` continuations of ``segment_tokens`` tokens sampled by the teacher, each new node evaluated by
+a rollout to the end (or by itself when it ended: EOS or ``max_new_tokens``), graded by the run's reward,
+and the value backed up its path (:func:`backup`). Every rollout is a new leaf of the file, so the draw
+(a best leaf) sees the search's solutions. The file stores each node's parent, tokens, N and W
+(``nodes``); a file without them (written before) still reads. rounds 0 writes today's leaves exactly.
 
 Either way the prefix at depth d is the solution's first d * segment_tokens tokens (at most the whole
 segments before its last token); each depth's completions come from one request (rlbench.rollout.continuation),
@@ -43,7 +58,7 @@ mean outcome of responses to the prompt alone (the online search's leaves, else 
 all completions when the step has no depth 0), which a revealed prefix does not inflate.
 
 Simplifications against the paper (docs/rollout-trees.md): the search is one expansion pass with leaf
-rewards as the evaluation (no UCT selection rounds); the teacher is the run's initial policy unless a file of
+rewards as the evaluation (UCT selection rounds only for the offline teacher tree, ``search.rounds``); the teacher is the run's initial policy unless a file of
 another model's run is given; a step's prefixes of a prompt come from one solution path.
 """
 
@@ -51,12 +66,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from rlbench.config.schema import RolloutConfig
+from rlbench.config.typed import settings_block
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError, DataError
 from rlbench.guidance.traces import tokenizer_fingerprint
@@ -78,6 +96,146 @@ SEARCH = "mcts_prefix.search"
 PREFIX_STAGE = "prefix_stage"
 TREE_FORMAT = "rlbench/mcts_prefix_tree/1"
 TREE_CHUNK = 16  # prompts per search when the teacher grows its tree
+UCT_KEYS = ("rounds", "exploration")  # keys of the search block read here, not by the segment tree (TreeOptions)
+
+
+@dataclasses.dataclass(frozen=True)
+class UCTOptions:
+    """The MCTS keys of ``rollout.mcts_prefix.search``."""
+
+    rounds: int = 0  # selection rounds per prompt after the segment tree (offline teacher tree only); 0: none
+    exploration: float = math.sqrt(2)  # UCT's c
+
+
+def uct_score(value_sum: float, visits: int, parent_visits: int, c: float) -> float:
+    """UCT (Kocsis & Szepesvari 2006), the selection rule of Tree-OPO's teacher MCTS (arXiv:2509.09284, section 3):
+    score(child) = W(child) / N(child) + c * sqrt(ln N(parent) / N(child)), with W the child's summed values and N
+    its visits; an unvisited child (N = 0) scores +inf (it is selected first)."""
+    if visits == 0:
+        return math.inf
+    return value_sum / visits + c * math.sqrt(math.log(max(parent_visits, 1)) / visits)
+
+
+def uct_select(value_sums: list[float], visits: list[int], parent_visits: int, c: float) -> int:
+    """The index of the child with the highest :func:`uct_score` (the first among ties: deterministic)."""
+    scores = [uct_score(w, n, parent_visits, c) for w, n in zip(value_sums, visits)]
+    return scores.index(max(scores))
+
+
+def backup(visits: list[int], value_sums: list[float], path: list[int], value: float) -> tuple[list[int], list[float]]:
+    """MCTS backup of one evaluation: N(v) <- N(v) + 1 and W(v) <- W(v) + value for every node v on ``path``
+    (node indices, root first); the other nodes unchanged. New lists."""
+    visits, value_sums = list(visits), list(value_sums)
+    for v in path:
+        visits[v] += 1
+        value_sums[v] += value
+    return visits, value_sums
+
+
+def _node(parent: int, tokens: list[int], ended: bool, leaf: int) -> dict[str, Any]:
+    """A search node of the file: its parent's index (-1: the prompt), its own tokens, visits N, summed values W,
+    whether its path ended (terminal) and the leaf that evaluated it (-1: none)."""
+    return {"parent": parent, "tokens": list(tokens), "N": 0, "W": 0.0, "ended": ended, "leaf": leaf}
+
+
+def _backup_nodes(nodes: list[dict[str, Any]], path: list[int], value: float) -> None:
+    visits, sums = backup([node["N"] for node in nodes], [node["W"] for node in nodes], path, value)
+    for node, n, w in zip(nodes, visits, sums):
+        node["N"], node["W"] = n, w
+
+
+def search_nodes(paths: list[list[int]], rewards: list[float], segment_tokens: int) -> list[dict[str, Any]]:
+    """The search tree of a prompt's leaves (token paths with their rewards): node 0 is the prompt; a node is a
+    prefix of whole segments shared by two leaves or more, or a leaf's first segment past its last shared prefix
+    (evaluated by the leaf as its rollout); a leaf that ends inside it ends a terminal node. Each leaf's reward
+    is backed up its path (:func:`backup`)."""
+
+    def cuts(length: int) -> list[int]:
+        return [*range(segment_tokens, length, segment_tokens), length] if length else []
+
+    through = Counter(tuple(ids[:cut]) for ids in paths for cut in cuts(len(ids)))
+    nodes, index = [_node(-1, [], False, -1)], {(): 0}
+    for leaf, (ids, reward) in enumerate(zip(paths, rewards)):
+        path, start = [0], 0
+        for cut in cuts(len(ids)):
+            key = tuple(ids[:cut])
+            if key not in index:
+                index[key] = len(nodes)
+                nodes.append(_node(path[-1], ids[start:cut], False, leaf))
+            if cut == len(ids):
+                nodes[index[key]].update(ended=True, leaf=leaf)
+            path.append(index[key])
+            start = cut
+            if through[key] < 2:
+                break
+        _backup_nodes(nodes, path, float(reward))
+    return nodes
+
+
+def select_path(nodes: list[dict[str, Any]], c: float) -> list[int]:
+    """The UCT path (node indices) from the prompt down to a node without children (:func:`uct_select` at each node)."""
+    children: dict[int, list[int]] = {}
+    for k, node in enumerate(nodes):
+        if node["parent"] >= 0:
+            children.setdefault(node["parent"], []).append(k)
+    path = [0]
+    while path[-1] in children:
+        kids = children[path[-1]]
+        pick = uct_select([nodes[k]["W"] for k in kids], [nodes[k]["N"] for k in kids], nodes[path[-1]]["N"], c)
+        path.append(kids[pick])
+    return path
+
+
+def mcts_rounds(
+    setup: RolloutSetup, problems: list[Problem], records: list[dict[str, Any]], rounds: int, c: float,
+    segment_tokens: int, branching: int,
+) -> None:
+    """``rounds`` MCTS rounds on each prompt's record (its ``prompt_ids``, ``leaves`` and ``nodes``, changed in
+    place), the prompts' rounds batched: select (:func:`select_path`), expand a non-terminal node by ``branching``
+    continuations of ``segment_tokens`` tokens, evaluate each new node by a rollout to the end (a node that ended
+    is its own rollout) graded by the run's reward (a terminal node selected again: its leaf's reward), back up."""
+    sampler, params, max_new = setup.sampler, setup.params, setup.params.max_new_tokens
+    for _ in range(rounds):
+        expand = []
+        for p, record in enumerate(records):
+            nodes = record["nodes"]
+            path = select_path(nodes, c)
+            node = nodes[path[-1]]
+            if node["ended"]:
+                _backup_nodes(nodes, path, float(record["leaves"][node["leaf"]]["reward"]))
+            else:
+                expand.append((p, path, [t for v in path for t in nodes[v]["tokens"]]))
+        if not expand:
+            continue
+        requests = [
+            (GenerationRequest(tuple(records[p]["prompt_ids"]), n=branching, prefix_ids=tuple(tokens), score_prefix=False),
+             min(segment_tokens, max_new - len(tokens)))
+            for p, _, tokens in expand
+        ]
+        new = [
+            (p, path, len(tokens), child, child.finished or len(child.response_ids) >= max_new)
+            for (p, path, tokens), children in zip(expand, continue_with_budgets(sampler, requests, params, setup.generator))
+            for child in children
+        ]
+        open_ = [child for _, _, _, child, ended in new if not ended]
+        requests = [
+            (GenerationRequest(child.prompt_ids, n=1, prefix_ids=tuple(child.response_ids), score_prefix=False), max_new - len(child.response_ids))
+            for child in open_
+        ]
+        rollouts = iter(done[0] for done in continue_with_budgets(sampler, requests, params, setup.generator))
+        leaves = [child if ended else next(rollouts) for _, _, _, child, ended in new]
+        graded_prompts = sorted({p for p, *_ in new})
+        groups = [[leaf for (p, *_), leaf in zip(new, leaves) if p == q] for q in graded_prompts]
+        graded = sampler.grade([problems[q] for q in graded_prompts], groups, max_new)
+        rewards = iter(graded.rewards.tolist())  # in the groups' order: by prompt, then as sampled
+        by_prompt = {q: [(entry, leaf) for entry, leaf in zip(new, leaves) if entry[0] == q] for q in graded_prompts}
+        for q in graded_prompts:
+            record = records[q]
+            for (_, path, start, child, ended), leaf in by_prompt[q]:
+                reward = float(next(rewards))
+                record["leaves"].append({"response_ids": list(leaf.response_ids), "reward": reward})
+                record["nodes"].append(_node(path[-1], list(child.response_ids[start:]), ended, len(record["leaves"]) - 1))
+                _backup_nodes(record["nodes"], [*path, len(record["nodes"]) - 1], reward)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,11 +284,12 @@ class MCTSPrefix(RolloutStrategy):
 
     def __init__(
         self, setup: RolloutSetup, search: TreeOptions, stage_depths: list[tuple[int, ...]], steps_per_stage: int,
-        teacher_tree: str = "", teacher_prompts: int = 0,
+        teacher_tree: str = "", teacher_prompts: int = 0, uct: UCTOptions = UCTOptions(),
     ):
         self.setup, self.search = setup, search
         self.stage_depths, self.steps_per_stage = stage_depths, steps_per_stage
         self.teacher_tree, self.teacher_prompts = teacher_tree, teacher_prompts
+        self.uct = uct
         self.tree: dict[str, Any] | None = None  # the offline teacher tree (read_tree's record), once read or grown
         self.problems: list[Problem] = []  # the training problems (training_problems): the teacher's prompts
         self.step = 0
@@ -139,7 +298,18 @@ class MCTSPrefix(RolloutStrategy):
     def config_options(cls, rollout: RolloutConfig) -> dict:
         options = strategy_options(rollout, "mcts_prefix", MCTSPrefixOptions)
         needs_groups("mcts_prefix", rollout, "trains GRPO groups of completions of one prompt's prefixes")
-        search = TreeOptions.from_config(dataclasses.replace(rollout, strategy=SEARCH, settings={SEARCH: dict(options.search)}))
+        block = dict(options.search)
+        uct = settings_block({key: block.pop(key) for key in UCT_KEYS if key in block}, UCTOptions, "rollout.mcts_prefix.search")
+        search = TreeOptions.from_config(dataclasses.replace(rollout, strategy=SEARCH, settings={SEARCH: block}))
+        if uct.rounds < 0 or uct.exploration < 0:
+            raise ConfigError(
+                f"rollout.mcts_prefix.search.rounds={uct.rounds} and .exploration={uct.exploration} must be >= 0"
+            )
+        if uct.rounds and not options.teacher_tree:
+            raise ConfigError(
+                f"rollout.mcts_prefix.search.rounds={uct.rounds}: MCTS selection rounds grow the offline teacher tree "
+                "only; set rollout.mcts_prefix.teacher_tree=<file>, or rounds=0 for the online search"
+            )
         stages = [(entry,) if isinstance(entry, int) else tuple(entry) for entry in options.stage_depths]
         steps, n = options.steps_per_stage, int(rollout.n)
         if not stages or any(not mix or min(mix) < 0 or len(set(mix)) < len(mix) for mix in stages):
@@ -168,7 +338,7 @@ class MCTSPrefix(RolloutStrategy):
                 f"Use depths below {-(-max_new // search.segment_tokens)} or a smaller search.segment_tokens"
             )
         return {"search": search, "stage_depths": stages, "steps_per_stage": steps, "teacher_tree": options.teacher_tree,
-                "teacher_prompts": options.teacher_prompts}
+                "teacher_prompts": options.teacher_prompts, "uct": uct}
 
     @property
     def depths(self) -> tuple[int, ...]:
@@ -195,12 +365,17 @@ class MCTSPrefix(RolloutStrategy):
             prompt_ids = sampler.encode(chunk)
             leaves, _ = TreeSampling(self.setup, self.search).grow(prompt_ids)
             graded = sampler.grade(chunk, leaves, self.setup.params.max_new_tokens)
+            records = []
             for p, (problem, group) in enumerate(zip(chunk, leaves)):
                 rewards = graded.rewards[graded.group_index == p].tolist()
                 prompts[problem.uid] = {
                     "prompt_ids": list(prompt_ids[p]),
                     "leaves": [{"response_ids": list(leaf.response_ids), "reward": float(r)} for leaf, r in zip(group, rewards)],
+                    "nodes": search_nodes([list(leaf.response_ids) for leaf in group], rewards, self.search.segment_tokens),
                 }
+                records.append(prompts[problem.uid])
+            if self.uct.rounds:
+                mcts_rounds(self.setup, chunk, records, self.uct.rounds, self.uct.exploration, self.search.segment_tokens, self.search.branching)
         fingerprint = tokenizer_fingerprint(sampler.tokenizer)
         return {"format": TREE_FORMAT, "tokenizer": fingerprint, "segment_tokens": self.search.segment_tokens, "prompts": prompts}
 
