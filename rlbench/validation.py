@@ -119,6 +119,12 @@ def check_curriculum(config: RunConfig, algorithm: Algorithm) -> None:
         raise ConfigError(f"trainer.difficulty_filter is not supported with trainer.parallelism={trainer.parallelism} "
                           "(each process would filter the problems by its own samples)")
     stages = parse_stages(trainer.stages, trainer.steps)
+    triggered = [stage.label for stage in stages if stage.when is not None]
+    if triggered and (trainer.parallelism != "single" or trainer.max_staleness is not None):
+        raise ConfigError(f"trainer.stages {triggered[0]}: a stage that starts on a metric needs "
+                          "trainer.parallelism=single and trainer.max_staleness=null (each process or actor would "
+                          "decide from its own metrics; a generator thread samples before the metric is known); "
+                          "give the stage a step (at: N)")
     for stage, settings in zip(stages, stage_settings(config, stages)):
         try:
             sampler_options(settings[SAMPLER_KEY])
@@ -126,7 +132,7 @@ def check_curriculum(config: RunConfig, algorithm: Algorithm) -> None:
                                    trainer.micro_batch_size, algorithm.minibatches)
             algorithm.check_group_size(settings["rollout.n"], settings["trainer.prompts_per_step"] * settings["rollout.n"])
         except ConfigError as err:
-            raise ConfigError(f"from trainer.stages at step {stage.at}: {err}") from None
+            raise ConfigError(f"from trainer.stages {stage.label}: {err}") from None
 
 
 def check_sharded_run_features(config: RunConfig) -> None:
@@ -152,7 +158,7 @@ def check_sharded_run_features(config: RunConfig) -> None:
     for stage, settings in zip(stages, stage_settings(config, stages)):
         if settings["trainer.prompts_per_step"] % world_size:
             raise ConfigError(
-                f"from trainer.stages at step {stage.at}: the world size {world_size} does not divide "
+                f"from trainer.stages {stage.label}: the world size {world_size} does not divide "
                 f"trainer.prompts_per_step={settings['trainer.prompts_per_step']}; every rank trains on the same "
                 "number of whole groups: use a multiple of the number of processes"
             )
@@ -335,7 +341,7 @@ def check_difficulty_rollout(config: RunConfig, algorithm: Algorithm) -> None:
         try:
             options.check(int(setting["rollout.n"]))
         except ConfigError as err:
-            raise ConfigError(f"from trainer.stages at step {stage.at}: {err}") from None
+            raise ConfigError(f"from trainer.stages {stage.label}: {err}") from None
         settings.append(setting)
     for setting in settings:
         smallest = int(setting["trainer.prompts_per_step"]) * options.n_min

@@ -166,9 +166,9 @@ def test_campo_repetition_penalty_modes_and_the_truncated_scan():
     unless truncated_only is false."""
     from rlbench.algorithm.shaping import REWARD_SHAPING, apply_shaping
 
-    texts = ["abcabcabc", "xyzabcabc", "no loop here", "okok"]
+    ids = [[1, 2, 3] * 3, [7, 8, 9, 1, 2, 3, 1, 2, 3], [4, 5, 6, 7], [5, 6, 5, 6]]
     finished = torch.tensor([False, False, False, True])
-    inputs = {"response_texts": texts, "finished": finished}
+    inputs = {"response_token_ids": ids, "finished": finished}
     fraction = REWARD_SHAPING.call("campo_repetition", inputs, {})
     assert fraction.tolist() == pytest.approx([-1.0, -2 / 3, 0.0, 0.0])  # "okok" ended with EOS: not scanned
     every = REWARD_SHAPING.call("campo_repetition", inputs, {"truncated_only": False})
@@ -179,6 +179,31 @@ def test_campo_repetition_penalty_modes_and_the_truncated_scan():
     assert shaped.tolist() == pytest.approx([0.0, -2 / 3, 1.0, 1.0])
     with pytest.raises(ValueError, match="mode"):
         REWARD_SHAPING.call("campo_repetition", inputs, {"mode": "loop"})
+
+
+def test_campo_repetition_reads_token_ids_not_the_text():
+    """The loop is found on the responses' token ids (the released find_infinite_loop_start compares ids):
+    text that repeats under two tokenisations ("ab" x 3 against "a" + "babab") is no loop, and the
+    shaping inputs carry each completion's ids as sampled."""
+    from rlbench.algorithm.shaping import REWARD_SHAPING
+    from rlbench.rollout.engines.base import Completion
+    from rlbench.rollout.groups import shaping_inputs
+    from rlbench.reward.math import Grade
+
+    class Vocabulary:
+        pieces = {1: "ab", 2: "a", 3: "babab"}
+
+        def decode(self, ids):
+            return "".join(self.pieces[i] for i in ids)
+
+    tokenizer = Vocabulary()
+    looped, retokenised = (Completion(0, (0,), ids, [0.0] * 3, False, text=tokenizer.decode(ids)) for ids in ([1, 1, 1], [2, 3]))
+    assert looped.text == "ababab" and retokenised.text == "ababab"
+    grades = [Grade(correct=False, extracted=None, reward=0.0, format_ok=True)] * 2
+    inputs = shaping_inputs([[looped, retokenised]], grades, 3, tokenizer)
+    assert inputs["response_token_ids"] == [[1, 1, 1], [2, 3]]
+    penalty = REWARD_SHAPING.call("campo_repetition", inputs, {})
+    assert penalty.tolist() == pytest.approx([-1.0, 0.0])
 
 
 # --------------------------------------------------------------------------- M2PO: the mask and the adaptive clip

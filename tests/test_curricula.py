@@ -2,6 +2,8 @@
 their formulas on hand-made statistics tables, and the stage schedule's validation and effect."""
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
@@ -132,7 +134,7 @@ def test_stages_parse_nested_or_dotted_keys():
 @pytest.mark.parametrize("stages, message", [
     ([{"at": 5, "rollout.n": 8}, {"at": 3, "rollout.n": 4}], "at=3 comes before the previous stage's at=5"),
     ([{"at": 5, "rollout.n": 8}, {"at": 5, "rollout.n": 4}], "at=5 overlaps the previous stage's at=5"),
-    ([{"rollout.n": 8}], "has no 'at'"),
+    ([{"rollout.n": 8}], "needs exactly one of 'at'"),
     ([{"at": 1, "rollout.n": 8}], "must be a step in 2..trainer.steps=10"),
     ([{"at": 11, "rollout.n": 8}], "must be a step in 2..trainer.steps=10"),
     ([{"at": 4, "dataset.name": "gsm8k"}], "may change"),
@@ -141,6 +143,77 @@ def test_stages_parse_nested_or_dotted_keys():
 def test_bad_stage_schedules_are_refused(stages, message):
     with pytest.raises(ConfigError, match=message):
         parse_stages(stages, steps=10)
+
+
+def test_a_stage_may_start_on_a_metric_instead_of_a_step():
+    stages = parse_stages([{"at": 3, "rollout.n": 8},
+                           {"when": {"metric": "truncated_rate", "above": 0.5, "for_steps": 2}, "rollout": {"max_new_tokens": 64}},
+                           {"when": {"metric": "accuracy", "below": 0.1}, "rollout.n": 2}], steps=10)
+    assert [(s.at, s.changes) for s in stages] == [(3, {"rollout.n": 8}), (None, {"rollout.max_new_tokens": 64}),
+                                                   (None, {"rollout.n": 2})]
+    trigger = stages[1].when
+    assert (trigger.metric, trigger.threshold, trigger.above, trigger.for_steps) == ("truncated_rate", 0.5, True, 2)
+    assert trigger.holds(0.6) and not trigger.holds(0.5) and stages[2].when.holds(0.05) and not stages[2].when.holds(0.1)
+    assert stages[1].label == "when truncated_rate above 0.5 for 2 step(s)" and stages[0].label == "at step 3"
+
+
+@pytest.mark.parametrize("stages, message", [
+    ([{"at": 3, "when": {"metric": "accuracy", "above": 0.5}, "rollout.n": 8}], "exactly one of 'at'"),
+    ([{"when": {"metric": "kl", "above": 0.5}, "rollout.n": 8}], "metric='kl' must be one of"),
+    ([{"when": {"metric": "accuracy", "above": 0.5, "below": 0.2}, "rollout.n": 8}], "exactly one of 'above' or 'below'"),
+    ([{"when": {"metric": "accuracy"}, "rollout.n": 8}], "exactly one of 'above' or 'below'"),
+    ([{"when": {"metric": "accuracy", "above": 0.5, "for_steps": 0}, "rollout.n": 8}], "for_steps=0 must be"),
+    ([{"when": {"metric": "accuracy", "above": 0.5, "patience": 2}, "rollout.n": 8}], "unknown keys"),
+    ([{"when": {"metric": "accuracy", "above": 0.5}}], "may change"),
+    ([{"when": {"metric": "accuracy", "above": 0.5}, "rollout.n": 8}, {"at": 4, "rollout.n": 4}], "put the 'at' stages first"),
+])
+def test_bad_stage_triggers_are_refused(stages, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_stages(stages, steps=10)
+
+
+@dataclass
+class _Setup:  # the two fields of RolloutSetup a stage changes
+    n: int
+    params: Any
+
+
+def _curriculum(stages):
+    from types import SimpleNamespace
+
+    from rlbench.rollout.engines.base import SamplingParams
+    from rlbench.training.curricula import Curriculum
+
+    trainer = SimpleNamespace(prompt_sampler=None, stages=stages, steps=20, prompts_per_step=2, aux_tasks=None)
+    params = SamplingParams(max_new_tokens=16)
+    ctx = SimpleNamespace(params=params, strategy=SimpleNamespace(setup=_Setup(4, params)))
+    return Curriculum(trainer, 0, PROBLEMS), ctx
+
+
+def test_a_metric_stage_starts_after_its_metric_held_for_its_steps_and_resumes_where_it_was():
+    """CAMPO's switch on a training signal (arXiv:2507.14683): truncated_rate above 0.5 for 2 steps in a row; a
+    step below resets the count. The stage starts at the step after the second, and a curriculum restored from
+    a checkpoint taken between the two steps or after the switch continues as the uninterrupted one."""
+    stages = [{"when": {"metric": "truncated_rate", "above": 0.5, "for_steps": 2}, "rollout": {"n": 8, "max_new_tokens": 64}}]
+    rates = [0.6, 0.4, 0.7, 0.9, 0.1, 0.2]
+    curriculum, ctx = _curriculum(stages)
+    states, lengths = {}, []
+    for step, rate in enumerate(rates, start=1):
+        curriculum.prompts(step, ctx)
+        lengths.append((ctx.strategy.setup.n, ctx.params.max_new_tokens))
+        curriculum.watch({"truncated_rate": rate})
+        states[step] = curriculum.state_dict()
+    assert curriculum.entered_at == [5]  # steps 3 and 4 above 0.5 (step 2 broke the first run)
+    assert lengths == [(4, 16)] * 4 + [(8, 64)] * 2
+    assert curriculum.metrics()["stages_entered"] == 1.0
+    for saved in (3, 4, 5):
+        resumed, resumed_ctx = _curriculum(stages)
+        resumed.load_state_dict(states[saved], resumed_ctx, saved)
+        for step, rate in enumerate(rates[saved:], start=saved + 1):
+            resumed.prompts(step, resumed_ctx)
+            assert (resumed_ctx.strategy.setup.n, resumed_ctx.params.max_new_tokens) == lengths[step - 1]
+            resumed.watch({"truncated_rate": rate})
+        assert resumed.entered_at == [5]
 
 
 def test_a_stage_whose_batch_does_not_split_is_refused_before_the_model_loads(make_cfg):
@@ -164,3 +237,29 @@ def test_a_stage_changes_the_group_size_and_length_from_its_step_on(make_cfg):
     steps = [json.loads(line) for line in open(f"{cfg.output_dir}/metrics.jsonl")]
     assert [s["generated_responses"] for s in steps] == [4.0, 6.0, 6.0]  # 2 prompts x n
     assert steps[0]["response_length"] == 8.0 and steps[1]["response_length"] <= 4.0
+
+
+def test_a_metric_stage_is_refused_where_processes_or_a_generator_thread_would_disagree(make_cfg):
+    from rlbench.validation import validate_config
+
+    stage = "trainer.stages=[{when:{metric:truncated_rate,above:0.5},rollout:{n:3}}]"
+    validate_config(make_cfg("experiment=smoke", stage))
+    with pytest.raises(ConfigError, match="needs trainer.parallelism=single and trainer.max_staleness=null"):
+        validate_config(make_cfg("experiment=smoke", stage, "trainer.max_staleness=0"))
+
+
+@pytest.mark.slow
+def test_a_metric_stage_starts_in_a_run(make_cfg):
+    """The tiny random model never ends before the 8-token budget, so truncated_rate is 1 at step 1 and the
+    stage starts at step 2 (rlbench.training.loop feeds each step's metrics to the curriculum)."""
+    import json
+
+    from rlbench.runner import run
+
+    cfg = make_cfg("experiment=smoke", "trainer.steps=3", "eval.before_training=false",
+                   "trainer.stages=[{when:{metric:truncated_rate,above:0.5},rollout:{n:3}}]")
+    run(cfg)
+    steps = [json.loads(line) for line in open(f"{cfg.output_dir}/metrics.jsonl")]
+    assert [s["truncated_rate"] for s in steps][:1] == [1.0]
+    assert [s["generated_responses"] for s in steps] == [4.0, 6.0, 6.0]
+    assert [s["stages_entered"] for s in steps] == [0.0, 1.0, 1.0]

@@ -175,7 +175,7 @@ def tail_loop_fraction(units: Sequence, min_repeats: int = 2) -> float:
 
 @REWARD_SHAPING.register("campo_repetition")
 def campo_repetition_penalty(
-    response_texts: Sequence[str],
+    response_token_ids: Sequence[Sequence[int]],
     finished: torch.Tensor,
     weight: float = 1.0,
     mode: str = "fraction",
@@ -184,7 +184,8 @@ def campo_repetition_penalty(
 ) -> torch.Tensor:
     """CAMPO's repetition penalty (Li et al. 2025, "MiroMind-M1: An Open-Source Advancement in
     Mathematical Reasoning via Context-Aware Multi-Stage Policy Optimization", arXiv:2507.14683,
-    sec. 4.3, eq. 6 and sec. 4.3.2). With f(o) = :func:`tail_loop_fraction` of the response's characters:
+    sec. 4.3, eq. 6 and sec. 4.3.2). With f(o) = :func:`tail_loop_fraction` of the response's token ids
+    (the unit of the released ``find_infinite_loop_start``, MiroMindAsia/MiroMind-M1):
 
         term(o) = -weight f(o)          mode "fraction" (eq. 6: the advantage is GRPO's on r - f;
                                         an earlier loop covers more of the response and costs more)
@@ -192,17 +193,19 @@ def campo_repetition_penalty(
                                         weight 0.1)
 
     truncated_only (the released code's choice): only responses that hit the length budget without
-    EOS are scanned, which is where a loop that never ends goes; false scans every response. The loop
-    is found on the decoded text (one unit per character; the released code compares token ids).
+    EOS are scanned, which is where a loop that never ends goes; false scans every response. A loop of
+    tokens is a loop of text, not always the reverse: text that repeats under different tokenisations
+    is no loop here, as in the released code.
     """
     if mode not in ("fraction", "flag"):
         raise ValueError(f"campo_repetition: mode must be 'fraction' or 'flag', got {mode!r}")
     if weight < 0:
         raise ValueError(f"campo_repetition: weight must be >= 0, got {weight}")
     scanned = [not (truncated_only and bool(done)) for done in finished.tolist()]
-    if len(scanned) != len(response_texts):
-        raise ValueError(f"campo_repetition: {len(response_texts)} texts for {len(scanned)} responses")
-    share = [tail_loop_fraction(text, min_repeats) if scan else 0.0 for text, scan in zip(response_texts, scanned)]
+    if len(scanned) != len(response_token_ids):
+        raise ValueError(f"campo_repetition: {len(response_token_ids)} token sequences for {len(scanned)} responses")
+    share = [tail_loop_fraction(list(ids), min_repeats) if scan else 0.0
+             for ids, scan in zip(response_token_ids, scanned)]
     values = [(float(f > 0) if mode == "flag" else f) for f in share]
     return -weight * torch.tensor(values, dtype=torch.float32)
 
@@ -299,7 +302,7 @@ def check_shapers(shapers: Sequence[tuple[str, Mapping[str, Any]]]) -> None:
     probe = {
         "response_lengths": torch.tensor([1]), "finished": torch.tensor([True]), "max_length": 8,
         "correct": torch.tensor([True]), "group_index": torch.tensor([0]), "response_texts": [""], "policy_code": [""],
-        "first_tokens": [""], "prompt_keys": torch.tensor([0]),
+        "response_token_ids": [[]], "first_tokens": [""], "prompt_keys": torch.tensor([0]),
     }
     for name, params in shapers:
         REWARD_SHAPING.validate_params(name, params)

@@ -180,6 +180,8 @@ _declare("max_length", "int", "the generation budget, rollout.max_new_tokens", "
 _declare("response_lengths", "[B] long", "the number of response tokens", "graded", {"shaping"})
 _declare("finished", "[B] bool", "True when the response ended with EOS, False when truncated", "graded", {"shaping"})
 _declare("response_texts", "list[str]", "the decoded responses (special tokens skipped)", "graded", {"shaping"})
+_declare("response_token_ids", "list[list[int]]", "each response's token ids o_1..o_|o| (CAMPO's loop detector "
+         "compares token ids)", "graded", {"shaping"})
 _declare("policy_code", "list[str]", "the closed ```python blocks the policy wrote in each response, joined by "
          "newlines (rlbench.reward.code.tool_blocks): rollout=multi_turn's policy turns only, without the observations "
          "(tool outputs) between them; the response text's blocks otherwise", "graded", {"shaping"})

@@ -121,6 +121,7 @@ def shaping_inputs(groups: Sequence[Sequence[Completion]], grades: Sequence[Grad
         "correct": torch.tensor([bool(g.correct) for g in grades], dtype=torch.bool),
         "group_index": torch.arange(len(groups)).repeat_interleave(sizes),
         "response_texts": [c.text for c in flat],
+        "response_token_ids": [list(c.response_ids) for c in flat],
         "policy_code": [policy_code(c.text) for c in flat],  # rollout=multi_turn: the policy turns' code only
         "first_tokens": [tokenizer.decode(c.response_ids[:1]) if c.response_ids else "" for c in flat],
         "prompt_keys": torch.tensor([prompt_key(c.prompt_ids) for c in flat], dtype=torch.long),

@@ -466,7 +466,9 @@ class Curriculum:
         self.stats = PromptStatsStore() if stats is None else stats  # the step context's (strategies read it too)
         self.problems, self.seed = problems, seed
         self.sampler = make_prompt_sampler(trainer.prompt_sampler, problems, seed, self.stats)
-        self.stages = {stage.at: stage for stage in parse_stages(trainer.stages, trainer.steps)}
+        self.stages = parse_stages(trainer.stages, trainer.steps)  # entered in list order
+        self.entered_at: list[int] = []  # the step each entered stage started at
+        self.streak = 0                  # steps in a row the next stage's trigger has held (a `when` stage)
         self.prompts_per_step = trainer.prompts_per_step
         # trainer.aux_tasks: a share of each step's prompts from tasks built from earlier steps (SPARK)
         self.aux = None if trainer.aux_tasks is None else AuxTaskBuffer(trainer.aux_tasks, seed, sandbox_limits)
@@ -480,11 +482,24 @@ class Curriculum:
         """The sampler of a stage's ``trainer.prompt_sampler`` node in place of the current one."""
         self.sampler = make_prompt_sampler(sampler, self.problems, self.seed, self.stats)
 
+    @property
+    def next_stage(self) -> Stage | None:
+        return self.stages[len(self.entered_at)] if len(self.entered_at) < len(self.stages) else None
+
+    def stage_due(self, step: int) -> bool:
+        """Whether the next stage starts at ``step``: its ``at``, or its trigger held long enough by the step before."""
+        stage = self.next_stage
+        if stage is None:
+            return False
+        return stage.at == step if stage.when is None else self.streak >= stage.when.for_steps
+
     def prompts(self, step: int, ctx: StepContext) -> list[Problem]:
         """Step ``step``'s prompts, after entering the stage that starts at it (if any)."""
-        if step in self.stages:
-            stage = self.stages[step]
+        if self.stage_due(step):
+            stage = self.next_stage
             apply_stage(ctx, stage)
+            self.entered_at.append(step)
+            self.streak = 0
             self.prompts_per_step = int(stage.changes.get("trainer.prompts_per_step", self.prompts_per_step))
             if SAMPLER_KEY in stage.changes:
                 self.switch_sampler(stage.changes[SAMPLER_KEY])
@@ -510,10 +525,19 @@ class Curriculum:
         if hasattr(self.sampler, "observe"):  # clpo: the policy rewrites the step's hard and medium problems
             self.sampler.observe(step, graded)
 
+    def watch(self, metrics: dict[str, float]) -> None:
+        """Count the step toward the next stage's trigger (a ``when`` stage): the streak of steps whose metric
+        crossed the threshold, reset by a step that did not."""
+        stage = self.next_stage
+        if stage is not None and stage.when is not None:
+            self.streak = self.streak + 1 if stage.when.holds(float(metrics[stage.when.metric])) else 0
+
     def metrics(self) -> dict[str, float]:
-        """The step's data-side metrics: the auxiliary tasks' counts (trainer.aux_tasks) and the sampler's (clpo)."""
+        """The step's data-side metrics: the auxiliary tasks' counts (trainer.aux_tasks), the sampler's (clpo),
+        and with stages the number entered (``stages_entered``)."""
         sampler = self.sampler.metrics() if hasattr(self.sampler, "metrics") else {}
-        return {**sampler, **({} if self.aux is None else self.aux.metrics())}
+        entered = {"stages_entered": float(len(self.entered_at))} if self.stages else {}
+        return {**sampler, **entered, **({} if self.aux is None else self.aux.metrics())}
 
     def end_step(self, step: int) -> None:
         if hasattr(self.sampler, "end_step"):
@@ -522,16 +546,21 @@ class Curriculum:
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint saves: the sampler's position, the statistics, the prompts per step."""
         return {"sampler": self.sampler.state_dict(), "stats": self.stats.state_dict(),
-                "prompts_per_step": self.prompts_per_step, "aux_tasks": None if self.aux is None else self.aux.state_dict()}
+                "prompts_per_step": self.prompts_per_step, "aux_tasks": None if self.aux is None else self.aux.state_dict(),
+                "stages_entered_at": list(self.entered_at), "stage_streak": self.streak}
 
     def load_state_dict(self, state: dict[str, Any], ctx: StepContext, step: int) -> None:
         """Continue after ``step`` steps: every stage entered by then put back into the step context
-        (in order, as the run entered them), the sampler in force after ``step``, and the saved state."""
-        for at in sorted(self.stages):
-            if at <= step:
-                apply_stage(ctx, self.stages[at])
-                if SAMPLER_KEY in self.stages[at].changes:
-                    self.switch_sampler(self.stages[at].changes[SAMPLER_KEY])
+        (in order, as the run entered them), the sampler in force after ``step``, and the saved state
+        (a checkpoint written before ``when`` stages existed: the ``at`` stages up to ``step``)."""
+        entered = state.get("stages_entered_at")
+        if entered is None:
+            entered = [stage.at for stage in self.stages if stage.at is not None and stage.at <= step]
+        self.entered_at, self.streak = list(entered), int(state.get("stage_streak", 0))
+        for stage in self.stages[:len(self.entered_at)]:
+            apply_stage(ctx, stage)
+            if SAMPLER_KEY in stage.changes:
+                self.switch_sampler(stage.changes[SAMPLER_KEY])
         self.sampler.load_state_dict(state["sampler"])
         self.stats.load_state_dict(state["stats"])
         self.prompts_per_step = int(state["prompts_per_step"])

@@ -210,6 +210,7 @@ class TrainingRun:
                     observe=lambda graded, step=step: self.curriculum.observe(step, graded, self.ctx.world),
                 )
                 self.curriculum.end_step(step)
+                self.curriculum.watch(metrics)
                 metrics = {**metrics, **self.curriculum.metrics()}
                 self.logger.log_step(step, self.untrained.observe(step, metrics))
                 self.step = step

@@ -5,12 +5,20 @@ step ``at`` on, the listed settings change (DRIVE's and CAMPO's schedules of gro
 hard-focus stage 2, conf/prompt_sampler/drive.yaml).
 Steps must be strictly increasing (an unordered or repeated step is refused before the model loads).
 
+A stage may start on a training signal instead of at a fixed step: ``{when: {metric: truncated_rate, above: 0.5,
+for_steps: 2}, rollout.max_new_tokens: 64}`` starts at the step after the one where the step metric had been above
+0.5 for 2 steps in a row (``below`` for the other side). Stages start in list order, so a ``when`` stage is only
+watched once the stages before it have started, and may be followed only by other ``when`` stages. The metrics it
+may read are :data:`STAGE_METRICS`, which every training step logs (CAMPO's switch when the response length
+levels off: the truncation rate at the budget rises, arXiv:2507.14683).
+
 This module parses and checks them (validation reads every stage's settings, :func:`stage_settings`);
 the curriculum (rlbench.training.curricula) enters them during the run.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,42 +28,108 @@ from rlbench.errors import ConfigError
 
 SAMPLER_KEY = "trainer.prompt_sampler"  # a whole sampler node (its name checked by rlbench.validation)
 STAGE_KEYS = ("rollout.n", "rollout.max_new_tokens", "rollout.temperature", "trainer.prompts_per_step", SAMPLER_KEY)
+#: step metrics a ``when`` stage may watch: every training step logs them (rlbench.training.step)
+STAGE_METRICS = ("accuracy", "reward_mean", "response_length", "truncated_rate")
+
+
+@dataclass(frozen=True)
+class StageTrigger:
+    """``when``: the stage starts after ``metric`` has been above (or below) ``threshold`` for ``for_steps``
+    consecutive steps."""
+
+    metric: str
+    threshold: float
+    above: bool
+    for_steps: int = 1
+
+    def holds(self, value: float) -> bool:
+        return value > self.threshold if self.above else value < self.threshold
+
+    def __str__(self) -> str:
+        side = "above" if self.above else "below"
+        return f"when {self.metric} {side} {self.threshold} for {self.for_steps} step(s)"
 
 
 @dataclass(frozen=True)
 class Stage:
-    at: int
+    at: int | None  # the step it starts at; None: it starts on its trigger
     changes: dict[str, Any]
+    when: StageTrigger | None = None
+
+    @property
+    def label(self) -> str:
+        """How the stage is named in messages: "at step 10" or "when truncated_rate above 0.5 for 2 step(s)"."""
+        return f"at step {self.at}" if self.when is None else str(self.when)
 
 
 def parse_stages(stages_cfg: list | None, steps: int) -> list[Stage]:
-    """``trainer.stages`` as Stages, refused unless each has ``at`` (2 <= at <= trainer.steps) and
-    only keys of STAGE_KEYS, and the steps strictly increase (no two stages at one step)."""
+    """``trainer.stages`` as Stages, refused unless each has either ``at`` (2 <= at <= trainer.steps) or
+    ``when`` (:func:`parse_trigger`), only keys of STAGE_KEYS, the steps strictly increase (no two stages at
+    one step), and no ``at`` stage follows a ``when`` stage (stages start in list order)."""
     stages = []
     for i, raw in enumerate(list(stages_cfg or [])):
-        entry = _flatten(dict(raw))
-        if "at" not in entry:
-            raise ConfigError(f"trainer.stages[{i}] has no 'at' (the step it starts at): {entry}")
+        when = dict(raw).get("when")
+        entry = _flatten({key: value for key, value in dict(raw).items() if key != "when"})
+        if ("at" in entry) == (when is not None):
+            raise ConfigError(f"trainer.stages[{i}] needs exactly one of 'at' (the step it starts at) or 'when' "
+                              f"(the metric that starts it): {dict(raw)}")
+        if when is not None:
+            trigger = parse_trigger(when, f"trainer.stages[{i}].when")
+            unknown = set(entry) - set(STAGE_KEYS)
+            if unknown or not entry:
+                raise ConfigError(f"trainer.stages[{i}] may change {list(STAGE_KEYS)}; got {sorted(entry) or 'nothing'}")
+            stages.append(Stage(None, _checked_values(entry, i), trigger))
+            continue
         at = entry.pop("at")
         if isinstance(at, bool) or not isinstance(at, int) or not 2 <= at <= max(steps, 2):
             raise ConfigError(f"trainer.stages[{i}].at={at!r} must be a step in 2..trainer.steps={steps}")
+        if stages and stages[-1].when is not None:
+            raise ConfigError(f"trainer.stages[{i}] starts at step {at} after a stage that starts on a metric "
+                              f"({stages[-1].label}); stages start in list order: put the 'at' stages first")
         unknown = set(entry) - set(STAGE_KEYS)
         if unknown or not entry:
             raise ConfigError(f"trainer.stages[{i}] may change {list(STAGE_KEYS)}; got {sorted(entry) or 'nothing'}")
-        for key, value in entry.items():
-            if key == SAMPLER_KEY:
-                if not hasattr(value, "items") or not isinstance(value.get("name"), str):
-                    raise ConfigError(f"trainer.stages[{i}].{key}={value!r} must be a prompt sampler node "
-                                      "{name: <sampler>, <sampler>: {<its settings>}}")
-                entry[key] = typed_node(dict(value), PromptSamplerConfig)
-            elif isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"trainer.stages[{i}].{key}={value!r} must be a positive number")
         if stages and at <= stages[-1].at:
             what = "overlaps" if at == stages[-1].at else "comes before"
             raise ConfigError(f"trainer.stages[{i}].at={at} {what} the previous stage's at={stages[-1].at}: "
                               "stages must start at strictly increasing steps")
-        stages.append(Stage(at, entry))
+        stages.append(Stage(at, _checked_values(entry, i)))
     return stages
+
+
+def _checked_values(entry: dict[str, Any], i: int) -> dict[str, Any]:
+    """A stage's changes: a prompt sampler node typed, every other value a positive number."""
+    for key, value in entry.items():
+        if key == SAMPLER_KEY:
+            if not hasattr(value, "items") or not isinstance(value.get("name"), str):
+                raise ConfigError(f"trainer.stages[{i}].{key}={value!r} must be a prompt sampler node "
+                                  "{name: <sampler>, <sampler>: {<its settings>}}")
+            entry[key] = typed_node(dict(value), PromptSamplerConfig)
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ConfigError(f"trainer.stages[{i}].{key}={value!r} must be a positive number")
+    return entry
+
+
+def parse_trigger(when: Any, where: str) -> StageTrigger:
+    """``{metric: <one of STAGE_METRICS>, above: x | below: x, for_steps: k >= 1 (default 1)}``."""
+    if not hasattr(when, "items"):
+        raise ConfigError(f"{where}={when!r} must be {{metric: <name>, above: <x> or below: <x>, for_steps: <k>}}")
+    when = dict(when)
+    unknown = set(when) - {"metric", "above", "below", "for_steps"}
+    if unknown:
+        raise ConfigError(f"{where} has unknown keys {sorted(unknown)}; it takes metric, above or below, for_steps")
+    metric = when.get("metric")
+    if metric not in STAGE_METRICS:
+        raise ConfigError(f"{where}.metric={metric!r} must be one of {list(STAGE_METRICS)} (logged every step)")
+    if ("above" in when) == ("below" in when):
+        raise ConfigError(f"{where} needs exactly one of 'above' or 'below' (the threshold), got {when}")
+    threshold = when["above"] if "above" in when else when["below"]
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold):
+        raise ConfigError(f"{where}: the threshold must be a finite number, got {threshold!r}")
+    count = when.get("for_steps", 1)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ConfigError(f"{where}.for_steps={count!r} must be an integer >= 1")
+    return StageTrigger(metric, float(threshold), "above" in when, count)
 
 
 def _flatten(entry: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -95,7 +95,7 @@ def check_swarm(config: RunConfig, algorithm: Algorithm, actors: int | None = No
     stages = parse_stages(trainer.stages, trainer.steps)
     for stage, settings in [(None, {"trainer.prompts_per_step": trainer.prompts_per_step}),
                             *zip(stages, stage_settings(config, stages))]:
-        where = "" if stage is None else f"from trainer.stages at step {stage.at}: "
+        where = "" if stage is None else f"from trainer.stages {stage.label}: "
         prompts = int(settings["trainer.prompts_per_step"])
         I = prompts - J
         if I < 1:
