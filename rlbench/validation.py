@@ -327,6 +327,22 @@ def check_masked_rollout(config: RunConfig, algorithm: Algorithm) -> None:
                           "over the whole vocabulary is undefined: use another update schedule")
 
 
+def check_edge_gec_rollout(config: RunConfig, algorithm: Algorithm) -> None:
+    """rollout=edge_gec (rlbench/rollout/guided/edge_gec.py) declares its injected text the policy's own, pi_old
+    recomputed before the update; no sampler scored that text, so nothing may read its placeholder sampling
+    log-probs as a behaviour probability: neither a sampling correction nor stale (asynchronous) training."""
+    if config.rollout.strategy != "edge_gec":
+        return
+    if algorithm.sampling_correction is not None:
+        raise ConfigError("rollout=edge_gec injects text no sampler scored (its pi_old is recomputed by the trainer), "
+                          "which algorithm.sampling_correction would weigh by a sampling log-prob it does not have: "
+                          "set algorithm.sampling_correction=null")
+    if config.trainer.max_staleness:
+        raise ConfigError(f"rollout=edge_gec with trainer.max_staleness={config.trainer.max_staleness}: a stale "
+                          "corrected response would take its injected text's placeholder log-probs as pi_old; "
+                          "use trainer.max_staleness=null or 0")
+
+
 def check_difficulty_rollout(config: RunConfig, algorithm: Algorithm) -> None:
     """rollout=difficulty_adaptive (rlbench/rollout/guided/difficulty_adaptive.py) at every stage's group size,
     the smallest batch it can form (every prompt easy: prompts_per_step * n_min responses) against the
@@ -439,6 +455,7 @@ def check_run(cfg: DictConfig, origins: ValueOrigins) -> Algorithm:
         check_reincarnation(config, algorithm)
         check_masked_rollout(config, algorithm)
         check_difficulty_rollout(config, algorithm)
+        check_edge_gec_rollout(config, algorithm)
         if algorithm.sampling_correction is not None:
             algorithm.sampling_correction.check_rollout(rollout.top_p)
         algorithm.check_batch_size(trainer.prompts_per_step * rollout.n)

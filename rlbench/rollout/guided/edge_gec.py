@@ -1,9 +1,11 @@
 """EDGE-GRPO's Guided Error Correction (``rollout=edge_gec``; Zhang et al. 2025, "EDGE-GRPO: Entropy-Driven
 GRPO with Guided Error Correction for Advantage Diversity", arXiv:2507.21848, section 3.3; the authors'
-``grpo_aha_trainer.py``): every response graded wrong is reflected on, or given the reference answer or solution.
+``grpo_aha_trainer.py``): every response scoring below the maximum accuracy + format score of 2 is reflected
+on, or given the reference answer or solution.
 
-After the policy's ``rollout.n`` responses per prompt are graded, every response graded wrong is corrected
-before the group is graded again, so that an all-wrong group gains diversity:
+After the policy's ``rollout.n`` responses per prompt are graded, every response whose score
+``accuracy (0/1) + format (0/1)`` is below 2 (:func:`needs_correction`: wrong, or right without the answer
+format) is corrected before the group is graded again, so that an all-wrong group gains diversity:
 
 - with probability 1/2, **reflection**: the phrase ``reflection`` (" Wait! Something is wrong here.") is
   appended and the policy continues for at most ``reflection_tokens`` (256) new tokens;
@@ -12,16 +14,19 @@ before the group is graded again, so that an all-wrong group gains diversity:
   appended, or **solution**: the response is replaced by the problem's guidance trace (the dataset's
   solution, ``guidance=dataset``; a problem without a trace gets the answer branch).
 
-Token bookkeeping: the response's own tokens keep their sampling log-probs; the injected text (the
-phrase, the answer sentence, the solution) is off-policy (``off_policy`` 1) with behaviour log-prob 0
-(mu = 1, the convention of LUFFY and rollout=edit_injection for text the policy did not sample); the
-reflection's continuation is the policy's own sample (on-policy) in the context that holds the phrase.
-The authors train every token of the corrected completion with pi_old recomputed (ratio 1 under one
-update per batch); here the injected tokens' ratio is pi_theta / 1 (``loss=policy_shaping`` shapes it).
+Accuracy is the grader's ``correct``, format its ``format_ok`` (rlbench.reward.math.Grade): for the math
+grader a ``\\boxed{}`` answer was found (extraction auto or boxed), as the authors' ``box_format_reward``.
+
+Token bookkeeping: the corrected completion is trained in every token with pi_old recomputed, as in the
+authors' code: its tokens are declared the policy's own (``off_policy`` None, label ``gec_<branch>``), so the
+training step takes pi_old from its forward pass of the policy before the update (the path of the policy's own
+tokens, and of ``rollout.replay.behaviour=recomputed``), and the first update's ratio is 1 on the injected
+text too, never pi_theta / 1. The injected tokens' ``logprobs`` are 0 placeholders: no sampler scored them, so
+the run refuses ``algorithm.sampling_correction`` and stale (asynchronous) training with this rollout
+(rlbench/validation.py), the two readers that would take them for a behaviour probability.
 A trailing EOS is dropped before text is appended; the answer branch ends with the EOS token (the
 authors re-tokenise the text and stop there), so it counts as finished. The injected text is tokenised
-on its own and joined to the response's ids (the authors re-tokenise the joined text). The paper
-corrects responses whose accuracy + format reward is below 2; here those the run's grader marks wrong.
+on its own and joined to the response's ids (the authors re-tokenise the joined text).
 The branch draws come from the rollout's random stream.
 """
 
@@ -37,6 +42,7 @@ from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.guidance.traces import Trace
+from rlbench.reward.math import Grade
 from rlbench.rollout.continuation import continue_with_budgets
 from rlbench.rollout.engines.base import Completion, GenerationRequest, SamplingParams
 from rlbench.rollout.groups import GradedGroups
@@ -61,6 +67,12 @@ class EdgeGecOptions:
     reflection_tokens: int = 256  # new tokens after the reflection phrase (the authors' 256)
     reflection: str = REFLECTION
     answer_template: str = ANSWER_TEMPLATE  # must contain {answer}
+
+
+def needs_correction(grade: Grade) -> bool:
+    """The paper's trigger (arXiv:2507.21848 sec. 3.3; the authors' box_accuracy_reward + box_format_reward):
+    accuracy (0/1) + format (0/1) below the maximum 2, i.e. a wrong or a badly formatted response."""
+    return float(grade.correct) + float(grade.format_ok) < 2
 
 
 def correction_branch(generator: torch.Generator | None) -> str:
@@ -88,20 +100,19 @@ def corrected(
     completion: Completion, own: tuple[list[int], list[float]], injected: list[int], tail: tuple[list[int], list[float]],
     finished: bool, branch: str, tokenizer: Any,
 ) -> Completion:
-    """own tokens (on-policy) + injected tokens (off-policy, mu = 1) + tail (on-policy), labelled ``gec_<branch>``."""
+    """own tokens + injected tokens + tail, labelled ``gec_<branch>``, all the policy's: pi_old is recomputed on
+    every token by the training step (the injected tokens' ``logprobs`` are 0 placeholders, never read as mu)."""
     (ids, logprobs), (tail_ids, tail_logprobs) = own, tail
     response = ids + injected + tail_ids
-    sampled = logprobs + [0.0] * len(injected) + tail_logprobs
     return replace(
-        completion, response_ids=response, logprobs=sampled, finished=finished, text=tokenizer.decode(response),
-        prefix_len=0, behaviour=f"gec_{branch}", off_policy=[0] * len(ids) + [1] * len(injected) + [0] * len(tail_ids),
-        behaviour_logprobs=list(sampled),
+        completion, response_ids=response, logprobs=logprobs + [0.0] * len(injected) + tail_logprobs, finished=finished,
+        text=tokenizer.decode(response), prefix_len=0, behaviour=f"gec_{branch}", off_policy=None, behaviour_logprobs=None,
     )
 
 
 @register_strategy("edge_gec")
 class EdgeGuidedErrorCorrection(RolloutStrategy):
-    """EDGE-GRPO's GEC: every wrong response reflected on (then continued), or given the answer or the solution."""
+    """EDGE-GRPO's GEC: every response scoring below 2 (wrong or badly formatted) reflected on (then continued), or given the answer or the solution."""
 
     def __init__(self, setup: RolloutSetup, options: EdgeGecOptions):
         self.setup, self.options = setup, options
@@ -133,7 +144,7 @@ class EdgeGuidedErrorCorrection(RolloutStrategy):
         row = 0
         for g, (problem, group) in enumerate(zip(problems, graded.groups)):
             for k, completion in enumerate(group):
-                if not graded.grades[row].correct:
+                if needs_correction(graded.grades[row]):
                     branch = correction_branch(setup.generator)
                     solution = self._solution(problem) if branch == "solution" else None
                     branch = "answer" if branch == "solution" and solution is None else branch
