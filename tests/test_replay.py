@@ -14,7 +14,7 @@ from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.reward.toy import EvenTokenReward
 from rlbench.rollout import GroupSampler, RolloutSetup, make_strategy, validate_strategy
-from rlbench.rollout.engines.base import Completion, SamplingParams
+from rlbench.rollout.engines.base import Completion, PositionStats, SamplingParams
 from rlbench.rollout.guided.replay import ReplayBuffer, bucket_weight
 from rlbench.training.batch import collate
 from rlbench.training.step import behaviour_old_logp, stamp_policy_version
@@ -100,13 +100,15 @@ def test_solved_questions_are_retired_for_good():
     assert len(keep.stored("a")) == 2 and not keep.retired
 
 
-def test_lowest_entropy_trajectory_is_the_one_with_the_highest_mean_logprob():
+def test_lowest_entropy_trajectories_are_ranked_by_the_given_current_policy_entropies():
     buffer = ReplayBuffer(capacity=10, seed=0, trajectory="lowest_entropy")
-    buffer.observe(problem("a"), [response([1, 2], [-1.0, -1.0]), response([3], [-0.2]), response([4, 5], [-0.1, -0.5])],
-                   [True, True, True])
-    assert [item.response_ids for item in buffer.sample_trajectories("a", 2)] == [[3], [4, 5]]  # 0.2 < 0.3 < 1.0
-    assert buffer.sample_trajectories("a", 9) and len(buffer.sample_trajectories("a", 9)) == 3
+    buffer.observe(problem("a"), [response([1, 2]), response([3]), response([4, 5])], [True, True, True])
+    assert [item.response_ids for item in buffer.sample_trajectories("a", 2, [0.9, 0.4, 0.1])] == [[4, 5], [3]]
+    assert [item.response_ids for item in buffer.sample_trajectories("a", 1, [0.2, 0.2, 0.3])] == [[1, 2]]  # tie: older
+    assert len(buffer.sample_trajectories("a", 9)) == 3  # no choice to make: no entropies needed
     assert buffer.sample_trajectories("missing", 2) == []
+    with pytest.raises(ValueError, match="one entropy per stored response"):
+        buffer.sample_trajectories("a", 1)
 
 
 def test_draws_are_deterministic_under_a_seed_and_resume_exactly_from_a_checkpoint():
@@ -133,7 +135,7 @@ class ScriptedEngine:
     """Prompt (k,) -> n copies of ``script[k]`` with log-prob -0.25 per token (then a scripted second round)."""
 
     def __init__(self, script):
-        self.script, self.calls = script, []
+        self.script, self.calls, self.scored, self.entropy = script, [], [], {}
 
     def generate(self, requests, params, generator=None):
         self.calls.append([(r.prompt_ids[0], r.n) for r in requests])
@@ -143,6 +145,13 @@ class ScriptedEngine:
             tokens = tokens[min(len(self.calls), len(tokens)) - 1] if isinstance(tokens[0], list) else tokens
             out.append([Completion(i, r.prompt_ids, list(tokens), [-0.25] * len(tokens), True) for _ in range(r.n)])
         return out
+
+    def position_stats(self, items, params):
+        """The current policy's per-token entropy of a response: ``entropy[response]`` (default 1.0 a token)."""
+        self.scored.append(list(items))
+        return [PositionStats(torch.zeros(len(x), 2, dtype=torch.long), torch.zeros(len(x), 2),
+                              torch.tensor(self.entropy.get(tuple(x), [1.0] * len(x)), dtype=torch.float64), 10)
+                for _, x in items]
 
 
 class Tokenizer:
@@ -230,6 +239,32 @@ def test_exgrpo_mix_replays_only_into_buffer_questions_when_the_step_prompts_are
     assert engine.calls[-1] == [(0, 4), (int(graded.problems[1].uid), 3)]  # n fresh; n - 1 fresh + 1 replayed
 
 
+def test_exgrpo_replays_the_success_of_lowest_entropy_under_the_current_policy_not_the_behaviour_policy():
+    """ExGRPO's trajectory choice (arXiv:2510.02245, section 3.2): of a question's stored successes, the one of
+    lowest mean token entropy under the policy about to be updated. Success a was sampled confidently (stored
+    log-probs -0.01: behaviour entropy estimate 0.01), b hesitantly (-2.0: 2.0); the current policy is now sure
+    of b (entropies 0.1, 0.3: mean 0.2) and unsure of a (1.5, 1.5: mean 1.5), so b is replayed. Ranking by the
+    stored log-probs (the earlier rule) replays a."""
+    rollout = {"strategy": "replay", "replay": {"per_group": 1, "questions": "buffer", "buffer_share": 0.5,
+                                                 "replace_fresh": True, "weighting": "accuracy_gaussian",
+                                                 "weight_std": 0.125, "trajectory": "lowest_entropy"}}
+
+    def replayed_under(entropy):
+        strategy, engine = strategy_for({0: [1, 3], 1: [1, 3], 100: [1, 3]}, rollout, n=4)
+        a, b = response([2, 4], [-0.01, -0.01]), response([4, 6], [-2.0, -2.0])
+        strategy.buffer.observe(problem("100"), [a, b, response([1, 3])], [True, True, False])
+        engine.entropy = entropy
+        graded, metrics = strategy.rollout([problem("0"), problem("1")])
+        assert graded.problems[1].uid == "100" and graded.groups[1][-1].behaviour == "replay"
+        assert engine.scored == [[((7,), (2, 4)), ((7,), (4, 6))]]  # one forward of both candidates
+        assert metrics["replay_entropy_scored"] == 2
+        return graded.groups[1][-1]
+
+    chosen = replayed_under({(2, 4): [1.5, 1.5], (4, 6): [0.1, 0.3]})
+    assert chosen.response_ids == [4, 6] and chosen.logprobs == [-2.0, -2.0]  # its stored mu travels with it
+    assert replayed_under({(2, 4): [0.1, 0.1], (4, 6): [0.1, 0.3]}).response_ids == [2, 4]  # now a: 0.1 < 0.2
+
+
 def test_replay_waits_for_the_start_accuracy():
     rollout = {"strategy": "replay", "replay": {"per_group": 1, "start_accuracy": 0.75}}
     strategy, _ = strategy_for({0: [[2, 4], [2, 4]], 1: [[1, 3], [2, 4]]}, rollout)
@@ -290,15 +325,21 @@ def test_adaptive_stages_must_divide_the_group_size():
 # ------------------------------------------------------------------------------------ the exgrpo loss
 
 
-def test_exgrpo_loss_shapes_replayed_tokens_and_clips_the_rest():
-    logp = torch.tensor([[-0.5, -1.0], [-0.2, -3.0]], requires_grad=True)
-    old = torch.tensor([[-0.7, -1.0], [-1.2, -1.0]])
-    adv = torch.tensor([[1.0, 1.0], [2.0, 2.0]])
+def test_exgrpo_loss_is_the_unclipped_policy_gradient_on_own_tokens_and_shapes_replayed_ones():
+    """arXiv:2510.02245, section 3.3: -A rho on the policy's own tokens (no clip), -A w / (w + beta) on replayed."""
+    logp = torch.tensor([[-0.5, -2.0], [-0.2, -3.0]], requires_grad=True)
+    old = torch.tensor([[-1.0, -1.0], [-1.2, -1.0]])
+    adv = torch.tensor([[1.0, -2.0], [2.0, 2.0]])
     mask = torch.ones(2, 2)
     off = torch.tensor([[0.0, 0.0], [1.0, 1.0]])
     loss, metrics = exgrpo_loss(logp, old, adv, mask, off, shaping_beta=0.1)
+    # own tokens, both ratios outside PPO's [0.8, 1.2]: rho = e^0.5 = 1.64872 with A = 1, rho = e^-1 = 0.36788 with A = -2
+    assert loss[0].tolist() == pytest.approx([-1.648721, 0.735759], abs=1e-6)  # -A rho, not PPO's -1.2 and 1.6
     ppo, _ = ppo_clip_loss(logp, old, adv, mask)
-    assert torch.allclose(loss[0], ppo[0])  # the policy's own tokens: PPO-clip
+    assert ppo[0].tolist() == pytest.approx([-1.2, 1.6])  # what the earlier PPO-clip gave (gradient 0 on both)
+    loss[0].sum().backward(retain_graph=True)
+    assert logp.grad[0].tolist() == pytest.approx([-1.648721, 0.735759], abs=1e-6)  # d(-A rho)/d logp = -A rho
+    logp.grad = None
     w = torch.exp(logp[1] - old[1]).detach()
     assert torch.allclose(loss[1], -adv[1] * w / (w + 0.1))  # replayed: -A w / (w + beta), w = e^1 unclipped
     loss[1].sum().backward()

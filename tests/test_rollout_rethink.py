@@ -49,7 +49,8 @@ def test_unsolved_problems_go_through_decompose_then_refine_and_a_success_joins_
                              refine_template="{problem} | {attempts} | wrong?", successes="off_policy")
     problems = [Problem("1", "easy", "y"), Problem("2", "hard", "y"), Problem("3", "never", "y")]
     groups, metrics = RethinkRollout(setup, options).rollout(problems)
-    assert metrics == {"rethink_zero_accuracy_prompts": 2.0, "rethink_decompose_solved": 0.0, "rethink_refine_solved": 1.0}
+    assert metrics == {"rethink_successes": 2.0, "rethink_zero_accuracy_prompts": 2.0, "rethink_decompose_solved": 0.0,
+                       "rethink_refine_solved": 1.0}  # both refine samples of "hard" correct; the first joins its group
     prompts = sampler.engine.prompts
     assert prompts[3:5] == ["Q: Split: hard", "Q: Split: never"]  # the stage inside the dataset's template
     assert prompts[5:] == ["Q: hard | - n\n- n | wrong?", "Q: never | - n\n- n | wrong?"]
@@ -74,11 +75,11 @@ def test_by_default_a_success_is_an_sft_target_under_the_direct_prompt_in_a_grou
 
     sampler = GroupSampler(Engine(), Grader(), CharTokenizer(), {"user": "Q: {problem}"}, lambda r, _: r)
     setup = RolloutSetup(sampler, 3, SamplingParams(1.0, 1.0, 4), None)
-    options = RethinkOptions(samples=2, shown_attempts=2, decompose_template="Split: {problem}",
+    options = RethinkOptions(samples=1, shown_attempts=2, decompose_template="Split: {problem}",
                              refine_template="{problem} | {attempts} | wrong?")
     problems = [Problem("1", "easy", "y"), Problem("2", "hard", "y"), Problem("3", "never", "y")]
     graded, metrics = RethinkRollout(setup, options).rollout(problems)
-    assert metrics["rethink_refine_solved"] == 1.0
+    assert metrics["rethink_refine_solved"] == 1.0 and metrics["rethink_successes"] == 1.0  # 1 refine sample
     assert [p.uid for p in graded.problems] == ["1", "2", "3", "2"] and [len(g) for g in graded.groups] == [3, 3, 3, 1]
     hard, sft = graded.groups[1], graded.groups[3]
     assert all(c.behaviour == "policy" for g in graded.groups[:3] for c in g)  # no direct response replaced
@@ -113,6 +114,60 @@ def test_the_sft_loss_is_ppo_clip_plus_lambda_times_the_cross_entropy_of_the_sft
     assert logp.grad[1].tolist() == pytest.approx([-0.25 / 2 / 2] * 2)  # d/dlogp of lambda (-logp) / T / B
     assert logp.grad[0, 0].item() == 0.0 and logp.grad[0, 1].item() == pytest.approx(-1 / 2 / 2)  # clipped; ratio 1
     assert metrics["sft_nll"] == pytest.approx((2.0 + 0.25) / 2) and metrics["sft_token_fraction"] == 0.5
+
+
+class TwoOfThreeEngine(Engine):
+    """As :class:`Engine`, but the refine prompt of "hard" is answered right by its 1st and 3rd samples only,
+    "y" (log-prob -0.5) and "yy" (log-probs -1.0, -0.25); the 2nd answers "n"."""
+
+    def generate(self, requests, params, generator=None):
+        out = super().generate(requests, params, generator)
+        for r, group in zip(requests, out):
+            text = "".join(chr(t) for t in r.prompt_ids)
+            if "hard" in text and "wrong" in text:
+                group[1] = Completion(group[1].request_index, r.prompt_ids, [ord("n")], [-0.5], True, text="n")
+                group[2] = Completion(group[2].request_index, r.prompt_ids, [ord("y"), ord("y")], [-1.0, -0.25], True, text="yy")
+        return out
+
+
+class YGrader:
+    def __call__(self, text, answer, response_ids):
+        ok = set(text) == {"y"}
+        return Grade(correct=ok, extracted=text, reward=float(ok), format_ok=True)
+
+
+def test_every_success_of_a_problem_is_trained_by_the_sft_term():
+    """L_SFT = -sum over y in S1 u S2 of log pi(y | T_direct(x)) (arXiv:2510.15979, section 3): the refine stage
+    answers "hard" right twice of 3 ("y", "yy"); both come back under the direct prompt as SFT targets in one
+    group after the direct groups, and both enter the loss. With pi_theta = the sampling log-probs and lambda
+    0.1, seq_mean_token_mean over the 3 x 3 direct responses (A = 0: no PPO term) and the 2 successes:
+        L = (1 / 11) * 0.1 * [0.5 / 1 + (1.0 + 0.25) / 2] = 0.1 * 1.125 / 11
+    Training the first success only (the earlier rule) gives 0.1 * 0.5 / 10."""
+    from rlbench.algorithm.aggregation import seq_mean_token_mean
+    from rlbench.algorithm.losses.auxiliary_sft import ppo_clip_sft_loss
+
+    sampler = GroupSampler(TwoOfThreeEngine(), YGrader(), CharTokenizer(), {"user": "Q: {problem}"}, lambda r, _: r)
+    setup = RolloutSetup(sampler, 3, SamplingParams(1.0, 1.0, 4), None)
+    options = RethinkOptions(samples=3, shown_attempts=2, decompose_template="Split: {problem}",
+                             refine_template="{problem} | {attempts} | wrong?")
+    problems = [Problem("1", "easy", "y"), Problem("2", "hard", "y"), Problem("3", "never", "y")]
+    graded, metrics = RethinkRollout(setup, options).rollout(problems)
+    assert metrics["rethink_refine_solved"] == 1.0 and metrics["rethink_successes"] == 2.0
+    assert [p.uid for p in graded.problems] == ["1", "2", "3", "2"] and [len(g) for g in graded.groups] == [3, 3, 3, 2]
+    sft = graded.groups[3]
+    assert [c.text for c in sft] == ["y", "yy"] and all(c.behaviour == "rethink_sft" for c in sft)
+    assert all(c.prompt_ids == tuple(ord(ch) for ch in "Q: hard") for c in sft)  # both under the direct prompt
+    batch = collate(graded.groups, pad_token_id=0, current_version=0)
+    target = batch.extras["sft_target"] * batch.response_mask
+    assert target.sum(-1).tolist() == [0.0] * 9 + [1.0, 2.0]
+    logp = torch.zeros_like(batch.response_mask, dtype=torch.float64)
+    logp[9, 0], logp[10, :2] = -0.5, torch.tensor([-1.0, -0.25])
+    adv = torch.zeros_like(logp)  # every group all-correct or all-wrong, the SFT group too: A = 0
+    loss, metrics = ppo_clip_sft_loss(logp, logp, adv, batch.response_mask.double(), batch.extras["sft_target"].double(),
+                                      sft_coef=0.1)
+    total = seq_mean_token_mean(loss, batch.response_mask.double(), batch_sequences=11)
+    assert total.item() == pytest.approx(0.1 * (0.5 + (1.0 + 0.25) / 2) / 11)
+    assert metrics["sft_nll"] == pytest.approx((0.5 + 1.0 + 0.25) / 3)
 
 
 def test_stage_problem_substitutes_texts_with_braces():

@@ -34,8 +34,8 @@ from rlbench.algorithm.losses.ratio_clipped import (
     ppo_ewma_loss,
     dppo_loss,
     degrpo_loss,
-    exgrpo_loss,
 )
+from rlbench.algorithm.losses.off_policy import exgrpo_loss
 from rlbench.algorithm.losses.covariance import covariance_selection_count, clip_cov_loss, kl_cov_loss
 from rlbench.algorithm.losses.sequence_level import gspo_loss, gspo_token_loss, gmpo_loss
 from rlbench.algorithm.losses.soft_trust_region import sapo_loss, spo_simple_loss, m2po_loss, mdpo_loss

@@ -32,8 +32,14 @@ def shaped_off_policy_terms(
     """The per-token loss of policy shaping: PPO-clip where ``off`` is False, -A f(r) with
     f(r) = r / (r + gamma), never clipped, where it is True. Returns (loss, is_clipped, f(r))."""
     on_loss, is_clipped = _ppo_terms(ratio, advantages, 1.0 - clip_low, 1.0 + clip_high)
-    shaped = ratio / (ratio + gamma)
+    shaped = policy_shaping(ratio, gamma)
     return torch.where(off, -advantages * shaped, on_loss), is_clipped, shaped
+
+
+def policy_shaping(ratio: torch.Tensor, gamma) -> torch.Tensor:
+    """LUFFY's shaping of an off-policy importance weight (arXiv:2504.14945, section 3.3):
+    f(r) = r / (r + gamma), in (0, 1) for every r > 0; d f / d log r = gamma r / (r + gamma)^2."""
+    return ratio / (ratio + gamma)
 
 
 @POLICY_LOSSES.register("policy_shaping", paper_aggregation="token_mean")
@@ -85,3 +91,36 @@ def policy_shaping_loss(
             shaping_gamma=float(g.item()),
         )
     return loss * mask, metrics
+
+
+@POLICY_LOSSES.register("exgrpo", paper_aggregation="token_mean")
+def exgrpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    off_policy: torch.Tensor,
+    shaping_beta: float = 0.1,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """ExGRPO's mixed-policy objective (Zhan et al. 2025, "ExGRPO: Learning to Reason from
+    Experience", arXiv:2510.02245, section 3.3): the plain importance-weighted policy gradient on
+    the policy's own tokens, no clip; on replayed tokens (``off_policy`` = 1) the weight
+    w = pi_theta / mu (mu = the stored behaviour log-prob) shaped as in LUFFY (:func:`policy_shaping`):
+
+        l_t = -A_t rho_t,                          rho_t = pi_theta / pi_old     on-policy tokens
+        l_t = -A_t f(w_t),  f(w) = w / (w + shaping_beta)                        replayed tokens
+
+    On-policy tokens: d l / d logp = -A rho (at rho = 1 GRPO's gradient; past 1 +- eps nothing is
+    clipped). Replayed: d l / d logp = -A beta w / (w + beta)^2, which keeps the low-probability
+    tokens of a replayed success from vanishing and bounds the large ones. Metrics: approx_kl and
+    ratio_mean on the policy's own tokens, replay_weight_mean (mean f(w) on replayed tokens)."""
+    if shaping_beta <= 0:
+        raise ValueError(f"shaping_beta must be > 0, got {shaping_beta}")
+    lr = log_ratio(logp, old_logp)
+    ratio = torch.exp(lr)
+    replayed = off_policy > 0
+    shaped = policy_shaping(ratio, shaping_beta)
+    mask = response_mask.to(ratio.dtype)
+    metrics = _ratio_metrics(lr, ratio, mask * (~replayed).to(mask.dtype))
+    metrics["replay_weight_mean"] = masked_mean(shaped.detach(), mask * replayed.to(mask.dtype)).item()
+    return -advantages * torch.where(replayed, shaped, ratio) * mask, metrics

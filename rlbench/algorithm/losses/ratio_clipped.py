@@ -18,7 +18,6 @@ from rlbench.algorithm.losses.common import (
     log_ratio,
     masked_mean,
 )
-from rlbench.algorithm.losses.off_policy import shaped_off_policy_terms
 from rlbench.algorithm.registry import POLICY_LOSSES
 
 
@@ -451,38 +450,3 @@ def degrpo_loss(
     metrics = _ppo_metrics(lr, ratio, is_clipped, mask)
     metrics["control_loss"] = masked_mean(loss.detach(), control).item()
     return loss * weight * mask, metrics
-
-
-@POLICY_LOSSES.register("exgrpo", paper_aggregation="token_mean")
-def exgrpo_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    off_policy: torch.Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    shaping_beta: float = 0.1,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """ExGRPO (Zhan et al. 2025, "ExGRPO: Learning to Reason from Experience", arXiv:2510.02245,
-    section 3.3): PPO-clip on the policy's own tokens; on replayed tokens (``off_policy`` = 1) the
-    importance weight w = pi_theta / pi_old (pi_old = the stored behaviour log-prob) is shaped and
-    not clipped, as in LUFFY's policy shaping (Yan et al. 2025, arXiv:2504.14945):
-
-        l_t = max(-A_t rho_t, -A_t clip(rho_t, 1 - clip_low, 1 + clip_high))   on-policy tokens
-        l_t = -A_t f(w_t),   f(w) = w / (w + shaping_beta)                      replayed tokens
-
-    f's gradient, beta w / (w + beta)^2 grad log pi, keeps the low-probability tokens of a replayed
-    success from vanishing and bounds the large ones. Metrics: ppo_clip's on the policy's tokens,
-    replay_weight_mean (mean f(w) on replayed tokens)."""
-    if shaping_beta <= 0:
-        raise ValueError(f"shaping_beta must be > 0, got {shaping_beta}")
-    lr = log_ratio(logp, old_logp)
-    ratio = torch.exp(lr)
-    replayed = off_policy > 0
-    loss, is_clipped, shaped = shaped_off_policy_terms(ratio, advantages, replayed, clip_low, clip_high, shaping_beta)
-    mask = response_mask.to(loss.dtype)
-    on_mask = mask * (~replayed).to(mask.dtype)
-    metrics = _ppo_metrics(lr, ratio, is_clipped & ~replayed, on_mask)
-    metrics["replay_weight_mean"] = masked_mean(shaped.detach(), mask * replayed.to(mask.dtype)).item()
-    return loss * mask, metrics

@@ -5,7 +5,8 @@ into the step's groups.
 first), each with the policy version that sampled it and its sampling log-probs (the behaviour policy
 mu), the latest fresh accuracy of every question it holds, and the questions retired as solved. It
 draws questions (uniformly, or weighted by accuracy bucket) and trajectories (at random, or the lowest
-entropy first) from its own random stream, and saves all of it with ``state_dict``.
+mean token entropy under the current policy first) from its own random stream, and saves all of it with
+``state_dict``.
 
 By default (``behaviour: stored``) a replayed response enters its group as off-policy in every token
 (``behaviour="replay"``, its stored ``policy_version`` is older than the step's): the trainer takes
@@ -29,7 +30,8 @@ Configuration (conf/rollout/replay.yaml; ``algorithm=rlep`` and ``algorithm=exgr
       weighting: uniform      # how buffer questions are drawn: uniform | accuracy_gaussian (ExGRPO's buckets)
       weight_mean: 0.5        # accuracy_gaussian: the bucket weight is N(accuracy; weight_mean, weight_std)
       weight_std: 1.0
-      trajectory: random      # which stored responses: random | lowest_entropy (mean -log mu per token)
+      trajectory: random      # which stored responses: random | lowest_entropy (lowest mean token entropy under
+                              # the current policy: one forward of the candidates, the engine's position_stats)
       retire_solved: false    # a question whose fresh responses are all correct leaves the buffer for good
       start_accuracy: 0.0     # replay starts (for good) at the first step whose fresh accuracy reaches this
       behaviour: stored       # stored: pi_old of a replayed token is its stored log-prob (ratio pi_theta / mu)
@@ -99,12 +101,6 @@ class ReplayItem:
     finished: bool
     text: str
     policy_version: int
-
-    @property
-    def entropy(self) -> float:
-        """Mean -log mu over the response's tokens: a one-sample estimate of the behaviour policy's
-        per-token entropy along this trajectory."""
-        return -sum(self.logprobs) / max(len(self.logprobs), 1)
 
     @staticmethod
     def from_completion(uid: str, completion: Completion, policy_version: int | None = None) -> "ReplayItem":
@@ -239,15 +235,24 @@ class ReplayBuffer:
         chosen = self.rng.choice(len(uids), size=take, replace=False, p=p / p.sum())
         return [self.problems[uids[i]] for i in chosen]
 
-    def sample_trajectories(self, uid: str, count: int) -> list[ReplayItem]:
-        """Up to ``count`` stored responses of question ``uid``: the lowest :attr:`ReplayItem.entropy`
-        first (ties: the older first), or a random subset."""
+    def sample_trajectories(self, uid: str, count: int, entropies: Sequence[float] | None = None) -> list[ReplayItem]:
+        """Up to ``count`` stored responses of question ``uid``: a random subset, or with
+        ``lowest_entropy`` (ExGRPO, arXiv:2510.02245, section 3.2) the ones of lowest mean token entropy
+        under the current policy first (ties: the older first). ``entropies``: that entropy of each of
+        :meth:`stored` ``(uid)`` in order (:func:`policy_entropies`); needed only when there is a choice
+        (more stored responses than ``count``)."""
         stored = self.stored(uid)
         take = min(count, len(stored))
         if take <= 0:
             return []
         if self.trajectory == "lowest_entropy":
-            return sorted(stored, key=lambda item: item.entropy)[:take]
+            if take == len(stored):
+                return stored
+            if entropies is None or len(entropies) != len(stored):
+                raise ValueError(f"trajectory=lowest_entropy ranks the {len(stored)} stored responses of question "
+                                 f"{uid} by the current policy's entropy: pass one entropy per stored response")
+            order = sorted(range(len(stored)), key=lambda i: entropies[i])
+            return [stored[i] for i in order[:take]]
         return [stored[i] for i in sorted(self.rng.choice(len(stored), size=take, replace=False).tolist())]
 
     # -- checkpoints
@@ -331,6 +336,24 @@ class ReplayOptions:
     def make_buffer(self, seed: int) -> ReplayBuffer:
         return ReplayBuffer(self.capacity, seed, self.weighting, self.weight_mean, self.weight_std,
                             self.trajectory, self.retire_solved, self.keep, self.window)
+
+
+def policy_entropies(engine: Any, params: Any, candidates: dict[str, list[ReplayItem]]) -> dict[str, list[float]]:
+    """The mean token entropy of each candidate response under the current policy's sampling
+    distribution (ExGRPO's trajectory choice, arXiv:2510.02245, section 3.2: the replayed success is
+    the one of lowest entropy under the policy about to be updated): one forward over all candidates,
+    the engine's :meth:`~rlbench.rollout.engines.base.RolloutEngine.position_stats` (the forward the
+    branching strategies read entropies from), whose weights are the current policy's at rollout time.
+    ``candidates``: question uid -> its stored responses; the result lists theirs in the same order
+    (an empty response: 0)."""
+    items = [(uid, item) for uid, stored in candidates.items() for item in stored]
+    if not items:
+        return {}
+    stats = engine.position_stats([(item.prompt_ids, tuple(item.response_ids)) for _, item in items], params)
+    out: dict[str, list[float]] = {uid: [] for uid in candidates}
+    for (uid, item), stat in zip(items, stats):
+        out[uid].append(float(stat.entropy.double().sum()) / max(len(item.response_ids), 1))
+    return out
 
 
 def check_replay_pool(rollout: RolloutConfig, dataset: Any, seed: int, data_dir: str | None, source: str) -> None:
@@ -464,9 +487,10 @@ class ReplaySampling(RolloutStrategy):
         # questions=buffer (ExGRPO, ReMix): only the buffer questions are replayed; the step's own prompts stay
         # fresh even when the buffer holds successes of theirs (ExGRPO's mix: 1 replayed + n - 1 fresh for a
         # buffer question, n fresh for a fresh one). questions=same (RLEP): every prompt gets its stored successes.
-        replayed_uids = {p.uid for p in drawn}
-        replayed = [self.buffer.sample_trajectories(p.uid, o.per_group)
-                    if o.questions == "same" or p.uid in replayed_uids else [] for p in prompts]
+        replayed_uids = {p.uid for p in prompts if o.questions == "same"} | {p.uid for p in drawn}
+        entropies = self._entropies(replayed_uids)
+        replayed = [self.buffer.sample_trajectories(p.uid, o.per_group, entropies.get(p.uid))
+                    if p.uid in replayed_uids else [] for p in prompts]
         wanted_replays = o.per_group * (len(drawn) if o.questions == "buffer" else len(prompts))
         missing = max(0, wanted_replays - sum(len(r) for r in replayed))
         shortfall += missing
@@ -480,7 +504,18 @@ class ReplaySampling(RolloutStrategy):
                   for i, (group, items) in enumerate(zip(fresh, replayed))]
         graded = self.setup.sampler.grade(prompts, groups, self.setup.params.max_new_tokens)
         self._record(prompts, graded, fresh_counts)
-        return graded, self._metrics(sum(len(r) for r in replayed), shortfall)
+        return graded, self._metrics(sum(len(r) for r in replayed), shortfall,
+                                     sum(len(e) for e in entropies.values()))
+
+    def _entropies(self, uids: set[str]) -> dict[str, list[float]]:
+        """With ``trajectory: lowest_entropy``, the current policy's mean token entropy of the stored
+        responses of each question in ``uids`` that holds more than ``per_group`` of them (the others
+        have no choice to make): :func:`policy_entropies`, one forward. Otherwise nothing."""
+        if self.options.trajectory != "lowest_entropy":
+            return {}
+        candidates = {uid: stored for uid in sorted(uids)
+                      if len(stored := self.buffer.stored(uid)) > self.options.per_group}
+        return policy_entropies(self.setup.sampler.engine, self.setup.params, candidates)
 
     def stop_replay(self) -> None:
         """From the next rollout on, fresh groups only (ReMix's switch back to on-policy training:
@@ -491,7 +526,7 @@ class ReplaySampling(RolloutStrategy):
         graded = self.setup.sample(prompts)
         self._record(prompts, graded, [self.setup.n] * len(prompts))
         self.started = self.started or float(graded.correct.mean().item()) >= self.options.start_accuracy
-        return graded, self._metrics(0, 0)
+        return graded, self._metrics(0, 0, 0)
 
     def _record(self, prompts: list[Problem], graded: GradedGroups, fresh_counts: list[int]) -> None:
         """The fresh responses go to the buffer at the next rollout (not with a pool: RLEP's second run
@@ -520,9 +555,10 @@ class ReplaySampling(RolloutStrategy):
                         "prompt than this run renders (dataset.prompt or the chat template differ): collect the "
                         "pool with this run's prompt")
 
-    def _metrics(self, replayed: int, shortfall: int) -> dict[str, float]:
+    def _metrics(self, replayed: int, shortfall: int, scored: int) -> dict[str, float]:
         return {
             "replay_responses": float(replayed),
+            "replay_entropy_scored": float(scored),  # stored responses whose entropy the current policy gave
             "replay_shortfall": float(shortfall),
             "replay_buffer_size": float(len(self.buffer)),
             "replay_buffer_questions": float(len(self.buffer.problems)),

@@ -7,13 +7,15 @@ subproblems first; ``samples`` responses) and, for those still unsolved, **refin
 to ``shown_attempts`` of its wrong direct responses inside ``refine_template``). Both stages keep the
 dataset's template around the rewritten problem, so the answer format is unchanged.
 
-Training on the successes (``successes``). ``sft`` (the default, the paper's rule, section 3): each
-problem's first stage success is re-attached to the **direct** prompt (train-test consistency) and added
-to the batch as a group of its own (``behaviour="rethink_sft"``), its tokens marked 1 in the step input
+Training on the successes (``successes``). ``sft`` (the default, the paper's rule, section 3): every
+stage success of a problem (S1 of decompose, S2 of refine) is re-attached to the **direct** prompt
+(train-test consistency) and added to the batch, a problem's successes together as a group of their own
+after the direct groups (``behaviour="rethink_sft"``), their tokens marked 1 in the step input
 ``sft_target`` (0 on every other response): the loss ``ppo_clip_sft`` trains them by cross-entropy,
-L = L_GRPO + lambda * L_SFT (rlbench/algorithm/losses/auxiliary_sft.py), and a group of one response has
-advantage 0 under GRPO's and Dr.GRPO's estimators, so the direct groups' advantages are the plain GRPO
-ones. ``off_policy`` (the earlier stand-in): the success replaces a wrong direct response in its group,
+L = L_GRPO + lambda * L_SFT with L_SFT over y in S1 u S2 (rlbench/algorithm/losses/auxiliary_sft.py), each
+success one response of the batch; a group whose responses are all correct has advantage 0 under GRPO's
+and Dr.GRPO's estimators, so the direct groups' advantages are the plain GRPO ones. ``off_policy`` (the
+earlier stand-in): a problem's first success replaces a wrong direct response in its group,
 labelled off-policy: ``behaviour="rethink"``, ``off_policy`` 1 on every token and ``behaviour_logprobs``
 = its sampling log-probs under the stage's prompt, so the ratio is pi_theta(y | direct prompt) /
 pi_old(y | stage prompt), never a silent 1 (rlbench.training.step.behaviour_old_logp); the group then
@@ -108,7 +110,7 @@ def as_direct_response(success: Completion, direct_prompt: tuple[int, ...], inde
 
 def as_sft_response(success: Completion, direct_prompt: tuple[int, ...], index: int) -> Completion:
     """A stage's correct response re-attached to the direct prompt as an SFT target (``sft_target`` 1 on
-    every token; on-policy label: its group of one has advantage 0, so only the SFT term trains it)."""
+    every token; on-policy label: its group, all correct, has advantage 0, so only the SFT term trains it)."""
     return dataclasses.replace(
         success, request_index=index, prompt_ids=direct_prompt, prefix_len=0, behaviour="rethink_sft",
         off_policy=None, behaviour_logprobs=None, policy_version=None,
@@ -130,17 +132,18 @@ class RethinkRollout(RolloutStrategy):
     def config_options(cls, rollout: RolloutConfig) -> dict[str, Any]:
         return {"options": RethinkOptions.from_config(rollout)}
 
-    def _first_successes(self, stage: list[Problem], positions: list[int]) -> dict[int, Completion]:
-        """Sample ``samples`` responses to each stage problem; the first correct one per problem."""
+    def _stage_successes(self, stage: list[Problem], positions: list[int]) -> dict[int, list[Completion]]:
+        """Sample ``samples`` responses to each stage problem; its correct ones, in sampling order
+        (problems without one are left out)."""
         if not stage:
             return {}
         graded = self.setup.sampler(stage, self.options.samples, self.setup.params, self.setup.generator)
-        found: dict[int, Completion] = {}
+        found: dict[int, list[Completion]] = {}
         for g, (i, group) in enumerate(zip(positions, graded.groups)):
             verdicts = graded.correct[graded.group_index == g].tolist()
             correct = [c for c, ok in zip(group, verdicts) if ok]
             if correct:
-                found[i] = correct[0]
+                found[i] = correct
         return found
 
     def rollout(
@@ -150,30 +153,32 @@ class RethinkRollout(RolloutStrategy):
         direct = setup.sample(problems)
         correct = direct.correct.view(len(problems), -1)
         zero = [i for i in range(len(problems)) if not bool(correct[i].any())]
-        decomposed = self._first_successes([stage_problem(problems[i], options.decompose_template) for i in zero], zero)
+        decomposed = self._stage_successes([stage_problem(problems[i], options.decompose_template) for i in zero], zero)
         unsolved = [i for i in zero if i not in decomposed]
         refine = [
             stage_problem(problems[i], options.refine_template,
                           "\n".join(f"- {c.text}" for c in direct.groups[i][: options.shown_attempts]))
             for i in unsolved
         ]
-        refined = self._first_successes(refine, unsolved)
+        refined = self._stage_successes(refine, unsolved)
         for group in direct.groups:
             for completion in group:
                 completion.extras[SFT_TARGET] = [0.0] * len(completion.response_ids)
         successes = sorted({**decomposed, **refined}.items())
         graded = direct
-        if successes and options.successes == "sft":  # each success a group of its own, after the direct groups
+        if successes and options.successes == "sft":  # a problem's successes, a group after the direct groups
             sft = sampler.grade([problems[i] for i, _ in successes],
-                                [[as_sft_response(success, direct.groups[i][0].prompt_ids, len(problems) + k)]
-                                 for k, (i, success) in enumerate(successes)], setup.params.max_new_tokens)
+                                [[as_sft_response(success, direct.groups[i][0].prompt_ids, len(problems) + k)
+                                  for success in found] for k, (i, found) in enumerate(successes)],
+                                setup.params.max_new_tokens)
             graded = GradedGroups.concat([direct.with_group_ids(0), sft.with_group_ids(len(problems))])
         elif successes:
             groups = [list(g) for g in direct.groups]
-            for i, success in successes:
-                groups[i][-1] = as_direct_response(success, groups[i][0].prompt_ids, i)
+            for i, found in successes:
+                groups[i][-1] = as_direct_response(found[0], groups[i][0].prompt_ids, i)
             graded = sampler.grade(problems, groups, setup.params.max_new_tokens)
         return graded, {
+            "rethink_successes": float(sum(len(found) for _, found in successes)),
             "rethink_zero_accuracy_prompts": float(len(zero)),
             "rethink_decompose_solved": float(len(decomposed)),
             "rethink_refine_solved": float(len(refined)),
