@@ -57,5 +57,6 @@ def soft_format(text: str) -> float:
 
 def strict_format(text: str) -> float:
     """1 when the whole response is ``<reasoning>\\n…\\n</reasoning>\\n<answer>\\n…\\n</answer>\\n``
-    (MOTIF, arXiv:2507.02851: the code's strict format reward, 0.5 × this): ``re.match(STRICT_FORMAT_RE, y)``."""
+    (MOTIF, arXiv:2507.02851: the code's strict format reward, 0.5 × this): ``re.match(STRICT_FORMAT_RE, y)``
+    (``$`` also matches before one more final newline)."""
     return float(STRICT_FORMAT_RE.match(text) is not None)
