@@ -22,11 +22,11 @@ from conftest import CharTokenizer, smoke_cli_steps
 
 
 class Engine:
-    """Round 1 (no "Progress" in the prompt) answers "a" for the first sample and "b" for the next;
+    """Round 1 (no "Progress" in the prompt) answers ``first``: "a" for the first sample and "b" for the next;
     a later round answers "R" when the progress it is given is "a", else "W"."""
 
-    def __init__(self):
-        self.prompts = []
+    def __init__(self, first=("a", "b")):
+        self.prompts, self.first = [], first
 
     def generate(self, requests, params, generator=None):
         out = []
@@ -34,10 +34,10 @@ class Engine:
             text = "".join(chr(t) for t in r.prompt_ids)
             self.prompts.append(text)
             if "Progress" not in text:
-                answers = ["a", "b"][: r.n]
+                answers = list(self.first[: r.n])
             else:
                 answers = ["R" if "Progress in round 1: a" in text or "Progress in round 2: R" in text else "W"]
-            out.append([Completion(i, r.prompt_ids, [ord(a)], [0.0], True, text=a) for a in answers])
+            out.append([Completion(i, r.prompt_ids, [ord(ch) for ch in a], [0.0] * len(a), True, text=a) for a in answers])
         return out
 
 

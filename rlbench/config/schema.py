@@ -722,13 +722,14 @@ class RewardConfig:
     incorrect_reward: float = knob(0.0, "reward of an incorrect response")
     format_weight: float = knob(0.0, "added when an answer in the expected format was found (math)")
     tolerance: float = knob(1.0e-6, "relative tolerance for numeric answers (math)", ge=0)
-    extraction: Optional[str] = knob(None, "null: the dataset's reward_extraction (math)")
+    extraction: Optional[str] = knob(None, "null: the dataset's reward_extraction (math); auto | boxed | gsm8k | last_number | "
+                                     "answer_tag (auto inside <answer>...</answer>)")
     verify_timeout_s: float = knob(5.0, "seconds one math-verify comparison may take (math)", gt=0)
     mode: Literal["all_pass", "pass_rate"] = knob("all_pass", "all_pass: 1 when every test passes | pass_rate: the share of tests passed (code)")
     threshold: float = knob(0.75, "reward at which a response counts as correct (even_tokens)")
     terms: dict = knob(
         {"grader": 1.0}, "term -> weight: the reward is the weighted sum of the terms (grader, format, pairwise_rl, "
-        "brpo, fapo; rlbench/reward/terms.py), each logged as reward_term_<name>", open=True)
+        "brpo, fapo, xml_count, soft_format, strict_format; rlbench/reward/terms.py), each logged as reward_term_<name>", open=True)
     judge: Optional[JudgeConfig] = node(JudgeConfig, "null: no judge | the judge the judge terms ask (docs/judges.md)")
     fidelity: Optional[FidelityConfig] = node(FidelityConfig, "null: not stated; how much of its method a reward preset builds (reward=fapo)")
 

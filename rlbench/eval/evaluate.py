@@ -275,7 +275,8 @@ def final_rounds(
 ) -> list[list[Completion]]:
     """MOTIF's multi-round inference (Mitra & Ulukus 2025, arXiv:2507.02851, section 3; rollout=multiround's
     prompts, :func:`rlbench.rollout.strategies.multiround.round_problem`): round r + 1 of a sample is one
-    response to the problem followed by "Progress in round r: <round r's response>" (and, in the last round,
+    response to the problem followed by "Progress in round r: <round r's progress>" (its <answer> part, or the
+whole response without one; and, in the last round,
     the note that it is the last), in the benchmark's template; the last round's response stands for the
     sample and is what is graded. Each continuation draws from its own stream, :func:`problem_seed` of the
     benchmark, the round and the sample's index, so before and after training draw the same numbers."""

@@ -76,6 +76,7 @@ from typing import Sequence
 
 from rlbench.reward.symbolic import symbolic_equal, within_tolerance
 from rlbench.reward.units import TEXT_WRAPPER_RE, UNIT_WORDS, split_unit, unit_key
+from rlbench.reward.xml_format import answer_tag_content
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ __all__ = [
     "extract_answer",
 ]
 
-EXTRACTION_STYLES = ("auto", "boxed", "gsm8k", "last_number")
+EXTRACTION_STYLES = ("auto", "boxed", "gsm8k", "last_number", "answer_tag")
 #: how a reference is read (a benchmark's ``answer_type``; ``math``: decide from the answer)
 ANSWER_TYPES = ("math", "number", "expression", "set", "text")
 #: which ``label =`` before an answer is dropped (a benchmark's ``answer_labels``): ``letter``, one
@@ -296,6 +297,9 @@ def _extract(
         raise ValueError(f"unknown extraction style {style!r}; use one of {EXTRACTION_STYLES}")
     if not isinstance(text, str):
         raise TypeError(f"completion must be a str, got {type(text).__name__}")
+    if style == "answer_tag":  # the answer part of a <reasoning>/<answer> response, read as auto
+        answer, format_ok, name = _extract(answer_tag_content(text), "auto", fallbacks, last_number)
+        return answer, format_ok and "<answer>" in text, name
     # auto: boxed, then ####, then "the answer is", then last number
     order = ("boxed", "gsm8k", "phrase", "last_number") if style == "auto" else (style,)
     for name in order:
@@ -318,7 +322,11 @@ def extract_answer(text: str, style: str = "auto") -> str | None:
         negatives, thousands separators ``1,234`` / ``10,\\!080`` -> plain digits, simple fractions
         ``3/4``); inside a LaTeX maths span, that span after its last ``=`` (``$k=\\frac{1}{3}$`` ->
         ``\\frac{1}{3}``);
-      * ``"auto"``: boxed, else ``####``, else "the answer is X" / "Answer: X", else last number.
+      * ``"auto"``: boxed, else ``####``, else "the answer is X" / "Answer: X", else last number;
+      * ``"answer_tag"``: ``auto`` inside the answer part of a ``<reasoning>``/``<answer>`` response
+        (after the last ``<answer>``, up to ``</answer>``; a response without ``<answer>`` is read whole:
+        :func:`rlbench.reward.xml_format.answer_tag_content`, MOTIF's reading); its format is kept only
+        with an ``<answer>`` tag.
 
     Returns None when nothing is found (or on any error: this function never raises).
     """

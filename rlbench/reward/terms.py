@@ -16,6 +16,10 @@ Terms (:data:`TERMS`):
 * ``fapo``: FAPO (arXiv:2510.22543, the flawed-positive penalty): the judge checks the *correct* responses only; a flawed one
   gets −1, so with outcomes ±1 and weights ``{grader: 1, fapo: 1}`` a flawed positive is rewarded 0
   (``R_FAPO = R_RLVR − λ·1[flawed]``, λ = the term's weight).
+* ``xml_count``, ``soft_format``, ``strict_format``: MOTIF's format rewards of a
+  ``<reasoning>``/``<answer>`` response (arXiv:2507.02851, its released code; rlbench.reward.xml_format):
+  partial credit 1/8 per correctly placed tag less 1/1000 per character after ``</answer>``; 1 when the
+  response starts with a reasoning then an answer block; 1 when it is exactly the two blocks, one tag a line.
 
 A judge verdict that failed (rlbench.reward.judges: unparseable, over budget) gives the term's
 ``failure_reward`` (null: the term's neutral value, ½ for pairwise_rl, 0 for brpo and fapo),
@@ -33,6 +37,7 @@ import torch
 from rlbench.errors import ConfigError
 from rlbench.reward.judges import Judge, PairItem, PointItem, Verdict
 from rlbench.reward.math import Grade
+from rlbench.reward.xml_format import soft_format, strict_format, xml_count
 
 DEFAULT_TERMS = {"grader": 1.0}
 
@@ -135,6 +140,30 @@ def fapo_term(inputs: TermInputs, judge: Judge | None, failure: float | None, se
     return TermValues(values, failed)
 
 
+def text_values(inputs: TermInputs, score: Callable[[str], float]) -> TermValues:
+    """``score`` of each response's text (a term that needs no grade and no judge)."""
+    values = torch.tensor([score(t) for t in inputs.texts], dtype=torch.float32)
+    return TermValues(values, torch.zeros(len(values), dtype=torch.bool))
+
+
+def xml_count_term(inputs: TermInputs, judge: Judge | None, failure: float | None) -> TermValues:
+    """MOTIF (arXiv:2507.02851): 1/8 per correctly placed tag, less 1/1000 per character after ``</answer>``
+    (:func:`rlbench.reward.xml_format.xml_count`; at most 0.5)."""
+    return text_values(inputs, xml_count)
+
+
+def soft_format_term(inputs: TermInputs, judge: Judge | None, failure: float | None) -> TermValues:
+    """MOTIF (arXiv:2507.02851): 1 when the response starts ``<reasoning>…</reasoning> <answer>…</answer>``
+    (:func:`rlbench.reward.xml_format.soft_format`)."""
+    return text_values(inputs, soft_format)
+
+
+def strict_format_term(inputs: TermInputs, judge: Judge | None, failure: float | None) -> TermValues:
+    """MOTIF (arXiv:2507.02851): 1 when the response is exactly the two blocks, one tag a line
+    (:func:`rlbench.reward.xml_format.strict_format`)."""
+    return text_values(inputs, strict_format)
+
+
 TermFunction = Callable[..., TermValues]
 TERMS: dict[str, TermFunction] = {
     "grader": grader_term,
@@ -142,6 +171,9 @@ TERMS: dict[str, TermFunction] = {
     "pairwise_rl": pairwise_rl_term,
     "brpo": brpo_term,
     "fapo": fapo_term,
+    "xml_count": xml_count_term,
+    "soft_format": soft_format_term,
+    "strict_format": strict_format_term,
 }
 JUDGE_TERMS = frozenset({"pairwise_rl", "brpo", "fapo"})
 

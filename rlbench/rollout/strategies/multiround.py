@@ -5,8 +5,10 @@ expected outcome of the rounds that follow it, and only first-round tokens are t
 
 Per prompt, the group is n first-round responses y_1 (the dataset's prompt). For each y_1,
 ``continuations`` trajectories run the remaining ``rounds - 1`` rounds: round k's prompt is the problem
-followed by ``Progress in round k-1: <previous round's response>`` (inside the dataset's template, where
-the problem text goes), and the last round's adds ``Current round is the final round. Provide a final
+followed by ``Progress in round k-1: <previous round's progress>`` (inside the dataset's template, where
+the problem text goes; the progress is the answer part of a ``<reasoning>``/``<answer>`` response, as the
+released code hands it on, and a response without ``<answer>`` whole, stripped:
+rlbench.reward.xml_format.answer_tag_content), and the last round's adds ``Current round is the final round. Provide a final
 answer.``; one sample per round. With c(.) the grader's verdict on the last round (correct: 1, else 0),
 the reward of y_1 is
 
@@ -14,10 +16,15 @@ the reward of y_1 is
 
 the expected final-round accuracy (the released code's 2.0 for a correct boxed final answer; its 1.0
 for a final response that holds the answer outside its answer tags is a format credit rlbench's graders
-do not separate). The first round gets no credit of its own: it is rewarded for the progress it hands
-on. The algorithm's reward shaping then applies; the graders' reward of y_1 itself stays the step's
-``outcome``. The later rounds' responses are generated (counted in ``generated_tokens``) but never
-trained.
+do not separate). This score takes the place of the grader's term in the reward composition
+(``reward.terms``): the first round gets no credit for its own answer, only for the progress it hands on,
+and the other terms of y_1 are added with their weights,
+
+    r(y_1) = R(y_1) + sum over the terms t other than the grader of w_t * t(y_1)
+
+(MOTIF's format rewards: reward=xml_format, rlbench.reward.xml_format). The algorithm's reward shaping then
+applies; the composed reward of y_1 itself stays the step's ``outcome``. The later rounds' responses are
+generated (counted in ``generated_tokens``) but never trained.
 
 No state between steps. Configuration (conf/rollout/multiround.yaml):
 
@@ -38,6 +45,7 @@ from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.reward import grade_completions
+from rlbench.reward.xml_format import answer_tag_content
 from rlbench.rollout.engines.base import Completion, GenerationRequest
 from rlbench.rollout.groups import GradedGroups, shaping_inputs
 from rlbench.rollout.strategy import (
@@ -69,10 +77,11 @@ class MultiroundOptions:
 FINAL_ROUND_NOTE = " Current round is the final round. Provide a final answer."
 
 
-def round_problem(problem: Problem, round_number: int, progress: str, final: bool) -> Problem:
-    """The problem of round ``round_number + 1``: its text followed by the progress of ``round_number``
-    (and, in the last round, the note that it is the last)."""
+def round_problem(problem: Problem, round_number: int, response: str, final: bool) -> Problem:
+    """The problem of round ``round_number + 1``: its text followed by the progress of ``round_number``,
+    the answer part of that round's ``response`` (and, in the last round, the note that it is the last)."""
     note = FINAL_ROUND_NOTE if final else ""
+    progress = answer_tag_content(response)
     return dataclasses.replace(problem, prompt=f"{problem.prompt}\n\nProgress in round {round_number}: {progress}{note}")
 
 
@@ -109,7 +118,10 @@ class MultiroundRollout(RolloutStrategy):
             trajectories = [(p, r[0]) for (p, _), r in zip(trajectories, responses)]
         last: list[Completion] = [c for _, c in trajectories]
         final_correct = torch.tensor([float(g.correct) for g in grade_completions(sampler.grader, [p for p, _ in trajectories], last)])
-        reward = motif_reward(final_correct, options.continuations)
+        # the composed terms of y_1 less the grader's (a weighted sum; exactly 0 with the default {grader: 1})
+        grader_weight = sampler.compose.weights.get("grader", 0.0)
+        own_terms = first.outcome - grader_weight * torch.tensor([g.reward for g in first.grades], dtype=torch.float32)
+        reward = motif_reward(final_correct, options.continuations) + own_terms
         inputs = shaping_inputs(first.groups, first.grades, setup.params.max_new_tokens, sampler.tokenizer)
         first.rewards = sampler.shape_rewards(reward, inputs).to(torch.float32)
         return first, {
