@@ -216,6 +216,9 @@ _declare("reference_stage", "int", "1 while the reference is the initial policy,
          "the policy the reference (SACPO's stage 2)", "batch", {"loss"})
 _declare("prox_logp", "[B,T]", "log-probs of decoupled PPO's proximal policy, an EWMA copy of the weights "
          "(no gradient)", "step", {"loss"})
+_declare("generator", "torch.Generator", "the policy loss's random stream (clip_cov's random pick): a fresh generator "
+         "per micro-batch, seeded from (run seed, step, rank, micro-batch index) (rlbench.utils.loss_generator): the "
+         "same draws in a rerun and in a resumed run", "step", {"loss"})
 
 # ------------------------------------------------------------------------ sources (rlbench/training/advantage_inputs.py)
 _declare("baseline_rewards", "[B]", "the reward of a baseline for each response's prompt: one greedy response "
@@ -274,5 +277,3 @@ _declare("norm_length", "int", "the constant L of Dr. GRPO's normaliser: rollout
 # ------------------------------------------------------------------------ declared by pieces, not provided
 _declare("control_mask", "[B,T]", "1 on control tokens (degrpo; default: each response's first token)", "default",
          {"loss"})
-_declare("generator", "torch.Generator", "random stream of clip_cov's token selection; never provided, so runs take the top-covariance pick",
-         "default", {"loss"})
