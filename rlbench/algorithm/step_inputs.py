@@ -183,8 +183,8 @@ _declare("response_texts", "list[str]", "the decoded responses (special tokens s
 _declare("policy_code", "list[str]", "the closed ```python blocks the policy wrote in each response, joined by "
          "newlines (rlbench.reward.code.tool_blocks): rollout=multi_turn's policy turns only, without the observations "
          "(tool outputs) between them; the response text's blocks otherwise", "graded", {"shaping"})
-_declare("prompt_keys", "[B] long", "a stable key of each response's prompt (CRC-32 of its token ids): one prompt, "
-         "one key (INTELLECT-2's per-prompt length target)", "graded", {"shaping"})
+_declare("problem_uids", "list[str]", "the uid of each response's problem (Problem.uid): INTELLECT-2's per-prompt "
+         "length target is drawn from it (rlbench.algorithm.shaping.length_target)", "graded", {"shaping"})
 _declare("first_tokens", "list[str]", "each response's first token decoded with special tokens kept (\"\" when "
          "empty): Thinkless' control token", "graded", {"shaping"})
 

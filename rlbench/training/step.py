@@ -201,7 +201,8 @@ def make_step_context(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
     params = SamplingParams(rollout.temperature, rollout.top_p, rollout.max_new_tokens)
     sampler = GroupSampler(engine, grader, tokenizer, prompt_spec(config.dataset), algorithm.shape_rewards,
-                           compose=make_reward_composer(config, engine, model, tokenizer, device))
+                           compose=make_reward_composer(config, engine, model, tokenizer, device),
+                           prompt_instruction=algorithm.prompt_instruction)
     # rank 0 samples what one process samples; other ranks draw their own stream (docs/scaling.md)
     rollout_generator = torch.Generator().manual_seed(
         rank_stream_seed(make_generator(config.seed, STREAM_ROLLOUT).initial_seed(), world.rank)

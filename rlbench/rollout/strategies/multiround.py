@@ -110,7 +110,7 @@ class MultiroundRollout(RolloutStrategy):
         last: list[Completion] = [c for _, c in trajectories]
         final_correct = torch.tensor([float(g.correct) for g in grade_completions(sampler.grader, [p for p, _ in trajectories], last)])
         reward = motif_reward(final_correct, options.continuations)
-        inputs = shaping_inputs(first.groups, first.grades, setup.params.max_new_tokens, sampler.tokenizer)
+        inputs = shaping_inputs(first.problems, first.groups, first.grades, setup.params.max_new_tokens, sampler.tokenizer)
         first.rewards = sampler.shape_rewards(reward, inputs).to(torch.float32)
         return first, {
             "multiround_final_accuracy": float(final_correct.mean()),
