@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -37,11 +38,21 @@ STREAM_AUX_TASKS = 51  # auxiliary-task builds and draws (training/aux_tasks.py)
 STREAM_CLPO_REWRITES = 52  # CLPO's rewrites: the policy's rewriting and checking samples, the pool's draws (training/rewrites.py)
 STREAM_STEP_CRITIC, STREAM_STEP_CRITIC_FIT = 61, 62  # Direct Advantage PO's critic: its pi_ref continuations, its fit's order (training/step_critic.py)
 STREAM_PREFERENCE_MODEL_FIT = 63  # DRPO's preference model: its fit's order (training/preference_model.py)
+STREAM_LOSS = 71  # the policy loss's draws, one generator per (step, rank, micro-batch) (loss_generator, training/update.py)
 
 
 def make_generator(seed: int, stream: int) -> torch.Generator:
     """An independent torch generator per purpose (stream), all derived from the run seed."""
     return torch.Generator().manual_seed(seed * 1_000_003 + stream)
+
+
+def loss_generator(seed: int, step: int, micro_batch: int, rank: int = 0) -> torch.Generator:
+    """The policy loss's random stream (the ``generator`` step input) for one micro-batch: a fresh
+    generator seeded by a hash of (run seed, STREAM_LOSS, step, rank, micro-batch index). It is a pure
+    function of those numbers, so a rerun draws the same, a resumed run draws what the uninterrupted
+    one did (nothing to checkpoint), and each step and micro-batch draws afresh."""
+    digest = hashlib.blake2b(repr((int(seed), STREAM_LOSS, int(step), int(rank), int(micro_batch))).encode(), digest_size=8)
+    return torch.Generator().manual_seed(int.from_bytes(digest.digest(), "little") >> 1)
 
 
 def temporary_sibling(path: Path) -> Path:

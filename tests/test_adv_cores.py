@@ -186,6 +186,7 @@ def test_campo_repetition_reads_token_ids_not_the_text():
     text that repeats under two tokenisations ("ab" x 3 against "a" + "babab") is no loop, and the
     shaping inputs carry each completion's ids as sampled."""
     from rlbench.algorithm.shaping import REWARD_SHAPING
+    from rlbench.dataset.base import Problem
     from rlbench.rollout.engines.base import Completion
     from rlbench.rollout.groups import shaping_inputs
     from rlbench.reward.math import Grade
@@ -200,7 +201,7 @@ def test_campo_repetition_reads_token_ids_not_the_text():
     looped, retokenised = (Completion(0, (0,), ids, [0.0] * 3, False, text=tokenizer.decode(ids)) for ids in ([1, 1, 1], [2, 3]))
     assert looped.text == "ababab" and retokenised.text == "ababab"
     grades = [Grade(correct=False, extracted=None, reward=0.0, format_ok=True)] * 2
-    inputs = shaping_inputs([[looped, retokenised]], grades, 3, tokenizer)
+    inputs = shaping_inputs([Problem("u", "q", "a")], [[looped, retokenised]], grades, 3, tokenizer)
     assert inputs["response_token_ids"] == [[1, 1, 1], [2, 3]]
     penalty = REWARD_SHAPING.call("campo_repetition", inputs, {})
     assert penalty.tolist() == pytest.approx([-1.0, 0.0])

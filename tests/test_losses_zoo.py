@@ -21,7 +21,6 @@ from rlbench.algorithm.losses import (
     ppo_clip_loss,
     sequence_mean,
 )
-from rlbench.algorithm.step_inputs import STEP_INPUTS
 
 LOSS_DIR = Path(__file__).resolve().parents[1] / "conf" / "algorithm" / "loss"
 ZOO = [
@@ -462,13 +461,6 @@ def test_clip_cov_random_selection_uses_the_generator():
         picks.append(tuple(detached.flatten().tolist()))
     assert picks[0] == picks[1]  # same seed, same selection
     assert len(set(picks)) > 1  # the selection is random across seeds
-
-
-def test_the_trainer_never_provides_clip_covs_generator():
-    # the docstring's claim: no producer fills `generator`, so every run takes the top-covariance pick
-    entry = STEP_INPUTS["generator"]
-    assert entry.producer == "default" and not entry.provided_for(object())
-    assert inspect.signature(POLICY_LOSSES.get("clip_cov")).parameters["generator"].default is None
 
 
 def test_kl_cov_penalises_the_top_covariance_tokens():

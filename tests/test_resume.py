@@ -290,6 +290,10 @@ STATEFUL_PRESETS = {
     "clpo": ["prompt_sampler=clpo", "trainer.prompt_sampler.clpo.agreement=0", "trainer.prompt_sampler.clpo.share=0.5"],
     # QRPO's K pi_ref samples per prompt: the cache file in the run folder is read back, never the policy's stream
     "qrpo_reference": ["algorithm=qrpo", "algorithm.qrpo.reference_samples=3"],
+    # Clip-Cov's random pick: the loss's generator derives from (seed, step, micro-batch), nothing checkpointed; the
+    # wide band makes half the tokens candidates, so the pick changes the update
+    "clip_cov": ["algorithm=clip_cov", "algorithm.loss.clip_cov_ratio=0.5", "algorithm.loss.clip_cov_lb=-1e9",
+                 "algorithm.loss.clip_cov_ub=1e9"],
 }
 
 

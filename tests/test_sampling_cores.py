@@ -15,9 +15,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # conftest and test_curricula, also as a script
 from conftest import algorithm_from, compose_config
 from test_curricula import graded
+from conftest import CharTokenizer as ChatCharTokenizer
 from test_guidance import CharTokenizer
 
-from rlbench.algorithm.shaping import apply_shaping, length_target_penalty
+from rlbench.algorithm.shaping import length_target, length_target_penalty
 from rlbench.config.schema import DifficultyFilterConfig
 from rlbench.config.typed import rollout_config, typed_config
 from rlbench.dataset.base import Problem
@@ -26,7 +27,6 @@ from rlbench.guidance import GuidanceLibrary, Trace
 from rlbench.reward.toy import EvenTokenReward
 from rlbench.rollout import GroupSampler, make_strategy
 from rlbench.rollout.engines.base import Completion, SamplingParams
-from rlbench.rollout.groups import prompt_key
 from rlbench.rollout.strategy import RolloutSetup
 from rlbench.training.advantage_inputs import (
     AdvantageInputSources,
@@ -260,25 +260,47 @@ def test_ground_truth_rollout_needs_pvpo_presampling(tmp_path):
 
 def test_length_target_reward_in_closed_form():
     lengths = torch.tensor([0, 4, 8, 12, 8, 3])
-    keys = torch.tensor([0, 0, 0, 0, 1, 7])  # key mod 2: targets 4, 4, 4, 4, 8, 8
-    reward = length_target_penalty(lengths, keys, targets=[4, 8], alpha=0.5)
+    uids = ["0", "0", "0", "0", "1", "2"]
+    # the draw of length_target(uid, [4, 8], seed 0): uid 0 -> 4, uids 1, 2 -> 8 (pinned: a change of the hash shows)
+    assert [length_target(u, [4, 8]) for u in ("0", "1", "2")] == [4, 8, 8]
+    reward = length_target_penalty(lengths, uids, targets=[4, 8], alpha=0.5)
     assert reward.tolist() == [-2.0, 0.0, -2.0, -4.0, 0.0, -2.5]  # -0.5 |L - L_target|
     assert reward[1] == reward[:4].max()  # the most at L = L_target
     with pytest.raises(ValueError, match="non-empty list"):
-        length_target_penalty(lengths, keys, targets=[], alpha=0.5)
+        length_target_penalty(lengths, uids, targets=[], alpha=0.5)
+    with pytest.raises(ValueError, match="must contain"):
+        length_target_penalty(lengths, uids, targets=[4], prompt="Think for N tokens.")
 
 
-def test_length_target_reward_in_the_preset_keeps_one_target_per_prompt(tmp_path):
-    """Through the grader: every response of a prompt is compared with the same target, the prompt's."""
+def test_length_targets_are_a_seeded_uniform_draw_per_prompt():
+    uids = [str(u) for u in range(400)]
+    draw = [length_target(u, [1000, 2000, 3000, 4000], seed=3) for u in uids]
+    assert draw == [length_target(u, [1000, 2000, 3000, 4000], seed=3) for u in uids]  # same seed, same targets
+    assert draw != [length_target(u, [1000, 2000, 3000, 4000], seed=4) for u in uids]  # another seed, another draw
+    counts = [draw.count(t) for t in (1000, 2000, 3000, 4000)]
+    assert all(60 <= c <= 140 for c in counts), counts  # 100 expected each (binomial sd 8.7)
+
+
+def test_intellect2_prompt_carries_the_target_its_reward_reads(tmp_path):
+    """Through the preset and the sampler: each prompt says its target, and every response of that prompt is
+    rewarded towards the same target."""
     cfg = compose_config(["algorithm=intellect2", "experiment=smoke"], tmp_path / "run")
-    shaping = [(s.name, s.params) for s in algorithm_from(cfg.algorithm).reward_shaping]
-    assert shaping == [("length_target", {"targets": [1000, 2000, 3000, 4000], "alpha": 0.001})]
-    sampler = UidSampler(ScriptedEngine(lambda u, k: True), EvenTokenReward(), CharTokenizer(), {},
-                         lambda rewards, inputs: apply_shaping(rewards, shaping, inputs))
+    algorithm = algorithm_from(cfg.algorithm)
+    assert [(s.name, s.params) for s in algorithm.reward_shaping] == [("length_target", {
+        "targets": [1000, 2000, 3000, 4000], "alpha": 0.001, "seed": 0,
+        "prompt": "Think for {target} tokens before giving a response."})]
+    sampler = GroupSampler(ScriptedEngine(lambda u, k: True), EvenTokenReward(), ChatCharTokenizer(), {},
+                           algorithm.shape_rewards, prompt_instruction=algorithm.prompt_instruction)
     graded = sampler(PVPO_PROBLEMS, 2, SamplingParams(1.0, 1.0, 2), None)
-    targets = torch.tensor([[1000, 2000, 3000, 4000][prompt_key((u,)) % 4] for u in range(4)]).repeat_interleave(2)
-    assert graded.rewards.tolist() == pytest.approx((1.0 - 0.001 * (2 - targets).abs()).tolist())  # 2 tokens, all even
-    assert prompt_key((3,)) == prompt_key([3]) != prompt_key((4,))  # a stable key of the token ids
+    targets = [3000, 4000, 4000, 4000]  # length_target of uids 0-3, seed 0 (pinned)
+    prompts = ["".join(map(chr, ids)) for ids, _ in sampler.engine.requests[0]]
+    assert prompts == [f"q{u}\nThink for {t} tokens before giving a response.\n"
+                       "Please reason step by step, and put your final answer within \\boxed{}." for u, t in enumerate(targets)]
+    # 2 even tokens per response: outcome 1, length term -0.001 |2 - L_target|
+    assert graded.rewards.tolist() == pytest.approx([1.0 - 0.001 * (t - 2) for t in targets for _ in range(2)])
+    without = GroupSampler(ScriptedEngine(lambda u, k: True), EvenTokenReward(), ChatCharTokenizer(), {}, algorithm.shape_rewards)
+    assert without.encode(PVPO_PROBLEMS[:1])[0] == tuple(map(ord, "q0\nPlease reason step by step, and put your final "
+                                                                 "answer within \\boxed{}."))
 
 
 def test_difficulty_filter_keeps_exactly_the_problems_in_the_band():
@@ -322,3 +344,15 @@ def test_a_difficulty_band_that_keeps_nothing_is_refused_before_the_model_loads(
                          tmp_path / "run")
     with pytest.raises(ConfigError, match="min_pass_rate=0.9 is above max_pass_rate=0.1"):
         validate_config(cfg)
+
+
+def test_the_trainers_sampler_writes_the_presets_target(make_cfg):
+    from rlbench.config.typed import typed_config
+    from rlbench.reward.graders import training_grader
+    from rlbench.training.step import make_step_context
+
+    cfg = make_cfg("experiment=smoke", "algorithm=intellect2")
+    ctx = make_step_context(typed_config(cfg), algorithm_from(cfg.algorithm), torch.nn.Linear(2, 2), ChatCharTokenizer(),
+                            None, torch.device("cpu"), training_grader(typed_config(cfg)))
+    text = "".join(map(chr, ctx.sampler.encode(PVPO_PROBLEMS[:1])[0]))
+    assert "q0\nThink for 3000 tokens before giving a response." in text  # uid 0's target, seed 0

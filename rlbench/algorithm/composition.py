@@ -40,7 +40,7 @@ from rlbench.algorithm.sampling_correction import SamplingCorrection
 from rlbench.algorithm.schedules import SFPOSettings, TRPOSettings, schedule_from_config
 from rlbench.algorithm.registry import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from rlbench.algorithm.rto import RTOSettings, rto_rewards
-from rlbench.algorithm.shaping import apply_shaping, check_shapers
+from rlbench.algorithm.shaping import apply_shaping, check_shapers, length_target_instruction
 from rlbench.algorithm.step_inputs import STEP_INPUTS
 from rlbench.errors import ConfigError
 
@@ -514,6 +514,16 @@ class Algorithm:
         estimator reads: old log-probs, entropies, values, verdicts, the budget, token rewards."""
         computed = {e.name for e in STEP_INPUTS.read_by("advantage") if e.producer in STEP_COMPUTED_PRODUCERS}
         return ADVANTAGES.accepted_inputs(self.advantage.name) & computed
+
+    def prompt_instruction(self, problem: Any) -> str | None:
+        """The sentence the reward shaping writes after ``problem``'s text in its prompt, or None: INTELLECT-2's
+        length target with length_target's ``prompt`` set (the target of length_target_instruction, the one
+        its reward reads)."""
+        for shaper in self.reward_shaping:
+            if shaper.name == "length_target" and shaper.params.get("prompt"):
+                params = shaper.params
+                return length_target_instruction(problem.uid, params["prompt"], params.get("targets"), params.get("seed", 0))
+        return None
 
     def shape_rewards(self, rewards: torch.Tensor, inputs: Mapping[str, Any]) -> torch.Tensor:
         """The reward after the algorithm's reward shaping ([B]; ``rewards`` itself without any).

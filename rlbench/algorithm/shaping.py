@@ -12,6 +12,7 @@ with one of them the grader's reward is dropped and the terms are added to it in
 from __future__ import annotations
 
 import difflib
+import hashlib
 import math
 import re
 from typing import Any, Mapping, Sequence
@@ -50,26 +51,48 @@ def dapo_overlong_penalty(
     return torch.where(finished.bool(), penalty, torch.full_like(lengths, -1.0))
 
 
+LENGTH_TARGETS = (1000, 2000, 3000, 4000)  # INTELLECT-2's target set (recalled, unverified)
+
+
+def length_target(uid: str, targets: Sequence[int] | None = None, seed: int = 0) -> int:
+    """INTELLECT-2's target length of one prompt (Prime Intellect Team 2025, arXiv:2505.07291): drawn
+    uniformly from ``targets`` by a hash of (``seed``, the problem's uid), so the same prompt has the
+    same target each time it is drawn, in every process and after a resume (no random state). The one
+    place that decides a target: the prompt's instruction (:func:`length_target_instruction`) and the
+    reward (:func:`length_target_penalty`) both read it."""
+    table = LENGTH_TARGETS if targets is None else targets
+    digest = hashlib.blake2b(f"{int(seed)}\x00{uid}".encode(), digest_size=8).digest()
+    return int(table[int.from_bytes(digest, "little") % len(table)])
+
+
+def length_target_instruction(uid: str, prompt: str, targets: Sequence[int] | None = None, seed: int = 0) -> str:
+    """The sentence that tells the policy its prompt's target: ``prompt`` with ``{target}`` filled in."""
+    return prompt.format(target=length_target(uid, targets, seed))
+
+
 @REWARD_SHAPING.register("length_target")
 def length_target_penalty(
-    response_lengths: torch.Tensor, prompt_keys: torch.Tensor, targets: list[int] | None = None, alpha: float = 0.001,
+    response_lengths: torch.Tensor, problem_uids: list[str], targets: list[int] | None = None, alpha: float = 0.001,
+    seed: int = 0, prompt: str | None = None,
 ) -> torch.Tensor:
     """INTELLECT-2's length-control reward (Prime Intellect Team 2025, arXiv:2505.07291): each prompt gets a
     target length L_target drawn from the set ``targets``, and
 
         R_len(y) = -alpha * |  |y| - L_target(x)  |          (0 at |y| = L_target, the most)
 
-    added to the task reward (targets default: 1000, 2000, 3000, 4000). The target of a prompt is
-    ``targets[key mod |targets|]`` with the prompt's
-    key (a CRC-32 of its token ids, :func:`rlbench.rollout.groups.prompt_key`): uniform over the set across
-    prompts, the same each time a prompt is drawn (resume-proof, no random state). The set and alpha are
+    added to the task reward (targets default: 1000, 2000, 3000, 4000). L_target(x) is
+    :func:`length_target` of the prompt's problem uid and ``seed``. ``prompt`` (e.g. "Think for {target}
+    tokens before giving a response."): the sentence written after the problem in the prompt, so the
+    policy is told the target it is rewarded towards (the paper's prompts carry it); null: not
+    written (GroupSampler.encode writes it, from Algorithm.prompt_instruction). The set and alpha are
     unverified (the paper's, recalled: targets of 1000-4000 tokens, alpha small).
     """
-    targets = [1000, 2000, 3000, 4000] if targets is None else targets
-    if not targets or any(int(t) < 0 for t in targets) or alpha < 0:
-        raise ValueError(f"targets must be a non-empty list of lengths >= 0 and alpha >= 0, got {list(targets)}, {alpha}")
-    table = torch.tensor([int(t) for t in targets], dtype=torch.float32)
-    target = table[prompt_keys.long() % len(table)]
+    table = LENGTH_TARGETS if targets is None else targets
+    if not table or any(int(t) < 0 for t in table) or alpha < 0:
+        raise ValueError(f"targets must be a non-empty list of lengths >= 0 and alpha >= 0, got {list(table)}, {alpha}")
+    if prompt is not None and "{target}" not in prompt:
+        raise ValueError(f"prompt must contain {{target}}, got {prompt!r}")
+    target = torch.tensor([length_target(uid, table, seed) for uid in problem_uids], dtype=torch.float32)
     return -alpha * (response_lengths.to(torch.float32) - target).abs()
 
 
@@ -302,7 +325,11 @@ def check_shapers(shapers: Sequence[tuple[str, Mapping[str, Any]]]) -> None:
     probe = {
         "response_lengths": torch.tensor([1]), "finished": torch.tensor([True]), "max_length": 8,
         "correct": torch.tensor([True]), "group_index": torch.tensor([0]), "response_texts": [""], "policy_code": [""],
+<<<<<<< HEAD
         "response_token_ids": [[]], "first_tokens": [""], "prompt_keys": torch.tensor([0]),
+=======
+        "first_tokens": [""], "problem_uids": [""],
+>>>>>>> clipcov
     }
     for name, params in shapers:
         REWARD_SHAPING.validate_params(name, params)

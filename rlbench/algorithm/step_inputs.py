@@ -185,8 +185,8 @@ _declare("response_token_ids", "list[list[int]]", "each response's token ids o_1
 _declare("policy_code", "list[str]", "the closed ```python blocks the policy wrote in each response, joined by "
          "newlines (rlbench.reward.code.tool_blocks): rollout=multi_turn's policy turns only, without the observations "
          "(tool outputs) between them; the response text's blocks otherwise", "graded", {"shaping"})
-_declare("prompt_keys", "[B] long", "a stable key of each response's prompt (CRC-32 of its token ids): one prompt, "
-         "one key (INTELLECT-2's per-prompt length target)", "graded", {"shaping"})
+_declare("problem_uids", "list[str]", "the uid of each response's problem (Problem.uid): INTELLECT-2's per-prompt "
+         "length target is drawn from it (rlbench.algorithm.shaping.length_target)", "graded", {"shaping"})
 _declare("first_tokens", "list[str]", "each response's first token decoded with special tokens kept (\"\" when "
          "empty): Thinkless' control token", "graded", {"shaping"})
 
@@ -218,6 +218,9 @@ _declare("reference_stage", "int", "1 while the reference is the initial policy,
          "the policy the reference (SACPO's stage 2)", "batch", {"loss"})
 _declare("prox_logp", "[B,T]", "log-probs of decoupled PPO's proximal policy, an EWMA copy of the weights "
          "(no gradient)", "step", {"loss"})
+_declare("generator", "torch.Generator", "the policy loss's random stream (clip_cov's random pick): a fresh generator "
+         "per micro-batch, seeded from (run seed, step, rank, micro-batch index) (rlbench.utils.loss_generator): the "
+         "same draws in a rerun and in a resumed run", "step", {"loss"})
 
 # ------------------------------------------------------------------------ sources (rlbench/training/advantage_inputs.py)
 _declare("baseline_rewards", "[B]", "the reward of a baseline for each response's prompt: one greedy response "
@@ -276,5 +279,3 @@ _declare("norm_length", "int", "the constant L of Dr. GRPO's normaliser: rollout
 # ------------------------------------------------------------------------ declared by pieces, not provided
 _declare("control_mask", "[B,T]", "1 on control tokens (degrpo; default: each response's first token)", "default",
          {"loss"})
-_declare("generator", "torch.Generator", "random stream of clip_cov's token selection; never provided, so runs take the top-covariance pick",
-         "default", {"loss"})

@@ -10,8 +10,8 @@ greedy baseline, PVPO's reference anchor) call the same sampler.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -100,9 +100,9 @@ class GradedGroups:
         )
 
 
-def prompt_key(prompt_ids: Sequence[int]) -> int:
-    """A stable key of a prompt: the CRC-32 of its token ids (the same in every process and run)."""
-    return zlib.crc32(b"".join(int(t).to_bytes(4, "little", signed=True) for t in prompt_ids))
+def instructed(problem: Problem, instruction: str | None) -> Problem:
+    """``problem`` with ``instruction`` on a line after its text (itself when there is none)."""
+    return problem if not instruction else dataclasses.replace(problem, prompt=f"{problem.prompt}\n{instruction}")
 
 
 def policy_code(text: str) -> str:
@@ -110,8 +110,10 @@ def policy_code(text: str) -> str:
     return "\n".join(tool_blocks(text))
 
 
-def shaping_inputs(groups: Sequence[Sequence[Completion]], grades: Sequence[Grade], max_length: int, tokenizer: Any) -> dict[str, Any]:
-    """What reward-shaping functions may read (the ``shaping`` entries of rlbench.algorithm.step_inputs)."""
+def shaping_inputs(problems: Sequence[Problem], groups: Sequence[Sequence[Completion]], grades: Sequence[Grade],
+                   max_length: int, tokenizer: Any) -> dict[str, Any]:
+    """What reward-shaping functions may read (the ``shaping`` entries of rlbench.algorithm.step_inputs);
+    ``groups[i]`` answers ``problems[i]``."""
     flat = [c for group in groups for c in group]
     sizes = torch.tensor([len(group) for group in groups], dtype=torch.long)
     return {
@@ -124,7 +126,7 @@ def shaping_inputs(groups: Sequence[Sequence[Completion]], grades: Sequence[Grad
         "response_token_ids": [list(c.response_ids) for c in flat],
         "policy_code": [policy_code(c.text) for c in flat],  # rollout=multi_turn: the policy turns' code only
         "first_tokens": [tokenizer.decode(c.response_ids[:1]) if c.response_ids else "" for c in flat],
-        "prompt_keys": torch.tensor([prompt_key(c.prompt_ids) for c in flat], dtype=torch.long),
+        "problem_uids": [problem.uid for problem, group in zip(problems, groups) for _ in group],
     }
 
 
@@ -180,6 +182,9 @@ class GroupSampler:
     shape_rewards: Callable[[torch.Tensor, dict[str, Any]], torch.Tensor]
     cost: GenerationCost = field(default_factory=GenerationCost)
     compose: RewardComposer = field(default_factory=RewardComposer)
+    #: a sentence written after each problem's text in its prompt (None: nothing), e.g. INTELLECT-2's length
+    #: target (Algorithm.prompt_instruction)
+    prompt_instruction: Callable[[Problem], str | None] | None = None
 
     def __post_init__(self) -> None:
         self.cost.reward_metrics = self.compose.take
@@ -195,7 +200,10 @@ class GroupSampler:
         return groups
 
     def encode(self, problems: Sequence[Problem]) -> list[tuple[int, ...]]:
-        """The prompt token ids of ``problems`` (the dataset's chat template)."""
+        """The prompt token ids of ``problems`` (the dataset's chat template), each problem's text followed
+        by its ``prompt_instruction`` when there is one."""
+        if self.prompt_instruction is not None:
+            problems = [instructed(problem, self.prompt_instruction(problem)) for problem in problems]
         return encode_prompts(self.tokenizer, problems, self.prompt_spec)
 
     def __call__(
@@ -238,6 +246,6 @@ class GroupSampler:
         reward terms composed (reward.terms: the default is the grade's reward) and shaped; groups numbered 0..G-1."""
         grades = list(grades)
         outcome = self.compose(problems, [[c.text for c in group] for group in groups], grades).to(torch.float32)
-        inputs = shaping_inputs(groups, grades, max_length, self.tokenizer)
+        inputs = shaping_inputs(problems, groups, grades, max_length, self.tokenizer)
         rewards = self.shape_rewards(outcome, inputs).to(torch.float32)
         return GradedGroups(list(problems), groups, grades, rewards, outcome, inputs["finished"], list(range(len(groups))))

@@ -70,6 +70,7 @@ from rlbench.training.step_critic import StepCritic
 from rlbench.errors import ConfigError
 from rlbench.training.reference_soup import ReferenceSoup, frozen_checkpoint
 from rlbench.training.rounds import RoundPolicy
+from rlbench.training.update import LossStreams
 from rlbench.training.update_schedules import (
     UpdateState,
     apply_update_schedule,
@@ -115,6 +116,7 @@ class StepContext:
     reference_rewards: ReferenceRewards | None = None  # algorithm.qrpo.reference_samples: QRPO's K pi_ref samples per prompt
     step_critic: StepCritic | None = None  # algorithm.step_critic: Direct Advantage PO's critic, fitted before the actor
     preference_model: PreferenceModel | None = None  # algorithm.preference_model: DRPO's, fitted before the actor
+    seed: int = 0  # the run's seed: the policy loss's random streams derive from it (LossStreams)
 
     @property
     def reincarnated(self) -> bool:
@@ -199,7 +201,8 @@ def make_step_context(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
     params = SamplingParams(rollout.temperature, rollout.top_p, rollout.max_new_tokens)
     sampler = GroupSampler(engine, grader, tokenizer, prompt_spec(config.dataset), algorithm.shape_rewards,
-                           compose=make_reward_composer(config, engine, model, tokenizer, device))
+                           compose=make_reward_composer(config, engine, model, tokenizer, device),
+                           prompt_instruction=algorithm.prompt_instruction)
     # rank 0 samples what one process samples; other ranks draw their own stream (docs/scaling.md)
     rollout_generator = torch.Generator().manual_seed(
         rank_stream_seed(make_generator(config.seed, STREAM_ROLLOUT).initial_seed(), world.rank)
@@ -234,6 +237,7 @@ def make_step_context(
         prompt_stats=prompt_stats,
         rounds=RoundPolicy.from_algorithm(algorithm.round_steps, model, round_engine(config, algorithm, tokenizer, device)),
         dpo_policy=dpo_policy,
+        seed=config.seed,
     )
     ctx.reference_cache = offline_reference_cache(config, reference, guidance, ctx.temperature, world.sharded)
     if algorithm.reference_samples:
@@ -533,6 +537,7 @@ def update(
         norm_length=ctx.params.max_new_tokens,
         generator=ctx.minibatch_generator,
         progress=progress,
+        loss_streams=LossStreams(ctx.seed, ctx.policy_version, ctx.world.rank),
     )
     faults.kill_point("update")
     stats["trainable_tokens"] = float(trainable_tokens(trained))

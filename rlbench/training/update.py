@@ -6,6 +6,7 @@ over micro-batches). The other schedules (sfpo, trpo) are in rlbench.training.up
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -14,8 +15,31 @@ from rlbench.algorithm.step_inputs import STEP_INPUTS
 from rlbench.training.batch import TrainBatch, batch_norms, group_minibatches, micro_batches, whole_group_chunks
 from rlbench.training.distributed import backward, gradient_norm, reshard
 from rlbench.training.forward import TokenOutputs, token_outputs
+from rlbench.utils import loss_generator
 
 ADDITIVE_METRICS = {"policy_loss", "kl", "value_loss"}
+
+
+@dataclass
+class LossStreams:
+    """The ``generator`` step input of one step's update (rlbench/algorithm/step_inputs.py): the k-th
+    micro-batch loss of the update (counted over its epochs, mini-batches and passes) draws from
+    ``loss_generator(seed, step, k, rank)`` (rlbench.utils), ``step`` being the policy updates before
+    this one. Derived, never advanced across steps: nothing of it is checkpointed."""
+
+    seed: int
+    step: int
+    rank: int = 0
+    calls: int = 0
+
+    def at(self, index: int) -> torch.Generator:
+        """The generator of micro-batch ``index`` (the same one each time it is asked for)."""
+        return loss_generator(self.seed, self.step, index, self.rank)
+
+    def next(self) -> torch.Generator:
+        """The next micro-batch's generator."""
+        self.calls += 1
+        return self.at(self.calls - 1)
 
 
 def micro_batch_loss(
@@ -30,13 +54,14 @@ def micro_batch_loss(
     value_head: torch.nn.Module | None = None,
     proximal_model: torch.nn.Module | None = None,
     with_log_probs: bool = False,
+    generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, dict[str, float], TokenOutputs]:
     """The objective of one micro-batch (with gradient), its metrics and the forward's outputs. The
     objective reads the loss step's inputs (rlbench/algorithm/step_inputs.py, readers loss and objective).
 
     Without stored old log-probs (one on-policy update) pi_old is the detached current policy
     (ratio 1); likewise V_old for the value clip. ``proximal_model`` (decoupled PPO) supplies
-    ``prox_logp`` from its own no-grad forward."""
+    ``prox_logp`` from its own no-grad forward; ``generator`` is the loss's random stream (LossStreams)."""
     if sub.old_logp is None and sub.has_off_policy:
         raise ValueError("off-policy tokens need stored old log-probs (training.step.behaviour_old_logp), not ratio 1")
     out = token_outputs(
@@ -61,6 +86,7 @@ def micro_batch_loss(
         log_probs=out.log_probs if algorithm.needs_vocabulary_log_probs else None,
         prox_logp=prox_logp,
         progress=progress,
+        generator=generator,
     )
     if out.entropy is not None:
         tokens = float(sub.response_mask.sum().item())
@@ -111,6 +137,7 @@ def standard_update(
     progress: float = 0.0,
     value_head: torch.nn.Module | None = None,
     proximal: object | None = None,
+    loss_streams: LossStreams | None = None,
 ) -> dict[str, float]:
     """One batch's worth of optimizer steps: ``epochs`` passes over ``minibatches`` splits.
 
@@ -120,6 +147,8 @@ def standard_update(
     update the old log-probs are the detached current ones (ratio 1), and no extra pass is run.
     ``value_head`` (PPO's critic) is trained by the same steps; ``proximal`` (decoupled PPO: has
     ``.model`` and ``.update(model)``) gives prox_logp and follows the weights after every step.
+    ``generator`` orders the mini-batches; ``loss_streams`` gives each micro-batch loss its own random
+    stream (none without it).
     """
     model.train()
     reshard(model)
@@ -147,6 +176,7 @@ def standard_update(
                 loss, metrics, _ = micro_batch_loss(
                     model, sub, algorithm, norms, temperature, track_entropy=track_entropy, progress=progress,
                     value_head=value_head, proximal_model=proximal.model if proximal is not None else None,
+                    generator=loss_streams.next() if loss_streams is not None else None,
                 )
                 backward(loss)
                 metrics_total.add(metrics, float(sub.response_mask.sum().item()))

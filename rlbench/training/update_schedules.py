@@ -32,7 +32,7 @@ from rlbench.algorithm.schedules import (
 )
 from rlbench.training.batch import TrainBatch, batch_norms, micro_batches
 from rlbench.training.forward import token_outputs
-from rlbench.training.update import UpdateMetrics, micro_batch_loss, standard_update
+from rlbench.training.update import LossStreams, UpdateMetrics, micro_batch_loss, standard_update
 
 
 class EWMAPolicy:
@@ -102,7 +102,7 @@ def apply_update_schedule(
     **options: Any,
 ) -> dict[str, float]:
     """One batch's update under ``algorithm.schedule``. ``options`` are standard_update's keyword
-    arguments (micro_batch_size, max_grad_norm, temperature, norm_length, generator, progress)."""
+    arguments (micro_batch_size, max_grad_norm, temperature, norm_length, generator, progress, loss_streams)."""
     if algorithm.schedule == "none":  # Training-Free GRPO: no gradient, no optimizer step
         return {"optimizer_steps": 0.0}
     if algorithm.schedule == "trpo":
@@ -173,10 +173,13 @@ def _token_kl(old_log_probs: torch.Tensor, log_probs: torch.Tensor, mask: torch.
 
 class _TrustRegionProblem:
     """The pieces of one TRPO step on a batch: the loss, the Fisher-vector product and the KL to the
-    policy at the start of the step, each accumulated over micro-batches."""
+    policy at the start of the step, each accumulated over micro-batches. Micro-batch k's loss draws from
+    ``loss_streams.at(k)`` each time it is evaluated, so the line search compares one objective."""
 
-    def __init__(self, model, batch, algorithm, micro_batch_size, temperature, norm_length, progress):
+    def __init__(self, model, batch, algorithm, micro_batch_size, temperature, norm_length, progress,
+                 loss_streams: LossStreams | None = None):
         self.model = model
+        self.loss_streams = loss_streams
         self.batch = batch
         self.algorithm = algorithm
         self.temperature = temperature
@@ -189,14 +192,17 @@ class _TrustRegionProblem:
         self.old_log_probs: list[torch.Tensor] = []
         self.kl_gradients: list[torch.Tensor] = []
 
+    def generator(self, index: int) -> torch.Generator | None:
+        return None if self.loss_streams is None else self.loss_streams.at(index)
+
     def loss_gradient(self) -> tuple[float, torch.Tensor, dict[str, float]]:
         """L(theta_old), its gradient (flat) and the metrics; stores pi_old over the vocabulary."""
         grad = [torch.zeros_like(p) for p in self.params]
         total, metrics = 0.0, UpdateMetrics()
-        for sub in self.parts:
+        for index, sub in enumerate(self.parts):
             loss, sub_metrics, out = micro_batch_loss(
                 self.model, sub, self.algorithm, self.norms, self.temperature, progress=self.progress,
-                with_log_probs=True,
+                with_log_probs=True, generator=self.generator(index),
             )
             parts = torch.autograd.grad(loss, self.params, allow_unused=True)
             grad = [g + part for g, part in zip(grad, _grad_or_zeros(parts, self.params))]
@@ -235,10 +241,10 @@ class _TrustRegionProblem:
     def loss_and_kl(self) -> tuple[float, float]:
         """L(theta) and the token-mean KL(pi_old || pi_theta) at the current parameters."""
         total, kl = 0.0, 0.0
-        for sub, old in zip(self.parts, self.old_log_probs):
+        for index, (sub, old) in enumerate(zip(self.parts, self.old_log_probs)):
             loss, _, out = micro_batch_loss(
                 self.model, sub, self.algorithm, self.norms, self.temperature, progress=self.progress,
-                track_entropy=False, with_log_probs=True,
+                track_entropy=False, with_log_probs=True, generator=self.generator(index),
             )
             total += loss.item()
             kl += _token_kl(old, out.log_probs, sub.response_mask).item()
@@ -255,6 +261,7 @@ def trpo_update(
     temperature: float,
     norm_length: int,
     progress: float = 0.0,
+    loss_streams: LossStreams | None = None,
     **_ignored: Any,
 ) -> dict[str, float]:
     """Trust Region Policy Optimization (Schulman et al. 2015, "Trust Region Policy Optimization",
@@ -276,7 +283,8 @@ def trpo_update(
     (b^j of the accepted step, 0 if none), trpo_improvement (L_old - L_new), grad_norm.
     """
     model.train()
-    problem = _TrustRegionProblem(model, batch, algorithm, micro_batch_size, temperature, norm_length, progress)
+    problem = _TrustRegionProblem(model, batch, algorithm, micro_batch_size, temperature, norm_length, progress,
+                                  loss_streams)
     loss_old, grad, stats = problem.loss_gradient()
     direction = conjugate_gradient(
         lambda v: problem.fisher_vector_product(v, settings.damping), -grad, settings.cg_iters

@@ -2,8 +2,12 @@
 
 A loss declares the inputs it reads by name in its signature (logp, old_logp, advantages,
 response_mask [B,T], and optionally entropy, ref_logp, progress, sampling_logp, off_policy, prox_logp,
-log_probs [B,T,V], ...): each is a ``loss`` entry of rlbench.algorithm.step_inputs.STEP_INPUTS, with its
-shape, meaning and producer (tabled in docs/algorithms.md); the registry passes nothing else.
+log_probs [B,T,V], generator, ...): each is a ``loss`` entry of rlbench.algorithm.step_inputs.STEP_INPUTS,
+with its shape, meaning and producer (tabled in docs/algorithms.md); the registry passes nothing else.
+``generator`` (a loss's random draws, clip_cov's) is a fresh torch.Generator per micro-batch that the
+trainer derives from the run's seed, the step and the micro-batch's index (rlbench.utils.loss_generator),
+never advanced from one step to the next and never checkpointed; a loss called without one must still
+work (clip_cov then picks deterministically).
 
 Every loss returns (loss_matrix [B,T], metrics): the matrix is zero on padding, metrics are python
 floats (masked token means of this micro-batch unless stated). Log-ratios are clamped to +-20

@@ -74,12 +74,13 @@ def clip_cov_loss(
             candidates; none if clip_cov_ratio = 0), see covariance_selection_count
         l_t = sg(ppo_clip_t) for t in S,   ppo_clip_t otherwise
     The selected tokens keep their loss value but get zero gradient (the paper "detaches" them).
-    Selection: with generator=None it is deterministic: the S candidates with the largest
-    covariance (ties by position). The trainer never provides the ``generator`` step input (it is
-    declared with producer "default", step_inputs.py), so every run takes this top-covariance pick,
-    not the paper's uniformly random one; the random pick (uniform without replacement from
-    ``generator``) is reached only by calling this function with a generator. Means and N_valid
-    are over this micro-batch.
+    Selection: S is drawn uniformly without replacement among the candidates from ``generator``, as
+    in the paper (and verl's randperm over the band's tokens). The trainer provides it (the step
+    input ``generator``: one per micro-batch, seeded from the run's seed, the step and the
+    micro-batch, rlbench.utils.loss_generator), so a run repeats bit for bit and a resumed run equals
+    the uninterrupted one. Called without a generator (generator=None) the pick is deterministic:
+    the S candidates with the largest covariance (ties by position). Means and N_valid are over
+    this micro-batch.
     Metrics: as ppo_clip, cov_detached_fraction.
     """
     lr = log_ratio(logp, old_logp)

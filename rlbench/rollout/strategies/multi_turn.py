@@ -563,7 +563,7 @@ class MultiTurnRollout(RolloutStrategy):
         groups = [completions[i * n : (i + 1) * n] for i in range(len(problems))]
         grades = [grade_episode(e, self.setup.env.config.name) for e in episodes]
         outcome = torch.tensor([g.reward for g in grades], dtype=torch.float32)
-        inputs = shaping_inputs(groups, grades, self.setup.env.config.max_tokens, sampler.tokenizer)
+        inputs = shaping_inputs(problems, groups, grades, self.setup.env.config.max_tokens, sampler.tokenizer)
         inputs["response_lengths"] = torch.tensor([sum(c.loss_mask) for c in completions], dtype=torch.long)
         inputs["policy_code"] = [policy_code("".join(turn["policy"] for turn in episode_turns(e, sampler.tokenizer))) for e in episodes]
         rewards = sampler.shape_rewards(outcome, inputs).to(torch.float32)

@@ -122,7 +122,7 @@ class MultiroundRollout(RolloutStrategy):
         grader_weight = sampler.compose.weights.get("grader", 0.0)
         own_terms = first.outcome - grader_weight * torch.tensor([g.reward for g in first.grades], dtype=torch.float32)
         reward = motif_reward(final_correct, options.continuations) + own_terms
-        inputs = shaping_inputs(first.groups, first.grades, setup.params.max_new_tokens, sampler.tokenizer)
+        inputs = shaping_inputs(first.problems, first.groups, first.grades, setup.params.max_new_tokens, sampler.tokenizer)
         first.rewards = sampler.shape_rewards(reward, inputs).to(torch.float32)
         return first, {
             "multiround_final_accuracy": float(final_correct.mean()),
