@@ -325,11 +325,7 @@ def check_shapers(shapers: Sequence[tuple[str, Mapping[str, Any]]]) -> None:
     probe = {
         "response_lengths": torch.tensor([1]), "finished": torch.tensor([True]), "max_length": 8,
         "correct": torch.tensor([True]), "group_index": torch.tensor([0]), "response_texts": [""], "policy_code": [""],
-<<<<<<< HEAD
-        "response_token_ids": [[]], "first_tokens": [""], "prompt_keys": torch.tensor([0]),
-=======
-        "first_tokens": [""], "problem_uids": [""],
->>>>>>> clipcov
+        "response_token_ids": [[]], "first_tokens": [""], "problem_uids": [""],
     }
     for name, params in shapers:
         REWARD_SHAPING.validate_params(name, params)
