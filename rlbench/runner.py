@@ -44,7 +44,7 @@ from rlbench.model.lora import apply_lora, is_lora, save_lora
 from rlbench.reward.graders import make_grader, training_grader
 from rlbench.rollout import make_engine
 from rlbench.rollout.engines.base import SamplingParams
-from rlbench.rollout.env import env_factory
+from rlbench.rollout.env import env_factory, env_roles
 from rlbench.training import checkpoint
 from rlbench.training.distributed import (
     SINGLE, World, check_shardable, close_world, full_model_state, init_world, launched_rank,
@@ -320,7 +320,7 @@ def load_policy_and_engine(run: Run) -> Policy:
     model, tokenizer = load_policy(run.config.model, device=run.device, dtype=torch.float32,  # bf16 enters through autocast
                                    seed=config.seed, cache_dir=config.cache_dir)
     if config.model.lora is not None:
-        model = apply_lora(model, run.cfg.model.lora)
+        model = apply_lora(model, run.cfg.model.lora, env_roles(config.env) if config.model.lora.per_role else ())
     if run.world.sharded:  # before the evaluation: a model FSDP cannot shard is refused at once
         check_shardable(model, run.world.size)
     if config.trainer.gradient_checkpointing:

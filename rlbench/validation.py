@@ -35,9 +35,10 @@ from rlbench.guidance import GuidanceOptions
 from rlbench.model import validate_model_config
 from rlbench.reward.terms import check_reward_config
 from rlbench.rollout import STRATEGIES
-from rlbench.rollout.env import ENVIRONMENTS, validate_env
+from rlbench.rollout.env import ENVIRONMENTS, env_roles, validate_env
 from rlbench.rollout.guided.difficulty_adaptive import DifficultyOptions
 from rlbench.rollout.guided.replay import check_replay_pool
+from rlbench.rollout.strategies.multi_turn import MultiTurnOptions
 from rlbench.rollout.strategies.rethink import check_success_training
 from rlbench.training.advantage_inputs import validate_step_options
 from rlbench.training.aux_tasks import check_aux_tasks
@@ -290,6 +291,39 @@ def notice_fidelity(config: RunConfig) -> list[str]:
     return lines
 
 
+def check_per_role_lora(config: RunConfig) -> None:
+    """``model.lora.per_role`` (an adapter per role, rlbench/model/lora.py), refused before the model loads where
+    it cannot be what it says: without an environment whose roles take turns; with an engine that cannot
+    switch adapters per request (vllm loads merged weights); with several ranks (each role's forward is a
+    collective of its own, whose count would differ between ranks); with the merged save (two adapters do
+    not merge into one model); with what samples or scores without naming a role (rollout.multi_turn.branch=
+    entropy_tool's entropies, a policy judge)."""
+    lora = config.model.lora
+    if lora is None or not lora.per_role:
+        return
+    roles = env_roles(config.env)
+    fix = "drop model.lora.per_role (one adapter for every role)"
+    if len(roles) < 2:
+        where = f"env={config.env.name} has one role" if config.env is not None else "no env= is set"
+        raise ConfigError(f"model.lora.per_role=true gives each role of the environment its own adapter, but {where}: "
+                          f"use an environment whose roles take turns (env=proposer_verifier), or {fix}")
+    conflicts = {
+        "rollout.engine=vllm (it samples from merged weights and cannot switch adapters per turn; use rollout.engine=hf)":
+            config.rollout.engine == "vllm",
+        f"trainer.parallelism={config.trainer.parallelism} (one forward per role would pair collectives unevenly "
+        "across ranks; use trainer.parallelism=single)": config.trainer.parallelism != "single",
+        "model.lora.merge_on_save=true (the role adapters do not merge into one model)": bool(lora.merge_on_save),
+        "rollout.multi_turn.branch=entropy_tool (its entropies are scored without a role)":
+            config.rollout.strategy == "multi_turn" and MultiTurnOptions.from_config(config.rollout).branch == "entropy_tool",
+        "reward.judge.kind=policy (the policy judges without a role)":
+            config.reward.judge is not None and config.reward.judge.kind == "policy",
+    }
+    for what, conflict in conflicts.items():
+        if conflict:
+            raise ConfigError(f"model.lora.per_role=true (an adapter per role of env={config.env.name}) does not combine "
+                              f"with {what}; or {fix}")
+
+
 def check_reincarnation(config: RunConfig, algorithm: Algorithm) -> None:
     """ReMix's policy reincarnation (algorithm.reincarnate_at) copies the policy into the KL reference:
     not with a LoRA policy, whose reference is the adapter-free base (a view, no copy to overwrite).
@@ -427,6 +461,7 @@ def check_run(cfg: DictConfig, origins: ValueOrigins) -> Algorithm:
     config = typed_config(cfg)
     check_fidelity(config)
     validate_env(config.env, config.rollout.strategy, config.mode)
+    check_per_role_lora(config)
     if config.env is not None and config.eval.rounds > 1:
         raise ConfigError(f"eval.rounds={config.eval.rounds} (multi-round inference) does not combine with env={config.env.name} "
                           "(each sample is an episode through the environment); set eval.rounds=1")

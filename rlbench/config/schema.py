@@ -659,6 +659,9 @@ class LoraConfig:
     dropout: float = knob(0.0, "dropout on the adapters' input", ge=0, le=0.99)
     target_modules: list = knob(["q_proj", "k_proj", "v_proj", "o_proj"], "names of the linear layers that get adapters")
     merge_on_save: bool = knob(False, "trainer.save_model writes base + adapters merged (a plain model); false: the adapters alone")
+    per_role: bool = knob(False, "one adapter per role of the environment (env=proposer_verifier: proposer, verifier), each "
+                          "sampling and training its role's turns on the same frozen base (model/lora=per_role); false: "
+                          "one adapter for every role")
 
 
 @dataclass

@@ -19,6 +19,7 @@ from typing import Any, Mapping, Sequence
 from rlbench.dataset.base import Problem, spec_value
 from rlbench.errors import DataError
 from rlbench.eval.metrics import METRIC_COLUMNS, ProblemResult, summarize
+from rlbench.model.lora import role_adapters
 from rlbench.prompting import encode_prompts
 from rlbench.reward import canonical_answer, grade_completions
 from rlbench.rollout.engines.base import Completion, GenerationRequest, RolloutEngine, SamplingParams
@@ -253,7 +254,8 @@ def run_episodes(
     benchmark and k; each turn its own seed from it), so the evaluations before and after training draw the
     same numbers. Returns the completions per problem (every turn's tokens, observations included) and the
     episodes, flat in the same order."""
-    runner = EpisodeRunner(env.with_context(grader=bench.grader), tokenizer, bench.spec["prompt"], engine.generate, params)
+    runner = EpisodeRunner(env.with_context(grader=bench.grader), tokenizer, bench.spec["prompt"], engine.generate, params,
+                           role_adapters(getattr(engine, "model", None)))
     episodes = [runner.start(problem, seed=problem_seed(seed, f"{bench.name}/episode{k}", problem.uid))
                 for problem in problems for k in range(n)]
     runner.run_to_end(episodes, time.perf_counter())

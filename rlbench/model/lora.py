@@ -5,13 +5,18 @@
   (:func:`reference_model` returns a view, :class:`AdaptersOff`; no second copy of the weights);
 * the engines sample from base + adapters: the HF engine runs the peft model itself, the vLLM engine
   loads :func:`engine_weights` (the merged weights under the base model's names);
-* saving writes the adapters alone, or base + adapters merged (``model.lora.merge_on_save``).
+* saving writes the adapters alone, or base + adapters merged (``model.lora.merge_on_save``);
+* per-role adapters (``model.lora.per_role``; AT-GRPO's per-role policies, arXiv:2510.11062, section 3): one
+  adapter per role of the environment, named after the role, on the same frozen base. :func:`role_adapters`
+  names them (turn t is role t mod their number); :func:`active_adapter` runs a forward with one of them
+  (the engine samples a role's turn with it, rlbench.training.forward trains each role's tokens with it).
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any
+import contextlib
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -35,9 +40,13 @@ def check_target_modules(model: torch.nn.Module, targets: list[str]) -> None:
         )
 
 
-def apply_lora(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
+def apply_lora(model: torch.nn.Module, lora: Any, roles: Sequence[str] = ()) -> torch.nn.Module:
     """``model`` with LoRA adapters on ``lora.target_modules`` (a peft model; base weights frozen).
-    B starts at zero (peft's default), so the wrapped model computes exactly what ``model`` did."""
+    B starts at zero (peft's default), so the wrapped model computes exactly what ``model`` did.
+
+    ``roles`` (two or more names): one adapter per role, named after it, all trainable; they start
+    identical (the first role's A copied into the others, B = 0), so the run starts from one policy
+    (the shared one's). The first role's adapter is the active one outside :func:`active_adapter`."""
     from peft import LoraConfig, get_peft_model
 
     targets = list(lora.target_modules)
@@ -46,7 +55,58 @@ def apply_lora(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
         r=int(lora.r), lora_alpha=float(lora.alpha), lora_dropout=float(lora.dropout), target_modules=targets,
         bias="none", task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, config)
+    if not roles:
+        return get_peft_model(model, config)
+    if len(roles) < 2 or len(set(roles)) != len(roles):
+        raise ConfigError(f"per-role LoRA adapters need two or more distinct role names, got {list(roles)}")
+    model = get_peft_model(model, config, adapter_name=roles[0])
+    for role in roles[1:]:
+        model.add_adapter(role, config)
+    first = {name: p for name, p in model.named_parameters() if f".{roles[0]}." in name}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            for role in roles[1:]:
+                if f".{role}." in name and "lora_" in name:
+                    p.copy_(first[name.replace(f".{role}.", f".{roles[0]}.")])
+    model.set_adapter(roles[0])
+    model.role_adapters = tuple(roles)
+    _train_every_adapter(model)
+    return model
+
+
+def role_adapters(model: torch.nn.Module) -> tuple[str, ...]:
+    """The adapters of a per-role LoRA policy in role order (turn t is role t mod their number); () for
+    any other model (one policy for every role)."""
+    return tuple(getattr(model, "role_adapters", ()) or ())
+
+
+def turn_adapter(adapters: Sequence[str], turn: int) -> str:
+    """The adapter of the role that acts in turn ``turn`` (0-based): roles take turns in a fixed order,
+    role(t) = t mod (number of roles), as algorithm=at_grpo's key reads it."""
+    return adapters[turn % len(adapters)]
+
+
+def _train_every_adapter(model: torch.nn.Module) -> None:
+    """peft freezes the adapters that are not active; every role's adapter trains."""
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            p.requires_grad_(True)
+
+
+@contextlib.contextmanager
+def active_adapter(model: torch.nn.Module, name: str) -> Iterator[None]:
+    """Forwards inside run ``model`` (a per-role LoRA policy) with adapter ``name`` alone; every adapter
+    stays trainable (peft's switch would freeze the others), the first role's is active again after."""
+    adapters = role_adapters(model)
+    if name not in adapters:
+        raise ValueError(f"adapter {name!r} is not one of the policy's role adapters {list(adapters)}")
+    model.set_adapter(name)
+    _train_every_adapter(model)
+    try:
+        yield
+    finally:
+        model.set_adapter(adapters[0])
+        _train_every_adapter(model)
 
 
 class AdaptersOff(torch.nn.Module):

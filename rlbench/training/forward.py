@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rlbench.model.lora import active_adapter, role_adapters
 from rlbench.training.batch import TrainBatch, micro_batches
 from rlbench.training.distributed import several_ranks, unwrap
 from rlbench.training.packing import check_attention_calls, pack_groups, packed_attention, packing_supported
@@ -195,7 +196,55 @@ def _full_log_softmax(
     return logp, entropy, log_probs, sum_pi_squared
 
 
-def token_outputs(
+def token_outputs(model: torch.nn.Module, batch: TrainBatch, temperature: float = 1.0, **options) -> TokenOutputs:
+    """:func:`policy_outputs` of the policy; for a per-role LoRA policy (rlbench.model.lora.role_adapters;
+    AT-GRPO's per-role policies, Zhao et al. 2025, arXiv:2510.11062, section 3) each role's tokens come from
+    a forward with its own adapter (:func:`role_outputs`)."""
+    adapters = role_adapters(unwrap(model))
+    if adapters:
+        return role_outputs(model, adapters, batch, temperature, **options)
+    return policy_outputs(model, batch, temperature, **options)
+
+
+def role_outputs(
+    model: torch.nn.Module, adapters: tuple[str, ...], batch: TrainBatch, temperature: float = 1.0, **options
+) -> TokenOutputs:
+    """Per-role policies pi_k on one frozen base, one LoRA adapter each: the token o_t of turn t was sampled by
+    role k(t) = t mod K (K = len(adapters); the turn from the step input ``step_index``) with the whole
+    sequence before it run through pi_k's adapter, so
+
+        log pi_{k(t)}(o_t | q, o_<t)
+
+    is read off a forward of the micro-batch with adapter k(t) active: one forward per role that has a
+    trained token (``response_mask``) in the micro-batch, the roles' outputs taken token by token (``where``:
+    a role's adapter gets gradient from its own tokens only; a role without tokens runs no forward and its
+    adapter gets no gradient). Tokens trained by no role (observations, padding) keep the first forward's
+    values (masked out by every reader)."""
+    step = batch.extras.get("step_index")
+    if step is None:
+        raise ValueError("a per-role LoRA policy reads each token's turn (the step input step_index, rollout=multi_turn)")
+    role = torch.where(step >= 0, step % len(adapters), -1)
+    trained = batch.response_mask.bool()
+    masks = [(role == k) & trained for k in range(len(adapters))]
+    acting = [k for k, mine in enumerate(masks) if bool(mine.any())] or [0]
+    merged: TokenOutputs | None = None
+    for k in acting:
+        with active_adapter(unwrap(model), adapters[k]):
+            out = policy_outputs(model, batch, temperature, **options)
+        if merged is None:
+            merged = out
+            continue
+        mine = masks[k]
+        for field_name in ("logp", "entropy", "values", "log_probs", "sum_pi_squared"):
+            ours, theirs = getattr(out, field_name), getattr(merged, field_name)
+            if ours is not None:
+                where = mine if ours.dim() == 2 else mine[..., None]
+                setattr(merged, field_name, torch.where(where, ours, theirs))
+    assert merged is not None
+    return merged
+
+
+def policy_outputs(
     model: torch.nn.Module,
     batch: TrainBatch,
     temperature: float = 1.0,

@@ -77,8 +77,8 @@ def at_grpo_advantage(
 
     The candidates of a key share a state under the paper's greedy tree rollout (rollout.multi_turn.branch=
     greedy_tree, the preset's): each turn's K candidates fork from the best of the turn before, and each
-    candidate's ``correct`` is the team's outcome after its own turn. Not built (see conf/paper/at_grpo.yaml):
-    per-role LoRA adapters.
+    candidate's ``correct`` is the team's outcome after its own turn. Per-role policies: model.lora.per_role
+    (an adapter per role, rlbench/model/lora.py); per-role full models are not built.
     """
     _check_params({"num_roles": num_roles, "alpha": alpha})
     if alpha != 0 and correct is None:

@@ -95,6 +95,10 @@ class GenerationRequest:
 
     ``score_prefix``: False when the caller already holds the prefix's log-probs (a tree node's own
     tokens): the engine skips scoring it and the completion's prefix log-probs are NaN.
+
+    ``adapter``: the role adapter of a per-role LoRA policy that samples it (rlbench.model.lora.role_adapters;
+    the whole input, prefix included, runs through it); a per-role policy takes only such requests, any other
+    model only None.
     """
 
     prompt_ids: tuple[int, ...]
@@ -102,6 +106,7 @@ class GenerationRequest:
     prefix_ids: tuple[int, ...] = ()
     seed: int | None = None
     score_prefix: bool = True
+    adapter: str | None = None
 
 
 def sample_seed(request_seed: int, k: int) -> int:

@@ -28,7 +28,8 @@ How it works:
   keys and values of rows still running at ``max_new_tokens`` are kept in a byte-bounded LRU, and
   a later input that extends a kept sequence prefills only its new tokens (the kept KV left padded
   in front of them, the gap masked, positions continuing the kept ones). Emptied by
-  :meth:`HFGenerateEngine.sync_weights` and when the parameters changed in place. The random stream
+  :meth:`HFGenerateEngine.sync_weights` and when the parameters changed in place; a per-role LoRA policy
+  keeps one cache per role adapter (a sequence's keys and values depend on the adapter). The random stream
   is untouched; the log-probs equal the uncached ones up to float rounding (the kept KV came from
   one-token decoding steps, the uncached prefill computes it in one pass: about 1e-6 on the tiny
   model, 2e-5 on SmolLM2-135M), so a draw differs only where its uniform falls within that rounding
@@ -46,16 +47,21 @@ How it works:
   evaluation's) draw each sample's tokens from a generator of its own, seeded with
   ``sample_seed(seed, k)``, so that a sample does not depend on the other requests of the call (up
   to the float effects of padding in a differently composed batch).
+* a per-role LoRA policy (rlbench.model.lora.role_adapters): each request names its role's adapter
+  (``GenerationRequest.adapter``); the rows of each adapter are decoded in batches of their own with that
+  adapter active, adapter after adapter in the order they first appear; scoring is refused (no role).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from typing import Callable, Protocol, Sequence, TypeVar
 
 import torch
 
+from rlbench.model.lora import active_adapter, role_adapters
 from rlbench.utils import Progress
 from rlbench.rollout.engines.base import (
     Completion, GenerationRequest, PositionStats, SamplingParams, check_transform_requests, request_seeds, sample_seed,
@@ -170,6 +176,10 @@ def plain_kv_layers(cache) -> list | None:
     return list(layers) if layers and all(type(layer) is DynamicLayer for layer in layers) else None
 
 
+def _chunks(items: list[T], size: int) -> list[list[T]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
 class DecodingSteps(Protocol):
     """The rows being decoded after a prefill, and their next-token logits."""
 
@@ -264,9 +274,37 @@ class HFGenerateEngine:
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else self.eos_ids[0]
         self.prefix_cache = PrefixKVCache(int(prefix_cache_mb * 2**20))
+        self._adapter_caches: dict[str, PrefixKVCache] = {}  # a per-role policy's caches, one per adapter
         self._cached_weights: tuple[int, int] | None = None  # weights_version when the entries were stored
         self._lean: LeanDecoder | None = None  # the decoder of the current weights (rlbench/rollout/engines/lean_decode.py)
         self._lean_refused: int | None = None  # id of the model whose refusal of lean decoding was logged
+
+    @contextlib.contextmanager
+    def _adapter(self, name: str | None):
+        """Decode with role adapter ``name`` active and its own KV cache (None: the model as it is)."""
+        if name is None:
+            yield
+            return
+        shared = self.prefix_cache
+        self.prefix_cache = self._adapter_caches.setdefault(name, PrefixKVCache(shared.budget_bytes))
+        try:
+            with active_adapter(self.model, name):
+                yield
+        finally:
+            self.prefix_cache = shared
+
+    def _clear_caches(self) -> None:
+        for cache in (self.prefix_cache, *self._adapter_caches.values()):
+            cache.clear()
+
+    def _check_adapters(self, adapters: Sequence[str | None]) -> None:
+        """A per-role policy samples every request with a role adapter, any other model with none."""
+        roles = role_adapters(self.model)
+        if roles and any(a not in roles for a in adapters):
+            raise ValueError(f"a per-role LoRA policy samples each request with one of its role adapters {list(roles)}; "
+                             f"got {sorted(set(map(str, adapters)))}")
+        if not roles and any(a is not None for a in adapters):
+            raise ValueError("a request names a role adapter, but the policy has no per-role adapters (model.lora.per_role)")
 
     @property
     def reuses_kv(self) -> bool:
@@ -382,6 +420,8 @@ class HFGenerateEngine:
         forward pass per batch of ``batch_size`` rows, the model in eval mode without autograd."""
         if any(len(p) == 0 for p, _ in items):
             raise ValueError("prefix scoring needs a non-empty prompt")
+        if role_adapters(self.model):
+            raise ValueError("scoring under a per-role LoRA policy is not built (a score does not name its role)")
         results: list[T] = []
         model = self.model
         was_training = model.training
@@ -510,6 +550,7 @@ class HFGenerateEngine:
             if len(req.prompt_ids) == 0:
                 raise ValueError(f"request {i}: prompt_ids is empty")
         check_transform_requests(requests, params)
+        self._check_adapters([req.adapter for req in requests])
         rows = [(i, k) for i, req in enumerate(requests) for k in range(req.n)]
         results: list[list[Completion | None]] = [[None] * req.n for req in requests]
         if not rows:
@@ -517,7 +558,7 @@ class HFGenerateEngine:
         own_seeds = request_seeds(requests)
         seed = sample_seed(requests[0].seed, 0) if own_seeds else draw_seed(generator)
         if self.reuses_kv and self._cached_weights != weights_version(self.model):
-            self.prefix_cache.clear()  # weights changed in place since the entries were stored
+            self._clear_caches()  # weights changed in place since the entries were stored
             self._cached_weights = weights_version(self.model)
 
         model = self.model
@@ -529,12 +570,15 @@ class HFGenerateEngine:
             with torch.no_grad() if self.synced_gpus else torch.inference_mode(), fast_cpu_linears(model, self.cpu_kernels and not self.synced_gpus):
                 sample_gen = torch.Generator(device=self.device)
                 sample_gen.manual_seed(seed)
+                adapters = list(dict.fromkeys(req.adapter for req in requests))  # one pass each, first seen first
                 order = sorted(
-                    rows, key=lambda r: -(len(requests[r[0]].prompt_ids) + len(requests[r[0]].prefix_ids))
+                    rows, key=lambda r: (adapters.index(requests[r[0]].adapter),
+                                         -(len(requests[r[0]].prompt_ids) + len(requests[r[0]].prefix_ids)))
                 )
+                batches = [chunk for adapter in adapters for chunk in
+                           _chunks([r for r in order if requests[r[0]].adapter == adapter], self.batch_size)]
                 progress = Progress("rollout", len(order), min_interval=2.0, enabled=self.progress and len(order) > self.batch_size)
-                for start in range(0, len(order), self.batch_size):
-                    batch = order[start : start + self.batch_size]
+                for batch in batches:
                     # the distinct inputs of the batch (equal prompt + prefix, from any request; one per
                     # row unshared) and how many of their last tokens to score
                     inputs, prefix_lens, row_input, seen = [], [], [], {}
@@ -553,7 +597,8 @@ class HFGenerateEngine:
                         if own_seeds
                         else sample_gen
                     )
-                    new, lps, prefix_lp = self._decode_batch(inputs, prefix_lens, row_input, params, gens, lean)
+                    with self._adapter(requests[batch[0][0]].adapter):
+                        new, lps, prefix_lp = self._decode_batch(inputs, prefix_lens, row_input, params, gens, lean)
                     for row, (i, k) in enumerate(batch):
                         results[i][k] = self._make_completion(i, requests[i], new[row], lps[row], prefix_lp[row_input[row]])
                     progress.update(len(batch))
@@ -600,6 +645,6 @@ class HFGenerateEngine:
         kept across calls and the lean decoder's concatenated weights are dropped (they belong to the
         old weights)."""
         self.model = model
-        self.prefix_cache.clear()
+        self._clear_caches()
         self._cached_weights = None
         self._lean = None

@@ -12,6 +12,7 @@ from rlbench.rollout.env.base import (
     Environment,
     Reset,
     StepResult,
+    env_roles,
     register_env,
     validate_env,
 )
@@ -28,5 +29,5 @@ def env_factory(config: Any, grader: Any, sandbox: Any) -> EnvFactory | None:
 
 import_family_modules(__name__, __path__)
 
-__all__ = ["ENVIRONMENTS", "EnvContext", "EnvFactory", "Environment", "Reset", "StepResult", "env_factory",
+__all__ = ["ENVIRONMENTS", "EnvContext", "EnvFactory", "Environment", "Reset", "StepResult", "env_factory", "env_roles",
            "register_env", "validate_env"]

@@ -83,6 +83,9 @@ class Environment:
     stop_markers: ClassVar[tuple[str, ...]] = ()
     #: the policy's EOS ends the episode (model_stopped); False: it ends the turn only (a dialogue's chat turn)
     eos_ends_episode: ClassVar[bool] = True
+    #: the roles that take turns, in order (turn t is role t mod their number; model.lora.per_role gives each
+    #: an adapter named after it); (): one role
+    roles: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, options: Any, context: EnvContext):
         self.options, self.context = options, context
@@ -147,6 +150,11 @@ def env_class(config: EnvConfig) -> type[Environment]:
     if config.name not in ENVIRONMENTS:
         raise ConfigError(f"env.name={config.name!r} is unknown; choose one of {sorted(ENVIRONMENTS)} (conf/env/)")
     return ENVIRONMENTS[config.name]
+
+
+def env_roles(config: EnvConfig | None) -> tuple[str, ...]:
+    """The roles of the run's environment (``Environment.roles``; no environment: none)."""
+    return env_class(config).roles if config is not None else ()
 
 
 def env_options(config: EnvConfig) -> Any:

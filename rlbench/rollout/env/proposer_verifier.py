@@ -1,4 +1,5 @@
-"""``env=proposer_verifier``: two roles of one shared policy take turns on a math problem, the two-agent
+"""``env=proposer_verifier``: two roles take turns on a math problem (one shared policy, or with
+``model.lora.per_role`` an adapter per role on one frozen base: rlbench/model/lora.py), the two-agent
 math workflow of AT-GRPO (Zhao et al. 2025, arXiv:2510.11062, section 3: agents act in a fixed order, each
 with its own role reward).
 
@@ -46,12 +47,14 @@ class ProposerVerifier(Environment):
             if not self.correct_reward > 0:
                 raise ConfigError(f"env.proposer_verifier.correct_reward must be > 0, got {self.correct_reward}")
 
+    roles = ("proposer", "verifier")
+
     def reset(self, problem: Problem) -> Reset:
         self.problem, self.turn, self.proposal = problem, 0, None
         return Reset(problem.prompt + PROPOSER, (0, None))
 
     def role(self) -> str:
-        return "proposer" if self.turn % 2 == 0 else "verifier"
+        return self.roles[self.turn % len(self.roles)]
 
     def turn_end(self, text: str) -> int | None:
         match = (BOXED if self.role() == "proposer" else VERDICT).search(text)

@@ -114,6 +114,7 @@ from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
 from rlbench.dataset.prompts import build_messages
 from rlbench.errors import ConfigError
+from rlbench.model.lora import role_adapters, turn_adapter
 from rlbench.prompting import encode_prompts
 from rlbench.reward.math import Grade
 from rlbench.rollout.engines.base import Completion, GenerationRequest, SamplingParams
@@ -425,7 +426,8 @@ class MultiTurnRollout(RolloutStrategy):
         """The episode loop on this step's setup (its sampler, random stream and sampling parameters)."""
         setup = self.setup
         return EpisodeRunner(setup.env, setup.sampler.tokenizer, setup.sampler.prompt_spec,
-                             lambda requests, params: setup.sampler.generate(requests, params, setup.generator), setup.params)
+                             lambda requests, params: setup.sampler.generate(requests, params, setup.generator), setup.params,
+                             role_adapters(getattr(setup.sampler.engine, "model", None)))
 
     def branched(self, runner: EpisodeRunner, problems: list[Problem], start: float) -> tuple[list[Episode], dict[str, float]]:
         """REFUEL's groups (module docstring): per problem a roll-in to turn h - 1, then ``n`` forks."""
@@ -578,13 +580,16 @@ class EpisodeRunner:
     answer as an episode with it. ``env`` is the EnvFactory (its ``config``: the caps), ``prompt_spec`` the
     prompt templates whose system message heads the prompt, ``generate(requests, params)`` the engine call
     (training: the sampler's, with the step's generator; evaluation: the engine's, every request seeded),
-    ``params`` the sampling parameters (the turn's budget is ``env.turn_tokens``)."""
+    ``params`` the sampling parameters (the turn's budget is ``env.turn_tokens``), ``adapters`` a per-role LoRA
+    policy's role adapters (rlbench.model.lora.role_adapters: each turn is sampled with its role's, the whole
+    episode so far run through it; (): one policy for every turn)."""
 
     env: Any
     tokenizer: Any
     prompt_spec: Any
     generate: Callable[[list[GenerationRequest], SamplingParams], list[list[Completion]]]
     params: SamplingParams
+    adapters: tuple[str, ...] = ()
 
     def run_to_end(self, episodes: list[Episode], start: float, until: list[int] | None = None,
                    decide: Callable[[list[Episode], list[list[int]]], None] | None = None) -> None:
@@ -617,7 +622,8 @@ class EpisodeRunner:
         caps, tokenizer = self.env.config, self.tokenizer
         params = dataclasses.replace(self.params, max_new_tokens=caps.turn_tokens)
         requests = [GenerationRequest(e.prompt_ids, 1, prefix_ids=tuple(e.response_ids), score_prefix=False,
-                                      seed=None if e.seed is None else turn_seed(e.seed, e.turns)) for e in active]
+                                      seed=None if e.seed is None else turn_seed(e.seed, e.turns),
+                                      adapter=turn_adapter(self.adapters, e.turns) if self.adapters else None) for e in active]
         completions = [c for (c,) in self.generate(requests, params)]
         if decide is not None:
             decide(active, [c.response_ids[len(e.response_ids):] for e, c in zip(active, completions)])
