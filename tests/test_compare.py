@@ -633,3 +633,24 @@ def test_an_existing_output_folder_is_kept_unless_overwrite(two_groups, tmp_path
     first = compare(parse_args([str(tmp_path / "sweep"), "--resamples", "50"]))
     second = compare(parse_args([str(tmp_path / "sweep"), "--resamples", "50"]))
     assert first != second and (first / "table.md").exists() and (second / "table.md").exists()
+
+
+def test_metric_curves_are_the_per_step_means_of_the_runs_own_metrics(tmp_path, capsys):
+    """--metrics: a step metric per step and group, mean / min / max over the group's runs (a run that stopped
+    early counts only for its steps); a name no run logged is refused before anything is written."""
+    for algorithm, seed, calls in (("retool", 0, [0.1, 0.3]), ("retool", 1, [0.3, 0.5, 0.2]), ("grpo", 0, [0.0, 0.0])):
+        write_run(tmp_path / "sweep", f"{algorithm}-s{seed}", algorithm=algorithm, seed=seed,
+                  problems={"alpha": counts("alpha", [1, 2])},
+                  step_metrics=[{"reward_mean": 0.0, "multi_turn_tool_calls": c} for c in calls])
+    out = tmp_path / "out"
+    assert main([str(tmp_path / "sweep"), "--metrics", "multi_turn_tool_calls", "--out", str(out), "--resamples", "50"]) == 0
+    curves = pd.read_csv(out / "metrics.csv")
+    retool = curves[curves["group"] == "retool"].set_index("step")
+    assert retool["mean"].tolist() == pytest.approx([0.2, 0.4, 0.2])
+    assert retool["min"].tolist() == pytest.approx([0.1, 0.3, 0.2]) and retool["runs"].tolist() == [2, 2, 1]
+    assert curves[curves["group"] == "grpo"]["mean"].tolist() == [0.0, 0.0]
+    markdown = (out / "metrics.md").read_text()
+    assert "| step | grpo | retool |" in markdown and "| 2 | 0.000 | 0.400 |" in markdown and "| 3 |  | 0.200 |" in markdown
+    refused = tmp_path / "refused"
+    assert main([str(tmp_path / "sweep"), "--metrics", "tool_rate", "--out", str(refused)]) == 2
+    assert "no run logged it" in capsys.readouterr().err and not refused.exists()

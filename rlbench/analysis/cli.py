@@ -20,6 +20,8 @@ from rlbench.analysis.tables import (
     cost_markdown,
     cost_table,
     markdown_table,
+    metric_curves,
+    metric_curves_markdown,
     runs_table,
     wide_cells,
     wide_csv,
@@ -86,6 +88,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--paper", default=None, metavar="NAME",
                         help="also print the reference numbers of paper preset NAME (conf/paper/<NAME>.yaml) beside "
                         "the runs', each marked verified or not (written to paper.md)")
+    parser.add_argument("--metrics", nargs="+", default=[], metavar="NAME",
+                        help="also tabulate these step metrics per step and group, mean over seeds (metrics.csv, "
+                             "metrics.md), e.g. multi_turn_tool_calls")
     parser.add_argument("--resamples", type=int, default=1000, help="bootstrap and permutation resamples (default 1000)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the resampling (default 0)")
     return parser.parse_args(argv)
@@ -121,6 +126,7 @@ def compare(args: argparse.Namespace) -> Path:
     if not runs:
         raise DataError(f"none of the {len(run_dirs)} runs found matches --filter {' '.join(args.filter)}")
     groups = group_runs(runs, args.by)
+    curves = metric_curves(groups, args.metrics) if args.metrics else None  # an unknown name refused before writing
     for warning in group_warnings(groups):
         print(f"rlbench-compare: warning: {warning}", file=sys.stderr)
     table = build_table(groups, phase=args.phase, ks=args.k, baseline=args.baseline,
@@ -140,6 +146,9 @@ def compare(args: argparse.Namespace) -> Path:
     if not costs.empty:
         atomic_write_text(out / "cost.csv", costs.to_csv(index=False))
         atomic_write_text(out / "cost.md", cost_markdown(costs))
+    if curves is not None:
+        atomic_write_text(out / "metrics.csv", curves.to_csv(index=False))
+        atomic_write_text(out / "metrics.md", metric_curves_markdown(curves))
     images = {"passk_curves": out / "passk_curves.png"}
     plot_passk_curves(table, images["passk_curves"])
     if plot_training_curves(groups, out / "training_curves.png", budget=args.budget):

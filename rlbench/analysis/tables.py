@@ -435,3 +435,39 @@ def cost_markdown(table: pd.DataFrame) -> str:
             f"{row['reward_at_wall_seconds']:.3f} | {row['reward_final']:.3f} | {row['pass_at_1']:.3f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def metric_curves(groups: Mapping[str, Sequence[Run]], names: Sequence[str]) -> pd.DataFrame:
+    """Per group, step and metric: the mean over the group's runs of a step metric (``metrics.jsonl``), with
+    its smallest and largest run value and how many runs logged that step (a run that stopped early counts
+    only for its steps). ``rlbench-compare --metrics``: e.g. the tool-call rate of each step. A name that no
+    run logged is refused (DataError), before anything is written."""
+    missing = [name for name in names
+               if not any(name in run.metrics for runs in groups.values() for run in runs)]
+    if missing:
+        logged = sorted({column for runs in groups.values() for run in runs for column in run.metrics.columns} - {"step"})
+        raise DataError(f"--metrics {' '.join(missing)}: no run logged {'it' if len(missing) == 1 else 'them'} "
+                        f"(logged: {', '.join(logged) or 'nothing'})")
+    rows = []
+    for label, runs in groups.items():
+        for name in names:
+            series = [run.metrics.set_index("step")[name].dropna() for run in runs if name in run.metrics]
+            for step in sorted({int(s) for values in series for s in values.index}):
+                values = [float(values.loc[step]) for values in series if step in values.index]
+                rows.append({"group": label, "metric": name, "step": step, "mean": float(np.mean(values)),
+                             "min": float(np.min(values)), "max": float(np.max(values)), "runs": len(values)})
+    return pd.DataFrame(rows, columns=["group", "metric", "step", "mean", "min", "max", "runs"])
+
+
+def metric_curves_markdown(curves: pd.DataFrame) -> str:
+    """One table per metric: a row per step, a column per group with the mean over its runs."""
+    parts = []
+    for name, table in curves.groupby("metric", sort=False):
+        wide = table.pivot(index="step", columns="group", values="mean")
+        groups = list(dict.fromkeys(table["group"]))
+        lines = [f"{name} per step (mean over runs)", "", "| step | " + " | ".join(groups) + " |",
+                 "|---:|" + "---:|" * len(groups)]
+        for step, row in wide.iterrows():
+            lines.append(f"| {step} | " + " | ".join("" if pd.isna(row[g]) else f"{row[g]:.3f}" for g in groups) + " |")
+        parts.append("\n".join(lines) + "\n")
+    return "\n".join(parts)
