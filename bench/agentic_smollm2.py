@@ -60,6 +60,9 @@ def multi_turn_presets() -> list[tuple[str, str]]:
 def run_preset(group: str, option: str, args: argparse.Namespace, out_dir: Path) -> dict:
     command = [sys.executable, "-m", "rlbench.cli", f"{group}={option}", f"model={args.model}", "trainer.steps=1",
                f"trainer.prompts_per_step={args.prompts}", f"env.turn_tokens={args.turn_tokens}",
+               # rollout.max_new_tokens: a multi-turn episode's budgets are the env's; 256 only passes the guard of
+               # the presets on math (a single-turn answer of 16 tokens is refused there)
+               "rollout.max_new_tokens=256",
                "eval.before_training=false", f"eval.limit={args.eval_problems}", "eval.n=2", "eval.k=[1,2]",
                "logger=files", "trainer.save_model=false", f"seed={args.seed}", f"hydra.run.dir={out_dir}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -95,7 +98,9 @@ def main() -> None:
     parser.add_argument("--eval-problems", type=int, default=2, help="problems of the evaluation after training")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default="smollm2_135m", help="a conf/model option (tiny: a quick check of the script)")
-    parser.add_argument("--only", nargs="*", default=None, help="run these presets only (group=option)")
+    parser.add_argument("--only", nargs="*", default=None,
+                        help="run these presets only (group=option); with --write the other presets' rows of the "
+                             "existing results/bench/agentic_smollm2.json are kept")
     parser.add_argument("--write", action="store_true", help="write results/bench/agentic_smollm2.{md,json}")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -114,6 +119,12 @@ def main() -> None:
             eta = elapsed / i * (len(presets) - i)
             print(f"[{i}/{len(presets)}] {row['preset']}: {'ok' if row['ok'] else 'FAILED ' + row['error']} "
                   f"{row['seconds']} s (elapsed {elapsed / 60:.1f} min, ETA {eta / 60:.1f} min)", flush=True)
+    written = ROOT / "results/bench/agentic_smollm2.json"
+    if args.only and args.write and written.is_file():  # keep the earlier rows of the presets not run now
+        ran = {r["preset"] for r in rows}
+        kept = [r for r in json.loads(written.read_text())["rows"] if r["preset"] not in ran]
+        order = [f"{g}={o}" for g, o in multi_turn_presets()]
+        rows = sorted(kept + rows, key=lambda r: order.index(r["preset"]) if r["preset"] in order else len(order))
     header = ("| preset | env | episodes | turns / episode | tool calls / episode | observation share | reward | "
               "trained tokens | wall s | |\n|---|---|---|---|---|---|---|---|---|---|\n")
     table = header + "".join(
@@ -130,7 +141,7 @@ def main() -> None:
                           f"# Every multi-turn method with SmolLM2 ({stamp})\n\nWritten by `bench/agentic_smollm2.py "
                           f"--write`: {settings}. Wall seconds include loading the model and the evaluation, on a "
                           f"machine that may have been busy.\n\n{table}")
-        atomic_write_json(ROOT / "results/bench/agentic_smollm2.json", {"written": stamp, "settings": settings, "rows": rows})
+        atomic_write_json(written, {"written": stamp, "settings": settings, "rows": rows})
     sys.exit(0 if all(r["ok"] for r in rows) else 1)
 
 
