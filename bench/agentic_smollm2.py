@@ -106,7 +106,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from rlbench.utils import atomic_write_json, atomic_write_text
 
-    presets = multi_turn_presets()
+    presets = every_preset = multi_turn_presets()
     if args.only:
         presets = [p for p in presets if f"{p[0]}={p[1]}" in args.only]
     print(f"{len(presets)} multi-turn presets: {' '.join(f'{g}={o}' for g, o in presets)}", flush=True)
@@ -123,7 +123,7 @@ def main() -> None:
     if args.only and args.write and written.is_file():  # keep the earlier rows of the presets not run now
         ran = {r["preset"] for r in rows}
         kept = [r for r in json.loads(written.read_text())["rows"] if r["preset"] not in ran]
-        order = [f"{g}={o}" for g, o in multi_turn_presets()]
+        order = [f"{g}={o}" for g, o in every_preset]
         rows = sorted(kept + rows, key=lambda r: order.index(r["preset"]) if r["preset"] in order else len(order))
     header = ("| preset | env | episodes | turns / episode | tool calls / episode | observation share | reward | "
               "trained tokens | wall s | |\n|---|---|---|---|---|---|---|---|---|---|\n")

@@ -75,9 +75,6 @@ def parse_stages(stages_cfg: list | None, steps: int) -> list[Stage]:
                               f"(the metric that starts it): {dict(raw)}")
         if when is not None:
             trigger = parse_trigger(when, f"trainer.stages[{i}].when")
-            unknown = set(entry) - set(STAGE_KEYS)
-            if unknown or not entry:
-                raise ConfigError(f"trainer.stages[{i}] may change {list(STAGE_KEYS)}; got {sorted(entry) or 'nothing'}")
             stages.append(Stage(None, _checked_values(entry, i), trigger))
             continue
         at = entry.pop("at")
@@ -86,19 +83,21 @@ def parse_stages(stages_cfg: list | None, steps: int) -> list[Stage]:
         if stages and stages[-1].when is not None:
             raise ConfigError(f"trainer.stages[{i}] starts at step {at} after a stage that starts on a metric "
                               f"({stages[-1].label}); stages start in list order: put the 'at' stages first")
-        unknown = set(entry) - set(STAGE_KEYS)
-        if unknown or not entry:
-            raise ConfigError(f"trainer.stages[{i}] may change {list(STAGE_KEYS)}; got {sorted(entry) or 'nothing'}")
+        changes = _checked_values(entry, i)
         if stages and at <= stages[-1].at:
             what = "overlaps" if at == stages[-1].at else "comes before"
             raise ConfigError(f"trainer.stages[{i}].at={at} {what} the previous stage's at={stages[-1].at}: "
                               "stages must start at strictly increasing steps")
-        stages.append(Stage(at, _checked_values(entry, i)))
+        stages.append(Stage(at, changes))
     return stages
 
 
 def _checked_values(entry: dict[str, Any], i: int) -> dict[str, Any]:
-    """A stage's changes: a prompt sampler node typed, every other value a positive number."""
+    """A stage's changes: only keys of STAGE_KEYS, at least one; a prompt sampler node typed, every other value a
+    positive number."""
+    unknown = set(entry) - set(STAGE_KEYS)
+    if unknown or not entry:
+        raise ConfigError(f"trainer.stages[{i}] may change {list(STAGE_KEYS)}; got {sorted(entry) or 'nothing'}")
     for key, value in entry.items():
         if key == SAMPLER_KEY:
             if not hasattr(value, "items") or not isinstance(value.get("name"), str):
