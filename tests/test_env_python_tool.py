@@ -91,8 +91,14 @@ def test_errors_truncation_and_caps(sandbox_runs):
 
 @pytest.mark.slow  # runs the sandbox
 def test_tool_call_cap_and_observation_cap(sandbox_runs):
-    _, metrics = rollout([[CODE]], 1, factory(max_tool_calls=1))
-    assert metrics["multi_turn_ended_tool_call_cap"] == 1 and len(sandbox_runs) == 1
+    # after the last allowed call the policy sees its output and answers; a call past the cap is not run
+    script = [[CODE, CODE], [CODE, "So \\boxed{42}$"]]
+    groups, metrics = rollout(script, 2, factory(max_tool_calls=1))
+    over, answered = groups.groups[0]
+    assert metrics["multi_turn_ended_tool_call_cap"] == 1 and metrics["multi_turn_ended_answer"] == 1
+    assert len(sandbox_runs) == 2  # one call per episode; the second episode's second block never ran
+    assert over.text == CODE + "```output\n42\n```\n" + CODE and answered.text.endswith("So \\boxed{42}")
+    assert groups.outcome.tolist() == [0.0, 1.0]
     _, metrics = rollout([[CODE]], 1, factory(max_observation_tokens=5))
     assert metrics["multi_turn_ended_observation_too_long"] == 1
 

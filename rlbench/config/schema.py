@@ -773,7 +773,8 @@ class EnvConfig:
     max_turns: int = knob(4, "policy turns per episode", ge=1)
     turn_tokens: int = knob(32, "policy tokens per turn (the engine's budget of one turn)", ge=1)
     max_tokens: int = knob(256, "response tokens per episode, policy and observation tokens together", ge=1)
-    max_tool_calls: int = knob(4, "tool calls per episode (the episode ends after the last allowed one)", ge=0)
+    max_tool_calls: int = knob(4, "tool calls per episode: the episode ends after the last allowed one, or, where the "
+                               "environment answers after it (python_tool), at a call past it (not run)", ge=0)
     max_observation_tokens: int = knob(128, "longest observation in tokens; a longer one ends the episode", ge=1)
     step_timeout_s: float = knob(30.0, "seconds one environment step may take (tool runs included); longer ends the episode", gt=0)
     workers: Optional[int] = knob(None, "environment steps run at once (tool runs in the sandbox); null: one per CPU core", ge=1)

@@ -86,6 +86,11 @@ class Environment:
     #: the roles that take turns, in order (turn t is role t mod their number; model.lora.per_role gives each
     #: an adapter named after it); (): one role
     roles: ClassVar[tuple[str, ...]] = ()
+    #: after the last allowed tool call (``env.max_tool_calls``) the episode goes on, so that the policy sees the
+    #: call's output and answers; the environment refuses a further call itself (the episode ends with
+    #: ``ended_by="tool_call_cap"``, the call not run). False: the episode ends right after the last allowed call
+    #: (an environment whose every turn is a tool call, as code_repair's)
+    answers_after_last_call: ClassVar[bool] = False
 
     def __init__(self, options: Any, context: EnvContext):
         self.options, self.context = options, context
@@ -118,11 +123,14 @@ class EnvContext:
     """What an environment may use besides its options: the run's grader (rlbench.reward), the
     sandbox limits for model-written code (rlbench.sandbox.SandboxLimits) and the episode's turn cap
     (``env.max_turns``, set by :class:`EnvFactory` from the run's ``env`` node: an environment whose length
-    is a number of turns, as user_sim's dialogue, reads it here instead of a setting of its own)."""
+    is a number of turns, as user_sim's dialogue, reads it here instead of a setting of its own) and its
+    tool-call cap (``env.max_tool_calls``, likewise: an environment that ``answers_after_last_call`` refuses
+    the calls past it)."""
 
     grader: Any = None
     sandbox_limits: SandboxLimits = dataclasses.field(default_factory=SandboxLimits)
     max_turns: int | None = None
+    max_tool_calls: int | None = None
 
     def grade_text(self, problem: Problem, text: str, finished: bool = True) -> Grade:
         """The run's grader on ``text`` as an answer to ``problem``."""
@@ -191,7 +199,8 @@ class EnvFactory:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_options", env_options(self.config))
-        object.__setattr__(self, "context", dataclasses.replace(self.context, max_turns=self.config.max_turns))
+        object.__setattr__(self, "context", dataclasses.replace(self.context, max_turns=self.config.max_turns,
+                                                                        max_tool_calls=self.config.max_tool_calls))
 
     def __call__(self) -> Environment:
         return env_class(self.config)(self._options, self.context)

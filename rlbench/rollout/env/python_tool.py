@@ -11,6 +11,8 @@ without a code block is the final answer: the run's grader (the math grader) gra
 episode ends with its reward, so the reward does not depend on the number of tool calls. A turn that
 opens a block and never closes it (the turn's budget ran out) ends the episode: ``unclosed_tool_tag``,
 graded as an answer like any other last turn. The state key is the sequence of tool outputs so far.
+After the last call ``env.max_tool_calls`` allows, the policy sees its output and may answer; a block past
+the cap is not run and ends the episode (``tool_call_cap``, no answer: incorrect).
 
 ``run_reward`` r > 0 adds GTPO's optional per-turn signal (Ding et al. 2025, arXiv:2511.14846, section 3: a turn
 reward for code that runs): a turn whose block ran without error gets reward r (its ``turn_rewards``, which
@@ -46,6 +48,8 @@ def tool_output(stdout: str, status: str, error: str | None, limit: int) -> tupl
 
 @register_env("python_tool")
 class PythonTool(Environment):
+    answers_after_last_call = True
+
     @dataclass(frozen=True)
     class Options:
         """The ``env.python_tool`` block."""
@@ -73,6 +77,9 @@ class PythonTool(Environment):
             self.last_grade = self.context.grade_text(self.problem, action_text)
             ended_by = "unclosed_tool_tag" if OPEN_TAG in action_text else "answer"
             return StepResult("", self.last_grade.reward, True, self.outputs, ended_by=ended_by)
+        cap = self.context.max_tool_calls
+        if cap is not None and len(self.outputs) >= cap:  # a call past the cap: not run
+            return StepResult("", 0.0, True, self.outputs, ended_by="tool_call_cap")
         result = run_tests(match.group(1), [], self.context.sandbox_limits)
         observation, failed = tool_output(result.stdout, result.status, result.error, self.options.max_output_chars)
         self.outputs = (*self.outputs, observation)

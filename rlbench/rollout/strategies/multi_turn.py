@@ -14,7 +14,8 @@ length-based reward shaping counts them (shaping sees the policy tokens only, an
 blocks of the policy turns without the observations).
 
 An episode ends when the environment says done, the policy ends its turn with EOS (``model_stopped``),
-or a cap is reached: ``turn_cap`` (env.max_turns), ``tool_call_cap`` (env.max_tool_calls),
+or a cap is reached: ``turn_cap`` (env.max_turns), ``tool_call_cap`` (env.max_tool_calls: right after the
+last allowed call, or, for an environment that ``answers_after_last_call``, at a call past it),
 ``token_budget`` (env.max_tokens, policy and observation tokens together), ``observation_too_long``
 (an observation over env.max_observation_tokens is not inserted). An environment that raises
 (``env_error``) or does not answer within env.step_timeout_s (``env_timeout``) ends its episode alone:
@@ -666,7 +667,7 @@ class EpisodeRunner:
             e.ended_by = "model_stopped"
         elif e.turns >= caps.max_turns:
             e.ended_by = "turn_cap"
-        elif result.tool_calls and e.tool_calls >= caps.max_tool_calls:
+        elif result.tool_calls and e.tool_calls >= caps.max_tool_calls and not e.env.answers_after_last_call:
             e.ended_by = "tool_call_cap"
         else:
             ids = self.tokenizer.encode(result.observation, add_special_tokens=False)
