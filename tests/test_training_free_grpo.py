@@ -1,8 +1,9 @@
 """Training-Free GRPO (arXiv:2510.08191): the experience library's update rules (pure functions: the fixed
 rule and the model's add / modify / delete / keep operations, ids stable, invalid operations counted), the
 contrast summariser with a scripted engine (zero-variance groups never reach the model; one extraction call
-per group, then one update call per batch holding the library and every group's lessons), the library in the prompts of the rollout and of the evaluation, state across steps, no
-optimizer step, the empty library as rollout=iid exactly, and the preset from the command line."""
+per group, then one update call per batch holding the library and every group's lessons), the library
+in the prompts of the rollout and of the evaluation, state across steps, no optimizer step, the empty
+library as rollout=iid exactly, and the preset from the command line."""
 
 from __future__ import annotations
 
@@ -284,6 +285,7 @@ def test_training_free_grpo_runs_from_the_command_line(tmp_path):
     steps = smoke_cli_steps(tmp_path / "run", "algorithm=training_free_grpo", "trainer.steps=2")
     assert [s["optimizer_steps"] for s in steps] == [0.0, 0.0] and all("grad_norm" not in s for s in steps)
     assert all("library_size" in s for s in steps) and "outcome_mean" in steps[0]
-    # the default summariser is the paper's contrast: the tiny random model writes no valid operation, and
-    # every line it writes is counted and skipped (never an error)
+    # the default summariser is the paper's contrast: the tiny random model states lessons, but its batch
+    # update answer holds no valid operation, and every line of it is counted and skipped (never an error)
     assert all("library_invalid_ops" in s for s in steps) and steps[0]["groups_summarised"] > 0
+    assert steps[0]["library_lessons"] > 0
