@@ -1,8 +1,9 @@
 """Training-Free GRPO (arXiv:2510.08191): the experience library's update rules (pure functions: the fixed
 rule and the model's add / modify / delete / keep operations, ids stable, invalid operations counted), the
-contrast summariser with a scripted engine (zero-variance groups never reach the model, the library in the
-extraction prompt), the library in the prompts of the rollout and of the evaluation, state across steps, no
-optimizer step, the empty library as rollout=iid exactly, and the preset from the command line."""
+contrast summariser with a scripted engine (zero-variance groups never reach the model; one extraction call
+per group, then one update call per batch holding the library and every group's lessons), the library
+in the prompts of the rollout and of the evaluation, state across steps, no optimizer step, the empty
+library as rollout=iid exactly, and the preset from the command line."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from rlbench.reward.math import Grade
 from rlbench.rollout import GroupSampler, RolloutSetup, validate_strategy
 from rlbench.rollout.engines.base import Completion, SamplingParams
 from rlbench.rollout.guided.experience_library import (
-    LIBRARY_HEADER, Experience, ExperienceLibrary, ExperienceLibraryOptions, ExperienceLibraryRollout, LibraryOp,
-    lesson_request, parse_operations, render_library,
+    LIBRARY_HEADER, OPERATION_FORMAT, Experience, ExperienceLibrary, ExperienceLibraryOptions, ExperienceLibraryRollout,
+    LibraryOp, lesson_request, parse_lessons, parse_operations, render_library,
 )
 from rlbench.rollout.strategies.iid import IIDSampling
 from rlbench.rollout.strategy import RolloutStrategy
@@ -78,12 +79,13 @@ def test_model_operations_keep_ids_stable_and_skip_invalid_ones():
 
 
 class ScriptedEngine:
-    """Rollouts: the i-th response of a group is "y" when i is even for problem "mixed", "n" otherwise
-    (problem "flat": all "n", a zero-variance group). A summary prompt is answered "went <attempt>"; an
-    extraction prompt by the next scripted list of operations. Every prompt and budget is recorded."""
+    """Rollouts: the i-th response of a group is "y" when i is even for a problem named "mixed ...", "n"
+    otherwise (problem "flat": all "n", a zero-variance group). A summary prompt is answered "went <attempt>";
+    an extraction prompt by two lessons naming the problem's last word, in list marks; an update prompt by
+    the next scripted list of operations. Every prompt and budget is recorded."""
 
-    def __init__(self, operations):
-        self.operations, self.prompts, self.budgets = list(operations), [], []
+    def __init__(self, operations, lessons="- use {word}\n\n2) check {word}"):
+        self.operations, self.lessons, self.prompts, self.budgets = list(operations), lessons, [], []
 
     def generate(self, requests, params, generator=None):
         out = []
@@ -91,8 +93,11 @@ class ScriptedEngine:
             text = "".join(chr(t) for t in r.prompt_ids)
             self.prompts.append(text)
             self.budgets.append((params.max_new_tokens, params.temperature))
-            if "Summaries of attempts" in text:
+            if "New lessons from this batch" in text:
                 answers = [self.operations.pop(0)]
+            elif "Summaries of attempts" in text:
+                word = text.split("\n")[0].split()[-1]
+                answers = [self.lessons.format(word=word)]
             elif "An attempt: " in text:
                 answers = ["went " + text.split("An attempt: ")[1][0]]
             else:
@@ -100,12 +105,15 @@ class ScriptedEngine:
             out.append([Completion(0, r.prompt_ids, [ord(a[0])], [-0.5], True, text=a) for a in answers])
         return out
 
+    def calls(self, marker):
+        return [p for p in self.prompts if marker in p]
 
-def contrast_rollout(operations, max_items=8):
-    engine = ScriptedEngine(operations)
+
+def contrast_rollout(operations, max_items=8, **engine_options):
+    engine = ScriptedEngine(operations, **engine_options)
     sampler = GroupSampler(engine, Grader(), CharTokenizer(), {"user": "{problem}"}, lambda r, _: r)
     setup = RolloutSetup(sampler, 4, SamplingParams(0.7, 1.0, 4), None)
-    options = ExperienceLibraryOptions(max_items=max_items, summary_tokens=3, operation_tokens=5)
+    options = ExperienceLibraryOptions(max_items=max_items, summary_tokens=3, lesson_tokens=4, operation_tokens=5)
     return ExperienceLibraryRollout(setup, options), engine
 
 
@@ -114,48 +122,55 @@ def test_contrast_skips_zero_variance_groups_without_a_model_call():
     graded, metrics = strategy.rollout([Problem("1", "flat", "y"), Problem("2", "flat", "y")])
     assert engine.prompts == ["flat", "flat"] and metrics["groups_summarised"] == 0.0  # the rollouts only
     assert strategy.library == ExperienceLibrary() and metrics["library_invalid_ops"] == 0.0
+    assert metrics["library_lessons"] == 0.0
 
 
-def test_contrast_summarises_each_rollout_and_applies_the_models_operations():
+def test_lessons_are_one_per_line_without_list_marks():
+    assert parse_lessons("- a\n\n  2) b \n* c\n3. d e\n\u2022 f\n-\n", 3) == ["a", "b", "c", "d e", "f"]
+    assert parse_lessons("a long lesson", 6) == ["a long"] and parse_lessons("  \n", 9) == []
+
+
+BATCH = [Problem("1", "mixed a", "y"), Problem("2", "flat", "y"), Problem("3", "mixed b", "y"), Problem("4", "mixed c", "y")]
+LESSONS = "Group 1:\n- use a\n- check a\nGroup 2:\n- use b\n- check b\nGroup 3:\n- use c\n- check c"
+
+
+def test_a_batch_extracts_lessons_per_group_and_updates_the_library_in_one_call():
     strategy, engine = contrast_rollout([
-        'add "check parity"\nadd "answer y"',
-        'modify 0 "check parity twice"\ndelete 1\nadd "z"',
-        'delete 1\nmodify 7 "x"\nadd ""\nhello there\nkeep\nadd "w"',
+        'add "use the letter"\nadd "check twice"\nadd "drop me"',
+        'modify 0 "use the letter y"\ndelete 2\nkeep\nadd "z"\nmodify 9 "x"\ndelete 2\nadd ""\nthe lessons agree',
     ])
-    problems = [Problem("1", "mixed", "y"), Problem("2", "flat", "y")]
-    graded, metrics = strategy.rollout(problems)
-    # the mixed group only: 4 summaries (one per rollout, the run's sampling at summary_tokens), 1 extraction
-    assert engine.prompts[2:6] == [f"Problem: mixed\n\nAn attempt: {a}\n\nIn one or two sentences, summarise the approach "
-                                   "this attempt took and where it went right or wrong." for a in "ynyn"]
-    assert engine.budgets[2:] == [(3, 0.7)] * 4 + [(5, 0.7)]
-    extraction = engine.prompts[6]
-    assert "Problem: mixed" in extraction and "flat" not in extraction and len(engine.prompts) == 7
-    assert "Attempt 1 (reward 1, success): went y\nAttempt 2 (reward 0, failure): went n" in extraction
-    assert f"{LIBRARY_HEADER}\n(none yet)" in extraction and 'modify <id> "<lesson>"' in extraction
-    assert strategy.library.items == (Experience(0, "check parity", 0.5), Experience(1, "answer y", 0.5))
-    assert metrics["groups_summarised"] == 1.0 and metrics["library_added"] == 2.0
-    # the next step: the library is in the policy's prompts and in the extraction prompt, with its ids
-    graded, metrics = strategy.rollout(problems)
-    assert engine.prompts[7].startswith(f"{LIBRARY_HEADER}\n[0] check parity\n[1] answer y\n\nProblem: mixed")
-    assert f"{LIBRARY_HEADER}\n[0] check parity\n[1] answer y\n\nCompare" in engine.prompts[-1]
-    assert strategy.library.items == (Experience(0, "check parity twice", 0.5), Experience(2, "z", 0.5))
-    assert (metrics["library_modified"], metrics["library_deleted"], metrics["library_added"]) == (1.0, 1.0, 1.0)
-    # invalid operations are skipped and counted; the deleted id 1 is not reused
-    graded, metrics = strategy.rollout(problems)
-    assert [(i.id, i.text) for i in strategy.library.items] == [(0, "check parity twice"), (2, "z"), (3, "w")]
+    graded, metrics = strategy.rollout(BATCH)
+    # the three mixed groups: 12 summaries, 3 extractions (one per group, without the library), 1 update call
+    assert len(engine.calls("An attempt: ")) == 12 and len(engine.calls("New lessons")) == 1
+    extractions = [p for p in engine.calls("Summaries of attempts") if "New lessons" not in p]
+    assert [p.split("\n")[0] for p in extractions] == ["Problem: mixed a", "Problem: mixed b", "Problem: mixed c"]
+    assert "Attempt 1 (reward 1, success): went y\nAttempt 2 (reward 0, failure): went n" in extractions[0]
+    assert all(LIBRARY_HEADER not in p for p in extractions)
+    update = engine.prompts[-1]
+    assert update.startswith(f"{LIBRARY_HEADER}\n(none yet)\n\nNew lessons from this batch of problems:\n{LESSONS}\n\n")
+    assert update.endswith(OPERATION_FORMAT) and len(engine.prompts) == 4 + 12 + 3 + 1
+    assert engine.budgets[4:] == [(3, 0.7)] * 12 + [(4, 0.7)] * 3 + [(5, 0.7)]
+    assert strategy.library.items == (Experience(0, "use the letter", 0.5), Experience(1, "check twice", 0.5),
+                                      Experience(2, "drop me", 0.5))
+    assert (metrics["groups_summarised"], metrics["library_lessons"], metrics["library_added"]) == (3.0, 6.0, 3.0)
+    # the next step: the library is in the policy's prompts and in the update prompt with its ids; add,
+    # modify, delete and keep applied with stable ids; an unknown id, a deleted id, an empty text and a line
+    # that is no operation are counted and skipped
+    graded, metrics = strategy.rollout(BATCH)
+    assert engine.prompts[20].startswith(f"{LIBRARY_HEADER}\n[0] use the letter\n[1] check twice\n[2] drop me\n\nProblem: mixed a")
+    assert len(engine.calls("New lessons")) == 2
+    assert engine.prompts[-1].startswith(f"{LIBRARY_HEADER}\n[0] use the letter\n[1] check twice\n[2] drop me\n\nNew lessons")
+    assert strategy.library.items == (Experience(0, "use the letter y", 0.5), Experience(1, "check twice", 0.5),
+                                      Experience(3, "z", 0.5))
+    assert (metrics["library_added"], metrics["library_modified"], metrics["library_deleted"]) == (1.0, 1.0, 1.0)
     assert metrics["library_invalid_ops"] == 4.0 and strategy.library.next_id == 4
 
 
-def test_contrast_applies_the_groups_operations_in_batch_order_on_the_library_of_the_step_start():
-    strategy, engine = contrast_rollout(['delete 0\nadd "r"', 'delete 0\nmodify 1 "q2"'])
-    strategy.load_state_dict({"items": [[0, "p", 0.9], [1, "q", 0.1]], "next_id": 2})
-    graded, metrics = strategy.rollout([Problem("1", "mixed a", "y"), Problem("2", "mixed b", "y")])
-    extractions = [p for p in engine.prompts if "Summaries of attempts" in p]
-    assert len(extractions) == 2 and all(f"{LIBRARY_HEADER}\n[0] p\n[1] q\n" in p for p in extractions)
-    # the second group's delete 0 comes after the first group's: an id the library no longer holds
-    assert [(i.id, i.text, i.score) for i in strategy.library.items] == [(1, "q2", 0.5), (2, "r", 0.5)]
-    assert metrics["library_invalid_ops"] == 1.0 and metrics["groups_summarised"] == 2.0
-    assert (metrics["library_added"], metrics["library_modified"], metrics["library_deleted"]) == (1.0, 1.0, 1.0)
+def test_a_batch_without_lessons_makes_no_update_call():
+    strategy, engine = contrast_rollout([], lessons="  \n-")
+    graded, metrics = strategy.rollout(BATCH)
+    assert len(engine.calls("Summaries of attempts")) == 3 and metrics["groups_summarised"] == 3.0
+    assert not engine.calls("New lessons") and metrics["library_lessons"] == 0.0 and strategy.library == ExperienceLibrary()
 
 
 def test_library_is_rendered_best_first():
@@ -270,6 +285,7 @@ def test_training_free_grpo_runs_from_the_command_line(tmp_path):
     steps = smoke_cli_steps(tmp_path / "run", "algorithm=training_free_grpo", "trainer.steps=2")
     assert [s["optimizer_steps"] for s in steps] == [0.0, 0.0] and all("grad_norm" not in s for s in steps)
     assert all("library_size" in s for s in steps) and "outcome_mean" in steps[0]
-    # the default summariser is the paper's contrast: the tiny random model writes no valid operation, and
-    # every line it writes is counted and skipped (never an error)
+    # the default summariser is the paper's contrast: the tiny random model states lessons, but its batch
+    # update answer holds no valid operation, and every line of it is counted and skipped (never an error)
     assert all("library_invalid_ops" in s for s in steps) and steps[0]["groups_summarised"] > 0
+    assert steps[0]["library_lessons"] > 0

@@ -107,12 +107,13 @@ ALGORITHM_PRESETS_WITHOUT_TOY_CHECK = {
     # toy's random tiny model does not: with the library holding the 4 best responses (max_items 4,
     # max_chars 120), 3 seeds x 16 steps gave median peak rise -0.005 (seeds 0,1,2: -0.005, -0.004, -0.021)
     # and end rise -0.047 against the empty library's peak rise +0.044 (measured 2026-12-02,
-    # OMP_NUM_THREADS=1; about 12 CPU-s per run). With the paper's summariser (contrast, the default since
-    # 2026-12-05) the random model writes no valid library operation: `rlbench experiment=toy_learning/grpo
-    # algorithm=training_free_grpo seed=S` kept the library empty on seeds 0,1,2 (every one of 64 groups
-    # summarised, 195-225 lines counted in library_invalid_ops per run), peak rise +0.014, +0.030, +0.053
-    # (median +0.030; end rise -0.048, +0.030, -0.006) against the control's (max_items 0) +0.040: the runs
-    # differ from it only by the random draws the summary calls use (about 15 CPU-s per run, control 6.5).
+    # OMP_NUM_THREADS=1; about 12 CPU-s per run). With the paper's summariser (contrast: lessons per group, then
+    # one library update call per batch, since 2026-12-06) the random model writes lessons (161-175 per run)
+    # but no valid library operation: `rlbench experiment=toy_learning/grpo algorithm=training_free_grpo
+    # seed=S` kept the library empty on seeds 0,1,2 (every one of 64 groups summarised, 76-96 lines of the 16
+    # update answers counted in library_invalid_ops per run), peak rise +0.009, +0.019, +0.056 (median +0.019;
+    # end rise -0.045, -0.025, -0.014) against the control's (max_items 0) +0.040: the runs differ from it only
+    # by the random draws the model calls use (11-16 CPU-s per run).
     # tests/test_training_free_grpo.py checks both update rules, the contrast summariser on a scripted
     # engine and that the prompts change with the library on a policy that copies its examples.
     "training_free_grpo": "the toy's random model does not follow in-context examples",

@@ -12,12 +12,14 @@ Per step:
 
 The lessons come from a summariser (``summariser``):
 
-``contrast``       the paper's (section 3, the default): the policy summarises each rollout of the group
-                   (``summary_tokens``), then, shown the summaries with their rewards and the library with
-                   its ids, proposes operations ``add "text"`` / ``modify <id> "text"`` / ``delete <id>`` /
-                   ``keep`` (``operation_tokens``), applied by :meth:`ExperienceLibrary.applied`; a line that
-                   is no operation, an unknown id or an empty text is skipped and counted
-                   (``library_invalid_ops``). Both calls use the run's engine and sampling.
+``contrast``       the paper's (section 3, the default), in two steps: per group, the policy summarises
+                   each rollout (``summary_tokens``), then, shown the summaries with their rewards, extracts
+                   the group's lessons (``lesson_tokens``); then ONE call per batch shows it the library with
+                   its ids and all the groups' lessons, and it answers with operations ``add "text"`` /
+                   ``modify <id> "text"`` / ``delete <id>`` / ``keep`` (``operation_tokens``), applied by
+                   :meth:`ExperienceLibrary.applied`; a line that is no operation, an unknown id or an empty
+                   text is skipped and counted (``library_invalid_ops``). Every call uses the run's engine
+                   and sampling.
 ``best_response``  the lesson is the group's best response itself, an in-context example of what
                    scored higher (no LLM call), under the fixed rule :meth:`ExperienceLibrary.updated`
 ``policy``         the policy writes one lesson from the better and the worse response (``summary_tokens``
@@ -280,53 +282,91 @@ def summary_request(problem: Problem, response: Completion) -> Problem:
     ))
 
 
-def extraction_request(problem: Problem, summaries: Sequence[str], rewards: Sequence[float],
-                       library: ExperienceLibrary) -> Problem:
-    """Step (2) of the ``contrast`` summariser: the group's summaries with their rewards (a success: above
-    the group's mean reward, else a failure) and the current library with its ids; the model compares
-    the successes with the failures and answers with library operations in :data:`OPERATION_FORMAT`."""
+def extraction_request(problem: Problem, summaries: Sequence[str], rewards: Sequence[float]) -> Problem:
+    """Step (2) of the ``contrast`` summariser, one call per group: the group's summaries with their rewards
+    (a success: above the group's mean reward, else a failure); the model compares the successes with the
+    failures and answers with the group's lessons (its semantic advantage), one per line."""
     mean = sum(rewards) / len(rewards)
     attempts = "\n".join(
         f"Attempt {i + 1} (reward {r:g}, {'success' if r > mean else 'failure'}): {text.strip()}"
         for i, (text, r) in enumerate(zip(summaries, rewards)))
-    shown = render_library(library) if library.items else f"{LIBRARY_HEADER}\n(none yet)"
     return replace(problem, prompt=(
-        f"Problem: {problem.prompt}\n\nSummaries of attempts at it:\n{attempts}\n\n{shown}\n\n"
-        "Compare the successful attempts with the failed ones and extract general lessons. Update the experiences "
-        "with operations, one per line, exactly in this format, and nothing else:\n" + OPERATION_FORMAT
+        f"Problem: {problem.prompt}\n\nSummaries of attempts at it:\n{attempts}\n\n"
+        "Compare the successful attempts with the failed ones and state the general lessons that explain the "
+        "difference, one per line, each under 32 words, and nothing else."
     ))
 
 
-class ContrastLessons:
-    """The ``contrast`` summariser, Training-Free GRPO's semantic advantage (arXiv:2510.08191, section 3):
-    for each group whose rewards differ, (1) the policy summarises each rollout, (2) given the summaries
-    with their rewards and the current library it proposes library operations, (3) they are applied with
-    stable ids (:meth:`ExperienceLibrary.applied`, each lesson scored r_best - mean(r)). Both calls go
-    through the run's sampler with the run's sampling (temperature, top_p), one response per prompt."""
+_LIST_MARK = re.compile(r"^(?:[-*\u2022]|\d+[.)])\s*")
 
-    def __init__(self, setup: RolloutSetup, summary_tokens: int, operation_tokens: int, max_chars: int):
+
+def parse_lessons(text: str, max_chars: int) -> list[str]:
+    """The lessons in an extraction answer: one per non-empty line, a list mark (``-``, ``*``, ``1.``,
+    ``1)``) stripped, each cut to ``max_chars`` characters."""
+    lessons = (_LIST_MARK.sub("", line.strip()).strip() for line in text.splitlines())
+    return [lesson[:max_chars] for lesson in lessons if lesson]
+
+
+UPDATE_UID = "experience_library/update"
+
+
+def update_request(library: ExperienceLibrary, lessons: Sequence[Sequence[str]]) -> Problem:
+    """Step (3) of the ``contrast`` summariser, one call per batch: the current library with its ids and
+    the lessons of every summarised group of the batch; the model reconciles them with the library and
+    answers with operations in :data:`OPERATION_FORMAT`."""
+    shown = render_library(library) if library.items else f"{LIBRARY_HEADER}\n(none yet)"
+    groups = "\n".join(f"Group {i + 1}:\n" + "\n".join(f"- {lesson}" for lesson in group)
+                       for i, group in enumerate(lessons) if group)
+    return Problem(UPDATE_UID, (
+        f"{shown}\n\nNew lessons from this batch of problems:\n{groups}\n\n"
+        "Update the experiences with these lessons: add a new general lesson, modify an experience to refine it "
+        "or to merge a lesson into it, delete an experience that is wrong or redundant, or keep them. Answer with "
+        "operations, one per line, exactly in this format, and nothing else:\n" + OPERATION_FORMAT
+    ), "")
+
+
+class ContrastLessons:
+    """The ``contrast`` summariser, Training-Free GRPO's semantic advantage and library update
+    (arXiv:2510.08191, section 3), for the groups whose rewards differ:
+
+    1. the policy summarises each of their rollouts (``summary_tokens``);
+    2. one call per group: given the group's summaries with their rewards, the policy extracts the group's
+       lessons (``lesson_tokens``; :func:`parse_lessons`);
+    3. one call per batch: given the library with its ids and all the groups' lessons, the policy answers
+       with operations (``operation_tokens``; :func:`parse_operations`), applied in order with stable ids
+       by :meth:`ExperienceLibrary.applied`, each lesson scored by the batch's best semantic advantage
+       max_g (r_best - mean(r)). No lesson at all: no update call, the library unchanged.
+
+    Every call goes through the run's sampler with the run's sampling (temperature, top_p), one response
+    per prompt. Returns the new library, what changed and the number of lessons."""
+
+    def __init__(self, setup: RolloutSetup, summary_tokens: int, lesson_tokens: int, operation_tokens: int,
+                 max_chars: int):
         self.setup, self.max_chars = setup, max_chars
         self.summary_params = SamplingParams(setup.params.temperature, setup.params.top_p, summary_tokens)
+        self.lesson_params = SamplingParams(setup.params.temperature, setup.params.top_p, lesson_tokens)
         self.operation_params = SamplingParams(setup.params.temperature, setup.params.top_p, operation_tokens)
 
     def __call__(self, library: ExperienceLibrary, problems: Sequence[Problem], graded: GradedGroups,
-                 contrasting: Sequence[tuple[int, list[int]]], max_items: int) -> tuple[ExperienceLibrary, LibraryUpdate]:
+                 contrasting: Sequence[tuple[int, list[int]]],
+                 max_items: int) -> tuple[ExperienceLibrary, LibraryUpdate, int]:
         responses = [(g, c) for g, _ in contrasting for c in graded.groups[g]]
         summaries = policy_answers(self.setup, [summary_request(problems[g], c) for g, c in responses], self.summary_params)
         requests, start = [], 0
-        for g, _ in contrasting:  # every extraction sees the library as it was at the start of the step
+        for g, _ in contrasting:
             size = len(graded.groups[g])
             rewards = graded.rewards[graded.group_index == g].tolist()
-            requests.append(extraction_request(problems[g], summaries[start:start + size], rewards, library))
+            requests.append(extraction_request(problems[g], summaries[start:start + size], rewards))
             start += size
-        answers = policy_answers(self.setup, requests, self.operation_params)
-        new, invalid = library, 0
-        for (g, _), answer in zip(contrasting, answers):  # applied group by group, in batch order
-            ops, unparsed = parse_operations(answer)
-            new, update = new.applied([replace(op, text=op.text[: self.max_chars]) for op in ops],
-                                      best_advantage(graded, g), max_items, unparsed)
-            invalid += update.invalid
-        return library._settled({item.id: item for item in new.items}, new.next_id, max_items, invalid)
+        lessons = [parse_lessons(a, self.max_chars) for a in policy_answers(self.setup, requests, self.lesson_params)]
+        count = sum(len(group) for group in lessons)
+        if count == 0:
+            return library.applied([], 0.0, max_items) + (0,)
+        answer = policy_answers(self.setup, [update_request(library, lessons)], self.operation_params)[0]
+        ops, unparsed = parse_operations(answer)
+        score = max(best_advantage(graded, g) for g, _ in contrasting)
+        new, update = library.applied([replace(op, text=op.text[: self.max_chars]) for op in ops], score, max_items, unparsed)
+        return new, update, count
 
 
 SUMMARISERS = ("best_response", "policy", "contrast")
@@ -340,15 +380,16 @@ class ExperienceLibraryOptions:
     summariser: str = "contrast"  # contrast (the paper's) | best_response | policy
     max_chars: int = 400  # a lesson longer than this is cut to its first max_chars characters
     summary_tokens: int = 64  # policy summariser: tokens per lesson; contrast: tokens per rollout summary
-    operation_tokens: int = 128  # contrast summariser: tokens for a group's library operations
+    lesson_tokens: int = 96  # contrast summariser: tokens for a group's lessons
+    operation_tokens: int = 256  # contrast summariser: tokens for the batch's library operations
 
     def validate(self) -> None:
         if self.max_items < 0:
             raise ConfigError(f"rollout.experience_library.max_items must be >= 0, got {self.max_items}")
         if self.summariser not in SUMMARISERS:
             raise ConfigError(f"rollout.experience_library.summariser={self.summariser!r} is unknown; choose one of {list(SUMMARISERS)}")
-        if min(self.max_chars, self.summary_tokens, self.operation_tokens) < 1:
-            raise ConfigError("rollout.experience_library.max_chars, .summary_tokens and .operation_tokens must be >= 1")
+        if min(self.max_chars, self.summary_tokens, self.lesson_tokens, self.operation_tokens) < 1:
+            raise ConfigError("rollout.experience_library.max_chars, .summary_tokens, .lesson_tokens and .operation_tokens must be >= 1")
 
 
 def library_options(rollout: RolloutConfig) -> ExperienceLibraryOptions:
@@ -366,7 +407,8 @@ class ExperienceLibraryRollout(RolloutStrategy):
         self.summarise: Summariser = (
             best_response_lessons if options.summariser == "best_response" else PolicyLessons(setup, options.summary_tokens)
         )
-        self.contrast = ContrastLessons(setup, options.summary_tokens, options.operation_tokens, options.max_chars)  # summariser=contrast
+        self.contrast = ContrastLessons(setup, options.summary_tokens, options.lesson_tokens, options.operation_tokens,
+                                        options.max_chars)  # summariser=contrast
         self.library = ExperienceLibrary()
 
     @classmethod
@@ -392,17 +434,20 @@ class ExperienceLibraryRollout(RolloutStrategy):
         contrasting = semantic_advantage_groups(graded)
         if self.options.max_items == 0:
             contrasting = []
+        lessons = 0
         if contrasting and self.options.summariser == "contrast":
-            self.library, update = self.contrast(self.library, problems, graded, contrasting, self.options.max_items)
+            self.library, update, lessons = self.contrast(self.library, problems, graded, contrasting, self.options.max_items)
         else:
             candidates: list[tuple[str, float]] = []
             if contrasting:
                 better = [graded.groups[g][order[0]] for g, order in contrasting]
                 worse = [graded.groups[g][order[-1]] for g, order in contrasting]
-                lessons = self.summarise([problems[g] for g, _ in contrasting], better, worse)
-                candidates = [(text[: self.options.max_chars], best_advantage(graded, g)) for text, (g, _) in zip(lessons, contrasting)]
+                texts = self.summarise([problems[g] for g, _ in contrasting], better, worse)
+                candidates = [(text[: self.options.max_chars], best_advantage(graded, g)) for text, (g, _) in zip(texts, contrasting)]
+                lessons = len(candidates)
             self.library, update = self.library.updated(candidates, self.options.max_items)
         metrics = {"rollout_outcome_mean": float(graded.outcome.mean().item()),
-                   "groups_summarised": float(len(contrasting)), "library_size": float(len(self.library.items)),
+                   "groups_summarised": float(len(contrasting)), "library_lessons": float(lessons),
+                   "library_size": float(len(self.library.items)),
                    **update.metrics()}
         return graded, metrics
