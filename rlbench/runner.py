@@ -162,6 +162,13 @@ def print_table(result: EvalResult, baseline: EvalResult | None) -> None:
     print()
     if judge_by_benchmark(result):  # eval.judge_accuracy: SPARK's judge (pointwise, pairwise), before and after
         print(judge_table(result, baseline) + "\n")
+    if any("reflection_revised" in r for r in result.rows):  # eval.self_reflection: SPARK's judge-then-revise loop
+        header = f"{'self-reflection':<24} {'revised':>8} {'revisions':>9} {'wrong->right':>12} {'right->wrong':>12}"
+        print(header + "\n" + "-" * len(header))
+        for r in (r for r in result.rows if r["k"] == result.rows[0]["k"]):
+            print(f"{r['benchmark']:<24} {r['reflection_revised']:>8.4f} {r['reflection_revisions']:>9} "
+                  f"{r['reflection_wrong_to_right']:>12} {r['reflection_right_to_wrong']:>12}")
+        print()
 
 
 def resume_point(config: RunConfig, resolved: dict[str, Any], pool: SwarmPool | None = None) -> checkpoint.Checkpoint | None:
@@ -272,7 +279,8 @@ class Run:
         shown = self.benchmarks if self.training_run is None else in_strategy_context(self.benchmarks, self.training_run.ctx.strategy)
         params, seed = SamplingParams(ev.temperature, ev.top_p, ev.max_new_tokens), make_generator(self.config.seed, STREAM_EVAL).initial_seed()
         result = evaluate(policy.engine, policy.tokenizer, shown, n=ev.n, ks=ev.k, params=params, seed=seed, world=self.world,
-                          rounds=ev.rounds, env=env_factory(self.config.env, None, self.config.sandbox))  # env=: each sample an episode
+                          rounds=ev.rounds, env=env_factory(self.config.env, None, self.config.sandbox),  # env=: each sample an episode
+                          reflection_rounds=ev.reflection_rounds if ev.self_reflection else 0)  # SPARK's judge-then-revise loop
         if ev.judge_accuracy:  # the policy as SPARK's judge of these samples (docs/judges.md)
             add_judge_accuracy(result, policy.engine, policy.tokenizer, shown, params, seed)
         self.logger.log_evaluation(step, result.with_phase(phase).rows)

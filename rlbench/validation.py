@@ -465,6 +465,10 @@ def check_run(cfg: DictConfig, origins: ValueOrigins) -> Algorithm:
     if config.env is not None and config.eval.rounds > 1:
         raise ConfigError(f"eval.rounds={config.eval.rounds} (multi-round inference) does not combine with env={config.env.name} "
                           "(each sample is an episode through the environment); set eval.rounds=1")
+    if config.eval.self_reflection and (config.env is not None or config.eval.rounds > 1):
+        raise ConfigError("eval.self_reflection=true (SPARK's judge-then-revise loop on each sample) needs single-turn samples: "
+                          "it does not combine with " + (f"env={config.env.name} (each sample is an episode)" if config.env is not None
+                                                         else f"eval.rounds={config.eval.rounds} (multi-round inference)"))
     if config.eval.judge_accuracy and (config.env is not None or config.trainer.parallelism in ("ddp", "fsdp")):
         raise ConfigError("eval.judge_accuracy=true (SPARK's judge on the evaluation's samples) needs single-turn "
                           "samples in one process: it does not combine with "

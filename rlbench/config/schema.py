@@ -632,6 +632,10 @@ class EvalConfig:
                        "graded on the last round); 1: one response", ge=1)
     judge_accuracy: bool = knob(False, "also pose each sample (and each mixed problem's pair) to the policy as SPARK's judge tasks and score its "
                                 "verdicts against the verifier's (judge_accuracy, balanced, unparsed; rlbench/eval/judge_accuracy.py)")
+    self_reflection: bool = knob(False, "SPARK's test-time self-reflection: the policy judges each sample with the pointwise judge task and, "
+                                 "unless it says yes, revises it with the reflection task; pass@k is on the final answers, and the rows "
+                                 "count revisions, wrong->right and right->wrong (rlbench/eval/self_reflection.py)")
+    reflection_rounds: int = knob(2, "with self_reflection: judge-then-revise rounds per sample at most (the authors' evaluation: 2)", ge=1)
 
 
 @dataclass

@@ -9,7 +9,6 @@ each sample of the samples file lists its turns (docs/agents.md)."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import math
 import time
@@ -19,6 +18,8 @@ from typing import Any, Mapping, Sequence
 from rlbench.dataset.base import Problem, spec_value
 from rlbench.errors import DataError
 from rlbench.eval.metrics import METRIC_COLUMNS, ProblemResult, summarize
+from rlbench.eval.self_reflection import reflection_figures, self_reflect
+from rlbench.eval.streams import problem_seed
 from rlbench.model.lora import role_adapters
 from rlbench.prompting import encode_prompts
 from rlbench.reward import canonical_answer, grade_completions
@@ -87,14 +88,6 @@ class BudgetProgress:
         return f"{self.benchmark}: {self.problems_done}/{self.problems} problems done"
 
 
-def problem_seed(seed: int, benchmark: str, uid: str) -> int:
-    """The random stream of one problem's samples: a function of the run's eval seed, the
-    benchmark's name and the problem's uid alone, so a benchmark's samples (and pass@k) are the same
-    whatever else the suite evaluates, in whatever order."""
-    digest = hashlib.sha256(f"{int(seed)}\0{benchmark}\0{uid}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") >> 2
-
-
 @dataclass
 class EvalResult:
     rows: list[dict]            # one per (benchmark, k)
@@ -129,11 +122,17 @@ def evaluate(
     progress_interval: float = 5.0,
     rounds: int = 1,
     env: Any = None,
+    reflection_rounds: int = 0,
 ) -> EvalResult:
     """Sample ``n`` completions per problem, grade them and summarise pass@k / maj@k / accuracy.
 
     ``rounds`` > 1 (``eval.rounds``): each sample is MOTIF's multi-round inference, graded on its last
     round (:func:`final_rounds`).
+
+    ``reflection_rounds`` > 0 (``eval.self_reflection``): each sample goes through SPARK's judge-then-revise
+    loop, at most that many rounds (:func:`rlbench.eval.self_reflection.self_reflect`); its final answer is
+    graded, each sample row gets its ``reflection`` record and each table row the
+    :data:`~rlbench.eval.self_reflection.REFLECTION_COLUMNS`.
 
     ``env`` (an rlbench.rollout.env.EnvFactory; the run's ``env``): each sample is an episode through the
     environment (:func:`run_episodes`), graded by the environment's verdict, as in training; the budget is
@@ -154,6 +153,8 @@ def evaluate(
     """
     if env is not None and rounds > 1:
         raise ValueError("eval.rounds > 1 (multi-round inference) and an environment (env=) do not combine")
+    if reflection_rounds and (env is not None or rounds > 1):
+        raise ValueError("eval.self_reflection combines with neither an environment (env=) nor eval.rounds > 1")
     start = time.perf_counter()
     results: list[ProblemResult] = []
     samples: list[dict] = []
@@ -167,6 +168,7 @@ def evaluate(
             chunk = own[lo : lo + chunk_prompts]
             progress.begin(bench.name, len(chunk))
             episodes: list[Episode] = []
+            reflections: list[dict] = []
             if env is not None:
                 groups, episodes = run_episodes(engine, tokenizer, bench, chunk, env, n, params, seed)
                 all_grades = [grade_episode(e, env.config.name) for e in episodes]
@@ -179,8 +181,11 @@ def evaluate(
                 groups = engine.generate(requests, params)
                 if rounds > 1:
                     groups = final_rounds(engine, tokenizer, bench, chunk, groups, rounds, params, seed)
-                flat = [c for group in groups for c in group]
-                all_grades = grade_completions(bench.grader, [p for p, g in zip(chunk, groups) for _ in g], flat)
+                if reflection_rounds:
+                    groups, all_grades, reflections = self_reflect(engine, tokenizer, bench, chunk, groups, params, seed, reflection_rounds)
+                else:
+                    flat = [c for group in groups for c in group]
+                    all_grades = grade_completions(bench.grader, [p for p, g in zip(chunk, groups) for _ in g], flat)
             votable = spec_value(bench.spec, "answer_type") != "code"  # programs cannot vote
             offset = 0
             for position, (problem, group) in enumerate(zip(chunk, groups), start=lo):
@@ -188,6 +193,7 @@ def evaluate(
                     break
                 grades = all_grades[offset : offset + len(group)]
                 group_episodes = episodes[offset : offset + len(group)]
+                group_reflections = reflections[offset : offset + len(group)]
                 offset += len(group)
                 results.append(
                     ProblemResult(
@@ -213,6 +219,7 @@ def evaluate(
                             "grader_error": g.error,
                             **({"grader_details": g.details} if getattr(g, "details", None) else {}),
                             **(episode_fields(group_episodes[i], tokenizer) if group_episodes else {}),
+                            **({"reflection": group_reflections[i]} if group_reflections else {}),
                         }
                     )
             progress.end_chunk()
@@ -225,7 +232,10 @@ def evaluate(
     for row in rows:  # a broken grader or skipped records read as a low score: keep the counts beside it
         row["grader_errors"] = errors.get(row["benchmark"], sum(errors.values()))
         row["skipped"] = skipped.get(row["benchmark"], sum(skipped.values()))
-        row.update(finish_rates([s for s in samples if s["benchmark"] == row["benchmark"]] if row["benchmark"] in errors else samples))
+        own = [s for s in samples if s["benchmark"] == row["benchmark"]] if row["benchmark"] in errors else samples
+        row.update(finish_rates(own))
+        if reflection_rounds:
+            row.update(reflection_figures(own))
         row["empty"] = row["problems"] == 0
     for name, count in errors.items():
         if count:

@@ -6,7 +6,7 @@ Each sample of the evaluation (a held-out problem, the policy's response, the ve
 the pointwise judge task training builds (:func:`rlbench.reward.judge_tasks.pointwise_tasks`: its template, and
 its label, ``yes`` when the verifier graded the response correct, else ``no``). The same policy answers it once,
 in the benchmark's prompt template, with the evaluation's sampling settings and a stream of its own per task
-(:func:`rlbench.eval.evaluate.problem_seed`, so before and after training draw the same numbers), and the answer
+(:func:`rlbench.eval.streams.problem_seed`, so before and after training draw the same numbers), and the answer
 is graded as training grades it (:func:`rlbench.reward.grade_completions`: the last ``\\boxed{}``'s label, else
 the first label word). With y_i the verifier's verdict on response i and v_i the judge's (yes / no / none when
 no label can be read):
@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from rlbench.dataset.base import Problem
-from rlbench.eval.evaluate import problem_seed
+from rlbench.eval.streams import problem_seed
 from rlbench.eval.metrics import MACRO_AVERAGE
 from rlbench.prompting import encode_prompts
 from rlbench.reward import grade_completions

@@ -5,8 +5,11 @@ model, and their grading rule.
 * ``pointwise``: "is this answer correct? yes / no"; the label is the verifier's verdict on the response.
 * ``pairwise``: two responses to one question, exactly one of them correct (built only from a *mixed* group:
   one correct and one incorrect response), "which is correct? 1 / 2"; both orderings are built.
-* ``reflection``: an incorrect response shown with the question, "revise it"; graded by the run's own grader
-  against the problem's reference answer, so it is rewarded only if the revised answer verifies.
+* ``reflection``: an incorrect response shown with the question and the verdict that its final answer is
+  incorrect, "revise it"; graded by the run's own grader against the problem's reference answer, so it is rewarded
+  only if the revised answer verifies. In training the verdict is the verifier's; at test time
+  (``eval.self_reflection``, rlbench/eval/self_reflection.py) the same prompt follows the model's own "no" as the
+  pointwise judge, as in the authors' release, which shows no judge critique either.
 * ``eis_pairwise``: EIS-GRPO's judge task (Xu et al. 2025, "J4R: Learning to Judge with Equivalent Initial State
   Group Relative Policy Optimization", arXiv:2505.13346, section 3): the pairwise question as ONE task whose two
   orderings are its equivalent initial states (``meta["equivalent_forms"]``, each a prompt and its label: the
