@@ -72,7 +72,7 @@ def algorithm_row(name: str, cfg: DictConfig) -> str:
         f"`{algorithm.advantage.name}`" + (f" + value head{_params(critic)}" if critic else ""),
         f"`{algorithm.loss.name}`{_params(algorithm.loss)}",
         f"`{algorithm.aggregation.name}`",
-        "off" if float(kl.coef) == 0 else f"{kl.estimator}, β={kl.coef}",
+        "off" if float(kl.coef) == 0 else f"{kl.estimator}, β={kl.coef}" + (", in the reward" if kl.get("placement") == "reward" else ""),
         update_cell(algorithm.get("update") or {}),
         str(algorithm.paper),
         f"`rlbench algorithm={name}`",

@@ -51,8 +51,10 @@ def reinforce_pp_advantage(
         G_t = r_t + gamma G_{t+1}                    (``reinforce_pp_returns``)
         A_t = (G_t - mean(G)) / (std(G) + epsilon)   mean, unbiased std over all valid batch tokens
 
-    r_t = token_rewards (the paper puts a per-token KL penalty there: r_t = 1[t = EOS] r - beta KL_t),
-    or the outcome reward on the last valid token when the trainer has no token rewards.
+    r_t = token_rewards: the paper's (section 2) r_t = 1[t = last token] r - beta KL_t with
+    KL_t = log pi_old(y_t) - log pi_ref(y_t), which the trainer provides under algorithm.kl.placement=reward
+    (``kl_penalised_rewards``, rlbench/algorithm/kl.py; the preset's setting); without them, the outcome
+    reward on the last valid token (beta = 0: every token of response i gets G_t = r_i when gamma = 1).
     """
     returns = _return_to_go(rewards, response_mask, token_rewards, gamma)
     return _tokens(_whiten(returns, _valid(response_mask), epsilon), response_mask)
