@@ -111,7 +111,7 @@ def test_paper_motif_composes_the_prompt_the_terms_and_the_answer_tag_grader(mak
     messages = build_messages(Problem("1", "What is 2+2?", "4"), cfg.dataset.prompt)
     assert messages[0]["role"] == "system" and "<reasoning>" in messages[0]["content"] and "3 rounds" in messages[0]["content"]
     assert messages[1] == {"role": "user", "content": "What is 2+2?"}
-    assert "format rewards" not in cfg.paper.fidelity.missing
+    assert cfg.paper.fidelity.status == "faithful"
     assert make_cfg("paper=motif", "experiment=smoke").reward.name == "even_tokens"  # smoke: the toy reward
 
 
