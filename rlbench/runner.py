@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -24,7 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 import rlbench
 from rlbench import faults
@@ -67,9 +68,13 @@ log = logging.getLogger(__name__)
 
 def load_benchmarks(cfg: DictConfig, config: RunConfig) -> list[Benchmark]:
     """Each benchmark of ``eval`` loaded (from the composed node, which the loaders read) with its grader
-    (from the typed config)."""
+    (from the typed config); with ``eval.prompt`` set, posed in that prompt instead of its own."""
     benchmarks = []
     for name, spec in cfg.eval.benchmarks.items():
+        if cfg.eval.get("prompt") is not None:  # one prompt for the suite (paper=motif: MOTIF's system prompt)
+            spec = copy.copy(spec)  # the composed config keeps the benchmark's own
+            with open_dict(spec):
+                spec.prompt = cfg.eval.prompt
         loaded = load_problems(spec, seed=cfg.seed, data_dir=cfg.data_dir, source=cfg.data_source)
         skipped = getattr(loaded, "skipped", 0)
         problems = usable_problems(name, loaded[: cfg.eval.limit] if cfg.eval.limit is not None else loaded, spec, skipped)

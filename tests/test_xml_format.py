@@ -3,8 +3,11 @@ rewards on hand-written responses, the answer read inside <answer>, their terms 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from conftest import CharTokenizer
+from omegaconf import OmegaConf
 from test_rollout_multiround import Engine, Grader
 
 from rlbench.config.typed import typed_config
@@ -18,27 +21,30 @@ from rlbench.rollout.engines.base import SamplingParams
 from rlbench.rollout.strategies.multiround import FINAL_ROUND_NOTE, MultiroundOptions, MultiroundRollout
 from rlbench.reward.xml_format import answer_tag_content, soft_format, strict_format, xml_count
 
-PERFECT = "<reasoning>\nr\n</reasoning>\n<answer>\n4\n</answer>\n"  # the strict layout, one-line blocks
+ROOT = Path(__file__).resolve().parents[1]
+PERFECT = "<reasoning>\nr\n</reasoning>\n<answer>\n4\n</answer>\n"  # the strict layout
 
 
 @pytest.mark.parametrize(
     "text, xml, soft, strict",
     [
-        # four tags, nothing after "</answer>\n": 4 * 1/8; soft needs each block on one line ('.' stops at "\n")
-        (PERFECT, 0.5, 0.0, 1.0),
+        # four tags, nothing after "</answer>\n": 4 * 1/8; both formats
+        (PERFECT, 0.5, 1.0, 1.0),
         # one-line blocks: the soft format; no tag has its line breaks, so no xml credit
         ("<reasoning>r</reasoning> <answer>4</answer>", 0.0, 1.0, 0.0),
         # "<reasoning>\n" missing: 3 * 1/8
         ("r\n</reasoning>\n<answer>\n4\n</answer>\n", 0.375, 0.0, 0.0),
         # 4 characters after "</answer>\n": each answer tag loses 4/1000 -> 0.5 - 0.008; strict needs the end
-        (PERFECT + "done", 0.492, 0.0, 0.0),
+        (PERFECT + "done", 0.492, 1.0, 0.0),
         # no final newline (47 characters): no "\n</answer>\n", so the tail is the whole text:
-        # 1/8 + 1/8 + (1/8 - 47/1000) + (1/8 - (0 - 1)/1000) = 0.454
-        (PERFECT[:-1], 0.454, 0.0, 0.0),
-        # a two-line reasoning: the tags are placed right, the strict pattern's '.' stops at its line break
-        ("<reasoning>\na\nb\n</reasoning>\n<answer>\n4\n</answer>\n", 0.5, 0.0, 0.0),
-        # the answer block twice: its two tags count 0 (each tag must occur once); 2 * 1/8
-        (PERFECT + "<answer>\n5\n</answer>\n", 0.25, 0.0, 0.0),
+        # 1/8 + 1/8 + (1/8 - 47/1000) + (1/8 - (0 - 1)/1000) = 0.454 (the code's count); both formats
+        (PERFECT[:-1], 0.454, 1.0, 1.0),
+        # a reasoning over several lines: the layout the prompt asks for
+        ("<reasoning>\na\nb\n</reasoning>\n<answer>\n4\n\n5\n</answer>\n", 0.5, 1.0, 1.0),
+        # the answer block twice: its two tags count 0 (each tag must occur once); strict: a block holds no tag
+        (PERFECT + "<answer>\n5\n</answer>\n", 0.25, 1.0, 0.0),
+        # an answer tag inside the reasoning: neither format; "\n<answer>\n" twice: 3 * 1/8
+        ("<reasoning>\nr\n<answer>\n3\n</reasoning>\n<answer>\n4\n</answer>\n", 0.375, 0.0, 0.0),
         # text before the reasoning: both patterns are matched from the start
         ("Sure.\n" + PERFECT, 0.5, 0.0, 0.0),
     ],
@@ -46,6 +52,18 @@ PERFECT = "<reasoning>\nr\n</reasoning>\n<answer>\n4\n</answer>\n"  # the strict
 def test_format_rewards_of_hand_written_responses(text, xml, soft, strict):
     assert xml_count(text) == pytest.approx(xml, abs=1e-12)
     assert soft_format(text) == soft and strict_format(text) == strict
+
+
+def test_a_response_laid_out_as_the_motif_prompt_asks_gets_both_format_rewards():
+    """The layout shown in MOTIF's system prompt (conf/dataset/prompt/motif.yaml), filled in with several lines,
+    ending at "</answer>" (end of sequence) or after a newline: the full soft and strict format rewards."""
+    system = OmegaConf.load(ROOT / "conf/dataset/prompt/motif.yaml").system
+    layout = system.split("you follow the strict format:\n")[1].split("\n\n")[0]
+    assert layout == "<reasoning>\nreasoning process here\n</reasoning>\n<answer>\ndetailed progress here\n</answer>"
+    filled = layout.replace("reasoning process here", "3 + 4 = 7.\nThen 7 * 2 = 14.").replace("detailed progress here", "Twice 7 is \\boxed{14}.")
+    for response in (layout, layout + "\n", filled, filled + "\n"):
+        assert soft_format(response) == 1.0 and strict_format(response) == 1.0
+    assert xml_count(filled + "\n") == 0.5
 
 
 def test_the_answer_is_read_inside_the_answer_tags():
@@ -76,11 +94,11 @@ def test_the_terms_add_with_motifs_weights_and_are_logged():
     one_line = "<reasoning>r</reasoning> <answer>4</answer>"
     composer = RewardComposer({"grader": 1.0, "xml_count": 1.0, "soft_format": 0.5, "strict_format": 0.5})
     rewards = composer([Problem("1", "q", "4")], [[PERFECT, one_line, "4"]], [grade(1.0), grade(1.0), grade(0.0)])
-    # PERFECT: 1 + 0.5 + 0 + 0.5 * 1; one_line: 1 + 0 + 0.5 * 1 + 0; "4": nothing
-    assert rewards.tolist() == [2.0, 1.5, 0.0]
+    # PERFECT: 1 + 0.5 + 0.5 * 1 + 0.5 * 1; one_line: 1 + 0 + 0.5 * 1 + 0; "4": nothing
+    assert rewards.tolist() == [2.5, 1.5, 0.0]
     taken = composer.take()
     assert taken["reward_term_xml_count"] == pytest.approx(0.5 / 3)
-    assert taken["reward_term_soft_format"] == pytest.approx(1 / 3) and taken["reward_term_strict_format"] == pytest.approx(1 / 3)
+    assert taken["reward_term_soft_format"] == pytest.approx(2 / 3) and taken["reward_term_strict_format"] == pytest.approx(1 / 3)
     assert "reward_term_xml_count_failed" not in taken  # no judge: nothing can fail
 
 
@@ -93,7 +111,7 @@ def test_paper_motif_composes_the_prompt_the_terms_and_the_answer_tag_grader(mak
     messages = build_messages(Problem("1", "What is 2+2?", "4"), cfg.dataset.prompt)
     assert messages[0]["role"] == "system" and "<reasoning>" in messages[0]["content"] and "3 rounds" in messages[0]["content"]
     assert messages[1] == {"role": "user", "content": "What is 2+2?"}
-    assert "format rewards" not in cfg.paper.fidelity.missing
+    assert cfg.paper.fidelity.status == "faithful"
     assert make_cfg("paper=motif", "experiment=smoke").reward.name == "even_tokens"  # smoke: the toy reward
 
 

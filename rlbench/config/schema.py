@@ -630,6 +630,8 @@ class EvalConfig:
     benchmarks: dict = knob({}, "benchmark name -> dataset spec", values=DatasetConfig)
     rounds: int = knob(1, "rounds of MOTIF's multi-round inference per sample (rollout=multiround's progress prompts; "
                        "graded on the last round); 1: one response", ge=1)
+    prompt: Optional[PromptConfig] = node(PromptConfig, "null: each benchmark is posed in its own prompt; {system, user}: every "
+                                          "benchmark in this one (paper=motif: MOTIF's system prompt, /dataset/prompt@eval.prompt=motif)")
     judge_accuracy: bool = knob(False, "also pose each sample (and each mixed problem's pair) to the policy as SPARK's judge tasks and score its "
                                 "verdicts against the verifier's (judge_accuracy, balanced, unparsed; rlbench/eval/judge_accuracy.py)")
     self_reflection: bool = knob(False, "SPARK's test-time self-reflection: the policy judges each sample with the pointwise judge task and, "

@@ -9,14 +9,19 @@ followed by ``Progress in round k-1: <previous round's progress>`` (inside the d
 the problem text goes; the progress is the answer part of a ``<reasoning>``/``<answer>`` response, as the
 released code hands it on, and a response without ``<answer>`` whole, stripped:
 rlbench.reward.xml_format.answer_tag_content), and the last round's adds ``Current round is the final round. Provide a final
-answer.``; one sample per round. With c(.) the grader's verdict on the last round (correct: 1, else 0),
-the reward of y_1 is
+answer.``; one sample per round. Each trajectory j of y_1 is scored on its last round's response y_j as the
+released code scores it,
 
-    R(y_1) = 2 * mean over its trajectories of c(y_final)
+    s_j = 2   when the grader finds the reference in y_j (in its answer part under reward=xml_format),
+          1   else when the last \\boxed{} answer of y_j outside its answer part is the reference
+              (rlbench.reward.xml_format.outside_answer_part: a boxed answer outside the answer tags),
+          0   otherwise,
 
-the expected final-round accuracy (the released code's 2.0 for a correct boxed final answer; its 1.0
-for a final response that holds the answer outside its answer tags is a format credit rlbench's graders
-do not separate). This score takes the place of the grader's term in the reward composition
+and the reward of y_1 is their mean, the expected final-round score
+
+    R(y_1) = mean over y_1's trajectories of s_j.
+
+This score takes the place of the grader's term in the reward composition
 (``reward.terms``): the first round gets no credit for its own answer, only for the progress it hands on,
 and the other terms of y_1 are added with their weights,
 
@@ -45,7 +50,7 @@ from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.reward import grade_completions
-from rlbench.reward.xml_format import answer_tag_content
+from rlbench.reward.xml_format import answer_tag_content, outside_answer_part
 from rlbench.rollout.engines.base import Completion, GenerationRequest
 from rlbench.rollout.groups import GradedGroups, shaping_inputs
 from rlbench.rollout.strategy import (
@@ -85,9 +90,23 @@ def round_problem(problem: Problem, round_number: int, response: str, final: boo
     return dataclasses.replace(problem, prompt=f"{problem.prompt}\n\nProgress in round {round_number}: {progress}{note}")
 
 
-def motif_reward(final_correct: torch.Tensor, continuations: int) -> torch.Tensor:
-    """R(y_1) = 2 * the mean final-round verdict of y_1's ``continuations`` trajectories (consecutive)."""
-    return 2.0 * final_correct.float().view(-1, continuations).mean(-1)
+def motif_reward(final_correct: torch.Tensor, boxed_outside: torch.Tensor, continuations: int) -> torch.Tensor:
+    """R(y_1) = the mean of s_j = 2 [final answer right] or else 1 [boxed answer outside the answer part right]
+    over y_1's ``continuations`` trajectories (consecutive)."""
+    scores = torch.where(final_correct.bool(), 2.0, boxed_outside.float())
+    return scores.view(-1, continuations).mean(-1)
+
+
+def boxed_outside_correct(grader: Any, problems: list[Problem], last: list[Completion], final_correct: torch.Tensor) -> torch.Tensor:
+    """1 for each last-round response graded wrong whose text outside its answer part holds the reference as its
+    last ``\\boxed{}`` answer (read by ``grader``: a Grade whose extraction is ``boxed``), else 0."""
+    outside = [outside_answer_part(c.text) for c in last]
+    todo = [i for i, (text, right) in enumerate(zip(outside, final_correct.tolist())) if not right and "\\boxed" in text]
+    grades = grade_completions(grader, [problems[i] for i in todo], [dataclasses.replace(last[i], text=outside[i]) for i in todo]) if todo else []
+    credit = torch.zeros(len(last))
+    for i, g in zip(todo, grades):
+        credit[i] = float(g.correct and g.extraction == "boxed")
+    return credit
 
 
 @register_strategy("multiround")
@@ -117,14 +136,17 @@ class MultiroundRollout(RolloutStrategy):
             responses = sampler.generate(requests, setup.params, setup.generator)
             trajectories = [(p, r[0]) for (p, _), r in zip(trajectories, responses)]
         last: list[Completion] = [c for _, c in trajectories]
-        final_correct = torch.tensor([float(g.correct) for g in grade_completions(sampler.grader, [p for p, _ in trajectories], last)])
+        last_problems = [p for p, _ in trajectories]
+        final_correct = torch.tensor([float(g.correct) for g in grade_completions(sampler.grader, last_problems, last)])
+        boxed_outside = boxed_outside_correct(sampler.grader, last_problems, last, final_correct)
         # the composed terms of y_1 less the grader's (a weighted sum; exactly 0 with the default {grader: 1})
         grader_weight = sampler.compose.weights.get("grader", 0.0)
         own_terms = first.outcome - grader_weight * torch.tensor([g.reward for g in first.grades], dtype=torch.float32)
-        reward = motif_reward(final_correct, options.continuations) + own_terms
+        reward = motif_reward(final_correct, boxed_outside, options.continuations) + own_terms
         inputs = shaping_inputs(first.problems, first.groups, first.grades, setup.params.max_new_tokens, sampler.tokenizer)
         first.rewards = sampler.shape_rewards(reward, inputs).to(torch.float32)
         return first, {
             "multiround_final_accuracy": float(final_correct.mean()),
+            "multiround_boxed_outside": float(boxed_outside.mean()),  # the last rounds given the 1.0 credit
             "multiround_first_accuracy": float(first.correct.mean()),
         }
