@@ -36,7 +36,7 @@ TOY_STEP = ["experiment=toy_learning", "dataset=arith", "trainer.steps=1", "eval
             "eval.max_new_tokens=8"]
 # The preset's env=python_tool gives the random tiny model no reward (it never writes a closed code block;
 # conf/experiment/toy_learning/arpo.yaml), so no advantage and no clip: its toy step runs the loss single-turn.
-TOY_OVERRIDES = {"paper=aepo": ["rollout=iid", "~env"]}
+TOY_OVERRIDES = {"paper=aepo": ["rollout=iid", "~env", "~rollout.multi_turn"]}
 
 # What each paper preset whose loss declares a ratio term does, and why (docs/papers.md, "Distinguishing terms").
 # exercised: the paper takes several updates per batch and so does the preset; stale: the paper trains on
