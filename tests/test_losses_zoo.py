@@ -20,7 +20,9 @@ from rlbench.algorithm.losses import (
     normalized_entropy,
     ppo_clip_loss,
     sequence_mean,
+    standardized_entropy,
 )
+from rlbench.errors import ConfigError
 
 LOSS_DIR = Path(__file__).resolve().parents[1] / "conf" / "algorithm" / "loss"
 ZOO = [
@@ -539,6 +541,22 @@ def test_aepo_entropy_aware_advantage():
     adv = t([[1.0, -1.0, 2.0, 1.0, -2.0]])
     matrix, _ = POLICY_LOSSES.get("aepo")(logp, logp.detach(), adv, ONES5, entropy, entropy_adv_coef=0.5, entropy_pivot=0.5)
     assert torch.allclose(grad(matrix, logp), -adv * t([[0.5, 0.75, 1.0, 1.25, 1.5]]))
+
+
+def test_aepo_released_zscore_entropy_advantage():
+    # entropies [1, 2, 3, 4, 5] (one padded token, entropy 99): mean 3, std (Bessel) sqrt(2.5);
+    # z = [-2, -1, 0, 1, 2] / sqrt(2.5), padding 0; A~ = A (1 + 0.2 z); on-policy gradient -A~
+    logp = ratio_logp([[1.0] * 6])
+    entropy = t([[1.0, 2.0, 3.0, 4.0, 5.0, 99.0]])
+    mask = t([[1.0, 1.0, 1.0, 1.0, 1.0, 0.0]])
+    adv = t([[1.0, -1.0, 2.0, 1.0, -2.0, 3.0]])
+    z = t([[-2.0, -1.0, 0.0, 1.0, 2.0, 0.0]]) / math.sqrt(2.5)
+    assert torch.allclose(standardized_entropy(entropy, mask), z)
+    matrix, _ = POLICY_LOSSES.get("aepo")(logp, logp.detach(), adv, mask, entropy, entropy_adv_coef=0.2,
+                                          entropy_norm="zscore")
+    assert torch.allclose(grad(matrix, logp), -adv * (1 + 0.2 * z) * mask)
+    with pytest.raises(ConfigError, match="entropy_norm"):
+        POLICY_LOSSES.validate_params("aepo", {"entropy_norm": "minmax"})
 
 
 # ------------------------------------------------------------------------------------------------

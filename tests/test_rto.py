@@ -52,6 +52,20 @@ def test_dense_terms_sum_to_the_sequence_dpo_reward():
     assert token_rewards[0, 3] == pytest.approx(dense[0, 3].item() + 1.0)
 
 
+def test_the_dense_reward_is_clamped_per_token():
+    """dpo_clip c clamps each token's beta (log pi_dpo - log pi_ref) to [-c, c] (the release's --dpo_reward_clip)."""
+    mask = torch.tensor([[1, 1, 1, 0]], dtype=torch.float32)
+    dpo_logp = torch.tensor([[-1.0, -3.0, -2.0, -9.0]], dtype=torch.float64)
+    ref_logp = torch.tensor([[-2.0, -2.0, -2.01, -1.0]], dtype=torch.float64)
+    # beta 0.1: 0.1, -0.1, 0.001, (padding) -> clamped at 0.05: 0.05, -0.05, 0.001, 0
+    clamped = dpo_token_rewards(dpo_logp, ref_logp, mask, 0.1, clip=0.05)
+    torch.testing.assert_close(clamped, torch.tensor([[0.05, -0.05, 0.001, 0.0]], dtype=torch.float64))
+    torch.testing.assert_close(dpo_token_rewards(dpo_logp, ref_logp, mask, 0.1),
+                               torch.tensor([[0.1, -0.1, 0.001, 0.0]], dtype=torch.float64))
+    total, _ = rto_rewards(torch.tensor([1.0], dtype=torch.float64), mask, dpo_logp, ref_logp, 0.1, dpo_clip=0.05)
+    torch.testing.assert_close(total, torch.tensor([1.001], dtype=torch.float64))
+
+
 def test_kl_penalty_enters_per_token():
     rewards, mask, dpo_logp, ref_logp, _ = _batch(1)
     kl = torch.rand(3, 5, dtype=torch.float64)

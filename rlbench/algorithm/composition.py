@@ -561,7 +561,7 @@ class Algorithm:
         kl_matrix = torch.zeros_like(mask) if old_logp is None else self.kl_matrix(old_logp, ref_logp) * mask
         kl_coef = self.kl_coefficient if self.kl_in_reward else 0.0
         total, token_rewards = rto_rewards(rewards, response_mask, dpo_logp, ref_logp, self.rto.beta_dpo,
-                                           self.rto.sparse_coef, kl_matrix, kl_coef)
+                                           self.rto.sparse_coef, kl_matrix, kl_coef, self.rto.dpo_clip)
         return total.to(rewards.dtype), token_rewards, sequence_kl(kl_matrix, mask)
 
     def token_weights(self, entropy: torch.Tensor | None, response_mask: torch.Tensor) -> torch.Tensor | None:

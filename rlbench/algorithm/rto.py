@@ -4,7 +4,7 @@ Zhong et al. 2024, "DPO Meets PPO: Reinforced Token Optimization for RLHF", arXi
 (sec. 4, practical implementation). A DPO model pi_dpo (trained against the same reference pi_ref)
 defines the token-wise reward of the token-level MDP
 
-    r_t = beta_dpo (log pi_dpo(y_t|x,y_<t) - log pi_ref(y_t|x,y_<t))
+    r_t = clip_c(beta_dpo (log pi_dpo(y_t|x,y_<t) - log pi_ref(y_t|x,y_<t)))   (clip_c: clamp to [-c, c]; c = 0: none)
           - beta_kl k_t                                   (the usual KL penalty to pi_ref, k_t = k(old, ref))
           + 1[t = last token] beta_sparse R(x, y)         (the sparse sequence-level reward)
 
@@ -32,12 +32,16 @@ MATCHING_CONFIG_FIELDS = ("model_type", "architectures", "vocab_size")
 
 
 def dpo_token_rewards(
-    dpo_logp: torch.Tensor, ref_logp: torch.Tensor, response_mask: torch.Tensor, beta_dpo: float
+    dpo_logp: torch.Tensor, ref_logp: torch.Tensor, response_mask: torch.Tensor, beta_dpo: float, clip: float = 0.0
 ) -> torch.Tensor:
     """[B,T] float64 beta_dpo (log pi_dpo - log pi_ref) per response token, 0 on padding
-    (arXiv:2404.18922 sec. 4, the DPO model's token-wise implicit reward)."""
+    (arXiv:2404.18922 sec. 4, the DPO model's token-wise implicit reward); clip > 0 clamps each token's
+    reward to [-clip, clip] (the authors' release, github.com/zkshan2002/RTO: --dpo_reward_clip 0.05)."""
     mask = response_mask.to(torch.float64)
-    return beta_dpo * (dpo_logp.to(torch.float64) - ref_logp.to(torch.float64)) * mask
+    dense = beta_dpo * (dpo_logp.to(torch.float64) - ref_logp.to(torch.float64))
+    if clip > 0:
+        dense = dense.clamp(-clip, clip)
+    return dense * mask
 
 
 def rto_rewards(
@@ -49,6 +53,7 @@ def rto_rewards(
     sparse_coef: float = 1.0,
     kl_matrix: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    dpo_clip: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sequence rewards [B], token rewards [B,T]) of RTO (arXiv:2404.18922 sec. 4).
 
@@ -57,20 +62,22 @@ def rto_rewards(
     mask = response_mask.to(torch.float64)
     kl = torch.zeros_like(mask) if kl_matrix is None else kl_matrix.to(torch.float64)
     _, sparse_and_kl = kl_penalised_rewards(sparse_coef * rewards.to(torch.float64), kl, mask, kl_coef)
-    token_rewards = sparse_and_kl + dpo_token_rewards(dpo_logp, ref_logp, response_mask, beta_dpo)
+    token_rewards = sparse_and_kl + dpo_token_rewards(dpo_logp, ref_logp, response_mask, beta_dpo, dpo_clip)
     return token_rewards.sum(-1), token_rewards
 
 
 @dataclass(frozen=True)
 class RTOSettings:
     """``algorithm.rto`` (arXiv:2404.18922 sec. 4): ``dpo_model`` the frozen pi_dpo's Hugging Face folder,
-    ``beta_dpo`` beta_1 of the dense DPO term, ``sparse_coef`` beta_2 of the sparse verifier reward. beta_KL is
+    ``beta_dpo`` beta_1 of the dense DPO term, ``sparse_coef`` beta_2 of the sparse verifier reward, ``dpo_clip``
+    the clamp of each dense term (0: none). beta_KL is
     algorithm.kl.coef with algorithm.kl.placement=reward (the KL's own machinery, rlbench/algorithm/kl.py).
     The defaults are the schema's (rlbench/config/schema.py, RTOConfig)."""
 
     dpo_model: str | None
     beta_dpo: float
     sparse_coef: float
+    dpo_clip: float = 0.0
 
     @classmethod
     def from_config(cls, node: Any) -> RTOSettings | None:
@@ -78,8 +85,9 @@ class RTOSettings:
         return None if node is None else settings_from_block(cls, node, "algorithm.rto")
 
     def check(self) -> None:
-        if self.beta_dpo < 0 or self.sparse_coef < 0:
-            raise ConfigError(f"algorithm.rto.beta_dpo and .sparse_coef must be >= 0 (got {self.beta_dpo}, {self.sparse_coef})")
+        if self.beta_dpo < 0 or self.sparse_coef < 0 or self.dpo_clip < 0:
+            raise ConfigError(f"algorithm.rto.beta_dpo, .sparse_coef and .dpo_clip must be >= 0 (got {self.beta_dpo}, "
+                              f"{self.sparse_coef}, {self.dpo_clip})")
 
     @staticmethod
     def check_composition(advantage_reads_token_rewards: bool, kl_coef: float, kl_placement: str) -> None:

@@ -158,6 +158,7 @@ class RTOConfig:
                                     "and tokenizer (the policy/ folder of an algorithm=dpo run with trainer.save_model=true)")
     beta_dpo: float = knob(0.1, "beta_1: weight of the dense DPO token reward log pi_dpo - log pi_ref (0: PPO's sparse reward)", ge=0)
     sparse_coef: float = knob(1.0, "beta_2: weight of the run's verifier reward R on the last response token", ge=0)
+    dpo_clip: float = knob(0.0, "c > 0: clamp each token's DPO reward to [-c, c] (the authors' release: 0.05); 0: no clamp", ge=0)
 
 
 @dataclass

@@ -19,6 +19,7 @@ from rlbench.algorithm.losses.common import (
     masked_mean,
 )
 from rlbench.algorithm.registry import POLICY_LOSSES
+from rlbench.errors import ConfigError
 
 
 @POLICY_LOSSES.register("ppo_clip")
@@ -212,8 +213,32 @@ def normalized_entropy(entropy: torch.Tensor, mask: torch.Tensor, pivot: float) 
         return torch.where(mask > 0, scale(entropy), torch.zeros_like(entropy))
 
 
+def standardized_entropy(entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """z = (H - mean H) / std H over the valid tokens (std with Bessel's correction; 1 where it is 0 or
+    undefined), 0 on padding: AEPO's released entropy normalisation (verl core_algos.py,
+    compute_policy_loss_entropy_balanced_clipping, github.com/RUC-NLPIR/ARPO AEPO/)."""
+    with torch.no_grad():
+        valid = mask > 0
+        values = entropy[valid].double()
+        if values.numel() == 0:
+            return torch.zeros_like(entropy)
+        std = values.std().item() if values.numel() > 1 else 0.0
+        z = (entropy.double() - values.mean()) / (std if std > 0 else 1.0)
+        return torch.where(valid, z, torch.zeros_like(z)).to(entropy.dtype)
+
+
+AEPO_ENTROPY_NORMS = ("pivot", "zscore")
+
+
+def check_aepo(params) -> None:
+    """ConfigError on an unknown entropy normalisation."""
+    if params["entropy_norm"] not in AEPO_ENTROPY_NORMS:
+        raise ConfigError(f"algorithm.loss.entropy_norm must be one of {AEPO_ENTROPY_NORMS}, got {params['entropy_norm']!r}")
+
+
 @POLICY_LOSSES.register("aepo", ratio_term="its gradient kept on upper-clipped tokens (the stop-gradient clip; its "
-                        "entropy-aware advantage acts at any ratio)", ratio_term_metric="clip_fraction_high")
+                        "entropy-aware advantage acts at any ratio)", ratio_term_metric="clip_fraction_high",
+                        check_params=check_aepo)
 def aepo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -224,11 +249,14 @@ def aepo_loss(
     clip_high: float = 0.2,
     entropy_adv_coef: float = 0.1,
     entropy_pivot: float = 0.5,
+    entropy_norm: str = "pivot",
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """AEPO entropy-balanced policy optimisation, loss part (Dong et al. 2025, "Agentic
     Entropy-Balanced Policy Optimization", arXiv:2510.14545).
 
-        A~_t = A_t (1 + entropy_adv_coef h_t)        h = normalized_entropy(H, pivot) in [-1, 1]
+        A~_t = A_t (1 + entropy_adv_coef h_t)        entropy_norm "pivot": h = normalized_entropy(H, pivot) in [-1, 1]
+                                                     entropy_norm "zscore": h = (H - mean H) / std H over the
+                                                     valid tokens (the authors' release, with coefficient 0.2)
         A~_t > 0, rho_t > 1 + e_h:  l_t = -sg((1 + e_h) / rho_t) rho_t A~_t   (= -(1+e_h) A~ u_t)
         otherwise              :  l_t = ppo_clip's max(-A~ rho, -A~ clip(rho, 1 - e_l, 1 + e_h))
     The forward value equals ppo_clip's (with A~); the upper-clipped tokens keep the gradient
@@ -241,7 +269,13 @@ def aepo_loss(
     Metrics: as ppo_clip.
     """
     mask = response_mask.to(logp.dtype)
-    adv = advantages * (1.0 + entropy_adv_coef * normalized_entropy(entropy, mask, entropy_pivot))
+    if entropy_norm == "zscore":
+        h = standardized_entropy(entropy, mask)
+    elif entropy_norm == "pivot":
+        h = normalized_entropy(entropy, mask, entropy_pivot)
+    else:
+        raise ValueError(f"aepo entropy_norm must be one of {AEPO_ENTROPY_NORMS}, got {entropy_norm!r}")
+    adv = advantages * (1.0 + entropy_adv_coef * h)
     lr = log_ratio(logp, old_logp)
     loss, is_clipped = _gradient_preserving_clip(lr, adv, clip_low, clip_high, None, 1.0)
     return loss * mask, _ppo_metrics(lr, torch.exp(lr), is_clipped, mask)
