@@ -243,6 +243,25 @@ def test_phase_two_replays_the_token_ids_of_the_checkpoints_pool(tmp_path, rlep_
     assert all(s["replay_buffer_size"] == len(stored) for s in steps)
 
 
+def test_sampling_a_checkpoint_with_other_settings_than_its_run_is_named(tmp_path, caplog):
+    """RLEP samples the first run's policy with that run's rollout settings on its training questions: a
+    difference from the config.yaml of the run that saved the policy is named in a warning."""
+    from conftest import compose_config
+    from omegaconf import OmegaConf
+
+    from rlbench.guidance.generate import warn_unlike_training_run
+
+    run_dir = tmp_path / "phase1"
+    (run_dir / "policy").mkdir(parents=True)
+    OmegaConf.save(compose_config(POOL_RUN, run_dir), run_dir / "config.yaml", resolve=True)
+    assert warn_unlike_training_run(compose_config([*POOL_RUN, "rollout.n=8"], tmp_path / "g"), run_dir / "policy") == []
+    other = compose_config([*POOL_RUN, "rollout.temperature=0.7", "dataset.arith.level=2"], tmp_path / "g")
+    with caplog.at_level("WARNING", logger="rlbench.guidance.generate"):
+        assert warn_unlike_training_run(other, run_dir / "policy") == ["dataset.arith.level", "rollout.temperature"]
+    assert "rollout.temperature: 1.0 there, 0.7 here" in caplog.text
+    assert warn_unlike_training_run(other, tmp_path / "elsewhere" / "policy") == []  # not a run's saved policy
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["mode=generate", "model=checkpoint", "model.path=/nonexistent/run/policy", "rollout=replay_rlep_collect",
       "rollout.replay.pool_save=pool.json"], "does not exist"),

@@ -24,7 +24,8 @@ format, rlbench.rollout.guided.replay_pool.SuccessPool writes it and ``read_pool
 question, the responses the grader marked correct (at most ``rollout.replay.pool_per_question``), with
 their token ids and the checkpoint's sampling log-probs, and the question's accuracy over its ``rollout.n``
 samples. A question without a success is left out and counted (``no_success`` in the summary). Give it the
-phase-1 run's dataset and rollout settings (``rollout.n`` is k, the samples per question).
+phase-1 run's dataset and rollout settings (``rollout.n`` is k, the samples per question); a difference from
+the ``config.yaml`` of the run that saved the policy is named in a warning (:func:`warn_unlike_training_run`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from rlbench.config.schema import RunConfig
 from rlbench.dataset import load_problems
@@ -78,6 +79,8 @@ def write_traces(cfg: DictConfig, config: RunConfig, device: torch.device) -> di
     keep_incorrect = config.guidance is not None and config.guidance.keep_incorrect
     fingerprint = tokenizer_fingerprint(tokenizer)
     pool = SuccessPool(out, ReplayOptions.from_config(rollout).pool_per_question, tokenizer) if pool_path else None
+    if pool is not None and config.model.source == "path":
+        warn_unlike_training_run(cfg, Path(str(config.model.path)).expanduser())
     lines: list[str] = []
     no_success: list[str] = []
     generated = correct = 0
@@ -131,6 +134,44 @@ def write_traces(cfg: DictConfig, config: RunConfig, device: torch.device) -> di
     print(f"pool: {written} verified successes of {len(pool.questions)} questions written to {out} "
           f"({len(no_success)} of {len(problems)} questions without a success)")
     return summary
+
+
+SAMPLING_KEYS = ("rollout.temperature", "rollout.top_p", "rollout.max_new_tokens", "dataset", "seed")
+
+
+def warn_unlike_training_run(cfg: DictConfig, checkpoint: Path) -> list[str]:
+    """RLEP samples the first run's policy on that run's training questions with its rollout settings: one
+    warning naming each of :data:`SAMPLING_KEYS` (a dataset key by its full name) where this command differs
+    from the ``config.yaml`` of the run that saved ``checkpoint`` (``<run>/policy``); returns those keys.
+    Nothing when the checkpoint is not a run's saved policy."""
+    saved_file = checkpoint.parent / "config.yaml"
+    if not saved_file.is_file():
+        return []
+    ours = sampling_settings(OmegaConf.to_container(cfg, resolve=True))
+    theirs = sampling_settings(OmegaConf.to_container(OmegaConf.load(saved_file)))
+    differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+    if differ:
+        log.warning("generate: %s was saved by a run whose %s differ from this command's (%s): RLEP samples the "
+                    "first run's policy with its rollout settings on its training questions", checkpoint,
+                    ", ".join(differ), "; ".join(f"{k}: {theirs.get(k)!r} there, {ours.get(k)!r} here" for k in differ[:4]))
+    return differ
+
+
+def sampling_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """The leaves of :data:`SAMPLING_KEYS` in a resolved config, by dotted name."""
+
+    def leaves(node: Any, prefix: str) -> dict[str, Any]:
+        if isinstance(node, dict):
+            return {k: v for key, value in node.items() for k, v in leaves(value, f"{prefix}.{key}").items()}
+        return {prefix: node}
+
+    def select(dotted: str) -> Any:
+        node: Any = config
+        for part in dotted.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        return node
+
+    return {k: v for key in SAMPLING_KEYS for k, v in leaves(select(key), key).items()}
 
 
 def trace_record(cfg: DictConfig, problem: Any, completion: Any, grade: Any, fingerprint: str) -> dict[str, Any]:
