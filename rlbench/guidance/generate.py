@@ -71,6 +71,8 @@ def write_traces(cfg: DictConfig, config: RunConfig, device: torch.device) -> di
     rollout = config.rollout
     pool_path = generated_pool_path(rollout)
     out = Path(str(pool_path or cfg.out)).expanduser()
+    if pool_path and config.model.source == "path":  # before the model loads
+        warn_unlike_training_run(cfg, Path(str(config.model.path)).expanduser())
     problems = load_problems(cfg.dataset, seed=cfg.seed, data_dir=cfg.data_dir, source=cfg.data_source)
     model, tokenizer = load_policy(config.model, device=device, dtype=torch.float32, seed=config.seed, cache_dir=config.cache_dir)
     engine = make_engine(rollout, model, tokenizer, device)
@@ -79,8 +81,6 @@ def write_traces(cfg: DictConfig, config: RunConfig, device: torch.device) -> di
     keep_incorrect = config.guidance is not None and config.guidance.keep_incorrect
     fingerprint = tokenizer_fingerprint(tokenizer)
     pool = SuccessPool(out, ReplayOptions.from_config(rollout).pool_per_question, tokenizer) if pool_path else None
-    if pool is not None and config.model.source == "path":
-        warn_unlike_training_run(cfg, Path(str(config.model.path)).expanduser())
     lines: list[str] = []
     no_success: list[str] = []
     generated = correct = 0
