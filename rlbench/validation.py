@@ -37,7 +37,7 @@ from rlbench.reward.terms import check_reward_config
 from rlbench.rollout import STRATEGIES
 from rlbench.rollout.env import ENVIRONMENTS, env_roles, validate_env
 from rlbench.rollout.guided.difficulty_adaptive import DifficultyOptions
-from rlbench.rollout.guided.replay import check_replay_pool
+from rlbench.rollout.guided.replay import check_replay_pool, generated_pool_path
 from rlbench.rollout.strategies.multi_turn import MultiTurnOptions
 from rlbench.rollout.strategies.rethink import check_success_training
 from rlbench.training.advantage_inputs import validate_step_options
@@ -452,6 +452,21 @@ def validate_config(cfg: DictConfig) -> Algorithm:
         raise ConfigError(with_origins(str(err), cfg, origins)) from None
 
 
+def check_generate_output(config: RunConfig) -> None:
+    """``mode=generate`` writes one file: graded traces to ``out``, or RLEP's pool of verified successes to
+    ``rollout.replay.pool_save`` (rlbench.guidance.generate)."""
+    pool = generated_pool_path(config.rollout)
+    if not config.out and pool is None:
+        raise ConfigError("mode=generate writes graded traces to a file: set out=<path>.jsonl (or RLEP's pool of "
+                          "verified successes: rollout=replay_rlep_collect rollout.replay.pool_save=<file>)")
+    if config.out and pool is not None:
+        raise ConfigError(f"mode=generate writes one file: out={config.out} (graded traces) or "
+                          f"rollout.replay.pool_save={pool} (RLEP's pool): set one of them")
+    if pool is not None and config.guidance is not None and config.guidance.keep_incorrect:
+        raise ConfigError("rollout.replay.pool_save: RLEP's pool holds verified successes only; "
+                          "guidance.keep_incorrect=true is for the traces file (out=)")
+
+
 def check_run(cfg: DictConfig, origins: ValueOrigins) -> Algorithm:
     """The schema walk checks every key, type, choice and bound (rlbench/config/schema.py); the
     checks here relate several keys, or need the registry, the files or the device. They read the
@@ -531,8 +546,7 @@ def check_run(cfg: DictConfig, origins: ValueOrigins) -> Algorithm:
                 "none; choose guidance=dataset or guidance=jsonl guidance.path=<file>"
             )
     if config.mode == "generate":
-        if not config.out:
-            raise ConfigError("mode=generate writes graded traces to a file: set out=<path>.jsonl")
+        check_generate_output(config)
         validate_spec(cfg.dataset, source=config.data_source, data_dir=config.data_dir)
         check_reward_matches_dataset(config.reward.name, config.dataset)
 

@@ -26,7 +26,7 @@ policy, a run to resume, a sweep to compare). The text is never edited; what cha
 Commands that start no run (``--help``, ``--cfg``, ``--info``, ``-sc``), ``resume=`` (it continues a run
 that had the suffix) and ``rlbench-compare`` run exactly as written. Every other command must exit 0
 without a traceback; one that starts a single run must end its standard output with its ``results:`` line, whose folder exists
-(``mode=generate``: its ``traces:`` line); :data:`SMOKE_EXTRA` lists the few overrides a command needs on the
+(``mode=generate``: its ``traces:`` or ``pool:`` line); :data:`SMOKE_EXTRA` lists the few overrides a command needs on the
 smoke experiment's smaller groups, each with its reason.
 """
 
@@ -287,8 +287,9 @@ def _problem(command: Command, result: subprocess.CompletedProcess, workdir: Pat
         return "printed a traceback"
     if command.single_run():
         last = [line for line in result.stdout.splitlines() if line.strip()][-1:]
-        if "mode=generate" in command.text:
-            return None if last and last[0].startswith("traces: ") else "generate's last line does not name its traces"
+        if "mode=generate" in command.text:  # graded traces, or RLEP's pool (rollout.replay.pool_save)
+            named = last and last[0].startswith("pool: " if "pool_save=" in command.text else "traces: ")
+            return None if named else "generate's last line does not name its traces or pool"
         if not last or not last[0].startswith("results: "):
             return "a run's last line is not its results path"
         folder = Path(last[0].removeprefix("results: ").split(" (")[0])

@@ -114,7 +114,7 @@ def test_every_paper_preset_states_its_fidelity():
 
 def test_every_method_preset_block_is_partial_and_names_its_method():
     """Beside the paper presets, a block sits only where the method is partial, and names the method (the
-    rollout replay_rlep composes the strategy 'replay', the prompt sampler clpo is CLPO)."""
+    rollout lookahead composes the strategy of LATR, the prompt sampler clpo is CLPO)."""
     blocks = method_presets()
     assert {("rollout", "lookahead"), ("rollout", "tree"), ("rollout", "micro_groups"), ("prompt_sampler", "clpo"),
             ("algorithm", "intellect2")} <= set(blocks)
@@ -216,8 +216,8 @@ def test_a_faithful_paper_and_a_plain_run_say_nothing(tmp_path, caplog):
 
 
 def test_a_user_composition_names_each_partial_preset_and_its_method(tmp_path, caplog):
-    lines = _lines(["algorithm=dapo", "rollout=replay_rlep", "prompt_sampler=clpo"], tmp_path, caplog)
-    assert [line.split(" is partial: ")[0] for line in lines] == ["rollout=replay (RLEP)", "prompt_sampler=clpo (CLPO)"]
+    lines = _lines(["algorithm=dapo", "rollout=lookahead", "prompt_sampler=clpo"], tmp_path, caplog)
+    assert [line.split(" is partial: ")[0] for line in lines] == ["rollout=lookahead (LATR)", "prompt_sampler=clpo (CLPO)"]
     assert lines[1].endswith(preset_file("prompt_sampler", "clpo")["fidelity"]["missing"])
 
 

@@ -149,6 +149,150 @@ def test_rlep_two_runs_from_the_command_line(tmp_path):
     assert not (tmp_path / "p3" / "metrics.jsonl").exists()
 
 
+# RLEP's first phase the paper's way: the first run's saved policy sampled on the training questions
+# (rlbench mode=generate ... rollout.replay.pool_save, rlbench/guidance/generate.py). The tiny model with the toy
+# reward (share of even token ids >= 0.75): of 3 samples per question some questions get successes, some none.
+POOL_RUN = ["experiment=smoke", "dataset.arith.train_size=6", "eval.before_training=false", "eval.limit=1", "logger=files"]
+SAMPLES = 3
+
+
+@pytest.fixture(scope="module")
+def rlep_checkpoint(tmp_path_factory):
+    """A tiny-model policy saved as a run saves it (rlbench.runner.save_policy): the checkpoint to sample."""
+    import torch
+    from conftest import model_preset
+
+    from rlbench.model import load_policy
+    from rlbench.runner import save_policy
+
+    target = tmp_path_factory.mktemp("phase1") / "policy"
+    model, tokenizer = load_policy(model_preset("tiny"), device="cpu", dtype=torch.float32, seed=7)
+    save_policy(model, tokenizer, target)
+    return target
+
+
+def sample_checkpoint(checkpoint, tmp_path, *extra):
+    """``rlbench mode=generate model=checkpoint`` on the training questions: the pool (or, with out=, the traces)."""
+    from conftest import compose_config
+
+    from rlbench.runner import run
+
+    return run(compose_config([*POOL_RUN, "mode=generate", "model=checkpoint", f"model.path={checkpoint}",
+                               f"rollout.n={SAMPLES}", *extra], tmp_path / f"gen{len(list(tmp_path.iterdir()))}"))
+
+
+@pytest.mark.slow
+def test_a_pool_sampled_from_a_checkpoint_holds_exactly_its_verified_successes_per_question(tmp_path, rlep_checkpoint, caplog):
+    from rlbench.reward.toy import EvenTokenReward
+
+    path = tmp_path / "pool.json"
+    with caplog.at_level("WARNING", logger="rlbench.guidance.generate"):
+        summary = sample_checkpoint(rlep_checkpoint, tmp_path, "rollout=replay_rlep_collect", f"rollout.replay.pool_save={path}")
+    # the same samples (one random stream per question) written as graded traces, every verdict kept
+    sample_checkpoint(rlep_checkpoint, tmp_path, f"out={tmp_path / 'all.jsonl'}", "guidance.keep_incorrect=true")
+    traces = [json.loads(line) for line in (tmp_path / "all.jsonl").read_text().splitlines()]
+    uids = sorted({t["uid"] for t in traces})
+    assert len(uids) == 6 and all(sum(t["uid"] == uid for t in traces) == SAMPLES for uid in uids)  # k per question
+    pool = read_pool(path)
+    assert pool["format"] == POOL_FORMAT and pool["rollouts"] == 1 and not list(tmp_path.glob(".*tmp-*"))
+    solved = sorted({t["uid"] for t in traces if t["correct"]})
+    assert sorted(pool["questions"]) == solved and 0 < len(solved) < len(uids)  # some questions have no success
+    grader = EvenTokenReward()
+    for uid, entry in pool["questions"].items():
+        wanted = [t["response_ids"] for t in traces if t["uid"] == uid and t["correct"]]
+        assert [r["response_ids"] for r in entry["responses"]] == wanted  # exactly its verified successes, in order
+        assert all(grader("", "", r["response_ids"]).correct for r in entry["responses"])
+        assert entry["accuracy"] == len(wanted) / SAMPLES and entry["prompt"] == traces[[t["uid"] for t in traces].index(uid)]["prompt"]
+    unsolved = len(uids) - len(solved)
+    assert summary["no_success"] == unsolved and summary["questions"] == len(solved) and summary["responses"] == 6 * SAMPLES
+    assert summary["written"] == sum(t["correct"] for t in traces)
+    assert any(f"{unsolved} of 6 questions have no verified success" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.slow
+def test_phase_two_replays_the_token_ids_of_the_checkpoints_pool(tmp_path, rlep_checkpoint, monkeypatch):
+    from conftest import compose_config
+
+    from rlbench.rollout.guided.replay import ReplayItem
+    from rlbench.runner import run
+
+    path = tmp_path / "pool.json"
+    easier = "reward.threshold=0.5"  # successes are likelier: some question holds more than the 2 replayed per group
+    sample_checkpoint(rlep_checkpoint, tmp_path, easier, "rollout=replay_rlep_collect", f"rollout.replay.pool_save={path}")
+    pool = read_pool(path)
+    stored = {(uid, tuple(r["response_ids"])) for uid, e in pool["questions"].items() for r in e["responses"]}
+    assert max(len(e["responses"]) for e in pool["questions"].values()) > 2
+    replayed = []
+    to_completion = ReplayItem.completion
+
+    def recorded(item, request_index, recompute=False):
+        completion = to_completion(item, request_index, recompute)
+        replayed.append((item.uid, tuple(completion.response_ids), completion.behaviour))
+        return completion
+
+    monkeypatch.setattr(ReplayItem, "completion", recorded)
+    summary = run(compose_config([*POOL_RUN, easier, "algorithm=rlep", "rollout.n=2", "trainer.prompts_per_step=6",
+                                  "trainer.save_model=false", f"rollout.replay.pool={path}"], tmp_path / "phase2"))
+    steps = [json.loads(line) for line in (tmp_path / "phase2" / "metrics.jsonl").read_text().splitlines()]
+    assert summary and len(steps) == 2
+    # every question of the pool is in every step (6 prompts of 6): each gets min(2, its successes) replayed
+    per_step = sum(min(2, len(e["responses"])) for e in pool["questions"].values())
+    assert len(replayed) == 2 * per_step and all(s["replay_responses"] == per_step for s in steps)
+    assert {(uid, ids) for uid, ids, _ in replayed} <= stored and {b for *_, b in replayed} == {"replay_recomputed"}
+    assert len({(uid, ids) for uid, ids, _ in replayed}) > len(pool["questions"])  # more than one stored response of some
+    assert all(s["replay_buffer_size"] == len(stored) for s in steps)
+
+
+def test_sampling_a_checkpoint_with_other_settings_than_its_run_is_named(tmp_path, caplog):
+    """RLEP samples the first run's policy with that run's rollout settings on its training questions: a
+    difference from the config.yaml of the run that saved the policy is named in a warning."""
+    from conftest import compose_config
+    from omegaconf import OmegaConf
+
+    from rlbench.guidance.generate import warn_unlike_training_run
+
+    run_dir = tmp_path / "phase1"
+    (run_dir / "policy").mkdir(parents=True)
+    OmegaConf.save(compose_config(POOL_RUN, run_dir), run_dir / "config.yaml", resolve=True)
+    assert warn_unlike_training_run(compose_config([*POOL_RUN, "rollout.n=8"], tmp_path / "g"), run_dir / "policy") == []
+    other = compose_config([*POOL_RUN, "rollout.temperature=0.7", "dataset.arith.level=2"], tmp_path / "g")
+    with caplog.at_level("WARNING", logger="rlbench.guidance.generate"):
+        assert warn_unlike_training_run(other, run_dir / "policy") == ["dataset.arith.level", "rollout.temperature"]
+    assert "rollout.temperature: 1.0 there, 0.7 here" in caplog.text
+    assert warn_unlike_training_run(other, tmp_path / "elsewhere" / "policy") == []  # not a run's saved policy
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["mode=generate", "model=checkpoint", "model.path=/nonexistent/run/policy", "rollout=replay_rlep_collect",
+      "rollout.replay.pool_save=pool.json"], "does not exist"),
+    (["mode=generate", "rollout=replay_rlep_collect", "rollout.replay.pool_save=pool.json", "out=t.jsonl"],
+     "writes one file"),
+    (["mode=generate", "rollout=replay_rlep_collect", "rollout.replay.pool_save=pool.json", "guidance.keep_incorrect=true"],
+     "verified successes only"),
+    (["algorithm=rlep", "rollout.replay.pool=/nonexistent/pool.json"], "no such file"),
+    (["algorithm=rlep", "rollout.replay.pool={malformed}"], "a response of question arith/train/0 lacks response_ids"),
+])
+def test_a_bad_checkpoint_or_pool_is_refused_before_the_model_loads(tmp_path, monkeypatch, overrides, message):
+    from conftest import compose_config
+
+    import rlbench.guidance.generate
+    import rlbench.runner
+    from rlbench.runner import run
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model loaded before the refusal")
+
+    monkeypatch.setattr(rlbench.runner, "load_policy", no_model)
+    monkeypatch.setattr(rlbench.guidance.generate, "load_policy", no_model)
+    malformed = tmp_path / "malformed.json"
+    entry = {"prompt": "p", "answer": "1", "meta": {}, "accuracy": 1.0, "responses": [{"prompt_ids": [1], "text": "x"}]}
+    malformed.write_text(json.dumps({"format": POOL_FORMAT, "model": "tiny", "tokenizer": None, "datasets": ["arith/train"],
+                                     "rollouts": 1, "questions": {"arith/train/0": entry}}))
+    overrides = [o.replace("{malformed}", str(malformed)) for o in overrides]
+    with pytest.raises(ConfigError, match=message):
+        run(compose_config([*POOL_RUN, *overrides], tmp_path / "run"))
+
+
 # ---------------------------------------------------------------------------------------------- ExGRPO
 
 

@@ -794,7 +794,8 @@ class RunConfig:
 
     seed: int = knob(0, "seeds python, numpy, torch, the data order, the sampler and the eval sampler")
     mode: Literal["train", "eval", "generate"] = knob(
-        "train", "train: eval, train, eval | eval: evaluation only | generate: write graded traces of the dataset to `out`"
+        "train", "train: eval, train, eval | eval: evaluation only | generate: write graded traces of the dataset to `out` "
+        "(or RLEP's pool of verified successes to rollout.replay.pool_save)"
     )
     out: Optional[str] = knob(None, "mode=generate: the JSONL file of graded traces it writes")
     device: str = knob("auto", "auto (cuda if available, else cpu) | cpu | cuda[:i]")

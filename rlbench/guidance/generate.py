@@ -12,6 +12,20 @@ either way. ``tokenizer`` is the fingerprint of the writer's tokenizer (rlbench.
 tokenizer_fingerprint): a run with ``guidance=jsonl guidance.path=traces.jsonl`` re-uses the ids when
 its policy has the same tokenizer and counts the trace as a tokenizer mismatch otherwise. Each
 problem's samples come from their own random stream (seed, uid), so a file is repeatable.
+
+RLEP's pool (Zhang et al. 2025, arXiv:2507.07451, section 2: the phase-1 checkpoint is sampled on the
+training questions and its verified correct responses are kept per question)::
+
+    rlbench mode=generate model=checkpoint model.path=<phase-1 run>/policy \
+        rollout=replay_rlep_collect rollout.replay.pool_save=pool.json
+
+writes, instead of the JSONL traces, the replay pool that ``rollout.replay.pool`` reads in phase 2 (one
+format, rlbench.rollout.guided.replay_pool.SuccessPool writes it and ``read_pool`` reads it): per training
+question, the responses the grader marked correct (at most ``rollout.replay.pool_per_question``), with
+their token ids and the checkpoint's sampling log-probs, and the question's accuracy over its ``rollout.n``
+samples. A question without a success is left out and counted (``no_success`` in the summary). Give it the
+phase-1 run's dataset and rollout settings (``rollout.n`` is k, the samples per question); a difference from
+the ``config.yaml`` of the run that saved the policy is named in a warning (:func:`warn_unlike_training_run`).
 """
 
 from __future__ import annotations
@@ -24,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from rlbench.config.schema import RunConfig
 from rlbench.dataset import load_problems
@@ -35,7 +49,9 @@ from rlbench.reward import grade_completions
 from rlbench.reward.graders import training_grader
 from rlbench.rollout import make_engine
 from rlbench.rollout.engines.base import GenerationRequest, SamplingParams
-from rlbench.utils import atomic_write_text
+from rlbench.rollout.guided.replay import ReplayItem, ReplayOptions, generated_pool_path
+from rlbench.rollout.guided.replay_pool import SuccessPool
+from rlbench.utils import Progress, atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +65,14 @@ def trace_seed(seed: int, uid: str) -> int:
 
 def write_traces(cfg: DictConfig, config: RunConfig, device: torch.device) -> dict[str, Any]:
     """Generate, grade and write the traces of ``dataset`` to ``out`` with the sampling settings of
-    ``rollout`` (``cfg``: the composed config, for the loaders; ``config``: the same, typed); returns the counts."""
+    ``rollout`` (``cfg``: the composed config, for the loaders; ``config``: the same, typed); returns the counts.
+    With ``rollout.replay.pool_save`` the verified successes go to that RLEP pool instead (module docstring)."""
     started = time.perf_counter()
     rollout = config.rollout
-    out = Path(str(cfg.out)).expanduser()
+    pool_path = generated_pool_path(rollout)
+    out = Path(str(pool_path or cfg.out)).expanduser()
+    if pool_path and config.model.source == "path":  # before the model loads
+        warn_unlike_training_run(cfg, Path(str(config.model.path)).expanduser())
     problems = load_problems(cfg.dataset, seed=cfg.seed, data_dir=cfg.data_dir, source=cfg.data_source)
     model, tokenizer = load_policy(config.model, device=device, dtype=torch.float32, seed=config.seed, cache_dir=config.cache_dir)
     engine = make_engine(rollout, model, tokenizer, device)
@@ -60,47 +80,111 @@ def write_traces(cfg: DictConfig, config: RunConfig, device: torch.device) -> di
     params = SamplingParams(rollout.temperature, rollout.top_p, rollout.max_new_tokens)
     keep_incorrect = config.guidance is not None and config.guidance.keep_incorrect
     fingerprint = tokenizer_fingerprint(tokenizer)
+    pool = SuccessPool(out, ReplayOptions.from_config(rollout).pool_per_question, tokenizer) if pool_path else None
     lines: list[str] = []
+    no_success: list[str] = []
     generated = correct = 0
+    progress = Progress("generate", len(problems))
     for start in range(0, len(problems), CHUNK):
         chunk = problems[start : start + CHUNK]
         prompt_ids = encode_prompts(tokenizer, chunk, cfg.dataset.prompt)
         requests = [GenerationRequest(prompt_ids=ids, n=int(rollout.n), seed=trace_seed(cfg.seed, p.uid)) for p, ids in zip(chunk, prompt_ids)]
         groups = engine.generate(requests, params)
-        flat = [(p, c) for p, group in zip(chunk, groups) for c in group]
-        grades = grade_completions(grader, [p for p, _ in flat], [c for _, c in flat])
-        for (problem, completion), grade in zip(flat, grades):
-            generated += 1
-            correct += int(grade.correct)
-            if not grade.correct and not keep_incorrect:
+        grades = iter(grade_completions(grader, [p for p, group in zip(chunk, groups) for _ in group], [c for group in groups for c in group]))
+        for problem, group in zip(chunk, groups):
+            graded = [(completion, next(grades)) for completion in group]
+            generated += len(graded)
+            correct += sum(grade.correct for _, grade in graded)
+            if pool is not None:  # RLEP: the question's verified successes, sampled by the checkpoint (version 0)
+                successes = [ReplayItem.from_completion(problem.uid, c, policy_version=0) for c, grade in graded if grade.correct]
+                pool.add(problem, successes, len(successes) / max(len(graded), 1))
+                if not successes:
+                    no_success.append(problem.uid)
                 continue
-            record = {
-                "uid": problem.uid,
-                "prompt": problem.prompt,
-                "text": completion.text,
-                "response_ids": list(completion.response_ids),
-                "tokenizer": fingerprint,
-                "finished": bool(completion.finished),
-                "correct": bool(grade.correct),
-                "reward": float(grade.reward),
-                "extracted": grade.extracted,
-                "model": cfg.model.name,
-            }
-            lines.append(json.dumps(record, ensure_ascii=False))
-        log.info("generate: %d/%d problems, %d of %d responses correct", min(start + CHUNK, len(problems)), len(problems), correct, generated)
+            lines.extend(json.dumps(trace_record(cfg, problem, completion, grade, fingerprint), ensure_ascii=False)
+                         for completion, grade in graded if grade.correct or keep_incorrect)
+        progress.update(len(chunk), note=f"{correct} of {generated} responses correct")
     out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out, "".join(line + "\n" for line in lines))
+    if pool is not None:
+        pool.write()
+        written = sum(len(entry["responses"]) for entry in pool.questions.values())
+    else:
+        atomic_write_text(out, "".join(line + "\n" for line in lines))
+        written = len(lines)
     summary = {
         "mode": "generate",
         "out": str(out),
+        "format": "replay_pool" if pool is not None else "traces",
         "model": cfg.model.name,
         "dataset": cfg.dataset.name,
         "problems": len(problems),
         "responses": generated,
         "correct": correct,
-        "written": len(lines),
+        "written": written,
         "keep_incorrect": keep_incorrect,
         "wall_seconds": time.perf_counter() - started,
     }
-    print(f"traces: {len(lines)} of {generated} responses written ({correct} correct) to {out}")
+    if pool is None:
+        print(f"traces: {written} of {generated} responses written ({correct} correct) to {out}")
+        return summary
+    summary.update(questions=len(pool.questions), no_success=len(no_success))
+    if no_success:
+        log.warning("generate: %d of %d questions have no verified success in %d samples each and are not in the pool "
+                    "(first: %s)", len(no_success), len(problems), int(rollout.n), ", ".join(no_success[:5]))
+    print(f"pool: {written} verified successes of {len(pool.questions)} questions written to {out} "
+          f"({len(no_success)} of {len(problems)} questions without a success)")
     return summary
+
+
+SAMPLING_KEYS = ("rollout.temperature", "rollout.top_p", "rollout.max_new_tokens", "dataset", "seed")
+
+
+def warn_unlike_training_run(cfg: DictConfig, checkpoint: Path) -> list[str]:
+    """RLEP samples the first run's policy on that run's training questions with its rollout settings: one
+    warning naming each of :data:`SAMPLING_KEYS` (a dataset key by its full name) where this command differs
+    from the ``config.yaml`` of the run that saved ``checkpoint`` (``<run>/policy``); returns those keys.
+    Nothing when the checkpoint is not a run's saved policy."""
+    saved_file = checkpoint.parent / "config.yaml"
+    if not saved_file.is_file():
+        return []
+    ours = sampling_settings(OmegaConf.to_container(cfg, resolve=True))
+    theirs = sampling_settings(OmegaConf.to_container(OmegaConf.load(saved_file)))
+    differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+    if differ:
+        log.warning("generate: %s was saved by a run whose %s differ from this command's (%s): RLEP samples the "
+                    "first run's policy with its rollout settings on its training questions", checkpoint,
+                    ", ".join(differ), "; ".join(f"{k}: {theirs.get(k)!r} there, {ours.get(k)!r} here" for k in differ[:4]))
+    return differ
+
+
+def sampling_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """The leaves of :data:`SAMPLING_KEYS` in a resolved config, by dotted name."""
+
+    def leaves(node: Any, prefix: str) -> dict[str, Any]:
+        if isinstance(node, dict):
+            return {k: v for key, value in node.items() for k, v in leaves(value, f"{prefix}.{key}").items()}
+        return {prefix: node}
+
+    def select(dotted: str) -> Any:
+        node: Any = config
+        for part in dotted.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        return node
+
+    return {k: v for key in SAMPLING_KEYS for k, v in leaves(select(key), key).items()}
+
+
+def trace_record(cfg: DictConfig, problem: Any, completion: Any, grade: Any, fingerprint: str) -> dict[str, Any]:
+    """One line of the traces file (module docstring)."""
+    return {
+        "uid": problem.uid,
+        "prompt": problem.prompt,
+        "text": completion.text,
+        "response_ids": list(completion.response_ids),
+        "tokenizer": fingerprint,
+        "finished": bool(completion.finished),
+        "correct": bool(grade.correct),
+        "reward": float(grade.reward),
+        "extracted": grade.extracted,
+        "model": cfg.model.name,
+    }

@@ -39,11 +39,12 @@ Configuration (conf/rollout/replay.yaml; ``algorithm=rlep`` and ``algorithm=exgr
       keep: correct           # correct: verified successes | all: every response, so a buffer question comes
                               # back as its whole past group (needs questions=buffer; ReMix)
       window: null            # n: only responses of the last n policy versions stay (ReMix) | null: capacity only
-      pool_save: null         # path: RLEP's first run writes its verified successes there after every rollout
-                              # (rlbench/rollout/guided/replay_pool.py); per_group: 0 collects without replaying
+      pool_save: null         # path: RLEP's pool. mode=generate writes a checkpoint's verified successes there
+                              # (the paper's phase 1, rlbench/guidance/generate.py); a training run with
+                              # per_group: 0 writes its own rollouts' successes there after every rollout
       pool: null              # path: RLEP's second run replays only that pool (checked against the run's
                               # problems and tokenizer); nothing enters the buffer online
-      pool_per_question: 16   # pool_save: the newest verified successes kept per question
+      pool_per_question: 16   # pool_save: the most verified successes kept per question (a training run: the newest)
 
 When the buffer holds fewer responses or questions than asked, the step uses what there is (fresh
 prompts take the place of missing buffer questions, a group gets fewer replayed responses); the
@@ -367,6 +368,14 @@ def check_replay_pool(rollout: RolloutConfig, dataset: Any, seed: int, data_dir:
         check_pool_questions(options.pool, load_problems(dataset, seed=seed, data_dir=data_dir, source=source))
 
 
+def generated_pool_path(rollout: RolloutConfig) -> str | None:
+    """``mode=generate`` with ``rollout=replay_rlep_collect rollout.replay.pool_save=<file>``: the pool file that
+    RLEP's sampling of a checkpoint writes instead of traces (rlbench.guidance.generate); None otherwise."""
+    if rollout.strategy != "replay":
+        return None
+    return ReplayOptions.from_config(rollout).pool_save
+
+
 class StoredSuccesses(RolloutStrategy):
     """Base of a strategy that stores its correct fresh responses and injects them into groups without
     a success (AR3PO's reuse, DART's injection): ``self.buffer`` and ``self.pending``, saved with
@@ -463,6 +472,10 @@ class ReplaySampling(RolloutStrategy):
             pool = read_pool(options.pool)
             check_pool_tokenizer(options.pool, pool, tokenizer)
             self.buffer.load_pool(pool["questions"])
+        elif options.questions == "same" and options.per_group > 0:
+            log.warning("rollout.replay.pool is not set: the buffer fills online from this run's own successes (RLEP's "
+                        "single-run variant); RLEP's second run replays a pool sampled from the first run's policy "
+                        "(docs/replay.md)")
 
     @classmethod
     def config_options(cls, rollout: RolloutConfig) -> dict[str, Any]:

@@ -1,11 +1,15 @@
 """RLEP's two-phase experience pool (Zhang et al. 2025, arXiv:2507.07451, section 2): phase 1 collects the
-verified successes of a run into a pool file; phase 2 restarts from the base model and replays only
+verified successes per question into a pool file; phase 2 restarts from the base model and replays only
 them (``rollout.replay.pool``), so the replay buffer does not fill online.
 
-Phase 1 (``rollout=replay_rlep_collect``, ``rollout.replay.pool_save=<file>``): after every rollout the
-graded fresh responses that the grader marked correct are added to :class:`SuccessPool` (the newest
-``pool_per_question`` of each question are kept) and the whole pool is written atomically
-(rlbench.utils.atomic_write_json), so a killed run leaves the pool of its last finished rollout.
+Phase 1, the paper's way: train once, then sample the run's final policy on the training questions and keep
+the responses the grader accepts (``rlbench mode=generate model=checkpoint model.path=<run>/policy
+rollout=replay_rlep_collect rollout.replay.pool_save=<file>``, rlbench/guidance/generate.py): one pass,
+``rollout.n`` samples per question, a question without a success left out. Phase 1 as a training run
+(``rollout=replay_rlep_collect`` with ``mode=train``): after every rollout the graded fresh responses that
+the grader marked correct are added (the newest ``pool_per_question`` of each question are kept) and the
+whole pool is written atomically (rlbench.utils.atomic_write_json), so a killed run leaves the pool of its
+last finished rollout. Both write with :class:`SuccessPool`; phase 2 reads with :func:`read_pool`.
 
 The file (JSON, ``format`` :data:`POOL_FORMAT`)::
 
@@ -13,10 +17,11 @@ The file (JSON, ``format`` :data:`POOL_FORMAT`)::
     model       the tokenizer's name_or_path when it was collected (informative)
     tokenizer   a fingerprint of the tokenizer's vocabulary (sha256 of the sorted token -> id map), or null
     datasets    the "<dataset>/<split>" prefixes of its question uids, e.g. ["arith/train"]
-    rollouts    how many rollouts fed it
+    rollouts    how many rollouts fed it (1 for a checkpoint's sampling)
     questions   uid -> {prompt, answer, meta, accuracy (the latest fresh accuracy), responses: [stored response,
                 each rlbench.rollout.guided.replay.ReplayItem's fields: prompt_ids, response_ids, logprobs
-                (the sampling policy's), finished, text, policy_version]}
+                (the sampling policy's), finished, text, policy_version (the rollout's index; 0 for a
+                checkpoint's sampling; phase 2 replays every response as version -1)]}
 
 Phase 2 refuses a pool that does not belong to the run before the model loads
 (:func:`check_pool_questions`, called by rlbench.validation): every question of the pool must be a
@@ -92,12 +97,36 @@ class SuccessPool:
         self.questions, self.rollouts = state["questions"], int(state["rollouts"])
 
 
+QUESTION_KEYS = ("prompt", "answer", "meta", "accuracy", "responses")
+RESPONSE_KEYS = ("prompt_ids", "response_ids", "logprobs", "finished", "text", "policy_version")
+
+
+def malformed(pool: dict[str, Any]) -> str | None:
+    """What a pool of the right format lacks (a question's or a stored response's key); None when it is whole."""
+    top = [key for key in ("model", "tokenizer", "datasets", "rollouts", "questions") if key not in pool]
+    if top:
+        return f"it lacks {', '.join(top)}"
+    questions = pool["questions"]
+    if not isinstance(questions, dict):
+        return "'questions' must map each question uid to its entry"
+    for uid, entry in questions.items():
+        missing = [key for key in QUESTION_KEYS if not isinstance(entry, dict) or key not in entry]
+        if missing or not isinstance(entry["responses"], list):
+            return f"question {uid} lacks {', '.join(missing) or 'a responses list'}"
+        for response in entry["responses"]:
+            lacks = [key for key in RESPONSE_KEYS if not isinstance(response, dict) or key not in response]
+            if lacks:
+                return f"a response of question {uid} lacks {', '.join(lacks)}"
+    return None
+
+
 def read_pool(path: str | Path) -> dict[str, Any]:
     """The pool file at ``path``; ConfigError when it is missing or not a pool."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"rollout.replay.pool={path}: no such file (write one with a first run: "
-                          "rollout=replay_rlep_collect rollout.replay.pool_save=<file>, docs/replay.md)")
+        raise ConfigError(f"rollout.replay.pool={path}: no such file (write one from the first run's policy: "
+                          "mode=generate model=checkpoint model.path=<run>/policy rollout=replay_rlep_collect "
+                          "rollout.replay.pool_save=<file>, docs/replay.md)")
     try:
         pool = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -106,6 +135,8 @@ def read_pool(path: str | Path) -> dict[str, Any]:
         found = pool.get("format") if isinstance(pool, dict) else type(pool).__name__
         raise ConfigError(f"rollout.replay.pool={path} has format {found!r}, not {POOL_FORMAT!r} "
                           "(written by rollout.replay.pool_save)")
+    if (problem := malformed(pool)) is not None:
+        raise ConfigError(f"rollout.replay.pool={path} is malformed: {problem} (write it with rollout.replay.pool_save)")
     if not pool["questions"]:
         raise ConfigError(f"rollout.replay.pool={path} holds no verified success: the first run solved nothing")
     return pool
