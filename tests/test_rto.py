@@ -215,7 +215,8 @@ def test_step_token_rewards_sum_to_the_sequence_dpo_reward(make_cfg, tmp_path, s
     checkpoint's (it differs from pi_ref)."""
     dpo = _save_policy_copy(make_cfg, tmp_path / "dpo", noise=0.05)
     metrics, _ = _run(make_cfg, tmp_path, "rto", "algorithm=rto", f"algorithm.rto.dpo_model={dpo}",
-                      "algorithm.rto.beta_dpo=0.5", "algorithm.rto.sparse_coef=2", "algorithm.kl.coef=0")
+                      "algorithm.rto.beta_dpo=0.5", "algorithm.rto.sparse_coef=2", "algorithm.kl.coef=0",
+                      "algorithm.rto.dpo_clip=0")  # unclamped: the sum is the sequence's DPO reward
     (args, _, (total, token_rewards)), = spy
     rewards, mask, dpo_logp, ref_logp, beta, sparse = args[:6]
     assert beta == 0.5 and sparse == 2
