@@ -57,6 +57,7 @@ Configuration (conf/rollout/lookahead.yaml):
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +67,7 @@ from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.continuation import continue_with_budgets
 from rlbench.rollout.engines.base import Completion, GenerationRequest, PositionStats
+from rlbench.rollout.engines.branching import BranchRule, BranchTree
 from rlbench.rollout.groups import GradedGroups
 from rlbench.rollout.strategy import (
     RolloutSetup,
@@ -77,7 +79,8 @@ from rlbench.rollout.strategy import (
 
 log = logging.getLogger(__name__)
 
-CANDIDATES_PER_BRANCH = 2  # branch points tried per branch wanted (the earliest 2 (n - 1))
+CANDIDATES_PER_BRANCH = 2  # resample mode: branch points tried per branch wanted (the earliest 2 (n - 1))
+MODES = ("decode", "resample")
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,8 @@ class LookaheadOptions:
     suffix_match_threshold: float = 0.2
     branch_window: int = 1024
     mix_schedule: tuple[tuple[int, float], ...] = ((0, 1.0), (100, 0.75), (200, 0.5), (300, 0.25))
+    mode: str = "decode"
+    max_branches_per_token: int = 2
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig) -> LookaheadOptions:
@@ -100,6 +105,10 @@ class LookaheadOptions:
                 raise ConfigError(f"rollout.lookahead.{key} must be in [0, 1], got {getattr(options, key)}")
         if not options.checkpoints or list(options.checkpoints) != sorted(set(options.checkpoints)) or options.checkpoints[0] < 1:
             raise ConfigError(f"rollout.lookahead.checkpoints must be increasing lengths >= 1, got {list(options.checkpoints)}")
+        if options.mode not in MODES:
+            raise ConfigError(f"rollout.lookahead.mode must be one of {', '.join(MODES)}, got {options.mode!r}")
+        if options.max_branches_per_token < 1:
+            raise ConfigError(f"rollout.lookahead.max_branches_per_token must be >= 1, got {options.max_branches_per_token}")
         if options.branch_window < 1:
             raise ConfigError(f"rollout.lookahead.branch_window must be >= 1 token, got {options.branch_window}")
         steps = [s for s, _ in options.mix_schedule]
@@ -109,6 +118,15 @@ class LookaheadOptions:
                 f"shares in [0, 1], got {[list(e) for e in options.mix_schedule]}"
             )
         return options
+
+    def rule(self) -> BranchRule:
+        """The decoding engine's :class:`~rlbench.rollout.engines.branching.BranchRule` of these options
+        (mode decode): a branch is pruned when :func:`too_similar` to its parent at a checkpoint."""
+        def similar(branch: list[int], parent: list[int], t: int, checkpoints: tuple[int, ...]) -> bool:
+            return too_similar(branch, parent, t, checkpoints, self.rouge_l_threshold, self.suffix_match_threshold)
+
+        return BranchRule(self.abs_threshold, self.rel_threshold, self.checkpoints, similar, self.branch_window,
+                          self.max_branches_per_token)
 
     def share(self, step: int) -> float:
         """The share of each group sampled with LATR at ``step`` (0-based): the last entry at or before it."""
@@ -190,6 +208,9 @@ class LookaheadRollout(RolloutStrategy):
     def __init__(self, setup: RolloutSetup, options: LookaheadOptions):
         self.setup, self.options = setup, options
         self.steps = 0
+        if options.mode == "decode" and not hasattr(setup.sampler.engine, "generate_branching"):
+            raise ConfigError(f"rollout.lookahead.mode=decode needs an engine that branches while decoding (the HF "
+                              f"engine); {type(setup.sampler.engine).__name__} does not: use rollout.lookahead.mode=resample")
 
     @classmethod
     def config_options(cls, rollout: RolloutConfig) -> dict[str, Any]:
@@ -199,6 +220,11 @@ class LookaheadRollout(RolloutStrategy):
     def validate(cls, rollout: RolloutConfig, advantage: str) -> None:
         options = LookaheadOptions.from_config(rollout)
         needs_groups("lookahead", rollout, "branches within a group")
+        if options.mode == "decode" and rollout.engine != "hf":
+            raise ConfigError(
+                f"rollout.lookahead.mode=decode branches inside the HF engine's decoding loop; rollout.engine="
+                f"{rollout.engine} cannot: use rollout.engine=hf or rollout.lookahead.mode=resample"
+            )
         budget = int(rollout.max_new_tokens)
         if options.checkpoints[-1] >= budget:
             raise ConfigError(
@@ -258,6 +284,25 @@ class LookaheadRollout(RolloutStrategy):
         done = {id(b): c for (_, b, _), (c,) in zip(open_ended, completed)}
         return [(i, done.get(id(b), b), t) for i, b, t in kept], len(candidates), pruned
 
+    def _decoded(self, prompts: list[tuple[int, ...]], latr: int, tree_size: int) -> tuple[list[BranchTree], int]:
+        """Mode decode: the first ``latr`` prompts' trees of at most ``tree_size`` members, branched while
+        decoding (rlbench/rollout/engines/branching.py), counted in the sampler's cost (a branch's tokens
+        before its branch point are its parent's, decoded once); and the trees' depth."""
+        sampler, setup = self.setup.sampler, self.setup
+        start = time.perf_counter()
+        trees = sampler.engine.generate_branching(
+            [GenerationRequest(prompts[i], n=tree_size) for i in range(latr)], setup.params, self.options.rule(), setup.generator
+        )
+        shared = sum(t for tree in trees for t in tree.births if t > 0)
+        sampler.cost.add([tree.members for tree in trees], time.perf_counter() - start, shared=shared)
+        depth = 0
+        for tree in trees:
+            levels = [0] * len(tree.members)
+            for k, parent in enumerate(tree.parents):
+                levels[k] = levels[parent] + 1 if parent >= 0 else int(k > 0)
+            depth = max(depth, *levels)
+        return trees, depth
+
     def rollout(
         self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None = None
     ) -> tuple[GradedGroups, dict[str, float]]:
@@ -268,7 +313,21 @@ class LookaheadRollout(RolloutStrategy):
         tree_size = round(share * n)  # responses per group from LATR's tree; the rest are i.i.d.
         latr = len(problems) if tree_size >= 2 else 0
         prompts = sampler.encode(problems)
-        # 1. each LATR group's trunk and the i.i.d. responses, in one call
+        if options.mode == "decode":
+            # the trees, branched while decoding; then the i.i.d. responses and the fill of short trees, in one call
+            decoded, levels = self._decoded(prompts, latr, tree_size)
+            trees = [tree.members for tree in decoded]
+            tried, pruned = sum(t.spawned for t in decoded), sum(t.pruned for t in decoded)
+            filled = sum(tree_size - len(tree) for tree in trees)
+            plain = sampler.generate(
+                [GenerationRequest(ids, n=n - len(trees[i]) if i < latr else n) for i, ids in enumerate(prompts)], params, setup.generator
+            )
+            groups = [[*trees[i], *plain[i]] if i < latr else list(plain[i]) for i in range(len(prompts))]
+            for i in range(latr):
+                for c in groups[i]:
+                    c.request_index = i
+            return sampler.grade(problems, groups, budget), self._metrics(share, latr, tried, pruned, trees, levels, filled)
+        # mode resample, 1. each LATR group's trunk and the i.i.d. responses, in one call
         first = sampler.generate(
             [GenerationRequest(ids, n=n - tree_size + 1 if i < latr else n) for i, ids in enumerate(prompts)], params, setup.generator
         )
@@ -298,13 +357,18 @@ class LookaheadRollout(RolloutStrategy):
             groups[i] = [trees[i][0], *trees[i][1:], *groups[i][1:]]
             for c in groups[i]:
                 c.request_index = i
-        metrics = {
+        filled = sum(m for _, m in short)
+        return sampler.grade(problems, groups, budget), self._metrics(share, latr, tried, pruned, trees, levels, filled)
+
+    @staticmethod
+    def _metrics(share: float, latr: int, tried: int, pruned: int, trees: list[list[Completion]], levels: int,
+                 filled: int) -> dict[str, float]:
+        return {
             "lookahead_share": share,
             "lookahead_prompts": float(latr),
             "lookahead_candidates": float(tried),
             "lookahead_pruned": float(pruned),
-            "lookahead_branches": float(sum(len(t) - 1 for t in trees) - sum(m for _, m in short)),
+            "lookahead_branches": float(sum(c.behaviour == "branch" for tree in trees for c in tree)),
             "lookahead_levels": float(levels),
-            "lookahead_filled": float(sum(m for _, m in short)),
+            "lookahead_filled": float(filled),
         }
-        return sampler.grade(problems, groups, budget), metrics
