@@ -277,7 +277,8 @@ def test_cli_run_branches_and_logs_what_it_did(tmp_path):
 from rlbench.rollout.engines.base import GenerationRequest  # noqa: E402
 from rlbench.rollout.engines.branching import BranchRule, spawn_tokens  # noqa: E402
 
-NEVER_PRUNE = (lambda branch, parent, t, checkpoints: False)
+def NEVER_PRUNE(branch, parent, t, checkpoints):
+    return False
 
 
 def test_spawn_tokens_by_hand():

@@ -5,7 +5,18 @@ branch whose lookahead stays too similar to its parent is pruned, so the group h
 that differ beyond one token.
 
 Per prompt, ``k = round(n * share)`` of its ``n`` responses come from LATR's tree (``share``: a decaying
-fraction, ``mix_schedule``, the released ``mix_ratio``) and the other ``n - k`` are i.i.d.:
+fraction, ``mix_schedule``, the released ``mix_ratio``) and the other ``n - k`` are i.i.d.
+
+``mode: decode`` (the default; the HF engine's ``generate_branching``, rlbench/rollout/engines/branching.py):
+the tree grows while it decodes. Each prompt starts one row; at every step each running row samples its
+token, and each other top-2 token v with ``p(v) > abs_threshold`` and ``p(a1) - p(v) < rel_threshold``
+(at most ``max_branches_per_token``, within the first ``branch_window`` tokens, while the tree holds fewer
+than ``k`` rows not pruned) starts a branch: the row's keys and values copied, v as its token, v's log-prob
+under the warped distribution. At each checkpoint c, c tokens after its branch point, a branch that is
+:func:`too_similar` to its parent is pruned (its place freed). A tree left short of ``k`` is filled
+with i.i.d. responses (metric ``lookahead_filled``).
+
+``mode: resample`` (any engine, vLLM too): the branch points are read off sampled responses, level by level:
 
 1. one response, the trunk, is sampled;
 2. a response is scored (the engine's ``position_stats``): position t is a branch point
@@ -20,16 +31,16 @@ fraction, ``mix_schedule``, the released ``mix_ratio``) and the other ``n - k`` 
    (:func:`suffix_match`);
 5. the surviving branches, earliest first, join the tree until it holds ``k`` members, and are
    completed to the budget; then they are scored in turn and branch again at their own branch points
-   after their birth (**more than one level**: a level's branch points are processed before the next
-   level's, until the tree is full or no branch point is left);
+   after their birth (a level's branch points before the next level's, until the tree is full or no
+   branch point is left);
 6. **fallback**: branch points lie within the first ``branch_window`` tokens (the released
    ``force_return_step``: after it the released rollout samples the rest plainly); a tree that stays
    short of ``k`` is filled with i.i.d. responses (metric ``lookahead_filled``).
 
-Deviations from the released code (starreeze/latr): the branch points are read off a sampled response
-level by level rather than found token by token while decoding (where the major candidate is the top-1
-token and branches of all levels compete for capacity in time order), and a short tree is filled with
-i.i.d. responses where the released code repeats the first member.
+Deviations from the released code (starreeze/latr): at a branch point the parent keeps the token it
+sampled (the released code gives it the top-1 token); mode resample reads the branch points off sampled
+responses level by level; no stop-word filter of branch candidates, no threshold scheduler; a short tree
+is filled with i.i.d. responses where the released code repeats the first member.
 
 Behaviour bookkeeping (the choice): as in LATR, whose trainer is unchanged, the branches are trained
 as the policy's samples (pi_old recomputed); the branch token was chosen, not sampled, so a group is
@@ -38,18 +49,21 @@ not an i.i.d. sample of the policy: that is the method's point (diversity). Bran
 
 State: the number of steps taken, for the schedule (:meth:`LookaheadRollout.state_dict`).
 
-Engines: both; the statistics are the engine's ``position_stats`` (rlbench/rollout/engines/base.py), which the vLLM
-engine computes on the HF policy model it keeps in step.
+Engines: mode decode the HF engine (another is refused before the model loads); mode resample both, the
+statistics being the engine's ``position_stats`` (rlbench/rollout/engines/base.py), which the vLLM engine
+computes on the HF policy model it keeps in step.
 
 Configuration (conf/rollout/lookahead.yaml):
 
     strategy: lookahead
     lookahead:
+      mode: decode               # decode: branch while decoding (HF engine) | resample: level by level (any engine)
       abs_threshold: 0.15        # p(a2) above this ...
       rel_threshold: 0.25        # ... and p(a1) - p(a2) below this: a branch point
       checkpoints: [4]           # lookahead lengths at which similarity is checked (< max_new_tokens)
       rouge_l_threshold: 0.5     # prune a branch whose ROUGE-L F1 to its parent exceeds this
       suffix_match_threshold: 0.2  # ... or whose suffix-match score exceeds this (1: off)
+      max_branches_per_token: 2  # mode decode: branches one row spawns at one token
       branch_window: 1024        # branch points only before this many tokens
       mix_schedule: [[0, 1.0], [100, 0.75], [200, 0.5], [300, 0.25]]  # [step, share of each group from LATR]
 """
@@ -203,7 +217,7 @@ def too_similar(
 @register_strategy("lookahead")
 class LookaheadRollout(RolloutStrategy):
     """LATR (arXiv:2510.24302): branch at tokens where the runner-up is close to the top token, look
-    ahead, prune branches too similar to the trunk; a decaying share of the prompts."""
+    ahead, prune branches too similar to their parent; a decaying share of each group."""
 
     def __init__(self, setup: RolloutSetup, options: LookaheadOptions):
         self.setup, self.options = setup, options
