@@ -47,6 +47,9 @@ How it works:
   evaluation's) draw each sample's tokens from a generator of its own, seeded with
   ``sample_seed(seed, k)``, so that a sample does not depend on the other requests of the call (up
   to the float effects of padding in a differently composed batch).
+* **branching while decoding** (:meth:`HFGenerateEngine.generate_branching`, rlbench/rollout/engines/branching.py;
+  LATR's rollout): rows that spawn rows at uncertain tokens (``select_rows`` with a repeated index copies a
+  row's keys and values) and are dropped when pruned; the plain loop above is not touched by it.
 * a per-role LoRA policy (rlbench.model.lora.role_adapters): each request names its role's adapter
   (``GenerationRequest.adapter``); the rows of each adapter are decoded in batches of their own with that
   adapter active, adapter after adapter in the order they first appear; scoring is refused (no role).
@@ -623,7 +626,8 @@ class HFGenerateEngine:
         if any(r.prefix_ids or r.seed is not None or r.adapter is not None or r.n < 1 or not r.prompt_ids for r in requests):
             raise ValueError("generate_branching takes prompts with n >= 1 and no prefix, seed or role adapter")
         if params.logits_transform is not None or self.synced_gpus or role_adapters(self.model):
-            raise ValueError("generate_branching does not run with a logits transform, under FSDP or with a per-role policy")
+            raise ValueError("generate_branching does not run with a logits transform, under FSDP or with a per-role policy "
+                             "(rollout.lookahead.mode=resample does)")
         if not requests:
             return []
         if self.reuses_kv and self._cached_weights != weights_version(self.model):
