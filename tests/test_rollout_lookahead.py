@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -105,7 +106,7 @@ def test_branches_look_ahead_from_the_trunk_and_similar_ones_are_pruned(monkeypa
     # after 21 the branch rejoins the trunk (12, 13: too similar); after 23 and 24 it differs
     tails = {21: [12, 13, 14, 15], 23: [30, 31, 32], 24: [40, 41]}
     setup = scripted_setup(tails, n=3)
-    options = LookaheadOptions(checkpoints=(2,))
+    options = LookaheadOptions(checkpoints=(2,), mode="resample")
     groups, metrics = LookaheadRollout(setup, options).rollout([Problem("7", "q", "a")])
     calls = setup.sampler.engine.calls
     assert calls[0] == [((), 1, 6)]  # the trunk
@@ -124,7 +125,7 @@ def test_no_branch_point_gives_plain_sampling(monkeypatch):
     monkeypatch.setattr(ScriptedEngine, "position_stats", raising=False, value=
                         lambda engine, items, params: [stats([(10, 0.99, 20, 0.01)] * 6) for _ in items])
     setup = scripted_setup({}, n=4)
-    groups, metrics = LookaheadRollout(setup, LookaheadOptions()).rollout([Problem("1", "q", "a"), Problem("2", "q", "a")])
+    groups, metrics = LookaheadRollout(setup, LookaheadOptions(mode="resample")).rollout([Problem("1", "q", "a"), Problem("2", "q", "a")])
     assert metrics["lookahead_candidates"] == 0 and metrics["lookahead_filled"] == 6
     assert [len(g) for g in groups.groups] == [4, 4]
     assert all(c.prefix_len == 0 and c.behaviour == "policy" for g in groups.groups for c in g)
@@ -136,7 +137,7 @@ def test_the_share_is_of_each_group_and_the_step_count_is_state(monkeypatch):
     monkeypatch.setattr(ScriptedEngine, "position_stats", raising=False, value=
                         lambda engine, items, params: [stats([(10, 0.99, 20, 0.01)] * 6) for _ in items])
     setup = scripted_setup({}, n=4)
-    strategy = LookaheadRollout(setup, LookaheadOptions(mix_schedule=((0, 1.0), (1, 0.5), (2, 0.25))))
+    strategy = LookaheadRollout(setup, LookaheadOptions(mix_schedule=((0, 1.0), (1, 0.5), (2, 0.25)), mode="resample"))
     strategy.load_state_dict({"steps": 1})
     groups, metrics = strategy.rollout([Problem(str(i), "q", "a") for i in range(2)])
     assert metrics["lookahead_share"] == 0.5 and metrics["lookahead_prompts"] == 2 and metrics["lookahead_filled"] == 2
@@ -172,7 +173,7 @@ def test_branches_branch_again_within_the_branch_window(monkeypatch, window):
     tree is filled with i.i.d. responses instead."""
     monkeypatch.setattr(ScriptedEngine, "position_stats", raising=False, value=two_level_stats)
     setup = scripted_setup({21: [30, 31], 31: [32, 33], 40: [50], 50: [51]}, n=4)
-    options = LookaheadOptions(checkpoints=(2,), branch_window=window)
+    options = LookaheadOptions(checkpoints=(2,), branch_window=window, mode="resample")
     groups, metrics = LookaheadRollout(setup, options).rollout([Problem("7", "q", "a")])
     responses = [tuple(c.response_ids) for c in groups.groups[0]]
     if window == 1024:
@@ -211,7 +212,7 @@ def test_on_the_tiny_model_branches_share_the_trunk_up_to_their_branch_token(tin
     setup = RolloutSetup(sampler, 4, params, torch.Generator().manual_seed(0))
     # every position a branch point, and no pruning: 3 branches per trunk
     options = LookaheadOptions(abs_threshold=0.0, rel_threshold=1.0, checkpoints=(2,), rouge_l_threshold=1.0,
-                               suffix_match_threshold=1.0)
+                               suffix_match_threshold=1.0, mode="resample")
     groups, metrics = LookaheadRollout(setup, options).rollout([Problem("a", "question a", "0")])
     trunk, *branches = groups.groups[0]
     assert metrics["lookahead_branches"] == 3 and len(branches) == 3
@@ -229,13 +230,20 @@ def test_on_the_tiny_model_branches_share_the_trunk_up_to_their_branch_token(tin
 def test_settings_are_checked_before_the_model_loads(make_cfg):
     cfg = rollout_config(make_cfg("rollout=lookahead").rollout)
     validate_strategy(cfg, "grpo")
-    assert isinstance(make_strategy(cfg, scripted_setup({})), LookaheadRollout)
+    assert isinstance(make_strategy(rollout_config(make_cfg("rollout=lookahead", "rollout.lookahead.mode=resample").rollout),
+                                    scripted_setup({})), LookaheadRollout)
     base = {"strategy": "lookahead", "n": 4, "max_new_tokens": 8}
     with pytest.raises(ConfigError, match=r"checkpoints reach 8 tokens, not shorter than rollout.max_new_tokens=8"):
         validate_strategy(rollout_config({**base, "lookahead": {"checkpoints": [2, 8]}}), "grpo")
     with pytest.raises(ConfigError, match="rollout.n >= 2"):
         validate_strategy(rollout_config({**base, "n": 1}), "grpo")
-    validate_strategy(rollout_config({**base, "engine": "vllm"}), "grpo")  # the engine interface serves both
+    with pytest.raises(ConfigError, match="rollout.engine=vllm cannot: use rollout.engine=hf or rollout.lookahead.mode=resample"):
+        validate_strategy(rollout_config({**base, "engine": "vllm"}), "grpo")
+    validate_strategy(rollout_config({**base, "engine": "vllm", "lookahead": {"mode": "resample"}}), "grpo")  # both engines
+    with pytest.raises(ConfigError, match="mode must be one of decode, resample"):
+        validate_strategy(rollout_config({**base, "lookahead": {"mode": "tokens"}}), "grpo")
+    with pytest.raises(ConfigError, match="needs an engine that branches while decoding"):
+        LookaheadRollout(scripted_setup({}), LookaheadOptions())
     with pytest.raises(ConfigError, match="mix_schedule must be"):
         validate_strategy(rollout_config({**base, "lookahead": {"mix_schedule": [[5, 1.0]]}}), "grpo")
     with pytest.raises(ConfigError, match="suffix_match_threshold must be in"):
@@ -251,12 +259,180 @@ def test_settings_are_checked_before_the_model_loads(make_cfg):
 @pytest.mark.slow
 def test_cli_run_branches_and_logs_what_it_did(tmp_path):
     """`rlbench experiment=smoke rollout=lookahead` with thresholds that make every position a branch
-    point and prune nothing (n = 3: a trunk and 2 branches per prompt, at the first level)."""
+    point and prune nothing, one branch per token (n = 3: a trunk and branches at its tokens 0 and 1, the
+    second sharing its first token)."""
     steps = smoke_cli_steps(
         tmp_path / "run", "rollout=lookahead", "rollout.n=3", "rollout.lookahead.abs_threshold=0",
         "rollout.lookahead.rel_threshold=1", "rollout.lookahead.checkpoints=[2]",
-        "rollout.lookahead.rouge_l_threshold=1", "rollout.lookahead.suffix_match_threshold=1"
+        "rollout.lookahead.rouge_l_threshold=1", "rollout.lookahead.suffix_match_threshold=1",
+        "rollout.lookahead.max_branches_per_token=1",
     )
     for step in steps:  # 2 prompts, 2 branches each
         assert step["lookahead_share"] == 1.0 and step["lookahead_branches"] == 4 and step["responses_branch"] == 4
         assert step["reused_tokens"] > 0 and step["generated_responses"] >= 6
+
+
+# ---------------------------------------------------------------- mode decode: branching while decoding
+
+from rlbench.rollout.engines.base import GenerationRequest  # noqa: E402
+from rlbench.rollout.engines.branching import BranchRule, spawn_tokens  # noqa: E402
+
+def NEVER_PRUNE(branch, parent, t, checkpoints):
+    return False
+
+
+def test_spawn_tokens_by_hand():
+    """A non-sampled top-m token v branches iff p(v) > abs and p(a1) - p(v) < rel, at most max_per_token."""
+    rule = BranchRule(0.15, 0.25, (4,), NEVER_PRUNE)
+    assert spawn_tokens([5, 6], [0.5, 0.4], 5, rule) == [6]  # 0.4 > 0.15, 0.5 - 0.4 = 0.1 < 0.25
+    assert spawn_tokens([5, 6], [0.5, 0.4], 6, rule) == [5]  # sampled the runner-up: the top token branches
+    assert spawn_tokens([5, 6], [0.5, 0.2], 5, rule) == []  # 0.3 apart
+    assert spawn_tokens([5, 6], [0.3, 0.125], 5, rule) == []  # p(a2) = 0.125 is not above 0.15
+    assert spawn_tokens([5, 6], [0.3, 0.25], 9, rule) == [5, 6]  # sampled neither: both branch
+    assert spawn_tokens([5, 6], [0.3, 0.25], 9, BranchRule(0.15, 0.25, (4,), NEVER_PRUNE, max_per_token=1)) == [5]
+    assert spawn_tokens([5, 6], [0.5, 0.5], 5, BranchRule(1.0, 0.25, (4,), NEVER_PRUNE)) == []  # abs 1: never
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny):
+    model, tokenizer = tiny
+    prompts = [tuple(tokenizer.encode("question a")), tuple(tokenizer.encode("a longer question b here"))]
+    return HFGenerateEngine(model, tokenizer, batch_size=16, progress=False), prompts
+
+
+def test_never_branching_gives_the_plain_samples(tiny_engine):
+    """abs_threshold 1: no branch, and each tree's one member (the trunk) is the plain loop's sample of the
+    same prompt with n = 1 and the same generator state, token for token and log-prob for log-prob (the
+    same prefill, draws and decoding steps; two prompts of different lengths in one batch)."""
+    engine, prompts = tiny_engine
+    params = SamplingParams(1.0, 1.0, 12)
+    rule = BranchRule(1.0, 0.25, (4,), NEVER_PRUNE)
+    trees = engine.generate_branching([GenerationRequest(p, 4) for p in prompts], params, rule, torch.Generator().manual_seed(3))
+    plain = engine.generate([GenerationRequest(p, 1) for p in prompts], params, torch.Generator().manual_seed(3))
+    for tree, (sample,) in zip(trees, plain):
+        assert len(tree.members) == 1 and tree.spawned == 0 and tree.parents == [-1]
+        (trunk,) = tree.members
+        assert trunk.response_ids == sample.response_ids and trunk.logprobs == sample.logprobs
+        assert trunk.finished == sample.finished and trunk.behaviour == "policy"
+
+
+def test_branches_spawn_exactly_at_eligible_positions_and_share_their_parents_prefix(tiny_engine):
+    """Temperature 0.1 makes the tiny model's distribution peaked with some close top-two positions. No
+    pruning and room for 64: the branches born of each member are exactly the tokens spawn_tokens gives at
+    each position of it (its distribution recomputed by position_stats) after its own branch point; a
+    branch equals its parent before its branch point and differs there; every log-prob, the branch
+    token's included, is the engine's score_prefixes of the sequence."""
+    engine, prompts = tiny_engine
+    params = SamplingParams(0.1, 1.0, 10)
+    rule = BranchRule(0.1, 0.3, (3,), NEVER_PRUNE)
+    trees = engine.generate_branching([GenerationRequest(prompts[0], 64)], params, rule, torch.Generator().manual_seed(0))
+    assert sum(t.spawned for t in trees) >= 10
+    for tree in trees:
+        members = tree.members
+        assert len(members) < 64 and tree.pruned == 0  # the tree never filled: every eligible position branched
+        stats = engine.position_stats([(c.prompt_ids, tuple(c.response_ids)) for c in members], params)
+        expected, found = [], []
+        for k, (member, s) in enumerate(zip(members, stats)):
+            for t in range(tree.births[k] + 1, len(member.response_ids)):
+                top, probs = [int(x) for x in s.top_tokens[t]], [float(x) for x in s.top_probs[t]]
+                expected += [(k, t, v) for v in spawn_tokens(top, probs, member.response_ids[t], rule)]
+        for k, (parent, t) in enumerate(zip(tree.parents, tree.births)):
+            if parent < 0:
+                continue
+            branch, source = members[k].response_ids, members[parent].response_ids
+            assert branch[:t] == source[:t] and branch[t] != source[t] and members[k].behaviour == "branch"
+            found.append((parent, t, branch[t]))
+        assert sorted(found) == sorted(expected)
+        scores = engine.score_prefixes([(c.prompt_ids, tuple(c.response_ids)) for c in members], params)
+        for member, score in zip(members, scores):
+            assert member.logprobs == pytest.approx(score, abs=1e-5)
+
+
+class ForcedNextToken(torch.nn.Module):
+    """The tiny model with its next-token distribution forced: a function of the current token alone,
+    ``chain[token]`` (token -> {next: probability}; any other token -> 10). The model still runs (its KV
+    cache is what the engine copies and drops); only its logits are replaced."""
+
+    def __init__(self, model, chain):
+        super().__init__()
+        self.inner, self.chain = model, chain
+        self.generation_config = model.generation_config
+
+    def forward(self, input_ids=None, cache=None, logits_to_keep=1, **kw):
+        from rlbench.rollout.engines.hf import _cache_argument
+
+        out = self.inner(input_ids=input_ids, logits_to_keep=logits_to_keep, **{_cache_argument(self.inner): cache}, **kw)
+        tokens = input_ids[:, -out.logits.shape[1]:]
+        logits = torch.full_like(out.logits, -30.0)
+        for (b, t), token in zip(torch.cartesian_prod(torch.arange(tokens.shape[0]), torch.arange(tokens.shape[1])).tolist(),
+                                 tokens.flatten().tolist()):
+            for nxt, p in self.chain.get(token, {10: 1.0}).items():
+                logits[b, t, nxt] = float(torch.tensor(p).log())
+        out.logits = logits
+        return out
+
+
+# the trunk opens with 10, then hesitates between 11 (0.5) and 12 (0.45): the only branch point; both
+# continue with 13 forever (REJOIN: the branch's continuation is the trunk's) or 13 and 14 (DIVERGE)
+REJOIN = {10: {11: 0.5, 12: 0.45, 15: 0.05}, 11: {13: 1.0}, 12: {13: 1.0}, 13: {13: 1.0}}
+DIVERGE = {**REJOIN, 12: {14: 1.0}, 14: {14: 1.0}}
+
+
+@pytest.mark.parametrize("chain", ["rejoin", "diverge"])
+def test_a_forced_branch_point_branches_once_and_identical_continuations_are_pruned(tiny, chain):
+    """Position 1 is the only eligible position (p(a2) = 0.45 > 0.15, 0.5 - 0.45 < 0.25; elsewhere the
+    next token is certain): exactly one branch, born there, with the trunk's token 0 and the other of 11 and
+    12 at position 1, its log-prob log 0.5 or log 0.45. The rule (too_similar, ROUGE-L 0.5) is asked exactly
+    r = 3 tokens after the branch point; a branch that continues as the trunk does (13 13 13) is pruned and
+    the tree keeps the trunk alone, one that continues differently (14 14 14) stays."""
+    model, tokenizer = tiny
+    engine = HFGenerateEngine(ForcedNextToken(model, REJOIN if chain == "rejoin" else DIVERGE), tokenizer, batch_size=16,
+                              progress=False, lean_decode=False)
+    asked = []
+
+    def similar(branch, parent, t, checkpoints):
+        asked.append((list(branch), list(parent), t, checkpoints))
+        return too_similar(branch, parent, t, checkpoints, 0.5)
+
+    rule = BranchRule(0.15, 0.25, (3,), similar)
+    (tree,) = engine.generate_branching([GenerationRequest(tuple(tokenizer.encode("question a")), 4)],
+                                        SamplingParams(1.0, 1.0, 8), rule, torch.Generator().manual_seed(0))
+    trunk = tree.members[0].response_ids
+    after = {11: 13, 12: 13 if chain == "rejoin" else 14}  # the token repeated after 11 and after 12
+    assert tree.spawned == 1 and trunk[0] == 10 and trunk[1] in (11, 12) and trunk[2:] == [after[trunk[1]]] * 6
+    ((branch, parent, t, checkpoints),) = asked
+    assert t == 1 and checkpoints == (3,) and len(branch) == t + 4 and parent == trunk[: len(branch)]
+    assert branch[:1] == trunk[:1] and {branch[1], trunk[1]} == {11, 12}
+    if chain == "rejoin":
+        assert branch[2:] == parent[2:] == [13, 13, 13]
+        assert tree.pruned == 1 and len(tree.members) == 1
+    else:
+        assert tree.pruned == 0 and tree.parents == [-1, 0] and tree.births == [-1, 1]
+        kept, other = tree.members[1], 23 - trunk[1]
+        assert kept.response_ids == [10, other, *[after[other]] * 6] and kept.behaviour == "branch"
+        assert kept.logprobs[1] == pytest.approx(math.log(REJOIN[10][other]), abs=1e-5)
+        assert kept.logprobs[2:] == pytest.approx([0.0] * 6, abs=1e-5)
+
+
+@pytest.mark.parametrize("share,abs_threshold", [(1.0, 0.05), (0.5, 0.05), (1.0, 1.0)])
+def test_decoded_groups_have_exactly_n_members(tiny, share, abs_threshold):
+    """Mode decode through the strategy: every group holds n = 4 responses (the tree, filled with plain
+    samples when short, as with abs_threshold 1, then the i.i.d. share); the tree's members come first,
+    branches labelled."""
+    model, tokenizer = tiny
+    engine = HFGenerateEngine(model, tokenizer, batch_size=16, progress=False)
+    sampler = GroupSampler(engine, EvenTokenReward(), tokenizer, {"user": "{problem}"}, lambda r, _: r)
+    setup = RolloutSetup(sampler, 4, SamplingParams(0.1, 1.0, 8), torch.Generator().manual_seed(0))
+    options = LookaheadOptions(abs_threshold=abs_threshold, rel_threshold=0.5, checkpoints=(3,), mix_schedule=((0, share),))
+    groups, metrics = LookaheadRollout(setup, options).rollout([Problem(str(i), f"question {i}", "0") for i in range(3)])
+    assert [len(g) for g in groups.groups] == [4, 4, 4]
+    tree = round(4 * share)
+    assert metrics["lookahead_branches"] + metrics["lookahead_filled"] == 3 * (tree - 1)
+    assert metrics["lookahead_branches"] == sum(c.behaviour == "branch" for g in groups.groups for c in g)
+    assert all(c.request_index == i for i, g in enumerate(groups.groups) for c in g)
+    cost = sampler.cost.take()
+    assert cost["generated_responses"] == 12
+    if abs_threshold == 1.0:
+        assert metrics["lookahead_branches"] == 0 and metrics["lookahead_filled"] == 3 * 3 and cost["reused_tokens"] == 0
+    else:
+        assert metrics["lookahead_branches"] > 0 and cost["reused_tokens"] > 0

@@ -74,7 +74,7 @@ def test_lookahead_on_both_engines(engines, name):
     vLLM engine's statistics are the HF engine's."""
     engine = engines[name]
     setup = _setup(engine)
-    options = LookaheadOptions(abs_threshold=0.0, rel_threshold=1.0, checkpoints=(4,), rouge_l_threshold=1.0)
+    options = LookaheadOptions(abs_threshold=0.0, rel_threshold=1.0, checkpoints=(4,), rouge_l_threshold=1.0, mode="resample")
     graded, metrics = LookaheadRollout(setup, options).rollout(PROBLEMS)
     assert [len(g) for g in graded.groups] == [4, 4]
     trunks = [g[0] for g in graded.groups]

@@ -144,12 +144,16 @@ class GenerationCost:
     seconds: float = 0.0
     reward_metrics: Callable[[], dict[str, float]] | None = None  # the reward composition's (GroupSampler sets it)
 
-    def add(self, groups: Sequence[Sequence[Completion]], seconds: float) -> None:
+    def add(self, groups: Sequence[Sequence[Completion]], seconds: float, shared: int = 0) -> None:
+        """Count ``groups``; ``shared``: tokens of their responses decoded once for another response (a
+        branch's prefix, its parent's tokens), counted as reused."""
         for group in groups:
             for c in group:
                 self.generated_tokens += len(c.response_ids) - c.prefix_len
                 self.reused_tokens += c.prefix_len
                 self.responses += 1
+        self.generated_tokens -= shared
+        self.reused_tokens += shared
         self.seconds += seconds
 
     def take(self) -> dict[str, float]:

@@ -47,6 +47,9 @@ How it works:
   evaluation's) draw each sample's tokens from a generator of its own, seeded with
   ``sample_seed(seed, k)``, so that a sample does not depend on the other requests of the call (up
   to the float effects of padding in a differently composed batch).
+* **branching while decoding** (:meth:`HFGenerateEngine.generate_branching`, rlbench/rollout/engines/branching.py;
+  LATR's rollout): rows that spawn rows at uncertain tokens (``select_rows`` with a repeated index copies a
+  row's keys and values) and are dropped when pruned; the plain loop above is not touched by it.
 * a per-role LoRA policy (rlbench.model.lora.role_adapters): each request names its role's adapter
   (``GenerationRequest.adapter``); the rows of each adapter are decoded in batches of their own with that
   adapter active, adapter after adapter in the order they first appear; scoring is refused (no role).
@@ -57,7 +60,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from typing import Callable, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence, TypeVar
 
 import torch
 
@@ -70,6 +73,9 @@ from rlbench.rollout.engines.scoring import distribution_stats
 from rlbench.rollout.engines.cpu_linear import fast_cpu_linears, layers_for_cpu_kernels
 from rlbench.rollout.engines.lean_decode import LeanDecoder, lean_decode_unsupported
 from rlbench.rollout.engines.prefix_cache import KV, PrefixKVCache, weights_version
+
+if TYPE_CHECKING:
+    from rlbench.rollout.engines.branching import BranchRule, BranchTree
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -605,6 +611,46 @@ class HFGenerateEngine:
         finally:
             model.train(was_training)
         return results  # type: ignore[return-value]
+
+    def generate_branching(
+        self, requests: Sequence[GenerationRequest], params: SamplingParams, rule: "BranchRule",
+        generator: torch.Generator | None = None,
+    ) -> list["BranchTree"]:
+        """For each request (a prompt; ``n``: the tree's size), a tree of rows that branch while they decode
+        under ``rule`` (LATR, arXiv:2510.24302; rlbench/rollout/engines/branching.py). Requests are decoded in
+        the plain loop's order (longest first), ``batch_size // n`` trees per batch. Not for requests with a
+        prefix, their own seed or a role adapter, a logits transform, or under FSDP (refused)."""
+        from rlbench.rollout.engines.branching import decode_trees
+
+        _check_params(params)
+        if any(r.prefix_ids or r.seed is not None or r.adapter is not None or r.n < 1 or not r.prompt_ids for r in requests):
+            raise ValueError("generate_branching takes prompts with n >= 1 and no prefix, seed or role adapter")
+        if params.logits_transform is not None or self.synced_gpus or role_adapters(self.model):
+            raise ValueError("generate_branching does not run with a logits transform, under FSDP or with a per-role policy "
+                             "(rollout.lookahead.mode=resample does)")
+        if not requests:
+            return []
+        if self.reuses_kv and self._cached_weights != weights_version(self.model):
+            self._clear_caches()
+            self._cached_weights = weights_version(self.model)
+        model, lean = self.model, self._lean_decoder()
+        was_training = model.training
+        model.eval()
+        trees: list = [None] * len(requests)
+        try:
+            with torch.inference_mode(), fast_cpu_linears(model, self.cpu_kernels):
+                sample_gen = torch.Generator(device=self.device)
+                sample_gen.manual_seed(draw_seed(generator))
+                order = sorted(range(len(requests)), key=lambda i: -len(requests[i].prompt_ids))
+                per_batch = max(1, self.batch_size // max(r.n for r in requests))
+                for batch in _chunks(order, per_batch):
+                    for i, tree in zip(batch, decode_trees(self, [requests[i] for i in batch], params, rule, sample_gen, lean)):
+                        for c in tree.members:
+                            c.request_index = i
+                        trees[i] = tree
+        finally:
+            model.train(was_training)
+        return trees
 
     def _lean_decoder(self) -> LeanDecoder | None:
         """The :class:`~rlbench.rollout.engines.lean_decode.LeanDecoder` of the model's current weights (kept

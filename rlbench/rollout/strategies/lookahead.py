@@ -5,7 +5,18 @@ branch whose lookahead stays too similar to its parent is pruned, so the group h
 that differ beyond one token.
 
 Per prompt, ``k = round(n * share)`` of its ``n`` responses come from LATR's tree (``share``: a decaying
-fraction, ``mix_schedule``, the released ``mix_ratio``) and the other ``n - k`` are i.i.d.:
+fraction, ``mix_schedule``, the released ``mix_ratio``) and the other ``n - k`` are i.i.d.
+
+``mode: decode`` (the default; the HF engine's ``generate_branching``, rlbench/rollout/engines/branching.py):
+the tree grows while it decodes. Each prompt starts one row; at every step each running row samples its
+token, and each other top-2 token v with ``p(v) > abs_threshold`` and ``p(a1) - p(v) < rel_threshold``
+(at most ``max_branches_per_token``, within the first ``branch_window`` tokens, while the tree holds fewer
+than ``k`` rows not pruned) starts a branch: the row's keys and values copied, v as its token, v's log-prob
+under the warped distribution. At each checkpoint c, c tokens after its branch point, a branch that is
+:func:`too_similar` to its parent is pruned (its place freed). A tree left short of ``k`` is filled
+with i.i.d. responses (metric ``lookahead_filled``).
+
+``mode: resample`` (any engine, vLLM too): the branch points are read off sampled responses, level by level:
 
 1. one response, the trunk, is sampled;
 2. a response is scored (the engine's ``position_stats``): position t is a branch point
@@ -20,16 +31,16 @@ fraction, ``mix_schedule``, the released ``mix_ratio``) and the other ``n - k`` 
    (:func:`suffix_match`);
 5. the surviving branches, earliest first, join the tree until it holds ``k`` members, and are
    completed to the budget; then they are scored in turn and branch again at their own branch points
-   after their birth (**more than one level**: a level's branch points are processed before the next
-   level's, until the tree is full or no branch point is left);
+   after their birth (a level's branch points before the next level's, until the tree is full or no
+   branch point is left);
 6. **fallback**: branch points lie within the first ``branch_window`` tokens (the released
    ``force_return_step``: after it the released rollout samples the rest plainly); a tree that stays
    short of ``k`` is filled with i.i.d. responses (metric ``lookahead_filled``).
 
-Deviations from the released code (starreeze/latr): the branch points are read off a sampled response
-level by level rather than found token by token while decoding (where the major candidate is the top-1
-token and branches of all levels compete for capacity in time order), and a short tree is filled with
-i.i.d. responses where the released code repeats the first member.
+Deviations from the released code (starreeze/latr): at a branch point the parent keeps the token it
+sampled (the released code gives it the top-1 token); mode resample reads the branch points off sampled
+responses level by level; no stop-word filter of branch candidates, no threshold scheduler; a short tree
+is filled with i.i.d. responses where the released code repeats the first member.
 
 Behaviour bookkeeping (the choice): as in LATR, whose trainer is unchanged, the branches are trained
 as the policy's samples (pi_old recomputed); the branch token was chosen, not sampled, so a group is
@@ -38,18 +49,21 @@ not an i.i.d. sample of the policy: that is the method's point (diversity). Bran
 
 State: the number of steps taken, for the schedule (:meth:`LookaheadRollout.state_dict`).
 
-Engines: both; the statistics are the engine's ``position_stats`` (rlbench/rollout/engines/base.py), which the vLLM
-engine computes on the HF policy model it keeps in step.
+Engines: mode decode the HF engine (another is refused before the model loads); mode resample both, the
+statistics being the engine's ``position_stats`` (rlbench/rollout/engines/base.py), which the vLLM engine
+computes on the HF policy model it keeps in step.
 
 Configuration (conf/rollout/lookahead.yaml):
 
     strategy: lookahead
     lookahead:
+      mode: decode               # decode: branch while decoding (HF engine) | resample: level by level (any engine)
       abs_threshold: 0.15        # p(a2) above this ...
       rel_threshold: 0.25        # ... and p(a1) - p(a2) below this: a branch point
       checkpoints: [4]           # lookahead lengths at which similarity is checked (< max_new_tokens)
       rouge_l_threshold: 0.5     # prune a branch whose ROUGE-L F1 to its parent exceeds this
       suffix_match_threshold: 0.2  # ... or whose suffix-match score exceeds this (1: off)
+      max_branches_per_token: 2  # mode decode: branches one row spawns at one token
       branch_window: 1024        # branch points only before this many tokens
       mix_schedule: [[0, 1.0], [100, 0.75], [200, 0.5], [300, 0.25]]  # [step, share of each group from LATR]
 """
@@ -57,6 +71,7 @@ Configuration (conf/rollout/lookahead.yaml):
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +81,7 @@ from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.continuation import continue_with_budgets
 from rlbench.rollout.engines.base import Completion, GenerationRequest, PositionStats
+from rlbench.rollout.engines.branching import BranchRule, BranchTree
 from rlbench.rollout.groups import GradedGroups
 from rlbench.rollout.strategy import (
     RolloutSetup,
@@ -77,7 +93,8 @@ from rlbench.rollout.strategy import (
 
 log = logging.getLogger(__name__)
 
-CANDIDATES_PER_BRANCH = 2  # branch points tried per branch wanted (the earliest 2 (n - 1))
+CANDIDATES_PER_BRANCH = 2  # resample mode: branch points tried per branch wanted (the earliest 2 (n - 1))
+MODES = ("decode", "resample")
 
 
 @dataclass(frozen=True)
@@ -91,6 +108,8 @@ class LookaheadOptions:
     suffix_match_threshold: float = 0.2
     branch_window: int = 1024
     mix_schedule: tuple[tuple[int, float], ...] = ((0, 1.0), (100, 0.75), (200, 0.5), (300, 0.25))
+    mode: str = "decode"
+    max_branches_per_token: int = 2
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig) -> LookaheadOptions:
@@ -100,6 +119,10 @@ class LookaheadOptions:
                 raise ConfigError(f"rollout.lookahead.{key} must be in [0, 1], got {getattr(options, key)}")
         if not options.checkpoints or list(options.checkpoints) != sorted(set(options.checkpoints)) or options.checkpoints[0] < 1:
             raise ConfigError(f"rollout.lookahead.checkpoints must be increasing lengths >= 1, got {list(options.checkpoints)}")
+        if options.mode not in MODES:
+            raise ConfigError(f"rollout.lookahead.mode must be one of {', '.join(MODES)}, got {options.mode!r}")
+        if options.max_branches_per_token < 1:
+            raise ConfigError(f"rollout.lookahead.max_branches_per_token must be >= 1, got {options.max_branches_per_token}")
         if options.branch_window < 1:
             raise ConfigError(f"rollout.lookahead.branch_window must be >= 1 token, got {options.branch_window}")
         steps = [s for s, _ in options.mix_schedule]
@@ -109,6 +132,15 @@ class LookaheadOptions:
                 f"shares in [0, 1], got {[list(e) for e in options.mix_schedule]}"
             )
         return options
+
+    def rule(self) -> BranchRule:
+        """The decoding engine's :class:`~rlbench.rollout.engines.branching.BranchRule` of these options
+        (mode decode): a branch is pruned when :func:`too_similar` to its parent at a checkpoint."""
+        def similar(branch: list[int], parent: list[int], t: int, checkpoints: tuple[int, ...]) -> bool:
+            return too_similar(branch, parent, t, checkpoints, self.rouge_l_threshold, self.suffix_match_threshold)
+
+        return BranchRule(self.abs_threshold, self.rel_threshold, self.checkpoints, similar, self.branch_window,
+                          self.max_branches_per_token)
 
     def share(self, step: int) -> float:
         """The share of each group sampled with LATR at ``step`` (0-based): the last entry at or before it."""
@@ -185,11 +217,14 @@ def too_similar(
 @register_strategy("lookahead")
 class LookaheadRollout(RolloutStrategy):
     """LATR (arXiv:2510.24302): branch at tokens where the runner-up is close to the top token, look
-    ahead, prune branches too similar to the trunk; a decaying share of the prompts."""
+    ahead, prune branches too similar to their parent; a decaying share of each group."""
 
     def __init__(self, setup: RolloutSetup, options: LookaheadOptions):
         self.setup, self.options = setup, options
         self.steps = 0
+        if options.mode == "decode" and not hasattr(setup.sampler.engine, "generate_branching"):
+            raise ConfigError(f"rollout.lookahead.mode=decode needs an engine that branches while decoding (the HF "
+                              f"engine); {type(setup.sampler.engine).__name__} does not: use rollout.lookahead.mode=resample")
 
     @classmethod
     def config_options(cls, rollout: RolloutConfig) -> dict[str, Any]:
@@ -199,6 +234,11 @@ class LookaheadRollout(RolloutStrategy):
     def validate(cls, rollout: RolloutConfig, advantage: str) -> None:
         options = LookaheadOptions.from_config(rollout)
         needs_groups("lookahead", rollout, "branches within a group")
+        if options.mode == "decode" and rollout.engine != "hf":
+            raise ConfigError(
+                f"rollout.lookahead.mode=decode branches inside the HF engine's decoding loop; rollout.engine="
+                f"{rollout.engine} cannot: use rollout.engine=hf or rollout.lookahead.mode=resample"
+            )
         budget = int(rollout.max_new_tokens)
         if options.checkpoints[-1] >= budget:
             raise ConfigError(
@@ -258,6 +298,25 @@ class LookaheadRollout(RolloutStrategy):
         done = {id(b): c for (_, b, _), (c,) in zip(open_ended, completed)}
         return [(i, done.get(id(b), b), t) for i, b, t in kept], len(candidates), pruned
 
+    def _decoded(self, prompts: list[tuple[int, ...]], latr: int, tree_size: int) -> tuple[list[BranchTree], int]:
+        """Mode decode: the first ``latr`` prompts' trees of at most ``tree_size`` members, branched while
+        decoding (rlbench/rollout/engines/branching.py), counted in the sampler's cost (a branch's tokens
+        before its branch point are its parent's, decoded once); and the trees' depth."""
+        sampler, setup = self.setup.sampler, self.setup
+        start = time.perf_counter()
+        trees = sampler.engine.generate_branching(
+            [GenerationRequest(prompts[i], n=tree_size) for i in range(latr)], setup.params, self.options.rule(), setup.generator
+        )
+        shared = sum(t for tree in trees for t in tree.births if t > 0)
+        sampler.cost.add([tree.members for tree in trees], time.perf_counter() - start, shared=shared)
+        depth = 0
+        for tree in trees:
+            levels = [0] * len(tree.members)
+            for k, parent in enumerate(tree.parents):
+                levels[k] = levels[parent] + 1 if parent >= 0 else int(k > 0)
+            depth = max(depth, *levels)
+        return trees, depth
+
     def rollout(
         self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None = None
     ) -> tuple[GradedGroups, dict[str, float]]:
@@ -268,7 +327,21 @@ class LookaheadRollout(RolloutStrategy):
         tree_size = round(share * n)  # responses per group from LATR's tree; the rest are i.i.d.
         latr = len(problems) if tree_size >= 2 else 0
         prompts = sampler.encode(problems)
-        # 1. each LATR group's trunk and the i.i.d. responses, in one call
+        if options.mode == "decode":
+            # the trees, branched while decoding; then the i.i.d. responses and the fill of short trees, in one call
+            decoded, levels = self._decoded(prompts, latr, tree_size)
+            trees = [tree.members for tree in decoded]
+            tried, pruned = sum(t.spawned for t in decoded), sum(t.pruned for t in decoded)
+            filled = sum(tree_size - len(tree) for tree in trees)
+            plain = sampler.generate(
+                [GenerationRequest(ids, n=n - len(trees[i]) if i < latr else n) for i, ids in enumerate(prompts)], params, setup.generator
+            )
+            groups = [[*trees[i], *plain[i]] if i < latr else list(plain[i]) for i in range(len(prompts))]
+            for i in range(latr):
+                for c in groups[i]:
+                    c.request_index = i
+            return sampler.grade(problems, groups, budget), self._metrics(share, latr, tried, pruned, trees, levels, filled)
+        # mode resample, 1. each LATR group's trunk and the i.i.d. responses, in one call
         first = sampler.generate(
             [GenerationRequest(ids, n=n - tree_size + 1 if i < latr else n) for i, ids in enumerate(prompts)], params, setup.generator
         )
@@ -298,13 +371,18 @@ class LookaheadRollout(RolloutStrategy):
             groups[i] = [trees[i][0], *trees[i][1:], *groups[i][1:]]
             for c in groups[i]:
                 c.request_index = i
-        metrics = {
+        filled = sum(m for _, m in short)
+        return sampler.grade(problems, groups, budget), self._metrics(share, latr, tried, pruned, trees, levels, filled)
+
+    @staticmethod
+    def _metrics(share: float, latr: int, tried: int, pruned: int, trees: list[list[Completion]], levels: int,
+                 filled: int) -> dict[str, float]:
+        return {
             "lookahead_share": share,
             "lookahead_prompts": float(latr),
             "lookahead_candidates": float(tried),
             "lookahead_pruned": float(pruned),
-            "lookahead_branches": float(sum(len(t) - 1 for t in trees) - sum(m for _, m in short)),
+            "lookahead_branches": float(sum(c.behaviour == "branch" for tree in trees for c in tree)),
             "lookahead_levels": float(levels),
-            "lookahead_filled": float(sum(m for _, m in short)),
+            "lookahead_filled": float(filled),
         }
-        return sampler.grade(problems, groups, budget), metrics
