@@ -35,7 +35,7 @@ from rlbench.reward import grade_completions
 from rlbench.reward.graders import training_grader
 from rlbench.rollout import make_engine
 from rlbench.rollout.engines.base import GenerationRequest, SamplingParams
-from rlbench.utils import atomic_write_text
+from rlbench.utils import Progress, atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -47,21 +47,18 @@ def trace_seed(seed: int, uid: str) -> int:
     return int.from_bytes(hashlib.sha256(f"generate\0{int(seed)}\0{uid}".encode()).digest()[:8], "big") >> 2
 
 
-def write_traces(cfg: DictConfig, config: RunConfig, device: torch.device) -> dict[str, Any]:
-    """Generate, grade and write the traces of ``dataset`` to ``out`` with the sampling settings of
-    ``rollout`` (``cfg``: the composed config, for the loaders; ``config``: the same, typed); returns the counts."""
-    started = time.perf_counter()
+def sample_graded(cfg: DictConfig, config: RunConfig, model: Any, problems: list, device: torch.device,
+                  phase: str = "generate") -> tuple[list[tuple[Any, Any, Any]], str]:
+    """``rollout.n`` samples of ``model`` (a typed model node) for each of ``problems``, graded by the run's grader,
+    with a progress line (done, ETA) per chunk: ``[(problem, completion, grade)]`` and the tokenizer's fingerprint.
+    The model is freed on return."""
     rollout = config.rollout
-    out = Path(str(cfg.out)).expanduser()
-    problems = load_problems(cfg.dataset, seed=cfg.seed, data_dir=cfg.data_dir, source=cfg.data_source)
-    model, tokenizer = load_policy(config.model, device=device, dtype=torch.float32, seed=config.seed, cache_dir=config.cache_dir)
-    engine = make_engine(rollout, model, tokenizer, device)
+    policy, tokenizer = load_policy(model, device=device, dtype=torch.float32, seed=config.seed, cache_dir=config.cache_dir)
+    engine = make_engine(rollout, policy, tokenizer, device)
     grader = training_grader(config)
     params = SamplingParams(rollout.temperature, rollout.top_p, rollout.max_new_tokens)
-    keep_incorrect = config.guidance is not None and config.guidance.keep_incorrect
-    fingerprint = tokenizer_fingerprint(tokenizer)
-    lines: list[str] = []
-    generated = correct = 0
+    progress = Progress(phase, len(problems))
+    graded: list[tuple[Any, Any, Any]] = []
     for start in range(0, len(problems), CHUNK):
         chunk = problems[start : start + CHUNK]
         prompt_ids = encode_prompts(tokenizer, chunk, cfg.dataset.prompt)
@@ -69,25 +66,44 @@ def write_traces(cfg: DictConfig, config: RunConfig, device: torch.device) -> di
         groups = engine.generate(requests, params)
         flat = [(p, c) for p, group in zip(chunk, groups) for c in group]
         grades = grade_completions(grader, [p for p, _ in flat], [c for _, c in flat])
-        for (problem, completion), grade in zip(flat, grades):
-            generated += 1
-            correct += int(grade.correct)
-            if not grade.correct and not keep_incorrect:
-                continue
-            record = {
-                "uid": problem.uid,
-                "prompt": problem.prompt,
-                "text": completion.text,
-                "response_ids": list(completion.response_ids),
-                "tokenizer": fingerprint,
-                "finished": bool(completion.finished),
-                "correct": bool(grade.correct),
-                "reward": float(grade.reward),
-                "extracted": grade.extracted,
-                "model": cfg.model.name,
-            }
-            lines.append(json.dumps(record, ensure_ascii=False))
-        log.info("generate: %d/%d problems, %d of %d responses correct", min(start + CHUNK, len(problems)), len(problems), correct, generated)
+        graded += [(p, c, g) for (p, c), g in zip(flat, grades)]
+        progress.update(len(chunk), note=f"{sum(g.correct for *_, g in graded)} of {len(graded)} responses correct")
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    del engine, policy
+    return graded, fingerprint
+
+
+def write_traces(cfg: DictConfig, config: RunConfig, device: torch.device) -> dict[str, Any]:
+    """Generate, grade and write the traces of ``dataset`` to ``out`` with the sampling settings of
+    ``rollout`` (``cfg``: the composed config, for the loaders; ``config``: the same, typed); returns the counts.
+    With a ``warmup`` node, Thinkless' paired warm-up data instead (rlbench/guidance/warmup.py)."""
+    if config.warmup is not None:
+        from rlbench.guidance.warmup import write_warmup_traces
+
+        return write_warmup_traces(cfg, config, device)
+    started = time.perf_counter()
+    out = Path(str(cfg.out)).expanduser()
+    problems = load_problems(cfg.dataset, seed=cfg.seed, data_dir=cfg.data_dir, source=cfg.data_source)
+    graded, fingerprint = sample_graded(cfg, config, config.model, problems, device)
+    keep_incorrect = config.guidance is not None and config.guidance.keep_incorrect
+    lines: list[str] = []
+    for problem, completion, grade in graded:
+        if not grade.correct and not keep_incorrect:
+            continue
+        record = {
+            "uid": problem.uid,
+            "prompt": problem.prompt,
+            "text": completion.text,
+            "response_ids": list(completion.response_ids),
+            "tokenizer": fingerprint,
+            "finished": bool(completion.finished),
+            "correct": bool(grade.correct),
+            "reward": float(grade.reward),
+            "extracted": grade.extracted,
+            "model": cfg.model.name,
+        }
+        lines.append(json.dumps(record, ensure_ascii=False))
+    generated, correct = len(graded), sum(int(g.correct) for *_, g in graded)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, "".join(line + "\n" for line in lines))
     summary = {
