@@ -105,6 +105,6 @@ def write_warmup_traces(cfg: DictConfig, config: RunConfig, device: torch.device
         "keep_incorrect": keep_incorrect,
         "wall_seconds": time.perf_counter() - started,
     }
-    print(f"warm-up traces: {len(records)} responses for {summary['paired_prompts']} of {len(problems)} prompts written to {out} "
+    print(f"traces: {len(records)} warm-up responses for {summary['paired_prompts']} of {len(problems)} prompts written to {out} "
           f"(correct: think {correct['think']}/{len(graded['think'])}, short {correct['short']}/{len(graded['short'])})")
     return summary
