@@ -84,6 +84,8 @@ def write_warmup_traces(cfg: DictConfig, config: RunConfig, device: torch.device
     for mode in MODES:
         graded[mode], _ = sample_graded(cfg, config, teachers[mode], problems, device, phase=f"warmup {mode} teacher")
         gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the first teacher's memory, before the second loads
     keep_incorrect = config.guidance is not None and config.guidance.keep_incorrect
     tokens = {"think": warmup.think_token, "short": warmup.short_token}
     names = {mode: str(teachers[mode].name) for mode in MODES}
