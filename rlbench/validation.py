@@ -26,6 +26,7 @@ from rlbench.config.schema import (
     FidelityConfig,
     RunConfig,
     SandboxConfig,
+    WarmupConfig,
 )
 from rlbench.config.typed import algorithm_settings, typed_config
 from rlbench.config.walk import Registered, check_against_schema
@@ -442,6 +443,23 @@ def check_reward_matches_dataset(reward: str, dataset: DatasetConfig) -> None:
         )
 
 
+def check_warmup(warmup: WarmupConfig) -> None:
+    """mode=generate's warm-up data (rlbench/guidance/warmup.py): both teachers given and loadable (a path that
+    exists, a package installed), two different control tokens; before any model loads."""
+    for mode, role in (("think", "the reasoning teacher"), ("short", "the concise teacher")):
+        teacher = getattr(warmup, mode)
+        if teacher is None or teacher.source is None:
+            raise ConfigError(f"warmup.{mode} ({role}) is not set: add +model@warmup.{mode}=<option> (a conf/model/ option, "
+                              f"e.g. +model@warmup.{mode}=checkpoint warmup.{mode}.path=<dir>)")
+        try:
+            validate_model_config(teacher)
+        except ConfigError as err:
+            raise ConfigError(f"warmup.{mode} ({role}): {err}".replace("model.", f"warmup.{mode}.")) from None
+    if not warmup.think_token or not warmup.short_token or warmup.think_token == warmup.short_token:
+        raise ConfigError(f"warmup.think_token={warmup.think_token!r} and warmup.short_token={warmup.short_token!r} must be "
+                          "two different, non-empty control tokens")
+
+
 def validate_config(cfg: DictConfig) -> Algorithm:
     """Check the whole run configuration. Returns the built Algorithm. Every refusal says where the
     keys it names were set (the command line, or a YAML file and its group option)."""
@@ -549,6 +567,11 @@ def check_run(cfg: DictConfig, origins: ValueOrigins) -> Algorithm:
         check_generate_output(config)
         validate_spec(cfg.dataset, source=config.data_source, data_dir=config.data_dir)
         check_reward_matches_dataset(config.reward.name, config.dataset)
+        if config.warmup is not None:
+            check_warmup(config.warmup)
+    elif config.warmup is not None:
+        raise ConfigError(f"warmup (Thinkless' paired warm-up data) is written by mode=generate, not mode={config.mode}: "
+                          "drop the warmup node or set mode=generate")
 
     ev = config.eval
     ks = list(ev.k)

@@ -684,6 +684,8 @@ class ModelConfig:
     revision: Optional[str] = knob(None, "Hub revision")
     trust_remote_code: bool = knob(False, "allow the checkpoint's own modelling code")
     tiny: Optional[dict] = knob(None, "LlamaConfig fields of the random tiny model (source tiny)", open=True)
+    add_tokens: list = knob([], "tokens added to the tokenizer, one id each (not special: decoded texts keep them), with new "
+                            "embedding rows; ones the tokenizer has are kept (Thinkless' warm-up: [<short>,<think>])")
     lora: Optional[LoraConfig] = node(LoraConfig, "null: full fine-tuning | LoRA adapters (model/lora=default)")
     parameters: Optional[int] = knob(None, "about how many parameters (model card): a run whose model would not fit the device is refused before loading; null: not checked", ge=1)
 
@@ -772,6 +774,17 @@ class GuidanceConfig:
 
 
 @dataclass
+class WarmupConfig:
+    """``warmup``: mode=generate writes Thinkless' paired warm-up data (arXiv:2505.13379, section 3.1;
+    rlbench/guidance/warmup.py; docs/algorithms.md) instead of the policy's traces."""
+
+    think: ModelConfig = node(ModelConfig, "the reasoning teacher (+model@warmup.think=<option>): its responses get think_token")
+    short: ModelConfig = node(ModelConfig, "the concise teacher (+model@warmup.short=<option>): its responses get short_token")
+    think_token: str = knob("<think>", "the control token written before the reasoning teacher's responses")
+    short_token: str = knob("<short>", "the control token written before the concise teacher's responses")
+
+
+@dataclass
 class EnvConfig:
     """``env``: the environment of a multi-turn episode (rollout=multi_turn; conf/env/; docs/agents.md).
     The caps are per episode; an episode that reaches one ends with that reason, counted."""
@@ -798,6 +811,8 @@ class RunConfig:
         "(or RLEP's pool of verified successes to rollout.replay.pool_save)"
     )
     out: Optional[str] = knob(None, "mode=generate: the JSONL file of graded traces it writes")
+    warmup: Optional[WarmupConfig] = node(WarmupConfig, "null | mode=generate: two teachers' paired responses, each after "
+                                          "its control token (Thinkless' warm-up data)")
     device: str = knob("auto", "auto (cuda if available, else cpu) | cpu | cuda[:i]")
     data_dir: Optional[str] = knob(None, "local JSONL folder; RLBENCH_DATA_DIR wins")
     data_source: Literal["auto", "local", "hub"] = knob("auto", "auto (local file, else Hub) | local | hub")

@@ -63,10 +63,40 @@ def trace_seed(seed: int, uid: str) -> int:
     return int.from_bytes(hashlib.sha256(f"generate\0{int(seed)}\0{uid}".encode()).digest()[:8], "big") >> 2
 
 
+def sample_graded(cfg: DictConfig, config: RunConfig, model: Any, problems: list, device: torch.device,
+                  phase: str = "generate") -> tuple[list[tuple[Any, Any, Any]], Any]:
+    """``rollout.n`` samples of ``model`` (a typed model node) for each of ``problems``, graded by the run's grader,
+    with a progress line (done, ETA) per chunk: ``[(problem, completion, grade)]`` and the model's tokenizer.
+    The model is freed on return."""
+    rollout = config.rollout
+    policy, tokenizer = load_policy(model, device=device, dtype=torch.float32, seed=config.seed, cache_dir=config.cache_dir)
+    engine = make_engine(rollout, policy, tokenizer, device)
+    grader = training_grader(config)
+    params = SamplingParams(rollout.temperature, rollout.top_p, rollout.max_new_tokens)
+    progress = Progress(phase, len(problems))
+    graded: list[tuple[Any, Any, Any]] = []
+    for start in range(0, len(problems), CHUNK):
+        chunk = problems[start : start + CHUNK]
+        prompt_ids = encode_prompts(tokenizer, chunk, cfg.dataset.prompt)
+        requests = [GenerationRequest(prompt_ids=ids, n=int(rollout.n), seed=trace_seed(cfg.seed, p.uid)) for p, ids in zip(chunk, prompt_ids)]
+        groups = engine.generate(requests, params)
+        flat = [(p, c) for p, group in zip(chunk, groups) for c in group]
+        grades = grade_completions(grader, [p for p, _ in flat], [c for _, c in flat])
+        graded += [(p, c, g) for (p, c), g in zip(flat, grades)]
+        progress.update(len(chunk), note=f"{sum(g.correct for *_, g in graded)} of {len(graded)} responses correct")
+    del engine, policy
+    return graded, tokenizer
+
+
 def write_traces(cfg: DictConfig, config: RunConfig, device: torch.device) -> dict[str, Any]:
     """Generate, grade and write the traces of ``dataset`` to ``out`` with the sampling settings of
     ``rollout`` (``cfg``: the composed config, for the loaders; ``config``: the same, typed); returns the counts.
-    With ``rollout.replay.pool_save`` the verified successes go to that RLEP pool instead (module docstring)."""
+    With ``rollout.replay.pool_save`` the verified successes go to that RLEP pool instead (module docstring);
+    with a ``warmup`` node, Thinkless' paired warm-up data of two teachers (rlbench/guidance/warmup.py)."""
+    if config.warmup is not None:
+        from rlbench.guidance.warmup import write_warmup_traces
+
+        return write_warmup_traces(cfg, config, device)
     started = time.perf_counter()
     rollout = config.rollout
     pool_path = generated_pool_path(rollout)
@@ -74,36 +104,26 @@ def write_traces(cfg: DictConfig, config: RunConfig, device: torch.device) -> di
     if pool_path and config.model.source == "path":  # before the model loads
         warn_unlike_training_run(cfg, Path(str(config.model.path)).expanduser())
     problems = load_problems(cfg.dataset, seed=cfg.seed, data_dir=cfg.data_dir, source=cfg.data_source)
-    model, tokenizer = load_policy(config.model, device=device, dtype=torch.float32, seed=config.seed, cache_dir=config.cache_dir)
-    engine = make_engine(rollout, model, tokenizer, device)
-    grader = training_grader(config)
-    params = SamplingParams(rollout.temperature, rollout.top_p, rollout.max_new_tokens)
+    graded, tokenizer = sample_graded(cfg, config, config.model, problems, device)
     keep_incorrect = config.guidance is not None and config.guidance.keep_incorrect
     fingerprint = tokenizer_fingerprint(tokenizer)
     pool = SuccessPool(out, ReplayOptions.from_config(rollout).pool_per_question, tokenizer) if pool_path else None
     lines: list[str] = []
     no_success: list[str] = []
-    generated = correct = 0
-    progress = Progress("generate", len(problems))
-    for start in range(0, len(problems), CHUNK):
-        chunk = problems[start : start + CHUNK]
-        prompt_ids = encode_prompts(tokenizer, chunk, cfg.dataset.prompt)
-        requests = [GenerationRequest(prompt_ids=ids, n=int(rollout.n), seed=trace_seed(cfg.seed, p.uid)) for p, ids in zip(chunk, prompt_ids)]
-        groups = engine.generate(requests, params)
-        grades = iter(grade_completions(grader, [p for p, group in zip(chunk, groups) for _ in group], [c for group in groups for c in group]))
-        for problem, group in zip(chunk, groups):
-            graded = [(completion, next(grades)) for completion in group]
-            generated += len(graded)
-            correct += sum(grade.correct for _, grade in graded)
-            if pool is not None:  # RLEP: the question's verified successes, sampled by the checkpoint (version 0)
-                successes = [ReplayItem.from_completion(problem.uid, c, policy_version=0) for c, grade in graded if grade.correct]
-                pool.add(problem, successes, len(successes) / max(len(graded), 1))
-                if not successes:
-                    no_success.append(problem.uid)
-                continue
-            lines.extend(json.dumps(trace_record(cfg, problem, completion, grade, fingerprint), ensure_ascii=False)
-                         for completion, grade in graded if grade.correct or keep_incorrect)
-        progress.update(len(chunk), note=f"{correct} of {generated} responses correct")
+    generated, correct = len(graded), sum(int(g.correct) for *_, g in graded)
+    by_problem: dict[int, list[tuple[Any, Any]]] = {}
+    for problem, completion, grade in graded:
+        by_problem.setdefault(id(problem), []).append((completion, grade))
+    for problem in problems:
+        samples = by_problem.get(id(problem), [])
+        if pool is not None:  # RLEP: the question's verified successes, sampled by the checkpoint (version 0)
+            successes = [ReplayItem.from_completion(problem.uid, c, policy_version=0) for c, g in samples if g.correct]
+            pool.add(problem, successes, len(successes) / max(len(samples), 1))
+            if not successes:
+                no_success.append(problem.uid)
+            continue
+        lines.extend(json.dumps(trace_record(cfg, problem, c, g, fingerprint), ensure_ascii=False)
+                     for c, g in samples if g.correct or keep_incorrect)
     out.parent.mkdir(parents=True, exist_ok=True)
     if pool is not None:
         pool.write()

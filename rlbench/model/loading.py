@@ -439,6 +439,21 @@ def _check_pad(model, tokenizer) -> None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
 
 
+def add_tokens(policy, tokenizer, tokens: list[str]) -> int:
+    """Add ``tokens`` the tokenizer lacks, one id each and not special (a decoded text keeps them), and grow the
+    embedding (and an untied output layer) by their rows, initialised by transformers' mean resizing (the mean
+    of the old rows plus noise of their covariance, drawn from a fixed seed). Thinkless' control tokens <short> and <think> (arXiv:2505.13379,
+    section 3.1) become single tokens so the policy's first token picks the mode. Returns how many were added."""
+    missing = [t for t in dict.fromkeys(tokens) if t not in tokenizer.get_vocab()]
+    if missing:
+        tokenizer.add_tokens(missing, special_tokens=False)
+        with torch.random.fork_rng(devices=[]):  # the new rows' noise: the same in every run, the global stream untouched
+            torch.manual_seed(0)
+            policy.resize_token_embeddings(len(tokenizer))
+        log.info("added the tokens %s to the tokenizer (ids %s)", missing, tokenizer.convert_tokens_to_ids(missing))
+    return len(missing)
+
+
 def load_policy(
     model: ModelConfig,
     *,
@@ -489,6 +504,7 @@ def load_policy(
                 f"model.source=path with model.path=<checkpoint dir>."
             ) from err
 
+    add_tokens(policy, tokenizer, list(model.add_tokens or ()))
     _check_pad(policy, tokenizer)
     policy = policy.to(device).eval()
     log.info(
