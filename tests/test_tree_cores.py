@@ -20,7 +20,9 @@ from rlbench.rollout.strategies.tree import (
     TreePOOptions,
     TreePOSampling,
     _Node,
+    DIVERGENCES,
     allocate_divergence,
+    divergence_budget,
     divergence_counts,
     has_repetition,
 )
@@ -99,27 +101,64 @@ def check_tree(groups, n):
 # ------------------------------------------------------------------ the divergence schedule, closed form
 
 
-def test_fixed_divergence_passes_ended_paths_budget_to_the_survivors():
+def test_the_budget_passes_ended_paths_branching_to_the_survivors():
+    # B = max(N, min(R, w * (E + N)))
+    assert divergence_budget(remaining=8, paths=3, ended_now=1, branching=2) == 8  # min(8, 2 * 4)
+    assert divergence_budget(remaining=7, paths=3, ended_now=0, branching=2) == 6  # min(7, 2 * 3)
+    assert divergence_budget(remaining=4, paths=3, ended_now=0, branching=2) == 4  # the leaves still missing cap it
+    assert divergence_budget(remaining=2, paths=2, ended_now=5, branching=2) == 2
+    assert divergence_budget(remaining=1, paths=3, ended_now=0, branching=2) == 3  # every path goes on (floor N)
+    assert divergence_budget(remaining=16, paths=1, ended_now=1, branching=3) == 6
+
+
+def test_fixed_divergence_splits_the_budget_evenly_the_remainder_to_the_last_path():
     options = TreePOOptions(branching=2)
-    # total = max(#paths, min(remaining, branching * (#paths + ended))), split evenly, the remainder to the last
-    assert divergence_counts(options, [-1.0] * 3, remaining=8, ended_now=1) == [2, 2, 4]  # min(8, 8) = 8
-    assert divergence_counts(options, [-1.0] * 3, remaining=7, ended_now=0) == [2, 2, 2]  # min(7, 6) = 6
-    assert divergence_counts(options, [-1.0] * 3, remaining=4, ended_now=0) == [1, 1, 2]  # the budget caps it
-    assert divergence_counts(options, [-1.0] * 2, remaining=2, ended_now=5) == [1, 1]  # every path goes on
-    assert divergence_counts(TreePOOptions(branching=3), [-1.0], remaining=16, ended_now=1) == [6]
+    assert divergence_counts(options, [[-1.0]] * 3, remaining=8, ended_now=1) == [2, 2, 4]  # 8 // 3, 8 % 3 to the last
+    assert divergence_counts(options, [[-1.0]] * 3, remaining=7, ended_now=0) == [2, 2, 2]
+    assert divergence_counts(options, [[-1.0]] * 3, remaining=4, ended_now=0) == [1, 1, 2]
+    assert divergence_counts(options, [[-1.0]] * 2, remaining=2, ended_now=5) == [1, 1]
+    assert divergence_counts(TreePOOptions(branching=3), [[-1.0]], remaining=16, ended_now=1) == [6]
 
 
-def test_probability_driven_divergence_by_hand():
-    # two paths with cumulative log-probs -1 and -3, 6 children: one each, 4 by weight
-    w_low = [math.exp(-2) / (1 + math.exp(-2)), 1 / (1 + math.exp(-2))]  # softmax(-(lp - min)) = [0.119, 0.881]
-    assert [4 * w for w in w_low] == pytest.approx([0.477, 3.523], abs=1e-3)  # floors 0, 3; the larger remainder: path 1
-    low = TreePOOptions(divergence="low_probability")
-    assert divergence_counts(low, [-1.0, -3.0], remaining=6, ended_now=1) == [1, 5]  # the less likely path branches more
+# Two paths: A's tokens at -5, -5, -1, -1 (sum -12, mean -3, last 2-token segment's mean -1), B's at -2 x 4
+# (sum -8, mean -2, last segment -2); 6 children: one each, 4 by weight (raw r = 4 w, floors, largest remainder).
+#   sum  -12 / -8: softmax(-(S - min)) = softmax(0, -4) = [.982, .018]: r = [3.93, .07] -> [5, 1]; + sign -> [1, 5]
+#   mean  -3 / -2: softmax(0, -1) = [.731, .269]: r = [2.92, 1.08] -> [4, 2]; + sign -> [2, 4]
+#   last  -1 / -2: softmax(-1, 0) = [.269, .731] -> [2, 4]; + sign -> [4, 2]
+TWO_PATHS = [[-5.0, -5.0, -1.0, -1.0], [-2.0] * 4]
+
+
+@pytest.mark.parametrize("divergence, counts", [
+    ("fixed", [3, 3]),
+    ("low_probability", [5, 1]), ("high_probability", [1, 5]),
+    ("low_probability_per_token", [4, 2]), ("high_probability_per_token", [2, 4]),
+    ("low_last_segment_probability", [2, 4]), ("high_last_segment_probability", [4, 2]),
+])
+def test_each_released_divergence_rule_by_hand(divergence, counts):
+    assert set(DIVERGENCES) == {"fixed", "low_probability", "high_probability", "low_probability_per_token",
+                                "high_probability_per_token", "low_last_segment_probability", "high_last_segment_probability"}
+    options = TreePOOptions(divergence=divergence, segment_tokens=2)
+    assert divergence_counts(options, TWO_PATHS, remaining=6, ended_now=1) == counts  # B = min(6, 2 * 3) = 6
+
+
+def test_the_temperature_flattens_the_weights():
+    # low_probability at T = 8: softmax(0, -0.5) = [.622, .378]: r = [2.49, 1.51], floors [3, 2], the remainder .51 wins
+    assert divergence_counts(TreePOOptions(divergence="low_probability", divergence_temperature=8.0), TWO_PATHS, 6, 1) == [3, 3]
+    assert divergence_counts(TreePOOptions(divergence="low_probability", divergence_temperature=2.0), TWO_PATHS, 6, 1) == [5, 1]
+    # softmax(0, -2) = [.881, .119]: r = [3.52, .48] -> [4, 1] + 1 to path 0
+
+
+def test_weighted_rules_give_every_path_a_child_and_break_ties_towards_the_earlier_path():
+    paths = [[-1.0, -1.0], [-1.0, -1.0], [-9.0, -9.0]]  # A and B tie; C is 16 nats less likely in sum
     high = TreePOOptions(divergence="high_probability")
-    assert divergence_counts(high, [-1.0, -3.0], remaining=6, ended_now=1) == [5, 1]
-    flat = TreePOOptions(divergence="low_probability", divergence_temperature=1e6)
-    assert divergence_counts(flat, [-1.0, -3.0], remaining=6, ended_now=1) == [3, 3]
-    assert sum(divergence_counts(low, [-5.0, -1.0, -2.0], remaining=9, ended_now=0)) == 6
+    # weights ~ [.5, .5, 6e-8] (just under .5 each): 2 more children, raw [1 - 1e-7, 1 - 1e-7, 2e-7]: floors all 0,
+    # the two largest remainders are A and B; C keeps its one child
+    assert divergence_counts(high, paths, remaining=5, ended_now=0) == [2, 2, 1]
+    assert divergence_counts(high, paths, remaining=4, ended_now=0) == [2, 1, 1]  # one more: the tie goes to A
+    for rule in DIVERGENCES:
+        for remaining in range(3, 9):
+            counts = divergence_counts(TreePOOptions(divergence=rule), paths, remaining, ended_now=1)
+            assert min(counts) >= 1 and sum(counts) == min(remaining, 8), (rule, remaining, counts)
 
 
 def test_allocation_gives_each_path_one_and_the_rest_by_largest_remainder():
@@ -234,7 +273,11 @@ def test_a_cut_inside_a_node_splits_it():
     assert leaf.parent is head and leaf.tokens == [14, 15] and leaf.path_tokens() == [10, 11, 12, 13, 14, 15]
 
 
-@pytest.mark.parametrize("divergence, counts", [("low_probability", [3, 1]), ("high_probability", [1, 3]), ("fixed", [2, 2])])
+@pytest.mark.parametrize("divergence, counts", [
+    ("low_probability", [3, 1]), ("high_probability", [1, 3]), ("fixed", [2, 2]),
+    ("low_probability_per_token", [3, 1]), ("high_probability_per_token", [1, 3]),
+    ("low_last_segment_probability", [3, 1]), ("high_last_segment_probability", [1, 3]),
+])
 def test_probability_driven_divergence_on_the_engine(divergence, counts):
     # the path of tokens (100, 101) was sampled at log-prob -5 per token, (102, 103) at -0.1: with 4 children
     # to give, the less likely path gets 3 under low_probability (weights ~ [1, e^-9.8])

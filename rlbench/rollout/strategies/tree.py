@@ -262,7 +262,6 @@ class TreeSampling(RolloutStrategy):
 
 # ---------------------------------------------------------------------------------------------- TreePO
 
-DIVERGENCES = ("fixed", "low_probability", "high_probability")
 STOP_REASONS = ("eos", "boxed", "length", "repetition")
 
 
@@ -272,7 +271,7 @@ class TreePOOptions(TreeOptions):
     :class:`TreePOSampling` says what each key does)."""
 
     root_branching_max: int = 0  # > root_branching: the prompt's children drawn in [root_branching, root_branching_max]
-    divergence: str = "fixed"  # fixed | low_probability | high_probability
+    divergence: str = "fixed"  # a key of DIVERGENCES
     divergence_temperature: float = 1.0
     stop_at_boxed: bool = False  # a complete \boxed{...} ends a path as EOS does
     repetition_window: int = 32  # characters; 0 turns the repetition stop off
@@ -318,7 +317,9 @@ def has_repetition(text: str, window: int, count: int) -> bool:
 
 def allocate_divergence(weights: list[float], total: int) -> list[int]:
     """``total`` children over paths with ``weights``: one each, the rest in proportion by largest
-    remainders (ties to the earlier path). Needs ``total >= len(weights)``."""
+    remainders, c_i = 1 + floor(r_i) (+1 for the ``total − Σ`` largest fractional parts of r_i), with
+    r_i = w_i / Σw · (total − N) (ties to the earlier path). Needs ``total >= len(weights)``. TreePO's
+    allocation (arXiv:2508.17445; the authors' ``weight_to_discrete_allocate``)."""
     rest = total - len(weights)
     norm = sum(weights)
     raw = [w / norm * rest for w in weights]
@@ -330,28 +331,98 @@ def allocate_divergence(weights: list[float], total: int) -> list[int]:
     return counts
 
 
+def divergence_budget(remaining: int, paths: int, ended_now: int, branching: int) -> int:
+    """The children a prompt's ``paths`` active paths spawn in all at this boundary: TreePO's budget
+    (arXiv:2508.17445 section 3.1; the authors' rollout with ``divergence_budget_control=by_fixed_div``),
+
+        B = max(N, min(R, w · (E + N)))
+
+    with N = ``paths``, R = ``remaining`` (n minus the prompt's leaves so far), E = ``ended_now`` (its paths
+    that ended in the last round: their branching passes to the survivors) and w = ``branching``. The
+    floor N gives every path at least one child."""
+    return max(paths, min(remaining, branching * (ended_now + paths)))
+
+
+def _softmax_allocation(scores: list[float], sign: float, temperature: float, total: int) -> list[int]:
+    """:func:`allocate_divergence` of ``total`` with weights softmax(sign · (s_i − min s) / T)."""
+    low = min(scores)
+    shifted = torch.tensor([sign * (s - low) / temperature for s in scores], dtype=torch.float64)
+    return allocate_divergence(torch.softmax(shifted, 0).tolist(), total)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+# Each divergence rule: (per-path token log-probs, total children, temperature, segment_tokens) -> children per
+# path, summing to ``total`` (>= the number of paths). The names are rollout.tree.divergence's values.
+
+
+def split_evenly(path_logprobs: list[list[float]], total: int, temperature: float, segment_tokens: int) -> list[int]:
+    """``fixed``: c_i = floor(B / N), the last path also takes B mod N (the authors' ``fixed_avg``,
+    the paper's run)."""
+    paths = len(path_logprobs)
+    counts = [total // paths] * paths
+    counts[-1] += total % paths
+    return counts
+
+
+def low_probability(path_logprobs: list[list[float]], total: int, temperature: float, segment_tokens: int) -> list[int]:
+    """``low_probability``: weights softmax(−(S_i − min S) / T), S_i the path's summed log-prob: the less
+    likely paths branch more (the authors' ``logprob_weighted_div``)."""
+    return _softmax_allocation([sum(lps) for lps in path_logprobs], -1.0, temperature, total)
+
+
+def high_probability(path_logprobs: list[list[float]], total: int, temperature: float, segment_tokens: int) -> list[int]:
+    """``high_probability``: weights softmax(+(S_i − min S) / T), S_i the path's summed log-prob: the more
+    likely paths branch more (the authors' ``inverse_logprob_weighted_div``)."""
+    return _softmax_allocation([sum(lps) for lps in path_logprobs], 1.0, temperature, total)
+
+
+def low_probability_per_token(path_logprobs: list[list[float]], total: int, temperature: float, segment_tokens: int) -> list[int]:
+    """``low_probability_per_token``: weights softmax(−(M_i − min M) / T), M_i the mean log-prob of the path's
+    tokens (the authors' ``norm_logprob_weighted_div``)."""
+    return _softmax_allocation([_mean(lps) for lps in path_logprobs], -1.0, temperature, total)
+
+
+def high_probability_per_token(path_logprobs: list[list[float]], total: int, temperature: float, segment_tokens: int) -> list[int]:
+    """``high_probability_per_token``: weights softmax(+(M_i − min M) / T), M_i the mean log-prob of the path's
+    tokens (the authors' ``norm_inv_logprob_weighted_div``)."""
+    return _softmax_allocation([_mean(lps) for lps in path_logprobs], 1.0, temperature, total)
+
+
+def low_last_segment_probability(path_logprobs: list[list[float]], total: int, temperature: float, segment_tokens: int) -> list[int]:
+    """``low_last_segment_probability``: weights softmax(−(L_i − min L) / T), L_i the mean log-prob of the
+    path's last ``segment_tokens`` tokens (its newest segment; the authors' ``node_logprob_weighted_div``)."""
+    return _softmax_allocation([_mean(lps[-segment_tokens:]) for lps in path_logprobs], -1.0, temperature, total)
+
+
+def high_last_segment_probability(path_logprobs: list[list[float]], total: int, temperature: float, segment_tokens: int) -> list[int]:
+    """``high_last_segment_probability``: weights softmax(+(L_i − min L) / T), L_i the mean log-prob of the
+    path's last ``segment_tokens`` tokens (the authors' ``inverse_node_logprob_weighted_div``)."""
+    return _softmax_allocation([_mean(lps[-segment_tokens:]) for lps in path_logprobs], 1.0, temperature, total)
+
+
+DIVERGENCES: dict[str, Callable[[list[list[float]], int, float, int], list[int]]] = {
+    "fixed": split_evenly,
+    "low_probability": low_probability,
+    "high_probability": high_probability,
+    "low_probability_per_token": low_probability_per_token,
+    "high_probability_per_token": high_probability_per_token,
+    "low_last_segment_probability": low_last_segment_probability,
+    "high_last_segment_probability": high_last_segment_probability,
+}
+
+
 def divergence_counts(
-    options: TreePOOptions, path_logprobs: list[float], remaining: int, ended_now: int
+    options: TreePOOptions, path_logprobs: list[list[float]], remaining: int, ended_now: int
 ) -> list[int]:
     """How many children each of a prompt's active paths spawns at this segment boundary (TreePO's
-    schedule, arXiv:2508.17445 section 3.1, as the authors' rollout runs it with
-    ``divergence_budget_control=by_fixed_div``): the round's total is
-    max(#paths, min(remaining, branching * (#paths + ended_now))), where ``remaining`` = n minus the
-    prompt's leaves so far and ``ended_now`` the paths that ended in the last round (their branching
-    budget passes to the survivors). ``fixed`` splits the total evenly (the remainder to the last path);
-    ``low_probability`` / ``high_probability`` give each path one child and the rest in proportion to
-    softmax(∓(cumulative log-prob − its minimum) / divergence_temperature): less (more) likely paths
-    branch more. ``path_logprobs``: each path's summed sampling log-probs."""
-    paths = len(path_logprobs)
-    total = max(paths, min(remaining, options.branching * (paths + ended_now)))
-    if options.divergence == "fixed":
-        counts = [total // paths] * paths
-        counts[-1] += total % paths
-        return counts
-    low = min(path_logprobs)
-    sign = -1.0 if options.divergence == "low_probability" else 1.0
-    scores = torch.tensor([sign * (lp - low) / options.divergence_temperature for lp in path_logprobs], dtype=torch.float64)
-    return allocate_divergence(torch.softmax(scores, 0).tolist(), total)
+    schedule, arXiv:2508.17445 section 3.1): :func:`divergence_budget`'s total, shared out by the rule
+    ``options.divergence`` names (:data:`DIVERGENCES`). ``path_logprobs``: each path's sampling log-probs."""
+    total = divergence_budget(remaining, len(path_logprobs), ended_now, options.branching)
+    rule = DIVERGENCES[options.divergence]
+    return rule(path_logprobs, total, options.divergence_temperature, options.segment_tokens)
 
 
 @dataclass(eq=False)
@@ -373,9 +444,8 @@ class TreePOSampling(TreeSampling):
       [``root_branching``, ``root_branching_max``] per prompt when ``root_branching_max`` is larger (capped
       at ``n``).
     - **Divergence schedule** (:func:`divergence_counts`): the prompt's surviving paths spawn
-      max(#paths, min(n − leaves, branching · (#paths + paths that just ended))) children in all, split
-      evenly (``divergence: fixed``) or weighted towards the less (``low_probability``) or more
-      (``high_probability``) likely paths by their cumulative log-prob.
+      :func:`divergence_budget` children in all, shared out by the rule ``divergence`` names: an even split
+      (``fixed``) or one of the released log-prob weightings (:data:`DIVERGENCES`).
     - **Early stop**: a path ends (a leaf) when it samples EOS, when ``stop_at_boxed`` and its response holds a
       complete ``\\boxed{...}``, at ``max_new_tokens``, or when its new segment repeats itself
       (:func:`has_repetition`: ``repetition_window`` characters seen ``repetition_count`` times).
@@ -489,7 +559,7 @@ class TreePOSampling(TreeSampling):
             for p in range(len(prompt_ids)):
                 missing = n - len(leaves[p])
                 if active[p]:
-                    path_logprobs = [sum(lp for node in path.path() for lp in node.logprobs) for path in active[p]]
+                    path_logprobs = [[lp for node in path.path() for lp in node.logprobs] for path in active[p]]
                     plan[p] = list(zip(active[p], divergence_counts(self.options, path_logprobs, missing, ended[p])))
                 elif missing > 0:
                     plan[p], next_id = self._fall_back(leaves[p], roots[p], missing, next_id)
