@@ -390,3 +390,46 @@ def test_the_trainers_sampler_writes_the_presets_target(make_cfg):
                             None, torch.device("cpu"), training_grader(typed_config(cfg)))
     text = "".join(map(chr, ctx.sampler.encode(PVPO_PROBLEMS[:1])[0]))
     assert "q0\nThink for 3000 tokens before giving a response." in text  # uid 0's target, seed 0
+
+
+def filter_rates(tmp_path, *overrides) -> list[float]:
+    """The pass rates the offline difficulty filter records before step 1 (TrainingRun.presample) on the toy task
+    (the tiny model, reward: the share of even token ids), 8 samples per problem."""
+    from rlbench.model.loading import load_policy
+    from rlbench.reward.graders import training_grader
+    from rlbench.rollout.engines import make_engine
+    from rlbench.training.loop import TrainingRun
+    from rlbench.training.step import make_step_context
+
+    cfg = compose_config(["experiment=toy_learning", "+trainer.difficulty_filter={samples:8}", *overrides], tmp_path / "run")
+    config, cpu = typed_config(cfg), torch.device("cpu")
+    model, tokenizer = load_policy(config.model, device=cpu, dtype=torch.float32, seed=cfg.seed, cache_dir=cfg.cache_dir)
+    ctx = make_step_context(config, algorithm_from(cfg.algorithm), model, tokenizer,
+                            make_engine(config.rollout, model, tokenizer, cpu), cpu, training_grader(config))
+    problems = [Problem(str(i), f"{i} + 1 =", str(i + 1)) for i in range(6)]
+    TrainingRun(config, ctx, problems, logger=None).presample()
+    return [ctx.prompt_stats.get(p.uid).reference_pass_rate for p in problems]
+
+
+FILTER_MODEL = ["+model@trainer.difficulty_filter.model=tiny", "++trainer.difficulty_filter.model.tiny.vocab_size=512"]
+
+
+def test_the_difficulty_filter_samples_the_model_it_is_given(tmp_path):
+    """trainer.difficulty_filter.model (INTELLECT-2's distilled model, arXiv:2505.07291): a copy of the policy's node
+    (the same weights) records the policy's own pass rates; a tiny model with other weights (a flat initial
+    distribution) records others."""
+    policy = filter_rates(tmp_path / "a")
+    same = filter_rates(tmp_path / "b", *FILTER_MODEL, "++trainer.difficulty_filter.model.tiny.initializer_range=1.0")
+    other = filter_rates(tmp_path / "c", *FILTER_MODEL, "++trainer.difficulty_filter.model.tiny.initializer_range=0.02")
+    assert same == policy
+    assert other != policy
+
+
+def test_a_missing_difficulty_filter_model_is_refused_before_the_model_loads(tmp_path):
+    from rlbench.validation import validate_config
+
+    cfg = compose_config(["experiment=smoke", "+trainer.difficulty_filter={samples:8}",
+                          "+model@trainer.difficulty_filter.model=checkpoint",
+                          f"trainer.difficulty_filter.model.path={tmp_path / 'absent'}"], tmp_path / "run")
+    with pytest.raises(ConfigError, match="trainer.difficulty_filter.model: model.path=.*does not exist"):
+        validate_config(cfg)

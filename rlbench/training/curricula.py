@@ -13,7 +13,7 @@
   ``next(count)``, ``state_dict()`` and ``load_state_dict()``; a new one is a class registered with
   :func:`register_prompt_sampler` and a YAML in conf/prompt_sampler/.
 * Filters before training: ``trainer.difficulty_filter`` (INTELLECT-2's offline filter by the initial
-  policy's pass rate, :func:`difficulty_filter`), run by the loop (rlbench.training.loop) before step 1.
+  policy's, or another model's, pass rate, :func:`difficulty_filter`), run by the loop (rlbench.training.loop) before step 1.
 * Stages (``trainer.stages``, parsed by rlbench.training.stages): from step ``at`` on, the listed
   settings change; :meth:`Curriculum.prompts` enters a stage at its step (:func:`apply_stage`), and a
   stage naming a sampler switches to it (DRIVE: ``prompt_sampler=drive``, uniform then hard_focus).
@@ -347,8 +347,8 @@ def difficulty_filter(problems: list[Problem], sample: Callable[[list[Problem]],
                       stats: PromptStatsStore, band: DifficultyFilterConfig) -> list[Problem]:
     """INTELLECT-2's offline difficulty filter (Prime Intellect Team 2025, arXiv:2505.07291: problems the base
     model solves in 8 of 8 samples are left out before training; ``trainer.difficulty_filter``): every problem
-    without a reference pass rate in ``stats`` is answered by ``sample`` (the initial policy's ``band.samples``
-    responses) and its pass rate recorded there; the problems whose rate lies in [min_pass_rate, max_pass_rate]
+    without a reference pass rate in ``stats`` is answered by ``sample`` (``band.samples`` responses of the
+    initial policy, or of ``band.model``) and its pass rate recorded there; the problems whose rate lies in [min_pass_rate, max_pass_rate]
     are returned (a resumed run's statistics hold every rate: nothing is sampled). ConfigError when none is."""
     todo = [p for p in problems if stats.get(p.uid).reference_pass_rate is None]
     for uid, (_, pass_rate) in measure_before_training(todo, sample, "difficulty filter").items():
