@@ -408,6 +408,9 @@ def filter_rates(tmp_path, *overrides) -> list[float]:
                             make_engine(config.rollout, model, tokenizer, cpu), cpu, training_grader(config))
     problems = [Problem(str(i), f"{i} + 1 =", str(i + 1)) for i in range(6)]
     TrainingRun(config, ctx, problems, logger=None).presample()
+    again = TrainingRun(config, ctx, problems, logger=None)  # as resumed: every rate is in the statistics
+    again.filter_sampler = lambda model: pytest.fail("the filter built its sampler with nothing to sample")
+    again.presample()
     return [ctx.prompt_stats.get(p.uid).reference_pass_rate for p in problems]
 
 
@@ -417,7 +420,7 @@ FILTER_MODEL = ["+model@trainer.difficulty_filter.model=tiny", "++trainer.diffic
 def test_the_difficulty_filter_samples_the_model_it_is_given(tmp_path):
     """trainer.difficulty_filter.model (INTELLECT-2's distilled model, arXiv:2505.07291): a copy of the policy's node
     (the same weights) records the policy's own pass rates; a tiny model with other weights (a flat initial
-    distribution) records others."""
+    distribution) records others; with every rate already measured (a resumed run) no sampler is built."""
     policy = filter_rates(tmp_path / "a")
     same = filter_rates(tmp_path / "b", *FILTER_MODEL, "++trainer.difficulty_filter.model.tiny.initializer_range=1.0")
     other = filter_rates(tmp_path / "c", *FILTER_MODEL, "++trainer.difficulty_filter.model.tiny.initializer_range=0.02")

@@ -182,10 +182,15 @@ class TrainingRun:
         band = self.trainer.difficulty_filter
         if band is not None:
             generator = make_generator(self.seed, STREAM_DIFFICULTY_FILTER)
-            sampler = self.filter_sampler(band.model)
-            sample = lambda chunk: sampler(chunk, band.samples, ctx.params, generator)
+            samplers: list[GroupSampler] = []  # built on the first chunk: a resumed run samples nothing, loads nothing
+
+            def sample(chunk: list[Problem]) -> Any:
+                if not samplers:
+                    samplers.append(self.filter_sampler(band.model))
+                return samplers[0](chunk, band.samples, ctx.params, generator)
+
             kept = difficulty_filter(kept, sample, ctx.prompt_stats, band)
-            del sampler  # another model's weights are freed here
+            samplers.clear()  # another model's weights are freed here
         if len(kept) != len(self.problems):
             self.curriculum = Curriculum(self.trainer, self.seed, kept, self.ctx.prompt_stats, self.sandbox_limits)
         self.presampled = True
