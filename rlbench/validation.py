@@ -114,6 +114,11 @@ def check_curriculum(config: RunConfig, algorithm: Algorithm) -> None:
                           "(the policy rewrites the step's problems after its rollout; each process or the generator "
                           "thread would keep a rewrite pool of its own)")
     band = trainer.difficulty_filter
+    if band is not None and band.model is not None:
+        try:  # the model the filter samples, refused before anything loads
+            validate_model_config(band.model)
+        except ConfigError as err:
+            raise ConfigError(f"trainer.difficulty_filter.model: {err}") from None
     if band is not None and band.min_pass_rate > band.max_pass_rate:
         raise ConfigError(f"trainer.difficulty_filter: min_pass_rate={band.min_pass_rate} is above "
                           f"max_pass_rate={band.max_pass_rate}, so no problem could be kept")

@@ -5,6 +5,7 @@ rollouts. Each against hand-made statistics, groups and closed forms."""
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -41,6 +42,7 @@ from rlbench.training.curricula import (
     difficulty_filter,
 )
 from rlbench.training.prompt_stats import PromptStatsStore
+from rlbench.training.stages import entropy_change
 
 # ------------------------------------------------------------------------------------------ DRIVE
 
@@ -62,44 +64,69 @@ def accuracy_of(uid: str) -> int:
     return int(uid) % 5
 
 
-def train_stage_one(curriculum: Curriculum, ctx, steps: int) -> set[str]:
-    """Steps 1..steps of the curriculum, each prompt graded with :func:`accuracy_of` correct of 4; returns the
-    prompts seen."""
+#: a scripted entropy stream: falling over steps 1-6, then flat; entropy_change (window 5) at steps 10..15:
+#: 0.375, 0.286, 0.194, 0.107, 0.038, 0 (below the preset's 0.02 from step 15 on)
+ENTROPIES = [2.0, 1.8, 1.6, 1.4, 1.2] + [1.0] * 20
+SWITCH = 18  # below 0.02 at steps 15, 16, 17 (for_steps 3): stage 2 starts at the step after
+
+
+def train_stage_one(curriculum: Curriculum, ctx, steps: int, start: int = 1) -> set[str]:
+    """Steps start..steps of the curriculum, each prompt graded with :func:`accuracy_of` correct of 4 and
+    the step's entropy from ENTROPIES; returns the prompts seen."""
     seen = set()
-    for step in range(1, steps + 1):
+    for step in range(start, steps + 1):
         prompts = curriculum.prompts(step, ctx)
         seen |= {p.uid for p in prompts}
         correct = [[1] * accuracy_of(p.uid) + [0] * (4 - accuracy_of(p.uid)) for p in prompts]
         curriculum.observe(step, graded(prompts, [[3] * 4 for _ in prompts], correct))
         curriculum.end_step(step)
+        curriculum.watch({"entropy": ENTROPIES[step - 1]})
     return seen
 
 
-def test_drive_switches_at_the_configured_step_and_keeps_the_hardest_measured_prompts(tmp_path):
-    trainer = drive_trainer(tmp_path, steps=8)
+def test_entropy_change_by_hand():
+    """|mean of the last 5 - mean of the 5 before| / mean of the 5 before; infinite before 10 values."""
+    assert entropy_change([1.0] * 9) == math.inf
+    assert entropy_change([1.0] * 5 + [0.5] * 5) == pytest.approx(0.5)
+    assert entropy_change([9.0] + [2.0] * 5 + [2.2] * 5) == pytest.approx(0.1)  # only the last 10 count
+    assert [round(entropy_change(ENTROPIES[:t]), 3) for t in range(10, 16)] == [0.375, 0.286, 0.194, 0.107, 0.038, 0.0]
+
+
+def test_drive_switches_on_the_entropy_plateau_and_keeps_the_hardest_measured_prompts(tmp_path):
+    trainer = drive_trainer(tmp_path, steps=24)
     [stage] = trainer.stages
-    assert stage["at"] == 5  # the first step of the second half of 8 (rlbench.halfway)
-    problems = [Problem(str(i), f"q{i}", "a") for i in range(40)]
+    assert dict(stage["when"]) == {"metric": "entropy_change", "below": 0.02, "for_steps": 3}
+    problems = [Problem(str(i), f"q{i}", "a") for i in range(200)]
     curriculum = Curriculum(trainer, 0, problems)
     ctx = step_context(n=8)
-    seen = train_stage_one(curriculum, ctx, steps=4)  # stage 1: uniform shuffled passes, n = 8
+    seen = train_stage_one(curriculum, ctx, steps=SWITCH - 1)  # stage 1: uniform shuffled passes, n = 8
     assert isinstance(curriculum.sampler, PromptSampler) and ctx.strategy.setup.n == 8
-    assert len(seen) == 16  # 4 steps x 4 prompts, the first pass of the shuffled order: no repeats
+    assert curriculum.entered_at == [] and curriculum.metrics()["entropy_change"] == 0.0
+    assert len(seen) == 4 * (SWITCH - 1)  # the first pass of the shuffled order: no repeats
 
-    prompts = curriculum.prompts(5, ctx)  # the switch
-    assert ctx.strategy.setup.n == 64
+    prompts = curriculum.prompts(SWITCH, ctx)  # the switch: the plateau held for 3 steps
+    assert curriculum.entered_at == [SWITCH] and ctx.strategy.setup.n == 64
     assert isinstance(curriculum.sampler, HardFocusPrompts)
-    # the pool: ceil(0.5 * 40) = 20 prompts; first every measured one with pass rate <= 0.8 (accuracy 0..3 of 4),
-    # hardest first; then the measured ones above 0.8, then unmeasured ones, up to 20
+    # the pool: ceil(0.5 * 200) = 100 prompts; first every measured one with pass rate <= 0.8 (accuracy 0..3 of 4),
+    # hardest first; then the measured ones above 0.8, then unmeasured ones, up to 100
     measured_hard = {uid for uid in seen if accuracy_of(uid) <= 3}
     measured_easy = {uid for uid in seen if accuracy_of(uid) == 4}
     pool = {p.uid for p in curriculum.sampler.pool}
-    assert len(pool) == 20
+    assert len(pool) == 100
     assert measured_hard <= pool
     assert pool - measured_hard <= measured_easy | {p.uid for p in problems if p.uid not in seen}
-    if len(measured_hard) + len(measured_easy) >= 20:
-        assert pool <= seen  # unmeasured prompts only fill a pool the measured ones cannot
     assert {p.uid for p in prompts} <= pool
+
+
+def test_drive_stays_in_stage_one_until_the_plateau_held_for_its_steps(tmp_path):
+    """One step less of the plateau (an entropy rise at step 17 breaks the run of steps below 0.02): no switch."""
+    curriculum = Curriculum(drive_trainer(tmp_path, steps=24), 0, [Problem(str(i), f"q{i}", "a") for i in range(40)])
+    ctx = step_context(n=8)
+    train_stage_one(curriculum, ctx, steps=16)
+    curriculum.prompts(17, ctx)
+    curriculum.watch({"entropy": 2.0})  # the last 5 steps' mean rises 20%
+    curriculum.prompts(18, ctx)
+    assert curriculum.entered_at == [] and ctx.strategy.setup.n == 8
 
 
 def test_drive_stage_two_pool_is_the_hardest_half_by_measured_accuracy(tmp_path):
@@ -121,16 +148,23 @@ def test_drive_stage_two_pool_is_the_hardest_half_by_measured_accuracy(tmp_path)
     assert [p.uid for p in curriculum.sampler.pool] == ["0", "5"]
 
 
-def test_drive_resume_after_the_switch_continues_with_the_stage_two_sampler(tmp_path):
-    trainer = drive_trainer(tmp_path, steps=8)
+@pytest.mark.parametrize("saved", [9, 16, SWITCH + 1])
+def test_drive_resumed_before_during_or_after_the_plateau_switches_as_the_uninterrupted_run(tmp_path, saved):
+    """A checkpoint before entropy_change is defined, while the plateau is being counted, and after the switch:
+    the resumed curriculum enters stage 2 at the same step, with the same pool and prompts."""
+    trainer = drive_trainer(tmp_path, steps=24)
     problems = [Problem(str(i), f"q{i}", "a") for i in range(40)]
     curriculum = Curriculum(trainer, 0, problems)
-    train_stage_one(curriculum, step_context(n=8), steps=6)  # past the switch at step 5
+    train_stage_one(curriculum, step_context(n=8), steps=saved)
+    state = curriculum.state_dict()
+    train_stage_one(curriculum, step_context(n=8), steps=SWITCH + 1, start=saved + 1)
     resumed, ctx = Curriculum(trainer, 0, problems), step_context(n=8)
-    resumed.load_state_dict(curriculum.state_dict(), ctx, step=6)
+    resumed.load_state_dict(state, ctx, step=saved)
+    train_stage_one(resumed, ctx, steps=SWITCH + 1, start=saved + 1)
+    assert resumed.entered_at == curriculum.entered_at == [SWITCH]
     assert isinstance(resumed.sampler, HardFocusPrompts) and ctx.strategy.setup.n == 64
     assert [p.uid for p in resumed.sampler.pool] == [p.uid for p in curriculum.sampler.pool]
-    assert [p.uid for p in resumed.prompts(7, ctx)] == [p.uid for p in curriculum.prompts(7, step_context(n=64))]
+    assert [p.uid for p in resumed.prompts(SWITCH + 2, ctx)] == [p.uid for p in curriculum.prompts(SWITCH + 2, step_context(n=64))]
 
 
 # ------------------------------------------------------------------------------------------- PVPO
@@ -356,3 +390,49 @@ def test_the_trainers_sampler_writes_the_presets_target(make_cfg):
                             None, torch.device("cpu"), training_grader(typed_config(cfg)))
     text = "".join(map(chr, ctx.sampler.encode(PVPO_PROBLEMS[:1])[0]))
     assert "q0\nThink for 3000 tokens before giving a response." in text  # uid 0's target, seed 0
+
+
+def filter_rates(tmp_path, *overrides) -> list[float]:
+    """The pass rates the offline difficulty filter records before step 1 (TrainingRun.presample) on the toy task
+    (the tiny model, reward: the share of even token ids), 8 samples per problem."""
+    from rlbench.model.loading import load_policy
+    from rlbench.reward.graders import training_grader
+    from rlbench.rollout.engines import make_engine
+    from rlbench.training.loop import TrainingRun
+    from rlbench.training.step import make_step_context
+
+    cfg = compose_config(["experiment=toy_learning", "+trainer.difficulty_filter={samples:8}", *overrides], tmp_path / "run")
+    config, cpu = typed_config(cfg), torch.device("cpu")
+    model, tokenizer = load_policy(config.model, device=cpu, dtype=torch.float32, seed=cfg.seed, cache_dir=cfg.cache_dir)
+    ctx = make_step_context(config, algorithm_from(cfg.algorithm), model, tokenizer,
+                            make_engine(config.rollout, model, tokenizer, cpu), cpu, training_grader(config))
+    problems = [Problem(str(i), f"{i} + 1 =", str(i + 1)) for i in range(6)]
+    TrainingRun(config, ctx, problems, logger=None).presample()
+    again = TrainingRun(config, ctx, problems, logger=None)  # as resumed: every rate is in the statistics
+    again.filter_sampler = lambda model: pytest.fail("the filter built its sampler with nothing to sample")
+    again.presample()
+    return [ctx.prompt_stats.get(p.uid).reference_pass_rate for p in problems]
+
+
+FILTER_MODEL = ["+model@trainer.difficulty_filter.model=tiny", "++trainer.difficulty_filter.model.tiny.vocab_size=512"]
+
+
+def test_the_difficulty_filter_samples_the_model_it_is_given(tmp_path):
+    """trainer.difficulty_filter.model (INTELLECT-2's distilled model, arXiv:2505.07291): a copy of the policy's node
+    (the same weights) records the policy's own pass rates; a tiny model with other weights (a flat initial
+    distribution) records others; with every rate already measured (a resumed run) no sampler is built."""
+    policy = filter_rates(tmp_path / "a")
+    same = filter_rates(tmp_path / "b", *FILTER_MODEL, "++trainer.difficulty_filter.model.tiny.initializer_range=1.0")
+    other = filter_rates(tmp_path / "c", *FILTER_MODEL, "++trainer.difficulty_filter.model.tiny.initializer_range=0.02")
+    assert same == policy
+    assert other != policy
+
+
+def test_a_missing_difficulty_filter_model_is_refused_before_the_model_loads(tmp_path):
+    from rlbench.validation import validate_config
+
+    cfg = compose_config(["experiment=smoke", "+trainer.difficulty_filter={samples:8}",
+                          "+model@trainer.difficulty_filter.model=checkpoint",
+                          f"trainer.difficulty_filter.model.path={tmp_path / 'absent'}"], tmp_path / "run")
+    with pytest.raises(ConfigError, match="trainer.difficulty_filter.model: model.path=.*does not exist"):
+        validate_config(cfg)

@@ -414,14 +414,53 @@ class PromptSamplerConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters through peft (arXiv:2106.09685): only the adapters train; the KL reference is the
+    base model with adapters off (model/lora=default selects it)."""
+
+    r: int = knob(8, "rank of the adapters", ge=1)
+    alpha: float = knob(16.0, "scale numerator: the update is (alpha / r) B A", gt=0)
+    dropout: float = knob(0.0, "dropout on the adapters' input", ge=0, le=0.99)
+    target_modules: list = knob(["q_proj", "k_proj", "v_proj", "o_proj"], "names of the linear layers that get adapters")
+    merge_on_save: bool = knob(False, "trainer.save_model writes base + adapters merged (a plain model); false: the adapters alone")
+    per_role: bool = knob(False, "one adapter per role of the environment (env=proposer_verifier: proposer, verifier), each "
+                          "sampling and training its role's turns on the same frozen base (model/lora=per_role); false: "
+                          "one adapter for every role")
+
+
+@dataclass
+class ModelConfig:
+    """``model``: where the policy comes from (rlbench/model)."""
+
+    name: str = knob(None, "the model's short name (run names)")
+    source: Literal["gguf_package", "tiny", "hub", "path"] = knob(None, "where the weights come from")
+    gguf_package: Optional[str] = knob(None, "installed package holding the .gguf (source gguf_package, tiny's tokenizer)")
+    gguf_file: Optional[str] = knob(None, "file inside the package (null: the only one)")
+    hub_id: Optional[str] = knob(None, "Hugging Face model id (source hub)")
+    path: Optional[str] = knob(None, "checkpoint directory (source path)")
+    revision: Optional[str] = knob(None, "Hub revision")
+    trust_remote_code: bool = knob(False, "allow the checkpoint's own modelling code")
+    tiny: Optional[dict] = knob(None, "LlamaConfig fields of the random tiny model (source tiny)", open=True)
+    add_tokens: list = knob([], "tokens added to the tokenizer, one id each (not special: decoded texts keep them), with new "
+                            "embedding rows; ones the tokenizer has are kept (Thinkless' warm-up: [<short>,<think>])")
+    lora: Optional[LoraConfig] = node(LoraConfig, "null: full fine-tuning | LoRA adapters (model/lora=default)")
+    parameters: Optional[int] = knob(None, "about how many parameters (model card): a run whose model would not fit the device is refused before loading; null: not checked", ge=1)
+
+
+@dataclass
 class DifficultyFilterConfig:
     """``trainer.difficulty_filter``: an offline filter before step 1 (INTELLECT-2, arXiv:2505.07291): the initial
-    policy answers every training problem ``samples`` times, and only the problems whose pass rate lies in
-    [min_pass_rate, max_pass_rate] are trained on (rlbench/training/curricula.py)."""
+    policy (or ``model``, another model: the paper's distilled 7B) answers every training problem ``samples``
+    times, and only the problems whose pass rate lies in [min_pass_rate, max_pass_rate] are trained on
+    (rlbench/training/curricula.py)."""
 
     samples: int = knob(8, "responses of the initial policy per training problem", ge=1)
     min_pass_rate: float = knob(0.0, "drop the problems solved less often than this", ge=0, le=1)
     max_pass_rate: float = knob(1.0, "drop the problems solved more often than this (7/8 = 0.875: drop 8 of 8)", ge=0, le=1)
+    model: Optional[ModelConfig] = node(
+        ModelConfig, "null: the initial policy answers | a model node: that model answers instead, loaded before step 1 and "
+        "freed after (INTELLECT-2's distilled model: +model@trainer.difficulty_filter.model=checkpoint "
+        "trainer.difficulty_filter.model.path=<dir>)")
 
 
 @dataclass
@@ -472,8 +511,8 @@ class TrainerConfig:
     keep_checkpoints: int = knob(2, "keep the last K checkpoints (an unreadable newest one falls back to the previous)", ge=1)
     prompt_sampler: PromptSamplerConfig = node(PromptSamplerConfig, "which prompts each step trains on (prompt_sampler=<name>, conf/prompt_sampler/)")
     difficulty_filter: Optional[DifficultyFilterConfig] = node(
-        DifficultyFilterConfig, "null: train on every problem; {samples, min_pass_rate, max_pass_rate}: keep only the "
-        "problems the initial policy solves at a pass rate in the band, measured before step 1 (INTELLECT-2)")
+        DifficultyFilterConfig, "null: train on every problem; {samples, min_pass_rate, max_pass_rate, model}: keep only the "
+        "problems the initial policy (or model) solves at a pass rate in the band, measured before step 1 (INTELLECT-2)")
     aux_tasks: Optional[AuxTasksConfig] = node(
         AuxTasksConfig, "null: none; {builder, share, kinds, per_group, capacity}: a share of each step's prompts drawn from "
         "tasks built from earlier rollouts, each with its own grader (SPARK: paper=spark; docs/judges.md)")
@@ -654,40 +693,6 @@ class SandboxConfig:
     cpu_cores: Any = knob(1.0, "CPU quota of one run's cpu cgroup, cores")
     bwrap_fallback: Any = knob(False, "bubblewrap installed but failing: run the weaker fallback instead of a sandbox_error")
     workers: Any = knob(None, "programs in parallel (a positive integer); null: one per CPU core")
-
-
-@dataclass
-class LoraConfig:
-    """LoRA adapters through peft (arXiv:2106.09685): only the adapters train; the KL reference is the
-    base model with adapters off (model/lora=default selects it)."""
-
-    r: int = knob(8, "rank of the adapters", ge=1)
-    alpha: float = knob(16.0, "scale numerator: the update is (alpha / r) B A", gt=0)
-    dropout: float = knob(0.0, "dropout on the adapters' input", ge=0, le=0.99)
-    target_modules: list = knob(["q_proj", "k_proj", "v_proj", "o_proj"], "names of the linear layers that get adapters")
-    merge_on_save: bool = knob(False, "trainer.save_model writes base + adapters merged (a plain model); false: the adapters alone")
-    per_role: bool = knob(False, "one adapter per role of the environment (env=proposer_verifier: proposer, verifier), each "
-                          "sampling and training its role's turns on the same frozen base (model/lora=per_role); false: "
-                          "one adapter for every role")
-
-
-@dataclass
-class ModelConfig:
-    """``model``: where the policy comes from (rlbench/model)."""
-
-    name: str = knob(None, "the model's short name (run names)")
-    source: Literal["gguf_package", "tiny", "hub", "path"] = knob(None, "where the weights come from")
-    gguf_package: Optional[str] = knob(None, "installed package holding the .gguf (source gguf_package, tiny's tokenizer)")
-    gguf_file: Optional[str] = knob(None, "file inside the package (null: the only one)")
-    hub_id: Optional[str] = knob(None, "Hugging Face model id (source hub)")
-    path: Optional[str] = knob(None, "checkpoint directory (source path)")
-    revision: Optional[str] = knob(None, "Hub revision")
-    trust_remote_code: bool = knob(False, "allow the checkpoint's own modelling code")
-    tiny: Optional[dict] = knob(None, "LlamaConfig fields of the random tiny model (source tiny)", open=True)
-    add_tokens: list = knob([], "tokens added to the tokenizer, one id each (not special: decoded texts keep them), with new "
-                            "embedding rows; ones the tokenizer has are kept (Thinkless' warm-up: [<short>,<think>])")
-    lora: Optional[LoraConfig] = node(LoraConfig, "null: full fine-tuning | LoRA adapters (model/lora=default)")
-    parameters: Optional[int] = knob(None, "about how many parameters (model card): a run whose model would not fit the device is refused before loading; null: not checked", ge=1)
 
 
 @dataclass

@@ -13,7 +13,7 @@
   ``next(count)``, ``state_dict()`` and ``load_state_dict()``; a new one is a class registered with
   :func:`register_prompt_sampler` and a YAML in conf/prompt_sampler/.
 * Filters before training: ``trainer.difficulty_filter`` (INTELLECT-2's offline filter by the initial
-  policy's pass rate, :func:`difficulty_filter`), run by the loop (rlbench.training.loop) before step 1.
+  policy's, or another model's, pass rate, :func:`difficulty_filter`), run by the loop (rlbench.training.loop) before step 1.
 * Stages (``trainer.stages``, parsed by rlbench.training.stages): from step ``at`` on, the listed
   settings change; :meth:`Curriculum.prompts` enters a stage at its step (:func:`apply_stage`), and a
   stage naming a sampler switches to it (DRIVE: ``prompt_sampler=drive``, uniform then hard_focus).
@@ -44,7 +44,7 @@ from rlbench.training.aux_tasks import AuxTaskBuffer, aux_count, dataset_groups
 from rlbench.training.distributed import SINGLE, World
 from rlbench.training.prompt_stats import PromptStatsStore, measure_before_training
 from rlbench.training.rewrites import BUCKETS, PolicyRewriter, RewritePool, difficulty_bucket
-from rlbench.training.stages import SAMPLER_KEY, Stage, parse_stages
+from rlbench.training.stages import SAMPLER_KEY, MetricHistory, Stage, parse_stages
 from rlbench.training.step import StepContext
 from rlbench.training.swarm import own_groups
 from rlbench.utils import STREAM_CURRICULUM, STREAM_DATA_ORDER, Progress, make_generator
@@ -347,8 +347,8 @@ def difficulty_filter(problems: list[Problem], sample: Callable[[list[Problem]],
                       stats: PromptStatsStore, band: DifficultyFilterConfig) -> list[Problem]:
     """INTELLECT-2's offline difficulty filter (Prime Intellect Team 2025, arXiv:2505.07291: problems the base
     model solves in 8 of 8 samples are left out before training; ``trainer.difficulty_filter``): every problem
-    without a reference pass rate in ``stats`` is answered by ``sample`` (the initial policy's ``band.samples``
-    responses) and its pass rate recorded there; the problems whose rate lies in [min_pass_rate, max_pass_rate]
+    without a reference pass rate in ``stats`` is answered by ``sample`` (``band.samples`` responses of the
+    initial policy, or of ``band.model``) and its pass rate recorded there; the problems whose rate lies in [min_pass_rate, max_pass_rate]
     are returned (a resumed run's statistics hold every rate: nothing is sampled). ConfigError when none is."""
     todo = [p for p in problems if stats.get(p.uid).reference_pass_rate is None]
     for uid, (_, pass_rate) in measure_before_training(todo, sample, "difficulty filter").items():
@@ -469,6 +469,7 @@ class Curriculum:
         self.stages = parse_stages(trainer.stages, trainer.steps)  # entered in list order
         self.entered_at: list[int] = []  # the step each entered stage started at
         self.streak = 0                  # steps in a row the next stage's trigger has held (a `when` stage)
+        self.history = MetricHistory(self.stages)  # what derived stage metrics read (entropy_change)
         self.prompts_per_step = trainer.prompts_per_step
         # trainer.aux_tasks: a share of each step's prompts from tasks built from earlier steps (SPARK)
         self.aux = None if trainer.aux_tasks is None else AuxTaskBuffer(trainer.aux_tasks, seed, sandbox_limits)
@@ -527,16 +528,17 @@ class Curriculum:
 
     def watch(self, metrics: dict[str, float]) -> None:
         """Count the step toward the next stage's trigger (a ``when`` stage): the streak of steps whose metric
-        crossed the threshold, reset by a step that did not."""
+        crossed the threshold, reset by a step that did not (a derived metric: from the recorded history)."""
+        self.history.record(metrics)
         stage = self.next_stage
         if stage is not None and stage.when is not None:
-            self.streak = self.streak + 1 if stage.when.holds(float(metrics[stage.when.metric])) else 0
+            self.streak = self.streak + 1 if stage.when.holds(self.history.value(stage.when.metric, metrics)) else 0
 
     def metrics(self) -> dict[str, float]:
         """The step's data-side metrics: the auxiliary tasks' counts (trainer.aux_tasks), the sampler's (clpo),
-        and with stages the number entered (``stages_entered``)."""
+        and with stages the number entered (``stages_entered``) and the derived metrics they watch, once finite."""
         sampler = self.sampler.metrics() if hasattr(self.sampler, "metrics") else {}
-        entered = {"stages_entered": float(len(self.entered_at))} if self.stages else {}
+        entered = {"stages_entered": float(len(self.entered_at)), **self.history.metrics()} if self.stages else {}
         return {**sampler, **entered, **({} if self.aux is None else self.aux.metrics())}
 
     def end_step(self, step: int) -> None:
@@ -547,7 +549,8 @@ class Curriculum:
         """What a checkpoint saves: the sampler's position, the statistics, the prompts per step."""
         return {"sampler": self.sampler.state_dict(), "stats": self.stats.state_dict(),
                 "prompts_per_step": self.prompts_per_step, "aux_tasks": None if self.aux is None else self.aux.state_dict(),
-                "stages_entered_at": list(self.entered_at), "stage_streak": self.streak}
+                "stages_entered_at": list(self.entered_at), "stage_streak": self.streak,
+                "stage_history": self.history.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any], ctx: StepContext, step: int) -> None:
         """Continue after ``step`` steps: every stage entered by then put back into the step context
@@ -557,6 +560,7 @@ class Curriculum:
         if entered is None:
             entered = [stage.at for stage in self.stages if stage.at is not None and stage.at <= step]
         self.entered_at, self.streak = list(entered), int(state.get("stage_streak", 0))
+        self.history.load_state_dict(state.get("stage_history", {}))
         for stage in self.stages[:len(self.entered_at)]:
             apply_stage(ctx, stage)
             if SAMPLER_KEY in stage.changes:

@@ -4,14 +4,20 @@ token in the loss)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from rlbench import faults
 from rlbench.sandbox import limits_from_config
-from rlbench.config.schema import RunConfig
+from rlbench.config.schema import ModelConfig, RunConfig
 from rlbench.dataset.base import Problem
+from rlbench.model.loading import load_policy
+from rlbench.rollout.engines import frozen_model_engine
+from rlbench.rollout.groups import GenerationCost, GroupSampler
 from rlbench.training import checkpoint
 from rlbench.training.async_pipeline import AsyncPipeline
 from rlbench.training.curricula import Curriculum, difficulty_filter
@@ -63,6 +69,7 @@ class TrainingRun:
         self.ctx, self.logger = ctx, logger
         self.peers = ctx.world if peers is None else peers
         self.seed, self.problems = config.seed, problems
+        self.rollout, self.cache_dir = config.rollout, config.cache_dir  # the difficulty filter's own model, if any
         self.sandbox_limits = limits_from_config(config.sandbox)  # CodeRL+'s execution tasks trace programs with them
         self.curriculum = Curriculum(config.trainer, config.seed, problems, ctx.prompt_stats, self.sandbox_limits)
         self.curriculum.bind(ctx)
@@ -175,11 +182,29 @@ class TrainingRun:
         band = self.trainer.difficulty_filter
         if band is not None:
             generator = make_generator(self.seed, STREAM_DIFFICULTY_FILTER)
-            sample = lambda chunk: ctx.strategy.setup.sampler(chunk, band.samples, ctx.params, generator)
+            samplers: list[GroupSampler] = []  # built on the first chunk: a resumed run samples nothing, loads nothing
+
+            def sample(chunk: list[Problem]) -> Any:
+                if not samplers:
+                    samplers.append(self.filter_sampler(band.model))
+                return samplers[0](chunk, band.samples, ctx.params, generator)
+
             kept = difficulty_filter(kept, sample, ctx.prompt_stats, band)
+            samplers.clear()  # another model's weights are freed here
         if len(kept) != len(self.problems):
             self.curriculum = Curriculum(self.trainer, self.seed, kept, self.ctx.prompt_stats, self.sandbox_limits)
         self.presampled = True
+
+    def filter_sampler(self, model: ModelConfig | None) -> GroupSampler:
+        """The sampler the difficulty filter answers with: the policy's, or with ``trainer.difficulty_filter.model``
+        the same sampler (prompts, grader, reward terms) over that model, its tokenizer and an engine of its own."""
+        sampler = self.ctx.strategy.setup.sampler
+        if model is None:
+            return sampler
+        other, tokenizer = load_policy(model, device=self.ctx.device, dtype=torch.float32, seed=self.seed,
+                                       cache_dir=self.cache_dir)
+        engine = frozen_model_engine(self.rollout, other.eval().requires_grad_(False), tokenizer, self.ctx.device)
+        return dataclasses.replace(sampler, engine=engine, tokenizer=tokenizer, cost=GenerationCost())
 
     def checkpoint_due(self, step: int) -> bool:
         every = self.trainer.checkpoint_every

@@ -9,8 +9,10 @@ A stage may start on a training signal instead of at a fixed step: ``{when: {met
 for_steps: 2}, rollout.max_new_tokens: 64}`` starts at the step after the one where the step metric had been above
 0.5 for 2 steps in a row (``below`` for the other side). Stages start in list order, so a ``when`` stage is only
 watched once the stages before it have started, and may be followed only by other ``when`` stages. The metrics it
-may read are :data:`STAGE_METRICS`, which every training step logs (CAMPO's switch when the response length
-levels off: the truncation rate at the budget rises, arXiv:2507.14683).
+may read are :data:`STAGE_METRICS`: those every training step logs (CAMPO's switch when the response length
+levels off: the truncation rate at the budget rises, arXiv:2507.14683), and ``entropy_change``, computed from the
+logged policy entropy by :func:`entropy_change` (DRIVE's switch when the entropy plateaus, arXiv:2511.06307);
+:class:`MetricHistory` keeps the recent values it reads (checkpointed with the stages).
 
 This module parses and checks them (validation reads every stage's settings, :func:`stage_settings`);
 the curriculum (rlbench.training.curricula) enters them during the run.
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from rlbench.config.schema import PromptSamplerConfig, RunConfig
 from rlbench.config.typed import typed_node
@@ -28,8 +30,72 @@ from rlbench.errors import ConfigError
 
 SAMPLER_KEY = "trainer.prompt_sampler"  # a whole sampler node (its name checked by rlbench.validation)
 STAGE_KEYS = ("rollout.n", "rollout.max_new_tokens", "rollout.temperature", "trainer.prompts_per_step", SAMPLER_KEY)
-#: step metrics a ``when`` stage may watch: every training step logs them (rlbench.training.step)
-STAGE_METRICS = ("accuracy", "reward_mean", "response_length", "truncated_rate")
+PLATEAU_WINDOW = 5  # steps per moving average of entropy_change
+
+
+def entropy_change(entropies: Sequence[float], window: int = PLATEAU_WINDOW) -> float:
+    """How far the policy entropy still moves (DRIVE's stage 1 runs "until entropy plateaus", arXiv:2511.06307;
+    the measure is rlbench's): the absolute change between the moving averages of the last two windows of
+    ``window`` steps, relative to the earlier one,
+
+        d_t = |mean(H_{t-w+1..t}) - mean(H_{t-2w+1..t-w})| / max(mean(H_{t-2w+1..t-w}), 1e-8),
+
+    H_s the mean per-token entropy logged at step s (``entropy``). Infinite until 2w steps are logged (no
+    plateau yet); ``below: x`` watches for the plateau."""
+    if len(entropies) < 2 * window:
+        return math.inf
+    recent = sum(entropies[-window:]) / window
+    earlier = sum(entropies[-2 * window:-window]) / window
+    return abs(recent - earlier) / max(abs(earlier), 1e-8)
+
+
+@dataclass(frozen=True)
+class DerivedMetric:
+    """A stage metric computed from the recent values of a logged one: ``compute(values)``, the last ``keep``."""
+
+    source: str
+    keep: int
+    compute: Callable[[Sequence[float]], float]
+
+
+#: the metrics a ``when`` stage may watch: None, a step metric every training step logs (rlbench.training.step);
+#: a DerivedMetric, computed from the recent values of a logged one
+STAGE_METRICS: dict[str, DerivedMetric | None] = {
+    "accuracy": None, "reward_mean": None, "response_length": None, "truncated_rate": None,
+    "entropy_change": DerivedMetric("entropy", 2 * PLATEAU_WINDOW, entropy_change),
+}
+
+
+class MetricHistory:
+    """The recent values of the logged metrics that the stages' derived metrics read (:data:`STAGE_METRICS`),
+    recorded every step from step 1 (a step without the value, e.g. NaN entropy with no token, is skipped)."""
+
+    def __init__(self, stages: list[Stage]):
+        self.derived = {stage.when.metric: STAGE_METRICS[stage.when.metric] for stage in stages
+                        if stage.when is not None and STAGE_METRICS[stage.when.metric] is not None}
+        self.values: dict[str, list[float]] = {d.source: [] for d in self.derived.values()}
+
+    def record(self, metrics: dict[str, float]) -> None:
+        for derived in self.derived.values():
+            value = metrics.get(derived.source)
+            if value is not None and math.isfinite(float(value)):
+                self.values[derived.source] = (self.values[derived.source] + [float(value)])[-derived.keep:]
+
+    def value(self, metric: str, metrics: dict[str, float]) -> float:
+        """``metric`` at this step: the logged value, or the derived one from the recorded history."""
+        derived = self.derived.get(metric)
+        return float(metrics[metric]) if derived is None else derived.compute(self.values[derived.source])
+
+    def metrics(self) -> dict[str, float]:
+        """The derived metrics' values, once finite (logged with the step)."""
+        values = {name: derived.compute(self.values[derived.source]) for name, derived in self.derived.items()}
+        return {name: value for name, value in values.items() if math.isfinite(value)}
+
+    def state_dict(self) -> dict[str, list[float]]:
+        return {name: list(values) for name, values in self.values.items()}
+
+    def load_state_dict(self, state: dict[str, list[float]]) -> None:
+        self.values.update({name: list(values) for name, values in state.items() if name in self.values})
 
 
 @dataclass(frozen=True)
