@@ -22,6 +22,7 @@ from rlbench.algorithm.losses import (
     sequence_mean,
     standardized_entropy,
 )
+from rlbench.algorithm.losses.weighted_reinforce import advantage_weighted, check_rec, rec_keep_mask
 from rlbench.errors import ConfigError
 
 LOSS_DIR = Path(__file__).resolve().parents[1] / "conf" / "algorithm" / "loss"
@@ -142,6 +143,7 @@ REINFORCE_AT_RATIO_ONE = {
     "intellect2": {}, "mdpo": {}, "ppo_ewma": {}, "dppo": {}, "rec": {}, "opmd": {}, "is_surrogate": {},
     "rec_one_side_is": {"clip_mode": "one_side", "weighting": "importance"},
     "rec_two_side": {"clip_mode": "two_side"},
+    "rec_ring": {"clip_mode": "ring"},
     "hapo_no_redistribution": {"adv_beta": 0.0},
     "aepo_plain_advantage": {"entropy_adv_coef": 0.0},
     "asymre_no_shift": {"baseline_shift": 0.0},
@@ -559,6 +561,31 @@ def test_aepo_released_zscore_entropy_advantage():
         POLICY_LOSSES.validate_params("aepo", {"entropy_norm": "minmax"})
 
 
+# dual clip c = 3 on clip 0.2 / 0.2 (ce_gppo beta_low 0.5, beta_high 1; aepo with the plain advantage):
+# t0: A -1, rho 4 > 3: l = min(max(4, 1.2), 3) = 3, grad 0 (without the dual clip: 4, grad 4)
+# t1: A -1, rho 0.5 < 0.8: ce_gppo -0.5 * 0.8 * (-1) u = 0.4, grad 0.4 (below c: untouched); aepo PPO's 0.8, grad 0
+# t2: A -1, rho 2 < 3: l = 2, grad 2;   t3: A +1, rho 4 > 1.2: l = -1.2 u, grad -1.2 (A > 0: no dual clip)
+DUAL_RATIOS = [[4.0, 0.5, 2.0, 4.0]]
+DUAL_ADV = t([[-1.0, -1.0, -1.0, 1.0]])
+
+
+@pytest.mark.parametrize("name, value, gradient", [
+    ("ce_gppo", [3.0, 0.4, 2.0, -1.2], [0.0, 0.4, 2.0, -1.2]),
+    ("aepo", [3.0, 0.8, 2.0, -1.2], [0.0, 0.0, 2.0, -1.2]),
+])
+def test_gradient_preserving_losses_take_the_dual_clip(name, value, gradient):
+    logp = ratio_logp(DUAL_RATIOS)
+    old = torch.full_like(logp, OLD)
+    ones = torch.ones(1, 4, dtype=F64)
+    extra = {"entropy": ones, "entropy_adv_coef": 0.0} if name == "aepo" else {"beta_low": 0.5, "beta_high": 1.0}
+    matrix, _ = POLICY_LOSSES.get(name)(logp, old, DUAL_ADV, ones, clip_low=0.2, clip_high=0.2, dual_clip=3.0, **extra)
+    assert torch.allclose(matrix, t([value])) and torch.allclose(grad(matrix, logp), t([gradient]))
+    plain, _ = POLICY_LOSSES.get(name)(logp, old, DUAL_ADV, ones, clip_low=0.2, clip_high=0.2, **extra)
+    assert plain[0, 0].item() == pytest.approx(4.0) and grad(plain, logp)[0, 0].item() == pytest.approx(4.0)
+    with pytest.raises(ConfigError, match="dual_clip"):
+        POLICY_LOSSES.validate_params(name, {"dual_clip": 1.0})
+
+
 # ------------------------------------------------------------------------------------------------
 # HAPO
 # ------------------------------------------------------------------------------------------------
@@ -806,7 +833,70 @@ def test_rec_two_side_mask_and_importance_weight():
     assert torch.allclose(grad(matrix, logp), t([[0.0, 0.9, -2.2, 0.0]]))
     assert torch.allclose(matrix, t([[0.0, 0.9, -2.2, 0.0]]) * logp.detach())
     with pytest.raises(ValueError, match="clip_mode"):
-        POLICY_LOSSES.get("rec")(logp, logp.detach(), adv, torch.ones(1, 4, dtype=F64), clip_mode="ring")
+        POLICY_LOSSES.get("rec")(logp, logp.detach(), adv, torch.ones(1, 4, dtype=F64), clip_mode="bogus")
+
+
+# the ring on a grid of rho (columns) and A (rows), e_l = e_h = 0.2, e_l' = 0.6, e_h' = 2: the band is
+# [0.8, 1.2]; A >= 0 also keeps rho <= 0.4, A <= 0 also keeps rho >= 3 (every bound inclusive)
+RING_RHO = [0.3, 0.4, 0.5, 0.8, 1.0, 1.2, 2.0, 3.0, 4.0]
+RING_KEEP = {
+    -1.0: [0, 0, 0, 1, 1, 1, 0, 1, 1],
+    0.0: [1, 1, 0, 1, 1, 1, 0, 1, 1],
+    1.0: [1, 1, 0, 1, 1, 1, 0, 0, 0],
+}
+
+
+def test_rec_ring_mask_on_a_grid_with_its_boundaries():
+    rho = t([RING_RHO] * 3)
+    adv = t([[a] * len(RING_RHO) for a in RING_KEEP])
+    keep = rec_keep_mask(rho, adv, "ring", 0.2, 0.2, 0.6, 2.0)
+    assert torch.equal(keep, t(list(RING_KEEP.values())).bool())
+    # through the loss (NoIS): grad = -A on kept tokens, 0 on dropped ones; of the 27 tokens
+    # 4 + 2 + 4 = 10 are dropped (masked_fraction)
+    logp = ratio_logp([RING_RHO] * 3)
+    matrix, metrics = POLICY_LOSSES.get("rec")(logp, torch.full_like(logp, OLD), adv, torch.ones_like(adv),
+                                               clip_mode="ring")
+    assert torch.allclose(grad(matrix, logp), -adv * keep)
+    assert metrics["masked_fraction"] == pytest.approx(10 / 27)
+
+
+def test_rec_ring_with_everything_in_the_band_is_the_plain_rec_loss():
+    # clip_low = 1 and a huge clip_high put every ratio in the band: the mask is all ones and the loss is
+    # exactly clip_mode none's, which is exactly REINFORCE's -A logp
+    logp, adv, mask = _batch(seed=4)
+    old = logp.detach() + torch.randn(logp.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
+    ring, _ = POLICY_LOSSES.get("rec")(logp, old, adv, mask, clip_mode="ring", clip_low=1.0, clip_high=1e9)
+    plain, _ = POLICY_LOSSES.get("rec")(logp, old, adv, mask)
+    reinforce, _ = POLICY_LOSSES.get("reinforce")(logp, adv, mask)
+    assert torch.equal(ring, plain) and torch.equal(plain, reinforce)
+    assert torch.equal(grad(ring, logp), grad(reinforce, logp))
+
+
+def test_rec_advantage_weighting():
+    # A' = A exp(A / temp): A = [-1, 0, 2], temp 1 -> [-e^-1, 0, 2 e^2]; temp 2 -> [-e^-0.5, 0, 2 e]
+    adv = t([[-1.0, 0.0, 2.0]])
+    assert torch.allclose(advantage_weighted(adv), t([[-math.exp(-1), 0.0, 2 * math.exp(2)]]))
+    assert torch.allclose(advantage_weighted(adv, 2.0), t([[-math.exp(-0.5), 0.0, 2 * math.e]]))
+    # in the loss at ratio 1: l = -A' logp, grad -A'; weighting none keeps -A
+    logp = t([[-0.5, -1.0, -2.0]]).requires_grad_()
+    mask = torch.ones(1, 3, dtype=F64)
+    weighted, _ = POLICY_LOSSES.get("rec")(logp, logp.detach(), adv, mask, weighting="advantage", temp=2.0)
+    assert torch.allclose(grad(weighted, logp), t([[math.exp(-0.5), 0.0, -2 * math.e]]))
+    plain, _ = POLICY_LOSSES.get("rec")(logp, logp.detach(), adv, mask, weighting="none", temp=2.0)
+    assert torch.equal(grad(plain, logp), -adv)
+    # the weighting acts at ratio 1, so rec with it declares no ratio-only term; the mask options do
+    needs = POLICY_LOSSES.needs("rec")
+    assert needs.ratio_term({"weighting": "advantage"}) is None
+    assert "mask" in needs.ratio_term({"weighting": "none", "clip_mode": "ring"})
+
+
+@pytest.mark.parametrize("params, match", [
+    ({"clip_mode": "rings"}, "clip_mode"), ({"weighting": "adv"}, "weighting"),
+    ({"clip_low_prime": 1.5}, "clip_low_prime"), ({"temp": 0.0}, "temp"),
+])
+def test_rec_bad_settings_are_config_errors(params, match):
+    with pytest.raises(ConfigError, match=match):
+        check_rec(params)
 
 
 def test_opmd_regulariser():

@@ -130,7 +130,10 @@ SOURCE_VALUES: dict[str, dict[str, Any]] = {
     # authors' README (AMAP-ML/GPG): GPG-7B is trained from Qwen2.5-Math-7B
     "gpg": {"model.hub_id": "Qwen/Qwen2.5-Math-7B"},
     # abstracts: the paper's own models
-    "aepo": {"model.hub_id": "Qwen/Qwen3-14B"},
+    "aepo": {"model.hub_id": "Qwen/Qwen3-14B", "algorithm.loss.dual_clip": 3.0},
+    # Kwai-Klear/CE-GPPO 1.5B script: filter_groups on acc over 2 x 128 prompts, clip_ratio_c 10
+    "ce_gppo": {"rollout.strategy": "dynamic_sampling", "rollout.dynamic_sampling.metric": "correct",
+                "rollout.dynamic_sampling.max_rounds": 2, "algorithm.loss.dual_clip": 10.0},
     "intellect2": {"model.hub_id": "Qwen/QwQ-32B"},
     "spo": {"model.hub_id": "Qwen/Qwen3-8B", "rollout.n": 1},
     "two_grpo": {"rollout.n": 2},

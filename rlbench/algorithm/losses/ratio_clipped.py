@@ -112,16 +112,20 @@ def _gradient_preserving_clip(
     clip_high: float,
     beta_low: float | None,
     beta_high: float | None,
+    dual_clip: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO clip whose clipped tokens keep a bounded gradient (shared by ce_gppo and aepo).
 
     With u_t = rho_t / sg(rho_t) (value 1, gradient grad logp_t):
         A < 0, rho < 1 - clip_low :  l = -beta_low  (1 - clip_low) A u     (if beta_low is not None)
         A > 0, rho > 1 + clip_high:  l = -beta_high (1 + clip_high) A u    (if beta_high is not None)
-        otherwise                 :  l = ppo_clip's max(-A rho, -A clip(rho))
-    beta None keeps PPO's constant (zero-gradient) value on that side."""
+        otherwise                 :  l = ppo_clip's max(-A rho, -A clip(rho)), then min(l, -A c) where
+                                     A < 0 if dual_clip = c (> 1; verl's clip_ratio_c)
+    beta None keeps PPO's constant (zero-gradient) value on that side. The dual clip caps A < 0 tokens
+    with rho > c; it is applied before the beta branches, which equals the released codes' min(-A c, l)
+    after them whenever beta_low (1 - clip_low) <= c (0.5 x 0.8 <= 10 in CE-GPPO's scripts)."""
     ratio = torch.exp(lr)
-    loss, is_clipped = _ppo_terms(ratio, advantages, 1.0 - clip_low, 1.0 + clip_high)
+    loss, is_clipped = _ppo_terms(ratio, advantages, 1.0 - clip_low, 1.0 + clip_high, dual_clip)
     unit = torch.exp(lr - lr.detach())
     if beta_low is not None:
         low = (advantages < 0) & (ratio < 1.0 - clip_low)
@@ -132,9 +136,15 @@ def _gradient_preserving_clip(
     return loss, is_clipped
 
 
+def check_dual_clip(params) -> None:
+    """ConfigError on a dual-clip bound c <= 1 (it must lie above the ratio 1)."""
+    if params.get("dual_clip") is not None and params["dual_clip"] <= 1.0:
+        raise ConfigError(f"algorithm.loss.dual_clip must be > 1 (or null), got {params['dual_clip']}")
+
+
 @POLICY_LOSSES.register("ce_gppo", paper_aggregation="token_mean",
                         ratio_term="its bounded gradients (beta_low, beta_high) on clipped tokens",
-                        ratio_term_metric="clip_fraction")
+                        ratio_term_metric="clip_fraction", check_params=check_dual_clip)
 def ce_gppo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -144,6 +154,7 @@ def ce_gppo_loss(
     clip_high: float = 0.28,
     beta_low: float = 0.5,
     beta_high: float = 1.0,
+    dual_clip: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """CE-GPPO gradient-preserving clipping (Su et al. 2025, "CE-GPPO: Coordinating Entropy via
     Gradient-Preserving Clipping Policy Optimization in Reinforcement Learning", arXiv:2509.20712).
@@ -156,10 +167,12 @@ def ce_gppo_loss(
     The clipped terms' gradient is beta (1 -+ e) A grad logp (not scaled by rho). beta = 1 keeps
     PPO's forward value; beta = 0 gives PPO's gradient (value 0 on clipped tokens). beta_low acts
     on negative tokens (exploitation, lowers entropy), beta_high on positive ones (exploration).
-    Metrics: as ppo_clip (clip_fraction = tokens in the clipped regions).
+    dual_clip = c caps A < 0 tokens at -A c (the released compute_gppo_loss_general_beta applies
+    verl's clip_ratio_c; the authors' scripts set 10). Metrics: as ppo_clip (clip_fraction = tokens
+    in the clipped regions).
     """
     lr = log_ratio(logp, old_logp)
-    loss, is_clipped = _gradient_preserving_clip(lr, advantages, clip_low, clip_high, beta_low, beta_high)
+    loss, is_clipped = _gradient_preserving_clip(lr, advantages, clip_low, clip_high, beta_low, beta_high, dual_clip)
     mask = response_mask.to(loss.dtype)
     return loss * mask, _ppo_metrics(lr, torch.exp(lr), is_clipped, mask)
 
@@ -231,7 +244,8 @@ AEPO_ENTROPY_NORMS = ("pivot", "zscore")
 
 
 def check_aepo(params) -> None:
-    """ConfigError on an unknown entropy normalisation."""
+    """ConfigError on an unknown entropy normalisation or a dual-clip bound <= 1."""
+    check_dual_clip(params)
     if params["entropy_norm"] not in AEPO_ENTROPY_NORMS:
         raise ConfigError(f"algorithm.loss.entropy_norm must be one of {AEPO_ENTROPY_NORMS}, got {params['entropy_norm']!r}")
 
@@ -250,6 +264,7 @@ def aepo_loss(
     entropy_adv_coef: float = 0.1,
     entropy_pivot: float = 0.5,
     entropy_norm: str = "pivot",
+    dual_clip: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """AEPO entropy-balanced policy optimisation, loss part (Dong et al. 2025, "Agentic
     Entropy-Balanced Policy Optimization", arXiv:2510.14545).
@@ -259,6 +274,7 @@ def aepo_loss(
                                                      valid tokens (the authors' release, with coefficient 0.2)
         A~_t > 0, rho_t > 1 + e_h:  l_t = -sg((1 + e_h) / rho_t) rho_t A~_t   (= -(1+e_h) A~ u_t)
         otherwise              :  l_t = ppo_clip's max(-A~ rho, -A~ clip(rho, 1 - e_l, 1 + e_h))
+        A~_t < 0 (dual_clip = c):  l_t = min(l_t, -A~_t c)   (the release's clip_ratio_c, 3 in its scripts)
     The forward value equals ppo_clip's (with A~); the upper-clipped tokens keep the gradient
     -(1 + e_h) A~ grad logp instead of 0. This is ce_gppo's upper branch with beta_high = 1 and
     PPO's lower branch (shared helper ``_gradient_preserving_clip``). The rollout part of AEPO
@@ -277,7 +293,7 @@ def aepo_loss(
         raise ValueError(f"aepo entropy_norm must be one of {AEPO_ENTROPY_NORMS}, got {entropy_norm!r}")
     adv = advantages * (1.0 + entropy_adv_coef * h)
     lr = log_ratio(logp, old_logp)
-    loss, is_clipped = _gradient_preserving_clip(lr, adv, clip_low, clip_high, None, 1.0)
+    loss, is_clipped = _gradient_preserving_clip(lr, adv, clip_low, clip_high, None, 1.0, dual_clip)
     return loss * mask, _ppo_metrics(lr, torch.exp(lr), is_clipped, mask)
 
 

@@ -8,6 +8,7 @@ import torch
 
 from rlbench.algorithm.losses.common import _ratio_metrics, log_ratio
 from rlbench.algorithm.registry import POLICY_LOSSES
+from rlbench.errors import ConfigError
 
 
 def _weighted_reinforce(
@@ -115,10 +116,64 @@ def cispo_two_sided_loss(
     return _cispo(logp, old_logp, advantages, response_mask, 1.0 - clip_low, 1.0 + clip_high)
 
 
-CLIP_MODES = ("none", "one_side", "two_side")
+CLIP_MODES = ("none", "one_side", "two_side", "ring")
 
 
-WEIGHTINGS = ("none", "importance")
+WEIGHTINGS = ("none", "importance", "advantage")
+
+
+def rec_keep_mask(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_mode: str = "none",
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_low_prime: float = 0.6,
+    clip_high_prime: float = 2.0,
+) -> torch.Tensor:
+    """REC's token mask M (Yao et al. 2025, arXiv:2509.24203, section 4; Trinity-RFT's ``rec`` policy
+    loss, modelscope/Trinity-RFT trinity/algorithm/policy_loss_fn/rec_policy_loss.py), on sg(rho):
+
+        none     : M = 1
+        one_side : M = 0 iff (A > 0 and rho > 1 + e_h) or (A < 0 and rho < 1 - e_l)   (PPO's frozen tokens)
+        two_side : M = 1 iff 1 - e_l <= rho <= 1 + e_h
+        ring     : M = 1 iff 1 - e_l <= rho <= 1 + e_h
+                          or (A >= 0 and rho <= 1 - e_l')  or  (A <= 0 and rho >= 1 + e_h')
+    The ring keeps the trust band and the far tokens whose update moves rho back towards 1 (a
+    positive token the policy has nearly dropped, a negative one it has greatly raised); it drops
+    the band between. Defaults e_l' = 0.6, e_h' = 2 (Trinity-RFT's default_args). Returns bool."""
+    ratio = ratio.detach()
+    if clip_mode == "none":
+        return torch.ones_like(ratio, dtype=torch.bool)
+    band = (ratio >= 1.0 - clip_low) & (ratio <= 1.0 + clip_high)
+    if clip_mode == "two_side":
+        return band
+    if clip_mode == "one_side":
+        return ~(((advantages > 0) & (ratio > 1.0 + clip_high)) | ((advantages < 0) & (ratio < 1.0 - clip_low)))
+    if clip_mode == "ring":
+        return band | ((advantages >= 0) & (ratio <= 1.0 - clip_low_prime)) | (
+            (advantages <= 0) & (ratio >= 1.0 + clip_high_prime)
+        )
+    raise ValueError(f"clip_mode must be one of {CLIP_MODES}, got {clip_mode!r}")
+
+
+def advantage_weighted(advantages: torch.Tensor, temp: float = 1.0) -> torch.Tensor:
+    """REC's advantage weighting, the RED-Weight variant (arXiv:2509.24203; Trinity-RFT's ``rec`` loss,
+    weight "advantage_unnormalized"):  A' = A exp(A / temp)  (temp > 0; unnormalised). Responses
+    with a large positive advantage are up-weighted, negative ones shrunk towards 0."""
+    return advantages * torch.exp(advantages / temp)
+
+
+def check_rec(params) -> None:
+    """ConfigError on an unknown clip_mode / weighting or a bad ring bound or temperature."""
+    if params.get("clip_mode", "none") not in CLIP_MODES:
+        raise ConfigError(f"algorithm.loss.clip_mode must be one of {CLIP_MODES}, got {params['clip_mode']!r}")
+    if params.get("weighting", "none") not in WEIGHTINGS:
+        raise ConfigError(f"algorithm.loss.weighting must be one of {WEIGHTINGS}, got {params['weighting']!r}")
+    if not 0.0 < params.get("clip_low_prime", 0.6) <= 1.0 or params.get("clip_high_prime", 2.0) <= 0.0:
+        raise ConfigError("algorithm.loss.clip_low_prime must lie in (0, 1] and clip_high_prime be > 0 (the ring's outer bounds)")
+    if params.get("temp", 1.0) <= 0.0:
+        raise ConfigError(f"algorithm.loss.temp must be > 0, got {params['temp']}")
 
 
 def _regularised_reinforce(
@@ -131,32 +186,37 @@ def _regularised_reinforce(
     weighting: str = "none",
     clip_low: float = 0.2,
     clip_high: float = 0.2,
+    clip_low_prime: float = 0.6,
+    clip_high_prime: float = 2.0,
+    temp: float = 1.0,
     reg_coef: float = 0.0,
     baseline_shift: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The REC family (see rec_loss): -w M (A + delta) logp + (tau/2)(logp - old_logp)^2."""
-    if clip_mode not in CLIP_MODES:
-        raise ValueError(f"clip_mode must be one of {CLIP_MODES}, got {clip_mode!r}")
     if weighting not in WEIGHTINGS:
         raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
     lr = log_ratio(logp, old_logp)
     ratio = torch.exp(lr)
     adv = advantages + baseline_shift
     with torch.no_grad():
-        if clip_mode == "one_side":
-            keep = ~(((adv > 0) & (ratio > 1.0 + clip_high)) | ((adv < 0) & (ratio < 1.0 - clip_low)))
-        elif clip_mode == "two_side":
-            keep = (ratio >= 1.0 - clip_low) & (ratio <= 1.0 + clip_high)
-        else:
-            keep = torch.ones_like(ratio, dtype=torch.bool)
+        keep = rec_keep_mask(ratio, adv, clip_mode, clip_low, clip_high, clip_low_prime, clip_high_prime)
         weight = keep * (ratio if weighting == "importance" else 1.0)
+    if weighting == "advantage":
+        adv = advantage_weighted(adv, temp)
     loss = _weighted_reinforce(logp, adv, weight) + 0.5 * reg_coef * lr**2
     mask = response_mask.to(ratio.dtype)
     return loss * mask, _ratio_metrics(lr, ratio, mask, masked_fraction=~keep)
 
 
-@POLICY_LOSSES.register("rec", paper_aggregation="seq_mean_token_sum", ratio_term="its clip_mode mask, importance "
-                        "weighting and regulariser (at ratio 1 every variant is REINFORCE)", ratio_term_metric="masked_fraction")
+def _rec_ratio_term(params) -> str | None:
+    """The mask, importance weight and regulariser act only off ratio 1; advantage weighting acts at ratio 1."""
+    if params.get("weighting", "none") == "advantage":
+        return None
+    return "its clip_mode mask, importance weighting and regulariser (at ratio 1 every variant is REINFORCE)"
+
+
+@POLICY_LOSSES.register("rec", paper_aggregation="seq_mean_token_sum", ratio_term=_rec_ratio_term,
+                        ratio_term_metric="masked_fraction", check_params=check_rec)
 def rec_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -166,25 +226,29 @@ def rec_loss(
     weighting: str = "none",
     clip_low: float = 0.2,
     clip_high: float = 0.2,
+    clip_low_prime: float = 0.6,
+    clip_high_prime: float = 2.0,
+    temp: float = 1.0,
     reg_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """REC, off-policy group-relative REINFORCE (Yao et al. 2025, "Group-Relative REINFORCE Is
     Secretly an Off-Policy Algorithm: Demystifying Some Myths About GRPO and Its Friends",
-    arXiv:2509.24203).
+    arXiv:2509.24203; Trinity-RFT's ``rec`` policy loss).
 
         l_t = -w_t M_t A_t logp_t + (reg_coef / 2) (logp_t - old_logp_t)^2
-        M (clip_mode): none | one_side: drop A>0 & rho>1+e_h and A<0 & rho<1-e_l (the tokens PPO
-                       freezes) | two_side: drop rho outside [1-e_l, 1+e_h]
-        w (weighting): none -> 1 | importance -> sg(rho)
+        M (clip_mode): none | one_side | two_side | ring, on sg(rho)  (rec_keep_mask; ring with
+                       e_l' = clip_low_prime, e_h' = clip_high_prime)
+        w (weighting): none -> 1 | importance -> sg(rho) | advantage -> A replaced by A exp(A / temp)
+                       (advantage_weighted; the RED-Weight variant)
     The paper's A = R_i - mean R (no std: pair with the dr_grpo advantage) and divides by the
-    batch size (seq_mean_token_sum). The "ring" mask and advantage-based weighting of the
-    paper are not implemented (not specified precisely enough here to implement). With
-    on-policy data every variant has the REINFORCE gradient. Metrics: approx_kl, ratio_mean,
+    batch size (seq_mean_token_sum). With on-policy data the mask and importance weight are inert
+    (rho = 1 is inside every mask); advantage weighting is not. Metrics: approx_kl, ratio_mean,
     masked_fraction.
     """
     return _regularised_reinforce(
         logp, old_logp, advantages, response_mask,
-        clip_mode=clip_mode, weighting=weighting, clip_low=clip_low, clip_high=clip_high, reg_coef=reg_coef,
+        clip_mode=clip_mode, weighting=weighting, clip_low=clip_low, clip_high=clip_high,
+        clip_low_prime=clip_low_prime, clip_high_prime=clip_high_prime, temp=temp, reg_coef=reg_coef,
     )
 
 
