@@ -254,6 +254,13 @@ def test_settings_are_checked_before_the_model_loads(make_cfg):
         validate_strategy(rollout_config({**base, "lookahead": {"branch_window": 0}}), "grpo")
     with pytest.raises(ConfigError, match="abs_threshold must be in"):
         validate_strategy(rollout_config({**base, "lookahead": {"abs_threshold": 1.5}}), "grpo")
+    with pytest.raises(ConfigError, match="parent_token must be one of top1, sampled"):
+        validate_strategy(rollout_config({**base, "lookahead": {"parent_token": "top2"}}), "grpo")
+    with pytest.raises(ConfigError, match="fill must be one of repeat, iid"):
+        validate_strategy(rollout_config({**base, "lookahead": {"fill": "first"}}), "grpo")
+    # the released defaults (starreeze/latr model/utils.py, scripts/grpo-kt-math.sh)
+    assert (LookaheadOptions.from_config(cfg).parent_token, LookaheadOptions.from_config(cfg).fill,
+            LookaheadOptions.from_config(cfg).stop_word_filter) == ("top1", "repeat", False)
     with pytest.raises(ConfigError, match=r"no key\(s\) \['depth'\]"):
         validate_strategy(rollout_config({**base, "lookahead": {"depth": 2}}), "grpo")
 
