@@ -19,7 +19,9 @@ from rlbench.rollout.strategies.lookahead import (
     LookaheadOptions,
     LookaheadRollout,
     branch_points,
+    is_stop_word,
     rouge_l_f1,
+    stop_word_tokens,
     suffix_match,
     too_similar,
 )
@@ -137,7 +139,7 @@ def test_the_share_is_of_each_group_and_the_step_count_is_state(monkeypatch):
     monkeypatch.setattr(ScriptedEngine, "position_stats", raising=False, value=
                         lambda engine, items, params: [stats([(10, 0.99, 20, 0.01)] * 6) for _ in items])
     setup = scripted_setup({}, n=4)
-    strategy = LookaheadRollout(setup, LookaheadOptions(mix_schedule=((0, 1.0), (1, 0.5), (2, 0.25)), mode="resample"))
+    strategy = LookaheadRollout(setup, LookaheadOptions(mix_schedule=((0, 1.0), (1, 0.5), (2, 0.25)), mode="resample", fill="iid"))
     strategy.load_state_dict({"steps": 1})
     groups, metrics = strategy.rollout([Problem(str(i), "q", "a") for i in range(2)])
     assert metrics["lookahead_share"] == 0.5 and metrics["lookahead_prompts"] == 2 and metrics["lookahead_filled"] == 2
@@ -173,7 +175,7 @@ def test_branches_branch_again_within_the_branch_window(monkeypatch, window):
     tree is filled with i.i.d. responses instead."""
     monkeypatch.setattr(ScriptedEngine, "position_stats", raising=False, value=two_level_stats)
     setup = scripted_setup({21: [30, 31], 31: [32, 33], 40: [50], 50: [51]}, n=4)
-    options = LookaheadOptions(checkpoints=(2,), branch_window=window, mode="resample")
+    options = LookaheadOptions(checkpoints=(2,), branch_window=window, mode="resample", fill="iid")
     groups, metrics = LookaheadRollout(setup, options).rollout([Problem("7", "q", "a")])
     responses = [tuple(c.response_ids) for c in groups.groups[0]]
     if window == 1024:
@@ -252,6 +254,13 @@ def test_settings_are_checked_before_the_model_loads(make_cfg):
         validate_strategy(rollout_config({**base, "lookahead": {"branch_window": 0}}), "grpo")
     with pytest.raises(ConfigError, match="abs_threshold must be in"):
         validate_strategy(rollout_config({**base, "lookahead": {"abs_threshold": 1.5}}), "grpo")
+    with pytest.raises(ConfigError, match="parent_token must be one of top1, sampled"):
+        validate_strategy(rollout_config({**base, "lookahead": {"parent_token": "top2"}}), "grpo")
+    with pytest.raises(ConfigError, match="fill must be one of repeat, iid"):
+        validate_strategy(rollout_config({**base, "lookahead": {"fill": "first"}}), "grpo")
+    # the released defaults (starreeze/latr model/utils.py, scripts/grpo-kt-math.sh)
+    assert (LookaheadOptions.from_config(cfg).parent_token, LookaheadOptions.from_config(cfg).fill,
+            LookaheadOptions.from_config(cfg).stop_word_filter) == ("top1", "repeat", False)
     with pytest.raises(ConfigError, match=r"no key\(s\) \['depth'\]"):
         validate_strategy(rollout_config({**base, "lookahead": {"depth": 2}}), "grpo")
 
@@ -306,7 +315,7 @@ def test_never_branching_gives_the_plain_samples(tiny_engine):
     same prefill, draws and decoding steps; two prompts of different lengths in one batch)."""
     engine, prompts = tiny_engine
     params = SamplingParams(1.0, 1.0, 12)
-    rule = BranchRule(1.0, 0.25, (4,), NEVER_PRUNE)
+    rule = BranchRule(1.0, 0.25, (4,), NEVER_PRUNE, parent_top1=False)
     trees = engine.generate_branching([GenerationRequest(p, 4) for p in prompts], params, rule, torch.Generator().manual_seed(3))
     plain = engine.generate([GenerationRequest(p, 1) for p in prompts], params, torch.Generator().manual_seed(3))
     for tree, (sample,) in zip(trees, plain):
@@ -324,7 +333,7 @@ def test_branches_spawn_exactly_at_eligible_positions_and_share_their_parents_pr
     token's included, is the engine's score_prefixes of the sequence."""
     engine, prompts = tiny_engine
     params = SamplingParams(0.1, 1.0, 10)
-    rule = BranchRule(0.1, 0.3, (3,), NEVER_PRUNE)
+    rule = BranchRule(0.1, 0.3, (3,), NEVER_PRUNE, parent_top1=False)
     trees = engine.generate_branching([GenerationRequest(prompts[0], 64)], params, rule, torch.Generator().manual_seed(0))
     assert sum(t.spawned for t in trees) >= 10
     for tree in trees:
@@ -423,7 +432,8 @@ def test_decoded_groups_have_exactly_n_members(tiny, share, abs_threshold):
     engine = HFGenerateEngine(model, tokenizer, batch_size=16, progress=False)
     sampler = GroupSampler(engine, EvenTokenReward(), tokenizer, {"user": "{problem}"}, lambda r, _: r)
     setup = RolloutSetup(sampler, 4, SamplingParams(0.1, 1.0, 8), torch.Generator().manual_seed(0))
-    options = LookaheadOptions(abs_threshold=abs_threshold, rel_threshold=0.5, checkpoints=(3,), mix_schedule=((0, share),))
+    options = LookaheadOptions(abs_threshold=abs_threshold, rel_threshold=0.5, checkpoints=(3,), mix_schedule=((0, share),), fill="iid",
+                               parent_token="sampled")
     groups, metrics = LookaheadRollout(setup, options).rollout([Problem(str(i), f"question {i}", "0") for i in range(3)])
     assert [len(g) for g in groups.groups] == [4, 4, 4]
     tree = round(4 * share)
@@ -436,3 +446,150 @@ def test_decoded_groups_have_exactly_n_members(tiny, share, abs_threshold):
         assert metrics["lookahead_branches"] == 0 and metrics["lookahead_filled"] == 3 * 3 and cost["reused_tokens"] == 0
     else:
         assert metrics["lookahead_branches"] > 0 and cost["reused_tokens"] > 0
+
+
+# --- the released code's choices (starreeze/latr): the stop-word filter, the parent's top-1 token, the repeat fill
+
+
+class WordTokenizer:
+    """Decodes each id to a fixed text (the released StopWordFilter decodes one candidate at a time)."""
+
+    TEXT = {5: "x", 6: " The", 7: " ,", 8: "  ", 9: "\u2581and", 11: " eleven", 12: " the", 13: "##s", 14: "?!", 15: " 2"}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.TEXT.get(i, f" w{i}") for i in ids)
+
+
+def test_stop_words_punctuation_and_space_never_branch():
+    """is_stop_word by hand (NLTK English list, lower-cased; `.,;:!?"'` only; empty or space; a leading ▁ or
+    ## removed), and spawn_tokens / branch_points drop such a candidate that the thresholds would branch."""
+    assert [is_stop_word(t) for t in ("the", " The", "\u2581and", " ,", "?!", "  ", "", "x", " 2", "##s", "Paris", "+")] == [
+        True, True, True, True, True, True, True, False, False, True, False, False]  # "s" is in NLTK's list
+    can_branch = stop_word_tokens(WordTokenizer())
+    assert [can_branch(v) for v in (5, 6, 7, 8, 9, 11, 12, 13, 14, 15)] == [True, False, False, False, False, True, False, False,
+                                                                          False, True]
+    rule = BranchRule(0.15, 0.25, (4,), NEVER_PRUNE, can_branch=can_branch)
+    assert spawn_tokens([5, 6], [0.5, 0.4], 5, rule) == []  # " The" is a stop word
+    assert spawn_tokens([5, 15], [0.5, 0.4], 5, rule) == [15]  # " 2" is not
+    assert spawn_tokens([7, 11], [0.3, 0.25], 9, rule) == [11]  # "," never, " eleven" does
+    rows = stats([(10, 0.5, 12, 0.4), (10, 0.5, 11, 0.4)])
+    assert branch_points(rows, [10, 10], 0.15, 0.25) == [(0, 12), (1, 11)]
+    assert branch_points(rows, [10, 10], 0.15, 0.25, can_branch) == [(1, 11)]
+
+
+@pytest.mark.parametrize("stop_word", [False, True])
+def test_a_stop_word_candidate_never_branches_while_decoding(tiny, stop_word):
+    """The forced chain's only branch point offers 12 (p 0.45) beside the top token 11 (p 0.5): it branches
+    once, unless 12 decodes to a stop word (" the") and the filter is on: then the tree is the trunk alone."""
+    model, tokenizer = tiny
+    engine = HFGenerateEngine(ForcedNextToken(model, DIVERGE), tokenizer, batch_size=16, progress=False, lean_decode=False)
+    rule = BranchRule(0.15, 0.25, (3,), NEVER_PRUNE, can_branch=stop_word_tokens(WordTokenizer()) if stop_word else None)
+    (tree,) = engine.generate_branching([GenerationRequest(tuple(tokenizer.encode("question a")), 4)],
+                                        SamplingParams(1.0, 1.0, 8), rule, torch.Generator().manual_seed(0))
+    assert tree.spawned == (0 if stop_word else 1) and len(tree.members) == (1 if stop_word else 2)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_at_a_branch_point_the_parent_takes_the_top_token_and_the_branch_the_runner_up(tiny, seed):
+    """parent_top1 (the released sample_nk="none"): whatever the draws, the trunk takes 11 (p 0.5) at the
+    branch point and the branch 12 (p 0.45), each with its warped log-prob (log 0.5, log 0.45); sampling
+    instead, the trunk takes 12 for some seed."""
+    model, tokenizer = tiny
+    engine = HFGenerateEngine(ForcedNextToken(model, DIVERGE), tokenizer, batch_size=16, progress=False, lean_decode=False)
+    prompt = tuple(tokenizer.encode("question a"))
+    (tree,) = engine.generate_branching([GenerationRequest(prompt, 4)], SamplingParams(1.0, 1.0, 8),
+                                        BranchRule(0.15, 0.25, (3,), NEVER_PRUNE), torch.Generator().manual_seed(seed))
+    trunk, branch = tree.members
+    assert trunk.response_ids[:3] == [10, 11, 13] and branch.response_ids[:3] == [10, 12, 14] and tree.births == [-1, 1]
+    assert trunk.logprobs[1] == pytest.approx(math.log(0.5), abs=1e-5)
+    assert branch.logprobs[1] == pytest.approx(math.log(0.45), abs=1e-5)
+    sampled = [engine.generate_branching([GenerationRequest(prompt, 4)], SamplingParams(1.0, 1.0, 8),
+                                         BranchRule(0.15, 0.25, (3,), NEVER_PRUNE, parent_top1=False),
+                                         torch.Generator().manual_seed(s))[0].members[0].response_ids[1] for s in range(8)]
+    assert 12 in sampled
+
+
+# two branch points on the trunk (t = 1: 11 or 12; t = 2 after 11: 13 or 17)
+BRANCHY = {10: {11: 0.5, 12: 0.45, 15: 0.05}, 11: {13: 0.55, 17: 0.4, 15: 0.05}, 12: {14: 1.0}, 13: {13: 1.0},
+           14: {14: 1.0}, 17: {17: 1.0}}
+
+
+def test_the_parents_token_is_the_top_one_and_log_probs_are_the_warped_ones(tiny):
+    """parent_top1 at temperature 0.9 (the warped distribution differs from the chain's): the trunk takes
+    the top token of its warped distribution at each position (position_stats), each branch the runner-up
+    at its branch point, and every log-prob, the parent's and the branch's token at a branch point
+    included, equals score_prefixes within 1e-5."""
+    model, tokenizer = tiny
+    engine = HFGenerateEngine(ForcedNextToken(model, BRANCHY), tokenizer, batch_size=16, progress=False, lean_decode=False)
+    params = SamplingParams(0.9, 1.0, 6)
+    (tree,) = engine.generate_branching([GenerationRequest(tuple(tokenizer.encode("question a")), 8)], params,
+                                        BranchRule(0.15, 0.25, (3,), NEVER_PRUNE), torch.Generator().manual_seed(0))
+    members = tree.members
+    assert [m.response_ids[:3] for m in members] == [[10, 11, 13], [10, 12, 14], [10, 11, 17]] and tree.births == [-1, 1, 2]
+    stats_ = engine.position_stats([(c.prompt_ids, tuple(c.response_ids)) for c in members], params)
+    assert all(members[0].response_ids[t] == int(stats_[0].top_tokens[t][0]) for t in range(6))
+    for k in (1, 2):
+        t = tree.births[k]
+        assert members[k].response_ids[t] == int(stats_[0].top_tokens[t][1]) and tree.parents[k] == 0
+    scores = engine.score_prefixes([(c.prompt_ids, tuple(c.response_ids)) for c in members], params)
+    for member, score in zip(members, scores):
+        assert member.logprobs == pytest.approx(score, abs=1e-5)
+    assert members[0].logprobs[1] != pytest.approx(math.log(0.5), abs=1e-3)  # warped, not the chain's
+
+
+# after the branch point both rows continue with 13 or 14, whose runner-up 16 (p 0.3) is too far to branch
+RETURN = {10: {11: 0.5, 12: 0.45, 15: 0.05}, 11: {13: 1.0}, 12: {14: 1.0}, 13: {13: 0.7, 16: 0.3}, 14: {14: 0.7, 16: 0.3},
+          16: {16: 0.7, 13: 0.3}}
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_rows_sample_once_the_trees_are_full_and_past_their_checkpoints(tiny, size):
+    """The released return_on_full: a tree of 2 is full after the branch at t = 1, which is past its
+    checkpoint 3 at the end of step 5: tokens 2..5 are the top ones (13 or 14), then rows sample (some 16
+    within 24 tokens, seeds 0-2). A tree of 3 never fills: its rows stay greedy to the end."""
+    model, tokenizer = tiny
+    engine = HFGenerateEngine(ForcedNextToken(model, RETURN), tokenizer, batch_size=16, progress=False, lean_decode=False)
+    seen16 = []
+    for seed in range(3):
+        (tree,) = engine.generate_branching([GenerationRequest(tuple(tokenizer.encode("question a")), size)],
+                                            SamplingParams(1.0, 1.0, 30), BranchRule(0.15, 0.25, (3,), NEVER_PRUNE),
+                                            torch.Generator().manual_seed(seed))
+        assert len(tree.members) == 2
+        for member in tree.members:
+            assert member.response_ids[2:6] == [member.response_ids[2]] * 4
+            seen16.append(16 in member.response_ids[6:])
+    assert all(seen16) if size == 2 else not any(seen16)
+
+
+def test_repeat_fill_copies_the_first_member_and_continues_it_past_the_window(monkeypatch):
+    """fill repeat (the released fill_return_sequences): no branch point, n = 4, share 1: the tree (the
+    trunk) gets 3 copies of the trunk, with its log-probs, and no engine call but the trunk's. With
+    branch_window 3 the copies are the trunk's first 3 tokens sampled on from there (one call, n = 3)."""
+    monkeypatch.setattr(ScriptedEngine, "position_stats", raising=False, value=
+                        lambda engine, items, params: [stats([(10, 0.99, 20, 0.01)] * 6) for _ in items])
+    setup = scripted_setup({12: [40, 41, 42]}, n=4)
+    groups, metrics = LookaheadRollout(setup, LookaheadOptions(mode="resample")).rollout([Problem("1", "q", "a")])
+    (group,) = groups.groups
+    trunk = group[0]
+    assert len(group) == 4 and metrics["lookahead_filled"] == 3 and setup.sampler.engine.calls == [[((), 1, 6)]]
+    assert all(c.response_ids == trunk.response_ids and c.logprobs == trunk.logprobs and c is not trunk for c in group[1:])
+    setup = scripted_setup({12: [40, 41, 42]}, n=4)
+    groups, _ = LookaheadRollout(setup, LookaheadOptions(mode="resample", branch_window=3)).rollout([Problem("1", "q", "a")])
+    ((prefix, m, _),) = setup.sampler.engine.calls[-1]
+    assert prefix == (10, 11, 12) and m == 3
+    assert [c.response_ids for c in groups.groups[0][1:]] == [[10, 11, 12, 40, 41, 42]] * 3
+
+
+def test_repeat_fill_while_decoding_gives_n_members_whose_extra_ones_equal_the_first(tiny):
+    """Mode decode, abs_threshold 1 (no branch), share 1, n = 4: each group is its trunk and 3 copies of it
+    (token for token, log-prob for log-prob); fill iid gives i.i.d. responses instead (not all equal)."""
+    model, tokenizer = tiny
+    for fill in ("repeat", "iid"):
+        engine = HFGenerateEngine(model, tokenizer, batch_size=16, progress=False)
+        sampler = GroupSampler(engine, EvenTokenReward(), tokenizer, {"user": "{problem}"}, lambda r, _: r)
+        setup = RolloutSetup(sampler, 4, SamplingParams(1.0, 1.0, 8), torch.Generator().manual_seed(0))
+        options = LookaheadOptions(abs_threshold=1.0, checkpoints=(3,), fill=fill)
+        groups, metrics = LookaheadRollout(setup, options).rollout([Problem(str(i), f"question {i}", "0") for i in range(2)])
+        assert [len(g) for g in groups.groups] == [4, 4] and metrics["lookahead_filled"] == 6
+        same = [c.response_ids == g[0].response_ids and c.logprobs == g[0].logprobs for g in groups.groups for c in g[1:]]
+        assert all(same) if fill == "repeat" else not all(same)

@@ -1,27 +1,33 @@
 """Tree decoding on the HF engine: rows that branch while they decode (LATR, Xing et al. 2025,
 arXiv:2510.24302, Sec. 3: lookahead tree-based rollouts), :meth:`HFGenerateEngine.generate_branching`.
 
-Each request starts one row (its trunk). At every decoding step each running row samples its token
-as the plain loop does (one inverse-CDF draw per row, from the engine's warped distribution); then each
-of the top-``top_m`` tokens ``v`` of that distribution that the row did not sample spawns a new row
-(a branch) when
+Each request starts one row (its trunk). At every decoding step each running row takes its token:
+with ``parent_top1`` (the released code, starreeze/latr/model/generation.py, ``sample_nk="none"``) the
+top token ``a1`` of the engine's warped distribution while the trees grow (before ``window`` tokens and
+until the batch *returns*: every tree holds ``n`` rows not pruned, or has no running row, and every row
+is more than ``max(checkpoints)`` tokens past its branch point, the released ``return_on_full``), so rows
+decode greedily and the diversity comes from the branches; after that, or without ``parent_top1``, it
+samples as the plain loop does (one inverse-CDF draw per row). Each of the top-``top_m`` tokens ``v``
+of that distribution that the row did not take spawns a new row (a branch) when
 
     p(v) > abs_threshold   and   p(a1) - p(v) < rel_threshold          (a1: the top token)
 
-(:func:`spawn_tokens`; at most ``max_per_token`` branches per row and step, none at or after
-``window`` tokens, none while the tree already holds ``n`` rows that were not pruned). A branch is its
+and ``can_branch(v)`` (the stop-word filter, when set) (:func:`spawn_tokens`; at most ``max_per_token``
+branches per row and step, none at or after ``window`` tokens, none while the tree already holds ``n``
+rows that were not pruned). A branch is its
 parent's row with the other token: the decoding state's ``select_rows`` with the parent's index
 repeated copies the parent's keys and values, so the shared prefix is decoded once. Its token's
-log-prob is that token's log-prob under the same warped distribution. ``r`` tokens after its branch
+log-prob is that token's log-prob under the same warped distribution (so is the top-1 token's). ``r`` tokens after its branch
 point, for each checkpoint ``r`` of ``checkpoints``, a branch whose continuation since the branch point
 is too similar to its parent's (``similar(branch, parent, t, (r,))``; at the end of the branch, the
 checkpoints it did not reach, on what it has) is pruned: dropped from the decoding state and from the
 result, which frees its place in the tree.
 
 Randomness: one generator (a seed drawn from the caller's, as in ``generate``) draws, per step, one
-uniform per row created so far in the batch (finished and pruned rows included), so a tree is a
-function of the generator's state; with no branch the trunks are the plain loop's samples of the same
-requests with ``n = 1`` (the same draws, prefill and decoding steps).
+uniform per row created so far in the batch (finished and pruned rows included; drawn while rows take
+their top token too), so a tree is a function of the generator's state; with no branch and without
+``parent_top1`` the trunks are the plain loop's samples of the same requests with ``n = 1`` (the same
+draws, prefill and decoding steps); with ``parent_top1`` they are its greedy responses up to ``window``.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ class BranchRule:
     window: int = 1024
     max_per_token: int = 2
     top_m: int = 2
+    parent_top1: bool = True  # rows take their top token while the trees grow (the released sample_nk="none")
+    can_branch: Callable[[int], bool] | None = None  # a candidate token may branch (None: any; the stop-word filter)
 
 
 @dataclass
@@ -64,9 +72,11 @@ class BranchTree:
 def spawn_tokens(top_tokens: Sequence[int], top_probs: Sequence[float], sampled: int, rule: BranchRule) -> list[int]:
     """The tokens of the branches a row spawns at one step (LATR's filter, arXiv:2510.24302 Sec. 3):
     each top-m token ``v`` (``top_tokens``, probabilities ``top_probs``, best first) other than the sampled
-    one with ``p(v) > abs_threshold`` and ``p(a1) - p(v) < rel_threshold``, at most ``max_per_token``."""
+    one with ``p(v) > abs_threshold`` and ``p(a1) - p(v) < rel_threshold`` that ``rule.can_branch`` admits,
+    at most ``max_per_token``."""
     p1 = top_probs[0]
-    out = [v for v, p in zip(top_tokens, top_probs) if v != sampled and p > rule.abs_threshold and p1 - p < rule.rel_threshold]
+    out = [v for v, p in zip(top_tokens, top_probs) if v != sampled and p > rule.abs_threshold and p1 - p < rule.rel_threshold
+           and (rule.can_branch is None or rule.can_branch(v))]
     return out[: rule.max_per_token]
 
 
@@ -108,15 +118,17 @@ def decode_trees(engine, requests: Sequence[GenerationRequest], params: Sampling
         position = last_pos.index_select(0, index)
         eos = set(engine.eos_ids)
         active = list(range(len(rows)))  # row ids in decoding order
+        returned = False  # the batch's trees are full and past their checkpoints: rows sample (module docstring)
         for step in range(budget):
             logp = warped_logprobs(scores, warpers)
+            greedy = rule.parent_top1 and not returned and step < rule.window
             if params.temperature == 0:
                 chosen = logp.argmax(-1)
             else:
                 uniforms = draw_uniforms(len(rows), generator, logp.device)  # one per row so far (module docstring)
                 if len(active) != len(rows):
                     uniforms = uniforms[torch.tensor(active, device=uniforms.device)]
-                chosen = inverse_cdf_sample(logp, uniforms)
+                chosen = logp.argmax(-1) if greedy else inverse_cdf_sample(logp, uniforms)
             chosen_lp = logp.gather(-1, chosen[:, None]).squeeze(-1).tolist()
             branching = step < rule.window and any(live[rows[r].tree] < requests[rows[r].tree].n for r in active)
             if branching:
@@ -152,6 +164,10 @@ def decode_trees(engine, requests: Sequence[GenerationRequest], params: Sampling
             if not kept:
                 break
             active = [r for _, r in kept]
+            if rule.parent_top1 and not returned:
+                running = {rows[r].tree for r in active}
+                returned = all(live[i] >= requests[i].n or i not in running for i in range(len(requests))) and all(
+                    rows[r].birth + rule.checkpoints[-1] < step for r in active)
             select = [a for a, _ in kept]
             if select != list(range(len(chosen_lp))):  # rows ended, were pruned or branched
                 where = torch.tensor(select, dtype=torch.long, device=position.device)

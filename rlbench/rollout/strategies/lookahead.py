@@ -8,13 +8,21 @@ Per prompt, ``k = round(n * share)`` of its ``n`` responses come from LATR's tre
 fraction, ``mix_schedule``, the released ``mix_ratio``) and the other ``n - k`` are i.i.d.
 
 ``mode: decode`` (the default; the HF engine's ``generate_branching``, rlbench/rollout/engines/branching.py):
-the tree grows while it decodes. Each prompt starts one row; at every step each running row samples its
-token, and each other top-2 token v with ``p(v) > abs_threshold`` and ``p(a1) - p(v) < rel_threshold``
+the tree grows while it decodes. Each prompt starts one row; at every step each running row takes its
+token (``parent_token``: ``top1``, the released code's, its top token while the trees grow, so a branch
+point gives the parent a1 and the branch the runner-up; ``sampled``: a sample), and each other top-2 token
+v with ``p(v) > abs_threshold`` and ``p(a1) - p(v) < rel_threshold`` (and not a stop word, with ``stop_word_filter``)
 (at most ``max_branches_per_token``, within the first ``branch_window`` tokens, while the tree holds fewer
 than ``k`` rows not pruned) starts a branch: the row's keys and values copied, v as its token, v's log-prob
 under the warped distribution. At each checkpoint c, c tokens after its branch point, a branch that is
 :func:`too_similar` to its parent is pruned (its place freed). A tree left short of ``k`` is filled
-with i.i.d. responses (metric ``lookahead_filled``).
+(``fill``, metric ``lookahead_filled``): ``repeat``, the released code's ``fill_return_sequences``,
+with copies of its first member (the trunk; one that ran past ``branch_window`` is copied up to the
+window and each copy sampled on from there, as the released rollout hands the copies to vLLM), or
+``iid``, with i.i.d. responses. Repeating biases the group statistics: the m copies carry the trunk's
+reward, so the group mean leans toward it (weight 1 + m of n), the standard deviation shrinks (a tree
+that stayed the trunk alone, with share 1, is n equal rewards: zero advantage for the prompt), and the
+trunk's advantage enters the loss 1 + m times; ``iid`` keeps the fill an unbiased sample.
 
 ``mode: resample`` (any engine, vLLM too): the branch points are read off sampled responses, level by level:
 
@@ -35,12 +43,20 @@ with i.i.d. responses (metric ``lookahead_filled``).
    branch point is left);
 6. **fallback**: branch points lie within the first ``branch_window`` tokens (the released
    ``force_return_step``: after it the released rollout samples the rest plainly); a tree that stays
-   short of ``k`` is filled with i.i.d. responses (metric ``lookahead_filled``).
+   short of ``k`` is filled as in mode decode (``fill``).
 
-Deviations from the released code (starreeze/latr): at a branch point the parent keeps the token it
-sampled (the released code gives it the top-1 token); mode resample reads the branch points off sampled
-responses level by level; no stop-word filter of branch candidates, no threshold scheduler; a short tree
-is filled with i.i.d. responses where the released code repeats the first member.
+``stop_word_filter`` (off, as in the released script: starreeze/latr/model/utils.py
+``KeyTokenGenConfigMixin.stop_word_filter=False``, not set in scripts/grpo-kt-math.sh): a candidate
+whose decoded text (stripped, a leading SentencePiece ``▁`` or WordPiece ``##`` removed) is one of
+NLTK's English stop words (lower-cased), consists of the punctuation ``.,;:!?"'`` only, or is empty or
+white space never branches (the released starreeze/latr/model/sample_filter.py ``StopWordFilter``; :func:`stop_word_tokens`).
+
+Deviations from the released code (starreeze/latr): mode resample reads the branch points off sampled
+responses level by level (its trunk is a sample; ``parent_token`` applies to mode decode); the threshold
+scheduler (``enable_param_scheduler``) is off in the released script and not built; the early return
+when the trees are nearly full (``return_nb_thres_init`` 0.98, decaying by ``return_nb_thres_decay``) is
+taken when they are all full; the released ``ProbFilter`` keeps a runner-up when ``p(a1) - p(a2) >
+rel_threshold``, where rlbench branches on a close runner-up (``<``; the paper's method section not checked).
 
 Behaviour bookkeeping (the choice): as in LATR, whose trainer is unchanged, the branches are trained
 as the policy's samples (pi_old recomputed); the branch token was chosen, not sampled, so a group is
@@ -66,10 +82,14 @@ Configuration (conf/rollout/lookahead.yaml):
       max_branches_per_token: 2  # mode decode: branches one row spawns at one token
       branch_window: 1024        # branch points only before this many tokens
       mix_schedule: [[0, 1.0], [100, 0.75], [200, 0.5], [300, 0.25]]  # [step, share of each group from LATR]
+      parent_token: top1         # mode decode: rows take their top token while the trees grow (released) | sampled
+      fill: repeat               # a short tree: copies of its first member (released) | iid: i.i.d. responses
+      stop_word_filter: false    # true: stop words and punctuation never branch (off in the released script)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -95,6 +115,22 @@ log = logging.getLogger(__name__)
 
 CANDIDATES_PER_BRANCH = 2  # resample mode: branch points tried per branch wanted (the earliest 2 (n - 1))
 MODES = ("decode", "resample")
+PARENT_TOKENS = ("top1", "sampled")
+FILLS = ("repeat", "iid")
+# NLTK's English stop-word list (nltk.corpus.stopwords.words("english"), 179 words), which the released
+# StopWordFilter loads (starreeze/latr/model/sample_filter.py)
+STOP_WORDS = frozenset("""
+i me my myself we our ours ourselves you you're you've you'll you'd your yours yourself yourselves he him his
+himself she she's her hers herself it it's its itself they them their theirs themselves what which who whom this
+that that'll these those am is are was were be been being have has had having do does did doing a an the and but
+if or because as until while of at by for with about against between into through during before after above
+below to from up down in out on off over under again further then once here there when where why how all any
+both each few more most other some such no nor not only own same so than too very s t can will just don don't
+should should've now d ll m o re ve y ain aren aren't couldn couldn't didn didn't doesn doesn't hadn hadn't hasn
+hasn't haven haven't isn isn't ma mightn mightn't mustn mustn't needn needn't shan shan't shouldn shouldn't wasn
+wasn't weren weren't won won't wouldn wouldn't
+""".split())
+STOP_PUNCTUATION = ".,;:!?\"'"
 
 
 @dataclass(frozen=True)
@@ -110,6 +146,9 @@ class LookaheadOptions:
     mix_schedule: tuple[tuple[int, float], ...] = ((0, 1.0), (100, 0.75), (200, 0.5), (300, 0.25))
     mode: str = "decode"
     max_branches_per_token: int = 2
+    parent_token: str = "top1"
+    fill: str = "repeat"
+    stop_word_filter: bool = False
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig) -> LookaheadOptions:
@@ -121,6 +160,10 @@ class LookaheadOptions:
             raise ConfigError(f"rollout.lookahead.checkpoints must be increasing lengths >= 1, got {list(options.checkpoints)}")
         if options.mode not in MODES:
             raise ConfigError(f"rollout.lookahead.mode must be one of {', '.join(MODES)}, got {options.mode!r}")
+        if options.parent_token not in PARENT_TOKENS:
+            raise ConfigError(f"rollout.lookahead.parent_token must be one of {', '.join(PARENT_TOKENS)}, got {options.parent_token!r}")
+        if options.fill not in FILLS:
+            raise ConfigError(f"rollout.lookahead.fill must be one of {', '.join(FILLS)}, got {options.fill!r}")
         if options.max_branches_per_token < 1:
             raise ConfigError(f"rollout.lookahead.max_branches_per_token must be >= 1, got {options.max_branches_per_token}")
         if options.branch_window < 1:
@@ -133,29 +176,55 @@ class LookaheadOptions:
             )
         return options
 
-    def rule(self) -> BranchRule:
+    def rule(self, can_branch: Callable[[int], bool] | None = None) -> BranchRule:
         """The decoding engine's :class:`~rlbench.rollout.engines.branching.BranchRule` of these options
-        (mode decode): a branch is pruned when :func:`too_similar` to its parent at a checkpoint."""
+        (mode decode): a branch is pruned when :func:`too_similar` to its parent at a checkpoint;
+        ``can_branch``: the stop-word filter's test of a candidate (None: off)."""
         def similar(branch: list[int], parent: list[int], t: int, checkpoints: tuple[int, ...]) -> bool:
             return too_similar(branch, parent, t, checkpoints, self.rouge_l_threshold, self.suffix_match_threshold)
 
         return BranchRule(self.abs_threshold, self.rel_threshold, self.checkpoints, similar, self.branch_window,
-                          self.max_branches_per_token)
+                          self.max_branches_per_token, parent_top1=self.parent_token == "top1", can_branch=can_branch)
 
     def share(self, step: int) -> float:
         """The share of each group sampled with LATR at ``step`` (0-based): the last entry at or before it."""
         return [r for s, r in self.mix_schedule if s <= step][-1]
 
 
-def branch_points(stats: PositionStats, response: list[int], abs_threshold: float, rel_threshold: float) -> list[tuple[int, int]]:
+def is_stop_word(text: str) -> bool:
+    """The released StopWordFilter's test of a candidate token's decoded text (starreeze/latr
+    starreeze/latr/model/sample_filter.py): stripped, a leading ``▁`` or ``##`` removed, it is empty or white space,
+    consists of ``.,;:!?"'`` only, or is an NLTK English stop word (lower-cased)."""
+    text = text.strip()
+    text = text[1:] if text.startswith("\u2581") else text[2:] if text.startswith("##") else text
+    return not text.strip() or all(c in STOP_PUNCTUATION for c in text) or text.lower() in STOP_WORDS
+
+
+def stop_word_tokens(tokenizer) -> Callable[[int], bool]:
+    """``can_branch(token)``: False for a token whose decoded text :func:`is_stop_word` (memoised per id)."""
+    seen: dict[int, bool] = {}
+
+    def can_branch(token: int) -> bool:
+        if token not in seen:
+            seen[token] = not is_stop_word(tokenizer.decode([token]))
+        return seen[token]
+
+    return can_branch
+
+
+def branch_points(stats: PositionStats, response: list[int], abs_threshold: float, rel_threshold: float,
+                  can_branch: Callable[[int], bool] | None = None) -> list[tuple[int, int]]:
     """``(t, token)`` for every position where ``p(a2) > abs_threshold`` and ``p(a1) - p(a2) <
-    rel_threshold``; ``token`` is the top-two token the response did not take there."""
+    rel_threshold``; ``token`` is the top-two token the response did not take there (dropped where
+    ``can_branch`` says no: the stop-word filter)."""
     p1, p2 = stats.top_probs[:, 0], stats.top_probs[:, 1]
     eligible = ((p2 > abs_threshold) & (p1 - p2 < rel_threshold)).nonzero(as_tuple=True)[0].tolist()
     out = []
     for t in eligible:
         a1, a2 = (int(x) for x in stats.top_tokens[t])
-        out.append((t, a2 if response[t] == a1 else a1))
+        token = a2 if response[t] == a1 else a1
+        if can_branch is None or can_branch(token):
+            out.append((t, token))
     return out
 
 
@@ -222,6 +291,7 @@ class LookaheadRollout(RolloutStrategy):
     def __init__(self, setup: RolloutSetup, options: LookaheadOptions):
         self.setup, self.options = setup, options
         self.steps = 0
+        self.can_branch = stop_word_tokens(setup.sampler.tokenizer) if options.stop_word_filter else None
         if options.mode == "decode" and not hasattr(setup.sampler.engine, "generate_branching"):
             raise ConfigError(f"rollout.lookahead.mode=decode needs an engine that branches while decoding (the HF "
                               f"engine); {type(setup.sampler.engine).__name__} does not: use rollout.lookahead.mode=resample")
@@ -264,7 +334,7 @@ class LookaheadRollout(RolloutStrategy):
         stats = sampler.engine.position_stats([(prompts[i], tuple(c.response_ids)) for i, c, _ in parents], params)
         found: list[tuple[int, int, int, int]] = []  # (t, prompt i, parent index, branch token)
         for k, ((i, parent, birth), s) in enumerate(zip(parents, stats)):
-            points = branch_points(s, parent.response_ids, options.abs_threshold, options.rel_threshold)
+            points = branch_points(s, parent.response_ids, options.abs_threshold, options.rel_threshold, self.can_branch)
             found += [(t, i, k, a) for t, a in points if birth < t and t + 1 < budget and t < options.branch_window]
         found.sort(key=lambda x: (x[1], x[0], x[2]))  # per prompt, earliest first
         tried = [0] * len(room)
@@ -305,7 +375,7 @@ class LookaheadRollout(RolloutStrategy):
         sampler, setup = self.setup.sampler, self.setup
         start = time.perf_counter()
         trees = sampler.engine.generate_branching(
-            [GenerationRequest(prompts[i], n=tree_size) for i in range(latr)], setup.params, self.options.rule(), setup.generator
+            [GenerationRequest(prompts[i], n=tree_size) for i in range(latr)], setup.params, self.options.rule(self.can_branch), setup.generator
         )
         shared = sum(t for tree in trees for t in tree.births if t > 0)
         sampler.cost.add([tree.members for tree in trees], time.perf_counter() - start, shared=shared)
@@ -333,9 +403,13 @@ class LookaheadRollout(RolloutStrategy):
             trees = [tree.members for tree in decoded]
             tried, pruned = sum(t.spawned for t in decoded), sum(t.pruned for t in decoded)
             filled = sum(tree_size - len(tree) for tree in trees)
+            iid = options.fill == "iid"
             plain = sampler.generate(
-                [GenerationRequest(ids, n=n - len(trees[i]) if i < latr else n) for i, ids in enumerate(prompts)], params, setup.generator
+                [GenerationRequest(ids, n=n - (len(trees[i]) if iid else tree_size) if i < latr else n) for i, ids in enumerate(prompts)],
+                params, setup.generator,
             )
+            if not iid:
+                self._repeat_fill(prompts, trees, tree_size)
             groups = [[*trees[i], *plain[i]] if i < latr else list(plain[i]) for i in range(len(prompts))]
             for i in range(latr):
                 for c in groups[i]:
@@ -361,9 +435,11 @@ class LookaheadRollout(RolloutStrategy):
             for i, branch, _ in level:
                 branch.behaviour = "branch"
                 trees[i].append(branch)
-        # 6. fill short trees with i.i.d. responses
+        # 6. fill short trees: copies of the trunk (repeat) or i.i.d. responses
         short = [(i, tree_size - len(tree)) for i, tree in enumerate(trees) if len(tree) < tree_size]
-        if short:
+        if short and options.fill == "repeat":
+            self._repeat_fill(prompts, trees, tree_size)
+        elif short:
             fill = sampler.generate([GenerationRequest(prompts[i], m) for i, m in short], params, setup.generator)
             for (i, _), completions in zip(short, fill):
                 trees[i].extend(completions)
@@ -373,6 +449,28 @@ class LookaheadRollout(RolloutStrategy):
                 c.request_index = i
         filled = sum(m for _, m in short)
         return sampler.grade(problems, groups, budget), self._metrics(share, latr, tried, pruned, trees, levels, filled)
+
+    def _repeat_fill(self, prompts: list[tuple[int, ...]], trees: list[list[Completion]], tree_size: int) -> None:
+        """``fill: repeat`` (the released ``fill_return_sequences``): each tree short of ``tree_size`` gets
+        copies of its first member; a first member longer than ``branch_window`` is copied up to the
+        window and each copy sampled on from there (the released rollout returns at ``force_return_step``
+        and vLLM continues every row, the copies included). Module docstring: what this does to the group."""
+        setup, window = self.setup, self.options.branch_window
+        budget = setup.params.max_new_tokens
+        short = [(i, tree_size - len(tree)) for i, tree in enumerate(trees) if len(tree) < tree_size]
+        on = [(i, m) for i, m in short if len(trees[i][0].response_ids) > window]
+        continued = continue_with_budgets(
+            setup.sampler, [(GenerationRequest(prompts[i], m, tuple(trees[i][0].response_ids[:window])), budget - window) for i, m in on],
+            setup.params, setup.generator,
+        )
+        more = {i: list(c) for (i, _), c in zip(on, continued)}
+        for i, m in short:
+            first = trees[i][0]
+            copies = more.get(i) or [dataclasses.replace(first, response_ids=list(first.response_ids), logprobs=list(first.logprobs))
+                                     for _ in range(m)]
+            for c in copies:
+                c.behaviour = first.behaviour
+            trees[i].extend(copies)
 
     @staticmethod
     def _metrics(share: float, latr: int, tried: int, pruned: int, trees: list[list[Completion]], levels: int,
