@@ -454,6 +454,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     algorithm = validate_config(cfg)  # every check before anything expensive
     run = prepare(cfg, algorithm, started)
     if run.config.mode == "generate":  # graded traces for the guided methods (rlbench/guidance/generate.py)
+        if run.config.warmup is not None:  # Thinkless' paired warm-up data of two teachers
+            from rlbench.guidance.warmup import write_warmup_traces
+
+            return write_warmup_traces(run.cfg, run.config, run.device)
         from rlbench.guidance.generate import write_traces
 
         return write_traces(run.cfg, run.config, run.device)

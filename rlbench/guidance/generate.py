@@ -91,12 +91,9 @@ def sample_graded(cfg: DictConfig, config: RunConfig, model: Any, problems: list
 def write_traces(cfg: DictConfig, config: RunConfig, device: torch.device) -> dict[str, Any]:
     """Generate, grade and write the traces of ``dataset`` to ``out`` with the sampling settings of
     ``rollout`` (``cfg``: the composed config, for the loaders; ``config``: the same, typed); returns the counts.
-    With ``rollout.replay.pool_save`` the verified successes go to that RLEP pool instead (module docstring);
-    with a ``warmup`` node, Thinkless' paired warm-up data of two teachers (rlbench/guidance/warmup.py)."""
-    if config.warmup is not None:
-        from rlbench.guidance.warmup import write_warmup_traces
-
-        return write_warmup_traces(cfg, config, device)
+    With ``rollout.replay.pool_save`` the verified successes go to that RLEP pool instead (module docstring).
+    (With a ``warmup`` node the runner calls rlbench/guidance/warmup.py instead, which samples through
+    :func:`sample_graded`.)"""
     started = time.perf_counter()
     rollout = config.rollout
     pool_path = generated_pool_path(rollout)

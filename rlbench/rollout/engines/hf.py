@@ -60,7 +60,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence, TypeVar
+from typing import Callable, Protocol, Sequence, TypeVar
 
 import torch
 
@@ -70,12 +70,11 @@ from rlbench.rollout.engines.base import (
     Completion, GenerationRequest, PositionStats, SamplingParams, check_transform_requests, request_seeds, sample_seed,
 )
 from rlbench.rollout.engines.scoring import distribution_stats
+from rlbench.rollout.engines.branching import BranchRow, BranchRule, BranchTree, spawn_tokens
 from rlbench.rollout.engines.cpu_linear import fast_cpu_linears, layers_for_cpu_kernels
 from rlbench.rollout.engines.lean_decode import LeanDecoder, lean_decode_unsupported
 from rlbench.rollout.engines.prefix_cache import KV, PrefixKVCache, weights_version
 
-if TYPE_CHECKING:
-    from rlbench.rollout.engines.branching import BranchRule, BranchTree
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -613,15 +612,13 @@ class HFGenerateEngine:
         return results  # type: ignore[return-value]
 
     def generate_branching(
-        self, requests: Sequence[GenerationRequest], params: SamplingParams, rule: "BranchRule",
+        self, requests: Sequence[GenerationRequest], params: SamplingParams, rule: BranchRule,
         generator: torch.Generator | None = None,
-    ) -> list["BranchTree"]:
+    ) -> list[BranchTree]:
         """For each request (a prompt; ``n``: the tree's size), a tree of rows that branch while they decode
         under ``rule`` (LATR, arXiv:2510.24302; rlbench/rollout/engines/branching.py). Requests are decoded in
         the plain loop's order (longest first), ``batch_size // n`` trees per batch. Not for requests with a
         prefix, their own seed or a role adapter, a logits transform, or under FSDP (refused)."""
-        from rlbench.rollout.engines.branching import decode_trees
-
         _check_params(params)
         if any(r.prefix_ids or r.seed is not None or r.adapter is not None or r.n < 1 or not r.prompt_ids for r in requests):
             raise ValueError("generate_branching takes prompts with n >= 1 and no prefix, seed or role adapter")
@@ -644,12 +641,109 @@ class HFGenerateEngine:
                 order = sorted(range(len(requests)), key=lambda i: -len(requests[i].prompt_ids))
                 per_batch = max(1, self.batch_size // max(r.n for r in requests))
                 for batch in _chunks(order, per_batch):
-                    for i, tree in zip(batch, decode_trees(self, [requests[i] for i in batch], params, rule, sample_gen, lean)):
+                    for i, tree in zip(batch, self._decode_trees([requests[i] for i in batch], params, rule, sample_gen, lean)):
                         for c in tree.members:
                             c.request_index = i
                         trees[i] = tree
         finally:
             model.train(was_training)
+        return trees
+
+    def _decode_trees(self, requests: Sequence[GenerationRequest], params: SamplingParams, rule: BranchRule,
+                      generator: torch.Generator, lean: LeanDecoder | None) -> list[BranchTree]:
+        """The trees of one batch of ``requests`` (prompts only; ``n``: a tree's size); the model in eval
+        mode under inference mode (the caller's)."""
+        warpers = _warpers(params)
+        inputs, row_input, seen = [], [], {}
+        for req in requests:
+            key = tuple(req.prompt_ids) if self.share_prefill else len(inputs)
+            if key not in seen:
+                seen[key] = len(inputs)
+                inputs.append(tuple(req.prompt_ids))
+            row_input.append(seen[key])
+        logits, cache, mask, last_pos = self._prefill_reusing(inputs, [0] * len(inputs), 1)
+        rows = [BranchRow(i, [], []) for i in range(len(requests))]
+        live = [1] * len(requests)  # rows of each tree not pruned
+        spawned = [0] * len(requests)
+        budget = params.max_new_tokens
+        if budget > 0:
+            index = torch.tensor(row_input, dtype=torch.long, device=logits.device)
+            scores = logits[:, -1].index_select(0, index)
+            decoding = lean.steps(cache, mask, index, budget) if lean is not None else ModelSteps(self.model, cache, mask, index, len(inputs))
+            del cache
+            position = last_pos.index_select(0, index)
+            eos = set(self.eos_ids)
+            active = list(range(len(rows)))  # row ids in decoding order
+            returned = False  # the batch's trees are full and past their checkpoints: rows sample (module docstring)
+            for step in range(budget):
+                logp = warped_logprobs(scores, warpers)
+                greedy = rule.parent_top1 and not returned and step < rule.window
+                if params.temperature == 0:
+                    chosen = logp.argmax(-1)
+                else:
+                    uniforms = draw_uniforms(len(rows), generator, logp.device)  # one per row so far (module docstring)
+                    if len(active) != len(rows):
+                        uniforms = uniforms[torch.tensor(active, device=uniforms.device)]
+                    chosen = logp.argmax(-1) if greedy else inverse_cdf_sample(logp, uniforms)
+                chosen_lp = logp.gather(-1, chosen[:, None]).squeeze(-1).tolist()
+                branching = step < rule.window and any(live[rows[r].tree] < requests[rows[r].tree].n for r in active)
+                if branching:
+                    top_lp, top_tok = logp.topk(min(rule.top_m, logp.shape[-1]), dim=-1)
+                    top_p, top_tok, top_lp = top_lp.exp().tolist(), top_tok.tolist(), top_lp.tolist()
+                followers = []  # (decoding index of the row whose state it continues, row id)
+                for a, (r, t, lp) in enumerate(zip(active, chosen.tolist(), chosen_lp)):
+                    row = rows[r]
+                    followers.append((a, r))
+                    if branching:
+                        for v in spawn_tokens(top_tok[a], top_p[a], t, rule):
+                            if live[row.tree] >= requests[row.tree].n:
+                                break
+                            rows.append(BranchRow(row.tree, row.tokens + [v], row.logprobs + [top_lp[a][top_tok[a].index(v)]], r, step))
+                            live[row.tree] += 1
+                            spawned[row.tree] += 1
+                            followers.append((a, len(rows) - 1))
+                    row.tokens.append(t)
+                    row.logprobs.append(lp)
+                kept = []
+                for a, r in followers:
+                    row = rows[r]
+                    ended = row.tokens[-1] in eos or step == budget - 1
+                    if row.parent >= 0 and row.checked < len(rule.checkpoints):
+                        due = [c for c in rule.checkpoints[row.checked :] if c <= step - row.birth or ended]
+                        row.checked += len(due)
+                        if due and rule.similar(row.tokens, rows[row.parent].tokens, row.birth, tuple(due)):
+                            row.pruned = True
+                            live[row.tree] -= 1
+                            continue
+                    if not ended:
+                        kept.append((a, r))
+                if not kept:
+                    break
+                active = [r for _, r in kept]
+                if rule.parent_top1 and not returned:
+                    running = {rows[r].tree for r in active}
+                    returned = all(live[i] >= requests[i].n or i not in running for i in range(len(requests))) and all(
+                        rows[r].birth + rule.checkpoints[-1] < step for r in active)
+                select = [a for a, _ in kept]
+                if select != list(range(len(chosen_lp))):  # rows ended, were pruned or branched
+                    where = torch.tensor(select, dtype=torch.long, device=position.device)
+                    position = position[where]
+                    decoding.select_rows(where)
+                position = position + 1
+                scores = decoding.step(torch.tensor([rows[r].tokens[-1] for r in active], dtype=torch.long, device=position.device), position)
+        trees = [BranchTree(spawned=spawned[i], pruned=spawned[i] + 1 - live[i]) for i in range(len(requests))]
+        member: dict[int, int] = {}
+        for r, row in enumerate(rows):
+            if row.pruned:
+                continue
+            tree = trees[row.tree]
+            member[r] = len(tree.members)
+            completion = self._make_completion(row.tree, requests[row.tree], row.tokens, row.logprobs, [])
+            if row.parent >= 0:
+                completion.behaviour = "branch"
+            tree.members.append(completion)
+            tree.parents.append(member.get(row.parent, -1))
+            tree.births.append(row.birth)
         return trees
 
     def _lean_decoder(self) -> LeanDecoder | None:
