@@ -92,6 +92,17 @@ def atomic_write_json(path: str | Path, data: Any) -> None:
     atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
 
 
+def tokenizer_fingerprint(tokenizer: Any) -> str | None:
+    """sha256 of the tokenizer's sorted vocabulary (token -> id): two tokenizers with the same fingerprint turn ids
+    into the same tokens. None for a tokenizer without ``get_vocab``. Files of token ids (traces, replay pools, MCTS
+    trees, offline groups) record it and are refused, or their ids dropped, under another tokenizer."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        return None
+    vocab = sorted(get_vocab().items())
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
 def plural(count: int, noun: str) -> str:
     """``count`` and ``noun``, with an s unless the count is one: ``1 group``, ``2 groups``."""
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"

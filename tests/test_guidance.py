@@ -13,7 +13,8 @@ from rlbench.algorithm.losses.off_policy import policy_shaping_loss, shaping_gam
 from rlbench.dataset.arith import derivation
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError, DataError
-from rlbench.guidance import GuidanceLibrary, GuidanceOptions, Trace, load_guidance, tokenizer_fingerprint, trace_completion
+from rlbench.guidance import GuidanceLibrary, GuidanceOptions, Trace, load_guidance, trace_completion
+from rlbench.utils import tokenizer_fingerprint
 from rlbench.guidance.traces import even_token_ids, solution_trace_text
 from rlbench.reward import MathReward
 from rlbench.reward.toy import EvenTokenReward

@@ -20,7 +20,7 @@ from rlbench.algorithm.aggregation import group_mean  # noqa: E402
 from rlbench.algorithm.losses.preference import dpo_loss, preference_pairs  # noqa: E402
 from rlbench.dataset.base import Problem  # noqa: E402
 from rlbench.errors import ConfigError, DataError  # noqa: E402
-from rlbench.guidance.traces import tokenizer_fingerprint  # noqa: E402
+from rlbench.utils import tokenizer_fingerprint  # noqa: E402
 from rlbench.model import load_policy  # noqa: E402
 from rlbench.rollout.engines.base import SamplingParams  # noqa: E402
 from rlbench.rollout.groups import GroupSampler  # noqa: E402

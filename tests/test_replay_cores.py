@@ -17,8 +17,8 @@ from rlbench.rollout.guided.replay_pool import (
     check_pool_questions,
     check_pool_tokenizer,
     read_pool,
-    tokenizer_fingerprint,
 )
+from rlbench.utils import tokenizer_fingerprint
 
 # ------------------------------------------------------------------------------------------------ RLEP
 

@@ -6,8 +6,7 @@ from rlbench.guidance.traces import (
     GuidanceOptions,
     Trace,
     load_guidance,
-    tokenizer_fingerprint,
     trace_completion,
 )
 
-__all__ = ["GuidanceLibrary", "GuidanceOptions", "Trace", "load_guidance", "tokenizer_fingerprint", "trace_completion"]
+__all__ = ["GuidanceLibrary", "GuidanceOptions", "Trace", "load_guidance", "trace_completion"]

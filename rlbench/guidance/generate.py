@@ -42,7 +42,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlbench.config.schema import RunConfig
 from rlbench.dataset import load_problems
-from rlbench.guidance.traces import tokenizer_fingerprint
 from rlbench.model import load_policy
 from rlbench.prompting import encode_prompts
 from rlbench.reward import grade_completions
@@ -51,7 +50,7 @@ from rlbench.rollout import make_engine
 from rlbench.rollout.engines.base import GenerationRequest, SamplingParams
 from rlbench.rollout.guided.replay import ReplayItem, ReplayOptions, generated_pool_path
 from rlbench.rollout.guided.replay_pool import SuccessPool
-from rlbench.utils import Progress, atomic_write_text
+from rlbench.utils import Progress, atomic_write_text, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 

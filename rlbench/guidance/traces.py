@@ -23,7 +23,6 @@ training when any was found, ``on_bad=skip`` leaves them out and goes on.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import random
 import re
@@ -37,6 +36,7 @@ from rlbench.dataset.base import Problem
 from rlbench.dataset.jsonl import iter_jsonl
 from rlbench.errors import ConfigError, DataError
 from rlbench.reward import grade_completions
+from rlbench.utils import tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -102,13 +102,6 @@ class GuidanceLibrary:
     def add(self, trace: Trace) -> None:
         self.traces.setdefault(trace.uid, []).append(trace)
         self.counts["kept"] += 1
-
-
-def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """A short hash of the tokenizer's vocabulary (token -> id): two tokenizers with the same
-    fingerprint turn ids into the same tokens."""
-    vocab = sorted(tokenizer.get_vocab().items())
-    return hashlib.sha256(repr(vocab).encode("utf-8")).hexdigest()[:16]
 
 
 def text_token_ids(tokenizer: Any, text: str) -> tuple[int, ...]:

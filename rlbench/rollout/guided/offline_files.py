@@ -17,7 +17,7 @@ dataset, whose statement, answer and template fields it then takes; so does a ``
 problem's statement). Either way the prompt is templated as an
 online prompt is: the dataset's ``prompt`` (system message, user template) and the model's chat template. In
 CSV files the ``responses`` and ``ranking`` columns hold JSON lists. Optional fields: ``tokenizer`` (the
-fingerprint of rlbench.guidance.traces.tokenizer_fingerprint) and ``chat_template`` (:func:`chat_template_fingerprint`),
+fingerprint of rlbench.utils.tokenizer_fingerprint) and ``chat_template`` (:func:`chat_template_fingerprint`),
 checked against the run's when present.
 
 Conversational records (TRL's conversational format: a field holds a list of chat messages ``{role, content}``
@@ -60,7 +60,8 @@ from typing import Any
 from rlbench.dataset.base import Problem
 from rlbench.dataset.jsonl import iter_jsonl
 from rlbench.errors import ConfigError, DataError
-from rlbench.guidance.traces import text_token_ids, tokenizer_fingerprint
+from rlbench.guidance.traces import text_token_ids
+from rlbench.utils import tokenizer_fingerprint
 
 FORMATS = ("auto", "pairs", "responses", "ranking", "traces")
 DATASETS_BUILDERS = {".json": "json", ".parquet": "parquet", ".csv": "csv"}  # suffix -> datasets' packaged builder

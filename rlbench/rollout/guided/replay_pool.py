@@ -33,7 +33,6 @@ response sampled under another prompt (its prompt token ids differ from the fres
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,21 +40,12 @@ from typing import TYPE_CHECKING, Any
 
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
-from rlbench.utils import atomic_write_json
+from rlbench.utils import atomic_write_json, tokenizer_fingerprint
 
 if TYPE_CHECKING:  # a type only: replay.py imports this module
     from rlbench.rollout.guided.replay import ReplayItem
 
 POOL_FORMAT = "rlbench-replay-pool/1"
-
-
-def tokenizer_fingerprint(tokenizer: Any) -> str | None:
-    """sha256 of the tokenizer's sorted vocabulary (token -> id); None for a tokenizer without ``get_vocab``."""
-    get_vocab = getattr(tokenizer, "get_vocab", None)
-    if get_vocab is None:
-        return None
-    vocab = sorted(get_vocab().items())
-    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode("utf-8")).hexdigest()
 
 
 def dataset_of(uid: str) -> str:

@@ -77,7 +77,6 @@ from rlbench.config.schema import RolloutConfig
 from rlbench.config.typed import settings_block
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError, DataError
-from rlbench.guidance.traces import tokenizer_fingerprint
 from rlbench.rollout.continuation import continue_with_budgets
 from rlbench.rollout.engines.base import GenerationRequest
 from rlbench.rollout.groups import GradedGroups
@@ -90,7 +89,7 @@ from rlbench.rollout.strategy import (
     register_strategy,
     strategy_options,
 )
-from rlbench.utils import atomic_write_text
+from rlbench.utils import atomic_write_text, tokenizer_fingerprint
 
 SEARCH = "mcts_prefix.search"
 PREFIX_STAGE = "prefix_stage"
