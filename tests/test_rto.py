@@ -252,7 +252,7 @@ def test_rto_bad_input_is_refused_before_loading(make_cfg, tmp_path):
     with pytest.raises(ConfigError, match="beta_dpo"):
         validate_config(make_cfg(*SMOKE, "algorithm=rto", f"algorithm.rto.dpo_model={folder}", "algorithm.rto.beta_dpo=-1"))
     with pytest.raises(ConfigError, match="parallelism=ddp"):
-        check_rto_run(RTOSettings(folder, 0.1, 1.0), "", lora=False, parallelism="ddp")
+        check_rto_run(RTOSettings(folder, 0.1, 1.0, 0.0), "", lora=False, parallelism="ddp")
     with pytest.raises(ConfigError, match="LoRA"):
         validate_config(make_cfg(*SMOKE, "algorithm=rto", f"algorithm.rto.dpo_model={folder}", "model/lora=default"))
 

@@ -77,7 +77,7 @@ class RTOSettings:
     dpo_model: str | None
     beta_dpo: float
     sparse_coef: float
-    dpo_clip: float = 0.0
+    dpo_clip: float
 
     @classmethod
     def from_config(cls, node: Any) -> RTOSettings | None:
