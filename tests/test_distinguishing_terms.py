@@ -47,7 +47,7 @@ TOY_OVERRIDES = {"paper=aepo": ["rollout=iid", "~env", "~rollout.multi_turn"]}
 PAPER_OUTCOMES = {
     "aepo": "exercised",  # the authors' 14B script: 8 mini-batches
     "ce_gppo": "exercised",  # the authors' scripts: 8 mini-batches
-    "cispo": "notice",  # MiniMax-M1's updates per batch were not found
+    "cispo": "exercised",  # MiniMax-M1 sec. 3.1: 16 off-policy updates per generation batch (16 mini-batches)
     "dppo": "exercised",  # PPO with dropout: PPO's 3 epochs x 4 mini-batches stand in
     "gmpo": "exercised",  # the authors' script: 8 mini-batches
     "gspo": "exercised",  # 4 mini-batches
@@ -57,7 +57,7 @@ PAPER_OUTCOMES = {
     "m2po": "exercised",  # the authors' script: 4 mini-batches on data 64 versions stale (trainer.max_staleness)
     "mdpo": "exercised",  # the paper's 10 SGD steps per batch
     "rec": "stale",  # the example's explorer syncs every 20 steps; so does the preset (weight_sync_every=20)
-    "soft_sapo": "notice",  # the paper's update schedule was not found
+    "soft_sapo": "exercised",  # sec. 5.1 (as transcribed): 4 mini-batches per rollout batch
     "spo_simple": "exercised",  # PPO's loop with SPO's penalty: PPO's 3 epochs x 4 mini-batches stand in
 }
 

@@ -380,17 +380,22 @@ def test_sapo_soft_gate():
     # (f'(rho) = sig'(tau(rho-1)) * tau * 4/tau = 4 sig'; dl/dlogp = -A f'(rho) rho)
     logp = ratio_logp([[1.5, 0.5]])
     adv = t([[1.0, -2.0]])
-    matrix, _ = POLICY_LOSSES.get("soft_sapo")(logp, torch.full_like(logp, OLD), adv, torch.ones(1, 2, dtype=F64))
+    matrix, metrics = POLICY_LOSSES.get("soft_sapo")(logp, torch.full_like(logp, OLD), adv, torch.ones(1, 2, dtype=F64))
     d = lambda x: _sig(x) * (1 - _sig(x))  # noqa: E731
     assert torch.allclose(matrix, t([[-4 * _sig(0.5), 2 * _sig(-0.525) * 4 / 1.05]]))
     assert torch.allclose(grad(matrix, logp), t([[-4 * d(0.5) * 1.5, 2 * 4 * d(-0.525) * 0.5]]))
+    # gate_damping: mean of 1 - f'(rho) = 1 - sech^2(x/2), x = tau (rho - 1)
+    sech2 = lambda x: 1 / math.cosh(x / 2) ** 2  # noqa: E731
+    assert metrics["gate_damping"] == pytest.approx(((1 - sech2(0.5)) + (1 - sech2(-0.525))) / 2)
 
 
 def test_sapo_at_ratio_one_value_is_two_over_tau_and_slope_is_one():
     logp = ratio_logp([[1.0, 1.0]])
     adv = t([[0.5, -3.0]])
-    matrix, _ = POLICY_LOSSES.get("soft_sapo")(logp, logp.detach(), adv, torch.ones(1, 2, dtype=F64), tau_pos=1.0, tau_neg=1.05)
+    matrix, metrics = POLICY_LOSSES.get("soft_sapo")(logp, logp.detach(), adv, torch.ones(1, 2, dtype=F64),
+                                                     tau_pos=1.0, tau_neg=1.05)
     assert torch.allclose(matrix, t([[-0.5 * 2 / 1.0, 3.0 * 2 / 1.05]]))  # -A * 2/tau
+    assert metrics["gate_damping"] == 0.0
     assert torch.allclose(grad(matrix, logp), -adv)  # gate slope sig'(0) * 4 = 1
 
 

@@ -19,7 +19,8 @@ from rlbench.algorithm.registry import POLICY_LOSSES
 
 
 @POLICY_LOSSES.register("soft_sapo", paper_aggregation="seq_mean_token_mean",
-                        ratio_term="its soft gate on the ratio (at ratio 1 the gradient is the plain policy gradient)")
+                        ratio_term="its soft gate on the ratio (at ratio 1 the gradient is the plain policy gradient)",
+                        ratio_term_metric="gate_damping")
 def sapo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -35,7 +36,9 @@ def sapo_loss(
         l_t    = -f(rho_t) A_t
     At rho = 1: f = 2 / tau and f' = sigmoid'(0) * 4 = 1, so the gradient is the REINFORCE
     gradient -A grad logp while the value is -2 A / tau. verl and TRL aggregate per sequence
-    (seq_mean_token_mean). Metrics: approx_kl, ratio_mean, gate_mean (mean f(rho)).
+    (seq_mean_token_mean). Metrics: approx_kl, ratio_mean, gate_mean (mean f(rho)), gate_damping: the mean of
+    1 - w_t over tokens, where w_t = f'(rho_t) = 4 sigmoid(x)(1 - sigmoid(x)), x = tau (rho_t - 1), is the token's
+    gradient weight relative to the policy gradient (eq. 5's sech^2(x / 2)); 0 exactly when every rho_t = 1.
     """
     lr = log_ratio(logp, old_logp)
     ratio = torch.exp(lr)
@@ -44,6 +47,8 @@ def sapo_loss(
     mask = response_mask.to(ratio.dtype)
     metrics = _ratio_metrics(lr, ratio, mask)
     metrics["gate_mean"] = masked_mean(gate.detach(), mask).item()
+    gate_sigmoid = torch.sigmoid(tau * (ratio - 1.0)).detach()
+    metrics["gate_damping"] = masked_mean(1.0 - 4.0 * gate_sigmoid * (1.0 - gate_sigmoid), mask).item()
     return -gate * advantages * mask, metrics
 
 
