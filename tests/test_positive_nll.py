@@ -122,3 +122,31 @@ def test_bad_settings_are_refused():
             "advantage": {"name": "grpo"}, "loss": {"name": "dpo"}, "aggregation": {"name": "group_mean"},
             "positive_nll_coef": 0.1,
         }))
+
+
+def test_the_update_hands_the_verdicts_to_the_term_and_micro_batches_add_up():
+    """standard_update on a tiny model: the term changes the gradient only through the correct responses' tokens,
+    and micro-batches of 2 give the whole batch's gradient (normalised by the optimizer batch's correct counts)."""
+    from rlbench.training.batch import collate
+    from rlbench.training.update import standard_update
+    from test_trainer import RecordingOptimizer, completions, tiny_lm
+
+    def gradient(coef: float, micro_batch_size: int, correct: torch.Tensor) -> torch.Tensor:
+        algo = algorithm(coef)
+        batch = collate(completions(0), pad_token_id=0)
+        batch.rewards = correct.float()
+        batch.correct = correct
+        batch.advantages = algo.compute_advantages(batch.rewards, batch.group_index, batch.response_mask)
+        model = tiny_lm(0)
+        recorded = RecordingOptimizer(model)
+        standard_update(model, recorded, batch, algo, micro_batch_size=micro_batch_size, max_grad_norm=None,
+                        temperature=1.0, norm_length=6)
+        return torch.cat([g.reshape(-1) for g in recorded.steps[0]])
+
+    correct = torch.tensor([True, False, False, True] * 3)
+    whole, split, off = gradient(0.1, 12, correct), gradient(0.1, 2, correct), gradient(0.0, 2, correct)
+    torch.testing.assert_close(split, whole, atol=1e-6, rtol=1e-5)
+    assert (whole - off).abs().max() > 1e-4  # the term acts
+    # no correct response: the same gradient as without the term, bit for bit
+    none = torch.zeros(12, dtype=torch.bool)
+    assert torch.equal(gradient(0.1, 2, none), gradient(0.0, 2, none))
