@@ -138,7 +138,10 @@ def test_kept_responses_drop_whole_sequences_from_the_loss_normaliser():
     batch.sample_keep = torch.tensor([True, False, False, True])
     sub = kept_responses(batch)
     assert sub.advantages.tolist() == [[1.0, 1.0], [4.0, 0.0]] and sub.group_index.tolist() == [0, 1]
-    assert batch_norms(sub, torch.arange(sub.size), 2) == {"batch_tokens": 3, "batch_sequences": 2, "batch_groups": 2, "norm_length": 2}
+    assert batch_norms(sub, torch.arange(sub.size), 2) == {"batch_tokens": 3, "batch_sequences": 2, "batch_groups": 2, "norm_length": 2,
+                                                           # no verdicts in this batch: no correct response
+                                                           "correct_batch_tokens": 0, "correct_batch_sequences": 0,
+                                                           "correct_batch_groups": 0}
 
 
 # ---------------------------------------------------------------- refusals

@@ -36,11 +36,24 @@ from rlbench.training.interrupt import Interrupted, StopSignals
 from rlbench.training.update import standard_update
 
 from test_curricula import PROBLEMS, graded
+from conftest import algorithm_from
 from test_trainer import RecordingOptimizer, algo, completions, tiny_lm
 
 AGGREGATION_MODES = sorted(AGGREGATIONS.names())
 GROUPS, N = 4, 3  # 4 prompts x 3 responses; each of 2 ranks trains 2 whole groups
 UPDATE = dict(micro_batch_size=2, max_grad_norm=None, temperature=1.0, norm_length=6)
+
+
+# the NLL of the correct responses (algorithm.positive_nll_coef): every other response correct; its counts are global too
+CORRECT = torch.arange(GROUPS * N) % 2 == 0
+POSITIVE_NLL = "token_mean+positive_nll"
+
+
+def algorithm_of(case: str):
+    if case == POSITIVE_NLL:
+        return algorithm_from({"name": "t", "advantage": {"name": "grpo"}, "loss": {"name": "ppo_clip"},
+                               "aggregation": {"name": "token_mean"}, "positive_nll_coef": 0.1})
+    return algo(case)
 
 
 def rewards_of(size: int) -> torch.Tensor:
@@ -63,9 +76,10 @@ def full_gradient(recorded, params) -> torch.Tensor:
 
 
 def one_process_gradient(aggregation: str) -> torch.Tensor:
-    algorithm = algo(aggregation)
+    algorithm = algorithm_of(aggregation)
     groups = completions(0, groups=GROUPS, n=N)
     batch = group_batch(algorithm, groups, rewards_of(GROUPS * N))
+    batch.correct = CORRECT
     model = tiny_lm(0)
     recorded = RecordingOptimizer(model)
     standard_update(model, recorded, batch, algorithm, **UPDATE)
@@ -82,9 +96,10 @@ def rank_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> Non
             world = World(rank, world_size, strategy)
             own = world.shard(list(range(GROUPS)))  # whole groups: this rank's prompts
             rows = [g * N + k for g in own for k in range(N)]
-            for aggregation in AGGREGATION_MODES:
-                algorithm = algo(aggregation)
+            for aggregation in [*AGGREGATION_MODES, POSITIVE_NLL]:
+                algorithm = algorithm_of(aggregation)
                 batch = group_batch(algorithm, [groups[g] for g in own], rewards[rows])
+                batch.correct = CORRECT[rows]
                 model = wrap_model(tiny_lm(0), world)
                 recorded = RecordingOptimizer(model)  # holds the parameters as the run's optimizer does
                 batch_outputs(model, batch, 2, 1.0)  # a forward without gradient first (the sampling pass)
@@ -181,7 +196,7 @@ def two_ranks(tmp_path_factory, worker_id):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-@pytest.mark.parametrize("aggregation", AGGREGATION_MODES)
+@pytest.mark.parametrize("aggregation", [*AGGREGATION_MODES, POSITIVE_NLL])
 def test_two_ranks_give_the_one_process_update(two_ranks, strategy, aggregation):
     """Each rank trains half of the groups; the normalisers are global and the gradient is reduced,
     so the update equals one process's update on the whole batch."""

@@ -133,7 +133,8 @@ SOURCE_VALUES: dict[str, dict[str, Any]] = {
     "aepo": {"model.hub_id": "Qwen/Qwen3-14B", "algorithm.loss.dual_clip": 3.0},
     # Kwai-Klear/CE-GPPO 1.5B script: filter_groups on acc over 2 x 128 prompts, clip_ratio_c 10
     "ce_gppo": {"rollout.strategy": "dynamic_sampling", "rollout.dynamic_sampling.metric": "correct",
-                "rollout.dynamic_sampling.max_rounds": 2, "algorithm.loss.dual_clip": 10.0},
+                "rollout.dynamic_sampling.max_rounds": 2, "algorithm.loss.dual_clip": 10.0,
+                "algorithm.positive_nll_coef": 0.1},  # positive_loss_coeff=0.1
     "intellect2": {"model.hub_id": "Qwen/QwQ-32B"},
     "spo": {"model.hub_id": "Qwen/Qwen3-8B", "rollout.n": 1},
     "two_grpo": {"rollout.n": 2},

@@ -133,9 +133,10 @@ def test_every_step_input_has_its_producer():
     # strategies: what a registered strategy provides is a strategy input, and each one has a strategy
     provided = {name for cls in STRATEGIES.values() for name in cls.provides}
     assert provided == STEP_INPUTS.names(producer="strategy")
-    # the batch: each batch input is a TrainBatch attribute
+    # the batch: each batch input is a TrainBatch attribute, and so is each graded input the loss step reads
     batch_attributes = {name for name, _ in inspect.getmembers(TrainBatch)} | set(TrainBatch.__dataclass_fields__)
     assert STEP_INPUTS.names(producer="batch") <= batch_attributes
+    assert STEP_INPUTS.names("loss", "objective", producer="graded") <= batch_attributes
 
 
 def test_entries_are_declared_once():

@@ -8,6 +8,7 @@ below are the whole objective, read top to bottom:
     loss       = aggregate(token_mask * w * policy_loss(logp, old_logp, A))
                + kl_coef * aggregate(kl(logp, ref_logp))                    (kl.placement=loss)
                - entropy_coef * aggregate(H)
+               + positive_nll_coef * aggregate_C(-logp)                     (correct responses C only)
                + critic.coef * aggregate(value_loss(V, V_old, R))            (value head only)
 
 kl_coef and entropy_coef are fixed, or adapted after every step (kl.adaptive, entropy_adaptive);
@@ -16,7 +17,8 @@ the token mask is 1, or the top-entropy-quantile mask (token_mask.top_entropy_qu
 or the truncated importance weight between the sampling engine and the trainer
 (sampling_correction, sampling_correction.py). ``kl`` is the estimator ``kl.estimator`` (with
 ``kl.clamp`` for k3 / k3+, kl.py). ``algorithm.update.schedule`` (standard | sfpo | trpo, see
-schedules.py) says how that loss becomes parameter changes. What each piece needs of the others
+schedules.py) says how that loss becomes parameter changes. aggregate_C is the aggregation over the
+correct responses' tokens only, normalised by their counts in the optimizer batch (``positive_nll``). What each piece needs of the others
 (aggregation, advantage level) it declares where it is registered (registry.Needs).
 """
 
@@ -36,6 +38,7 @@ from rlbench.algorithm.critic import CRITIC_ADVANTAGE, CRITIC_RETURNS, CriticSet
 from rlbench.algorithm.advantages.verl_pieces import PolicyFiltration
 from rlbench.algorithm.downsampling import DownSampling
 from rlbench.algorithm.losses import masked_mean
+from rlbench.algorithm.losses.auxiliary_sft import target_nll
 from rlbench.algorithm.sampling_correction import SamplingCorrection
 from rlbench.algorithm.schedules import SFPOSettings, TRPOSettings, schedule_from_config
 from rlbench.algorithm.registry import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
@@ -93,6 +96,7 @@ class Algorithm:
     kl_estimator: str = "k3"
     kl_clamp: float | None = None  # value clamp of k3 / k3+ (algorithm.kl.clamp; verl's low_var_kl: 10)
     entropy_coef: float = 0.0
+    positive_nll_coef: float = 0.0  # the NLL of the correct responses beside the loss (CE-GPPO's scripts: 0.1)
     epochs: int = 1
     minibatches: int = 1
     reward_shaping: tuple[Piece, ...] = ()
@@ -142,6 +146,7 @@ class Algorithm:
             kl_estimator=str(setting(kl, "estimator", "kl")),
             kl_clamp=None if clamp is None else float(clamp),
             entropy_coef=float(setting(cfg, "entropy_coef")),
+            positive_nll_coef=float(setting(cfg, "positive_nll_coef")),
             epochs=int(setting(update, "epochs", "update")),
             minibatches=int(setting(update, "minibatches", "update")),
             reward_shaping=tuple(Piece.from_config(node, "reward_shaping") for node in setting(cfg, "reward_shaping")),
@@ -203,8 +208,8 @@ class Algorithm:
         KL_ESTIMATORS.validate_params(self.kl_estimator, self.kl_estimator_params)
         if self.kl_clamp is not None and self.kl_clamp <= 0:
             raise ConfigError(f"algorithm.kl.clamp must be > 0 (verl's low_var_kl uses 10), got {self.kl_clamp}")
-        if self.kl_coef < 0 or self.entropy_coef < 0:
-            raise ConfigError("algorithm.kl.coef and algorithm.entropy_coef must be >= 0")
+        if self.kl_coef < 0 or self.entropy_coef < 0 or self.positive_nll_coef < 0:
+            raise ConfigError("algorithm.kl.coef, algorithm.entropy_coef and algorithm.positive_nll_coef must be >= 0")
         self._check_kl_and_entropy_settings()
         self._check_downsampling()
         self._check_whole_group_loss()
@@ -278,6 +283,7 @@ class Algorithm:
             "algorithm.pf_ppo": self.pf_ppo is not None,
             "algorithm.kl.coef > 0": self.kl_coef > 0,
             "algorithm.entropy_coef > 0 (or entropy_adaptive)": self.uses_entropy_bonus,
+            "algorithm.positive_nll_coef > 0": self.positive_nll_coef > 0,
             "algorithm.token_mask.top_entropy_quantile": self.top_entropy_quantile is not None,
             "algorithm.downsampling": self.downsampling is not None,
             "algorithm.sampling_correction": self.sampling_correction is not None,
@@ -593,6 +599,27 @@ class Algorithm:
         inputs = {"loss_matrix": matrix, "response_mask": response_mask, **norms}
         return AGGREGATIONS.call(self.aggregation.name, inputs, self.aggregation.params)
 
+    def positive_nll(
+        self, logp: torch.Tensor, mask: torch.Tensor, correct: torch.Tensor | None, norms: Mapping[str, int]
+    ) -> torch.Tensor:
+        """The negative log-likelihood of the correct responses C, aggregated like the loss over their tokens:
+
+            L_NLL = aggregate_C(-log pi_theta(o_it | q, o_i,<t)),   C = {i : correct_i}
+
+        with the configured aggregation normalised by C's counts in the optimizer batch (``norms``' correct_*,
+        rlbench.training.batch.batch_norms); under token_mean L_NLL = sum_{i in C} sum_t m_it (-log pi_it) /
+        N_tok(C), 0 when C is empty. The authors' release of CE-GPPO (Su et al. 2025, arXiv:2509.20712;
+        Kwai-Klear/CE-GPPO, verl/workers/actor/dp_actor.py, positive_loss_coeff=0.1 in every script) adds
+        0.1 L_NLL to the policy loss with C the responses whose reward equals the correct score (their
+        grader's verdict) and the actor's token-mean over C's tokens in each micro-batch (verl normalises
+        by the micro-batch, rlbench by the optimizer batch, as for every term). Incorrect responses get no
+        gradient from it."""
+        if correct is None:
+            raise ValueError("algorithm.positive_nll_coef > 0 needs the grader's verdicts (the step input correct)")
+        target = correct.to(mask.dtype)[:, None] * mask
+        counts = {key: norms[f"correct_{key}"] for key in ("batch_tokens", "batch_sequences", "batch_groups")}
+        return self.aggregate(target_nll(logp, target), target, {**norms, **counts})
+
     def compute_loss(self, *, norms: Mapping[str, int], **step_inputs: Any) -> tuple[torch.Tensor, dict[str, float]]:
         """The scalar loss of one (micro-)batch and its metrics.
 
@@ -649,6 +676,10 @@ class Algorithm:
                 raise ValueError("the entropy bonus needs per-token entropies")
             entropy_value = self.aggregate(entropy * mask, mask, norms)
             total = total - entropy_coef * entropy_value
+        if self.positive_nll_coef > 0:
+            nll_value = self.positive_nll(logp, mask, given.get("correct"), norms)
+            total = total + self.positive_nll_coef * nll_value
+            metrics["positive_nll"] = nll_value.item()
         if self.critic is not None:
             if values is None or returns is None:
                 raise ValueError("the critic term needs values (value head) and returns")

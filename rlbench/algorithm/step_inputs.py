@@ -173,7 +173,8 @@ _declare("returns", "[B,T]", "the critic's regression targets (GAE lambda-return
          when="the algorithm has a value head: algorithm.critic", available=lambda algorithm: algorithm.critic is not None)
 _declare("prev_logp", "[B,T]", "the policy before this step's update, on every token (ReMix's convex KL)", "batch",
          {"objective"}, when="algorithm.kl.previous_weight > 0", available=lambda algorithm: algorithm.kl_previous_weight > 0)
-_declare("correct", "[B] bool", "the grader's verdict on each response", "graded", {"advantage", "shaping"})
+_declare("correct", "[B] bool", "the grader's verdict on each response (the batch keeps it: the loss step's NLL of the "
+         "correct responses, algorithm.positive_nll_coef)", "graded", {"advantage", "shaping", "objective"})
 _declare("outcome", "[B]", "the graders' reward of each response, before the algorithm's reward shaping "
          "(rewards - outcome is the shaping component: GDPO)", "graded", {"advantage"})
 _declare("max_length", "int", "the generation budget, rollout.max_new_tokens", "graded", {"advantage", "shaping"})

@@ -343,6 +343,8 @@ class AlgorithmConfig:
     )
     entropy_coef: float = knob(0.0, "entropy-bonus coefficient (the start value when entropy_adaptive is set)", ge=0)
     entropy_adaptive: Optional[AdaptiveEntropyConfig] = node(AdaptiveEntropyConfig, "null: fixed entropy_coef; {target, ...}: adaptive")
+    positive_nll_coef: float = knob(0.0, "weight of the negative log-likelihood of the correct responses added to the loss, "
+                                    "aggregated like the loss over their tokens (CE-GPPO's released scripts: 0.1); 0: off", ge=0)
     token_mask: TokenMaskConfig = node(TokenMaskConfig, "which tokens get a policy gradient")
     sampling_correction: Optional[SamplingCorrectionConfig] = node(
         SamplingCorrectionConfig, "null: none; {cap, mode, low, rejected_tokens, level, normalize}: truncated / masked importance sampling or per-token rejection between sampler and trainer"

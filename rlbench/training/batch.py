@@ -31,6 +31,7 @@ class TrainBatch:
     prompt_width: int  # P
     group_index: torch.Tensor = _column("row", default=False)  # [B] long
     rewards: torch.Tensor | None = _column("row")  # [B]
+    correct: torch.Tensor | None = _column("row")  # [B] bool, the grader's verdicts (the correct responses' NLL term)
     advantages: torch.Tensor | None = _column("token")  # [B, T]
     old_logp: torch.Tensor | None = _column("token")  # [B, T]
     ref_logp: torch.Tensor | None = _column("token")  # [B, T]
@@ -242,11 +243,16 @@ def group_minibatches(group_index: torch.Tensor, minibatches: int, generator: to
 def batch_norms(batch: TrainBatch, rows: torch.Tensor, norm_length: int) -> dict[str, int]:
     """The optimizer batch's counts every aggregation normalises by (see rlbench.algorithm.aggregation);
     under trainer.parallelism=ddp|fsdp summed over the ranks, so the loss is one function of the whole
-    batch (rlbench.training.distributed)."""
-    tokens, sequences, groups = global_counts(
-        int(batch.response_mask[rows].sum().item()), len(rows), len(torch.unique(batch.group_index[rows]))
-    )
-    return {"batch_tokens": tokens, "batch_sequences": sequences, "batch_groups": groups, "norm_length": norm_length}
+    batch (rlbench.training.distributed). ``correct_*``: the same counts of its correct responses (the
+    correct responses' NLL term, Algorithm.positive_nll; 0 when the batch holds no verdicts)."""
+    correct = rows[batch.correct[rows].bool()] if batch.correct is not None else rows[:0]
+    counts = global_counts(*(
+        count for subset in (rows, correct) for count in (
+            int(batch.response_mask[subset].sum().item()), len(subset), len(torch.unique(batch.group_index[subset])))
+    ))
+    names = ("batch_tokens", "batch_sequences", "batch_groups")
+    return {**dict(zip(names, counts[:3])), **{f"correct_{name}": n for name, n in zip(names, counts[3:])},
+            "norm_length": norm_length}
 
 
 def mask_truncated(batch: TrainBatch, finished: torch.Tensor) -> TrainBatch:

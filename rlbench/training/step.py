@@ -380,6 +380,7 @@ def to_batch(ctx: StepContext, graded: GradedGroups) -> TrainBatch:
     """The graded groups as a padded batch with their (shaped) rewards and behaviour bookkeeping."""
     batch = collate(graded.groups, ctx.tokenizer.pad_token_id, ctx.device, current_version=ctx.policy_version)
     batch.rewards = graded.rewards.to(ctx.device)
+    batch.correct = graded.correct.to(ctx.device).bool()
     if ctx.reference_rewards is not None:  # QRPO: each response's prompt's K pi_ref rewards (sampled once, cached)
         batch.reference_rewards = ctx.reference_rewards.rows(graded).to(ctx.device)
     if ctx.preference_model is not None:  # DRPO: r_phi of each response under the fitted preference model

@@ -17,7 +17,9 @@ from rlbench.training.distributed import backward, gradient_norm, reshard
 from rlbench.training.forward import TokenOutputs, token_outputs
 from rlbench.utils import loss_generator
 
-ADDITIVE_METRICS = {"policy_loss", "kl", "value_loss"}
+ADDITIVE_METRICS = {"policy_loss", "kl", "value_loss", "positive_nll"}
+# the loss step's inputs a TrainBatch field holds: the batch's own, and the grader's verdicts it keeps (correct)
+BATCH_LOSS_INPUTS = STEP_INPUTS.names("loss", "objective", producer="batch") | STEP_INPUTS.names("loss", "objective", producer="graded")
 
 
 @dataclass
@@ -76,7 +78,7 @@ def micro_batch_loss(
     loss, metrics = algorithm.compute_loss(
         norms=norms,
         # the loss step's inputs the batch holds (advantages, mask, ref_logp, token_weights, ...); then the forward's
-        **{name: getattr(sub, name) for name in STEP_INPUTS.names("loss", "objective", producer="batch")},
+        **{name: getattr(sub, name) for name in BATCH_LOSS_INPUTS},
         **{name: sub.extras.get(name) for name in STEP_INPUTS.names("loss", producer="strategy")},  # e.g. sft_target
         logp=out.logp,
         old_logp=sub.old_logp if sub.old_logp is not None else out.logp.detach(),

@@ -5,6 +5,10 @@ Reasoning", arXiv:2510.15979, section 3): the correct responses of the decompose
 trained by supervised fine-tuning under the direct template, beside GRPO on the direct groups:
 L = L_GRPO + lambda * L_SFT with L_SFT = -log pi_theta(y_s | T_direct(x)). The strategy (``rollout=rethink``,
 ``successes: sft``) marks those responses' tokens in the step input ``sft_target``.
+
+``target_nll`` is the supervised term itself, shared with the composition's NLL on the correct responses
+(``algorithm.positive_nll_coef``, rlbench/algorithm/composition.py): there it is added beside the policy
+gradient on every token of a correct response, here it replaces the policy gradient on the marked tokens.
 """
 
 from __future__ import annotations
@@ -13,6 +17,18 @@ import torch
 
 from rlbench.algorithm.losses.ratio_clipped import ppo_clip_loss
 from rlbench.algorithm.registry import POLICY_LOSSES
+
+
+def target_nll(logp: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The supervised (negative log-likelihood) term on the target tokens, 0 elsewhere:
+
+        l_t = -t_t log pi_theta(o_t | q, o_<t),   t_t in {0, 1}
+
+    Cog-Rethinker's L_SFT (arXiv:2510.15979, section 3) with t = sft_target, and CE-GPPO's NLL on the
+    correct responses (the authors' release, Kwai-Klear/CE-GPPO: positive_loss_coeff) with t_t = 1 on every
+    response token of a correct response. The gradient d l_t / d log pi = -t_t raises the target tokens'
+    log-probabilities and leaves the others untouched."""
+    return -logp * target
 
 
 @POLICY_LOSSES.register("ppo_clip_sft")
@@ -36,7 +52,7 @@ def ppo_clip_sft_loss(
     and ``sft_token_fraction`` (the share of trained tokens that are SFT tokens)."""
     ppo, metrics = ppo_clip_loss(logp, old_logp, advantages, response_mask, clip_low, clip_high)
     sft = sft_target.to(logp.dtype) * response_mask
-    loss = ppo * (1 - sft) + sft_coef * sft * (-logp)
+    loss = ppo * (1 - sft) + sft_coef * target_nll(logp, sft)
     tokens = float(sft.sum().item())
-    nll = float((-(logp.detach()) * sft).sum().item() / tokens) if tokens else 0.0
+    nll = float(target_nll(logp.detach(), sft).sum().item() / tokens) if tokens else 0.0
     return loss, {**metrics, "sft_nll": nll, "sft_token_fraction": tokens / max(float(response_mask.sum().item()), 1.0)}
