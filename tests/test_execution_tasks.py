@@ -245,9 +245,12 @@ def graded(problems, texts_per_group):
                         list(range(len(groups))))
 
 
-def test_the_share_of_execution_tasks_holds_per_step():
-    """CodeRL+ mixes 40% of each batch from the tasks once the buffer is warm: 2 of 5 prompts."""
-    trainer = TrainerConfig(prompts_per_step=5, aux_tasks=AuxTasksConfig(share=0.4, kinds=["execution"], per_group=2))
+@pytest.mark.parametrize("sampling, balance", [("uniform", False), ("recent", True)])
+def test_the_share_of_execution_tasks_holds_per_step(sampling, balance):
+    """CodeRL+ mixes 40% of each batch from the tasks once the buffer is warm: 2 of 5 prompts; the paper's buffer
+    (recent, balanced) draws one passing program's task and one failing program's at each step."""
+    trainer = TrainerConfig(prompts_per_step=5, aux_tasks=AuxTasksConfig(share=0.4, kinds=["execution"], per_group=2,
+                                                                         sampling=sampling, balance=balance))
     curriculum = Curriculum(trainer, seed=0, problems=[code_problem(i) for i in range(20)], sandbox_limits=LIMITS)
     first = curriculum.prompts(1, ctx=None)
     right = "```python\ndef add_{i}(a, b):\n    s = a + b\n    return s\n```"
@@ -260,4 +263,7 @@ def test_the_share_of_execution_tasks_holds_per_step():
         assert len(prompts) == 5 and len(tasks) == 2 and curriculum.metrics()["aux_shortfall"] == 0
         outputs = {json.loads(t.answer)["final_output"] for t in tasks}
         assert outputs <= {3, -1}  # a + b and a - b on (1, 2)
+        if balance:
+            assert sorted(json.loads(t.answer)["final_output"] for t in tasks) == [-1, 3]
+            assert sorted(t.meta["source_correct"] for t in tasks) == [False, True]
         curriculum.observe(step, graded(prompts, [["no program"] for _ in prompts]))
