@@ -1,6 +1,7 @@
 """Auxiliary tasks mixed into the batch (trainer.aux_tasks) and SPARK's judge tasks (arXiv:2509.22624;
 docs/judges.md): labels derived exactly from the verifier, pairwise items only from mixed groups, the share
-per step, reflection rewarded only when the revision verifies, and bad settings refused. A resumed run equals an
+per step, reflection rewarded only when the revision verifies, the buffer's sampling (uniform or CodeRL+'s recent,
+balanced or not) in closed form on scripted inserts, and bad settings refused. A resumed run equals an
 uninterrupted one: tests/test_resume.py, STATEFUL_PRESETS['aux_tasks']."""
 
 import numpy as np
@@ -22,7 +23,7 @@ from rlbench.reward.judge_tasks import (
 )
 from rlbench.rollout import GradedGroups
 from rlbench.rollout.engines.base import Completion
-from rlbench.training.aux_tasks import check_aux_tasks
+from rlbench.training.aux_tasks import AuxTaskBuffer, check_aux_tasks, draw_tasks
 from rlbench.training.curricula import Curriculum
 from rlbench.validation import validate_config
 
@@ -150,6 +151,7 @@ def test_a_buffer_shorter_than_the_share_gives_what_it_has():
 @pytest.mark.parametrize("setting, message", [
     ({"share": -0.1}, "share"), ({"share": 1.0}, "share"), ({"kinds": ["pointwise", "critique"]}, "kinds"),
     ({"kinds": []}, "kinds"), ({"kinds": ["execution"]}, "execution.*reward=code"),
+    ({"kinds": ["pointwise", "pairwise"], "balance": True}, "balance"),
 ])
 def test_bad_settings_are_refused(setting, message):
     with pytest.raises(ConfigError, match=message):
@@ -167,3 +169,68 @@ def test_paper_spark_composes_with_its_aux_tasks(tmp_path):
     cfg = compose_config(["paper=spark", "experiment=smoke"], tmp_path)
     validate_config(cfg)
     assert cfg.trainer.aux_tasks.share == 0.25 and list(cfg.trainer.aux_tasks.kinds) == ALL_KINDS
+
+
+# ---- the buffer's draw: positions oldest first; T = a task built from a verified-correct response
+CORRECT = [True, True, False, True, False, False, False, True]  # C = {0, 1, 3, 7}, W = {2, 4, 5, 6}
+
+
+MOSTLY_RIGHT = [True, True, False, True, True]  # C = {0, 1, 3, 4}, W = {2}
+
+
+@pytest.mark.parametrize("newest, wanted, sampling, balance, pool, right_count", [
+    (8, 4, "uniform", False, range(8), None),
+    (3, 2, "recent", False, [5, 6, 7], None),    # the newest build (3 tasks) holds enough: drawn from it
+    (1, 3, "recent", False, [5, 6, 7], None),    # it holds 1 < 3: the newest 3, all of them
+    (3, 10, "recent", False, range(8), None),    # more wanted than held: the whole buffer
+    (8, 4, "uniform", True, range(8), 2),        # half each: c = min(max(4 // 2, 4 - 4), 4) = 2
+    (8, 7, "uniform", True, range(8), 3),        # c = min(max(7 // 2, 7 - 4), 4) = 3, 4 incorrect
+    (4, 3, "recent", True, [4, 5, 6, 7], 1),     # pool {4..7}: C = {7}, W = {4, 5, 6}; c = min(max(1, 0), 1) = 1
+    (4, 4, "recent", True, [4, 5, 6, 7], 1),     # c = min(max(2, 4 - 3), 1) = 1: the incorrect side fills the gap
+    (5, 4, "uniform", True, range(5), 3),        # MOSTLY_RIGHT: c = min(max(2, 4 - 1), 4) = 3: the correct side fills
+])
+def test_the_draw_in_closed_form(newest, wanted, sampling, balance, pool, right_count):
+    correct = MOSTLY_RIGHT if newest == 5 else CORRECT
+    for seed in range(20):
+        picks = draw_tasks(correct, newest, wanted, sampling, balance, np.random.default_rng(seed))
+        assert len(picks) == len(set(picks)) == min(wanted, len(correct)) and set(picks) <= set(pool)
+        assert picks == sorted(picks)
+        if right_count is not None:
+            assert sum(correct[i] for i in picks) == right_count
+    if len(pool) == min(wanted, len(correct)):
+        assert picks == list(pool)
+
+
+def pointwise_build(uid: str, verdicts: list[bool]) -> GradedGroups:
+    """One group whose responses are right (\\boxed{12}) or wrong (\\boxed{13}) as ``verdicts`` say."""
+    return graded_steps([Problem(uid=uid, prompt="What is 3 * 4?", answer="12")],
+                        [["\\boxed{12}" if v else "\\boxed{13}" for v in verdicts]])
+
+
+def test_the_recent_balanced_buffer_on_scripted_inserts():
+    """capacity 5, recent, balanced; pointwise tasks (one per response, all of a group: per_group 4)."""
+    buffer = AuxTaskBuffer(AuxTasksConfig(kinds=["pointwise"], per_group=4, capacity=5, sampling="recent", balance=True), seed=0)
+    buffer.add(pointwise_build("a", [True, False, False]))
+    assert [t.uid[-3:] for t in buffer.tasks] == ["a/0", "a/1", "a/2"] and buffer.newest == 3
+    for _ in range(10):  # 2 of the newest 3: the correct a/0 and one incorrect; drawn tasks stay
+        drawn = [t.uid[-3:] for t in buffer.take(2)]
+        assert drawn[0] == "a/0" and drawn[1] in ("a/1", "a/2") and len(buffer.tasks) == 3
+    buffer.add(pointwise_build("b", [False, True, True, False]))  # 7 built, capacity 5: a/0 and a/1 leave
+    assert [t.uid[-3:] for t in buffer.tasks] == ["a/2", "b/0", "b/1", "b/2", "b/3"] and buffer.newest == 4
+    for _ in range(10):  # from b's 4 tasks: one of b/1, b/2 (correct) and one of b/0, b/3
+        drawn = [t.uid[-3:] for t in buffer.take(2)]
+        assert len(set(drawn) & {"b/1", "b/2"}) == 1 and len(set(drawn) & {"b/0", "b/3"}) == 1
+    assert [t.uid[-3:] for t in buffer.take(5)] == ["a/2", "b/0", "b/1", "b/2", "b/3"]  # 4 < 5: the newest 5
+    buffer.add(pointwise_build("c", []))  # a step that builds nothing keeps the newest build
+    assert buffer.newest == 4 and buffer.metrics()["aux_shortfall_total"] == 0
+    restored = AuxTaskBuffer(buffer.options, seed=1)
+    restored.load_state_dict(buffer.state_dict())
+    assert restored.newest == 4 and [t.uid for t in restored.take(2)] == [t.uid for t in buffer.take(2)]
+
+
+def test_the_uniform_buffer_hands_each_task_out_once():
+    buffer = AuxTaskBuffer(AuxTasksConfig(kinds=["pointwise"], per_group=4), seed=0)
+    buffer.add(pointwise_build("a", [True, False, False, True]))
+    drawn = buffer.take(3) + buffer.take(3)
+    assert sorted(t.uid for t in drawn) == [f"aux/pointwise/a/{i}" for i in range(4)] and not buffer.tasks
+    assert buffer.metrics()["aux_shortfall_total"] == 2

@@ -480,6 +480,11 @@ class AuxTasksConfig:
                        "and final variables of a program the policy wrote, traced in the sandbox; needs reward=code)")
     per_group: int = knob(1, "items of each kind built per graded group (pairwise: pairs, each in both orders)", ge=1)
     capacity: int = knob(256, "tasks the buffer keeps; the oldest leave first", ge=1)
+    sampling: Literal["uniform", "recent"] = knob(
+        "uniform", "how a step draws its tasks: uniform (any task in the buffer, without replacement; a drawn task leaves) | "
+        "recent (CodeRL+'s: the tasks of the newest build when it holds enough, else the newest tasks; drawn tasks stay)")
+    balance: bool = knob(False, "draw half the tasks from verified-correct responses and half from incorrect ones (the "
+                         "other side fills a shortfall); needs kinds built from one response (pointwise, reflection, execution)")
 
 
 @dataclass

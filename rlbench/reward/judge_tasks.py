@@ -18,7 +18,8 @@ model, and their grading rule.
   half and 0 in the other, and the group-relative advantage trains that bias away.
 
 A task is a :class:`~rlbench.dataset.base.Problem` whose ``meta["aux_task"]`` names its kind; a judge task's
-``answer`` is its expected label and ``meta["labels"]`` the two labels. :func:`grade_judge_task` reads the
+``answer`` is its expected label and ``meta["labels"]`` the two labels; a task built from one response (pointwise,
+reflection, execution) keeps that response's verdict in ``meta["source_correct"]`` (the buffer's balance). :func:`grade_judge_task` reads the
 label of a response (the content of its last ``\\boxed{}`` when it has one, else the first label word,
 :func:`rlbench.reward.judges.parse_label`). The run's grader grades a reflection task as any problem.
 """
@@ -32,7 +33,12 @@ from typing import Any
 import numpy as np
 
 from rlbench.dataset.base import Problem
-from rlbench.reward.execution_tasks import EXECUTION_KIND, build_execution_tasks, grade_execution_task
+from rlbench.reward.execution_tasks import (
+    EXECUTION_KIND,
+    SOURCE_CORRECT_KEY,
+    build_execution_tasks,
+    grade_execution_task,
+)
 from rlbench.reward.judges import parse_label
 from rlbench.reward.math import Grade, extract_answer
 
@@ -91,7 +97,8 @@ def _task(source: Problem, kind: str, key: str, prompt: str, answer: str, **meta
 def pointwise_tasks(problem: Problem, texts: Sequence[str], correct: Sequence[bool], picks: Sequence[int]) -> list[Problem]:
     """"Is response i correct?" for each i in ``picks``; the label is the verifier's verdict ``correct[i]``."""
     return [_task(problem, "pointwise", f"{i}", POINTWISE_TASK.format(question=problem.prompt, response=texts[i]),
-                  POINTWISE_LABELS[0] if correct[i] else POINTWISE_LABELS[1], labels=list(POINTWISE_LABELS))
+                  POINTWISE_LABELS[0] if correct[i] else POINTWISE_LABELS[1], labels=list(POINTWISE_LABELS),
+                  **{SOURCE_CORRECT_KEY: bool(correct[i])})
             for i in picks]
 
 
@@ -126,7 +133,7 @@ def equivalent_forms(problem: Problem) -> list[Problem] | None:
 def reflection_tasks(problem: Problem, texts: Sequence[str], picks: Sequence[int]) -> list[Problem]:
     """"Revise this incorrect attempt" for each incorrect response in ``picks``; the answer is the problem's."""
     return [_task(problem, "reflection", f"{i}", REFLECTION_TASK.format(question=problem.prompt, response=texts[i]),
-                  problem.answer) for i in picks]
+                  problem.answer, **{SOURCE_CORRECT_KEY: False}) for i in picks]
 
 
 def build_judge_tasks(problem: Problem, texts: Sequence[str], grades: Sequence[Grade], kinds: Sequence[str],
@@ -158,6 +165,6 @@ def build_judge_tasks(problem: Problem, texts: Sequence[str], grades: Sequence[G
         elif kind == "reflection":
             tasks += reflection_tasks(problem, texts, pick(wrong))
         elif kind == EXECUTION_KIND and problem.meta.get("tests") and sandbox_limits is not None:
-            tasks += build_execution_tasks(problem, texts, pick(list(range(len(texts)))), sandbox_limits,
+            tasks += build_execution_tasks(problem, texts, pick(list(range(len(texts)))), sandbox_limits, correct=correct,
                                            **{AUX_TASK_KEY: EXECUTION_KIND})
     return tasks

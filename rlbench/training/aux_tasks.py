@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ from rlbench.errors import ConfigError
 from rlbench.reward.judge_tasks import (
     AUX_TASK_KEY,
     AUX_TASK_KINDS,
+    SOURCE_CORRECT_KEY,
     build_judge_tasks,
     is_aux_task,
 )
@@ -54,6 +56,10 @@ def check_aux_tasks(trainer: TrainerConfig, rollout: RolloutConfig, reward: Rewa
     if "execution" in aux.kinds and reward.name != "code":
         raise ConfigError(f"trainer.aux_tasks.kinds has execution, CodeRL+'s tasks traced from the run's programs: it "
                           f"needs a code dataset and reward=code (this run has reward={reward.name}), e.g. dataset=mbpp reward=code")
+    paired = [k for k in aux.kinds if k in ("pairwise", "eis_pairwise")]
+    if aux.balance and paired:
+        raise ConfigError(f"trainer.aux_tasks.balance draws tasks by the verdict on the response each was built from; "
+                          f"{paired} pair two responses: use balance with pointwise, reflection or execution only")
     if trainer.parallelism != "single" or trainer.max_staleness is not None:
         raise ConfigError("trainer.aux_tasks needs trainer.parallelism=single and trainer.max_staleness=null (each process "
                           "or the generator thread would build its own buffer)")
@@ -73,24 +79,61 @@ def aux_count(share: float, prompts_per_step: int) -> int:
     return min(wanted, prompts_per_step - 1)
 
 
+def draw_tasks(correct: Sequence[bool], newest: int, wanted: int, sampling: str, balance: bool,
+               rng: np.random.Generator) -> list[int]:
+    """The buffer positions (oldest first) of the ``min(wanted, n)`` tasks a step draws from a buffer of
+    n = ``len(correct)`` tasks whose last ``newest`` were built by the latest step that built any.
+
+    The pool: every task (``uniform``) or, CodeRL+'s ``recent`` (arXiv:2510.18471; the authors' released buffer),
+    the newest build's tasks when they are at least ``wanted``, else the newest ``min(wanted, n)`` tasks, all of
+    them. Drawn from the pool uniformly without replacement; with ``balance``, c = min(max(k // 2, k - |W|), |C|)
+    from the correct-source tasks C and k - c from the incorrect ones W (half each, the other side filling a
+    shortfall), k = min(wanted, n)."""
+    n = len(correct)
+    count = min(wanted, n)
+    if count == 0:
+        return []
+    if sampling == "recent":
+        newest = min(newest, n)
+        if newest < count:
+            return list(range(n - count, n))
+        pool = list(range(n - newest, n))
+    else:
+        pool = list(range(n))
+
+    def choose(options: list[int], k: int) -> list[int]:
+        return [options[j] for j in rng.choice(len(options), size=k, replace=False)] if k else []
+
+    if not balance:
+        return sorted(choose(pool, count))
+    right = [i for i in pool if correct[i]]
+    wrong = [i for i in pool if not correct[i]]
+    take_right = min(max(count // 2, count - len(wrong)), len(right))
+    return sorted(choose(right, take_right) + choose(wrong, count - take_right))
+
+
 class AuxTaskBuffer:
-    """The tasks built so far (newest last, at most ``capacity``), drawn without replacement by a seeded
-    stream. ``mix(dataset_prompts, wanted)`` puts the drawn tasks after the dataset's prompts."""
+    """The tasks built so far (newest last, at most ``capacity``), drawn by a seeded stream as ``sampling`` and
+    ``balance`` say (:func:`draw_tasks`; ``uniform``: a drawn task leaves the buffer, ``recent``: it stays, as in
+    CodeRL+'s buffer). The curriculum puts the drawn tasks after the dataset's prompts."""
 
     def __init__(self, options: AuxTasksConfig, seed: int, sandbox_limits: SandboxLimits | None = None):
         self.options, self.sandbox_limits = options, sandbox_limits or SandboxLimits()
         self.tasks: deque[Problem] = deque(maxlen=options.capacity)
         self.rng = np.random.default_rng([seed, STREAM_AUX_TASKS])
         self.built = self.drawn = self.shortfall = 0  # cumulative
+        self.newest = 0  # tasks of the latest build that built any
         self.last: dict[str, float] = {}
 
     def take(self, wanted: int) -> list[Problem]:
         """Up to ``wanted`` tasks out of the buffer (fewer while it holds fewer: the gap is counted)."""
-        count = min(wanted, len(self.tasks))
-        picks = sorted(self.rng.choice(len(self.tasks), size=count, replace=False).tolist()) if count else []
+        correct = [bool(t.meta.get(SOURCE_CORRECT_KEY)) for t in self.tasks]
+        picks = draw_tasks(correct, self.newest, wanted, self.options.sampling, self.options.balance, self.rng)
         chosen = [self.tasks[i] for i in picks]
-        for i in reversed(picks):
-            del self.tasks[i]
+        if self.options.sampling == "uniform":
+            for i in reversed(picks):
+                del self.tasks[i]
+        count = len(chosen)
         self.drawn += count
         self.shortfall += wanted - count
         self.last = {"aux_prompts": float(count), "aux_shortfall": float(wanted - count)}
@@ -109,6 +152,7 @@ class AuxTaskBuffer:
             new += build_judge_tasks(problem, [c.text for c in group], group_grades, self.options.kinds,
                                      self.options.per_group, self.rng, self.sandbox_limits)
         self.tasks.extend(new)
+        self.newest = len(new) or self.newest
         self.built += len(new)
         self.last.update({"aux_built": float(len(new)), "aux_buffer": float(len(self.tasks))})
         if correct_by_kind:
@@ -122,12 +166,13 @@ class AuxTaskBuffer:
 
     def state_dict(self) -> dict[str, Any]:
         return {"tasks": [dataclasses.asdict(t) for t in self.tasks], "rng": self.rng.bit_generator.state,
-                "built": self.built, "drawn": self.drawn, "shortfall": self.shortfall}
+                "built": self.built, "drawn": self.drawn, "shortfall": self.shortfall, "newest": self.newest}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.tasks = deque((Problem(**t) for t in state["tasks"]), maxlen=self.options.capacity)
         self.rng.bit_generator.state = state["rng"]
         self.built, self.drawn, self.shortfall = int(state["built"]), int(state["drawn"]), int(state["shortfall"])
+        self.newest = int(state.get("newest", 0))
 
 
-__all__ = ["AUX_TASK_KEY", "AuxTaskBuffer", "aux_count", "check_aux_tasks", "dataset_groups"]
+__all__ = ["AUX_TASK_KEY", "AuxTaskBuffer", "aux_count", "check_aux_tasks", "dataset_groups", "draw_tasks"]
