@@ -258,9 +258,13 @@ def test_settings_are_checked_before_the_model_loads(make_cfg):
         validate_strategy(rollout_config({**base, "lookahead": {"parent_token": "top2"}}), "grpo")
     with pytest.raises(ConfigError, match="fill must be one of repeat, iid"):
         validate_strategy(rollout_config({**base, "lookahead": {"fill": "first"}}), "grpo")
+    with pytest.raises(ConfigError, match="return_threshold_decay must be in"):
+        validate_strategy(rollout_config({**base, "lookahead": {"return_threshold_decay": -0.1}}), "grpo")
     # the released defaults (starreeze/latr model/utils.py, scripts/grpo-kt-math.sh)
-    assert (LookaheadOptions.from_config(cfg).parent_token, LookaheadOptions.from_config(cfg).fill,
-            LookaheadOptions.from_config(cfg).stop_word_filter) == ("top1", "repeat", False)
+    options = LookaheadOptions.from_config(cfg)
+    assert (options.parent_token, options.fill, options.stop_word_filter, options.return_threshold,
+            options.return_threshold_decay) == ("top1", "repeat", False, 0.98, 0.05)
+    assert (options.rule().return_threshold, options.rule().return_decay) == (0.98, 0.05)
     with pytest.raises(ConfigError, match=r"no key\(s\) \['depth'\]"):
         validate_strategy(rollout_config({**base, "lookahead": {"depth": 2}}), "grpo")
 

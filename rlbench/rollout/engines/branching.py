@@ -9,7 +9,7 @@ top token ``a1`` of the engine's warped distribution while the trees grow (until
 :func:`nearly_full`), so rows decode greedily and the diversity comes from the branches; after that, or
 without ``parent_top1``, it samples as the plain loop does (one inverse-CDF draw per row).
 
-The batch returns (the released ``return_on_full``, starreeze/latr model/generation.py) after the step at
+The batch returns (the released ``return_on_full``, starreeze/latr/model/generation.py) after the step at
 which its trees are nearly full: a tree counts ``n`` when it holds ``n`` rows not pruned or has no running
 row, else the rows it holds, and the batch's count reaches ``round(N * (return_threshold -
 return_decay * step / max_new_tokens))`` (``N``: the sum of the trees' ``n``; ``step``: the 0-based decoding
@@ -27,7 +27,7 @@ of that distribution that the row did not take spawns a new row (a branch) when
 
 and ``can_branch(v)`` (the stop-word filter, when set) (:func:`spawn_tokens`; at most ``max_per_token``
 branches per row and step, none after the return, none while the tree already holds ``n`` rows that
-were not pruned). This is the released ``ProbFilter`` (starreeze/latr model/sample_filter.py, as fixed in
+were not pruned). This is the released ``ProbFilter`` (starreeze/latr/model/sample_filter.py, as fixed in
 2adb0ed, 2026-01-23: ``p(a1) - p(v) < prob_filter_rel_thres``; earlier revisions had ``>``). A branch is its
 parent's row with the other token: the decoding state's ``select_rows`` with the parent's index
 repeated copies the parent's keys and values, so the shared prefix is decoded once. Its token's
@@ -98,7 +98,7 @@ def spawn_tokens(top_tokens: Sequence[int], top_probs: Sequence[float], sampled:
 
 
 def nearly_full(live: Sequence[int], sizes: Sequence[int], done: Sequence[bool], step: int, budget: int, rule: BranchRule) -> bool:
-    """The released early return's count (LATR, arXiv:2510.24302; starreeze/latr model/generation.py): the
+    """The released early return's count (LATR, arXiv:2510.24302; starreeze/latr/model/generation.py): the
     trees of a batch, ``live[i]`` rows not pruned of ``sizes[i]`` (``done[i]``: no row running, counted
     full), are nearly full at decoding step ``step`` (0-based) of ``budget`` when
 

@@ -66,7 +66,11 @@ responses level by level (its trunk is a sample; ``parent_token``, ``return_thre
 ``return_threshold_decay`` apply to mode decode; its fill copies are cut at ``branch_window``); the
 threshold scheduler (``enable_param_scheduler``) is off in the released script and not built; the trees
 counted for the early return are those the HF engine decodes together (``batch_size // n`` prompts), where
-the released rollout counts a GPU's micro-batch and waits for every GPU.
+the released rollout counts a GPU's micro-batch and waits for every GPU; branch points are read off the
+warped distribution, the released ones off the plain softmax (the same at temperature 1 and top-p 1, as
+in its script). Not built: the released pruning never prunes a branch whose parent's token at the branch
+point is a math symbol or digit (``keep_math_symbols``, on by default), nor at a checkpoint where either
+continuation holds EOS, and compares c tokens at checkpoint c (rlbench: c + 1).
 
 Behaviour bookkeeping (the choice): as in LATR, whose trainer is unchanged, the branches are trained
 as the policy's samples (pi_old recomputed); the branch token was chosen, not sampled, so a group is
