@@ -258,9 +258,13 @@ def test_settings_are_checked_before_the_model_loads(make_cfg):
         validate_strategy(rollout_config({**base, "lookahead": {"parent_token": "top2"}}), "grpo")
     with pytest.raises(ConfigError, match="fill must be one of repeat, iid"):
         validate_strategy(rollout_config({**base, "lookahead": {"fill": "first"}}), "grpo")
+    with pytest.raises(ConfigError, match="return_threshold_decay must be in"):
+        validate_strategy(rollout_config({**base, "lookahead": {"return_threshold_decay": -0.1}}), "grpo")
     # the released defaults (starreeze/latr model/utils.py, scripts/grpo-kt-math.sh)
-    assert (LookaheadOptions.from_config(cfg).parent_token, LookaheadOptions.from_config(cfg).fill,
-            LookaheadOptions.from_config(cfg).stop_word_filter) == ("top1", "repeat", False)
+    options = LookaheadOptions.from_config(cfg)
+    assert (options.parent_token, options.fill, options.stop_word_filter, options.return_threshold,
+            options.return_threshold_decay) == ("top1", "repeat", False, 0.98, 0.05)
+    assert (options.rule().return_threshold, options.rule().return_decay) == (0.98, 0.05)
     with pytest.raises(ConfigError, match=r"no key\(s\) \['depth'\]"):
         validate_strategy(rollout_config({**base, "lookahead": {"depth": 2}}), "grpo")
 
@@ -593,3 +597,115 @@ def test_repeat_fill_while_decoding_gives_n_members_whose_extra_ones_equal_the_f
         assert [len(g) for g in groups.groups] == [4, 4] and metrics["lookahead_filled"] == 6
         same = [c.response_ids == g[0].response_ids and c.logprobs == g[0].logprobs for g in groups.groups for c in g[1:]]
         assert all(same) if fill == "repeat" else not all(same)
+
+
+# --- the released early return (return_on_full with return_nb_thres_init / return_nb_thres_decay) and its fill
+
+
+def test_nearly_full_by_hand():
+    """Four trees of 8 (N = 32): at step 0 with threshold 0.98 the count must reach round(31.36) = 31, so one
+    missing row is allowed, two are not; a tree with no running row counts 8. The threshold decays by
+    0.05 * step / budget (budget 100): 32 * (0.98 - 0.0005 s) drops below 30.5 between s = 53 (30.512 -> 31)
+    and s = 54 (30.496 -> 30). Threshold 1 without decay: only all full (or done) returns."""
+    from rlbench.rollout.engines.branching import nearly_full
+
+    rule = BranchRule(0.15, 0.25, (4,), NEVER_PRUNE, return_threshold=0.98, return_decay=0.05)
+    sizes, running = [8] * 4, [False] * 4
+    assert nearly_full([8, 8, 8, 7], sizes, running, 0, 100, rule)
+    assert not nearly_full([8, 8, 7, 7], sizes, running, 0, 100, rule)
+    assert nearly_full([8, 8, 6, 7], sizes, [False, False, True, False], 0, 100, rule)  # tree 2 done: counted 8
+    assert not nearly_full([8, 8, 7, 7], sizes, running, 53, 100, rule)
+    assert nearly_full([8, 8, 7, 7], sizes, running, 54, 100, rule)
+    strict = BranchRule(0.15, 0.25, (4,), NEVER_PRUNE)  # the defaults: 1.0, no decay
+    assert not nearly_full([8, 8, 8, 7], sizes, running, 99, 100, strict)
+    assert nearly_full([8, 8, 8, 1], sizes, [False, False, False, True], 99, 100, strict)
+
+
+# tree A (prompt "question a", last token -> 10) branches at t = 1 and is full at 2 (the RETURN chain); tree B
+# ("question b", last token 278 -> 20) never branches (21's runner-up 16 is 0.4 behind): 3 of the N = 4 places
+EARLY = {**RETURN, 278: {20: 1.0}, 20: {21: 1.0}, 21: {21: 0.7, 16: 0.3}}
+
+
+def early_trees(tiny, seed, **rule):
+    model, tokenizer = tiny
+    engine = HFGenerateEngine(ForcedNextToken(model, EARLY), tokenizer, batch_size=16, progress=False, lean_decode=False)
+    requests = [GenerationRequest(tuple(tokenizer.encode(f"question {x}")), 2) for x in "ab"]
+    return engine.generate_branching(requests, SamplingParams(1.0, 1.0, 30), BranchRule(0.15, 0.25, (3,), NEVER_PRUNE, **rule),
+                                     torch.Generator().manual_seed(seed))
+
+
+def greedy_until(tree):
+    """The first position (after 2) where a member leaves its greedy run: each row repeats its token from t = 2
+    on while it takes its top token (13, 14 or 21; the runner-up 16 is p 0.3); the smallest such position."""
+    return min(next((t for t in range(2, len(m.response_ids)) if m.response_ids[t] != m.response_ids[2]), 99)
+               for m in tree.members)
+
+
+@pytest.mark.parametrize("threshold,returns", [(0.8, True), (0.9, False)])
+def test_the_early_return_fires_at_the_threshold_and_not_below(tiny, threshold, returns):
+    """3 of 4 places held: round(4 * 0.8) = 3 is reached, round(4 * 0.9) = 4 is not. At 0.8 the batch returns
+    once every row is past its checkpoint 3 (the branch born at 1, the trunks counted as born at 0: after step
+    5, 6 tokens): tokens 2..5 are the top ones and the rows sample from 6 on (some 16 within 30 tokens, seeds
+    0-2); tree B stays the trunk alone and records the return (6 tokens). At 0.9 nothing returns: greedy to
+    the end, returned -1."""
+    for seed in range(3):
+        a, b = early_trees(tiny, seed, return_threshold=threshold)
+        assert len(a.members) == 2 and len(b.members) == 1 and b.members[0].response_ids[:2] == [20, 21]
+        assert a.returned == b.returned == (6 if returns else -1)
+        assert all(m.response_ids[2:6] == [m.response_ids[2]] * 4 for m in (*a.members, *b.members))
+        if returns:
+            assert all(16 in m.response_ids[6:] for m in (*a.members, *b.members))
+        else:
+            assert greedy_until(a) == greedy_until(b) == 99
+
+
+def test_the_threshold_decays_over_the_decoding_steps_of_each_call(tiny):
+    """Threshold 0.9 decaying by 0.1 over the 30-token budget: 4 * (0.9 - 0.1 s / 30) is 3.507 (-> 4) at step
+    7 and 3.493 (-> 3) at step 8: the batch returns after step 8 (9 tokens), not before; and afresh in the
+    next call (the decay restarts with each call's decoding steps)."""
+    for seed in (0, 1):
+        for call in range(2):
+            a, b = early_trees(tiny, seed, return_threshold=0.9, return_decay=0.1)
+            assert a.returned == b.returned == 9, (seed, call)
+            assert greedy_until(a) >= 9 and greedy_until(b) >= 9
+
+
+def test_a_short_tree_at_the_early_return_is_filled_from_its_trunk_as_it_stood(monkeypatch):
+    """fill repeat in mode decode: a tree that returned short (returned = 3 tokens) gets copies of its trunk's
+    first 3 tokens, each sampled on from there (one call: prefix 10 11 12, n = 2); a trunk that had
+    ended before the return (2 tokens) is copied as it is."""
+    from rlbench.rollout.engines.branching import BranchTree
+
+    def generate_branching(engine, requests, params, rule, generator=None):
+        assert (rule.return_threshold, rule.return_decay) == (0.98, 0.05)  # the options' defaults reach the rule
+        trunks = {1: [10, 11, 12, 13, 14, 15], 2: [10, 11]}
+        return [BranchTree(members=[Completion(0, r.prompt_ids, trunks[r.prompt_ids[0]], [0.0] * len(trunks[r.prompt_ids[0]]),
+                                               r.prompt_ids[0] == 2)], parents=[-1], births=[-1], returned=3) for r in requests]
+
+    monkeypatch.setattr(ScriptedEngine, "generate_branching", generate_branching, raising=False)
+    setup = scripted_setup({12: [40, 41, 42]}, n=3)
+    groups, metrics = LookaheadRollout(setup, LookaheadOptions()).rollout([Problem("1", "q", "a"), Problem("2", "q", "a")])
+    assert metrics["lookahead_filled"] == 4
+    ((prefix, m, _),) = setup.sampler.engine.calls[-1]  # the budget is bucketed, the copies cut to 3 tokens
+    assert prefix == (10, 11, 12) and m == 2
+    assert [c.response_ids for c in groups.groups[0]] == [[10, 11, 12, 13, 14, 15]] + [[10, 11, 12, 40, 41, 42]] * 2
+    assert [c.response_ids for c in groups.groups[1]] == [[10, 11]] * 3
+
+
+# the branch 12 (born at 1) hesitates at 2 between 13 (0.5) and 18 (0.45): a child born at 2; the branch then
+# rejoins the trunk (13 13 13: pruned at its checkpoint 3), the child diverges (18 18 18)
+NESTED = {10: {11: 0.5, 12: 0.45, 15: 0.05}, 11: {13: 1.0}, 12: {13: 0.5, 18: 0.45, 15: 0.05}, 13: {13: 1.0}, 18: {18: 1.0}}
+
+
+def test_a_pruned_branch_takes_its_descendants_with_it(tiny):
+    """The released BranchInfo.remove removes a pruned branch with its children: the child 18, unlike its
+    parent, is not similar to anything, yet goes when its parent is pruned at step 4; the tree is the trunk."""
+    model, tokenizer = tiny
+    engine = HFGenerateEngine(ForcedNextToken(model, NESTED), tokenizer, batch_size=16, progress=False, lean_decode=False)
+
+    def similar(branch, parent, t, checkpoints):
+        return too_similar(branch, parent, t, checkpoints, 0.5)
+
+    (tree,) = engine.generate_branching([GenerationRequest(tuple(tokenizer.encode("question a")), 4)],
+                                        SamplingParams(1.0, 1.0, 8), BranchRule(0.15, 0.25, (3,), similar), torch.Generator().manual_seed(0))
+    assert tree.spawned == 2 and tree.pruned == 2 and [m.response_ids for m in tree.members] == [[10, 11] + [13] * 6]

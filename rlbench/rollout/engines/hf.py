@@ -70,7 +70,7 @@ from rlbench.rollout.engines.base import (
     Completion, GenerationRequest, PositionStats, SamplingParams, check_transform_requests, request_seeds, sample_seed,
 )
 from rlbench.rollout.engines.scoring import distribution_stats
-from rlbench.rollout.engines.branching import BranchRow, BranchRule, BranchTree, spawn_tokens
+from rlbench.rollout.engines.branching import BranchRow, BranchRule, BranchTree, nearly_full, spawn_tokens
 from rlbench.rollout.engines.cpu_linear import fast_cpu_linears, layers_for_cpu_kernels
 from rlbench.rollout.engines.lean_decode import LeanDecoder, lean_decode_unsupported
 from rlbench.rollout.engines.prefix_cache import KV, PrefixKVCache, weights_version
@@ -666,6 +666,8 @@ class HFGenerateEngine:
         live = [1] * len(requests)  # rows of each tree not pruned
         spawned = [0] * len(requests)
         budget = params.max_new_tokens
+        sizes = [req.n for req in requests]
+        returned = -1  # the tokens each row had when the batch returned (branching.py's docstring); -1: not yet
         if budget > 0:
             index = torch.tensor(row_input, dtype=torch.long, device=logits.device)
             scores = logits[:, -1].index_select(0, index)
@@ -674,10 +676,9 @@ class HFGenerateEngine:
             position = last_pos.index_select(0, index)
             eos = set(self.eos_ids)
             active = list(range(len(rows)))  # row ids in decoding order
-            returned = False  # the batch's trees are full and past their checkpoints: rows sample (module docstring)
             for step in range(budget):
                 logp = warped_logprobs(scores, warpers)
-                greedy = rule.parent_top1 and not returned and step < rule.window
+                greedy = rule.parent_top1 and returned < 0
                 if params.temperature == 0:
                     chosen = logp.argmax(-1)
                 else:
@@ -686,7 +687,7 @@ class HFGenerateEngine:
                         uniforms = uniforms[torch.tensor(active, device=uniforms.device)]
                     chosen = logp.argmax(-1) if greedy else inverse_cdf_sample(logp, uniforms)
                 chosen_lp = logp.gather(-1, chosen[:, None]).squeeze(-1).tolist()
-                branching = step < rule.window and any(live[rows[r].tree] < requests[rows[r].tree].n for r in active)
+                branching = returned < 0 and step < rule.window and any(live[rows[r].tree] < sizes[rows[r].tree] for r in active)
                 if branching:
                     top_lp, top_tok = logp.topk(min(rule.top_m, logp.shape[-1]), dim=-1)
                     top_p, top_tok, top_lp = top_lp.exp().tolist(), top_tok.tolist(), top_lp.tolist()
@@ -696,7 +697,7 @@ class HFGenerateEngine:
                     followers.append((a, r))
                     if branching:
                         for v in spawn_tokens(top_tok[a], top_p[a], t, rule):
-                            if live[row.tree] >= requests[row.tree].n:
+                            if live[row.tree] >= sizes[row.tree]:
                                 break
                             rows.append(BranchRow(row.tree, row.tokens + [v], row.logprobs + [top_lp[a][top_tok[a].index(v)]], r, step))
                             live[row.tree] += 1
@@ -704,26 +705,35 @@ class HFGenerateEngine:
                             followers.append((a, len(rows) - 1))
                     row.tokens.append(t)
                     row.logprobs.append(lp)
-                kept = []
+                kept, gone = [], set()
                 for a, r in followers:
                     row = rows[r]
                     ended = row.tokens[-1] in eos or step == budget - 1
-                    if row.parent >= 0 and row.checked < len(rule.checkpoints):
+                    if returned < 0 and row.parent >= 0 and row.checked < len(rule.checkpoints):
                         due = [c for c in rule.checkpoints[row.checked :] if c <= step - row.birth or ended]
                         row.checked += len(due)
                         if due and rule.similar(row.tokens, rows[row.parent].tokens, row.birth, tuple(due)):
-                            row.pruned = True
-                            live[row.tree] -= 1
+                            gone.add(r)
                             continue
                     if not ended:
                         kept.append((a, r))
+                if gone:  # the pruned rows and their descendants (children are born after their parents)
+                    for r in range(min(gone), len(rows)):
+                        if not rows[r].pruned and (r in gone or rows[r].parent in gone):
+                            gone.add(r)
+                            rows[r].pruned = True
+                            live[rows[r].tree] -= 1
+                    kept = [(a, r) for a, r in kept if r not in gone]
                 if not kept:
                     break
                 active = [r for _, r in kept]
-                if rule.parent_top1 and not returned:
+                if returned < 0:
                     running = {rows[r].tree for r in active}
-                    returned = all(live[i] >= requests[i].n or i not in running for i in range(len(requests))) and all(
-                        rows[r].birth + rule.checkpoints[-1] < step for r in active)
+                    if step + 1 >= rule.window or (
+                        nearly_full(live, sizes, [i not in running for i in range(len(requests))], step, budget, rule)
+                        and all(max(row.birth, 0) + rule.checkpoints[-1] < step for row in rows if not row.pruned)
+                    ):
+                        returned = step + 1
                 select = [a for a, _ in kept]
                 if select != list(range(len(chosen_lp))):  # rows ended, were pruned or branched
                     where = torch.tensor(select, dtype=torch.long, device=position.device)
@@ -731,7 +741,7 @@ class HFGenerateEngine:
                     decoding.select_rows(where)
                 position = position + 1
                 scores = decoding.step(torch.tensor([rows[r].tokens[-1] for r in active], dtype=torch.long, device=position.device), position)
-        trees = [BranchTree(spawned=spawned[i], pruned=spawned[i] + 1 - live[i]) for i in range(len(requests))]
+        trees = [BranchTree(spawned=spawned[i], pruned=spawned[i] + 1 - live[i], returned=returned) for i in range(len(requests))]
         member: dict[int, int] = {}
         for r, row in enumerate(rows):
             if row.pruned:

@@ -15,11 +15,18 @@ v with ``p(v) > abs_threshold`` and ``p(a1) - p(v) < rel_threshold`` (and not a 
 (at most ``max_branches_per_token``, within the first ``branch_window`` tokens, while the tree holds fewer
 than ``k`` rows not pruned) starts a branch: the row's keys and values copied, v as its token, v's log-prob
 under the warped distribution. At each checkpoint c, c tokens after its branch point, a branch that is
-:func:`too_similar` to its parent is pruned (its place freed). A tree left short of ``k`` is filled
-(``fill``, metric ``lookahead_filled``): ``repeat``, the released code's ``fill_return_sequences``,
-with copies of its first member (the trunk; one that ran past ``branch_window`` is copied up to the
-window and each copy sampled on from there, as the released rollout hands the copies to vLLM), or
-``iid``, with i.i.d. responses. Repeating biases the group statistics: the m copies carry the trunk's
+:func:`too_similar` to its parent is pruned with its descendants (their places freed). The trees decoded
+together *return* (the released ``return_on_full``) after the first step at which they are nearly full,
+the count of their rows (a tree with no running row counted full) reaching ``round(N * (return_threshold -
+return_threshold_decay * step / max_new_tokens))`` of their ``N`` places (the released
+``return_nb_thres_init`` and ``return_nb_thres_decay``: the threshold decays linearly over the decoding
+steps of each call), with every row more than ``max(checkpoints)`` tokens past its branch point; or after
+``branch_window`` tokens. From then on rows sample, and none branches or is pruned
+(rlbench/rollout/engines/branching.py :func:`~rlbench.rollout.engines.branching.nearly_full`). A tree
+left short of ``k`` is filled (``fill``, metric ``lookahead_filled``): ``repeat``, the released code's
+``fill_return_sequences``, with copies of its first member (the trunk; one still running at the return
+is copied as it stood then and each copy sampled on from there, as the released rollout copies the row
+and hands every row, the copies included, to vLLM), or ``iid``, with i.i.d. responses. Repeating biases the group statistics: the m copies carry the trunk's
 reward, so the group mean leans toward it (weight 1 + m of n), the standard deviation shrinks (a tree
 that stayed the trunk alone, with share 1, is n equal rewards: zero advantage for the prompt), and the
 trunk's advantage enters the loss 1 + m times; ``iid`` keeps the fill an unbiased sample.
@@ -51,12 +58,19 @@ whose decoded text (stripped, a leading SentencePiece ``▁`` or WordPiece ``##`
 NLTK's English stop words (lower-cased), consists of the punctuation ``.,;:!?"'`` only, or is empty or
 white space never branches (the released starreeze/latr/model/sample_filter.py ``StopWordFilter``; :func:`stop_word_tokens`).
 
+The branch rule ``p(a1) - p(v) < rel_threshold`` is the released ``ProbFilter``'s since starreeze/latr
+2adb0ed (2026-01-23, "fix probability filter logic"; the revisions before it had ``>``).
+
 Deviations from the released code (starreeze/latr): mode resample reads the branch points off sampled
-responses level by level (its trunk is a sample; ``parent_token`` applies to mode decode); the threshold
-scheduler (``enable_param_scheduler``) is off in the released script and not built; the early return
-when the trees are nearly full (``return_nb_thres_init`` 0.98, decaying by ``return_nb_thres_decay``) is
-taken when they are all full; the released ``ProbFilter`` keeps a runner-up when ``p(a1) - p(a2) >
-rel_threshold``, where rlbench branches on a close runner-up (``<``; the paper's method section not checked).
+responses level by level (its trunk is a sample; ``parent_token``, ``return_threshold`` and
+``return_threshold_decay`` apply to mode decode; its fill copies are cut at ``branch_window``); the
+threshold scheduler (``enable_param_scheduler``) is off in the released script and not built; the trees
+counted for the early return are those the HF engine decodes together (``batch_size // n`` prompts), where
+the released rollout counts a GPU's micro-batch and waits for every GPU; branch points are read off the
+warped distribution, the released ones off the plain softmax (the same at temperature 1 and top-p 1, as
+in its script). Not built: the released pruning never prunes a branch whose parent's token at the branch
+point is a math symbol or digit (``keep_math_symbols``, on by default), nor at a checkpoint where either
+continuation holds EOS, and compares c tokens at checkpoint c (rlbench: c + 1).
 
 Behaviour bookkeeping (the choice): as in LATR, whose trainer is unchanged, the branches are trained
 as the policy's samples (pi_old recomputed); the branch token was chosen, not sampled, so a group is
@@ -85,6 +99,8 @@ Configuration (conf/rollout/lookahead.yaml):
       parent_token: top1         # mode decode: rows take their top token while the trees grow (released) | sampled
       fill: repeat               # a short tree: copies of its first member (released) | iid: i.i.d. responses
       stop_word_filter: false    # true: stop words and punctuation never branch (off in the released script)
+      return_threshold: 0.98     # mode decode: the trees return (rows sample) once this share of their places is filled ...
+      return_threshold_decay: 0.05  # ... less this times step / max_new_tokens (1.0 and 0.0: only when all are full)
 """
 
 from __future__ import annotations
@@ -149,11 +165,14 @@ class LookaheadOptions:
     parent_token: str = "top1"
     fill: str = "repeat"
     stop_word_filter: bool = False
+    return_threshold: float = 0.98
+    return_threshold_decay: float = 0.05
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig) -> LookaheadOptions:
         options = strategy_options(rollout, "lookahead", cls)
-        for key in ("abs_threshold", "rel_threshold", "rouge_l_threshold", "suffix_match_threshold"):
+        for key in ("abs_threshold", "rel_threshold", "rouge_l_threshold", "suffix_match_threshold", "return_threshold",
+                    "return_threshold_decay"):
             if not 0.0 <= getattr(options, key) <= 1.0:
                 raise ConfigError(f"rollout.lookahead.{key} must be in [0, 1], got {getattr(options, key)}")
         if not options.checkpoints or list(options.checkpoints) != sorted(set(options.checkpoints)) or options.checkpoints[0] < 1:
@@ -184,7 +203,8 @@ class LookaheadOptions:
             return too_similar(branch, parent, t, checkpoints, self.rouge_l_threshold, self.suffix_match_threshold)
 
         return BranchRule(self.abs_threshold, self.rel_threshold, self.checkpoints, similar, self.branch_window,
-                          self.max_branches_per_token, parent_top1=self.parent_token == "top1", can_branch=can_branch)
+                          self.max_branches_per_token, parent_top1=self.parent_token == "top1", can_branch=can_branch,
+                          return_threshold=self.return_threshold, return_decay=self.return_threshold_decay)
 
     def share(self, step: int) -> float:
         """The share of each group sampled with LATR at ``step`` (0-based): the last entry at or before it."""
@@ -409,7 +429,7 @@ class LookaheadRollout(RolloutStrategy):
                 params, setup.generator,
             )
             if not iid:
-                self._repeat_fill(prompts, trees, tree_size)
+                self._repeat_fill(prompts, trees, tree_size, [t.returned if t.returned >= 0 else budget for t in decoded])
             groups = [[*trees[i], *plain[i]] if i < latr else list(plain[i]) for i in range(len(prompts))]
             for i in range(latr):
                 for c in groups[i]:
@@ -438,7 +458,7 @@ class LookaheadRollout(RolloutStrategy):
         # 6. fill short trees: copies of the trunk (repeat) or i.i.d. responses
         short = [(i, tree_size - len(tree)) for i, tree in enumerate(trees) if len(tree) < tree_size]
         if short and options.fill == "repeat":
-            self._repeat_fill(prompts, trees, tree_size)
+            self._repeat_fill(prompts, trees, tree_size, [options.branch_window] * len(trees))
         elif short:
             fill = sampler.generate([GenerationRequest(prompts[i], m) for i, m in short], params, setup.generator)
             for (i, _), completions in zip(short, fill):
@@ -450,17 +470,20 @@ class LookaheadRollout(RolloutStrategy):
         filled = sum(m for _, m in short)
         return sampler.grade(problems, groups, budget), self._metrics(share, latr, tried, pruned, trees, levels, filled)
 
-    def _repeat_fill(self, prompts: list[tuple[int, ...]], trees: list[list[Completion]], tree_size: int) -> None:
+    def _repeat_fill(self, prompts: list[tuple[int, ...]], trees: list[list[Completion]], tree_size: int, cuts: list[int]) -> None:
         """``fill: repeat`` (the released ``fill_return_sequences``): each tree short of ``tree_size`` gets
-        copies of its first member; a first member longer than ``branch_window`` is copied up to the
-        window and each copy sampled on from there (the released rollout returns at ``force_return_step``
-        and vLLM continues every row, the copies included). Module docstring: what this does to the group."""
-        setup, window = self.setup, self.options.branch_window
+        copies of its first member; a first member longer than its tree's cut (``cuts[i]`` tokens: where
+        the trees returned, mode decode; ``branch_window``, mode resample) is copied up to the cut and
+        each copy sampled on from there (the released rollout returns early or at ``force_return_step``,
+        copies the first row as it stands, and vLLM continues every row, the copies included). Module
+        docstring: what this does to the group."""
+        setup = self.setup
         budget = setup.params.max_new_tokens
         short = [(i, tree_size - len(tree)) for i, tree in enumerate(trees) if len(tree) < tree_size]
-        on = [(i, m) for i, m in short if len(trees[i][0].response_ids) > window]
+        on = [(i, m) for i, m in short if len(trees[i][0].response_ids) > cuts[i]]
         continued = continue_with_budgets(
-            setup.sampler, [(GenerationRequest(prompts[i], m, tuple(trees[i][0].response_ids[:window])), budget - window) for i, m in on],
+            setup.sampler,
+            [(GenerationRequest(prompts[i], m, tuple(trees[i][0].response_ids[: cuts[i]])), budget - cuts[i]) for i, m in on],
             setup.params, setup.generator,
         )
         more = {i: list(c) for (i, _), c in zip(on, continued)}
