@@ -21,7 +21,7 @@ from rlbench.rollout import GenerationRequest, GroupSampler, HFGenerateEngine, R
 from rlbench.rollout.engines.hf import ModelSteps
 from rlbench.rollout.engines.lean_decode import LeanSteps
 from rlbench.rollout.engines.refill import join_rows
-from rlbench.rollout.strategies.micro_groups import refill_steps, shortest_first
+from rlbench.rollout.strategies.micro_groups import pack_by_length, refill_steps, shortest_first
 
 from test_lean_decode import Tokenizer, small_model
 from test_tree_cores import SeededEngine, micro_setup
@@ -120,6 +120,19 @@ def test_shortest_first_and_the_refill_step_count_by_hand():
     assert refill_steps([5, 1, 1, 3], 2) == 5
     # packed rounds of 2 would take max(5, 1) + max(1, 3) = 8 steps
     assert refill_steps([5, 1, 1, 3], 1) == 10 and refill_steps([2, 2], 4) == 2 and refill_steps([], 3) == 0
+
+
+def test_the_packed_rounds_refilled_shortest_first_are_the_shortest_first_queue():
+    """The two-stage plan (group into rounds with pack_by_length, run the rounds shortest first and each
+    round's jobs shortest first) flattens to one queue sorted shortest predicted first (equal predictions
+    may come in another order: the packing breaks ties longest first)."""
+    generator = torch.Generator().manual_seed(0)
+    for capacity in (1, 2, 3, 5):
+        predicted = [float(x) for x in torch.randint(1, 6, (11,), generator=generator)]
+        key = lambda j: (predicted[j], j)  # noqa: E731
+        two_stage = [j for round_ in pack_by_length(predicted, capacity) for j in sorted(round_, key=key)]
+        assert sorted(two_stage) == list(range(11))
+        assert [predicted[j] for j in two_stage] == [predicted[j] for j in shortest_first(predicted)] == sorted(predicted)
 
 
 class RefillingEngine(SeededEngine):

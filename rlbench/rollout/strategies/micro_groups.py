@@ -94,7 +94,8 @@ def micro_groups_options(rollout: RolloutConfig) -> MicroGroupsOptions:
 
 def shortest_first(predicted: list[float]) -> list[int]:
     """The refill queue: job indices by predicted length, shortest first (ties by index), the paper's
-    shortest-job-first order."""
+    shortest-job-first order. It is also the two-stage plan flattened: the rounds of :func:`pack_by_length`
+    (the global grouping), shortest round first, each round's jobs shortest first (ties aside)."""
     return sorted(range(len(predicted)), key=lambda j: (predicted[j], j))
 
 
