@@ -34,7 +34,7 @@ BUDGET = 14
 TOLERANCE = 1e-5
 
 
-def engine_with_endings(lean: bool, temperature: float, seeds: list[int] | None) -> HFGenerateEngine:
+def engine_with_endings(lean: bool, temperature: float) -> HFGenerateEngine:
     """The small Llama's engine with EOS ids chosen so that the samples end at different steps: greedy, the
     token each prompt's alone-decoded response has at a step of its own; sampled, one id in eight."""
     engine = HFGenerateEngine(small_model("llama"), Tokenizer(), progress=False, lean_decode=lean)
@@ -55,7 +55,7 @@ def test_every_refilled_sample_equals_the_sample_decoded_alone(lean, temperature
     of its decoding alone and its log-probs within 1e-5; every step and prefill holds at most 3 rows; the
     queue joins in order; each sample is fed back once per token but its last."""
     seeds = [11 * i + 3 for i in range(len(PROMPTS))] if temperature > 0 else None
-    engine = engine_with_endings(lean, temperature, seeds)
+    engine = engine_with_endings(lean, temperature)
     assert (engine._lean_decoder() is not None) == lean
     params = SamplingParams(temperature, 1.0, BUDGET)
     requests = [GenerationRequest(p, seed=None if seeds is None else seeds[i]) for i, p in enumerate(PROMPTS)]
