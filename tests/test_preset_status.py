@@ -116,7 +116,7 @@ def test_every_method_preset_block_is_partial_and_names_its_method():
     """Beside the paper presets, a block sits only where the method is partial, and names the method (the
     rollout lookahead composes the strategy of LATR, the prompt sampler clpo is CLPO)."""
     blocks = method_presets()
-    assert {("rollout", "lookahead"), ("rollout", "micro_groups"), ("prompt_sampler", "clpo"),
+    assert {("rollout", "lookahead"), ("prompt_sampler", "clpo"),
             ("algorithm", "intellect2")} <= set(blocks)
     for (group, name), block in blocks.items():
         assert block["status"] == "partial" and fidelity_problem(as_block(block)) is None, (group, name)

@@ -47,6 +47,10 @@ How it works:
   evaluation's) draw each sample's tokens from a generator of its own, seeded with
   ``sample_seed(seed, k)``, so that a sample does not depend on the other requests of the call (up
   to the float effects of padding in a differently composed batch).
+* **refill** (:meth:`HFGenerateEngine.generate_refilling`, rlbench/rollout/engines/refill.py; Infinite
+  Sampling's continuous sampling): a queue of samples decoded in at most ``slots`` rows, a row that ends
+  handing its slot to the next queued sample at the next step (its prompt prefilled alone, its keys and
+  values joined right-aligned to the running rows', its own position ids); the plain loop is not touched.
 * **branching while decoding** (:meth:`HFGenerateEngine.generate_branching`, rlbench/rollout/engines/branching.py;
   LATR's rollout): rows that spawn rows at uncertain tokens (``select_rows`` with a repeated index copies a
   row's keys and values) and are dropped when pruned; the plain loop above is not touched by it.
@@ -74,6 +78,7 @@ from rlbench.rollout.engines.branching import BranchRow, BranchRule, BranchTree,
 from rlbench.rollout.engines.cpu_linear import fast_cpu_linears, layers_for_cpu_kernels
 from rlbench.rollout.engines.lean_decode import LeanDecoder, lean_decode_unsupported
 from rlbench.rollout.engines.prefix_cache import KV, PrefixKVCache, weights_version
+from rlbench.rollout.engines.refill import join_rows
 
 
 log = logging.getLogger(__name__)
@@ -197,6 +202,10 @@ class DecodingSteps(Protocol):
     def row_kv(self, row: int) -> KV | None:
         """The row's keys and values at the positions it attends to (None: not kept whole)."""
 
+    def add_rows(self, cache, mask: torch.Tensor | None, rows: torch.Tensor, new_tokens: int) -> None:
+        """Append the rows ``rows`` of a prefill (its cache and mask) after the running rows, with room for
+        ``new_tokens`` more positions (rlbench/rollout/engines/refill.py)."""
+
 
 class ModelSteps:
     """:class:`DecodingSteps` through the model's own forward with transformers' KV cache: the prefill's
@@ -231,6 +240,21 @@ class ModelSteps:
         )
         self.cache = _returned_cache(out)
         return out.logits[:, -1]
+
+    def add_rows(self, cache, mask: torch.Tensor | None, rows: torch.Tensor, new_tokens: int = 0) -> None:
+        """Append the rows ``rows`` of a prefill's ``cache`` (and its mask, None: no padding) after the running
+        rows, right-aligned (rlbench/rollout/engines/refill.py); ``new_tokens`` is unused (the cache grows)."""
+        old, new = plain_kv_layers(self.cache), plain_kv_layers(cache)
+        if old is None or new is None:
+            raise ValueError("refilling needs a KV cache that holds every position of every row (no sliding window)")
+        layers, valid, _ = join_rows(
+            [(layer.keys, layer.values) for layer in old], self.mask.bool() if self.mask is not None else None,
+            [(layer.keys.index_select(0, rows), layer.values.index_select(0, rows)) for layer in new],
+            mask.index_select(0, rows).bool() if mask is not None else None,
+        )
+        for layer, (keys, values) in zip(old, layers):
+            layer.keys, layer.values = keys, values
+        self.mask = None if bool(valid.all()) else valid.long()
 
     def row_kv(self, row: int) -> KV | None:
         """The row's keys and values at its unmasked positions, or None for a cache that does not hold
@@ -610,6 +634,116 @@ class HFGenerateEngine:
         finally:
             model.train(was_training)
         return results  # type: ignore[return-value]
+
+    def generate_refilling(
+        self, requests: Sequence[GenerationRequest], params: SamplingParams, slots: int,
+        generator: torch.Generator | None = None,
+    ) -> list[list[Completion]]:
+        """For each request, its ``n`` completions in order, decoded in at most ``slots`` rows at once with
+        in-engine refill (Infinite Sampling, arXiv:2506.22950, section 3; rlbench/rollout/engines/refill.py):
+        the samples form one queue in request order (a request's ``n`` samples together; the caller orders
+        it, e.g. shortest predicted first), and a row that ends hands its slot to the next queued sample at
+        the next step. Requests with their own ``seed`` sample each of their samples from its own stream
+        (:func:`sample_seed`), so a sample's tokens do not depend on its slot or step; without seeds one
+        stream seeded from ``generator`` draws one number per running row and step (deterministic for the
+        same call, not across queue orders). Not for requests with a prefix or a role adapter, a logits
+        transform, or under FSDP (refused); the KV cache across calls is neither read nor written."""
+        _check_params(params)
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        if any(r.prefix_ids or r.adapter is not None or r.n < 0 or not r.prompt_ids for r in requests):
+            raise ValueError("generate_refilling takes non-empty prompts with n >= 0 and no prefix or role adapter")
+        if params.logits_transform is not None or self.synced_gpus or role_adapters(self.model):
+            raise ValueError("generate_refilling does not run with a logits transform, under FSDP or with a per-role policy")
+        samples = [(i, k) for i, req in enumerate(requests) for k in range(req.n)]
+        results: list[list[Completion | None]] = [[None] * req.n for req in requests]
+        if not samples:
+            return [[] for _ in requests]
+        if request_seeds(requests):
+            gens: torch.Generator | list[torch.Generator] = [
+                torch.Generator(device=self.device).manual_seed(sample_seed(requests[i].seed, k)) for i, k in samples]
+        else:
+            gens = torch.Generator(device=self.device).manual_seed(draw_seed(generator))
+        model, lean = self.model, self._lean_decoder()
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.inference_mode(), fast_cpu_linears(model, self.cpu_kernels):
+                inputs = [tuple(requests[i].prompt_ids) for i, _ in samples]
+                tokens, logprobs = self._decode_refilling(inputs, params, slots, gens, lean)
+        finally:
+            model.train(was_training)
+        for s, (i, k) in enumerate(samples):
+            results[i][k] = self._make_completion(i, requests[i], tokens[s], logprobs[s], [])
+        return results  # type: ignore[return-value]
+
+    def _decode_refilling(
+        self, inputs: Sequence[tuple[int, ...]], params: SamplingParams, slots: int,
+        generator: torch.Generator | Sequence[torch.Generator], lean: LeanDecoder | None,
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """Decode the queue ``inputs`` (one prompt per sample, in queue order) in at most ``slots`` rows:
+        each step first admits queued samples into the free slots (their prompts prefilled in one pass,
+        equal prompts once, and joined to the running rows' cache), then samples a token for every running
+        row and feeds the rows that go on. Returns per sample its tokens and log-probs (up to and including
+        EOS); ``generator``: one per sample, or one for the whole call."""
+        warpers, budget = _warpers(params), params.max_new_tokens
+        tokens: list[list[int]] = [[] for _ in inputs]
+        logprobs: list[list[float]] = [[] for _ in inputs]
+        if budget == 0:
+            return tokens, logprobs
+        per_sample = isinstance(generator, (list, tuple))
+        eos = set(self.eos_ids)
+        queue = list(range(len(inputs)))[::-1]  # popped from the end: the queue's head last
+        running: list[int] = []  # samples in the decoding's row order
+        decoding: DecodingSteps | None = None
+        scores = position = None
+        while queue or running:
+            if queue and len(running) < slots:
+                joining = [queue.pop() for _ in range(min(slots - len(running), len(queue)))]
+                distinct, row_input, seen = [], [], {}
+                for s in joining:
+                    key = inputs[s] if self.share_prefill else s
+                    if key not in seen:
+                        seen[key] = len(distinct)
+                        distinct.append(inputs[s])
+                    row_input.append(seen[key])
+                logits, cache, mask, last_pos = self._prefill(distinct, 1)
+                index = torch.tensor(row_input, dtype=torch.long, device=logits.device)
+                new_scores, new_position = logits[:, -1].index_select(0, index), last_pos.index_select(0, index)
+                if decoding is None:
+                    decoding = lean.steps(cache, mask, index, budget) if lean is not None else ModelSteps(self.model, cache, mask, index, len(distinct))
+                    scores, position = new_scores, new_position
+                else:
+                    decoding.add_rows(cache, mask, index, budget)
+                    scores, position = torch.cat([scores, new_scores]), torch.cat([position, new_position])
+                del cache
+                running += joining
+            logp = warped_logprobs(scores, warpers)
+            if params.temperature == 0:
+                chosen = logp.argmax(-1)
+            else:
+                chosen = inverse_cdf_sample(
+                    logp, draw_uniforms(len(running), [generator[s] for s in running] if per_sample else generator, logp.device))
+            chosen_lp = logp.gather(-1, chosen[:, None]).squeeze(-1).tolist()
+            going = []
+            for a, (s, t, lp) in enumerate(zip(running, chosen.tolist(), chosen_lp)):
+                tokens[s].append(t)
+                logprobs[s].append(lp)
+                if t not in eos and len(tokens[s]) < budget:
+                    going.append(a)
+            if params.on_budget is not None:  # the tokens sampled, and the unused budget of the rows that ended
+                params.on_budget(sum(1 + (budget - len(tokens[s]) if a not in going else 0) for a, s in enumerate(running)))
+            if not going:
+                running, decoding = [], None
+                continue
+            if len(going) != len(running):
+                still = torch.tensor(going, dtype=torch.long, device=chosen.device)
+                running = [running[a] for a in going]
+                chosen, position = chosen[still], position[still]
+                decoding.select_rows(still)
+            position = position + 1
+            scores = decoding.step(chosen, position)
+        return tokens, logprobs
 
     def generate_branching(
         self, requests: Sequence[GenerationRequest], params: SamplingParams, rule: BranchRule,

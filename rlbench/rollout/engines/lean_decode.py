@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 from rlbench.rollout.engines.cpu_linear import cpu_linear, layers_for_cpu_kernels, plain_float32_cpu_linear
 from rlbench.rollout.engines.prefix_cache import KV, weights_version
+from rlbench.rollout.engines.refill import join_rows
 from rlbench.utils import SDPA_GROUPED_HEADS
 
 # transformers.models.<family>.modeling_<family>: <Prefix>ForCausalLM, <Prefix>Model, <Prefix>DecoderLayer, <Prefix>RMSNorm
@@ -214,6 +215,17 @@ class LeanSteps:
         self.values = [v.index_select(0, index) for v in self.values]
         if self.valid is not None:
             self.valid = self.valid.index_select(0, index)
+
+    def add_rows(self, cache, mask: torch.Tensor | None, rows: torch.Tensor, new_tokens: int) -> None:
+        """Append the rows ``rows`` of a prefill's transformers cache (and its mask, None: no padding) after
+        the running rows, right-aligned (rlbench/rollout/engines/refill.py), with room for ``new_tokens``
+        more positions."""
+        at = self.length
+        old = [(k[:, :, :at], v[:, :, :at]) for k, v in zip(self.keys, self.values)]
+        new = [(layer.keys.index_select(0, rows), layer.values.index_select(0, rows)) for layer in cache.layers]
+        valid = self.valid[:, :at] if self.valid is not None else None
+        layers, self.valid, self.length = join_rows(old, valid, new, mask.index_select(0, rows).bool() if mask is not None else None, new_tokens)
+        self.keys, self.values = [k for k, _ in layers], [v for _, v in layers]
 
     def row_kv(self, row: int) -> KV:
         """The row's keys and values at the positions it attends to, per layer ``[kv_heads, n, head_dim]``."""

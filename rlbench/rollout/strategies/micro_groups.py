@@ -10,6 +10,7 @@ Configuration (conf/rollout/micro_groups.yaml):
       max_sequences: 0   # responses decoded per engine call, micro-groups of any prompts (continuous
                          # sampling); 0: one micro-group of every prompt per call
       length_aware: false  # schedule the micro-groups by predicted length (below)
+      refill: false      # one engine call whose finished rows take the next queued responses (below)
 
 Every response draws its tokens from a random stream of its own: the step draws one seed per prompt
 from the rollout's stream, and response k of the prompt samples with ``sample_seed(seed, k)`` (the
@@ -29,12 +30,22 @@ sum of the rounds' predicted maxima, which the paper approximates with an FPTAS)
 shortest first (the paper's shortest-job-first). The schedule changes when a response is decoded,
 never what is decoded: every response keeps its own seed, so the groups equal the unscheduled ones.
 Metric ``micro_group_padding``: the share of the rounds' decode slots (rows x the round's longest
-response) that no token used, what the scheduler lowers. Not implemented: the refill of a finished
-row's slot within an engine call (the engines decode a call's rows to its end).
+response) that no token used, what the scheduler lowers.
+
+**Refill** (``refill: true``; the paper's shortest-job-first refill at runtime, section 3). One engine
+call decodes the step's micro-groups as one queue in at most ``max_sequences`` rows (0: one micro-group
+of every prompt), and a response that ends (EOS or ``max_new_tokens``) hands its slot to the next queued
+response at the next step (the HF engine's ``generate_refilling``, rlbench/rollout/engines/refill.py), so
+no row waits for the others. The queue is the micro-groups in :func:`shortest_first` order of their
+predicted lengths with ``length_aware`` (SJF), else in the rounds' order; a micro-group's responses are
+queued together. Every response keeps its own seed, so the groups are again those of full-group sampling;
+``micro_group_padding`` is then the share of slot-steps left empty (:func:`refill_steps`), and
+``micro_group_rounds`` counts the one call. Only the HF engine refills (others refused).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +71,7 @@ class MicroGroupsOptions:
     size: int = 4  # responses per prompt decoded per round; divides rollout.n
     max_sequences: int = 0  # responses per engine call (0: one micro-group of every prompt)
     length_aware: bool = False
+    refill: bool = False  # one call whose finished rows take the next queued responses (the HF engine's)
 
 
 def micro_groups_options(rollout: RolloutConfig) -> MicroGroupsOptions:
@@ -80,6 +92,28 @@ def micro_groups_options(rollout: RolloutConfig) -> MicroGroupsOptions:
     return options
 
 
+def shortest_first(predicted: list[float]) -> list[int]:
+    """The refill queue: job indices by predicted length, shortest first (ties by index), the paper's
+    shortest-job-first order. It is also the two-stage plan flattened: the rounds of :func:`pack_by_length`
+    (the global grouping), shortest round first, each round's jobs shortest first (ties aside)."""
+    return sorted(range(len(predicted)), key=lambda j: (predicted[j], j))
+
+
+def refill_steps(lengths: list[int], slots: int) -> int:
+    """The decoding steps of a refilling engine call: responses of ``lengths`` tokens (queue order) each
+    take the first free of ``slots`` rows, from the step after the row's last response ended (list
+    scheduling); the step at which the last response ends, counted from 1."""
+    import heapq
+
+    free = [0] * min(slots, len(lengths))  # the first step each row is free
+    end = 0
+    for length in lengths:
+        start = heapq.heappop(free)
+        heapq.heappush(free, start + length)
+        end = max(end, start + length)
+    return end
+
+
 def pack_by_length(predicted: list[float], capacity: int) -> list[list[int]]:
     """Rounds of job indices: the jobs sorted by predicted length, longest first (ties by index), cut into
     rounds of ``capacity`` jobs (the last, partial round holds the shortest), the rounds in shortest-first
@@ -94,10 +128,20 @@ class MicroGroupSampling(RolloutStrategy):
     def __init__(self, setup: RolloutSetup, options: MicroGroupsOptions):
         self.setup, self.options = setup, options
         self.lengths: dict[str, float] = {}  # mean response length of each prompt when last sampled
+        if options.refill and not hasattr(setup.sampler.engine, "generate_refilling"):
+            raise ConfigError(f"rollout.micro_groups.refill=true needs an engine that refills slots while decoding (the "
+                              f"HF engine); {type(setup.sampler.engine).__name__} does not: set refill=false")
 
     @classmethod
     def config_options(cls, rollout: RolloutConfig) -> dict[str, Any]:
         return {"options": micro_groups_options(rollout)}
+
+    @classmethod
+    def validate(cls, rollout: RolloutConfig, advantage: str) -> None:
+        options = micro_groups_options(rollout)
+        if options.refill and rollout.engine != "hf":
+            raise ConfigError(f"rollout.micro_groups.refill=true refills slots inside the HF engine's decoding loop; "
+                              f"rollout.engine={rollout.engine} cannot: use rollout.engine=hf or refill=false")
 
     def state_dict(self) -> dict[str, Any] | None:
         return {"lengths": dict(self.lengths)} if self.options.length_aware else None
@@ -117,6 +161,24 @@ class MicroGroupSampling(RolloutStrategy):
         predicted = [self.lengths.get(problems[p].uid, default) for p, _ in jobs]
         return [[jobs[j] for j in round_] for round_ in pack_by_length(predicted, capacity)]
 
+    def queue(self, problems: list[Problem]) -> list[tuple[int, int]]:
+        """The refill queue: the micro-groups ``(prompt index, first response index)``, shortest predicted
+        first with ``length_aware`` (:func:`shortest_first`), else in the rounds' order."""
+        size, n = self.options.size, self.setup.n
+        jobs = [(p, start) for start in range(0, n, size) for p in range(len(problems))]
+        if not self.options.length_aware:
+            return jobs
+        default = float(self.setup.params.max_new_tokens)
+        return [jobs[j] for j in shortest_first([self.lengths.get(problems[p].uid, default) for p, _ in jobs])]
+
+    def _decode(self, requests: list[GenerationRequest], slots: int) -> list[list[Any]]:
+        """The refilling engine call (one queue, ``slots`` rows), counted in the sampler's cost."""
+        sampler = self.setup.sampler
+        start = time.perf_counter()
+        out = sampler.engine.generate_refilling(requests, self.setup.params, slots, None)
+        sampler.cost.add(out, time.perf_counter() - start)
+        return out
+
     def rollout(
         self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None = None
     ) -> tuple[GradedGroups, dict[str, float]]:
@@ -124,21 +186,20 @@ class MicroGroupSampling(RolloutStrategy):
         prompt_ids = sampler.encode(problems)
         seeds = [draw_seed(self.setup.generator) % (2**31 - 1) for _ in problems]
         placed: list[dict[int, Any]] = [{} for _ in problems]  # response index -> completion
-        rounds = self.schedule(problems)
+        rounds = [self.queue(problems)] if self.options.refill else self.schedule(problems)
+        row_cap = self.options.max_sequences or size * len(problems)
         slots = used = 0
         for round_ in rounds:
-            requests = [
-                GenerationRequest(prompt_ids=prompt_ids[p], n=1, seed=sample_seed(seeds[p], k))
-                for p, start in round_ for k in range(start, start + size)
-            ]
-            out = sampler.generate(requests, self.setup.params, None)
             index = [(p, k) for p, start in round_ for k in range(start, start + size)]
+            requests = [GenerationRequest(prompt_ids=prompt_ids[p], n=1, seed=sample_seed(seeds[p], k)) for p, k in index]
+            out = self._decode(requests, row_cap) if self.options.refill else sampler.generate(requests, self.setup.params, None)
             lengths = []
             for (p, k), (completion,) in zip(index, out):
                 completion.request_index = p
                 placed[p][k] = completion
                 lengths.append(len(completion.response_ids))
-            slots += max(lengths) * len(lengths)
+            # slot-steps the call held: its steps x its rows (a round: its longest response x its rows)
+            slots += refill_steps(lengths, row_cap) * min(row_cap, len(lengths)) if self.options.refill else max(lengths) * len(lengths)
             used += sum(lengths)
         groups = [[group[k] for k in sorted(group)] for group in placed]
         if self.options.length_aware:
