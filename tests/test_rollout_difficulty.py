@@ -207,11 +207,11 @@ def test_a_pool_is_injected_only_into_groups_without_a_success_and_only_with_its
     assert [len(g) for g in first.groups] == [3, 2, 2, 2] and m1["replay_responses"] == 1
     # step 2: 1 fails now and gets the pool's [6, 8], never its own success of step 1 ([2, 2]): nothing online
     assert [len(g) for g in second.groups] == [3, 3, 2, 2] and m2["replay_responses"] == 2
-    for graded, group, tokens in ((first, 0, [2, 4]), (second, 0, [2, 4]), (second, 1, [6, 8])):
-        injected = graded.groups[group][-1]
+    for step, group, tokens in ((first, 0, [2, 4]), (second, 0, [2, 4]), (second, 1, [6, 8])):
+        injected = step.groups[group][-1]
         stored = pool["questions"][str(group)]["responses"][0]
         assert injected.response_ids == tokens == stored["response_ids"]
-        assert list(injected.prompt_ids) == stored["prompt_ids"] == list(graded.groups[group][0].prompt_ids)
+        assert list(injected.prompt_ids) == stored["prompt_ids"] == list(step.groups[group][0].prompt_ids)
         assert injected.logprobs == stored["logprobs"] and injected.behaviour == "replay" and injected.policy_version == -1
     assert m1["replay_buffer_size"] == m2["replay_buffer_size"] == 6 == len(strategy.buffer)  # the pool: 2 x 3
     assert second.correct.tolist() == [0, 0, 1, 0, 0, 1, 0, 0, 0, 0]
