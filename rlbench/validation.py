@@ -38,7 +38,7 @@ from rlbench.reward.terms import check_reward_config
 from rlbench.rollout import STRATEGIES
 from rlbench.rollout.env import ENVIRONMENTS, env_roles, validate_env
 from rlbench.rollout.guided.difficulty_adaptive import DifficultyOptions
-from rlbench.rollout.guided.replay import check_replay_pool, generated_pool_path
+from rlbench.rollout.guided.replay import check_pool_problems, check_replay_pool, generated_pool_path
 from rlbench.rollout.strategies.multi_turn import MultiTurnOptions
 from rlbench.rollout.strategies.rethink import check_success_training
 from rlbench.training.advantage_inputs import validate_step_options
@@ -561,6 +561,9 @@ def check_run(cfg: DictConfig, origins: ValueOrigins) -> Algorithm:
         if config.reward.judge is not None and config.reward.judge.kind == "model":
             validate_model_config(config.reward.judge.model)  # the judge's model, refused before anything loads
         check_replay_pool(rollout, cfg.dataset, config.seed, config.data_dir, config.data_source)
+        if rollout.strategy == "difficulty_adaptive":  # DART's pre-collected successes: this run's questions
+            check_pool_problems(DifficultyOptions.from_config(rollout).pool, DifficultyOptions.POOL_KEY, cfg.dataset,
+                                config.seed, config.data_dir, config.data_source)
         check_success_training(rollout, algorithm.loss.name, POLICY_LOSSES.accepted_inputs(algorithm.loss.name))
         guidance = GuidanceOptions.from_config(config.guidance)
         if rollout.strategy == "references" and guidance.source == "none":

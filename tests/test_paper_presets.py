@@ -69,6 +69,8 @@ SOURCE_VALUES: dict[str, dict[str, Any]] = {
         "rollout.max_new_tokens": 20480, "algorithm.update.minibatches": 16, "trainer.weight_decay": 0.1,
         "algorithm.aggregation.name": "token_mean", "algorithm.reward_shaping.0.cache_fraction": 4096 / 20480,
     },
+    # Computer-use-agents/dart-gui examples/osworld/async/run_trainer_debug_w_rollout_stepwise_train_pt.sh
+    "dart": {"rollout.n": 8, "algorithm.loss.clip_low": 0.1, "algorithm.loss.clip_high": 0.28},
     # sail-sg/understand-r1-zero examples/qwen2.5-math-7b.sh
     "dr_grpo": {
         "model.hub_id": "Qwen/Qwen2.5-Math-7B", "algorithm.advantage.name": "dr_grpo", "rollout.n": 8,

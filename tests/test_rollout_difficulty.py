@@ -180,3 +180,107 @@ def test_with_every_prompt_default_and_no_injection_a_run_equals_the_iid_run(tmp
         ours = {k for k in b if k.startswith("difficulty_") or k.startswith("replay_")}
         assert {k: v for k, v in a.items() if k not in TIMING_METRICS} == \
                {k: v for k, v in b.items() if k not in TIMING_METRICS | ours}
+
+
+# ---------------------------------------------------------------- DART's pre-collected successes (pool)
+
+
+def test_a_pool_is_injected_only_into_groups_without_a_success_and_only_with_its_own_token_ids(tmp_path):
+    from test_replay_cores import collect_pool
+
+    from rlbench.rollout.guided.replay_pool import read_pool
+
+    # before training: questions 0 and 1 solved ([2, 4], [6, 8]), question 2 never (not in the pool)
+    path = tmp_path / "pool.json"
+    collect_pool(path, {0: [2, 4], 1: [6, 8], 2: [1, 3]}, ["0", "1", "2"], 1)
+    pool = read_pool(path)
+    assert sorted(pool["questions"]) == ["0", "1"]
+    # the run: 0 always wrong; 1 right with another answer ([2, 2]), then wrong; 2 and 3 always wrong
+    script = {0: [1, 3], 1: [[2, 2], [1, 1]], 2: [1, 1], 3: [1, 5]}
+    strategy, _ = strategy_for(script, {"inject": 1, "pool": str(path)}, PromptStatsStore(), n=2, max_new_tokens=2)
+    prompts = [problem(u) for u in "0123"]
+    first, m1 = strategy.rollout(prompts)
+    stamp_policy_version(first, 0)
+    second, m2 = strategy.rollout(prompts)
+    stamp_policy_version(second, 1)
+    # step 1: only group 0 (no success, in the pool) gets one; 1 is solved; 2 and 3 have nothing in the pool
+    assert [len(g) for g in first.groups] == [3, 2, 2, 2] and m1["replay_responses"] == 1
+    # step 2: 1 fails now and gets the pool's [6, 8], never its own success of step 1 ([2, 2]): nothing online
+    assert [len(g) for g in second.groups] == [3, 3, 2, 2] and m2["replay_responses"] == 2
+    for step, group, tokens in ((first, 0, [2, 4]), (second, 0, [2, 4]), (second, 1, [6, 8])):
+        injected = step.groups[group][-1]
+        stored = pool["questions"][str(group)]["responses"][0]
+        assert injected.response_ids == tokens == stored["response_ids"]
+        assert list(injected.prompt_ids) == stored["prompt_ids"] == list(step.groups[group][0].prompt_ids)
+        assert injected.logprobs == stored["logprobs"] and injected.behaviour == "replay" and injected.policy_version == -1
+    assert m1["replay_buffer_size"] == m2["replay_buffer_size"] == 6 == len(strategy.buffer)  # the pool: 2 x 3
+    assert second.correct.tolist() == [0, 0, 1, 0, 0, 1, 0, 0, 0, 0]
+
+
+def test_a_pool_sampled_under_another_prompt_is_refused_when_injected(tmp_path):
+    from test_replay_cores import collect_pool
+
+    path = tmp_path / "pool.json"
+    collect_pool(path, {0: [2, 4]}, ["0"], 1)
+    data = json.loads(path.read_text())
+    for r in data["questions"]["0"]["responses"]:
+        r["prompt_ids"] = [99]
+    path.write_text(json.dumps(data))
+    strategy, _ = strategy_for({0: [1, 3]}, {"inject": 1, "pool": str(path)}, PromptStatsStore(), n=2, max_new_tokens=2)
+    with pytest.raises(ConfigError, match=r"rollout.difficulty_adaptive.pool=.*question 0 was sampled under another prompt"):
+        strategy.rollout([problem("0")])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.difficulty_adaptive.pool=/nonexistent/pool.json"], r"rollout.difficulty_adaptive.pool=/nonexistent/pool.json: no such file"),
+    (["rollout.difficulty_adaptive.pool={malformed}"], r"rollout.difficulty_adaptive.pool=.* is malformed: a response of question arith/train/0 lacks response_ids"),
+    (["rollout.difficulty_adaptive.pool={not_a_pool}"], r"rollout.difficulty_adaptive.pool=.* has format None"),
+    (["rollout.difficulty_adaptive.pool={other_questions}"], r"rollout.difficulty_adaptive.pool=.* 1 of its 1 questions do not match"),
+    (["rollout.difficulty_adaptive.pool={other_questions}", "rollout.difficulty_adaptive.inject=0"], "with inject=0 injects nothing"),
+])
+def test_a_missing_or_malformed_pool_is_refused_before_the_model_loads(tmp_path, monkeypatch, overrides, message):
+    from conftest import compose_config
+
+    import rlbench.runner
+    from rlbench.rollout.guided.replay_pool import POOL_FORMAT
+    from rlbench.runner import run
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model loaded before the refusal")
+
+    monkeypatch.setattr(rlbench.runner, "load_policy", no_model)
+    response = {"prompt_ids": [1], "response_ids": [2], "logprobs": [-1.0], "finished": True, "text": "2", "policy_version": 0}
+    files = {"malformed": {"arith/train/0": {"prompt": "p", "answer": "1", "meta": {}, "accuracy": 1.0,
+                                             "responses": [{"prompt_ids": [1], "text": "x"}]}},
+             "other_questions": {"gsm8k/train/0": {"prompt": "p", "answer": "1", "meta": {}, "accuracy": 1.0,
+                                                   "responses": [response]}}}
+    paths = {}
+    for name, questions in files.items():
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps({"format": POOL_FORMAT, "model": "tiny", "tokenizer": None,
+                                           "datasets": ["x"], "rollouts": 1, "questions": questions}))
+    paths["not_a_pool"] = tmp_path / "not_a_pool.json"
+    paths["not_a_pool"].write_text('{"items": []}')
+    overrides = [o.format(**paths) for o in overrides]
+    with pytest.raises(ConfigError, match=message):
+        run(compose_config(["experiment=smoke", "algorithm=dart", "eval.before_training=false", "logger=files", *overrides],
+                           tmp_path / "run"))
+
+
+@pytest.mark.slow
+def test_paper_dart_with_experiment_smoke_runs_asynchronously(tmp_path):
+    """paper=dart sets trainer.max_staleness=1 and weight_sync_every=2 (DART's decoupled trainer and rollout
+    service): its smoke run goes through the generator thread (rlbench/training/async_pipeline.py), so batch 2 is
+    sampled by version 0 while version 1 trains (staleness 1), and the summary reports the pipeline."""
+    from conftest import compose_config
+
+    from rlbench.runner import run
+
+    summary = run(compose_config(["paper=dart", "experiment=smoke", "dataset=arith", "eval.before_training=false",
+                                  "eval.limit=1", "eval.n=1", "eval.k=[1]", "trainer.save_model=false", "logger=files"],
+                                 tmp_path))
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert summary["max_staleness"] == 1 and summary["weight_sync_every"] == 2
+    assert summary["async_weight_syncs"] == 1 and summary["async_dropped_batches"] == 0  # versions 0 (g = 0, 0)
+    assert [s["staleness"] for s in steps] == [0.0, 1.0]
+    assert all(s["token_mask_kept"] < 1 for s in steps)  # DART's high-entropy token mask is on

@@ -16,12 +16,21 @@ the default tier the strategy samples exactly what ``rollout=iid`` samples. Grou
 prompts; the advantage pieces take per-group statistics (rlbench/algorithm/advantages/common.py), as
 for ``rollout=adaptive``.
 
-Success injection (``inject: m``, DART's pre-collected successes, collected online here): a group
-whose fresh responses are all wrong gets up to m stored correct responses of the same question from a
-:class:`rlbench.rollout.guided.replay.ReplayBuffer` (the same injection as AR3PO's response reuse,
-:func:`rlbench.rollout.guided.replay.inject_successes`); correct fresh responses enter the buffer after the
-step. ``inject_behaviour``: stored (pi_old = the stored log-probs, ratio pi_theta / mu) or recomputed.
-A step that injects grades its groups a second time (reward shaping sees each whole group).
+Success injection (``inject: m``): a group whose fresh responses are all wrong gets up to m stored correct
+responses of the same question from a :class:`rlbench.rollout.guided.replay.ReplayBuffer` (the same injection
+as AR3PO's response reuse, :func:`rlbench.rollout.guided.replay.inject_successes`). Where the stored successes
+come from:
+
+- ``pool: <file>`` (DART's pre-collected successes): a pool of verified successes sampled before training,
+  written by ``mode=generate rollout=replay_rlep_collect rollout.replay.pool_save=<file>`` and read with
+  RLEP's reader (rlbench/rollout/guided/replay_pool.py). The buffer holds exactly the pool's responses (policy
+  version -1) and nothing enters it online. Refused before the model loads when missing, malformed or of
+  another dataset; when the strategy is built when of another tokenizer; when injected when its prompt token
+  ids differ from this run's.
+- ``pool: null``: the run's own correct fresh responses, entering the buffer after their step (online).
+
+``inject_behaviour``: stored (pi_old = the stored log-probs, ratio pi_theta / mu) or recomputed. A step that
+injects grades its groups a second time (reward shaping sees each whole group).
 
 Why a rollout strategy and not a prompt sampler: a sampler (``trainer.prompt_sampler``) decides which prompts a
 step trains on; how many responses each prompt gets and how long they may be are the rollout's
@@ -45,12 +54,14 @@ Configuration (conf/rollout/difficulty_adaptive.yaml; ``algorithm=dart`` selects
       easy_length_scale: 1.0   # in (0, 1]: easy prompts' budget
       inject: 1                # stored successes added to a group without any (0: none)
       inject_behaviour: stored # stored | recomputed
-      capacity: 4096           # stored correct responses at most
+      capacity: 4096           # stored correct responses at most (online collection)
+      pool: null               # path: inject only this pool's successes, collected before training (DART)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -59,8 +70,11 @@ from rlbench.config.schema import RolloutConfig
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError
 from rlbench.rollout.groups import GradedGroups
-from rlbench.rollout.guided.replay import BEHAVIOURS, StoredSuccesses, inject_successes
+from rlbench.rollout.guided.replay import BEHAVIOURS, StoredSuccesses, check_pool_prompts, inject_successes
+from rlbench.rollout.guided.replay_pool import check_pool_tokenizer, read_pool
 from rlbench.rollout.strategy import RolloutSetup, register_strategy, strategy_options
+
+log = logging.getLogger(__name__)
 
 ACCURACY_SOURCES = ("pass_rate", "recent")
 HARD, DEFAULT, EASY = "hard", "default", "easy"
@@ -80,11 +94,16 @@ class DifficultyOptions:
     inject: int = 1
     inject_behaviour: str = "stored"
     capacity: int = 4096
+    pool: str | None = None
+
+    POOL_KEY = "rollout.difficulty_adaptive.pool"
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig) -> "DifficultyOptions":
         options = strategy_options(rollout, "difficulty_adaptive", cls)
         options.check(int(rollout.n))
+        if options.pool is not None:
+            read_pool(options.pool, cls.POOL_KEY)  # missing or malformed: refused before the model loads
         return options
 
     def check(self, n: int) -> None:
@@ -106,6 +125,8 @@ class DifficultyOptions:
             (self.inject >= 0, f"{key}.inject={self.inject} must be >= 0 (0: no success injection)"),
             (self.inject_behaviour in BEHAVIOURS, f"{key}.inject_behaviour={self.inject_behaviour!r}: choose one of {BEHAVIOURS}"),
             (self.capacity >= 1, f"{key}.capacity must be >= 1, got {self.capacity}"),
+            (self.pool is None or self.inject >= 1,
+             f"{key}.pool={self.pool} with inject=0 injects nothing from it: set inject >= 1 or drop the pool"),
         ]
         for ok, message in checks:
             if not ok:
@@ -138,6 +159,14 @@ class DifficultyAdaptiveRollout(StoredSuccesses):
     def __init__(self, setup: RolloutSetup, options: DifficultyOptions):
         self.setup, self.options = setup, options
         self.keep_successes(options.capacity, setup.seed)
+        if options.pool is not None:  # DART's pre-collected successes: exactly the pool's, nothing online
+            pool = read_pool(options.pool, options.POOL_KEY)
+            check_pool_tokenizer(options.pool, pool, setup.sampler.tokenizer, options.POOL_KEY)
+            self.buffer.load_pool(pool["questions"])
+        elif options.inject:
+            log.warning("%s is not set: groups without a success get this run's own earlier successes, collected online "
+                        "(early steps inject nothing); DART injects successes collected before training (docs/replay.md)",
+                        options.POOL_KEY)
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig, setup: RolloutSetup) -> "DifficultyAdaptiveRollout":
@@ -178,9 +207,12 @@ class DifficultyAdaptiveRollout(StoredSuccesses):
         if self.options.inject:
             wanted = [0 if ok else self.options.inject for ok in solved]
             injected = inject_successes(self.buffer, problems, groups, wanted, self.options.inject_behaviour == "recomputed")
+            if injected and self.options.pool is not None:
+                check_pool_prompts(f"{self.options.POOL_KEY}={self.options.pool}", problems, groups, fresh_counts)
             if injected:  # the groups changed: grade and shape them again
                 graded = self.setup.sampler.grade(problems, groups, longest)
-        self.pending.add_groups(problems, graded, fresh_counts)
+        if self.options.pool is None:  # online collection: this step's correct responses, stored after it
+            self.pending.add_groups(problems, graded, fresh_counts)
         tiers = [difficulty_tier(a, self.options.acc_low, self.options.acc_high) for a in accuracies]
         return graded, {
             "difficulty_hard_fraction": tiers.count(HARD) / len(problems),

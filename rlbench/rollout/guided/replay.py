@@ -357,15 +357,33 @@ def policy_entropies(engine: Any, params: Any, candidates: dict[str, list[Replay
     return out
 
 
+def check_pool_problems(path: str | None, key: str, dataset: Any, seed: int, data_dir: str | None, source: str) -> None:
+    """A pool file (RLEP's ``rollout.replay.pool``, DART's ``rollout.difficulty_adaptive.pool``; None: none), before
+    the model loads: its questions must be the training problems of this run (``dataset``: its spec, loaded as
+    the run loads it; rlbench.rollout.guided.replay_pool.check_pool_questions)."""
+    if path is not None:
+        check_pool_questions(path, load_problems(dataset, seed=seed, data_dir=data_dir, source=source), key)
+
+
 def check_replay_pool(rollout: RolloutConfig, dataset: Any, seed: int, data_dir: str | None, source: str) -> None:
-    """RLEP's second run (``rollout.replay.pool``), before the model loads: the pool's questions must be
-    the training problems of this run (``dataset``: its spec, loaded as the run loads it;
-    rlbench.rollout.guided.replay_pool.check_pool_questions)."""
-    if rollout.strategy != "replay":
-        return
-    options = ReplayOptions.from_config(rollout)
-    if options.pool is not None:
-        check_pool_questions(options.pool, load_problems(dataset, seed=seed, data_dir=data_dir, source=source))
+    """RLEP's second run (``rollout.replay.pool``): :func:`check_pool_problems`."""
+    if rollout.strategy == "replay":
+        check_pool_problems(ReplayOptions.from_config(rollout).pool, "rollout.replay.pool", dataset, seed, data_dir, source)
+
+
+def check_pool_prompts(where: str, problems: Sequence[Problem], groups: Sequence[Sequence[Completion]],
+                       fresh_counts: Sequence[int]) -> None:
+    """A pool response (``groups[g][fresh_counts[g]:]``) sampled under another prompt than the fresh responses of its
+    group (another prompt template or chat template when the pool was collected) would train on text the policy
+    never saw there: refused. ``where``: the pool option and file, for the message."""
+    for problem, group, count in zip(problems, groups, fresh_counts):
+        if count == 0:
+            continue
+        prompt = tuple(group[0].prompt_ids)
+        if any(tuple(c.prompt_ids) != prompt for c in group[count:]):
+            raise ConfigError(f"{where}: question {problem.uid} was sampled under another prompt than this run "
+                              "renders (dataset.prompt or the chat template differ): collect the pool with this "
+                              "run's prompt")
 
 
 def generated_pool_path(rollout: RolloutConfig) -> str | None:
@@ -510,11 +528,11 @@ class ReplaySampling(RolloutStrategy):
         self.shortfall_log.note(missing, f"{wanted_replays - missing} of {wanted_replays} replayed responses")
         fresh_counts = [n - len(r) if o.replace_fresh else n for r in replayed]
         fresh = self.setup.sampler.sample(prompts, fresh_counts, self.setup.params, self.setup.generator)
-        if o.pool is not None:
-            self._check_pool_prompts(prompts, fresh, replayed)
         recompute = o.behaviour == "recomputed"
         groups = [group + [item.completion(i, recompute) for item in items]
                   for i, (group, items) in enumerate(zip(fresh, replayed))]
+        if o.pool is not None:
+            check_pool_prompts(f"rollout.replay.pool={o.pool}", prompts, groups, fresh_counts)
         graded = self.setup.sampler.grade(prompts, groups, self.setup.params.max_new_tokens)
         self._record(prompts, graded, fresh_counts)
         return graded, self._metrics(sum(len(r) for r in replayed), shortfall,
@@ -555,18 +573,6 @@ class ReplaySampling(RolloutStrategy):
                              for c, ok in zip(completions, correct) if ok]
                 self.collect.add(problem, successes, sum(correct) / len(correct))
         self.collect.write()
-
-    def _check_pool_prompts(self, prompts: list[Problem], fresh: list[list[Completion]],
-                            replayed: list[list[ReplayItem]]) -> None:
-        """A pool response replayed after another prompt than it was sampled under would train on text the
-        policy never saw there: refused (the pool's run used another prompt template or chat template)."""
-        for problem, group, items in zip(prompts, fresh, replayed):
-            for item in items:
-                if group and tuple(group[0].prompt_ids) != item.prompt_ids:
-                    raise ConfigError(
-                        f"rollout.replay.pool={self.options.pool}: question {problem.uid} was sampled under another "
-                        "prompt than this run renders (dataset.prompt or the chat template differ): collect the "
-                        "pool with this run's prompt")
 
     def _metrics(self, replayed: int, shortfall: int, scored: int) -> dict[str, float]:
         return {

@@ -110,33 +110,34 @@ def malformed(pool: dict[str, Any]) -> str | None:
     return None
 
 
-def read_pool(path: str | Path) -> dict[str, Any]:
-    """The pool file at ``path``; ConfigError when it is missing or not a pool."""
+def read_pool(path: str | Path, key: str = "rollout.replay.pool") -> dict[str, Any]:
+    """The pool file at ``path``; ConfigError when it is missing or not a pool. ``key``: the option that
+    named it (RLEP's ``rollout.replay.pool``, DART's ``rollout.difficulty_adaptive.pool``), for the messages."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"rollout.replay.pool={path}: no such file (write one from the first run's policy: "
-                          "mode=generate model=checkpoint model.path=<run>/policy rollout=replay_rlep_collect "
+        raise ConfigError(f"{key}={path}: no such file (write one by sampling a policy: "
+                          "mode=generate [model=checkpoint model.path=<run>/policy] rollout=replay_rlep_collect "
                           "rollout.replay.pool_save=<file>, docs/replay.md)")
     try:
         pool = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ConfigError(f"rollout.replay.pool={path} is not a readable JSON pool: {err}") from None
+        raise ConfigError(f"{key}={path} is not a readable JSON pool: {err}") from None
     if not isinstance(pool, dict) or pool.get("format") != POOL_FORMAT:
         found = pool.get("format") if isinstance(pool, dict) else type(pool).__name__
-        raise ConfigError(f"rollout.replay.pool={path} has format {found!r}, not {POOL_FORMAT!r} "
+        raise ConfigError(f"{key}={path} has format {found!r}, not {POOL_FORMAT!r} "
                           "(written by rollout.replay.pool_save)")
     if (problem := malformed(pool)) is not None:
-        raise ConfigError(f"rollout.replay.pool={path} is malformed: {problem} (write it with rollout.replay.pool_save)")
+        raise ConfigError(f"{key}={path} is malformed: {problem} (write it with rollout.replay.pool_save)")
     if not pool["questions"]:
-        raise ConfigError(f"rollout.replay.pool={path} holds no verified success: the first run solved nothing")
+        raise ConfigError(f"{key}={path} holds no verified success: the sampled policy solved nothing")
     return pool
 
 
-def check_pool_questions(path: str | Path, problems: Sequence[Problem]) -> None:
+def check_pool_questions(path: str | Path, problems: Sequence[Problem], key: str = "rollout.replay.pool") -> None:
     """Refuse a pool whose questions are not this run's training problems (another dataset, split,
     seed of a generated set, or edited file): every pool uid must be a problem here with the same
     prompt and reference answer."""
-    pool = read_pool(path)
+    pool = read_pool(path, key)
     here = {p.uid: p for p in problems}
     bad = [uid for uid, entry in pool["questions"].items()
            if uid not in here or (here[uid].prompt, here[uid].answer) != (entry["prompt"], entry["answer"])]
@@ -149,17 +150,17 @@ def check_pool_questions(path: str | Path, problems: Sequence[Problem]) -> None:
              f"(answer {entry['answer']!r})")
     datasets = sorted({dataset_of(p.uid) for p in problems})
     raise ConfigError(
-        f"rollout.replay.pool={path} was collected on {', '.join(pool['datasets'])} (model {pool['model'] or '?'}), "
+        f"{key}={path} was collected on {', '.join(pool['datasets'])} (model {pool['model'] or '?'}), "
         f"but this run trains on {', '.join(datasets) or 'no problems'}: {len(bad)} of its {len(pool['questions'])} "
         f"questions do not match (first: {uid}: {found}). Collect the pool with this run's dataset settings "
-        "(dataset, split, arith.level and seed) or drop rollout.replay.pool"
+        f"(dataset, split, arith.level and seed) or drop {key}"
     )
 
 
-def check_pool_tokenizer(path: str | Path, pool: dict[str, Any], tokenizer: Any) -> None:
+def check_pool_tokenizer(path: str | Path, pool: dict[str, Any], tokenizer: Any, key: str = "rollout.replay.pool") -> None:
     """Refuse a pool whose token ids come from another tokenizer (the fingerprints differ)."""
     mine = tokenizer_fingerprint(tokenizer)
     if pool["tokenizer"] is not None and mine is not None and pool["tokenizer"] != mine:
         model = str(getattr(tokenizer, "name_or_path", "") or "?")
-        raise ConfigError(f"rollout.replay.pool={path} was collected with the tokenizer of {pool['model'] or '?'}, "
+        raise ConfigError(f"{key}={path} was collected with the tokenizer of {pool['model'] or '?'}, "
                           f"whose vocabulary differs from this run's ({model}): its token ids mean other text here")
