@@ -56,7 +56,7 @@ def test_a_hard_response_pulls_half_as_hard_towards_the_reference():
 
 def test_every_factor_one_is_the_plain_kl_term_bit_for_bit():
     plain = kl_algorithm()
-    assert plain.kl_difficulty_scale is None  # the schema's default {1, 1, 1}: no per-response input at all
+    assert plain.kl_difficulty_scale is None  # the schema default (null): no per-response input at all
     assert kl_algorithm(hard=1.0, medium=1.0, easy=1.0).kl_difficulty_scale is None
     loss, grad = loss_and_gradient(plain)
     # the same loss as before the factor existed: beta * token_mean(k3)

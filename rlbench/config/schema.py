@@ -91,9 +91,9 @@ class KLConfig:
         0.0, "w in [0, 1]: the loss's KL is (1 - w) KL(pi || pi_ref) + w KL(pi || pi_prev), pi_prev = the policy "
         "before this step's update (ReMix's KL-Convex, lambda = 1 - w); 0: the reference only", ge=0
     )
-    difficulty_scale: KLDifficultyScaleConfig = node(
-        KLDifficultyScaleConfig, "per-response factor s of the loss's KL term by the curriculum's difficulty label "
-        "(CLPO's dynamic KL: {hard: 0.5}); all 1: the plain KL term; another value needs prompt_sampler=clpo (the labels)"
+    difficulty_scale: Optional[KLDifficultyScaleConfig] = node(
+        KLDifficultyScaleConfig, "null (or every factor 1): the plain KL term; {hard: 0.5}: the loss's KL of each response "
+        "times its curriculum difficulty label's factor (CLPO's dynamic KL; the labels: prompt_sampler=clpo)"
     )
 
 
