@@ -113,6 +113,15 @@ def check_curriculum(config: RunConfig, algorithm: Algorithm) -> None:
         raise ConfigError("trainer.prompt_sampler=clpo needs trainer.parallelism=single and trainer.max_staleness=null "
                           "(the policy rewrites the step's problems after its rollout; each process or the generator "
                           "thread would keep a rewrite pool of its own)")
+    clpo = trainer.prompt_sampler is not None and trainer.prompt_sampler.name == "clpo"
+    if algorithm.kl_difficulty_scale is not None and not clpo:
+        raise ConfigError("algorithm.kl.difficulty_scale scales each response's KL by its curriculum difficulty label, "
+                          "which prompt_sampler=clpo gives (CLPO's dynamic KL); use it, or every factor 1")
+    if clpo:
+        options = sampler_options(trainer.prompt_sampler)[1]
+        if options.mixing == "same_step" and options.verify_samples not in (None, config.rollout.n):
+            raise ConfigError(f"trainer.prompt_sampler.clpo.verify_samples={options.verify_samples}: with mixing=same_step a "
+                              f"rewrite's answers train as its group beside the step's, so they number rollout.n={config.rollout.n}")
     band = trainer.difficulty_filter
     if band is not None and band.model is not None:
         try:  # the model the filter samples, refused before anything loads

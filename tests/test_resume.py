@@ -286,8 +286,15 @@ STATEFUL_PRESETS = {
     "inpo_rounds": ["algorithm=inpo", "algorithm.update.round_steps=3"],
     # trainer.aux_tasks (SPARK): step 3 draws from the task buffer built at steps 1-2 (measured to fail without it)
     "aux_tasks": ["+trainer.aux_tasks.share=0.5", "trainer.prompts_per_step=4"],
-    # CLPO's rewrite pool: steps 1-2 fill it (every well-formed rewrite kept), steps 3-4 draw half their prompts from it
-    "clpo": ["prompt_sampler=clpo", "trainer.prompt_sampler.clpo.agreement=0", "trainer.prompt_sampler.clpo.share=0.5"],
+    # CLPO's rewrite pool (rlbench's earlier next-steps mix): steps 1-2 fill it (every well-formed rewrite kept), steps
+    # 3-4 draw half their prompts from it
+    "clpo": ["prompt_sampler=clpo", "trainer.prompt_sampler.clpo.mixing=next_steps",
+             "trainer.prompt_sampler.clpo.acceptance=agreement", "trainer.prompt_sampler.clpo.agreement=0",
+             "trainer.prompt_sampler.clpo.share=0.5"],
+    # the release's same-step mix with the dynamic KL: the rewriting stream and the attempts are in the checkpoint
+    "clpo_same_step": ["prompt_sampler=clpo", "trainer.prompt_sampler.clpo.acceptance=agreement",
+                       "trainer.prompt_sampler.clpo.agreement=0", "trainer.prompt_sampler.clpo.rewrite_tokens=16",
+                       "algorithm.kl.coef=0.001", "+algorithm.kl.difficulty_scale.hard=0.5"],
     # QRPO's K pi_ref samples per prompt: the cache file in the run folder is read back, never the policy's stream
     "qrpo_reference": ["algorithm=qrpo", "algorithm.qrpo.reference_samples=3"],
     # Clip-Cov's random pick: the loss's generator derives from (seed, step, micro-batch), nothing checkpointed; the

@@ -6,7 +6,7 @@ below are the whole objective, read top to bottom:
     rewards    = shape(outcome) [- kl_coef * sum_t kl(old_logp, ref_logp)   (kl.placement=reward)]
     advantages = advantage_estimator(rewards, groups)
     loss       = aggregate(token_mask * w * policy_loss(logp, old_logp, A))
-               + kl_coef * aggregate(kl(logp, ref_logp))                    (kl.placement=loss)
+               + kl_coef * aggregate(s * kl(logp, ref_logp))                (kl.placement=loss)
                - entropy_coef * aggregate(H)
                + positive_nll_coef * aggregate_C(-logp)                     (correct responses C only)
                + critic.coef * aggregate(value_loss(V, V_old, R))            (value head only)
@@ -16,7 +16,8 @@ the token mask is 1, or the top-entropy-quantile mask (token_mask.top_entropy_qu
 |A| H mask on the responses D3S keeps (algorithm.downsampling, downsampling.py); w is 1,
 or the truncated importance weight between the sampling engine and the trainer
 (sampling_correction, sampling_correction.py). ``kl`` is the estimator ``kl.estimator`` (with
-``kl.clamp`` for k3 / k3+, kl.py). ``algorithm.update.schedule`` (standard | sfpo | trpo, see
+``kl.clamp`` for k3 / k3+, kl.py); s is 1, or each response's factor by its curriculum difficulty label
+(kl.difficulty_scale: CLPO's dynamic KL, kl.difficulty_kl_scale). ``algorithm.update.schedule`` (standard | sfpo | trpo, see
 schedules.py) says how that loss becomes parameter changes. aggregate_C is the aggregation over the
 correct responses' tokens only, normalised by their counts in the optimizer batch (``positive_nll``). What each piece needs of the others
 (aggregation, advantage level) it declares where it is registered (registry.Needs).
@@ -32,7 +33,7 @@ import torch
 
 import rlbench.algorithm.aggregation  # noqa: F401  (registers pieces; advantages, kl and losses by the imports below)
 from rlbench.algorithm.entropy import AdaptiveEntropy, top_entropy_token_mask
-from rlbench.algorithm.kl import KL_PLACEMENTS, AdaptiveKL, kl_penalised_rewards, sequence_kl
+from rlbench.algorithm.kl import DIFFICULTY_LABELS, KL_PLACEMENTS, AdaptiveKL, kl_penalised_rewards, sequence_kl
 from rlbench.algorithm.advantages import value_loss
 from rlbench.algorithm.critic import CRITIC_ADVANTAGE, CRITIC_RETURNS, CriticSettings
 from rlbench.algorithm.advantages.verl_pieces import PolicyFiltration
@@ -60,6 +61,13 @@ def setting(node: Mapping[str, Any], key: str, where: str = "") -> Any:
         raise ConfigError(f"{path} is missing: Algorithm.from_config reads every key of the algorithm config, with the "
                           "schema's defaults filled in (rlbench.config.typed.algorithm_settings)")
     return node[key]
+
+
+def difficulty_scales(node: Mapping[str, Any] | None) -> dict[str, float] | None:
+    """``algorithm.kl.difficulty_scale`` as {label: factor}, None when every factor is 1 (the plain KL term, no
+    per-response input)."""
+    scales = {str(label): float(value) for label, value in dict(node or {}).items()}
+    return None if all(value == 1.0 for value in scales.values()) and set(scales) <= set(DIFFICULTY_LABELS) else scales
 
 
 @dataclass(frozen=True)
@@ -109,6 +117,8 @@ class Algorithm:
     kl_placement: str = "loss"
     kl_adaptive: AdaptiveKL | None = None
     kl_previous_weight: float = 0.0  # w of the convex KL (1 - w) KL(pi || pi_ref) + w KL(pi || pi_prev) (ReMix)
+    # CLPO's dynamic KL: the loss's KL of a response times its difficulty label's factor (None: every factor 1)
+    kl_difficulty_scale: Mapping[str, float] | None = None
     entropy_adaptive: AdaptiveEntropy | None = None
     top_entropy_quantile: float | None = None
     sampling_correction: SamplingCorrection | None = None  # TIS weights between sampler and trainer
@@ -153,6 +163,7 @@ class Algorithm:
             kl_placement=str(setting(kl, "placement", "kl")),
             kl_adaptive=None if (adaptive := setting(kl, "adaptive", "kl")) is None else AdaptiveKL.from_config(adaptive),
             kl_previous_weight=float(setting(kl, "previous_weight", "kl")),
+            kl_difficulty_scale=difficulty_scales(setting(kl, "difficulty_scale", "kl")),
             entropy_adaptive=None if (entropy := setting(cfg, "entropy_adaptive")) is None else AdaptiveEntropy.from_config(entropy),
             top_entropy_quantile=None if quantile is None else float(quantile),
             sampling_correction=SamplingCorrection.from_config(setting(cfg, "sampling_correction")),
@@ -219,6 +230,13 @@ class Algorithm:
     def _check_kl_and_entropy_settings(self) -> None:
         if self.kl_placement not in KL_PLACEMENTS:
             raise ConfigError(f"algorithm.kl.placement={self.kl_placement} is unknown; choose one of {KL_PLACEMENTS}")
+        if self.kl_difficulty_scale is not None and (
+                set(self.kl_difficulty_scale) != set(DIFFICULTY_LABELS) or min(self.kl_difficulty_scale.values()) < 0):
+            raise ConfigError(f"algorithm.kl.difficulty_scale takes a factor >= 0 for each of {list(DIFFICULTY_LABELS)}, "
+                              f"got {dict(self.kl_difficulty_scale)}")
+        if self.kl_difficulty_scale is not None and not self.kl_in_loss:
+            raise ConfigError("algorithm.kl.difficulty_scale scales the loss's KL term: it needs algorithm.kl.coef > 0 "
+                              "and placement=loss")
         if not 0 <= self.kl_previous_weight <= 1:
             raise ConfigError(f"algorithm.kl.previous_weight must be in [0, 1], got {self.kl_previous_weight}")
         if self.kl_previous_weight > 0 and not self.kl_in_loss:
@@ -432,19 +450,28 @@ class Algorithm:
         """The configured per-token KL estimate k(logp, ref_logp) [B,T] (unmasked)."""
         return KL_ESTIMATORS.call(self.kl_estimator, {"logp": logp, "ref_logp": ref_logp}, self.kl_estimator_params)
 
-    def loss_kl_matrix(self, logp: torch.Tensor, ref_logp: torch.Tensor, prev_logp: torch.Tensor | None) -> torch.Tensor:
+    def loss_kl_matrix(self, logp: torch.Tensor, ref_logp: torch.Tensor, prev_logp: torch.Tensor | None,
+                       kl_scale: torch.Tensor | None = None) -> torch.Tensor:
         """The loss's KL term per token: k(logp, ref_logp), or with ``kl.previous_weight`` w > 0 ReMix's
         KL-Convex constraint (Liang et al. 2025, arXiv:2507.06892, section 3.2)
 
             (1 - w) k(logp, ref_logp) + w k(logp, prev_logp)
 
-        where prev_logp are the log-probs of the policy before this step's update (the sampling pass)."""
+        where prev_logp are the log-probs of the policy before this step's update (the sampling pass); with
+        ``kl.difficulty_scale`` each response's row times its factor s_i (``kl_scale`` [B], CLPO's dynamic KL,
+        rlbench.algorithm.kl.difficulty_kl_scale). Without it (None) nothing is multiplied."""
         w = self.kl_previous_weight
         if w == 0:
-            return self.kl_matrix(logp, ref_logp)
-        if prev_logp is None:
+            matrix = self.kl_matrix(logp, ref_logp)
+        elif prev_logp is None:
             raise ValueError("algorithm.kl.previous_weight > 0 needs the previous policy's log-probs (prev_logp)")
-        return (1 - w) * self.kl_matrix(logp, ref_logp) + w * self.kl_matrix(logp, prev_logp)
+        else:
+            matrix = (1 - w) * self.kl_matrix(logp, ref_logp) + w * self.kl_matrix(logp, prev_logp)
+        if self.kl_difficulty_scale is None:
+            return matrix
+        if kl_scale is None:
+            raise ValueError("algorithm.kl.difficulty_scale needs each response's factor (kl_scale)")
+        return matrix * kl_scale.to(matrix.dtype).unsqueeze(-1)
 
     @property
     def kl_coefficient(self) -> float:
@@ -666,7 +693,7 @@ class Algorithm:
         if self.kl_in_loss:
             if ref_logp is None:
                 raise ValueError("the KL term needs reference log-probs")
-            kl_matrix = self.loss_kl_matrix(logp, ref_logp, given.get("prev_logp")) * mask
+            kl_matrix = self.loss_kl_matrix(logp, ref_logp, given.get("prev_logp"), given.get("kl_scale")) * mask
             kl_value = self.aggregate(kl_matrix, mask, norms)
             total = total + self.kl_coefficient * kl_value
             metrics["kl"] = kl_value.item()

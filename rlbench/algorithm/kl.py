@@ -16,6 +16,7 @@ Every estimator takes (logp, ref_logp); k3 and k3+ also take ``clamp`` (``algori
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -95,6 +96,33 @@ def kl_abs_straight_through(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch
     its ``kl_penalty`` gives any estimator but k2 the k2 gradient when the name ends in "+");
     why k2's gradient: see kl_k1_straight_through."""
     return straight_through(kl_abs(logp, ref_logp), kl_k2(logp, ref_logp))
+
+
+# --------------------------------------------------------------------------------------------
+# A per-response factor of the loss's KL term
+# --------------------------------------------------------------------------------------------
+
+#: The curriculum labels a response may carry (a prompt sampler's difficulty buckets: prompt_sampler=clpo).
+DIFFICULTY_LABELS = ("hard", "medium", "easy")
+
+
+def difficulty_kl_scale(labels: Sequence[str | None], scales: Mapping[str, float]) -> torch.Tensor:
+    """CLPO's difficulty-aware (dynamic) KL regularisation (Zhang et al. 2025, "CLPO: Curriculum Learning meets
+    Policy Optimization for LLM Reasoning", arXiv:2509.25004 v1; the authors' release, github.com/csuking/CLPO
+    @ cb77b56, verl/workers/actor/dp_actor.py kl_in_loss_scale and verl/trainer/ppo/ray_trainer.py's labels):
+
+        L   = L_pg + beta * aggregate_{i,t}( s_i * k_{i,t}(logp, ref_logp) )
+        s_i = scales[label_i]                  (1 for a response without a label)
+
+    label_i is the curriculum's difficulty of response i's problem (hard, medium, easy: the clpo sampler's
+    buckets of the step's pass rate; a rewrite carries its origin's bucket). The release's values are
+    s = 0.5 for hard responses and 1 otherwise (scripts/clpo_qwen3_8b.sh: kl_loss_coef_hard_scale=0.5,
+    kl_loss_coef_nonhard_scale=1.0, kl_loss_coef=0.001): the policy may move further from the reference on
+    the problems it fails. Returns s [B] (float32)."""
+    unknown = {label for label in labels if label is not None and label not in scales}
+    if unknown:
+        raise ValueError(f"difficulty labels {sorted(unknown)} have no KL scale (scales: {sorted(scales)})")
+    return torch.tensor([1.0 if label is None else float(scales[label]) for label in labels], dtype=torch.float32)
 
 
 # --------------------------------------------------------------------------------------------

@@ -173,6 +173,10 @@ _declare("returns", "[B,T]", "the critic's regression targets (GAE lambda-return
          when="the algorithm has a value head: algorithm.critic", available=lambda algorithm: algorithm.critic is not None)
 _declare("prev_logp", "[B,T]", "the policy before this step's update, on every token (ReMix's convex KL)", "batch",
          {"objective"}, when="algorithm.kl.previous_weight > 0", available=lambda algorithm: algorithm.kl_previous_weight > 0)
+_declare("kl_scale", "[B]", "each response's factor s_i of the loss's KL term by its problem's curriculum difficulty "
+         "label (CLPO's dynamic KL, rlbench.algorithm.kl.difficulty_kl_scale; labels: prompt_sampler=clpo)", "batch",
+         {"objective"}, when="algorithm.kl.difficulty_scale is not all 1",
+         available=lambda algorithm: algorithm.kl_difficulty_scale is not None)
 _declare("correct", "[B] bool", "the grader's verdict on each response (the batch keeps it: the loss step's NLL of the "
          "correct responses, algorithm.positive_nll_coef)", "graded", {"advantage", "shaping", "objective"})
 _declare("outcome", "[B]", "the graders' reward of each response, before the algorithm's reward shaping "

@@ -65,6 +65,16 @@ class AdaptiveKLConfig:
 
 
 @dataclass
+class KLDifficultyScaleConfig:
+    """CLPO's difficulty-aware KL (arXiv:2509.25004 v1; rlbench.algorithm.kl.difficulty_kl_scale): the loss's KL term
+    of a response times its curriculum label's factor (labels: prompt_sampler=clpo)."""
+
+    hard: float = knob(1.0, "s of hard responses (the release: 0.5)", ge=0)
+    medium: float = knob(1.0, "s of medium responses", ge=0)
+    easy: float = knob(1.0, "s of easy responses", ge=0)
+
+
+@dataclass
 class KLConfig:
     """The KL term between the policy and a frozen reference model."""
 
@@ -80,6 +90,10 @@ class KLConfig:
     previous_weight: float = knob(
         0.0, "w in [0, 1]: the loss's KL is (1 - w) KL(pi || pi_ref) + w KL(pi || pi_prev), pi_prev = the policy "
         "before this step's update (ReMix's KL-Convex, lambda = 1 - w); 0: the reference only", ge=0
+    )
+    difficulty_scale: Optional[KLDifficultyScaleConfig] = node(
+        KLDifficultyScaleConfig, "null (or every factor 1): the plain KL term; {hard: 0.5}: the loss's KL of each response "
+        "times its curriculum difficulty label's factor (CLPO's dynamic KL; the labels: prompt_sampler=clpo)"
     )
 
 

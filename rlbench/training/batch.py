@@ -36,6 +36,7 @@ class TrainBatch:
     old_logp: torch.Tensor | None = _column("token")  # [B, T]
     ref_logp: torch.Tensor | None = _column("token")  # [B, T]
     prev_logp: torch.Tensor | None = _column("token")  # [B, T] the policy before this step's update, every token (convex KL)
+    kl_scale: torch.Tensor | None = _column("row")  # [B] factor of each response's loss KL (CLPO's dynamic KL), None = 1
     token_weights: torch.Tensor | None = _column("token")  # [B, T] policy-loss token mask (e.g. top-entropy), None = all 1
     sample_keep: torch.Tensor | None = _column("row")  # [B] bool, the responses the update trains on (D3S), None = all
     old_values: torch.Tensor | None = _column("token")  # [B, T] critic values of the sampling policy

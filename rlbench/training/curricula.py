@@ -43,7 +43,7 @@ from rlbench.rollout.groups import GradedGroups
 from rlbench.training.aux_tasks import AuxTaskBuffer, aux_count, dataset_groups
 from rlbench.training.distributed import SINGLE, World
 from rlbench.training.prompt_stats import PromptStatsStore, measure_before_training
-from rlbench.training.rewrites import BUCKETS, PolicyRewriter, RewritePool, difficulty_bucket
+from rlbench.training.rewrites import ACCEPTANCE, BUCKETS, PolicyRewriter, RewritePool, difficulty_bucket
 from rlbench.training.stages import SAMPLER_KEY, MetricHistory, Stage, parse_stages
 from rlbench.training.step import StepContext
 from rlbench.training.swarm import own_groups
@@ -132,6 +132,7 @@ class WeightedOptions:
     prior: float = 0.5  # the pass rate assumed for a prompt not seen yet
     hard_below: float = 0.2  # buckets: p <= hard_below is hard, p >= easy_above is easy, else medium
     easy_above: float = 0.8
+    easy_strict: bool = False  # true: p = easy_above is medium (easy is p > easy_above)
     hard_weight: float = 1.0
     medium_weight: float = 1.0
     easy_weight: float = 0.25
@@ -148,8 +149,11 @@ class WeightedOptions:
         p = self.prior if math.isnan(pass_rate) else pass_rate
         if self.weighting == "gaussian":
             return math.exp(-0.5 * ((p - self.target) / self.width) ** 2)
-        bucket = difficulty_bucket(p, self.hard_below, self.easy_above)
-        return {"hard": self.hard_weight, "medium": self.medium_weight, "easy": self.easy_weight}[bucket]
+        return {"hard": self.hard_weight, "medium": self.medium_weight, "easy": self.easy_weight}[self.bucket(p)]
+
+    def bucket(self, pass_rate: float) -> str:
+        """The difficulty bucket of a pass rate (rlbench.training.rewrites.difficulty_bucket)."""
+        return difficulty_bucket(pass_rate, self.hard_below, self.easy_above, self.easy_strict)
 
 
 @register_prompt_sampler("weighted")
@@ -194,18 +198,29 @@ class WeightedPrompts:
 
 @dataclass(frozen=True)
 class ClpoOptions(WeightedOptions):
-    """``trainer.prompt_sampler.clpo``: the weighted sampler's settings (CLPO's buckets by default) and the rewriting's
-    (rlbench.training.rewrites)."""
+    """``trainer.prompt_sampler.clpo``: the weighted sampler's settings (CLPO's buckets) and the rewriting's
+    (rlbench.training.rewrites). The defaults are the authors' release (github.com/csuking/CLPO @ cb77b56:
+    scripts/clpo_qwen3_8b.sh, verl/trainer/ppo/ray_trainer.py); rlbench's earlier rule is hard_below=0.2
+    easy_above=0.8 easy_strict=false easy_weight=0.25 mixing=next_steps share=0.25 acceptance=agreement
+    rewrite_tokens=128 rewrite_temperature=null show_answer=false retry_after=0."""
 
     weighting: str = "buckets"
+    hard_below: float = 0.3  # the release's clpo_hard_acc_upper
+    easy_above: float = 0.7  # the release's clpo_med_acc_upper, with easy_strict: medium is 0.3 < acc <= 0.7
+    easy_strict: bool = True
+    easy_weight: float = 1.0  # the release draws its data loader's order: no bucket is down-weighted
     rewrite: tuple[str, ...] = ("hard", "medium")  # the buckets rewritten: hard -> simplified, medium -> a variant
-    share: float = 0.25  # of each step's prompts drawn from the accepted rewrites: aux_count(share, B)
-    rewrite_tokens: int = 128  # the policy's tokens for one rewrite
-    verify_samples: int = 4  # the policy's answers to a rewrite, graded against the origin's reference answer
-    agreement: float = 0.5  # accepted iff at least this share of them is correct (0: every well-formed rewrite)
+    mixing: str = "same_step"  # same_step: the accepted rewrites join this step's batch | next_steps: the pool, `share`
+    share: float = 0.0  # next_steps: of each step's prompts drawn from the accepted rewrites: aux_count(share, B)
+    rewrite_tokens: int = 400  # the policy's tokens for one rewrite
+    rewrite_temperature: float | None = 0.7  # of the rewrite (None: the run's rollout temperature)
+    show_answer: bool = True  # the rewrite prompt states the reference answer (to keep, not to reveal)
+    verify_samples: int | None = None  # the policy's answers to a rewrite, graded against the origin's reference answer (None: rollout.n)
+    acceptance: str = "mixed"  # mixed: kept iff 0 < correct < verify_samples | agreement: iff >= agreement of them
+    agreement: float = 0.5  # acceptance=agreement: the share of correct answers needed (0: every well-formed rewrite)
     max_per_step: int = 0  # rewrites attempted per step at most (0: every designated problem of the step)
-    retry_after: int = 0  # 0: a (uid, bucket) is rewritten once per run; k: again after k steps
-    capacity: int = 256  # accepted rewrites kept (the oldest leave first)
+    retry_after: int = 1  # 0: a (uid, bucket) is rewritten once per run; k: again after k steps (1: whenever it is drawn)
+    capacity: int = 256  # accepted rewrites kept (the oldest leave first; next_steps)
 
     def check(self) -> None:
         super().check()
@@ -215,18 +230,27 @@ class ClpoOptions(WeightedOptions):
                               "(hard problems are simplified, medium ones diversified; easy ones are not rewritten)")
         if not 0 <= self.share < 1 or not 0 <= self.agreement <= 1:
             raise ConfigError(f"{where}: share in [0, 1) and agreement in [0, 1] are required, got {self.share}, {self.agreement}")
-        if min(self.rewrite_tokens, self.verify_samples, self.capacity) < 1 or min(self.max_per_step, self.retry_after) < 0:
-            raise ConfigError(f"{where}: rewrite_tokens, verify_samples and capacity >= 1, max_per_step and retry_after >= 0 are required")
+        if self.mixing not in ("same_step", "next_steps") or self.acceptance not in ACCEPTANCE:
+            raise ConfigError(f"{where}: mixing is same_step or next_steps, acceptance one of {list(ACCEPTANCE)}; got "
+                              f"{self.mixing!r}, {self.acceptance!r}")
+        if self.mixing == "same_step" and self.share > 0:
+            raise ConfigError(f"{where}.share={self.share}: with mixing=same_step the accepted rewrites join their own "
+                              "step's batch and no pool is drawn; set share=0, or mixing=next_steps")
+        if self.rewrite_temperature is not None and self.rewrite_temperature < 0:
+            raise ConfigError(f"{where}.rewrite_temperature must be >= 0 (or null: the run's), got {self.rewrite_temperature}")
+        if min(self.rewrite_tokens, 1 if self.verify_samples is None else self.verify_samples, self.capacity) < 1 or min(self.max_per_step, self.retry_after) < 0:
+            raise ConfigError(f"{where}: rewrite_tokens, verify_samples (or null) and capacity >= 1, max_per_step and retry_after >= 0 are required")
 
 
 @register_prompt_sampler("clpo")
 class ClpoPrompts(WeightedPrompts):
     """CLPO (Zhang et al. 2025, arXiv:2509.25004, section 3): the weighted sampler over CLPO's online difficulty
-    buckets (easy prompts down-weighted), plus the policy's own rewrites of its hard and medium problems
-    (rlbench.training.rewrites: after each step the policy simplifies the step's hard problems and diversifies its
-    medium ones; a rewrite is kept when the policy's answers to it agree with the original reference answer). Each
-    step draws aux_count(share, B) of its B prompts from the accepted rewrites (what the pool has) and the rest by
-    weight from the dataset's problems. The run binds the policy (:meth:`bind`); a checkpoint keeps the pool."""
+    buckets, plus the policy's own rewrites of its hard and medium problems (rlbench.training.rewrites: after each
+    step's rollout the policy simplifies the step's hard problems and diversifies its medium ones; a rewrite is kept
+    by the answer check against the original reference answer). mixing=same_step (the release): :meth:`observe`
+    returns the step's groups to train on, the accepted rewrites' among them; mixing=next_steps: each later step
+    draws aux_count(share, B) of its B prompts from the accepted rewrites and the rest by weight from the dataset's
+    problems. The run binds the policy (:meth:`bind`); a checkpoint keeps the pool."""
 
     Options = ClpoOptions
 
@@ -236,14 +260,15 @@ class ClpoPrompts(WeightedPrompts):
         self.rewriter: Any = None
 
     def bind(self, ctx: StepContext) -> None:
-        self.rewriter = PolicyRewriter(ctx, self.options.rewrite_tokens, self.options.verify_samples)
+        self.rewriter = PolicyRewriter(ctx, self.options.rewrite_tokens, self.options.verify_samples,
+                                       self.options.rewrite_temperature)
 
     def next(self, count: int) -> list[Problem]:
         rewrites = self.pool.take(aux_count(self.options.share, count))
         return super().next(count - len(rewrites)) + rewrites
 
-    def observe(self, step: int, graded: GradedGroups) -> None:
-        self.pool.observe(step, graded, self.rewriter)
+    def observe(self, step: int, graded: GradedGroups) -> GradedGroups:
+        return self.pool.observe(step, graded, self.rewriter)
 
     def metrics(self) -> dict[str, float]:
         return self.pool.metrics()
@@ -516,15 +541,17 @@ class Curriculum:
         """More prompts within a step (dynamic sampling's later rounds)."""
         return self.sampler.next(count)
 
-    def observe(self, step: int, graded: GradedGroups, world: World = SINGLE) -> None:
+    def observe(self, step: int, graded: GradedGroups, world: World = SINGLE) -> GradedGroups:
         """Count the step's groups in the statistics: the run's own dataset prompts only (a swarm actor leaves
         out the groups other actors shared, rlbench.training.swarm.own_groups; auxiliary tasks are left out),
-        and build auxiliary tasks from them (trainer.aux_tasks)."""
+        and build auxiliary tasks from them (trainer.aux_tasks). Returns the groups the step trains on: its own,
+        or the sampler's (clpo: labelled, with the step's accepted rewrites under mixing=same_step)."""
         self.stats.observe(step, dataset_groups(own_groups(graded)), world)
         if self.aux is not None:
             self.aux.add(graded)
         if hasattr(self.sampler, "observe"):  # clpo: the policy rewrites the step's hard and medium problems
-            self.sampler.observe(step, graded)
+            return self.sampler.observe(step, graded)
+        return graded
 
     def watch(self, metrics: dict[str, float]) -> None:
         """Count the step toward the next stage's trigger (a ``when`` stage): the streak of steps whose metric

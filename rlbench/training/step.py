@@ -27,6 +27,7 @@ import torch
 from rlbench import faults
 from rlbench.algorithm import Algorithm
 from rlbench.algorithm.critic import value_targets
+from rlbench.algorithm.kl import difficulty_kl_scale
 from rlbench.config.schema import DatasetConfig, RunConfig
 from rlbench.dataset.base import Problem
 from rlbench.model.lora import AdaptersOff, reference_model
@@ -69,6 +70,7 @@ from rlbench.training.preference_model import PreferenceModel
 from rlbench.training.step_critic import StepCritic
 from rlbench.errors import ConfigError
 from rlbench.training.reference_soup import ReferenceSoup, frozen_checkpoint
+from rlbench.training.rewrites import response_labels
 from rlbench.training.rounds import RoundPolicy
 from rlbench.training.update import LossStreams
 from rlbench.training.update_schedules import (
@@ -277,7 +279,8 @@ def train_step(
 
     ``progress`` is the fraction of training done before this step (for annealed losses);
     ``draw_prompts(k)`` gives k more prompts (for strategies that draw them: dynamic sampling);
-    ``observe(groups)`` sees the graded groups (the curricula's per-prompt statistics)."""
+    ``observe(groups)`` sees the graded groups (the curricula's per-prompt statistics) and may return the groups the
+    step trains on instead (CLPO's same-step rewrites, rlbench.training.rewrites; None: the step's own)."""
     t0 = time.perf_counter()
     peak = PeakMemory(ctx.device)
     problems = ctx.world.shard(problems)  # whole groups per rank (all of them in one process)
@@ -294,8 +297,10 @@ def train_step(
     t_generate = time.perf_counter() - t0
     faults.kill_point("generate")
     stamp_policy_version(graded, ctx.policy_version)
-    if observe is not None:
-        observe(graded)
+    trained = observe(graded) if observe is not None else None
+    if trained is not None:
+        graded = trained
+        stamp_policy_version(graded, ctx.policy_version)  # a curriculum's extra groups were sampled now
     return learn_step(ctx, graded, rollout_metrics, progress, t_generate, started=t0, peak=peak)
 
 
@@ -381,6 +386,8 @@ def to_batch(ctx: StepContext, graded: GradedGroups) -> TrainBatch:
     batch = collate(graded.groups, ctx.tokenizer.pad_token_id, ctx.device, current_version=ctx.policy_version)
     batch.rewards = graded.rewards.to(ctx.device)
     batch.correct = graded.correct.to(ctx.device).bool()
+    if ctx.algorithm.kl_difficulty_scale is not None:  # CLPO's dynamic KL: each response's factor by its curriculum label
+        batch.kl_scale = difficulty_kl_scale(response_labels(graded), ctx.algorithm.kl_difficulty_scale).to(ctx.device)
     if ctx.reference_rewards is not None:  # QRPO: each response's prompt's K pi_ref rewards (sampled once, cached)
         batch.reference_rewards = ctx.reference_rewards.rows(graded).to(ctx.device)
     if ctx.preference_model is not None:  # DRPO: r_phi of each response under the fitted preference model
