@@ -51,7 +51,8 @@ class SeparateCritic:
             raise ValueError("the separate critic needs a learning rate: algorithm.critic.lr or trainer.lr")
         model = ValueModel(copy.deepcopy(unwrap(policy)))
         options = {} if trainer is None else {"betas": tuple(trainer.betas), "weight_decay": trainer.weight_decay}
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, **options)
+        # fused: one kernel over all parameters, as the policy's AdamW (rlbench/training/step.py)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, fused=True, **options)
         return cls(model, optimizer)
 
     def parameters(self) -> list[torch.nn.Parameter]:
