@@ -62,6 +62,12 @@ def update_cell(update) -> str:
     return f"`{schedule}`{_params(knobs)}"
 
 
+def critic_cell(critic: DictConfig) -> str:
+    """``algorithm.critic``: a value head on the policy (model shared) or a separate critic model, with its settings."""
+    kind = "separate critic" if critic.get("model") == "separate" else "value head"
+    return f"{kind}{_params({k: v for k, v in critic.items() if k != 'model' and v is not None})}"
+
+
 def algorithm_row(name: str, cfg: DictConfig) -> str:
     """One preset: its pieces (advantage, loss with parameters, aggregation, KL, update), paper, command."""
     algorithm = cfg.algorithm
@@ -69,7 +75,7 @@ def algorithm_row(name: str, cfg: DictConfig) -> str:
     critic = algorithm.get("critic")
     return _cells_row([
         f"`{name}`",
-        f"`{algorithm.advantage.name}`" + (f" + value head{_params(critic)}" if critic else ""),
+        f"`{algorithm.advantage.name}`" + (f" + {critic_cell(critic)}" if critic else ""),
         f"`{algorithm.loss.name}`{_params(algorithm.loss)}",
         f"`{algorithm.aggregation.name}`",
         "off" if float(kl.coef) == 0 else f"{kl.estimator}, β={kl.coef}" + (", in the reward" if kl.get("placement") == "reward" else ""),

@@ -312,7 +312,8 @@ def check_per_role_lora(config: RunConfig) -> None:
     switch adapters per request (vllm loads merged weights); with several ranks (each role's forward is a
     collective of its own, whose count would differ between ranks); with the merged save (two adapters do
     not merge into one model); with what samples or scores without naming a role (rollout.multi_turn.branch=
-    entropy_tool's entropies, a policy judge)."""
+    entropy_tool's entropies, a policy judge); with a separate critic (a copy of the policy, role adapters
+    included)."""
     lora = config.model.lora
     if lora is None or not lora.per_role:
         return
@@ -332,6 +333,9 @@ def check_per_role_lora(config: RunConfig) -> None:
             config.rollout.strategy == "multi_turn" and MultiTurnOptions.from_config(config.rollout).branch == "entropy_tool",
         "reward.judge.kind=policy (the policy judges without a role)":
             config.reward.judge is not None and config.reward.judge.kind == "policy",
+        "algorithm.critic.model=separate (the critic copies the policy: its role adapters would train one role's "
+        "values at a time; use algorithm.critic.model=shared)":
+            config.algorithm.critic is not None and config.algorithm.critic.model == "separate",
     }
     for what, conflict in conflicts.items():
         if conflict:

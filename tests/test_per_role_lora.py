@@ -241,6 +241,7 @@ BASE = ["algorithm=at_grpo", "env=proposer_verifier", "model/lora=per_role", "ex
     ([*BASE, "trainer.parallelism=ddp"], "one forward per role"),
     ([*BASE, "rollout.multi_turn.branch=entropy_tool"], "scored without a role"),
     ([*BASE, "+reward/judge=default", "reward.judge.kind=policy"], "judges without a role"),
+    ([*BASE, "algorithm.critic={model:separate}"], "critic.model=separate .*copies the policy"),
 ])
 def test_refused_before_the_model_loads(tmp_path, overrides, match):
     with pytest.raises(ConfigError, match=match):

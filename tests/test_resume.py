@@ -260,13 +260,15 @@ def assert_same_results(reference: Path, resumed: Path) -> None:
 
 SMOKE = ["experiment=smoke", "trainer.steps=4", "trainer.checkpoint_every=2", "eval.every=2", "trainer.save_model=false"]
 
-# Presets whose state across steps is not trivial: the critic (ppo), the EWMA proximal policy
+# Presets whose state across steps is not trivial: the critic (ppo; its separate model), the EWMA proximal policy
 # (ppo_ewma), SPO's tracker and stored responses, SFPO's entropy switch, dynamic sampling (dapo),
 # ReMax's greedy stream, PVPO's cached anchors, and adaptive KL and entropy coefficients. Each setting
 # makes the state matter within 4 steps (a resume that dropped it was measured to fail, except ReMax's
 # greedy stream, which greedy decoding never draws from).
 STATEFUL_PRESETS = {
     "ppo": ["algorithm=ppo"],
+    # the separate critic's weights and AdamW moments (algorithm.critic.model=separate; its lr high enough to matter)
+    "ppo_separate_critic": ["algorithm=ppo", "algorithm.critic.model=separate", "algorithm.critic.lr=1e-3"],
     "ppo_ewma": ["algorithm=ppo_ewma"],
     "spo": ["algorithm=spo", "dataset.arith.train_size=2"],  # every step revisits both prompts: the tracker matters
     # the switch reads 3 entropies, so at step 4 it fires only with steps 1-3 in its history

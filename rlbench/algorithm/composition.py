@@ -108,7 +108,7 @@ class Algorithm:
     epochs: int = 1
     minibatches: int = 1
     reward_shaping: tuple[Piece, ...] = ()
-    critic: CriticSettings | None = None  # a value head trained with the policy (PPO)
+    critic: CriticSettings | None = None  # PPO's critic: a value head on the policy, or a separate model
     schedule: str = "standard"  # standard | sfpo | trpo
     schedule_settings: SFPOSettings | TRPOSettings | None = None
     proximal_decay: float | None = None  # beta of the EWMA proximal policy (ppo_ewma); None -> 0
@@ -328,12 +328,14 @@ class Algorithm:
         if self.critic is not None and advantage not in CRITIC_RETURNS:
             raise ConfigError(
                 f"algorithm.critic adds a value head, but advantage '{advantage}' does not use values, so the "
-                f"critic would train for nothing; use algorithm/advantage={CRITIC_ADVANTAGE} or remove algorithm.critic"
+                f"critic would train for nothing (a separate critic model too); use algorithm/advantage={CRITIC_ADVANTAGE} "
+                f"or remove algorithm.critic"
             )
         if self.schedule == "trpo" and self.critic is not None:
             raise ConfigError(
                 "algorithm.update.schedule=trpo takes one natural-gradient step on the policy and has no "
-                "gradient steps for a value head (algorithm.critic); use schedule standard or sfpo with a critic"
+                "gradient steps for a value head or a separate critic (algorithm.critic); use schedule standard or sfpo "
+                "with a critic"
             )
         if self.schedule == "trpo" and self.needs_proximal_policy:
             raise ConfigError(

@@ -6,9 +6,12 @@ state ``h_t`` of the policy backbone, i.e. PPO's shared-parameter actor-critic (
 
     L = L_policy + c_v * L_value (- c_H * H)
 
-The value loss reaches the backbone through ``h_t`` (weighted by ``c_v``). The alternative, a separate
-critic model of the same size (verl/OpenRLHF), doubles the memory. Here the critic is one vector of
-hidden_size + 1 numbers, and it is trained by the same optimizer steps as the policy.
+The value loss reaches the backbone through ``h_t`` (weighted by ``c_v``). Here (``model: shared``, the
+default) the critic is one vector of hidden_size + 1 numbers, trained by the same optimizer steps as the
+policy. ``model: separate`` is the critic of LLM PPO implementations (verl, OpenRLHF): the same head on a
+copy of the initial policy (rlbench.algorithm.value_model.ValueModel) with its own AdamW and learning rate
+``lr``, at the cost of a second model and its optimizer state (rlbench/training/critic_model.py); V_t, the
+targets and the clipped value loss are the same.
 
 Position convention: ``h_t`` is the hidden state at the column whose logits predict response token
 t, the state *before* token t is generated. So ``V_t`` values the prefix (prompt, o_<t). This is the
@@ -16,7 +19,7 @@ state GAE's ``delta_t = r_t + gamma V_{t+1} - V_t`` needs.
 
 The head starts at zero (w = 0, b = 0): V = 0 before training, the initial advantage is the
 plain GAE return, and the head does not move the backbone until it has learnt something. Only the
-policy is saved at the end of a run; the head is discarded.
+policy is saved at the end of a run; the critic (head or model) is discarded.
 """
 
 from __future__ import annotations
@@ -37,13 +40,23 @@ CRITIC_RETURNS = {"gae": gae_returns, "poad": poad_returns}
 CRITIC_ADVANTAGE = "gae"
 
 
+CRITIC_MODELS = ("shared", "separate")
+
+
 @dataclass(frozen=True)
 class CriticSettings:
     """``algorithm.critic``: ``coef`` is c_v, the weight of the value loss in the objective. ``clip``
-    is PPO's value-clipping range; null turns clipping off."""
+    is PPO's value-clipping range; null turns clipping off. ``model``: shared (the value head on the
+    policy) or separate (a value model of its own, with its own AdamW at ``lr``; null: trainer.lr)."""
 
     coef: float = 0.5
     clip: float | None = 0.2
+    model: str = "shared"
+    lr: float | None = None
+
+    @property
+    def separate(self) -> bool:
+        return self.model == "separate"
 
     @classmethod
     def from_config(cls, node: Any) -> "CriticSettings | None":
@@ -57,6 +70,15 @@ class CriticSettings:
             )
         if self.clip is not None and self.clip <= 0:
             raise ConfigError(f"algorithm.critic.clip must be > 0 or null (no clipping), got {self.clip}")
+        if self.model not in CRITIC_MODELS:
+            raise ConfigError(f"algorithm.critic.model must be one of {', '.join(CRITIC_MODELS)}, got {self.model!r}")
+        if self.lr is not None and not self.separate:
+            raise ConfigError(
+                f"algorithm.critic.lr={self.lr} is the separate critic's learning rate; the shared value head trains "
+                "with the policy's optimizer at trainer.lr: set algorithm.critic.model=separate or remove algorithm.critic.lr"
+            )
+        if self.lr is not None and self.lr <= 0:
+            raise ConfigError(f"algorithm.critic.lr must be > 0 (or null: trainer.lr), got {self.lr}")
 
 
 class ValueHead(torch.nn.Module):

@@ -170,7 +170,7 @@ _declare("response_ids", "[B,T] long", "the response token ids o_t (with log_pro
 _declare("token_weights", "[B,T]", "the policy-loss token mask (top-entropy quantile, D3S); None: every token",
          "batch", {"objective"})
 _declare("returns", "[B,T]", "the critic's regression targets (GAE lambda-returns)", "batch", {"objective"},
-         when="the algorithm has a value head: algorithm.critic", available=lambda algorithm: algorithm.critic is not None)
+         when="the algorithm has a critic (value head or separate model): algorithm.critic", available=lambda algorithm: algorithm.critic is not None)
 _declare("prev_logp", "[B,T]", "the policy before this step's update, on every token (ReMix's convex KL)", "batch",
          {"objective"}, when="algorithm.kl.previous_weight > 0", available=lambda algorithm: algorithm.kl_previous_weight > 0)
 _declare("kl_scale", "[B]", "each response's factor s_i of the loss's KL term by its problem's curriculum difficulty "
@@ -207,9 +207,9 @@ _declare("sum_pi_squared", "[B,T]", "sum over the vocabulary of pi_old(v | q, o_
          "policy's, from the logits of its old log-probs (the optimal token baseline's squared score norm "
          "1 - 2 pi(o_t) + sum_v pi(v)^2); computed only for an advantage that reads it", "forward", {"advantage"})
 _declare("values", "[B,T]", "critic values V(s_t) of each response token", "forward", {"advantage", "objective"},
-         when="the algorithm has a value head: algorithm.critic", available=lambda algorithm: algorithm.critic is not None)
+         when="the algorithm has a critic (value head or separate model): algorithm.critic", available=lambda algorithm: algorithm.critic is not None)
 _declare("old_values", "[B,T]", "the sampling policy's critic values (the value clip)", "forward", {"objective"},
-         when="the algorithm has a value head: algorithm.critic", available=lambda algorithm: algorithm.critic is not None)
+         when="the algorithm has a critic (value head or separate model): algorithm.critic", available=lambda algorithm: algorithm.critic is not None)
 _declare("log_probs", "[B,T,V]", "full-vocabulary log pi_theta(. | q, o_<t), with gradient; computed only for a loss "
          "that reads it (otr)", "forward", {"loss"})
 

@@ -299,10 +299,14 @@ class UpdateConfig:
 
 @dataclass
 class CriticConfig:
-    """A value head trained with the policy (PPO, arXiv:1707.06347, section 5)."""
+    """PPO's critic (arXiv:1707.06347, section 5): a value head on the policy, or a separate value model."""
 
     coef: float = knob(0.5, "weight of the clipped value loss")
     clip: Optional[float] = knob(0.2, "value clip range; null: no clipping")
+    model: Literal["shared", "separate"] = knob(
+        "shared", "shared: a value head on the policy's backbone, trained by the policy's optimizer; separate: a copy of "
+        "the initial policy with a value head (verl's, OpenRLHF's critic), its own AdamW at critic.lr")
+    lr: Optional[float] = knob(None, "the separate critic's AdamW learning rate (null: trainer.lr); model=separate only", gt=0)
 
 
 @dataclass
@@ -382,7 +386,7 @@ class AlgorithmConfig:
         OnlinePRMConfig, "null: off; {beta, lr, updates, baseline}: OPRL's implicit PRM, a copy of the initial policy trained "
         "online on each step's outcome-ranked pairs (advantage oprl only)")
     update: UpdateConfig = node(UpdateConfig, "update schedule and its settings")
-    critic: Optional[CriticConfig] = node(CriticConfig, "null: no value head; {coef, clip}: PPO's value head (advantage gae)")
+    critic: Optional[CriticConfig] = node(CriticConfig, "null: no critic; {coef, clip, model, lr}: PPO's critic (advantage gae, poad)")
     overlong_filter: bool = knob(False, "mask responses truncated at rollout.max_new_tokens out of the loss (DAPO)")
     reward_shaping: list = knob([], "list of {name, parameters} reward-shaping functions, applied in order", piece="reward_shaping")
     reincarnate_at: Optional[int] = knob(

@@ -95,21 +95,32 @@ def _logits_per_row(
     ``with_hidden`` also the final hidden states at the same positions ([B, T, H]); ``soft`` [B, T]: the
     soft thinking steps, whose inputs are mixtures of embeddings (rlbench/training/soft_tokens.py)."""
     T = batch.response_mask.shape[1]
-    position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(**_row_inputs(model, batch, soft), logits_to_keep=T + 1, use_cache=False, output_hidden_states=with_hidden)
+    hidden = _last_hidden(out, with_hidden)
+    return out.logits[:, -(T + 1) : -1, :], None if hidden is None else hidden[:, -(T + 1) : -1, :]
+
+
+def _row_inputs(model: torch.nn.Module, batch: TrainBatch, soft: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The keyword inputs of a forward over every full row: the token ids (or, with ``soft`` steps, the mixed
+    embeddings of ``model``'s own embedding table), the attention mask and the positions past the left padding."""
     inputs = (
         {"input_ids": batch.input_ids} if soft is None
         else {"inputs_embeds": soft_input_embeddings(unwrap(model).get_input_embeddings(), batch, soft)}
     )
-    out = model(
-        **inputs,
-        attention_mask=batch.attention_mask,
-        position_ids=position_ids,
-        logits_to_keep=T + 1,
-        use_cache=False,
-        output_hidden_states=with_hidden,
-    )
-    hidden = _last_hidden(out, with_hidden)
-    return out.logits[:, -(T + 1) : -1, :], None if hidden is None else hidden[:, -(T + 1) : -1, :]
+    return {**inputs, "attention_mask": batch.attention_mask, "position_ids": (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)}
+
+
+def value_model_outputs(critic: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
+    """[B, T] values V_phi(q, o_<t) of a separate critic (``algorithm.critic.model=separate``; a
+    rlbench.algorithm.value_model.ValueModel: its own ``backbone`` and ``head``): one forward of the critic's
+    backbone over every full row, its final hidden state at the column that predicts response token t (the
+    shared value head's position, rlbench/algorithm/critic.py) through its head. Only the last column's logits
+    are computed (the critic reads hidden states); past a row's response: not meaningful (readers mask it)."""
+    T = batch.response_mask.shape[1]
+    with autocast_context(batch.input_ids.device):
+        out = critic.backbone(**_row_inputs(critic.backbone, batch, soft_step_mask(batch)), logits_to_keep=1,
+                              use_cache=False, output_hidden_states=True)
+    return critic.head(out.hidden_states[-1][:, -(T + 1) : -1, :])
 
 
 def _logits_packed(
@@ -322,18 +333,23 @@ def batch_outputs(
     with_entropy: bool = False,
     value_head: torch.nn.Module | None = None,
     with_sum_pi_squared: bool = False,
+    value_model: torch.nn.Module | None = None,
 ) -> TokenOutputs:
     """Log-probs, and optionally entropies, critic values and sums of squared probabilities, of the
-    whole batch without gradient ([B, T] each, zero on padding)."""
+    whole batch without gradient ([B, T] each, zero on padding). The values come from ``value_head`` on
+    the policy's hidden states, or from a separate critic ``value_model`` (:func:`value_model_outputs`)."""
     def zeros() -> torch.Tensor:
         return torch.zeros_like(batch.response_mask)
 
-    result = TokenOutputs(zeros(), zeros() if with_entropy else None, zeros() if value_head is not None else None,
+    valued = value_head is not None or value_model is not None
+    result = TokenOutputs(zeros(), zeros() if with_entropy else None, zeros() if valued else None,
                           sum_pi_squared=zeros() if with_sum_pi_squared else None)
     for rows in micro_batches(torch.arange(batch.size, device=batch.input_ids.device), micro_batch_size):
         sub = batch.select(rows)
         out = token_outputs(model, sub, temperature, with_entropy=with_entropy, value_head=value_head,
                             with_sum_pi_squared=with_sum_pi_squared)
+        if value_model is not None:
+            out.values = value_model_outputs(value_model, sub)
         for name in ("logp", "entropy", "values", "sum_pi_squared"):
             target, part = getattr(result, name), getattr(out, name)
             if target is not None:

@@ -185,7 +185,7 @@ def make_step_context(
     trainer, rollout = config.trainer, config.rollout
     if torch.device(device).type == "cpu" and trainer.reuse_freed_memory:
         keep_freed_memory()  # process-wide: large CPU tensors reuse freed pages (rlbench/training/memory.py)
-    update_state = make_update_state(algorithm, model)
+    update_state = make_update_state(algorithm, model, trainer)
     reference = reference_model(model) if algorithm.needs_reference else None
     dpo_policy = None if algorithm.rto is None else frozen_checkpoint(model, algorithm.rto.dpo_model, "algorithm.rto.dpo_model")
     if reference is not None and world.sharded and not isinstance(reference, AdaptersOff):
@@ -454,6 +454,7 @@ def advantage_inputs(ctx: StepContext, graded: GradedGroups, batch: TrainBatch) 
         before = batch_outputs(
             ctx.model, batch, ctx.micro_batch_size, ctx.temperature, with_entropy=algorithm.needs_sampling_entropy,
             value_head=ctx.update_state.value_head, with_sum_pi_squared=algorithm.needs_sampling_sum_pi_squared,
+            value_model=None if ctx.update_state.critic is None else ctx.update_state.critic.model,
         )
         policy_logp = before.logp
         if algorithm.kl_previous_weight > 0:  # pi_prev: the policy before this update, on every token
@@ -511,7 +512,7 @@ def compute_advantages(
     batch.advantages = algorithm.compute_advantages(
         rewards, batch.group_index, batch.response_mask, **{k: inputs.get(k) for k in wanted}
     )
-    if ctx.update_state.value_head is not None:  # the critic's targets: GAE lambda-returns of the same values
+    if ctx.update_state.has_critic:  # the critic's targets: GAE lambda-returns of the same values
         batch.returns = value_targets(
             algorithm.advantage.params, rewards, batch.old_values, batch.response_mask, inputs.get("token_rewards"),
             advantage=algorithm.advantage.name, step_index=inputs.get("step_index"),

@@ -13,8 +13,9 @@ import torch
 from rlbench.algorithm import Algorithm
 from rlbench.algorithm.step_inputs import STEP_INPUTS
 from rlbench.training.batch import TrainBatch, batch_norms, group_minibatches, micro_batches, whole_group_chunks
+from rlbench.training.critic_model import SeparateCritic
 from rlbench.training.distributed import backward, gradient_norm, reshard
-from rlbench.training.forward import TokenOutputs, token_outputs
+from rlbench.training.forward import TokenOutputs, token_outputs, value_model_outputs
 from rlbench.utils import loss_generator
 
 ADDITIVE_METRICS = {"policy_loss", "kl", "value_loss", "positive_nll"}
@@ -57,13 +58,16 @@ def micro_batch_loss(
     proximal_model: torch.nn.Module | None = None,
     with_log_probs: bool = False,
     generator: torch.Generator | None = None,
+    value_model: torch.nn.Module | None = None,
 ) -> tuple[torch.Tensor, dict[str, float], TokenOutputs]:
     """The objective of one micro-batch (with gradient), its metrics and the forward's outputs. The
     objective reads the loss step's inputs (rlbench/algorithm/step_inputs.py, readers loss and objective).
 
     Without stored old log-probs (one on-policy update) pi_old is the detached current policy
     (ratio 1); likewise V_old for the value clip. ``proximal_model`` (decoupled PPO) supplies
-    ``prox_logp`` from its own no-grad forward; ``generator`` is the loss's random stream (LossStreams)."""
+    ``prox_logp`` from its own no-grad forward; ``generator`` is the loss's random stream (LossStreams). The
+    values come from ``value_head`` on the policy's hidden states, or from a separate critic ``value_model``
+    (rlbench.training.critic_model; its own forward, with gradient into its own weights only)."""
     if sub.old_logp is None and sub.has_off_policy:
         raise ValueError("off-policy tokens need stored old log-probs (training.step.behaviour_old_logp), not ratio 1")
     out = token_outputs(
@@ -75,6 +79,8 @@ def micro_batch_loss(
     if proximal_model is not None:
         with torch.no_grad():
             prox_logp = token_outputs(proximal_model, sub, temperature).logp
+    if value_model is not None:
+        out.values = value_model_outputs(value_model, sub)
     loss, metrics = algorithm.compute_loss(
         norms=norms,
         # the loss step's inputs the batch holds (advantages, mask, ref_logp, token_weights, ...); then the forward's
@@ -140,6 +146,7 @@ def standard_update(
     value_head: torch.nn.Module | None = None,
     proximal: object | None = None,
     loss_streams: LossStreams | None = None,
+    critic: SeparateCritic | None = None,
 ) -> dict[str, float]:
     """One batch's worth of optimizer steps: ``epochs`` passes over ``minibatches`` splits.
 
@@ -148,7 +155,9 @@ def standard_update(
     of the mini-batch loss computed in one pass. When the batch is used for exactly one on-policy
     update the old log-probs are the detached current ones (ratio 1), and no extra pass is run.
     ``value_head`` (PPO's critic) is trained by the same steps; ``proximal`` (decoupled PPO: has
-    ``.model`` and ``.update(model)``) gives prox_logp and follows the weights after every step.
+    ``.model`` and ``.update(model)``) gives prox_logp and follows the weights after every step. A separate
+    ``critic`` (rlbench.training.critic_model) values the same micro-batches and takes its own optimizer step
+    after the policy's, on each mini-batch (metric critic_grad_norm).
     ``generator`` orders the mini-batches; ``loss_streams`` gives each micro-batch loss its own random
     stream (none without it).
     """
@@ -158,6 +167,9 @@ def standard_update(
     parameters = [*model.parameters(), *(value_head.parameters() if value_head is not None else ())]
     metrics_total = UpdateMetrics()
     grad_norms: list[float] = []
+    critic_norms: list[float] = []
+    if critic is not None:
+        critic.model.train()
     whole_groups = algorithm.loss_reads_whole_groups  # a pairwise loss: no group is split (registry.Needs)
     for _ in range(algorithm.epochs):
         if whole_groups:
@@ -179,6 +191,7 @@ def standard_update(
                     model, sub, algorithm, norms, temperature, track_entropy=track_entropy, progress=progress,
                     value_head=value_head, proximal_model=proximal.model if proximal is not None else None,
                     generator=loss_streams.next() if loss_streams is not None else None,
+                    value_model=critic.model if critic is not None else None,
                 )
                 backward(loss)
                 metrics_total.add(metrics, float(sub.response_mask.sum().item()))
@@ -186,9 +199,13 @@ def standard_update(
             grad_norms.append(gradient_norm(torch.nn.utils.clip_grad_norm_(parameters, clip)))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if critic is not None:
+                critic_norms.append(critic.step(max_grad_norm))
             if proximal is not None:
                 proximal.update(model)
     result = metrics_total.result(len(grad_norms))
     result["grad_norm"] = sum(grad_norms) / len(grad_norms)
     result["optimizer_steps"] = float(len(grad_norms))
+    if critic_norms:
+        result["critic_grad_norm"] = sum(critic_norms) / len(critic_norms)
     return result

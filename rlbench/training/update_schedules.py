@@ -1,9 +1,10 @@
 """The update schedules' driver: standard (rlbench.training.update.standard_update; with a critic
 or decoupled PPO's EWMA proximal policy), sfpo and trpo, plus the state an update keeps between
-training steps (value head, EWMA proximal policy, SFPO's switch).
+training steps (value head or separate critic, EWMA proximal policy, SFPO's switch).
 
-    state = make_update_state(algorithm, model)           # once per run
-    optimizer over state.parameters(model)                # the policy and, with a critic, the value head
+    state = make_update_state(algorithm, model, trainer)  # once per run
+    optimizer over state.parameters(model)                # the policy and, with a shared critic, the value head;
+                                                          # a separate critic has its own (state.critic)
     stats = apply_update_schedule(model, optimizer, batch, algorithm, state, ...)   # every step
 
 The settings and the pure math (conjugate gradient, reposition, EWMA, entropy switch) live in
@@ -31,6 +32,7 @@ from rlbench.algorithm.schedules import (
     trust_region_scale,
 )
 from rlbench.training.batch import TrainBatch, batch_norms, micro_batches
+from rlbench.training.critic_model import SeparateCritic
 from rlbench.training.forward import token_outputs
 from rlbench.training.update import LossStreams, UpdateMetrics, micro_batch_loss, standard_update
 
@@ -63,16 +65,26 @@ class EWMAPolicy:
 class UpdateState:
     """What the update keeps across training steps; each part exists only when the algorithm uses it."""
 
-    value_head: ValueHead | None = None
+    value_head: ValueHead | None = None  # algorithm.critic.model=shared
     proximal: EWMAPolicy | None = None
     sfpo_switch: SFPOSwitch | None = None
+    critic: SeparateCritic | None = None  # algorithm.critic.model=separate
+
+    @property
+    def has_critic(self) -> bool:
+        return self.value_head is not None or self.critic is not None
 
     def parameters(self, model: torch.nn.Module) -> list[torch.nn.Parameter]:
-        """Everything the optimizer trains: the policy's parameters and the value head's."""
+        """Everything the policy's optimizer trains: the policy's parameters and the shared value head's."""
         return [*model.parameters(), *(self.value_head.parameters() if self.value_head is not None else ())]
 
+    def trained_parameters(self, model: torch.nn.Module) -> list[torch.nn.Parameter]:
+        """Every parameter an update moves: :meth:`parameters` and a separate critic's."""
+        return [*self.parameters(model), *(self.critic.parameters() if self.critic is not None else ())]
+
     def parts(self) -> dict[str, Any]:
-        return {"value_head": self.value_head, "proximal": self.proximal, "sfpo_switch": self.sfpo_switch}
+        return {"value_head": self.value_head, "proximal": self.proximal, "sfpo_switch": self.sfpo_switch,
+                "critic": self.critic}
 
     def state_dict(self) -> dict[str, Any]:
         """The state of each part the algorithm uses (for checkpoints)."""
@@ -84,12 +96,15 @@ class UpdateState:
                 part.load_state_dict(state[name])
 
 
-def make_update_state(algorithm: Algorithm, model: torch.nn.Module) -> UpdateState:
-    settings = algorithm.schedule_settings
+def make_update_state(algorithm: Algorithm, model: torch.nn.Module, trainer: Any = None) -> UpdateState:
+    """The state of ``algorithm``'s update, made from the initial policy ``model``; ``trainer`` (the typed trainer
+    config) gives a separate critic its optimizer's settings (rlbench.training.critic_model)."""
+    settings, critic = algorithm.schedule_settings, algorithm.critic
     return UpdateState(
-        value_head=make_value_head(model) if algorithm.critic is not None else None,
+        value_head=make_value_head(model) if critic is not None and not critic.separate else None,
         proximal=EWMAPolicy(model, algorithm.proximal_decay or 0.0) if algorithm.needs_proximal_policy else None,
         sfpo_switch=SFPOSwitch(settings.entropy_window, settings.entropy_z) if isinstance(settings, SFPOSettings) else None,
+        critic=SeparateCritic.from_policy(model, critic, trainer) if critic is not None and critic.separate else None,
     )
 
 
@@ -107,7 +122,7 @@ def apply_update_schedule(
         return {"optimizer_steps": 0.0}
     if algorithm.schedule == "trpo":
         return trpo_update(model, batch, algorithm, algorithm.schedule_settings, **options)
-    options = {**options, "value_head": state.value_head, "proximal": state.proximal}
+    options = {**options, "value_head": state.value_head, "proximal": state.proximal, "critic": state.critic}
     if algorithm.schedule == "sfpo":
         return sfpo_update(model, optimizer, batch, algorithm, state, **options)
     return standard_update(model, optimizer, batch, algorithm, **options)
@@ -132,7 +147,8 @@ def sfpo_update(
     old log-probs of the rollout policy. The optimizer's moments are kept through the inner steps
     and across the reposition (as in the released code). The trainable parameters, value head
     included, are repositioned. Once the entropy switch fires (``SFPOSwitch``), every later step is a
-    single standard pass. Metrics: the mean of the passes' metrics, plus sfpo_active.
+    single standard pass. Metrics: the mean of the passes' metrics, plus sfpo_active. A separate critic's
+    parameters are repositioned as well (its optimizer's moments kept alike).
     """
     switch = state.sfpo_switch
     settings: SFPOSettings = algorithm.schedule_settings
@@ -140,7 +156,7 @@ def sfpo_update(
         stats = standard_update(model, optimizer, batch, algorithm, **options)
         switch.observe(stats.get("entropy", 0.0))
         return {**stats, "sfpo_active": 0.0}
-    parameters = state.parameters(model)
+    parameters = state.trained_parameters(model)
     start = [p.detach().clone() for p in parameters]
     passes = [standard_update(model, optimizer, batch, algorithm, **options) for _ in range(settings.fast_steps)]
     interpolate_(parameters, start, settings.alpha)
