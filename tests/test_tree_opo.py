@@ -295,6 +295,17 @@ def test_a_mixed_step_collates_its_stages(tiny, tmp_path):
 # ------------------------------------------------------------------ MCTS selection rounds of the teacher tree
 
 
+def test_sae_and_value_heuristic_options_refused(tmp_path):
+    from rlbench.algorithm.registry import ADVANTAGES
+
+    for bad in ({"baseline": "tree"}, {"projection": "hard"}, {"margin": -0.1}, {"alpha": -1.0}):
+        with pytest.raises(ConfigError, match="algorithm.advantage"):
+            ADVANTAGES.validate_params("sae", bad)
+    ADVANTAGES.validate_params("sae", {"baseline": "tree_value", "projection": "soft", "margin": 0.1})
+    with pytest.raises(ConfigError, match="value_heuristic"):
+        validate_strategy(_cfg(tmp_path / "t.json", value_heuristic="mean"), "sae")
+
+
 def test_uct_score_by_hand():
     c = math.sqrt(2)
     assert uct_score(1.0, 2, 4, c) == pytest.approx(0.5 + math.sqrt(2) * math.sqrt(math.log(4) / 2))  # 0.5 + sqrt(ln 4)
