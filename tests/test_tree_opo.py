@@ -15,7 +15,7 @@ import torch
 
 from conftest import model_preset, smoke_cli_steps
 from rlbench.algorithm.advantages import grpo_advantage
-from rlbench.algorithm.advantages.staged import ordered_means, sae_advantage
+from rlbench.algorithm.advantages.staged import order_pairs, ordered_means, project_order, sae_advantage, soft_sae_projection
 from rlbench.config.typed import rollout_config
 from rlbench.dataset.base import Problem
 from rlbench.errors import ConfigError, DataError
@@ -24,7 +24,7 @@ from rlbench.reward.toy import EvenTokenReward
 from rlbench.rollout import GroupSampler, HFGenerateEngine, RolloutSetup, SamplingParams, make_strategy, validate_strategy
 from rlbench.rollout.engines.base import Completion
 from rlbench.rollout.strategies.mcts_prefix import (
-    TREE_FORMAT, backup, mcts_rounds, read_tree, search_nodes, uct_score, uct_select, write_tree,
+    TREE_FORMAT, backup, mcts_rounds, prefix_value, read_tree, search_nodes, uct_score, uct_select, write_tree,
 )
 from rlbench.rollout.strategies.tree import TreeSampling
 from rlbench.training.batch import collate
@@ -98,6 +98,93 @@ def test_one_stage_is_grpo_exactly(depth):
 def test_a_stage_must_be_constant_along_a_response():
     with pytest.raises(ValueError, match="varies along a response"):
         sae_advantage(REWARDS[:2], GROUPS[:2], torch.tensor([[0, 0, 1], [0, 0, -1]]), MASK[:2])
+
+
+# ------------------------------------------------------------------ the heuristic baseline and the soft-SAE program
+
+
+def test_tree_value_baseline_by_hand():
+    """a'_i = r_i - 0.5 V(p_i), mean-centred per prompt, no std. Prompt 0: V = 0.25 at depth 0, 0.75 at depth 1."""
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1])
+    values = stage_tokens([0.25, 0.25, 0.75, 0.75, 0.5, 0.5]).double()
+    adv = sae_advantage(rewards, groups, stage_tokens([0, 0, 1, 1, 0, 0]), torch.ones(6, 3), prefix_value=values,
+                        baseline="tree_value")[:, 0]
+    # prompt 0: a' = 0.875, -0.125, 0.625, 0.625 (mean 0.5); prompt 1: one prefix, V cancels: r - 0.5
+    assert adv.tolist() == pytest.approx([0.375, -0.625, 0.125, 0.125, -0.5, 0.5])
+    with pytest.raises(ValueError, match="prefix_value"):
+        sae_advantage(rewards, groups, stage_tokens([0, 0, 1, 1, 0, 0]), torch.ones(6, 3), baseline="tree_value")
+
+
+def test_prefix_value_heuristics_by_hand():
+    leaves = [([1, 2, 3], 1.0), ([1, 2, 4], 0.0), ([1, 5, 6], 1.0), ([7, 8, 9], 0.0)]
+    assert prefix_value((1, 2), leaves, "expectation") == 0.5  # two leaves extend (1, 2): rewards 1, 0
+    assert prefix_value((1,), leaves, "expectation") == pytest.approx(2 / 3)
+    assert prefix_value((), leaves, "expectation") == 0.5  # the root: every leaf
+    assert prefix_value((1, 2), leaves, "optimistic") == 1.0 and prefix_value((1, 2), leaves, "pessimistic") == 0.0
+    assert prefix_value((1, 5), leaves, "pessimistic") == 1.0 and prefix_value((3,), leaves, "expectation") == 0.0
+
+
+def kkt_residual(a, r0, pairs, margin):
+    """The largest violation of the soft-SAE program's KKT conditions at a: primal feasibility, and
+    (1 + mu) a - r0 + nu 1 + sum_k lambda_k (e_i - e_j) = 0 with mu, lambda >= 0 on the active constraints only."""
+    n = len(a)
+    active = [(i, j) for i, j in pairs if abs(a[i] + margin - a[j]) < 1e-9]
+    ball = abs(float(a @ a) - n) < 1e-9
+    columns = [torch.ones(n, dtype=torch.float64)] + ([a] if ball else [])
+    for i, j in active:
+        e = torch.zeros(n, dtype=torch.float64)
+        e[i], e[j] = 1.0, -1.0
+        columns.append(e)
+    m = torch.stack(columns, 1)
+    coef = torch.linalg.lstsq(m, (r0 - a)[:, None]).solution[:, 0]  # nu, mu, lambdas
+    stationarity = float((m @ coef - (r0 - a)).abs().max())
+    signs = float(-coef[1:].min()) if len(coef) > 1 else 0.0
+    feasible = max([abs(float(a.sum())), float(a @ a) - n] + [float(a[i] + margin - a[j]) for i, j in pairs])
+    return max(stationarity, signs, feasible)
+
+
+def test_soft_sae_without_violations_is_the_centred_input_in_the_ball():
+    r0 = torch.tensor([3.0, 1.0, 0.0, 0.0], dtype=torch.float64)  # centred: 2, 0, -1, -1; ||.||^2 = 6 > 4
+    a = soft_sae_projection(r0, [(2, 0)], 0.0)  # -1 <= 2: no violation
+    assert a.tolist() == pytest.approx([2 * math.sqrt(4 / 6), 0.0, -math.sqrt(4 / 6), -math.sqrt(4 / 6)], abs=1e-12)
+    inside = torch.tensor([0.5, -0.5, 0.0], dtype=torch.float64)
+    assert torch.allclose(soft_sae_projection(inside + 1.0, [], 0.0), inside, atol=1e-15)  # in the ball: centred only
+
+
+def test_a_violated_pair_ends_on_its_constraint():
+    r0 = torch.tensor([0.6, 0.2, -0.8], dtype=torch.float64)  # the pair (0, 1) wants a_0 + 0.1 <= a_1
+    a = soft_sae_projection(r0, [(0, 1)], 0.1)
+    # projection onto a_1 - a_0 = 0.1: both move by (0.4 + 0.1) / 2 = 0.25; the sum stays 0, ||a||^2 = 0.79 < 3
+    assert a.tolist() == pytest.approx([0.35, 0.45, -0.8], abs=1e-12) and float(a[1] - a[0]) == pytest.approx(0.1, abs=1e-14)
+    assert project_order(r0, [(0, 1)], [0.1]).tolist() == pytest.approx([0.35, 0.45, -0.8], abs=1e-12)
+
+
+@pytest.mark.parametrize("margin", [0.0, 0.2])
+def test_soft_sae_meets_its_kkt_conditions(margin):
+    generator = torch.Generator().manual_seed(7)
+    checked = 0
+    for _ in range(40):
+        n = int(torch.randint(3, 9, (1,), generator=generator))
+        r0 = 3 * torch.randn(n, generator=generator, dtype=torch.float64)
+        rewards = (torch.rand(n, generator=generator) > 0.5).float().tolist()
+        stages = torch.randint(0, 3, (n,), generator=generator).tolist()
+        pairs = order_pairs(rewards, stages)
+        a = soft_sae_projection(r0, pairs, margin)
+        assert kkt_residual(a, r0, pairs, margin) < 1e-8
+        checked += bool(pairs) and float(a @ a) == pytest.approx(n)
+    assert checked > 5  # the ball and the order both bind in some draws
+
+
+def test_order_pairs_are_shallow_failures_before_deep_successes():
+    assert order_pairs([0.0, 1.0, 0.0, 1.0], [0, 0, 1, 1]) == [(0, 3)]
+
+
+def test_soft_projection_of_one_stage_tree_value_is_centred_rewards_in_the_ball():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    adv = sae_advantage(rewards, torch.zeros(4, dtype=torch.long), stage_tokens([0] * 4), torch.ones(4, 3),
+                        prefix_value=torch.zeros(4, 3, dtype=torch.float64), baseline="tree_value", projection="soft")[:, 0]
+    assert adv.tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25])  # ||.||^2 = 0.75 <= 4: no pair, unchanged
 
 
 # ------------------------------------------------------------------ the offline teacher tree on the tiny model
@@ -195,12 +282,28 @@ def test_a_mixed_step_collates_its_stages(tiny, tmp_path):
     batch = collate(graded.groups, 0)
     stages = batch.extras["prefix_stage"]
     assert stages.max(dim=1).values.tolist() == [1, 1, 0, 0] * 2
+    # prefix_value: the depth-0 prefix's V is the mean reward of all the prompt's tree leaves (expectation)
+    values = batch.extras["prefix_value"][:, 0]
+    for p, problem in enumerate(PROBLEMS[:2]):
+        leaves = strategy.tree["prompts"][problem.uid]["leaves"]
+        assert values[4 * p + 2].item() == pytest.approx(sum(leaf["reward"] for leaf in leaves) / len(leaves))
     assert graded.group_index.tolist() == [0] * 4 + [1] * 4  # the group is the prompt's, all its depths
     graded, metrics = strategy.rollout(PROBLEMS[:2])  # the second stage: the prompt alone
     assert metrics["mcts_prefix_depth"] == 0 and metrics["rollout_outcome_mean"] == pytest.approx(float(graded.outcome.mean()))
 
 
 # ------------------------------------------------------------------ MCTS selection rounds of the teacher tree
+
+
+def test_sae_and_value_heuristic_options_refused(tmp_path):
+    from rlbench.algorithm.registry import ADVANTAGES
+
+    for bad in ({"baseline": "tree"}, {"projection": "hard"}, {"margin": -0.1}, {"alpha": -1.0}):
+        with pytest.raises(ConfigError, match="algorithm.advantage"):
+            ADVANTAGES.validate_params("sae", bad)
+    ADVANTAGES.validate_params("sae", {"baseline": "tree_value", "projection": "soft", "margin": 0.1})
+    with pytest.raises(ConfigError, match="value_heuristic"):
+        validate_strategy(_cfg(tmp_path / "t.json", value_heuristic="mean"), "sae")
 
 
 def test_uct_score_by_hand():

@@ -253,6 +253,10 @@ _declare("step_index", "[B,T] long", "the step (0, 1, ...) of every response tok
 _declare("prefix_stage", "[B,T] long", "the depth (revealed segments of the teacher's solution) of the prefix a "
          "response completes, on every token of the response, -1 on padding (rollout=mcts_prefix; read by sae)",
          "strategy", {"advantage"}, dtype=torch.long, pad=-1)
+_declare("prefix_value", "[B,T] float64", "V(p) of the prefix a response completes: the rewards of the search tree's "
+         "leaves that extend it (its subtree's rollouts), averaged, max or min (rollout=mcts_prefix's value_heuristic "
+         "expectation / optimistic / pessimistic; read by sae baseline=tree_value)",
+         "strategy", {"advantage"}, dtype=torch.float64)
 _declare("step_values", "[B,T] float64", "V^ of the state where the token's step starts: the mean reward of "
          "continuations sampled from there (rollout=vine)", "strategy", {"advantage"}, dtype=torch.float64)
 _declare("turn_states", "[B,T] long", "an id of the environment state each policy token's turn was taken in, -1 on "

@@ -21,6 +21,10 @@ Configuration (``rollout.mcts_prefix``; conf/rollout/mcts_prefix.yaml):
     steps_per_stage: 10      # training steps per stage; the last stage lasts to the end of the run
     teacher_tree: ""         # "": online; a file: the offline teacher tree (below)
     teacher_prompts: 0       # with teacher_tree: the first K training prompts are the tree's and the run's (0: all)
+    value_heuristic: expectation  # V(p) of each response's prefix (prefix_value, read by sae baseline=tree_value)
+
+Each response also carries ``prefix_value``: V(p) of its prefix p in the step's tree (the teacher's, or the online
+search's), from the rewards of the tree's leaves that extend p (:func:`prefix_value`; no search this step: 0).
 
 Online (``teacher_tree: ""``), at a step whose deepest depth is d > 0: the search tree
 (rlbench.rollout.strategies.tree.TreeSampling.grow, its engine calls through the run's GroupSampler, so shared
@@ -93,6 +97,8 @@ from rlbench.utils import atomic_write_text, tokenizer_fingerprint
 
 SEARCH = "mcts_prefix.search"
 PREFIX_STAGE = "prefix_stage"
+PREFIX_VALUE = "prefix_value"
+VALUE_HEURISTICS = ("expectation", "optimistic", "pessimistic")
 TREE_FORMAT = "rlbench/mcts_prefix_tree/1"
 TREE_CHUNK = 16  # prompts per search when the teacher grows its tree
 UCT_KEYS = ("rounds", "exploration")  # keys of the search block read here, not by the segment tree (TreeOptions)
@@ -246,6 +252,18 @@ class MCTSPrefixOptions:
     steps_per_stage: int = 10  # training steps per stage; the last stage runs to the end
     teacher_tree: str = ""  # "": the policy grows a tree online each step; a file: the offline teacher tree
     teacher_prompts: int = 0  # with teacher_tree: the first K training prompts are the teacher's and the run's (0: all)
+    value_heuristic: str = "expectation"  # V(p) of prefix_value: expectation | optimistic | pessimistic
+
+
+def prefix_value(prefix: tuple[int, ...], leaves: list[tuple[list[int], float]], heuristic: str) -> float:
+    """Tree-OPO's V(p) (arXiv:2509.09284, section 4, as summarised second-hand): over the rewards R of the tree's
+    leaves whose tokens extend ``prefix`` (the rollouts of its subtree; ``leaves``: (token ids, reward) pairs),
+    expectation mean(R) (the subtree's empirical success rate), optimistic max(R) (a success in the subtree) or
+    pessimistic min(R) (no failure in it). No leaf (no tree this step): 0, which a group of one prefix cancels."""
+    rewards = [reward for ids, reward in leaves if tuple(ids[: len(prefix)]) == prefix]
+    if not rewards:
+        return 0.0
+    return {"expectation": sum(rewards) / len(rewards), "optimistic": max(rewards), "pessimistic": min(rewards)}[heuristic]
 
 
 def revealed_length(leaf_length: int, depth: int, segment_tokens: int) -> int:
@@ -279,16 +297,16 @@ class MCTSPrefix(RolloutStrategy):
     """``rollout=mcts_prefix`` (module docstring). State across steps: the step count (the stage) and the
     teacher tree (offline)."""
 
-    provides = frozenset({PREFIX_STAGE})
+    provides = frozenset({PREFIX_STAGE, PREFIX_VALUE})
 
     def __init__(
         self, setup: RolloutSetup, search: TreeOptions, stage_depths: list[tuple[int, ...]], steps_per_stage: int,
-        teacher_tree: str = "", teacher_prompts: int = 0, uct: UCTOptions = UCTOptions(),
+        teacher_tree: str = "", teacher_prompts: int = 0, uct: UCTOptions = UCTOptions(), value_heuristic: str = "expectation",
     ):
         self.setup, self.search = setup, search
         self.stage_depths, self.steps_per_stage = stage_depths, steps_per_stage
         self.teacher_tree, self.teacher_prompts = teacher_tree, teacher_prompts
-        self.uct = uct
+        self.uct, self.value_heuristic = uct, value_heuristic
         self.tree: dict[str, Any] | None = None  # the offline teacher tree (read_tree's record), once read or grown
         self.problems: list[Problem] = []  # the training problems (training_problems): the teacher's prompts
         self.step = 0
@@ -322,6 +340,10 @@ class MCTSPrefix(RolloutStrategy):
                     f"rollout.mcts_prefix.stage_depths has a stage mixing {len(mix)} depths {list(mix)}, which does not "
                     f"divide rollout.n={n} completions per prompt evenly: use rollout.n a multiple of {len(mix)}"
                 )
+        if options.value_heuristic not in VALUE_HEURISTICS:
+            raise ConfigError(
+                f"rollout.mcts_prefix.value_heuristic must be one of {list(VALUE_HEURISTICS)}, got {options.value_heuristic!r}"
+            )
         if steps < 1:
             raise ConfigError(f"rollout.mcts_prefix.steps_per_stage must be >= 1, got {steps}")
         if options.teacher_prompts < 0 or (options.teacher_prompts and not options.teacher_tree):
@@ -337,7 +359,7 @@ class MCTSPrefix(RolloutStrategy):
                 f"Use depths below {-(-max_new // search.segment_tokens)} or a smaller search.segment_tokens"
             )
         return {"search": search, "stage_depths": stages, "steps_per_stage": steps, "teacher_tree": options.teacher_tree,
-                "teacher_prompts": options.teacher_prompts, "uct": uct}
+                "teacher_prompts": options.teacher_prompts, "uct": uct, "value_heuristic": options.value_heuristic}
 
     @property
     def depths(self) -> tuple[int, ...]:
@@ -378,8 +400,11 @@ class MCTSPrefix(RolloutStrategy):
         fingerprint = tokenizer_fingerprint(sampler.tokenizer)
         return {"format": TREE_FORMAT, "tokenizer": fingerprint, "segment_tokens": self.search.segment_tokens, "prompts": prompts}
 
-    def offline_solutions(self, problems: list[Problem], prompt_ids: list[tuple[int, ...]], metrics: dict) -> list[list[int]]:
-        """A best leaf of each prompt's teacher tree (read, or grown and written at the first step)."""
+    def offline_solutions(
+        self, problems: list[Problem], prompt_ids: list[tuple[int, ...]], metrics: dict
+    ) -> tuple[list[list[int]], list[list[tuple[list[int], float]]]]:
+        """A best leaf of each prompt's teacher tree (read, or grown and written at the first step), and the tree's
+        leaves (token ids, reward)."""
         if self.tree is None:
             path = Path(self.teacher_tree).expanduser()
             if path.exists():
@@ -389,7 +414,7 @@ class MCTSPrefix(RolloutStrategy):
                 self.tree = self.grow_teacher_tree(self.problems + [p for p in problems if p.uid not in seen])
                 write_tree(path, self.tree)
                 metrics["mcts_teacher_tree_prompts"] = float(len(self.tree["prompts"]))
-        solutions = []
+        solutions, trees = [], []
         for problem, ids in zip(problems, prompt_ids):
             node = self.tree["prompts"].get(problem.uid)
             if node is None or tuple(node["prompt_ids"]) != tuple(ids):
@@ -401,7 +426,8 @@ class MCTSPrefix(RolloutStrategy):
             best = [k for k, r in enumerate(rewards) if r == max(rewards)]
             pick = best[int(torch.randint(len(best), (1,), generator=self.setup.generator))] if len(best) > 1 else best[0]
             solutions.append(list(node["leaves"][pick]["response_ids"]))
-        return solutions
+            trees.append([(leaf["response_ids"], float(leaf["reward"])) for leaf in node["leaves"]])
+        return solutions, trees
 
     def rollout(
         self, problems: list[Problem], draw_prompts: Callable[[int], list[Problem]] | None = None
@@ -412,14 +438,16 @@ class MCTSPrefix(RolloutStrategy):
         prompt_ids = sampler.encode(problems)
         metrics = {"mcts_prefix_depth": float(max(depths)), "mcts_prefix_depths": float(len(depths))}
         solutions: list[list[int]] = [[] for _ in problems]
+        trees: list[list[tuple[list[int], float]]] = [[] for _ in problems]  # each prompt's tree leaves: (ids, reward)
         if self.teacher_tree:
-            solutions = self.offline_solutions(problems, prompt_ids, metrics)
+            solutions, trees = self.offline_solutions(problems, prompt_ids, metrics)
         elif max(depths) > 0:
             leaves, tree_metrics = TreeSampling(setup, self.search).grow(prompt_ids)
             searched = sampler.grade(problems, leaves, setup.params.max_new_tokens)
             for p, group in enumerate(leaves):
                 rewards = searched.rewards[searched.group_index == p].tolist()
                 solutions[p] = list(group[rewards.index(max(rewards))].response_ids)
+                trees[p] = [(list(leaf.response_ids), r) for leaf, r in zip(group, rewards)]
             metrics.update(tree_metrics)
             # the policy's own responses to the prompt alone: what the learning is judged on
             metrics["rollout_outcome_mean"] = float(searched.outcome.mean().item())
@@ -431,9 +459,11 @@ class MCTSPrefix(RolloutStrategy):
         groups: list[list] = [[] for _ in problems]
         stages: list[list[int]] = [[] for _ in problems]
         for (p, d, prefix), completions in zip(plan, continue_with_budgets(sampler, requests, setup.params, setup.generator)):
+            value = prefix_value(prefix, trees[p], self.value_heuristic)
             for c in completions:
                 c = prefixed_response(c, len(prefix)) if prefix else c
-                groups[p].append(dataclasses.replace(c, extras={**c.extras, PREFIX_STAGE: [d] * len(c.response_ids)}))
+                stage = {PREFIX_STAGE: [d] * len(c.response_ids), PREFIX_VALUE: [value] * len(c.response_ids)}
+                groups[p].append(dataclasses.replace(c, extras={**c.extras, **stage}))
                 stages[p].append(d)
         graded = sampler.grade(problems, groups, max_new)
         if "rollout_outcome_mean" not in metrics:
