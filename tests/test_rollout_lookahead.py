@@ -714,7 +714,7 @@ def test_a_pruned_branch_takes_its_descendants_with_it(tiny):
     assert tree.spawned == 2 and tree.pruned == 2 and [m.response_ids for m in tree.members] == [[10, 11] + [13] * 6]
 
 
-# --- the released RolloutFilter's rule (starreeze/latr model/sample_filter.py at 2adb0ed): c tokens at checkpoint c,
+# --- the released RolloutFilter's rule (starreeze/latr/model/sample_filter.py at 2adb0ed): c tokens at checkpoint c,
 # a checkpoint with EOS skipped, a branch off a math symbol never pruned
 
 
@@ -777,7 +777,7 @@ def test_a_branch_off_a_math_symbol_is_never_pruned(tiny, exempt, pruned):
     the trunk's 11, the branch taking 12) ``can_prune`` refuses is never compared, so never pruned; the
     branch's own token does not count (exempting 12 prunes as without the rule).
 
-    The release's RolloutFilter (starreeze/latr model/sample_filter.py at 2adb0ed) drops such a comparison
+    The release's RolloutFilter (starreeze/latr/model/sample_filter.py at 2adb0ed) drops such a comparison
     from its batch but not from the branch ids and lengths it then zips the batch with, so once one is
     dropped the k-th verdict left is applied to the k-th branch id: a branch off a math symbol can be pruned
     for another's similarity, and the last ones are never judged. Its comment ("we should only consider

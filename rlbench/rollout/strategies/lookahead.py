@@ -254,8 +254,8 @@ def stop_word_tokens(tokenizer) -> Callable[[int], bool]:
 
 
 def is_math_symbol(text: str) -> bool:
-    """The released ``keep_math_symbols`` test of a token's decoded text (starreeze/latr
-    model/sample_filter.py ``RolloutFilter``): stripped, it is a substring of ``+-*/\\<>=()[]{}_^&%$0123456789``
+    """The released ``keep_math_symbols`` test of a token's decoded text
+    (starreeze/latr/model/sample_filter.py ``RolloutFilter``): stripped, it is a substring of ``+-*/\\<>=()[]{}_^&%$0123456789``
     (so a digit, an operator, ``12`` or ``()``, but not ``10`` or ``<=``; and the empty string: a white-space
     token counts)."""
     return text.strip() in MATH_SYMBOLS
