@@ -114,9 +114,9 @@ def test_every_paper_preset_states_its_fidelity():
 
 def test_every_method_preset_block_is_partial_and_names_its_method():
     """Beside the paper presets, a block sits only where the method is partial, and names the method (the
-    rollout lookahead composes the strategy of LATR, the prompt sampler clpo is CLPO)."""
+    rollout mcts_prefix composes the strategy of MCTS-staged GRPO, the prompt sampler clpo is CLPO)."""
     blocks = method_presets()
-    assert {("rollout", "lookahead"), ("prompt_sampler", "clpo"),
+    assert {("rollout", "mcts_prefix"), ("prompt_sampler", "clpo"),
             ("algorithm", "intellect2")} <= set(blocks)
     for (group, name), block in blocks.items():
         assert block["status"] == "partial" and fidelity_problem(as_block(block)) is None, (group, name)
@@ -165,7 +165,7 @@ def test_a_wrong_status_is_refused_with_the_choices(tmp_path):
 
 
 def test_an_unknown_key_in_a_block_is_refused_with_the_nearest_spelling(tmp_path):
-    cfg = compose_config(["rollout=lookahead", "+rollout.fidelity.mising=x"], tmp_path / "run")
+    cfg = compose_config(["rollout=micro_groups", "+rollout.fidelity.mising=x"], tmp_path / "run")
     with pytest.raises(ConfigError, match=r"rollout\.fidelity\.mising.*did you mean 'missing'"):
         check_against_schema(cfg, registered())
 
@@ -216,8 +216,8 @@ def test_a_faithful_paper_and_a_plain_run_say_nothing(tmp_path, caplog):
 
 
 def test_a_user_composition_names_each_partial_preset_and_its_method(tmp_path, caplog):
-    lines = _lines(["algorithm=dapo", "rollout=lookahead", "prompt_sampler=clpo"], tmp_path, caplog)
-    assert [line.split(" is partial: ")[0] for line in lines] == ["rollout=lookahead (LATR)", "prompt_sampler=clpo (CLPO)"]
+    lines = _lines(["algorithm=dapo", "rollout=micro_groups", "prompt_sampler=clpo"], tmp_path, caplog)
+    assert [line.split(" is partial: ")[0] for line in lines] == ["rollout=micro_groups (Infinite Sampling)", "prompt_sampler=clpo (CLPO)"]
     assert lines[1].endswith(preset_file("prompt_sampler", "clpo")["fidelity"]["missing"])
 
 

@@ -19,7 +19,10 @@ from rlbench.rollout.strategies.lookahead import (
     LookaheadOptions,
     LookaheadRollout,
     branch_points,
+    continuations_similar,
+    is_math_symbol,
     is_stop_word,
+    math_symbol_tokens,
     rouge_l_f1,
     stop_word_tokens,
     suffix_match,
@@ -290,7 +293,7 @@ def test_cli_run_branches_and_logs_what_it_did(tmp_path):
 from rlbench.rollout.engines.base import GenerationRequest  # noqa: E402
 from rlbench.rollout.engines.branching import BranchRule, spawn_tokens  # noqa: E402
 
-def NEVER_PRUNE(branch, parent, t, checkpoints):
+def NEVER_PRUNE(a, b):
     return False
 
 
@@ -395,17 +398,18 @@ DIVERGE = {**REJOIN, 12: {14: 1.0}, 14: {14: 1.0}}
 def test_a_forced_branch_point_branches_once_and_identical_continuations_are_pruned(tiny, chain):
     """Position 1 is the only eligible position (p(a2) = 0.45 > 0.15, 0.5 - 0.45 < 0.25; elsewhere the
     next token is certain): exactly one branch, born there, with the trunk's token 0 and the other of 11 and
-    12 at position 1, its log-prob log 0.5 or log 0.45. The rule (too_similar, ROUGE-L 0.5) is asked exactly
-    r = 3 tokens after the branch point; a branch that continues as the trunk does (13 13 13) is pruned and
-    the tree keeps the trunk alone, one that continues differently (14 14 14) stays."""
+    12 at position 1, its log-prob log 0.5 or log 0.45. The rule (ROUGE-L 0.5) is asked once, on the c = 3
+    tokens from the branch point of each (the released RolloutFilter's lookahead length): a branch that
+    continues as the trunk does (x 13 13: F1 2/3) is pruned and the tree keeps the trunk alone, one that
+    continues differently (x 14 14: F1 0) stays."""
     model, tokenizer = tiny
     engine = HFGenerateEngine(ForcedNextToken(model, REJOIN if chain == "rejoin" else DIVERGE), tokenizer, batch_size=16,
                               progress=False, lean_decode=False)
     asked = []
 
-    def similar(branch, parent, t, checkpoints):
-        asked.append((list(branch), list(parent), t, checkpoints))
-        return too_similar(branch, parent, t, checkpoints, 0.5)
+    def similar(a, b):
+        asked.append((list(a), list(b)))
+        return continuations_similar(a, b, 0.5)
 
     rule = BranchRule(0.15, 0.25, (3,), similar)
     (tree,) = engine.generate_branching([GenerationRequest(tuple(tokenizer.encode("question a")), 4)],
@@ -413,11 +417,10 @@ def test_a_forced_branch_point_branches_once_and_identical_continuations_are_pru
     trunk = tree.members[0].response_ids
     after = {11: 13, 12: 13 if chain == "rejoin" else 14}  # the token repeated after 11 and after 12
     assert tree.spawned == 1 and trunk[0] == 10 and trunk[1] in (11, 12) and trunk[2:] == [after[trunk[1]]] * 6
-    ((branch, parent, t, checkpoints),) = asked
-    assert t == 1 and checkpoints == (3,) and len(branch) == t + 4 and parent == trunk[: len(branch)]
-    assert branch[:1] == trunk[:1] and {branch[1], trunk[1]} == {11, 12}
+    ((branch, parent),) = asked
+    assert parent == trunk[1:4] and {branch[0], parent[0]} == {11, 12}
     if chain == "rejoin":
-        assert branch[2:] == parent[2:] == [13, 13, 13]
+        assert branch[1:] == parent[1:] == [13, 13]
         assert tree.pruned == 1 and len(tree.members) == 1
     else:
         assert tree.pruned == 0 and tree.parents == [-1, 0] and tree.births == [-1, 1]
@@ -699,13 +702,122 @@ NESTED = {10: {11: 0.5, 12: 0.45, 15: 0.05}, 11: {13: 1.0}, 12: {13: 0.5, 18: 0.
 
 def test_a_pruned_branch_takes_its_descendants_with_it(tiny):
     """The released BranchInfo.remove removes a pruned branch with its children: the child 18, unlike its
-    parent, is not similar to anything, yet goes when its parent is pruned at step 4; the tree is the trunk."""
+    parent, is not similar to anything, yet goes when its parent is pruned at step 3; the tree is the trunk."""
     model, tokenizer = tiny
     engine = HFGenerateEngine(ForcedNextToken(model, NESTED), tokenizer, batch_size=16, progress=False, lean_decode=False)
 
-    def similar(branch, parent, t, checkpoints):
-        return too_similar(branch, parent, t, checkpoints, 0.5)
+    def similar(a, b):
+        return continuations_similar(a, b, 0.5)
 
     (tree,) = engine.generate_branching([GenerationRequest(tuple(tokenizer.encode("question a")), 4)],
                                         SamplingParams(1.0, 1.0, 8), BranchRule(0.15, 0.25, (3,), similar), torch.Generator().manual_seed(0))
     assert tree.spawned == 2 and tree.pruned == 2 and [m.response_ids for m in tree.members] == [[10, 11] + [13] * 6]
+
+
+# --- the released RolloutFilter's rule (starreeze/latr/model/sample_filter.py at 2adb0ed): c tokens at checkpoint c,
+# a checkpoint with EOS skipped, a branch off a math symbol never pruned
+
+
+def test_continuations_similar_and_math_symbols_by_hand():
+    """The per-checkpoint test (ROUGE-L F1 > 0.5 or suffix match > 0.2) on c tokens, and the released
+    keep_math_symbols text test: stripped, a substring of "+-*/\\<>=()[]{}_^&%$0123456789" (so "12" and "()"
+    are, "10" and "<=" are not, and an empty or white-space token is)."""
+    assert continuations_similar([12, 13, 13], [11, 13, 13], 0.5)  # F1 2/3
+    assert not continuations_similar([12, 13], [11, 13], 0.5)  # F1 1/2 is not above 1/2 ...
+    assert continuations_similar([12, 13], [11, 13], 0.5, suffix_threshold=0.2)  # ... the suffix [13] is: 1/2 > 0.2
+    assert [is_math_symbol(t) for t in ("+", " 2", "12", " ()", "$0", "", " ", "\n", "10", "<=", "x", " two", "2x")] == [
+        True, True, True, True, True, True, True, True, False, False, False, False, False]
+    can_prune = math_symbol_tokens(WordTokenizer())  # 15: " 2", 8: "  ", 5: "x", 7: " ,"
+    assert [can_prune(t) for t in (15, 8, 5, 7, 15)] == [False, False, True, True, False]
+
+
+# the trunk takes 11 then 13 forever; the branch 12 (born at 1) continues 17, then hesitates at 3 between 18 and 19
+TIMING = {10: {11: 0.5, 12: 0.45, 15: 0.05}, 11: {13: 1.0}, 13: {13: 1.0}, 12: {17: 1.0}, 17: {18: 0.5, 19: 0.45, 15: 0.05},
+          18: {18: 1.0}, 19: {19: 1.0}}
+
+
+def test_checkpoint_c_compares_c_tokens_at_the_step_they_are_reached(tiny):
+    """The release compares, at checkpoint c, the c tokens from the branch point (the branch token included),
+    at the step they are complete (t + c - 1; its current_step - birth_step = c). With checkpoint 2 and a
+    rule that prunes whatever it is asked, the branch born at 1 is asked once, on [12, 17] against [11, 13],
+    at step 2, and goes before its own branch point at 3: one branch spawned. Comparing c + 1 tokens a step
+    later (rlbench before) would have spawned its child at 3 first (spawned 2)."""
+    model, tokenizer = tiny
+    engine = HFGenerateEngine(ForcedNextToken(model, TIMING), tokenizer, batch_size=16, progress=False, lean_decode=False)
+    asked = []
+    rule = BranchRule(0.15, 0.25, (2,), lambda a, b: asked.append((list(a), list(b))) or True)
+    (tree,) = engine.generate_branching([GenerationRequest(tuple(tokenizer.encode("question a")), 4)],
+                                        SamplingParams(1.0, 1.0, 8), rule, torch.Generator().manual_seed(0))
+    assert asked == [([12, 17], [11, 13])]
+    assert tree.spawned == 1 and tree.pruned == 1 and [m.response_ids for m in tree.members] == [[10, 11] + [13] * 6]
+
+
+@pytest.mark.parametrize("checkpoints,skip_eos,pruned", [((3,), True, False), ((3,), False, True), ((5,), True, False),
+                                                         ((5,), False, True), ((2,), True, True)])
+def test_a_checkpoint_where_a_continuation_holds_eos_is_skipped(tiny, checkpoints, skip_eos, pruned):
+    """Trunk 10 11 13 EOS, branch 10 12 13 EOS (born at 1), ROUGE-L threshold 0.4. With skip_eos (the release:
+    it skips a comparison whose continuations hold its EOS, and pads a finished row with EOS) checkpoint 3
+    ([12, 13, EOS]) and checkpoint 5 (past the end) are skipped and the branch stays; checkpoint 2 ([12, 13]
+    against [11, 13], F1 1/2 > 0.4) prunes it. Without, checkpoint 3 compares [12, 13, EOS] with [11, 13, EOS]
+    (F1 2/3), and 5 the same, on what the rows have at their end: pruned."""
+    model, tokenizer = tiny
+    engine = HFGenerateEngine(ForcedNextToken(model, {}), tokenizer, batch_size=16, progress=False, lean_decode=False)
+    eos = engine.eos_ids[0]
+    engine.model.chain = {10: {11: 0.5, 12: 0.45, 15: 0.05}, 11: {13: 1.0}, 12: {13: 1.0}, 13: {eos: 1.0}}
+    rule = BranchRule(0.15, 0.25, checkpoints, lambda a, b: continuations_similar(a, b, 0.4), skip_eos=skip_eos)
+    (tree,) = engine.generate_branching([GenerationRequest(tuple(tokenizer.encode("question a")), 4)],
+                                        SamplingParams(1.0, 1.0, 8), rule, torch.Generator().manual_seed(0))
+    assert tree.spawned == 1 and tree.pruned == int(pruned)
+    assert [m.response_ids for m in tree.members] == [[10, 11, 13, eos]] + ([] if pruned else [[10, 12, 13, eos]])
+
+
+@pytest.mark.parametrize("exempt,pruned", [(None, True), (11, False), (12, True)])
+def test_a_branch_off_a_math_symbol_is_never_pruned(tiny, exempt, pruned):
+    """keep_math_symbols, the intended rule: a branch whose parent's token at the branch point (b[0]; here
+    the trunk's 11, the branch taking 12) ``can_prune`` refuses is never compared, so never pruned; the
+    branch's own token does not count (exempting 12 prunes as without the rule).
+
+    The release's RolloutFilter (starreeze/latr/model/sample_filter.py at 2adb0ed) drops such a comparison
+    from its batch but not from the branch ids and lengths it then zips the batch with, so once one is
+    dropped the k-th verdict left is applied to the k-th branch id: a branch off a math symbol can be pruned
+    for another's similarity, and the last ones are never judged. Its comment ("we should only consider
+    those that are not math core symbols") says the intent; rlbench builds that (the exemption) and does not
+    reproduce the pairing, an index slip that makes which branch goes depend on the order of the comparisons."""
+    model, tokenizer = tiny
+    engine = HFGenerateEngine(ForcedNextToken(model, REJOIN), tokenizer, batch_size=16, progress=False, lean_decode=False)
+    seen = []
+
+    def can_prune(token):
+        seen.append(token)
+        return token != exempt
+
+    rule = BranchRule(0.15, 0.25, (3,), lambda a, b: continuations_similar(a, b, 0.5), can_prune=can_prune)
+    (tree,) = engine.generate_branching([GenerationRequest(tuple(tokenizer.encode("question a")), 4)],
+                                        SamplingParams(1.0, 1.0, 8), rule, torch.Generator().manual_seed(0))
+    assert seen == [11] and tree.spawned == 1 and tree.pruned == int(pruned)
+    assert [m.response_ids[1] for m in tree.members] == ([11] if pruned else [11, 12])
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_the_released_pruning_options_reach_the_decoding_rule(monkeypatch, keep):
+    """skip_eos and keep_math_symbols (both on: the release's) reach the engine's rule; keep_math_symbols
+    tests the tokenizer's text of the parent's token ("2" is a math symbol, "10" is not: not a substring)."""
+    from rlbench.rollout.engines.branching import BranchTree
+
+    rules = []
+
+    def generate_branching(engine, requests, params, rule, generator=None):
+        rules.append(rule)
+        return [BranchTree(members=[Completion(0, r.prompt_ids, [10, 11], [0.0, 0.0], True)], parents=[-1], births=[-1])
+                for r in requests]
+
+    monkeypatch.setattr(ScriptedEngine, "generate_branching", generate_branching, raising=False)
+    setup = scripted_setup({}, n=2)
+    assert (LookaheadOptions().skip_eos, LookaheadOptions().keep_math_symbols) == (True, True)
+    LookaheadRollout(setup, LookaheadOptions(keep_math_symbols=keep, skip_eos=keep)).rollout([Problem("1", "q", "a")])
+    (rule,) = rules
+    assert rule.skip_eos is keep and rule.similar([1, 2, 3], [4, 2, 3]) and not rule.similar([1, 2], [4, 5])
+    if keep:
+        assert [rule.can_prune(t) for t in (2, 10, 77)] == [False, True, True]
+    else:
+        assert rule.can_prune is None

@@ -31,12 +31,21 @@ were not pruned). This is the released ``ProbFilter`` (starreeze/latr/model/samp
 2adb0ed, 2026-01-23: ``p(a1) - p(v) < prob_filter_rel_thres``; earlier revisions had ``>``). A branch is its
 parent's row with the other token: the decoding state's ``select_rows`` with the parent's index
 repeated copies the parent's keys and values, so the shared prefix is decoded once. Its token's
-log-prob is that token's log-prob under the same warped distribution (so is the top-1 token's). ``r`` tokens after its branch
-point, for each checkpoint ``r`` of ``checkpoints``, a branch whose continuation since the branch point
-is too similar to its parent's (``similar(branch, parent, t, (r,))``; at the end of the branch, the
-checkpoints it did not reach, on what it has) is pruned: dropped from the decoding state and from the
-result, which frees its place in the tree; so are its descendants, the branches born of it or of them
-(the released ``BranchInfo.remove`` removes a branch with its children, recursively).
+log-prob is that token's log-prob under the same warped distribution (so is the top-1 token's).
+
+Pruning (the released ``RolloutFilter``, starreeze/latr/model/sample_filter.py, at 2adb0ed): at checkpoint
+``c`` of ``checkpoints``, the step at which a branch born at ``t`` holds ``c`` tokens since its branch
+point (its branch token included: step ``t + c - 1``, the released ``current_step - birth_step = c``
+with ``current_step = step + 1``), its continuation ``a = branch[t : t + c]`` and its parent's ``b =
+parent[t : t + c]`` are compared, and the branch is pruned when ``similar(a, b)``. With ``skip_eos``
+(the release) a checkpoint where ``a`` or ``b`` holds an end-of-sequence token or is short of ``c``
+tokens (the row ended before it: the release pads a finished row with EOS) is skipped; without it, at
+the end of the branch, the checkpoints it did not reach are compared on what it has. With
+``can_prune`` a branch whose parent's token at its branch point (``b[0]``) it refuses is never compared
+(the released ``keep_math_symbols``: rlbench/rollout/strategies/lookahead.py). A pruned branch is dropped
+from the decoding state and from the result, which frees its place in the tree; so are its descendants,
+the branches born of it or of them (the released ``BranchInfo.remove`` removes a branch with its children,
+recursively).
 
 Randomness: one generator (a seed drawn from the caller's, as in ``generate``) draws, per step, one
 uniform per row created so far in the batch (finished and pruned rows included; drawn while rows take
@@ -61,7 +70,7 @@ class BranchRule:
     abs_threshold: float
     rel_threshold: float
     checkpoints: tuple[int, ...]
-    similar: Callable[[list[int], list[int], int, tuple[int, ...]], bool]  # (branch, parent, t, checkpoints)
+    similar: Callable[[list[int], list[int]], bool]  # (a, b): the branch's and its parent's c tokens from the branch point
     window: int = 1024
     max_per_token: int = 2
     top_m: int = 2
@@ -69,6 +78,8 @@ class BranchRule:
     can_branch: Callable[[int], bool] | None = None  # a candidate token may branch (None: any; the stop-word filter)
     return_threshold: float = 1.0  # the batch returns when its trees are this full (the released return_nb_thres_init) ...
     return_decay: float = 0.0  # ... less this times step / max_new_tokens (return_nb_thres_decay)
+    skip_eos: bool = False  # a checkpoint where either continuation holds EOS or is short is skipped (the released RolloutFilter)
+    can_prune: Callable[[int], bool] | None = None  # the parent's token at the branch point lets the branch be pruned (None: any)
 
 
 @dataclass
@@ -119,3 +130,19 @@ class BranchRow:
     birth: int = -1
     checked: int = 0  # checkpoints already checked
     pruned: bool = False
+
+
+def checkpoint_due(rule: BranchRule, branch: list[int], parent: list[int], t: int, checked: int, ended: bool,
+                   eos: set[int]) -> tuple[int, list[tuple[list[int], list[int]]]]:
+    """The checkpoints of ``rule`` a branch born at ``t`` (tokens ``branch``, its parent's ``parent``) has
+    reached, past the ``checked`` first ones (module docstring): how many, and the ``(a, b)`` pairs to
+    compare (``c`` tokens from the branch point each; at the end of the branch, ``ended``, every
+    checkpoint left; with ``rule.skip_eos`` those whose ``a`` or ``b`` holds a token of ``eos`` or is
+    short of ``c`` left out, and with ``rule.can_prune`` none where it refuses ``parent[t]``)."""
+    due = [c for c in rule.checkpoints[checked:] if c <= len(branch) - t or ended]
+    if rule.can_prune is not None and due and not rule.can_prune(parent[t]):
+        return len(due), []
+    pairs = [(branch[t : t + c], parent[t : t + c]) for c in due]
+    if rule.skip_eos:
+        pairs = [(a, b) for (a, b), c in zip(pairs, due) if len(a) == len(b) == c and eos.isdisjoint(a) and eos.isdisjoint(b)]
+    return len(due), pairs

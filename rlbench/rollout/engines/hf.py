@@ -74,7 +74,7 @@ from rlbench.rollout.engines.base import (
     Completion, GenerationRequest, PositionStats, SamplingParams, check_transform_requests, request_seeds, sample_seed,
 )
 from rlbench.rollout.engines.scoring import distribution_stats
-from rlbench.rollout.engines.branching import BranchRow, BranchRule, BranchTree, nearly_full, spawn_tokens
+from rlbench.rollout.engines.branching import BranchRow, BranchRule, BranchTree, checkpoint_due, nearly_full, spawn_tokens
 from rlbench.rollout.engines.cpu_linear import fast_cpu_linears, layers_for_cpu_kernels
 from rlbench.rollout.engines.lean_decode import LeanDecoder, lean_decode_unsupported
 from rlbench.rollout.engines.prefix_cache import KV, PrefixKVCache, weights_version
@@ -844,9 +844,9 @@ class HFGenerateEngine:
                     row = rows[r]
                     ended = row.tokens[-1] in eos or step == budget - 1
                     if returned < 0 and row.parent >= 0 and row.checked < len(rule.checkpoints):
-                        due = [c for c in rule.checkpoints[row.checked :] if c <= step - row.birth or ended]
-                        row.checked += len(due)
-                        if due and rule.similar(row.tokens, rows[row.parent].tokens, row.birth, tuple(due)):
+                        due, pairs = checkpoint_due(rule, row.tokens, rows[row.parent].tokens, row.birth, row.checked, ended, eos)
+                        row.checked += due
+                        if any(rule.similar(a, b) for a, b in pairs):
                             gone.add(r)
                             continue
                     if not ended:

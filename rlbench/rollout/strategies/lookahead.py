@@ -14,8 +14,18 @@ point gives the parent a1 and the branch the runner-up; ``sampled``: a sample), 
 v with ``p(v) > abs_threshold`` and ``p(a1) - p(v) < rel_threshold`` (and not a stop word, with ``stop_word_filter``)
 (at most ``max_branches_per_token``, within the first ``branch_window`` tokens, while the tree holds fewer
 than ``k`` rows not pruned) starts a branch: the row's keys and values copied, v as its token, v's log-prob
-under the warped distribution. At each checkpoint c, c tokens after its branch point, a branch that is
-:func:`too_similar` to its parent is pruned with its descendants (their places freed). The trees decoded
+under the warped distribution. At each checkpoint c, once a branch holds c tokens from its branch point
+(its branch token included), those c tokens and its parent's are compared (:func:`continuations_similar`:
+ROUGE-L F1 above ``rouge_l_threshold`` or suffix-match score above ``suffix_match_threshold``) and a
+similar branch is pruned with its descendants (their places freed), as the released ``RolloutFilter``
+does (starreeze/latr/model/sample_filter.py), with its two exceptions: ``skip_eos`` (the release's) skips a
+checkpoint where either continuation holds EOS (or ended before it), and ``keep_math_symbols`` (the
+release's default) never prunes a branch whose parent's token at the branch point decodes, stripped, to
+a substring of ``+-*/\\<>=()[]{}_^&%$0123456789`` (:func:`is_math_symbol`; an empty or white-space token
+is one, the released substring check's consequence). The release drops such a comparison from its
+batch but not from the list of branch ids it zips the batch's verdicts with, so a verdict lands on
+another branch; rlbench builds the intended rule (such a branch is exempt) and not that pairing
+(tests/test_rollout_lookahead.py says why). The trees decoded
 together *return* (the released ``return_on_full``) after the first step at which they are nearly full,
 the count of their rows (a tree with no running row counted full) reaching ``round(N * (return_threshold -
 return_threshold_decay * step / max_new_tokens))`` of their ``N`` places (the released
@@ -68,9 +78,11 @@ threshold scheduler (``enable_param_scheduler``) is off in the released script a
 counted for the early return are those the HF engine decodes together (``batch_size // n`` prompts), where
 the released rollout counts a GPU's micro-batch and waits for every GPU; branch points are read off the
 warped distribution, the released ones off the plain softmax (the same at temperature 1 and top-p 1, as
-in its script). Not built: the released pruning never prunes a branch whose parent's token at the branch
-point is a math symbol or digit (``keep_math_symbols``, on by default), nor at a checkpoint where either
-continuation holds EOS, and compares c tokens at checkpoint c (rlbench: c + 1).
+in its script); ``keep_math_symbols`` exempts such a branch where the release, filtering its comparisons,
+pairs the verdicts left with the wrong branches (above); the end-of-sequence tokens skipped are the
+engine's (the release: the tokenizer's one ``eos_token_id``). Mode resample's pruning (:func:`too_similar`)
+compares c + 1 tokens at checkpoint c (the branch token and the c after it), on what both have, with
+neither of the two exceptions (``skip_eos`` and ``keep_math_symbols`` apply to mode decode).
 
 Behaviour bookkeeping (the choice): as in LATR, whose trainer is unchanged, the branches are trained
 as the policy's samples (pi_old recomputed); the branch token was chosen, not sampled, so a group is
@@ -101,6 +113,8 @@ Configuration (conf/rollout/lookahead.yaml):
       stop_word_filter: false    # true: stop words and punctuation never branch (off in the released script)
       return_threshold: 0.98     # mode decode: the trees return (rows sample) once this share of their places is filled ...
       return_threshold_decay: 0.05  # ... less this times step / max_new_tokens (1.0 and 0.0: only when all are full)
+      skip_eos: true             # mode decode: a checkpoint where either continuation holds EOS is skipped (released)
+      keep_math_symbols: true    # mode decode: a branch whose parent's token there is a math symbol or digit is never pruned (released)
 """
 
 from __future__ import annotations
@@ -147,6 +161,8 @@ hasn't haven haven't isn isn't ma mightn mightn't mustn mustn't needn needn't sh
 wasn't weren weren't won won't wouldn wouldn't
 """.split())
 STOP_PUNCTUATION = ".,;:!?\"'"
+# the released math_core_symbols (starreeze/latr/model/sample_filter.py), checked as a substring
+MATH_SYMBOLS = "+-*/\\<>=()[]{}_^&%$0123456789"
 
 
 @dataclass(frozen=True)
@@ -167,6 +183,8 @@ class LookaheadOptions:
     stop_word_filter: bool = False
     return_threshold: float = 0.98
     return_threshold_decay: float = 0.05
+    skip_eos: bool = True
+    keep_math_symbols: bool = True
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig) -> LookaheadOptions:
@@ -195,16 +213,19 @@ class LookaheadOptions:
             )
         return options
 
-    def rule(self, can_branch: Callable[[int], bool] | None = None) -> BranchRule:
+    def rule(self, can_branch: Callable[[int], bool] | None = None, can_prune: Callable[[int], bool] | None = None) -> BranchRule:
         """The decoding engine's :class:`~rlbench.rollout.engines.branching.BranchRule` of these options
-        (mode decode): a branch is pruned when :func:`too_similar` to its parent at a checkpoint;
-        ``can_branch``: the stop-word filter's test of a candidate (None: off)."""
-        def similar(branch: list[int], parent: list[int], t: int, checkpoints: tuple[int, ...]) -> bool:
-            return too_similar(branch, parent, t, checkpoints, self.rouge_l_threshold, self.suffix_match_threshold)
+        (mode decode): a branch is pruned when its continuation at a checkpoint is
+        :func:`continuations_similar` to its parent's; ``can_branch``: the stop-word filter's test of a
+        candidate (None: off); ``can_prune``: ``keep_math_symbols``' test of the parent's token at the branch
+        point (:func:`math_symbol_tokens`; used only with ``keep_math_symbols``)."""
+        def similar(a: list[int], b: list[int]) -> bool:
+            return continuations_similar(a, b, self.rouge_l_threshold, self.suffix_match_threshold)
 
         return BranchRule(self.abs_threshold, self.rel_threshold, self.checkpoints, similar, self.branch_window,
                           self.max_branches_per_token, parent_top1=self.parent_token == "top1", can_branch=can_branch,
-                          return_threshold=self.return_threshold, return_decay=self.return_threshold_decay)
+                          return_threshold=self.return_threshold, return_decay=self.return_threshold_decay,
+                          skip_eos=self.skip_eos, can_prune=can_prune if self.keep_math_symbols else None)
 
     def share(self, step: int) -> float:
         """The share of each group sampled with LATR at ``step`` (0-based): the last entry at or before it."""
@@ -230,6 +251,26 @@ def stop_word_tokens(tokenizer) -> Callable[[int], bool]:
         return seen[token]
 
     return can_branch
+
+
+def is_math_symbol(text: str) -> bool:
+    """The released ``keep_math_symbols`` test of a token's decoded text
+    (starreeze/latr/model/sample_filter.py ``RolloutFilter``): stripped, it is a substring of ``+-*/\\<>=()[]{}_^&%$0123456789``
+    (so a digit, an operator, ``12`` or ``()``, but not ``10`` or ``<=``; and the empty string: a white-space
+    token counts)."""
+    return text.strip() in MATH_SYMBOLS
+
+
+def math_symbol_tokens(tokenizer) -> Callable[[int], bool]:
+    """``can_prune(token)``: False for a token whose decoded text :func:`is_math_symbol` (memoised per id)."""
+    seen: dict[int, bool] = {}
+
+    def can_prune(token: int) -> bool:
+        if token not in seen:
+            seen[token] = not is_math_symbol(tokenizer.decode([token]))
+        return seen[token]
+
+    return can_prune
 
 
 def branch_points(stats: PositionStats, response: list[int], abs_threshold: float, rel_threshold: float,
@@ -286,21 +327,23 @@ def suffix_match(a: list[int], b: list[int]) -> float:
     return max(longest_suffix_inside(a, b), longest_suffix_inside(b, a)) / len(a)
 
 
+def continuations_similar(a: list[int], b: list[int], threshold: float, suffix_threshold: float = 1.0) -> bool:
+    """LATR's pruning test of a branch's continuation ``a`` and its parent's ``b`` from the branch point
+    (arXiv:2510.24302 Sec. 3; the released ``RolloutFilter``'s ``rouge_l_thres`` and ``suffix_match_thres``):
+    ROUGE-L F1 above ``threshold`` or a suffix-match score above ``suffix_threshold`` (the latter on the
+    tokens both have)."""
+    both = min(len(a), len(b))
+    return rouge_l_f1(a, b) > threshold or suffix_match(a[:both], b[:both]) > suffix_threshold
+
+
 def too_similar(
     branch: list[int], parent: list[int], t: int, checkpoints: tuple[int, ...], threshold: float,
     suffix_threshold: float = 1.0,
 ) -> bool:
-    """True when, at some checkpoint c, tokens t..t+c of the branch and of its parent have ROUGE-L F1
-    above ``threshold`` or a suffix-match score above ``suffix_threshold`` (checked on the tokens both
-    have)."""
-    for c in checkpoints:
-        a, b = branch[t : t + c + 1], parent[t : t + c + 1]
-        if rouge_l_f1(a, b) > threshold:
-            return True
-        both = min(len(a), len(b))
-        if suffix_match(a[:both], b[:both]) > suffix_threshold:
-            return True
-    return False
+    """Mode resample's pruning: True when, at some checkpoint c, tokens t..t+c of the branch and of its
+    parent (c + 1 tokens: the branch token and the c after it, on what both have) are
+    :func:`continuations_similar`."""
+    return any(continuations_similar(branch[t : t + c + 1], parent[t : t + c + 1], threshold, suffix_threshold) for c in checkpoints)
 
 
 @register_strategy("lookahead")
@@ -312,6 +355,7 @@ class LookaheadRollout(RolloutStrategy):
         self.setup, self.options = setup, options
         self.steps = 0
         self.can_branch = stop_word_tokens(setup.sampler.tokenizer) if options.stop_word_filter else None
+        self.can_prune = math_symbol_tokens(setup.sampler.tokenizer) if options.keep_math_symbols else None
         if options.mode == "decode" and not hasattr(setup.sampler.engine, "generate_branching"):
             raise ConfigError(f"rollout.lookahead.mode=decode needs an engine that branches while decoding (the HF "
                               f"engine); {type(setup.sampler.engine).__name__} does not: use rollout.lookahead.mode=resample")
@@ -395,7 +439,8 @@ class LookaheadRollout(RolloutStrategy):
         sampler, setup = self.setup.sampler, self.setup
         start = time.perf_counter()
         trees = sampler.engine.generate_branching(
-            [GenerationRequest(prompts[i], n=tree_size) for i in range(latr)], setup.params, self.options.rule(self.can_branch), setup.generator
+            [GenerationRequest(prompts[i], n=tree_size) for i in range(latr)], setup.params, self.options.rule(self.can_branch, self.can_prune),
+            setup.generator,
         )
         shared = sum(t for tree in trees for t in tree.births if t > 0)
         sampler.cost.add([tree.members for tree in trees], time.perf_counter() - start, shared=shared)
