@@ -364,6 +364,32 @@ def test_deviations_agree_with_the_composed_algorithm(paper_cfg, name):
                 assert active(cfg), f"{name}: '{clause}' says {feature} is used, but the composed config lacks it"
 
 
+# What a paper preset needs beside experiment=smoke to run on the tiny model, as its YAML's header says (checked).
+SMOKE_EXTRA = {
+    "coderl_plus": ["dataset=mbpp", "reward=code", "eval=code"],  # the smoke's toy reward traces no program
+    "latr": ["rollout.lookahead.checkpoints=[4]"],  # checkpoints below the smoke's 8 new tokens
+    "tree_opo": ["rollout.mcts_prefix.search.segment_tokens=2"],  # 3 revealed segments within the smoke's 8 tokens
+}
+
+
+@pytest.mark.parametrize("name", PAPERS)
+@needs_data
+def test_paper_with_experiment_smoke_validates(paper_cfg, name, tmp_path, monkeypatch):
+    """Every paper preset's CPU run, ``rlbench paper=<name> experiment=smoke`` (plus what its header names in
+    SMOKE_EXTRA), passes validation: a preset whose structure needs a group size says so through
+    algorithm.rollout_n, which the smoke experiment keeps (paper=dart once failed here on rollout.n=2)."""
+    paper_cfg(name)  # the module's Hydra
+    extra = SMOKE_EXTRA.get(name, [])
+    header = (ROOT / "conf" / "paper" / f"{name}.yaml").read_text()
+    assert all(argument in header for argument in extra), f"conf/paper/{name}.yaml: say that a CPU run needs {extra}"
+    cfg = compose("config", overrides=[f"paper={name}", "experiment=smoke", f"output_dir={tmp_path}", *extra,
+                                       *preset_arguments(algorithm_of(name), tmp_path)])
+    assert cfg.model.name == "tiny", name
+    if cfg.trainer.parallelism == "swarm":  # a swarm's actors are torchrun processes
+        monkeypatch.setenv("WORLD_SIZE", str(len(cfg.trainer.swarm.get("models") or []) or 2))
+    validate_config(cfg)
+
+
 @needs_data  # composing a paper preset resolves its dataset's files
 def test_a_preset_that_cannot_run_here_says_so_before_loading(paper_cfg, tmp_path):
     """paper=dapo trains a 32B model: about 16 bytes per parameter, refused on a 24 GiB device with

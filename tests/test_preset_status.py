@@ -216,8 +216,8 @@ def test_a_faithful_paper_and_a_plain_run_say_nothing(tmp_path, caplog):
 
 
 def test_a_user_composition_names_each_partial_preset_and_its_method(tmp_path, caplog):
-    lines = _lines(["algorithm=dapo", "rollout=micro_groups", "prompt_sampler=clpo"], tmp_path, caplog)
-    assert [line.split(" is partial: ")[0] for line in lines] == ["rollout=micro_groups (Infinite Sampling)", "prompt_sampler=clpo (CLPO)"]
+    lines = _lines(["algorithm=dapo", "rollout=mcts_prefix", "prompt_sampler=clpo"], tmp_path, caplog)
+    assert [line.split(" is partial: ")[0] for line in lines] == ["rollout=mcts_prefix (MCTS-staged GRPO)", "prompt_sampler=clpo (CLPO)"]
     assert lines[1].endswith(preset_file("prompt_sampler", "clpo")["fidelity"]["missing"])
 
 
