@@ -86,7 +86,7 @@ def test_group_arithmetic_and_what_cannot_be_shared_are_refused(make_cfg, overri
 
 
 def test_the_swarm_settings_outside_a_swarm_are_refused_and_one_model_everywhere_is_no_mix(make_cfg):
-    for setting in ("trainer.swarm.lag=1", "trainer.swarm.models=[tiny]"):
+    for setting in ("trainer.swarm.lag=1", "trainer.swarm.models=[tiny]", "trainer.swarm.pool_filter=zero_advantage"):
         cfg = make_cfg("experiment=smoke", setting)
         with pytest.raises(ConfigError, match=r"set trainer.parallelism=swarm \(under torchrun\) or trainer.swarm"):
             check_swarm(typed_config(cfg), algorithm_from(cfg.algorithm), actors=2)

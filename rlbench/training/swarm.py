@@ -109,7 +109,9 @@ def check_swarm(config: RunConfig, algorithm: Algorithm, actors: int | None = No
     J = external_groups(trainer)
     models, lag = (list(trainer.swarm.models), trainer.swarm.lag) if trainer.swarm is not None else ([], 0)
     if strategy != "swarm":
-        for key, value, off in (("external", J, "0"), ("models", models, "[]"), ("lag", lag, "0")):
+        pool_filter = trainer.swarm.pool_filter if trainer.swarm is not None and trainer.swarm.pool_filter != "none" else None
+        for key, value, off in (("external", J, "0"), ("models", models, "[]"), ("lag", lag, "0"),
+                                ("pool_filter", pool_filter, "none")):
             if value:
                 raise ConfigError(f"trainer.swarm.{key}={value} is a setting of a swarm's actors; "
                                   f"set trainer.parallelism=swarm (under torchrun) or trainer.swarm.{key}={off}")
@@ -260,8 +262,8 @@ class KeyValueStore(Protocol):
 class SwarmPool:
     """The shared pool: actor ``actor`` of ``actors`` publishes its groups of step ``step`` and reads
     every other actor's of step ``step - lag`` (blocking until they are there). The store keeps 2 + 2 lag
-    steps per actor: an actor that published step s - 1 - lag had read everyone's step s - 2 - 2 lag, so once
-    an actor has read every other actor's step s - 1 - lag, which it deletes when it publishes step s.
+    steps per actor: an actor publishing step s has read the others' step s - 1 - lag, which each of them
+    published after reading everyone's step s - 2 - 2 lag, so it deletes its own step s - 2 - 2 lag.
 
     The actors' agreements (a stop signal after a step, the resume step) go through the same store
     as rounds every actor takes in the same order (:meth:`gather`, :meth:`max_over_ranks`,
