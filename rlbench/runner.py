@@ -57,7 +57,7 @@ from rlbench.training.loop import TrainingRun
 from rlbench.training.memory import enable_activation_checkpointing
 from rlbench.training.step import make_step_context
 from rlbench.training.swarm import (
-    SwarmPool, actor_config, agreed_resume_step, check_resume_swarm, external_groups, join_swarm, swarm_manifest,
+    LaggedStops, SwarmPool, actor_config, agreed_resume_step, check_resume_swarm, external_groups, join_swarm, swarm_manifest,
     swarm_rollout, valid_checkpoint_steps,
 )
 from rlbench.utils import STREAM_EVAL, atomic_write_text, make_generator, seed_everything
@@ -369,9 +369,13 @@ def train(run: Run, policy: Policy, stop: StopSignals) -> dict[str, Any]:
                 "overrides": command_line_overrides(), "rlbench_commit": git_commit(),
                 **(swarm_manifest(launched_world_size(), external_groups(config.trainer)) if run.swarm else {})}
     run.train_problems = ctx.strategy.training_problems(run.train_problems)  # rollout=offline: a file's own prompts
-    run.training_run = TrainingRun(config, ctx, run.train_problems, run.logger, manifest, peers=run.peers)
+    # trainer.swarm.lag = d: the actors agree on a stop after step s from the signals of step s - d
+    stops = LaggedStops(run.pool, config.trainer.swarm.lag) if run.pool is not None and config.trainer.swarm.lag else None
+    run.training_run = TrainingRun(config, ctx, run.train_problems, run.logger, manifest, peers=run.peers, stops=stops)
     if run.resumed is not None:
         run.resumed = run.training_run.resume(run.resumed)
+        if stops is not None:
+            stops.resume_at(run.training_run.step)
 
     def periodic_eval(step: int) -> None:  # eval.every: pass@k curves during training
         every = config.eval.every

@@ -515,6 +515,19 @@ class SwarmConfig:
     old_logprobs: Literal["receiver", "sender"] = knob(
         "receiver", "pi_old of a shared response: receiver (the paper: recomputed by the receiving actor's policy, as its "
         "own samples) | sender (off-policy, pi_old = the sender's sampling log-probs: the ratio pi_receiver / mu_sender)")
+    models: list = knob(
+        [], "one model per actor, in actor order (a heterogeneous swarm): a conf/model option name (smollm2_135m), a "
+        "checkpoint folder, a mapping of model fields over the run's model ({tiny: {vocab_size: 320}}) or null (the run's "
+        "model); a receiver whose tokenizer differs from the sender's trains on its own tokens of the sent text. [] : "
+        "every actor the run's model")
+    pool_filter: Literal["none", "zero_advantage"] = knob(
+        "none", "which of the others' published groups the J are drawn from: none (all) | zero_advantage (the paper's "
+        "controlled runs: the receiver grades them all and drops the groups whose rewards are all equal, i.e. "
+        "advantage 0; fewer than J left: the step trains on those)")
+    lag: int = knob(
+        0, "d: actor at step s draws its J shared groups from what the others published at step s - d, and the actors "
+        "agree on a stop after step s from the signals of step s - d: no actor waits for the others' current step (the "
+        "paper's asynchrony as a bounded, deterministic lag); steps 1..d sample all prompts locally. 0: synchronous", ge=0)
 
 
 @dataclass

@@ -61,13 +61,15 @@ class TrainingRun:
     records besides the step (config, overrides, commit). ``peers``: the processes that stop and
     resume together, agreeing after every step on a stop signal and on the checkpoint resumed: the
     ranks of ``ctx.world`` (the default), or a swarm's actors (rlbench.training.swarm.SwarmPool),
-    each a single-process run of its own."""
+    each a single-process run of its own. ``stops``: who agrees on the stop after each step (default
+    ``peers``; a lagged swarm's rlbench.training.swarm.LaggedStops, told the step resumed from)."""
 
     def __init__(self, config: RunConfig, ctx: StepContext, problems: list[Problem], logger: Any,
-                 manifest: dict[str, Any] | None = None, peers: Any = None):
+                 manifest: dict[str, Any] | None = None, peers: Any = None, stops: Any = None):
         self.trainer, self.output_dir = config.trainer, config.output_dir
         self.ctx, self.logger = ctx, logger
         self.peers = ctx.world if peers is None else peers
+        self.stops = self.peers if stops is None else stops
         self.seed, self.problems = config.seed, problems
         self.rollout, self.cache_dir = config.rollout, config.cache_dir  # the difficulty filter's own model, if any
         self.sandbox_limits = limits_from_config(config.sandbox)  # CodeRL+'s execution tasks trace programs with them
@@ -242,7 +244,7 @@ class TrainingRun:
             progress.update(1, note=f"reward {metrics['reward_mean']:.3f} acc {metrics['accuracy']:.3f}")
             if self.checkpoint_due(step):
                 self.save()
-            stop.raise_if_requested(self.peers)  # with several ranks or actors: all stop after the same step
+            stop.raise_if_requested(self.stops)  # with several ranks or actors: all stop after the same step
             if after_step is not None:
                 after_step(step)
             self.after_step_done = step
