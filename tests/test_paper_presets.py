@@ -368,6 +368,7 @@ def test_deviations_agree_with_the_composed_algorithm(paper_cfg, name):
 SMOKE_EXTRA = {
     "coderl_plus": ["dataset=mbpp", "reward=code", "eval=code"],  # the smoke's toy reward traces no program
     "latr": ["rollout.lookahead.checkpoints=[4]"],  # checkpoints below the smoke's 8 new tokens
+    "sapo_swarm": ["trainer.prompts_per_step=8"],  # 4 local prompts beside the 4 external ones
     "tree_opo": ["rollout.mcts_prefix.search.segment_tokens=2"],  # 3 revealed segments within the smoke's 8 tokens
 }
 
