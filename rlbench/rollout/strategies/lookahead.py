@@ -241,16 +241,21 @@ def is_stop_word(text: str) -> bool:
     return not text.strip() or all(c in STOP_PUNCTUATION for c in text) or text.lower() in STOP_WORDS
 
 
-def stop_word_tokens(tokenizer) -> Callable[[int], bool]:
-    """``can_branch(token)``: False for a token whose decoded text :func:`is_stop_word` (memoised per id)."""
+def tokens_whose_text_fails(tokenizer, test: Callable[[str], bool]) -> Callable[[int], bool]:
+    """``allowed(token)``: False for a token whose decoded text passes ``test`` (memoised per id)."""
     seen: dict[int, bool] = {}
 
-    def can_branch(token: int) -> bool:
+    def allowed(token: int) -> bool:
         if token not in seen:
-            seen[token] = not is_stop_word(tokenizer.decode([token]))
+            seen[token] = not test(tokenizer.decode([token]))
         return seen[token]
 
-    return can_branch
+    return allowed
+
+
+def stop_word_tokens(tokenizer) -> Callable[[int], bool]:
+    """``can_branch(token)``: False for a token whose decoded text :func:`is_stop_word`."""
+    return tokens_whose_text_fails(tokenizer, is_stop_word)
 
 
 def is_math_symbol(text: str) -> bool:
@@ -262,15 +267,8 @@ def is_math_symbol(text: str) -> bool:
 
 
 def math_symbol_tokens(tokenizer) -> Callable[[int], bool]:
-    """``can_prune(token)``: False for a token whose decoded text :func:`is_math_symbol` (memoised per id)."""
-    seen: dict[int, bool] = {}
-
-    def can_prune(token: int) -> bool:
-        if token not in seen:
-            seen[token] = not is_math_symbol(tokenizer.decode([token]))
-        return seen[token]
-
-    return can_prune
+    """``can_prune(token)``: False for a token whose decoded text :func:`is_math_symbol`."""
+    return tokens_whose_text_fails(tokenizer, is_math_symbol)
 
 
 def branch_points(stats: PositionStats, response: list[int], abs_threshold: float, rel_threshold: float,
