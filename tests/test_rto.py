@@ -195,9 +195,10 @@ def spy(monkeypatch):
 
 @pytest.mark.slow
 def test_zero_dense_terms_equal_ppo_with_the_sparse_reward(make_cfg, tmp_path, spy):
-    """beta_dpo = 0, beta_KL = 0, beta_2 = 1: the same losses and the same trained weights as algorithm=ppo."""
+    """beta_dpo = 0, beta_KL = 0, beta_2 = 1: the same losses and the same trained weights as algorithm=ppo with
+    RTO's separate critic model."""
     dpo = _save_policy_copy(make_cfg, tmp_path / "dpo", noise=0.05)
-    ppo_metrics, ppo_weights = _run(make_cfg, tmp_path, "ppo", "algorithm=ppo")
+    ppo_metrics, ppo_weights = _run(make_cfg, tmp_path, "ppo", "algorithm=ppo", "algorithm.critic.model=separate")
     rto_metrics, rto_weights = _run(make_cfg, tmp_path, "rto", "algorithm=rto", f"algorithm.rto.dpo_model={dpo}",
                                     "algorithm.rto.beta_dpo=0", "algorithm.rto.sparse_coef=1", "algorithm.kl.coef=0")
     assert len(spy) == 1  # the step went through RTO's reward
