@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 
 import pytest
@@ -14,7 +15,7 @@ from rlbench.errors import ConfigError
 from rlbench.reward.math import Grade
 from rlbench.rollout import GroupSampler, RolloutSetup, make_strategy, validate_strategy
 from rlbench.rollout.engines.base import Completion, SamplingParams
-from rlbench.rollout.strategies.rethink import RethinkOptions, RethinkRollout, stage_problem
+from rlbench.rollout.strategies.rethink import RethinkOptions, RethinkRollout, bm25_scores, stage_problem, top_k
 from rlbench.training.batch import collate
 from rlbench.training.step import behaviour_old_logp
 from rlbench.validation import validate_config
@@ -186,12 +187,124 @@ def test_settings_are_checked_before_the_model_loads(make_cfg):
         validate_strategy(rollout_config({**base, "rethink": {"decompose_template": "solve"}}), "grpo")
     with pytest.raises(ConfigError, match="must be >= 1"):
         validate_strategy(rollout_config({**base, "rethink": {"samples": 0}}), "grpo")
+    with pytest.raises(ConfigError, match="demonstrations must be >= 0"):
+        validate_strategy(rollout_config({**base, "rethink": {"demonstrations": -1}}), "grpo")
+    with pytest.raises(ConfigError, match="must contain {demonstrations}"):
+        validate_strategy(rollout_config({**base, "rethink": {"decompose_template": "{problem}", "demonstrations": 1}}), "grpo")
+    validate_strategy(rollout_config({**base, "rethink": {"decompose_template": "{problem}", "demonstrations": 0}}), "grpo")
     with pytest.raises(ConfigError, match="loss 'ppo_clip' has none: use algorithm/loss=ppo_clip_sft"):
         validate_config(make_cfg("rollout=rethink"))
     validate_config(make_cfg("rollout=rethink", "algorithm/loss=ppo_clip_sft"))
     validate_config(make_cfg("rollout=rethink", "rollout.rethink.successes=off_policy"))
     with pytest.raises(ConfigError, match="successes='rl'"):
         validate_strategy(rollout_config({**base, "rethink": {"successes": "rl"}}), "grpo")
+
+
+def test_bm25_scores_a_three_document_example_in_closed_form():
+    """Okapi BM25, k1 = 1.5, b = 0.75, idf(q) = ln((N - n(q) + 0.5) / (n(q) + 0.5) + 1), words lower-cased.
+    Documents "a b", "A c, c", "d" (lengths 2, 3, 1; avgdl 2), query "a C": n(a) = 2, n(c) = 1, so
+    idf(a) = ln(1.5 / 2.5 + 1) = ln 1.6 and idf(c) = ln(2.5 / 1.5 + 1) = ln(8 / 3).
+    "a b": K = 1.5 (0.25 + 0.75 * 2 / 2) = 1.5; a: 1 * 2.5 / (1 + 1.5) = 1.
+    "A c, c": K = 1.5 (0.25 + 0.75 * 3 / 2) = 2.0625; a: 2.5 / 3.0625 = 40 / 49; c: 2 * 2.5 / 4.0625 = 16 / 13.
+    "d": shares no word, 0."""
+    scores = bm25_scores("a C", ["a b", "A c, c", "d"])
+    assert scores == pytest.approx([math.log(1.6), math.log(1.6) * 40 / 49 + math.log(8 / 3) * 16 / 13, 0.0], abs=1e-12)
+    assert bm25_scores("a", []) == []
+
+
+def test_top_k_is_best_first_ties_to_the_earlier_entry_and_never_a_zero_score():
+    assert top_k([1.0, 2.0, 2.0, 0.0, 1.0], 3) == [1, 2, 0]
+    assert top_k([1.0, 2.0, 2.0, 0.0, 1.0], 10) == [1, 2, 0, 4]  # the non-matching entry 3 is never shown
+    assert top_k([0.5, 0.5], 1) == [0] and top_k([1.0], 0) == []
+
+
+class DecomposeEngine(Engine):
+    """Answers "y" when the problem (the prompt's last line) holds "easy", or "medium" under the decompose
+    prompt ("Q: Split"); "n" otherwise (so demonstrations shown above the problem never change an answer)."""
+
+    def generate(self, requests, params, generator=None):
+        out = []
+        for i, r in enumerate(requests):
+            text = "".join(chr(t) for t in r.prompt_ids)
+            self.prompts.append(text)
+            problem = text.split("\n")[-1]
+            ok = "easy" in problem or (text.startswith("Q: Split") and "medium" in problem)
+            answer = "y" if ok else "n"
+            out.append([Completion(i, r.prompt_ids, [ord(answer)], [-0.5], True, text=answer) for _ in range(r.n)])
+        return out
+
+
+STEPS = [
+    [Problem("1", "easy one", "y"), Problem("2", "medium alpha", "y"), Problem("3", "never gamma", "y")],
+    [Problem("5", "never Alpha beta", "y"), Problem("2", "medium alpha", "y")],
+    [Problem("6", "never delta", "y"), Problem("7", "never beta", "y")],
+]
+
+
+def demo_strategy(k, template="Split: {demonstrations}{problem}"):
+    sampler = GroupSampler(DecomposeEngine(), Grader(), CharTokenizer(), {"user": "Q: {problem}"}, lambda r, _: r)
+    setup = RolloutSetup(sampler, 2, SamplingParams(1.0, 1.0, 4), None)
+    options = RethinkOptions(samples=1, shown_attempts=1, decompose_template=template,
+                             refine_template="{problem} | {attempts} | wrong?", demonstrations=k, buffer_size=8)
+    return RethinkRollout(setup, options)
+
+
+def run_steps(strategy, steps):
+    """Each step's (decompose prompts, responses, rewards, metrics)."""
+    out = []
+    for problems in steps:
+        start = len(strategy.setup.sampler.engine.prompts)
+        graded, metrics = strategy.rollout(problems)
+        prompts = [p for p in strategy.setup.sampler.engine.prompts[start:] if p.startswith("Q: Split")]
+        out.append((prompts, [[c.response_ids for c in g] for g in graded.groups], graded.rewards.tolist(), metrics))
+    return out
+
+
+def test_a_successful_decomposition_is_buffered_and_shown_to_a_later_similar_problem():
+    """Step 1: "medium alpha" is solved by its decomposition (buffered), "never gamma" is not (not buffered).
+    Step 2: "never Alpha beta" shares "alpha" with it: its decompose prompt shows it; "medium alpha" itself is
+    not shown its own past entry. Step 3: "never delta" and "never beta" share no word with the buffer (only
+    decompose successes enter it, not step 2's failed "never Alpha beta"): plain prompts."""
+    strategy = demo_strategy(2)
+    (p1, _, _, m1), (p2, _, _, m2), (p3, _, _, m3) = run_steps(strategy, STEPS)
+    assert p1 == ["Q: Split: medium alpha", "Q: Split: never gamma"]
+    assert m1["rethink_decompose_solved"] == 1.0 and m1["rethink_buffer_size"] == 1.0
+    assert p2 == ["Q: Split: Example problem:\nmedium alpha\nExample solution:\ny\n\nnever Alpha beta",
+                  "Q: Split: medium alpha"]
+    assert list(strategy.buffer) == [("2", "medium alpha", "y"), ("2", "medium alpha", "y")] and m2["rethink_buffer_size"] == 2
+    assert p3 == ["Q: Split: never delta", "Q: Split: never beta"] and m3["rethink_buffer_size"] == 2
+
+
+def test_demonstrations_are_ranked_by_bm25_ties_to_the_earlier_entry_and_the_buffer_is_fifo():
+    strategy = demo_strategy(2)
+    strategy.buffer.extend([("a", "x y", "r1"), ("b", "x", "r2"), ("c", "z", "r3"), ("d", "x y", "r4")])
+    shown = strategy.demonstrations(Problem("q", "y x", "1"))
+    # "x y" twice (tie: the earlier, r1, first), then "x"; "z" matches nothing
+    assert shown == "".join(f"Example problem:\n{p}\nExample solution:\n{r}\n\n" for p, r in [("x y", "r1"), ("x y", "r4")])
+    strategy.buffer.extend([("e", "w", "r")] * 7)  # capacity 8: the oldest three leave
+    assert [uid for uid, _, _ in strategy.buffer] == ["d"] + ["e"] * 7
+
+
+def test_k_zero_leaves_the_prompts_and_the_rollout_unchanged_bit_for_bit():
+    """demonstrations = 0 with the {demonstrations} field gives exactly the run of the template without it
+    (the field empty, no buffer, no state, no new metric)."""
+    plain = demo_strategy(0, template="Split: {problem}")
+    with_field = demo_strategy(0)
+    assert run_steps(with_field, STEPS) == run_steps(plain, STEPS)
+    assert with_field.setup.sampler.engine.prompts == plain.setup.sampler.engine.prompts
+    assert not with_field.buffer and with_field.state_dict() is None
+
+
+def test_a_resumed_run_shows_the_same_demonstrations_as_an_uninterrupted_one():
+    whole = run_steps(demo_strategy(2), STEPS)
+    first = demo_strategy(2)
+    run_steps(first, STEPS[:1])
+    saved = io.BytesIO()
+    torch.save(first.state_dict(), saved)
+    saved.seek(0)
+    resumed = demo_strategy(2)
+    resumed.load_state_dict(torch.load(saved, weights_only=True))  # as rlbench.training.checkpoint loads it
+    assert run_steps(resumed, STEPS[1:]) == whole[1:]
 
 
 @pytest.mark.slow

@@ -21,20 +21,36 @@ labelled off-policy: ``behaviour="rethink"``, ``off_policy`` 1 on every token an
 pi_old(y | stage prompt), never a silent 1 (rlbench.training.step.behaviour_old_logp); the group then
 has a correct response and a non-zero group-relative advantage.
 
-No state between steps. Configuration (conf/rollout/rethink.yaml):
+Demonstrations (``demonstrations`` = k > 0; the paper's OpenReview reviewers describe the decompose stage's
+demonstrations as retrieved by BM25 from a dynamically updated buffer of past successful decompositions):
+the strategy keeps a FIFO buffer of ``buffer_size`` past decompose-stage successes (the problem's text and
+the first correct decompose response of each solved problem, added after the step's stages ran), and the
+decompose prompt of a problem shows, in its ``{demonstrations}`` field, the k buffered problems most similar
+to it by Okapi BM25 (:func:`bm25_scores`; documents sharing no word with it, and its own past entries, are
+never shown; ties go to the earlier entry), each as ``DEMONSTRATION``. k = 0 keeps no buffer and the field
+is empty: the prompts are the plain ones. The buffer is the strategy's state (``state_dict``), so a resumed
+run continues exactly. k, the capacity, the demonstration format and BM25's k1 = 1.5, b = 0.75 are
+rlbench's choices (the paper's are not read).
+
+Configuration (conf/rollout/rethink.yaml):
 
     strategy: rethink
     rethink:
       samples: 4               # responses per stage for each unsolved problem
       shown_attempts: 2        # wrong direct responses shown in the refine prompt
-      decompose_template: "..." # must contain {problem}
+      decompose_template: "..." # must contain {problem}; {demonstrations} (needed when demonstrations > 0)
+      demonstrations: 2         # k past successful decompositions shown (BM25 top-k); 0: none, no buffer
+      buffer_size: 512          # the buffer's capacity (FIFO)
       refine_template: "..."    # must contain {problem} and {attempts}
       successes: sft            # sft: trained by the loss's SFT term (ppo_clip_sft) | off_policy: into the group
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import math
+import re
 from typing import Any, Callable
 
 from rlbench.config.schema import RolloutConfig
@@ -51,8 +67,10 @@ from rlbench.rollout.strategy import (
 
 DECOMPOSE_TEMPLATE = (
     "Break the following problem into smaller subproblems, solve them one by one, then give the final answer.\n\n"
-    "{problem}"
+    "{demonstrations}{problem}"
 )
+DEMONSTRATION = "Example problem:\n{problem}\nExample solution:\n{response}\n\n"  # one shown decomposition
+FIELDS = re.compile(r"\{(problem|attempts|demonstrations)\}")
 SUCCESS_TRAINING = ("sft", "off_policy")
 SFT_TARGET = "sft_target"  # the step input marking SFT tokens (rlbench/algorithm/step_inputs.py)
 REFINE_TEMPLATE = "{problem}\n\nThese attempts are wrong:\n{attempts}\n\nFind the mistakes and solve the problem correctly."
@@ -67,6 +85,8 @@ class RethinkOptions:
     decompose_template: str = DECOMPOSE_TEMPLATE
     refine_template: str = REFINE_TEMPLATE
     successes: str = "sft"
+    demonstrations: int = 0
+    buffer_size: int = 512
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig) -> "RethinkOptions":
@@ -76,6 +96,12 @@ class RethinkOptions:
                               f"{options.shown_attempts}")
         if "{problem}" not in options.decompose_template:
             raise ConfigError("rollout.rethink.decompose_template must contain {problem}")
+        if options.demonstrations < 0 or options.buffer_size < 1:
+            raise ConfigError(f"rollout.rethink.demonstrations must be >= 0 and .buffer_size >= 1, got "
+                              f"{options.demonstrations}, {options.buffer_size}")
+        if options.demonstrations and "{demonstrations}" not in options.decompose_template:
+            raise ConfigError("rollout.rethink.demonstrations > 0 shows them in the decompose prompt: its "
+                              "decompose_template must contain {demonstrations}")
         if "{problem}" not in options.refine_template or "{attempts}" not in options.refine_template:
             raise ConfigError("rollout.rethink.refine_template must contain {problem} and {attempts}")
         if options.successes not in SUCCESS_TRAINING:
@@ -94,9 +120,56 @@ def check_success_training(rollout: RolloutConfig, loss: str, loss_inputs: set[s
                           "or rollout.rethink.successes=off_policy")
 
 
-def stage_problem(problem: Problem, template: str, attempts: str = "") -> Problem:
-    """The problem rewritten by a stage's template (plain substitution: the texts may hold braces)."""
-    return dataclasses.replace(problem, prompt=template.replace("{problem}", problem.prompt).replace("{attempts}", attempts))
+def stage_problem(problem: Problem, template: str, attempts: str = "", demonstrations: str = "") -> Problem:
+    """The problem rewritten by a stage's template (one pass of plain substitution: the texts may hold
+    braces, even a field's name)."""
+    values = {"problem": problem.prompt, "attempts": attempts, "demonstrations": demonstrations}
+    return dataclasses.replace(problem, prompt=FIELDS.sub(lambda m: values[m.group(1)], template))
+
+
+def demonstration(problem: str, response: str) -> str:
+    """One past decomposition as ``DEMONSTRATION`` shows it (one pass: the texts may hold braces)."""
+    values = {"problem": problem, "response": response}
+    return re.sub(r"\{(problem|response)\}", lambda m: values[m.group(1)], DEMONSTRATION)
+
+
+def words(text: str) -> list[str]:
+    """BM25's tokens: the lower-cased text split into words (runs of letters, digits and _)."""
+    return re.findall(r"\w+", text.lower())
+
+
+def bm25_scores(query: str, documents: list[str], k1: float = 1.5, b: float = 0.75) -> list[float]:
+    """Okapi BM25 (Robertson and Zaragoza 2009, "The Probabilistic Relevance Framework: BM25 and Beyond",
+    eq. 3.15) of each document for the query, over :func:`words`:
+
+        score(D, Q) = sum over the query's words q (each occurrence) of
+                      idf(q) * f(q, D) (k1 + 1) / (f(q, D) + k1 (1 - b + b |D| / avgdl))
+        idf(q) = ln((N - n(q) + 0.5) / (n(q) + 0.5) + 1)
+
+    f(q, D): q's count in D; |D|: D's word count; avgdl: the mean over the N documents; n(q): the documents
+    holding q. This idf (+1 inside the log, as Lucene's) is positive, so a document scores > 0 exactly when it
+    shares a word with the query."""
+    docs = [words(d) for d in documents]
+    if not docs:
+        return []
+    avgdl = sum(len(d) for d in docs) / len(docs) or 1.0
+    counts = [collections.Counter(d) for d in docs]
+    holding = collections.Counter(w for c in counts for w in c)
+    scores = []
+    for doc, count in zip(docs, counts):
+        norm = k1 * (1 - b + b * len(doc) / avgdl)
+        scores.append(sum(
+            math.log((len(docs) - holding[q] + 0.5) / (holding[q] + 0.5) + 1) * count[q] * (k1 + 1) / (count[q] + norm)
+            for q in words(query) if count[q]
+        ))
+    return scores
+
+
+def top_k(scores: list[float], k: int) -> list[int]:
+    """The indices of the k highest positive scores, best first; a tie goes to the lower index (the earlier
+    entry)."""
+    ranked = sorted((i for i, s in enumerate(scores) if s > 0), key=lambda i: (-scores[i], i))
+    return ranked[:k]
 
 
 def as_direct_response(success: Completion, direct_prompt: tuple[int, ...], index: int) -> Completion:
@@ -127,6 +200,24 @@ class RethinkRollout(RolloutStrategy):
 
     def __init__(self, setup: RolloutSetup, options: RethinkOptions):
         self.setup, self.options = setup, options
+        # past decompose successes, oldest first: (problem uid, problem text, response text)
+        self.buffer: collections.deque[tuple[str, str, str]] = collections.deque(maxlen=options.buffer_size)
+
+    def demonstrations(self, problem: Problem) -> str:
+        """The ``{demonstrations}`` text of ``problem``'s decompose prompt: its BM25 top-k of the buffer
+        (other problems only), each as ``DEMONSTRATION``; "" when k = 0 or nothing matches."""
+        if not self.options.demonstrations:
+            return ""
+        others = [entry for entry in self.buffer if entry[0] != problem.uid]
+        chosen = top_k(bm25_scores(problem.prompt, [text for _, text, _ in others]), self.options.demonstrations)
+        return "".join(demonstration(others[i][1], others[i][2]) for i in chosen)
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return {"buffer": [list(entry) for entry in self.buffer]} if self.options.demonstrations else None
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        self.buffer.clear()
+        self.buffer.extend(tuple(entry) for entry in (state or {}).get("buffer", []))
 
     @classmethod
     def config_options(cls, rollout: RolloutConfig) -> dict[str, Any]:
@@ -153,7 +244,11 @@ class RethinkRollout(RolloutStrategy):
         direct = setup.sample(problems)
         correct = direct.correct.view(len(problems), -1)
         zero = [i for i in range(len(problems)) if not bool(correct[i].any())]
-        decomposed = self._stage_successes([stage_problem(problems[i], options.decompose_template) for i in zero], zero)
+        decomposed = self._stage_successes(
+            [stage_problem(problems[i], options.decompose_template, demonstrations=self.demonstrations(problems[i]))
+             for i in zero], zero)
+        if options.demonstrations:  # after the step's prompts are built: a step retrieves only earlier steps' successes
+            self.buffer.extend((problems[i].uid, problems[i].prompt, found[0].text) for i, found in sorted(decomposed.items()))
         unsolved = [i for i in zero if i not in decomposed]
         refine = [
             stage_problem(problems[i], options.refine_template,
@@ -177,9 +272,12 @@ class RethinkRollout(RolloutStrategy):
             for i, found in successes:
                 groups[i][-1] = as_direct_response(found[0], groups[i][0].prompt_ids, i)
             graded = sampler.grade(problems, groups, setup.params.max_new_tokens)
-        return graded, {
+        metrics = {
             "rethink_successes": float(sum(len(found) for _, found in successes)),
             "rethink_zero_accuracy_prompts": float(len(zero)),
             "rethink_decompose_solved": float(len(decomposed)),
             "rethink_refine_solved": float(len(refined)),
         }
+        if options.demonstrations:
+            metrics["rethink_buffer_size"] = float(len(self.buffer))
+        return graded, metrics
