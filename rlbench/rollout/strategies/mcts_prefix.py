@@ -14,12 +14,12 @@ Configuration (``rollout.mcts_prefix``; conf/rollout/mcts_prefix.yaml):
       segment_tokens: 4   # tokens per segment (a partial solution grows one segment per level)
       root_branching: 2
       branching: 2
-      rounds: 0           # MCTS selection rounds after the segment tree, online or offline (0: none, the tree as grown)
+      rounds: 2           # MCTS selection rounds after the segment tree, offline or online (0: none, the tree as grown)
       exploration: 1.414  # UCT's constant c (default sqrt(2))
     stage_depths: [2, 1, 0]  # one entry per stage: a depth (segments revealed; 0: the prompt alone) or a list
                              # of depths mixed within the step (rollout.n / its length completions each)
     steps_per_stage: 10      # training steps per stage; the last stage lasts to the end of the run
-    teacher_tree: ""         # "": online; a file: the offline teacher tree (below)
+    teacher_tree: ${output_dir}/teacher_tree.json  # the offline teacher tree (below); "": online
     teacher_prompts: 0       # with teacher_tree: the first K training prompts are the tree's and the run's (0: all)
     value_heuristic: expectation  # V(p) of each response's prefix (prefix_value, read by sae baseline=tree_value)
 
@@ -110,7 +110,7 @@ UCT_KEYS = ("rounds", "exploration")  # keys of the search block read here, not 
 class UCTOptions:
     """The MCTS keys of ``rollout.mcts_prefix.search``."""
 
-    rounds: int = 0  # selection rounds per prompt after the segment tree (online or the teacher's); 0: none
+    rounds: int = 2  # selection rounds per prompt after the segment tree (the teacher's or online); 0: none
     exploration: float = math.sqrt(2)  # UCT's c
 
 
@@ -252,7 +252,8 @@ class MCTSPrefixOptions:
     search: dict = dataclasses.field(default_factory=dict)  # the search tree: a tree block (TreeOptions)
     stage_depths: tuple[int | tuple[int, ...], ...] = (2, 1, 0)  # per stage: a depth, or depths mixed in a step
     steps_per_stage: int = 10  # training steps per stage; the last stage runs to the end
-    teacher_tree: str = ""  # "": the policy grows a tree online each step; a file: the offline teacher tree
+    teacher_tree: str = ""  # "": the policy grows a tree online each step; a file: the offline teacher tree (the
+    # preset's default: ${output_dir}/teacher_tree.json, which a run folder gives)
     teacher_prompts: int = 0  # with teacher_tree: the first K training prompts are the teacher's and the run's (0: all)
     value_heuristic: str = "expectation"  # V(p) of prefix_value: expectation | optimistic | pessimistic
 
