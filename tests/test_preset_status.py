@@ -114,9 +114,9 @@ def test_every_paper_preset_states_its_fidelity():
 
 def test_every_method_preset_block_is_partial_and_names_its_method():
     """Beside the paper presets, a block sits only where the method is partial, and names the method (the
-    rollout mcts_prefix composes the strategy of MCTS-staged GRPO, the prompt sampler clpo is CLPO)."""
+    rollout rethink composes the strategy of Cog-Rethinker, the prompt sampler clpo is CLPO)."""
     blocks = method_presets()
-    assert {("rollout", "mcts_prefix"), ("prompt_sampler", "clpo"),
+    assert {("rollout", "rethink"), ("prompt_sampler", "clpo"),
             ("algorithm", "intellect2")} <= set(blocks)
     for (group, name), block in blocks.items():
         assert block["status"] == "partial" and fidelity_problem(as_block(block)) is None, (group, name)
@@ -216,8 +216,8 @@ def test_a_faithful_paper_and_a_plain_run_say_nothing(tmp_path, caplog):
 
 
 def test_a_user_composition_names_each_partial_preset_and_its_method(tmp_path, caplog):
-    lines = _lines(["algorithm=dapo", "rollout=mcts_prefix", "prompt_sampler=clpo"], tmp_path, caplog)
-    assert [line.split(" is partial: ")[0] for line in lines] == ["rollout=mcts_prefix (MCTS-staged GRPO)", "prompt_sampler=clpo (CLPO)"]
+    lines = _lines(["algorithm=dapo", "rollout=rethink", "prompt_sampler=clpo"], tmp_path, caplog)
+    assert [line.split(" is partial: ")[0] for line in lines] == ["rollout=rethink (Cog-Rethinker)", "prompt_sampler=clpo (CLPO)"]
     assert lines[1].endswith(preset_file("prompt_sampler", "clpo")["fidelity"]["missing"])
 
 
