@@ -5,6 +5,7 @@ the refusals before loading, and a CLI run of each."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -151,7 +152,8 @@ def test_vine_options_refused():
 
 
 def _mcts_cfg(n=4, max_new_tokens=8, **options):
-    block = {"search": {"segment_tokens": 2, "root_branching": 2, "branching": 2}, "stage_depths": [2, 1, 0], "steps_per_stage": 1, **options}
+    block = {"search": {"segment_tokens": 2, "root_branching": 2, "branching": 2, "rounds": 0}, "stage_depths": [2, 1, 0],
+             "steps_per_stage": 1, **options}  # the online search of one expansion pass
     return rollout_config({"strategy": "mcts_prefix", "n": n, "max_new_tokens": max_new_tokens, "mcts_prefix": block})
 
 
@@ -359,9 +361,24 @@ def test_cli_vine_run_logs_its_values(tmp_path):
 
 @pytest.mark.slow
 def test_cli_mcts_prefix_run_goes_through_its_stages(tmp_path):
+    """The online search (teacher_tree ''), with the preset's UCT rounds."""
+    steps = smoke_cli_steps(
+        tmp_path / "run", "rollout=mcts_prefix", "rollout.mcts_prefix.search.segment_tokens=2",
+        "rollout.mcts_prefix.stage_depths=[1,0]", "rollout.mcts_prefix.steps_per_stage=1", "rollout.mcts_prefix.teacher_tree=''",
+    )
+    assert [step["mcts_prefix_depth"] for step in steps] == [1, 0]
+    assert steps[0]["mcts_prefix_tokens_mean"] == 2 and steps[0]["reused_tokens"] > 0
+    assert "mcts_teacher_tree_prompts" not in steps[0] and not (tmp_path / "run" / "teacher_tree.json").exists()
+
+
+@pytest.mark.slow
+def test_cli_mcts_prefix_default_is_the_teacher_tree(tmp_path):
+    """The preset's default: the offline teacher tree in the run folder, grown at the first step with 2 UCT rounds."""
     steps = smoke_cli_steps(
         tmp_path / "run", "rollout=mcts_prefix", "rollout.mcts_prefix.search.segment_tokens=2",
         "rollout.mcts_prefix.stage_depths=[1,0]", "rollout.mcts_prefix.steps_per_stage=1",
     )
-    assert [step["mcts_prefix_depth"] for step in steps] == [1, 0]
-    assert steps[0]["mcts_prefix_tokens_mean"] == 2 and steps[0]["reused_tokens"] > 0
+    assert steps[0]["mcts_teacher_tree_prompts"] > 0 and "mcts_teacher_tree_prompts" not in steps[1]
+    tree = json.loads((tmp_path / "run" / "teacher_tree.json").read_text())
+    for record in tree["prompts"].values():  # the smoke's 2 leaves, then 2 rounds: 2 new rollouts or a reselection each
+        assert record["nodes"][0]["N"] == len(record["leaves"]) + (2 - (len(record["leaves"]) - 2) // 2) >= 2 + 2

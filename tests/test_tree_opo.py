@@ -24,7 +24,7 @@ from rlbench.reward.toy import EvenTokenReward
 from rlbench.rollout import GroupSampler, HFGenerateEngine, RolloutSetup, SamplingParams, make_strategy, validate_strategy
 from rlbench.rollout.engines.base import Completion
 from rlbench.rollout.strategies.mcts_prefix import (
-    TREE_FORMAT, backup, mcts_rounds, prefix_value, read_tree, search_nodes, uct_score, uct_select, write_tree,
+    TREE_FORMAT, backup, mcts_rounds, prefix_value, read_tree, revealed_length, search_nodes, uct_score, uct_select, write_tree,
 )
 from rlbench.rollout.strategies.tree import TreeSampling
 from rlbench.training.batch import collate
@@ -196,7 +196,7 @@ def tiny():
 
 
 def _cfg(tree, stage_depths=((2, 0),), search=None, **options):
-    block = {"search": {"segment_tokens": 2, "root_branching": 2, "branching": 2, **(search or {})}, "stage_depths": [list(s) for s in stage_depths],
+    block = {"search": {"segment_tokens": 2, "root_branching": 2, "branching": 2, "rounds": 0, **(search or {})}, "stage_depths": [list(s) for s in stage_depths],
              "steps_per_stage": 1, "teacher_tree": str(tree), **options}
     return rollout_config({"strategy": "mcts_prefix", "n": 4, "max_new_tokens": 8, "mcts_prefix": block})
 
@@ -355,7 +355,8 @@ class ScriptedSampler:
 
     def grade(self, problems, groups, max_length):
         rewards = torch.tensor([self.REWARD.get(tuple(c.response_ids), 0.0) for group in groups for c in group])
-        return type("Graded", (), {"rewards": rewards})()
+        group_index = torch.tensor([g for g, group in enumerate(groups) for _ in group])
+        return type("Graded", (), {"rewards": rewards, "group_index": group_index})()
 
 
 def _scripted_record():
@@ -411,8 +412,8 @@ def test_a_selected_terminal_node_backs_up_its_reward_without_sampling():
 
 
 def test_rounds_0_is_the_segment_tree_exactly(tiny, tmp_path):
-    """The default (no rounds) and rounds=0 write the leaves of today's construction: the segment tree, graded."""
-    trees = [_strategy(tiny, _cfg(tmp_path / "t.json", search=search)).grow_teacher_tree(PROBLEMS) for search in (None, {"rounds": 0})]
+    """rounds=0 writes the leaves of the segment tree, graded (and does not depend on the exploration constant)."""
+    trees = [_strategy(tiny, _cfg(tmp_path / "t.json", search=search)).grow_teacher_tree(PROBLEMS) for search in ({"exploration": 0.5}, {"rounds": 0})]
     reference = _strategy(tiny, _cfg(tmp_path / "r.json"))
     sampler = reference.setup.sampler
     leaves, _ = TreeSampling(reference.setup, reference.search).grow(sampler.encode(PROBLEMS))
@@ -444,9 +445,56 @@ def test_rounds_grow_the_teacher_tree_and_the_file_keeps_n_and_w(tiny, tmp_path)
     assert read_tree(tmp_path / "copy.json", again["tokenizer"], 2) == again
 
 
+def test_online_rounds_are_the_teacher_trees_rounds_by_hand(monkeypatch):
+    """The online search (teacher_tree "") runs search.rounds UCT rounds on the segment tree it grew, as the teacher's
+    tree does: the scripted tree's 3 rounds give the hand counts of test_rounds_expand_the_uct_child_by_hand."""
+    record = _scripted_record()
+    leaves = [[Completion(0, (0,), leaf["response_ids"], [0.0] * 4, False) for leaf in record["leaves"]]]
+    monkeypatch.setattr(TreeSampling, "grow", lambda self, prompt_ids: (leaves, {}))
+    cfg = rollout_config({"strategy": "mcts_prefix", "n": 4, "max_new_tokens": 4, "mcts_prefix": {
+        "search": {"segment_tokens": 1, "root_branching": 2, "branching": 2, "rounds": 3}, "stage_depths": [1], "teacher_tree": ""}})
+    sampler = ScriptedSampler()
+    strategy = make_strategy(cfg, RolloutSetup(sampler, 4, SamplingParams(temperature=1.0, max_new_tokens=4), None))
+    (online,), _, _ = strategy.search_records([PROBLEMS[0]], [(0,)])
+    mcts_rounds(type("Setup", (), {"sampler": ScriptedSampler(), "params": strategy.setup.params, "generator": None})(),
+                [PROBLEMS[0]], [record], 3, math.sqrt(2), segment_tokens=1, branching=2)
+    assert online == record and len(online["nodes"]) == 7 + 3 * 2  # 3 expansions of branching 2
+    assert [(n["N"], n["W"]) for n in online["nodes"][:7]] == [(10, 2.0), (6, 1.0), (3, 1.0), (3, 0.0), (4, 1.0), (3, 1.0), (1, 0.0)]
+    assert [call[0] for call in sampler.calls if call[1] == 2] == [(1, 1), (2, 1), (1, 2)]
+
+
+def test_online_rounds_on_the_tiny_model(tiny, grown):
+    """rounds=2 online: each step's search adds the rounds' rollouts to the segment tree's 4 leaves, one visit of the
+    root per evaluation (a reselected terminal node: one), and a step draws its prefix from a best leaf of them all."""
+    strategy = _strategy(tiny, _cfg("", stage_depths=((2,),), search={"rounds": 2, "exploration": 1.0}))
+    records = []
+    original = strategy.search_records
+    strategy.search_records = lambda *args: _keep(records, original(*args))
+    graded, metrics = strategy.rollout(PROBLEMS[:2])
+    assert grown == [2] and len(records) == 1 and strategy.tree is None  # online: one search per step, no file
+    for record, group in zip(records[0], graded.groups):
+        nodes, leaves = record["nodes"], record["leaves"]
+        expansions = (len(leaves) - 4) // 2
+        first = search_nodes([leaf["response_ids"] for leaf in leaves[:4]], [leaf["reward"] for leaf in leaves[:4]], 2)
+        assert len(nodes) == len(first) + 2 * expansions and len(leaves) == 4 + 2 * expansions
+        assert nodes[0]["N"] == 4 + 2 * expansions + (2 - expansions)
+        for k, node in enumerate(nodes):  # N: the node's own evaluations plus its children's visits
+            assert node["N"] >= sum(n["N"] for n in nodes if n["parent"] == k)
+        best = max(leaf["reward"] for leaf in leaves)
+        solution = next(leaf for leaf in leaves if leaf["reward"] == best)["response_ids"]
+        shown = revealed_length(len(solution), 2, 2)
+        assert all(c.response_ids[:shown] == solution[:shown] for c in group)
+    strategy.rollout(PROBLEMS[:2])
+    assert grown == [2, 2]  # the online search runs again each step
+
+
+def _keep(records, result):
+    records.append(result[0])
+    return result
+
+
 def test_rounds_options_refused(tmp_path):
-    with pytest.raises(ConfigError, match="offline teacher tree only"):
-        validate_strategy(_cfg("", search={"rounds": 2}), "sae")
+    validate_strategy(_cfg("", search={"rounds": 2}), "sae")  # the online search runs rounds too
     with pytest.raises(ConfigError, match="rounds=-1"):
         validate_strategy(_cfg(tmp_path / "t.json", search={"rounds": -1}), "sae")
     with pytest.raises(ConfigError, match="no key"):

@@ -251,7 +251,8 @@ def unknown_override_message(cfg: DictConfig, key_path: str, override: str) -> s
             where = parent or "the top level of the config"
             return (f"unknown key '{_join(parent, part)}': {where} has no '{part}'; {hint}valid keys: "
                     f"{', '.join(valid)} (set by the command-line override '{override}')")
-        if OmegaConf.is_missing(node, part):
-            return None  # model=checkpoint's path: ??? until the override sets it
+        if OmegaConf.is_missing(node, part) or depth == len(parts) - 1:
+            return None  # model=checkpoint's path: ??? until the override sets it; a known leaf, not resolved
+            # (its value may interpolate ${hydra:...}, unset outside a run: rollout.mcts_prefix.teacher_tree)
         node = node[part]
     return None

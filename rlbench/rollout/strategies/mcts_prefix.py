@@ -14,12 +14,12 @@ Configuration (``rollout.mcts_prefix``; conf/rollout/mcts_prefix.yaml):
       segment_tokens: 4   # tokens per segment (a partial solution grows one segment per level)
       root_branching: 2
       branching: 2
-      rounds: 0           # offline only: MCTS selection rounds after the segment tree (0: none, the tree as grown)
+      rounds: 2           # MCTS selection rounds after the segment tree, offline or online (0: none, the tree as grown)
       exploration: 1.414  # UCT's constant c (default sqrt(2))
     stage_depths: [2, 1, 0]  # one entry per stage: a depth (segments revealed; 0: the prompt alone) or a list
                              # of depths mixed within the step (rollout.n / its length completions each)
     steps_per_stage: 10      # training steps per stage; the last stage lasts to the end of the run
-    teacher_tree: ""         # "": online; a file: the offline teacher tree (below)
+    teacher_tree: ${output_dir}/teacher_tree.json  # the offline teacher tree (below); "": online
     teacher_prompts: 0       # with teacher_tree: the first K training prompts are the tree's and the run's (0: all)
     value_heuristic: expectation  # V(p) of each response's prefix (prefix_value, read by sae baseline=tree_value)
 
@@ -29,7 +29,9 @@ search's), from the rewards of the tree's leaves that extend p (:func:`prefix_va
 Online (``teacher_tree: ""``), at a step whose deepest depth is d > 0: the search tree
 (rlbench.rollout.strategies.tree.TreeSampling.grow, its engine calls through the run's GroupSampler, so shared
 prefixes count as reused tokens) gives ``rollout.n`` leaves per prompt, graded and reward-shaped; the best
-leaf (highest reward, the first among ties) is the search's solution. Its leaves are not trained.
+leaf (highest reward, the first among ties) is the search's solution. With ``search.rounds`` > 0 the step's tree
+then runs the MCTS rounds below (the teacher's code path), and the solution is a best leaf of all its rollouts.
+Its leaves are not trained.
 
 Offline (``teacher_tree: <file>``): the tree is the teacher's, grown once before training and never again.
 A file that exists is read (its tokenizer fingerprint and segment length must be the run's); otherwise, at
@@ -39,7 +41,7 @@ token paths and rewards, and its search nodes with their visits N and summed val
 A different teacher writes the file from its own run with the same tokenizer (``trainer.steps=1``).
 Each step draws, per prompt, one of the tree's best leaves (highest reward, uniformly among ties).
 
-MCTS selection rounds (offline, ``search.rounds: R`` > 0; :func:`mcts_rounds`). The segment tree's leaves are
+MCTS selection rounds (online or offline, ``search.rounds: R`` > 0; :func:`mcts_rounds`). The segment tree's leaves are
 read as a search tree of partial solutions cut at segment boundaries (:func:`search_nodes`: the prompt, every
 prefix of whole segments that two leaves share, and each leaf's first segment past its last shared prefix,
 which the rest of the leaf evaluated as a rollout; a leaf that ends inside a segment ends a terminal node),
@@ -61,8 +63,8 @@ GRPO baseline) and ``sae`` keys its baselines by (prompt, prefix). The metric ``
 mean outcome of responses to the prompt alone (the online search's leaves, else the depth-0 completions;
 all completions when the step has no depth 0), which a revealed prefix does not inflate.
 
-Simplifications against the paper (docs/rollout-trees.md): the search is one expansion pass with leaf
-rewards as the evaluation (UCT selection rounds only for the offline teacher tree, ``search.rounds``); the teacher is the run's initial policy unless a file of
+Simplifications against the paper (docs/rollout-trees.md): the search starts from a segment tree and evaluates
+a node by one graded rollout (no value model); the teacher is the run's initial policy unless a file of
 another model's run is given; a step's prefixes of a prompt come from one solution path.
 """
 
@@ -108,7 +110,7 @@ UCT_KEYS = ("rounds", "exploration")  # keys of the search block read here, not 
 class UCTOptions:
     """The MCTS keys of ``rollout.mcts_prefix.search``."""
 
-    rounds: int = 0  # selection rounds per prompt after the segment tree (offline teacher tree only); 0: none
+    rounds: int = 2  # selection rounds per prompt after the segment tree (the teacher's or online); 0: none
     exploration: float = math.sqrt(2)  # UCT's c
 
 
@@ -250,7 +252,8 @@ class MCTSPrefixOptions:
     search: dict = dataclasses.field(default_factory=dict)  # the search tree: a tree block (TreeOptions)
     stage_depths: tuple[int | tuple[int, ...], ...] = (2, 1, 0)  # per stage: a depth, or depths mixed in a step
     steps_per_stage: int = 10  # training steps per stage; the last stage runs to the end
-    teacher_tree: str = ""  # "": the policy grows a tree online each step; a file: the offline teacher tree
+    teacher_tree: str = ""  # "": the policy grows a tree online each step; a file: the offline teacher tree (the
+    # preset's default: ${output_dir}/teacher_tree.json, which a run folder gives)
     teacher_prompts: int = 0  # with teacher_tree: the first K training prompts are the teacher's and the run's (0: all)
     value_heuristic: str = "expectation"  # V(p) of prefix_value: expectation | optimistic | pessimistic
 
@@ -322,11 +325,6 @@ class MCTSPrefix(RolloutStrategy):
             raise ConfigError(
                 f"rollout.mcts_prefix.search.rounds={uct.rounds} and .exploration={uct.exploration} must be >= 0"
             )
-        if uct.rounds and not options.teacher_tree:
-            raise ConfigError(
-                f"rollout.mcts_prefix.search.rounds={uct.rounds}: MCTS selection rounds grow the offline teacher tree "
-                "only; set rollout.mcts_prefix.teacher_tree=<file>, or rounds=0 for the online search"
-            )
         stages = [(entry,) if isinstance(entry, int) else tuple(entry) for entry in options.stage_depths]
         steps, n = options.steps_per_stage, int(rollout.n)
         if not stages or any(not mix or min(mix) < 0 or len(set(mix)) < len(mix) for mix in stages):
@@ -378,25 +376,32 @@ class MCTSPrefix(RolloutStrategy):
         self.step = int(state["step"])
         self.tree = state.get("tree", self.tree)
 
+    def search_records(self, problems: list[Problem], prompt_ids: list[tuple[int, ...]]) -> tuple[list[dict[str, Any]], Any, dict]:
+        """The search of ``problems`` by the policy as it is now: the segment tree's leaves graded, read as search
+        nodes (:func:`search_nodes`), then ``search.rounds`` MCTS rounds (:func:`mcts_rounds`). Per prompt its record
+        (``prompt_ids``, ``leaves``, ``nodes``), the segment tree's grading and the tree's metrics."""
+        sampler = self.setup.sampler
+        leaves, tree_metrics = TreeSampling(self.setup, self.search).grow(prompt_ids)
+        graded = sampler.grade(problems, leaves, self.setup.params.max_new_tokens)
+        records = []
+        for p, group in enumerate(leaves):
+            rewards = graded.rewards[graded.group_index == p].tolist()
+            records.append({
+                "prompt_ids": list(prompt_ids[p]),
+                "leaves": [{"response_ids": list(leaf.response_ids), "reward": float(r)} for leaf, r in zip(group, rewards)],
+                "nodes": search_nodes([list(leaf.response_ids) for leaf in group], rewards, self.search.segment_tokens),
+            })
+        if self.uct.rounds:
+            mcts_rounds(self.setup, problems, records, self.uct.rounds, self.uct.exploration, self.search.segment_tokens, self.search.branching)
+        return records, graded, tree_metrics
+
     def grow_teacher_tree(self, problems: list[Problem]) -> dict[str, Any]:
-        """The search tree of every prompt of ``problems``, grown by the policy as it is now (the teacher)."""
+        """The search tree of every prompt of ``problems`` (:meth:`search_records`), grown by the policy as it is now (the teacher)."""
         sampler, prompts = self.setup.sampler, {}
         for start in range(0, len(problems), TREE_CHUNK):
             chunk = problems[start : start + TREE_CHUNK]
-            prompt_ids = sampler.encode(chunk)
-            leaves, _ = TreeSampling(self.setup, self.search).grow(prompt_ids)
-            graded = sampler.grade(chunk, leaves, self.setup.params.max_new_tokens)
-            records = []
-            for p, (problem, group) in enumerate(zip(chunk, leaves)):
-                rewards = graded.rewards[graded.group_index == p].tolist()
-                prompts[problem.uid] = {
-                    "prompt_ids": list(prompt_ids[p]),
-                    "leaves": [{"response_ids": list(leaf.response_ids), "reward": float(r)} for leaf, r in zip(group, rewards)],
-                    "nodes": search_nodes([list(leaf.response_ids) for leaf in group], rewards, self.search.segment_tokens),
-                }
-                records.append(prompts[problem.uid])
-            if self.uct.rounds:
-                mcts_rounds(self.setup, chunk, records, self.uct.rounds, self.uct.exploration, self.search.segment_tokens, self.search.branching)
+            records, _, _ = self.search_records(chunk, sampler.encode(chunk))
+            prompts.update({problem.uid: record for problem, record in zip(chunk, records)})
         fingerprint = tokenizer_fingerprint(sampler.tokenizer)
         return {"format": TREE_FORMAT, "tokenizer": fingerprint, "segment_tokens": self.search.segment_tokens, "prompts": prompts}
 
@@ -442,12 +447,11 @@ class MCTSPrefix(RolloutStrategy):
         if self.teacher_tree:
             solutions, trees = self.offline_solutions(problems, prompt_ids, metrics)
         elif max(depths) > 0:
-            leaves, tree_metrics = TreeSampling(setup, self.search).grow(prompt_ids)
-            searched = sampler.grade(problems, leaves, setup.params.max_new_tokens)
-            for p, group in enumerate(leaves):
-                rewards = searched.rewards[searched.group_index == p].tolist()
-                solutions[p] = list(group[rewards.index(max(rewards))].response_ids)
-                trees[p] = [(list(leaf.response_ids), r) for leaf, r in zip(group, rewards)]
+            records, searched, tree_metrics = self.search_records(problems, prompt_ids)
+            for p, record in enumerate(records):
+                rewards = [leaf["reward"] for leaf in record["leaves"]]
+                solutions[p] = list(record["leaves"][rewards.index(max(rewards))]["response_ids"])
+                trees[p] = [(leaf["response_ids"], leaf["reward"]) for leaf in record["leaves"]]
             metrics.update(tree_metrics)
             # the policy's own responses to the prompt alone: what the learning is judged on
             metrics["rollout_outcome_mean"] = float(searched.outcome.mean().item())
