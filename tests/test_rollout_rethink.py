@@ -47,7 +47,8 @@ def test_unsolved_problems_go_through_decompose_then_refine_and_a_success_joins_
     sampler = GroupSampler(Engine(), Grader(), CharTokenizer(), {"user": "Q: {problem}"}, lambda r, _: r)
     setup = RolloutSetup(sampler, 3, SamplingParams(1.0, 1.0, 4), None)
     options = RethinkOptions(samples=2, shown_attempts=2, decompose_template="Split: {problem}",
-                             refine_template="{problem} | {attempts} | wrong?", successes="off_policy")
+                             refine_template="{problem} | {attempts} | wrong?", successes="off_policy",
+                             demonstrations=0)
     problems = [Problem("1", "easy", "y"), Problem("2", "hard", "y"), Problem("3", "never", "y")]
     groups, metrics = RethinkRollout(setup, options).rollout(problems)
     assert metrics == {"rethink_successes": 2.0, "rethink_zero_accuracy_prompts": 2.0, "rethink_decompose_solved": 0.0,
@@ -77,7 +78,7 @@ def test_by_default_a_success_is_an_sft_target_under_the_direct_prompt_in_a_grou
     sampler = GroupSampler(Engine(), Grader(), CharTokenizer(), {"user": "Q: {problem}"}, lambda r, _: r)
     setup = RolloutSetup(sampler, 3, SamplingParams(1.0, 1.0, 4), None)
     options = RethinkOptions(samples=1, shown_attempts=2, decompose_template="Split: {problem}",
-                             refine_template="{problem} | {attempts} | wrong?")
+                             refine_template="{problem} | {attempts} | wrong?", demonstrations=0)
     problems = [Problem("1", "easy", "y"), Problem("2", "hard", "y"), Problem("3", "never", "y")]
     graded, metrics = RethinkRollout(setup, options).rollout(problems)
     assert metrics["rethink_refine_solved"] == 1.0 and metrics["rethink_successes"] == 1.0  # 1 refine sample
@@ -150,7 +151,7 @@ def test_every_success_of_a_problem_is_trained_by_the_sft_term():
     sampler = GroupSampler(TwoOfThreeEngine(), YGrader(), CharTokenizer(), {"user": "Q: {problem}"}, lambda r, _: r)
     setup = RolloutSetup(sampler, 3, SamplingParams(1.0, 1.0, 4), None)
     options = RethinkOptions(samples=3, shown_attempts=2, decompose_template="Split: {problem}",
-                             refine_template="{problem} | {attempts} | wrong?")
+                             refine_template="{problem} | {attempts} | wrong?", demonstrations=0)
     problems = [Problem("1", "easy", "y"), Problem("2", "hard", "y"), Problem("3", "never", "y")]
     graded, metrics = RethinkRollout(setup, options).rollout(problems)
     assert metrics["rethink_refine_solved"] == 1.0 and metrics["rethink_successes"] == 2.0

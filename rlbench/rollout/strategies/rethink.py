@@ -85,7 +85,7 @@ class RethinkOptions:
     decompose_template: str = DECOMPOSE_TEMPLATE
     refine_template: str = REFINE_TEMPLATE
     successes: str = "sft"
-    demonstrations: int = 0
+    demonstrations: int = 2
     buffer_size: int = 512
 
     @classmethod
